@@ -1,0 +1,273 @@
+"""``compactd``: the operator's and the tests' way in.
+
+Exit codes: 0 success (including nothing_to_do), 1 a failed compaction or an operational error
+(a database that cannot be reached), 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
+from storage.messages import FORMATS, ToolLinks, read_jsonl
+from storage.store import Store
+from worker import logs
+from worker.compaction.render import render_surface
+from worker.settings import Config, load_config
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+Handler = Callable[[argparse.Namespace, Config], Coroutine[Any, Any, int]]
+
+
+class UsageError(BadInput):
+    """Bad command-line usage."""
+
+
+# ------------------------------------------------------------------------------------------
+# plumbing
+
+
+@contextlib.asynccontextmanager
+async def open_store(config: Config) -> AsyncIterator[Store]:
+    """A store on the configured database; the embedded SQLite file is migrated on first use
+    (it has no operator to run ``compactd migrate``)."""
+    if config.embedded:
+        from storage.migrate import upgrade_async
+
+        await upgrade_async(config.database_url)
+    store = Store.from_url(config.database_url, pool_size=5)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def emit(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def say(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _preview(content: Any, width: int = 80) -> str:
+    if isinstance(content, list):
+        content = " ".join(str(b.get("text", f"[{b.get('type')}]")) for b in content)
+    text = " ".join(str(content or "").split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# ------------------------------------------------------------------------------------------
+# commands
+
+
+async def cmd_migrate(args: argparse.Namespace, config: Config) -> int:
+    from storage.migrate import upgrade_async
+
+    await upgrade_async(config.database_url)
+    say(f"migrated {_redact(config.database_url)} to head")
+    return EXIT_OK
+
+
+async def cmd_ingest(args: argparse.Namespace, config: Config) -> int:
+    path = Path(args.file)
+    try:
+        raw = await asyncio.to_thread(path.read_bytes)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    pairs = read_jsonl(raw.splitlines(), args.format)
+    if not pairs:
+        raise InvalidMessage(f"{path} holds no messages")
+    lines = [line for line, _ in pairs]
+    messages = [m for _, m in pairs]
+    async with open_store(config) as store:
+        existing = None
+        with contextlib.suppress(CompactdError):
+            existing = await store.get_session(args.session)
+        if existing is None:
+            # A new session has no earlier calls, so the batch alone decides its tool links;
+            # checking before creating the session keeps a rejected file from leaving one behind.
+            try:
+                ToolLinks().check(messages)
+            except InvalidMessage as exc:
+                raise exc.at_line(lines[exc.index or 0]) from None
+        info = await store.create_session(
+            args.session, tenant=args.tenant or (existing.tenant if existing else "default"),
+            run_model=args.run_model if args.run_model is not None else (
+                existing.run_model if existing else None),
+            context_window=args.context_window or config.context_window(args.run_model))
+        try:
+            result = await store.append(info.id, messages)
+        except InvalidMessage as exc:
+            if exc.index is not None:
+                raise exc.at_line(lines[exc.index]) from None
+            raise
+    if args.json:
+        emit({"session": info.id, "appended": len(messages), "first_seq": result.first_seq,
+              "last_seq": result.last_seq, "version": result.version,
+              "tokens": result.session.surface_tokens})
+    else:
+        say(f"ingested {len(messages)} messages into {info.id} (seqs {result.first_seq}-"
+            f"{result.last_seq}); surface: {result.session.surface_messages} messages, "
+            f"{result.session.surface_tokens} tokens")
+    return EXIT_OK
+
+
+async def cmd_surface(args: argparse.Namespace, config: Config) -> int:
+    async with open_store(config) as store:
+        surface = await store.read_surface(args.session)
+    messages = render_surface(surface.nodes, args.render)
+    if args.json:
+        emit({"session": surface.session_id, "version": surface.version,
+              "tokens": surface.tokens, "messages": messages})
+        return EXIT_OK
+    say(f"session {surface.session_id}  version {surface.version}  "
+        f"{len(surface.nodes)} nodes  {surface.tokens} tokens")
+    say(f"{'seq':>6}  {'role':<9} {'tokens':>7}  content")
+    for m in messages:
+        tag = ""
+        meta = m.get("meta") or {}
+        if meta.get("checkpoint"):
+            tag = "[checkpoint] "
+        elif meta.get("pruned"):
+            tag = "[pruned] "
+        calls = m.get("tool_calls")
+        body = _preview(m.get("content"))
+        if calls:
+            body = (body + " " if body else "") + "-> " + ", ".join(
+                c["function"]["name"] for c in calls)
+        say(f"{m['seq']:>6}  {m['role']:<9} {m.get('tokens', 0):>7}  {tag}{body}")
+    say(f"total: {surface.tokens} tokens in {len(surface.nodes)} nodes")
+    return EXIT_OK
+
+
+async def cmd_verify(args: argparse.Namespace, config: Config) -> int:
+    async with open_store(config) as store:
+        ids = await store.all_session_ids() if args.all else [args.session]
+        results = [await store.verify(sid) for sid in ids]
+    bad = [r for r in results if not r.ok]
+    if args.json:
+        emit({"ok": not bad, "sessions": len(results),
+              "problems": {r.session_id: list(r.problems) for r in bad}})
+    else:
+        for r in results:
+            if r.ok:
+                say(f"ok   {r.session_id}: {r.nodes} nodes, {r.tokens} tokens")
+            else:
+                for p in r.problems:
+                    say(f"FAIL {r.session_id}: {p}")
+        say(f"{len(results) - len(bad)}/{len(results)} sessions verified")
+    return EXIT_FAILED if bad else EXIT_OK
+
+
+async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
+    from scheduler.demo import run_demo
+
+    return await run_demo(config, steps=args.steps, as_json=args.json)
+
+
+# ------------------------------------------------------------------------------------------
+# parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compactd", description="Out-of-band context compaction for LLM agent runtimes.")
+    parser.add_argument("--config", help="YAML config file (default: $COMPACTD_CONFIG)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("migrate", help="bring the database schema to the newest version")
+    p.set_defaults(handler=cmd_migrate)
+
+    p = sub.add_parser("ingest", help="append a JSON-lines transcript to a session")
+    p.add_argument("file")
+    p.add_argument("--session", required=True)
+    p.add_argument("--format", choices=FORMATS, default="openai")
+    p.add_argument("--run-model", help="the model the agent talks to (its tokenizer counts)")
+    p.add_argument("--context-window", type=_positive_int,
+                   help="the run model's context window in tokens")
+    p.add_argument("--tenant")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_ingest)
+
+    p = sub.add_parser("surface", help="print what the model sees for a session")
+    p.add_argument("session")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--render", choices=("durable_context", "compacted_summary", "langchain"))
+    p.set_defaults(handler=cmd_surface)
+
+    p = sub.add_parser("verify", help="replay the log and compare with the stored surface")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("session", nargs="?")
+    g.add_argument("--all", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_verify)
+
+    p = sub.add_parser("demo", help="the embedded default, end to end")
+    p.add_argument("--steps", type=_positive_int, default=60)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_demo)
+
+    from scheduler import commands
+
+    commands.register(sub)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
+    return url
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(path=args.config)
+    except CompactdError as exc:
+        sys.stderr.write(f"compactd: {exc}\n")
+        return EXIT_BAD_INPUT
+    logs.configure("text" if config.log_format == "auto" else config.log_format,
+                   "WARNING" if config.log_level == "INFO" else config.log_level)
+    handler: Handler = args.handler
+    try:
+        return asyncio.run(handler(args, config))
+    except SchemaMissing as exc:
+        sys.stderr.write(f"compactd: {exc}\n")
+        return EXIT_BAD_INPUT
+    except BadInput as exc:
+        sys.stderr.write(f"compactd: {exc}\n")
+        return EXIT_BAD_INPUT
+    except CompactdError as exc:
+        sys.stderr.write(f"compactd: {exc}\n")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

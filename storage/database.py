@@ -1,0 +1,187 @@
+"""Engines, transactions and the translation of driver errors.
+
+PostgreSQL is reached through asyncpg; the embedded default is a SQLite file through aiosqlite.
+Every transaction here is short: none is ever held open across a model call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from storage.errors import (
+    CompactdError,
+    DatabaseUnavailable,
+    LockNotAvailable,
+    SchemaMissing,
+    StorageError,
+)
+from storage.schema import dumps
+
+SQLITE_FILENAME = "compactd.sqlite3"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+READ_ONLY_OPTION = "compactd_read_only"
+
+
+def embedded_url(home: str | os.PathLike[str] | None = None) -> str:
+    """The SQLite file used when no database URL is configured."""
+    base = Path(home or os.environ.get("COMPACTD_HOME") or ".").expanduser().resolve()
+    return f"sqlite+aiosqlite:///{base / SQLITE_FILENAME}"
+
+
+def normalize_url(url: str) -> str:
+    """Accept the URLs people write and pick the async driver for them."""
+    for prefix, replacement in (
+        ("postgres://", "postgresql+asyncpg://"),
+        ("postgresql://", "postgresql+asyncpg://"),
+        ("postgresql+psycopg2://", "postgresql+asyncpg://"),
+        ("postgresql+psycopg://", "postgresql+asyncpg://"),
+        ("sqlite://", "sqlite+aiosqlite://"),
+    ):
+        if url.startswith(prefix):
+            return replacement + url[len(prefix):]
+    if url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
+        return url
+    raise CompactdError(
+        f"unsupported database URL {url.split('://')[0]}:// (use postgresql:// or sqlite:///)")
+
+
+def is_sqlite(engine_or_url: AsyncEngine | str) -> bool:
+    url = engine_or_url if isinstance(engine_or_url, str) else str(engine_or_url.url)
+    return url.startswith("sqlite")
+
+
+def create_engine(url: str, *, pool_size: int = 10, echo: bool = False) -> AsyncEngine:
+    """An async engine for ``url``; create one per process and per event loop, never share it."""
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        path = url.split(":///", 1)[1] if ":///" in url else ""
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(
+            url, echo=echo, json_serializer=dumps,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None},
+        )
+        _configure_sqlite(engine)
+        return engine
+    return create_async_engine(
+        # No pool_pre_ping: it costs a round trip on every checkout, which is most of a poll.
+        # A connection that died is invalidated by SQLAlchemy when its error surfaces (as
+        # DatabaseUnavailable) and the caller's retry gets a fresh one.
+        url, echo=echo, json_serializer=dumps, pool_size=pool_size, max_overflow=pool_size,
+        pool_recycle=1800,
+        connect_args={"server_settings": {"application_name": "compactd"}},
+    )
+
+
+def _configure_sqlite(engine: AsyncEngine) -> None:
+    # pysqlite's own transaction handling starts transactions lazily and as DEFERRED, so two
+    # writers can both read and then deadlock on upgrade. Taking over BEGIN makes every
+    # transaction IMMEDIATE: writers queue on the busy timeout instead of failing.
+    sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
+
+    @event.listens_for(sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # Reads take a plain deferred BEGIN so they never queue behind a writer (WAL lets
+        # them read the last committed state).
+        read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+_PG_UNDEFINED_TABLE = "42P01"
+_PG_LOCK_NOT_AVAILABLE = "55P03"
+_PG_UNAVAILABLE_PREFIXES = ("08", "57P")
+
+
+def translate(exc: BaseException) -> CompactdError:
+    """Storage's own exception for a driver error."""
+    orig = getattr(exc, "orig", None) or exc
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    text = str(orig)
+    if code == _PG_UNDEFINED_TABLE or "no such table" in text:
+        return SchemaMissing()
+    if code == _PG_LOCK_NOT_AVAILABLE or "could not obtain lock" in text:
+        return LockNotAvailable()
+    if isinstance(orig, sqlite3.OperationalError) and "locked" in text:
+        return LockNotAvailable(f"the database is locked: {text}")
+    if (code and code.startswith(_PG_UNAVAILABLE_PREFIXES)) or isinstance(
+            orig, ConnectionError | OSError) or "Connection refused" in text:
+        return DatabaseUnavailable(f"the database cannot be reached: {text}")
+    if isinstance(exc, InterfaceError):
+        return DatabaseUnavailable(f"the database connection failed: {text}")
+    return StorageError(f"database error: {type(orig).__name__}: {text}")
+
+
+@contextlib.contextmanager
+def translated() -> Any:
+    """Turn any driver error raised inside into storage's own exception."""
+    try:
+        yield
+    except CompactdError:
+        raise
+    except (DBAPIError, OperationalError, ProgrammingError, sqlite3.Error, OSError) as exc:
+        raise translate(exc) from exc
+    except Exception as exc:
+        # asyncpg raises its own exception classes when it fails below SQLAlchemy's wrapper
+        # (connection setup, protocol errors); they are all driver errors to the caller.
+        module = type(exc).__module__ or ""
+        if module.startswith(("asyncpg", "aiosqlite")):
+            raise translate(exc) from exc
+        raise
+
+
+@contextlib.asynccontextmanager
+async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """One short transaction, with driver errors translated."""
+    with translated():
+        async with engine.begin() as conn:
+            yield conn
+
+
+@contextlib.asynccontextmanager
+async def connection(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A connection for reads of one statement each: no BEGIN/ROLLBACK round trips on
+    PostgreSQL (autocommit), and never queued behind a writer on SQLite."""
+    with translated():
+        async with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                await conn.execution_options(**{READ_ONLY_OPTION: True})
+            else:
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+            yield conn
+
+
+@contextlib.asynccontextmanager
+async def snapshot(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A connection whose statements all see one consistent snapshot (multi-statement reads)."""
+    with translated():
+        async with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                await conn.execution_options(**{READ_ONLY_OPTION: True})
+            else:
+                await conn.execution_options(isolation_level="REPEATABLE READ")
+            async with conn.begin():
+                yield conn
+
+
+async def ping(engine: AsyncEngine) -> None:
+    async with connection(engine) as conn:
+        await conn.execute(sa.text("SELECT 1"))

@@ -1,0 +1,90 @@
+"""The exception tree of compactd.
+
+One root, :class:`CompactdError`. Each subclass's docstring is its default message, so a raise
+site only adds what is specific to it. Storage translates driver errors into these at its boundary:
+nothing outside ``storage/`` catches an SQLAlchemy, asyncpg or sqlite3 exception.
+"""
+
+from __future__ import annotations
+
+
+class CompactdError(Exception):
+    """compactd failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class BadInput(CompactdError):
+    """The input is not valid."""
+
+
+class InvalidMessage(BadInput):
+    """A message is not valid."""
+
+    def __init__(self, reason: str, *, index: int | None = None, field: str | None = None,
+                 line: int | None = None) -> None:
+        self.reason = reason
+        self.index = index
+        self.field = field
+        self.line = line
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.line is not None:
+            where.append(f"line {self.line}")
+        elif self.index is not None:
+            where.append(f"message {self.index}")
+        if self.field:
+            where.append(f"field {self.field!r}")
+        prefix = ", ".join(where)
+        return f"{prefix}: {self.reason}" if prefix else self.reason
+
+    def at_line(self, line: int) -> InvalidMessage:
+        """The same error, located at a line of an input file."""
+        return InvalidMessage(self.reason, index=self.index, field=self.field, line=line)
+
+
+class ConfigError(BadInput):
+    """The configuration is not valid."""
+
+
+class StorageError(CompactdError):
+    """The database failed."""
+
+
+class SchemaMissing(StorageError):
+    """The database has no compactd schema: run `compactd migrate`."""
+
+
+class DatabaseUnavailable(StorageError):
+    """The database cannot be reached."""
+
+
+class SessionNotFound(BadInput):
+    """No such session."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"session {session_id!r} does not exist")
+
+
+class SessionExists(BadInput):
+    """The session already exists with other settings."""
+
+
+class LockNotAvailable(StorageError):
+    """The session row is locked by another transaction."""
+
+
+class LeaseLost(StorageError):
+    """The lease fence moved: another worker owns this session now."""
+
+
+class SurfaceChanged(StorageError):
+    """The surface changed since the compaction read it."""
+
+
+class ReplayMismatch(StorageError):
+    """Replaying the event log does not give the stored surface."""

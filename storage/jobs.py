@@ -1,0 +1,195 @@
+"""Bulk recompaction jobs, sweep selection and loop-guard flags."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from storage import schema as t
+from storage.database import connection, transaction
+from storage.records import BulkJob, SessionInfo, utcnow
+from storage.schema import SESSION_COLUMNS, session_from_row
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+ITEM_PENDING = "pending"
+ITEM_ENQUEUED = "enqueued"
+ITEM_DONE = "done"
+ITEM_FAILED = "failed"
+ITEM_STATES = (ITEM_PENDING, ITEM_ENQUEUED, ITEM_DONE, ITEM_FAILED)
+
+JOB_RUNNING = "running"
+JOB_DONE = "done"
+_ITEM_INSERT_CHUNK = 1000
+
+
+class JobsMixin:
+    engine: AsyncEngine
+
+    # ---------------------------------------------------------------------------------------
+    # bulk jobs
+
+    async def create_bulk_job(self, *, filter: dict[str, Any], session_ids: Sequence[str],
+                              force: bool, rate_per_s: float | None,
+                              now: dt.datetime | None = None) -> BulkJob:
+        now = now or utcnow()
+        job_id = uuid.uuid4().hex
+        async with transaction(self.engine) as conn:
+            await conn.execute(t.bulk_jobs.insert().values(
+                id=job_id, filter=filter, state=JOB_RUNNING, force=force, rate_per_s=rate_per_s,
+                matched=len(session_ids), created_at=now, updated_at=now))
+            for i in range(0, len(session_ids), _ITEM_INSERT_CHUNK):
+                await conn.execute(t.bulk_items.insert(), [
+                    {"job_id": job_id, "session_id": sid, "state": ITEM_PENDING,
+                     "updated_at": now} for sid in session_ids[i:i + _ITEM_INSERT_CHUNK]])
+        job = await self.get_bulk_job(job_id)
+        assert job is not None
+        return job
+
+    async def get_bulk_job(self, job_id: str) -> BulkJob | None:
+        async with connection(self.engine) as conn:
+            jobs = await self._bulk_jobs(conn, sa.select(t.bulk_jobs).where(
+                t.bulk_jobs.c.id == job_id))
+        return jobs[0] if jobs else None
+
+    async def list_bulk_jobs(self, *, limit: int = 20) -> list[BulkJob]:
+        async with connection(self.engine) as conn:
+            return await self._bulk_jobs(conn, sa.select(t.bulk_jobs).order_by(
+                t.bulk_jobs.c.created_at.desc()).limit(limit))
+
+    async def _bulk_jobs(self, conn: AsyncConnection, stmt: Any) -> list[BulkJob]:
+        rows = (await conn.execute(stmt)).all()
+        if not rows:
+            return []
+        i = t.bulk_items.c
+        counts: dict[str, dict[str, int]] = {}
+        for job_id, state, n in await conn.execute(
+                sa.select(i.job_id, i.state, sa.func.count())
+                .where(i.job_id.in_([r.id for r in rows])).group_by(i.job_id, i.state)):
+            counts.setdefault(job_id, {})[state] = int(n)
+        out = []
+        for r in rows:
+            c = counts.get(r.id, {})
+            done, failed = c.get(ITEM_DONE, 0), c.get(ITEM_FAILED, 0)
+            out.append(BulkJob(
+                id=r.id, filter=r.filter, state=r.state, force=r.force, rate_per_s=r.rate_per_s,
+                matched=r.matched, created_at=r.created_at, updated_at=r.updated_at,
+                pending=c.get(ITEM_PENDING, 0), done=done, failed=failed,
+                enqueued=c.get(ITEM_ENQUEUED, 0) + done + failed))
+        return out
+
+    async def bulk_items(self, job_id: str, *, states: Sequence[str], limit: int,
+                         after_session: str | None = None) -> list[str]:
+        i = t.bulk_items.c
+        stmt = (sa.select(i.session_id).where(i.job_id == job_id, i.state.in_(list(states)))
+                .order_by(i.session_id).limit(limit))
+        if after_session is not None:
+            stmt = stmt.where(i.session_id > after_session)
+        async with connection(self.engine) as conn:
+            return list((await conn.execute(stmt)).scalars().all())
+
+    async def mark_bulk_items(self, job_id: str, session_ids: Sequence[str], state: str,
+                              *, now: dt.datetime | None = None) -> None:
+        """Move items to ``state``; an item already done is never moved back."""
+        now = now or utcnow()
+        i = t.bulk_items.c
+        async with transaction(self.engine) as conn:
+            await conn.execute(
+                t.bulk_items.update()
+                .where(i.job_id == job_id, i.session_id.in_(list(session_ids)),
+                       i.state != ITEM_DONE)
+                .values(state=state, updated_at=now))
+            await conn.execute(t.bulk_jobs.update().where(t.bulk_jobs.c.id == job_id)
+                               .values(updated_at=now))
+
+    async def set_bulk_job_state(self, job_id: str, state: str) -> None:
+        async with transaction(self.engine) as conn:
+            await conn.execute(t.bulk_jobs.update().where(t.bulk_jobs.c.id == job_id)
+                               .values(state=state, updated_at=utcnow()))
+
+    async def _bulk_item_done(self, conn: AsyncConnection, job_id: str, session_id: str) -> bool:
+        i = t.bulk_items.c
+        state = (await conn.execute(sa.select(i.state).where(
+            i.job_id == job_id, i.session_id == session_id))).scalar()
+        return state == ITEM_DONE
+
+    async def _settle_bulk_item(self, conn: AsyncConnection, run_id: str, session_id: str,
+                                outcome: str, now: dt.datetime) -> None:
+        """Record a bulk run's result on its item, in the transaction that ends the run."""
+        job_id = (await conn.execute(sa.select(t.compaction_runs.c.bulk_job_id).where(
+            t.compaction_runs.c.id == run_id))).scalar()
+        if job_id is None:
+            return
+        i = t.bulk_items.c
+        state = ITEM_FAILED if outcome == "failed" else ITEM_DONE
+        await conn.execute(
+            t.bulk_items.update()
+            .where(i.job_id == job_id, i.session_id == session_id, i.state != ITEM_DONE)
+            .values(state=state, run_id=run_id, updated_at=now))
+
+    # ---------------------------------------------------------------------------------------
+    # sweeps
+
+    async def select_for_sweep(self, *, decide: Callable[[SessionInfo], bool],
+                               now: dt.datetime | None = None, limit: int = 100,
+                               after_id: str | None = None, signal_ttl_s: float = 60.0
+                               ) -> tuple[list[SessionInfo], str | None]:
+        """One bounded batch of the sweep, in id order from ``after_id``.
+
+        Rows other transactions hold are skipped (``SKIP LOCKED``). Sessions with a live lease,
+        a live cool-down or a fresh pending signal are passed over; of the rest, those ``decide``
+        accepts get the pending-signal mark and are returned for enqueueing. The second value is
+        the id to continue from, None when the table is exhausted.
+        """
+        now = now or utcnow()
+        c = t.sessions.c
+        chosen: list[SessionInfo] = []
+        async with transaction(self.engine) as conn:
+            rows = (await conn.execute(
+                sa.select(*SESSION_COLUMNS)
+                .where(c.id > (after_id or ""))
+                .order_by(c.id).limit(limit).with_for_update(skip_locked=True))).all()
+            for row in rows:
+                info = session_from_row(row)
+                if info.lease_live(now):
+                    continue
+                if info.cooldown_until is not None and info.cooldown_until > now:
+                    continue
+                if info.signal_pending_until is not None and info.signal_pending_until > now:
+                    continue
+                if decide(info):
+                    chosen.append(info)
+            if chosen:
+                await conn.execute(
+                    t.sessions.update().where(c.id.in_([s.id for s in chosen]))
+                    .values(signal_pending_until=now + dt.timedelta(seconds=signal_ttl_s)))
+        next_after = session_from_row(rows[-1]).id if len(rows) == limit else None
+        return chosen, next_after
+
+    # ---------------------------------------------------------------------------------------
+    # loop guard
+
+    async def flag_session(self, session_id: str, *, reason: str, cooldown_until: dt.datetime,
+                           now: dt.datetime | None = None) -> None:
+        async with transaction(self.engine) as conn:
+            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
+                flagged_reason=reason, flagged_at=now or utcnow(),
+                cooldown_until=cooldown_until))
+
+    async def clear_flag(self, session_id: str) -> None:
+        async with transaction(self.engine) as conn:
+            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
+                flagged_reason=None, flagged_at=None, cooldown_until=None))
+
+    async def flagged_sessions(self) -> list[SessionInfo]:
+        c = t.sessions.c
+        async with connection(self.engine) as conn:
+            return [session_from_row(r) for r in await conn.execute(
+                sa.select(*SESSION_COLUMNS).where(c.flagged_reason.is_not(None))
+                .order_by(c.flagged_at.desc()))]

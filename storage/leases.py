@@ -1,0 +1,396 @@
+"""The lease protocol's storage half: claim, renew, commit, finish, reap; and run records.
+
+A transaction is never held across a model call. A claim locks the session row for one short
+transaction (``FOR UPDATE NOWAIT``), writes the lease (owner, expiry, a new fence), the run row and
+``compaction/start``, and commits. The commit locks the row again, checks the fence is still ours
+and the surface is still what the plan read, applies the replace, journals, and writes
+``compaction/end`` last, so a crash leaves a detectable orphan start, never a false end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from storage import schema as t
+from storage.database import connection, transaction
+from storage.errors import LeaseLost, LockNotAvailable, SurfaceChanged
+from storage.records import (
+    Busy,
+    Claim,
+    ReapedLease,
+    Replacement,
+    RunEnd,
+    RunRecord,
+    SessionInfo,
+    Skipped,
+    utcnow,
+)
+from storage.schema import RUN_COLUMNS, SESSION_COLUMNS, run_from_row, session_from_row
+from storage.surface import JOURNAL_END, JOURNAL_START, check_contiguous
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+# A targeted claim meets the row lock of an in-flight append now and then; those last a few
+# milliseconds, so NOWAIT is retried briefly before the attempt is called busy.
+CLAIM_LOCK_RETRY_S = 0.5
+CLAIM_LOCK_RETRY_STEP_S = 0.01
+
+RUN_RUNNING = "running"
+RUN_COMMITTED = "committed"
+RUN_NOTHING = "nothing_to_do"
+RUN_FAILED = "failed"
+
+
+
+class LeasesMixin:
+    engine: AsyncEngine
+    sqlite: bool
+
+    if TYPE_CHECKING:  # provided by Store and JobsMixin
+        async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
+                           nowait: bool = False, skip_locked: bool = False) -> SessionInfo: ...
+
+        async def _bulk_item_done(self, conn: AsyncConnection, job_id: str, session_id: str
+                                  ) -> bool: ...
+
+        async def _settle_bulk_item(self, conn: AsyncConnection, run_id: str, session_id: str,
+                                    outcome: str, now: dt.datetime) -> None: ...
+
+    # ---------------------------------------------------------------------------------------
+    # claim
+
+    async def claim(self, session_id: str, *, owner: str, trigger: str, lease_s: float,
+                    now: dt.datetime | None = None, task_id: str | None = None,
+                    bulk_job_id: str | None = None, skip_locked: bool = False
+                    ) -> Claim | Busy | Skipped:
+        """Take the lease on a session, or record a ``busy`` attempt.
+
+        ``skip_locked`` is for sweeps: a row another transaction holds is skipped at once.
+        """
+        deadline = asyncio.get_running_loop().time() + (0 if skip_locked else CLAIM_LOCK_RETRY_S)
+        while True:
+            try:
+                return await self._claim_once(session_id, owner=owner, trigger=trigger,
+                                              lease_s=lease_s, now=now or utcnow(),
+                                              task_id=task_id, bulk_job_id=bulk_job_id,
+                                              skip_locked=skip_locked)
+            except LockNotAvailable:
+                if asyncio.get_running_loop().time() >= deadline:
+                    return await self._record_busy(session_id, owner=owner, trigger=trigger,
+                                                   now=now or utcnow(), task_id=task_id,
+                                                   bulk_job_id=bulk_job_id, holder=None,
+                                                   expires_at=None)
+                await asyncio.sleep(CLAIM_LOCK_RETRY_STEP_S)
+
+    async def _claim_once(self, session_id: str, *, owner: str, trigger: str, lease_s: float,
+                          now: dt.datetime, task_id: str | None, bulk_job_id: str | None,
+                          skip_locked: bool) -> Claim | Busy | Skipped:
+        run_id = uuid.uuid4().hex
+        async with transaction(self.engine) as conn:
+            info = await self._session(conn, session_id, lock=True, nowait=not skip_locked,
+                                       skip_locked=skip_locked)
+            if bulk_job_id is not None and await self._bulk_item_done(conn, bulk_job_id,
+                                                                      session_id):
+                # Checked under the row lock that the committing run also takes, so a bulk
+                # item delivered twice is compacted once.
+                return Skipped(reason=f"bulk job {bulk_job_id} already finished this session")
+            if info.lease_live(now):
+                await self._insert_run(
+                    conn, run_id, session_id, trigger=trigger, owner=owner, fence=None,
+                    task_id=task_id, bulk_job_id=bulk_job_id, version=info.surface_version,
+                    now=now, status=RUN_FAILED, failure_class="busy",
+                    error=f"leased by {info.lease_owner} until {info.lease_expires_at}")
+                return Busy(run_id=run_id, holder=info.lease_owner,
+                            expires_at=info.lease_expires_at)
+            seq = info.last_seq
+            if info.lease_run_id is not None:
+                # An expired lease the reaper has not reached yet: close it the same way.
+                seq += 1
+                await self._close_abandoned(conn, info, seq=seq, now=now, by=owner)
+            fence = info.lease_fence + 1
+            expires = now + dt.timedelta(seconds=lease_s)
+            seq += 1
+            await conn.execute(t.events.insert().values(
+                session_id=session_id, seq=seq, kind=JOURNAL_START, run_id=run_id, created_at=now,
+                payload={"run_id": run_id, "trigger": trigger, "owner": owner, "fence": fence,
+                         "surface_version": info.surface_version}))
+            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
+                last_seq=seq, lease_owner=owner, lease_run_id=run_id, lease_expires_at=expires,
+                lease_fence=fence))
+            await self._insert_run(conn, run_id, session_id, trigger=trigger, owner=owner,
+                                   fence=fence, task_id=task_id, bulk_job_id=bulk_job_id,
+                                   version=info.surface_version, now=now, status=RUN_RUNNING)
+            info = await self._session(conn, session_id)
+        return Claim(session=info, run_id=run_id, fence=fence, owner=owner, expires_at=expires)
+
+    async def _record_busy(self, session_id: str, *, owner: str, trigger: str, now: dt.datetime,
+                           task_id: str | None, bulk_job_id: str | None, holder: str | None,
+                           expires_at: dt.datetime | None) -> Busy:
+        run_id = uuid.uuid4().hex
+        async with transaction(self.engine) as conn:
+            info = await self._session(conn, session_id)
+            await self._insert_run(conn, run_id, session_id, trigger=trigger, owner=owner,
+                                   fence=None, task_id=task_id, bulk_job_id=bulk_job_id,
+                                   version=info.surface_version, now=now, status=RUN_FAILED,
+                                   failure_class="busy",
+                                   error="the session row was locked by another claim")
+        return Busy(run_id=run_id, holder=holder, expires_at=expires_at)
+
+    async def _insert_run(self, conn: AsyncConnection, run_id: str, session_id: str, *,
+                          trigger: str, owner: str, fence: int | None, task_id: str | None,
+                          bulk_job_id: str | None, version: int, now: dt.datetime, status: str,
+                          failure_class: str | None = None, error: str | None = None) -> None:
+        finished = None if status == RUN_RUNNING else now
+        await conn.execute(t.compaction_runs.insert().values(
+            id=run_id, session_id=session_id, trigger=trigger, status=status,
+            failure_class=failure_class, owner=owner, fence=fence, task_id=task_id,
+            bulk_job_id=bulk_job_id, surface_version_at_start=version, error=error,
+            started_at=now, heartbeat_at=now, finished_at=finished))
+
+    async def _close_abandoned(self, conn: AsyncConnection, info: SessionInfo, *, seq: int,
+                               now: dt.datetime, by: str) -> None:
+        """Journal the end of an expired lease's run and mark the run abandoned."""
+        run_id = info.lease_run_id
+        await conn.execute(t.events.insert().values(
+            session_id=info.id, seq=seq, kind=JOURNAL_END, run_id=run_id, created_at=now,
+            payload={"run_id": run_id, "outcome": RUN_FAILED, "failure_class": "abandoned",
+                     "closed_by": by, "lease_owner": info.lease_owner,
+                     "lease_expired_at": _iso(info.lease_expires_at)}))
+        await conn.execute(
+            t.compaction_runs.update()
+            .where(t.compaction_runs.c.id == run_id,
+                   t.compaction_runs.c.status == RUN_RUNNING)
+            .values(status=RUN_FAILED, failure_class="abandoned", finished_at=now,
+                    error=f"lease of {info.lease_owner} expired at {_iso(info.lease_expires_at)}"))
+
+    # ---------------------------------------------------------------------------------------
+    # renew
+
+    async def renew(self, session_id: str, *, run_id: str, fence: int, lease_s: float,
+                    now: dt.datetime | None = None) -> bool:
+        """Extend a lease we still hold; False when the fence moved (the lease is lost)."""
+        now = now or utcnow()
+        c = t.sessions.c
+        async with transaction(self.engine) as conn:
+            result = await conn.execute(
+                t.sessions.update()
+                .where(c.id == session_id, c.lease_fence == fence, c.lease_run_id == run_id)
+                .values(lease_expires_at=now + dt.timedelta(seconds=lease_s)))
+            if not result.rowcount:
+                return False
+            await conn.execute(t.compaction_runs.update()
+                               .where(t.compaction_runs.c.id == run_id)
+                               .values(heartbeat_at=now))
+        return True
+
+    # ---------------------------------------------------------------------------------------
+    # commit
+
+    async def commit(self, session_id: str, *, run_id: str, fence: int,
+                     replacements: Sequence[Replacement],
+                     expected: Sequence[tuple[int, int]] | None = None,
+                     end: RunEnd | None = None, now: dt.datetime | None = None) -> SessionInfo:
+        """Apply replacements under our fence; with ``end``, finish the run in the same commit.
+
+        ``expected`` is the ``(position, seq)`` prefix of the surface the plan read, through the
+        last node it replaces. Appends after it are fine (they stay after the checkpoint); any
+        other difference raises :class:`SurfaceChanged` and nothing is modified. A moved fence
+        raises :class:`LeaseLost`.
+        """
+        now = now or utcnow()
+        s = t.surface.c
+        async with transaction(self.engine) as conn:
+            info = await self._session(conn, session_id, lock=True)
+            if info.lease_fence != fence or info.lease_run_id != run_id:
+                raise LeaseLost(f"run {run_id} lost its lease on {session_id!r} "
+                                f"(fence {fence}, now {info.lease_fence})")
+            if expected:
+                upto = max(pos for pos, _ in expected)
+                current = [(r.position, r.seq) for r in await conn.execute(
+                    sa.select(s.position, s.seq)
+                    .where(s.session_id == session_id, s.position <= upto)
+                    .order_by(s.position))]
+                if current != [tuple(x) for x in expected]:
+                    raise SurfaceChanged(
+                        f"the surface of {session_id!r} changed under run {run_id}")
+            seq = info.last_seq
+            d_tokens = d_nodes = 0
+            for rep in replacements:
+                rows = (await conn.execute(
+                    sa.select(s.position, s.seq, s.tokens)
+                    .where(s.session_id == session_id, s.seq.in_(list(rep.seqs)))
+                    .order_by(s.position))).all()
+                if [r.seq for r in rows] != list(rep.seqs):
+                    raise SurfaceChanged(
+                        f"seqs {list(rep.seqs)} are no longer on the surface in that order")
+                positions = [r.position for r in rows]
+                order = (await conn.execute(
+                    sa.select(s.seq).where(s.session_id == session_id,
+                                           s.position >= positions[0],
+                                           s.position <= positions[-1])
+                    .order_by(s.position))).scalars().all()
+                check_contiguous(list(order), rep.seqs)
+                seq += 1
+                await conn.execute(t.events.insert().values(
+                    session_id=session_id, seq=seq, kind=rep.journal_kind, run_id=run_id,
+                    created_at=now, payload={"run_id": run_id, **rep.journal,
+                                             "replaced_seqs": list(rep.seqs)}))
+                seq += 1
+                await conn.execute(t.events.insert().values(
+                    session_id=session_id, seq=seq, kind=rep.kind, run_id=run_id,
+                    created_at=now, tokens=rep.tokens,
+                    payload={"message": rep.payload, "replaces": list(rep.seqs),
+                             "run_id": run_id}))
+                await conn.execute(t.surface.delete().where(s.session_id == session_id,
+                                                            s.seq.in_(list(rep.seqs))))
+                await conn.execute(t.surface.insert().values(
+                    session_id=session_id, position=positions[0], seq=seq, tokens=rep.tokens))
+                d_tokens += rep.tokens - sum(r.tokens for r in rows)
+                d_nodes += 1 - len(rows)
+            c = t.sessions.c
+            values: dict[str, Any] = {"last_seq": seq}
+            if replacements:
+                values.update(surface_version=c.surface_version + 1,
+                              surface_tokens=c.surface_tokens + d_tokens,
+                              surface_messages=c.surface_messages + d_nodes,
+                              reported_input_tokens=None, reported_version=None)
+            await conn.execute(t.sessions.update().where(c.id == session_id).values(**values))
+            if end is not None:
+                await self._write_end(conn, session_id, run_id, seq + 1, end, now)
+            return await self._session(conn, session_id)
+
+    async def finish(self, session_id: str, *, run_id: str, fence: int, end: RunEnd,
+                     now: dt.datetime | None = None) -> bool:
+        """End a claimed run without replacing anything. False when the lease was lost, in
+        which case the run is recorded as abandoned and the journal is left to its new owner."""
+        now = now or utcnow()
+        async with transaction(self.engine) as conn:
+            info = await self._session(conn, session_id, lock=True)
+            if info.lease_fence == fence and info.lease_run_id == run_id:
+                await self._write_end(conn, session_id, run_id, info.last_seq + 1, end, now)
+                return True
+            await conn.execute(
+                t.compaction_runs.update()
+                .where(t.compaction_runs.c.id == run_id,
+                       t.compaction_runs.c.status == RUN_RUNNING)
+                .values(status=RUN_FAILED, failure_class="abandoned", finished_at=now,
+                        error="lease lost before the run ended "
+                              f"({end.failure_class or end.outcome})"))
+            return False
+
+    async def _write_end(self, conn: AsyncConnection, session_id: str, run_id: str, seq: int,
+                         end: RunEnd, now: dt.datetime) -> None:
+        await conn.execute(t.events.insert().values(
+            session_id=session_id, seq=seq, kind=JOURNAL_END, run_id=run_id, created_at=now,
+            payload={"run_id": run_id, "outcome": end.outcome,
+                     "failure_class": end.failure_class, "tokens_before": end.tokens_before,
+                     "tokens_after": end.tokens_after}))
+        await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
+            last_seq=seq, lease_owner=None, lease_run_id=None, lease_expires_at=None))
+        await conn.execute(t.compaction_runs.update().where(t.compaction_runs.c.id == run_id)
+                           .values(status=end.outcome, failure_class=end.failure_class,
+                                   error=end.error, tokens_before=end.tokens_before,
+                                   tokens_after=end.tokens_after, model=end.model,
+                                   usage=end.usage, candidates=end.candidates,
+                                   stages=end.stages, range_seqs=end.range_seqs,
+                                   finished_at=now, heartbeat_at=now))
+        await self._settle_bulk_item(conn, run_id, session_id, end.outcome, now)
+
+    # ---------------------------------------------------------------------------------------
+    # reap
+
+    async def reap_expired(self, *, now: dt.datetime | None = None, limit: int = 100,
+                           by: str = "reaper") -> list[ReapedLease]:
+        """Close expired leases: the run becomes ``abandoned`` and its orphan start is ended."""
+        now = now or utcnow()
+        c = t.sessions.c
+        reaped: list[ReapedLease] = []
+        async with transaction(self.engine) as conn:
+            rows = (await conn.execute(
+                sa.select(c.id).where(c.lease_expires_at.is_not(None), c.lease_expires_at <= now)
+                .order_by(c.lease_expires_at).limit(limit)
+                .with_for_update(skip_locked=True))).scalars().all()
+            for session_id in rows:
+                info = await self._session(conn, session_id)
+                await self._close_abandoned(conn, info, seq=info.last_seq + 1, now=now, by=by)
+                await conn.execute(t.sessions.update().where(c.id == session_id).values(
+                    last_seq=info.last_seq + 1, lease_owner=None, lease_run_id=None,
+                    lease_expires_at=None))
+                reaped.append(ReapedLease(session_id=session_id, run_id=info.lease_run_id,
+                                          owner=info.lease_owner,
+                                          expired_at=info.lease_expires_at))
+        return reaped
+
+    # ---------------------------------------------------------------------------------------
+    # run records
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        async with connection(self.engine) as conn:
+            row = (await conn.execute(sa.select(*RUN_COLUMNS)
+                                      .where(t.compaction_runs.c.id == run_id))).first()
+        return run_from_row(row) if row else None
+
+    async def runs_for_task(self, task_id: str) -> list[RunRecord]:
+        r = t.compaction_runs.c
+        async with connection(self.engine) as conn:
+            return [run_from_row(row) for row in await conn.execute(
+                sa.select(*RUN_COLUMNS).where(r.task_id == task_id).order_by(r.started_at))]
+
+    async def session_runs(self, session_id: str, *, limit: int = 50) -> list[RunRecord]:
+        r = t.compaction_runs.c
+        async with connection(self.engine) as conn:
+            return [run_from_row(row) for row in await conn.execute(
+                sa.select(*RUN_COLUMNS).where(r.session_id == session_id)
+                .order_by(r.started_at.desc(), r.id.desc()).limit(limit))]
+
+    async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
+                          session_id: str | None = None, status: str | None = None
+                          ) -> list[RunRecord]:
+        r = t.compaction_runs.c
+        stmt = sa.select(*RUN_COLUMNS).order_by(r.started_at.desc(), r.id.desc()).limit(limit)
+        if since is not None:
+            stmt = stmt.where(r.started_at >= since)
+        if session_id is not None:
+            stmt = stmt.where(r.session_id == session_id)
+        if status is not None:
+            stmt = stmt.where(r.status == status)
+        async with connection(self.engine) as conn:
+            return [run_from_row(row) for row in await conn.execute(stmt)]
+
+    async def run_counts(self, *, since: dt.datetime | None = None
+                         ) -> dict[tuple[str, str | None], int]:
+        """Runs by (status, failure_class)."""
+        r = t.compaction_runs.c
+        stmt = (sa.select(r.status, r.failure_class, sa.func.count())
+                .group_by(r.status, r.failure_class))
+        if since is not None:
+            stmt = stmt.where(r.started_at >= since)
+        async with connection(self.engine) as conn:
+            return {(row[0], row[1]): int(row[2]) for row in await conn.execute(stmt)}
+
+    async def last_errors(self, *, since: dt.datetime | None = None) -> dict[str, RunRecord]:
+        """The newest failed run of each failure class."""
+        out: dict[str, RunRecord] = {}
+        for run in await self.recent_runs(since=since, status=RUN_FAILED, limit=500):
+            if run.failure_class and run.failure_class not in out:
+                out[run.failure_class] = run
+        return out
+
+    async def live_leases(self, *, now: dt.datetime | None = None) -> list[SessionInfo]:
+        c = t.sessions.c
+        async with connection(self.engine) as conn:
+            return [session_from_row(row) for row in await conn.execute(
+                sa.select(*SESSION_COLUMNS).where(c.lease_run_id.is_not(None))
+                .order_by(c.lease_expires_at))]
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value else None

@@ -1,0 +1,451 @@
+"""The message model and the importers of the three wire shapes runtimes speak.
+
+A :class:`Message` is what an agent runtime appends: OpenAI chat roles, content as text or a list
+of blocks (text and image blocks understood, others kept opaque), assistant tool calls, tool results
+with the id of their call, and a free ``meta`` mapping for flags such as ``pinned``.
+
+Importers turn OpenAI chat dicts (the default and the shape of ``compactd ingest`` files),
+Anthropic Messages dicts (``tool_use`` / ``tool_result`` blocks) and LangChain message dicts into
+messages. Every rejection is an :class:`InvalidMessage` naming the field; file readers add the line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from storage.errors import InvalidMessage
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+FORMATS: tuple[str, ...] = ("openai", "anthropic", "langchain")
+
+# Flags the pipeline reads from ``meta``; any other key is kept as the runtime sent it.
+META_PINNED = "pinned"
+META_REMINDER = "dynamic_context_reminder"
+META_HIDDEN = "hide_from_ui"
+META_SKILL = "skill_context_entry"
+META_CHECKPOINT = "checkpoint"
+META_PRUNED = "pruned"
+
+
+class ToolCall(BaseModel):
+    """One function call an assistant message asks for. ``arguments`` is the JSON text."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class Message(BaseModel):
+    """One message of a conversation, in compactd's own (OpenAI-like) shape."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """The message's text: the string content, or its text blocks joined."""
+        return content_text(self.content)
+
+    def flag(self, key: str) -> bool:
+        return bool(self.meta.get(key))
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI chat dict of this message (``meta`` included when set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_openai() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+    def to_payload(self) -> dict[str, Any]:
+        """The compact dict stored in the event log (the inverse of :func:`from_payload`)."""
+        out: dict[str, Any] = {"role": self.role}
+        if self.content is not None:
+            out["content"] = self.content
+        if self.tool_calls:
+            out["tool_calls"] = [[c.id, c.name, c.arguments] for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+
+def from_payload(payload: Mapping[str, Any]) -> Message:
+    """Rebuild a stored message without re-validating it (it was validated when appended)."""
+    calls = tuple(ToolCall.model_construct(id=c[0], name=c[1], arguments=c[2])
+                  for c in payload.get("tool_calls") or ())
+    return Message.model_construct(
+        role=payload["role"], content=payload.get("content"), tool_calls=calls,
+        tool_call_id=payload.get("tool_call_id"), name=payload.get("name"),
+        meta=dict(payload.get("meta") or {}))
+
+
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(str(b.get("text", "")) for b in content if b.get("type") == "text")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation shared by the importers
+
+
+def _check_text(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidMessage(f"must be a string, got {type(value).__name__}", field=field)
+    _check_utf8(value, field)
+    return value
+
+
+def _check_utf8(value: str, field: str) -> None:
+    # json.loads accepts lone surrogate escapes such as "\ud800"; they are not valid UTF-8 and
+    # PostgreSQL, the SDKs and every provider would reject them later, far from the cause.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessage(
+            f"text is not valid UTF-8 (lone surrogate at offset {exc.start})", field=field
+        ) from None
+
+
+def _check_strings(value: Any, field: str) -> None:
+    """Every string anywhere inside ``value`` must be valid UTF-8."""
+    if isinstance(value, str):
+        _check_utf8(value, field)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_strings(key, field)
+            _check_strings(item, f"{field}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{field}[{i}]")
+
+
+def _check_content(value: Any, field: str = "content") -> str | list[dict[str, Any]] | None:
+    if value is None or isinstance(value, str):
+        if value is not None:
+            _check_utf8(value, field)
+        return value
+    if not isinstance(value, list):
+        raise InvalidMessage(
+            f"must be text or a list of blocks, got {type(value).__name__}", field=field)
+    blocks: list[dict[str, Any]] = []
+    for i, block in enumerate(value):
+        where = f"{field}[{i}]"
+        if isinstance(block, str):
+            _check_utf8(block, where)
+            block = {"type": "text", "text": block}
+        if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+            raise InvalidMessage("a content block must be an object with a string 'type'",
+                                 field=where)
+        if block["type"] == "text":
+            _check_text(block.get("text"), f"{where}.text")
+        else:
+            _check_strings(block, where)
+        blocks.append(dict(block))
+    return blocks
+
+
+def _check_meta(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidMessage(f"must be an object, got {type(value).__name__}", field="meta")
+    _check_strings(value, "meta")
+    return dict(value)
+
+
+def _arguments_text(value: Any, field: str) -> str:
+    if value is None:
+        return "{}"
+    if isinstance(value, str):
+        return _check_text(value, field)
+    if isinstance(value, Mapping):
+        _check_strings(value, field)
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    raise InvalidMessage("must be a JSON string or an object", field=field)
+
+
+def _make(role: Any, **fields: Any) -> Message:
+    if role not in ROLES:
+        raise InvalidMessage(f"unknown role {role!r} (expected one of {', '.join(ROLES)})",
+                             field="role")
+    calls = fields.get("tool_calls") or ()
+    if calls and role != "assistant":
+        raise InvalidMessage("only assistant messages carry tool calls", field="tool_calls")
+    if role == "tool":
+        call_id = fields.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidMessage("a tool result needs the id of its tool call",
+                                 field="tool_call_id")
+    elif fields.get("tool_call_id") is not None:
+        raise InvalidMessage("only tool results carry a tool_call_id", field="tool_call_id")
+    name = fields.get("name")
+    if name is not None:
+        _check_text(name, "name")
+    seen: set[str] = set()
+    for i, call in enumerate(calls):
+        if call.id in seen:
+            raise InvalidMessage(f"tool call id {call.id!r} is used twice in one message",
+                                 field=f"tool_calls[{i}].id")
+        seen.add(call.id)
+    return Message(role=role, **fields)
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI chat shape (the default)
+
+_OPENAI_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name", "meta"}
+# Keys the OpenAI API itself returns on assistant messages; kept in meta rather than refused.
+_OPENAI_PASSTHROUGH = {"refusal", "reasoning_content", "audio", "annotations", "function_call"}
+
+
+def parse_openai(obj: Any) -> Message:
+    """One OpenAI chat message dict (plus compactd's optional ``meta``)."""
+    if not isinstance(obj, Mapping):
+        raise InvalidMessage(f"a message must be a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - _OPENAI_KEYS - _OPENAI_PASSTHROUGH
+    if unknown:
+        raise InvalidMessage(f"unknown field (expected {', '.join(sorted(_OPENAI_KEYS))})",
+                             field=sorted(unknown)[0])
+    meta = _check_meta(obj.get("meta"))
+    for key in _OPENAI_PASSTHROUGH & set(obj):
+        if obj[key] is not None:
+            _check_strings(obj[key], key)
+            meta.setdefault(key, obj[key])
+    calls: list[ToolCall] = []
+    raw_calls = obj.get("tool_calls")
+    if raw_calls is not None and not isinstance(raw_calls, list):
+        raise InvalidMessage("must be a list", field="tool_calls")
+    for i, raw in enumerate(raw_calls or ()):
+        where = f"tool_calls[{i}]"
+        if not isinstance(raw, Mapping):
+            raise InvalidMessage("must be an object", field=where)
+        function = raw.get("function")
+        fn: Mapping[str, Any] = function if isinstance(function, Mapping) else raw
+        call_id = raw.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidMessage("a tool call needs a non-empty string id", field=f"{where}.id")
+        _check_utf8(call_id, f"{where}.id")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidMessage("a tool call needs a function name",
+                                 field=f"{where}.function.name")
+        _check_utf8(name, f"{where}.function.name")
+        calls.append(ToolCall(id=call_id, name=name,
+                              arguments=_arguments_text(fn.get("arguments"),
+                                                        f"{where}.function.arguments")))
+    call_id = obj.get("tool_call_id")
+    if call_id is not None:
+        _check_text(call_id, "tool_call_id")
+    return _make(obj.get("role"), content=_check_content(obj.get("content")),
+                 tool_calls=tuple(calls), tool_call_id=call_id, name=obj.get("name"), meta=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Anthropic Messages shape
+
+
+def parse_anthropic(obj: Any) -> list[Message]:
+    """One Anthropic message; a user turn of ``tool_result`` blocks becomes tool messages."""
+    if not isinstance(obj, Mapping):
+        raise InvalidMessage(f"a message must be a JSON object, got {type(obj).__name__}")
+    role = obj.get("role")
+    meta = _check_meta(obj.get("meta"))
+    content = obj.get("content")
+    if role not in ("user", "assistant", "system"):
+        raise InvalidMessage(f"unknown role {role!r} (expected user, assistant or system)",
+                             field="role")
+    if content is None or isinstance(content, str):
+        return [_make(role, content=_check_content(content), meta=meta)]
+    if not isinstance(content, list):
+        raise InvalidMessage("must be text or a list of blocks", field="content")
+    kept: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
+    results: list[Message] = []
+    for i, block in enumerate(content):
+        where = f"content[{i}]"
+        if not isinstance(block, Mapping):
+            raise InvalidMessage("a content block must be an object", field=where)
+        kind = block.get("type")
+        if kind == "tool_use":
+            if role != "assistant":
+                raise InvalidMessage("tool_use blocks belong to assistant messages", field=where)
+            call_id, name = block.get("id"), block.get("name")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidMessage("a tool_use block needs an id", field=f"{where}.id")
+            if not isinstance(name, str) or not name:
+                raise InvalidMessage("a tool_use block needs a name", field=f"{where}.name")
+            calls.append(ToolCall(id=call_id, name=name,
+                                  arguments=_arguments_text(block.get("input"), f"{where}.input")))
+        elif kind == "tool_result":
+            if role != "user":
+                raise InvalidMessage("tool_result blocks belong to user messages", field=where)
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidMessage("a tool_result block needs a tool_use_id",
+                                     field=f"{where}.tool_use_id")
+            result_meta = {"is_error": True} if block.get("is_error") else {}
+            results.append(_make("tool", content=_check_content(block.get("content"),
+                                                                f"{where}.content"),
+                                 tool_call_id=call_id, meta=result_meta))
+        else:
+            checked = _check_content([block], "content")
+            assert checked is not None and not isinstance(checked, str)
+            kept.extend(checked)
+    out = list(results)
+    if kept or calls or not results:
+        out.append(_make(role, content=kept or None, tool_calls=tuple(calls), meta=meta))
+    elif meta and out:
+        out[-1] = out[-1].model_copy(update={"meta": {**out[-1].meta, **meta}})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# LangChain message dicts (``message.model_dump()`` or ``messages_to_dict`` output)
+
+_LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
+                    "HumanMessage": "user", "AIMessage": "assistant",
+                    "SystemMessage": "system", "ToolMessage": "tool"}
+
+
+def parse_langchain(obj: Any) -> Message:
+    """One LangChain message dict: ``{"type": "human", ...}`` or ``{"type", "data": {...}}``."""
+    if not isinstance(obj, Mapping):
+        raise InvalidMessage(f"a message must be a JSON object, got {type(obj).__name__}")
+    data = obj["data"] if isinstance(obj.get("data"), Mapping) else obj
+    kind = obj.get("type", data.get("type"))
+    role = _LANGCHAIN_ROLES.get(kind) if isinstance(kind, str) else None
+    if role is None:
+        raise InvalidMessage(f"unknown message type {kind!r} (expected human, ai, system, tool)",
+                             field="type")
+    calls: list[ToolCall] = []
+    for i, raw in enumerate(data.get("tool_calls") or ()):
+        where = f"tool_calls[{i}]"
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str) or not raw["id"]:
+            raise InvalidMessage("a tool call needs a non-empty string id", field=f"{where}.id")
+        if not isinstance(raw.get("name"), str) or not raw["name"]:
+            raise InvalidMessage("a tool call needs a name", field=f"{where}.name")
+        calls.append(ToolCall(id=raw["id"], name=raw["name"],
+                              arguments=_arguments_text(raw.get("args"), f"{where}.args")))
+    meta = _check_meta(data.get("meta"))
+    extra = data.get("additional_kwargs")
+    if isinstance(extra, Mapping) and extra:
+        _check_strings(extra, "additional_kwargs")
+        meta = {**extra, **meta}
+    if data.get("status") == "error":
+        meta["is_error"] = True
+    call_id = data.get("tool_call_id")
+    if call_id is not None:
+        _check_text(call_id, "tool_call_id")
+    name = data.get("name")
+    return _make(role, content=_check_content(data.get("content")), tool_calls=tuple(calls),
+                 tool_call_id=call_id, name=name if role == "tool" or name else None, meta=meta)
+
+
+def parse(obj: Any, fmt: str = "openai") -> list[Message]:
+    """Messages from one decoded JSON value in the given wire format."""
+    if fmt == "openai":
+        return [parse_openai(obj)]
+    if fmt == "anthropic":
+        return parse_anthropic(obj)
+    if fmt == "langchain":
+        return [parse_langchain(obj)]
+    raise InvalidMessage(f"unknown format {fmt!r} (expected one of {', '.join(FORMATS)})")
+
+
+def read_jsonl(lines: Iterable[bytes], fmt: str = "openai") -> list[tuple[int, Message]]:
+    """Decode a JSON-lines file: (line number, message) pairs; blank lines are skipped.
+
+    Raises :class:`InvalidMessage` located at the first bad line; nothing is returned partially.
+    """
+    out: list[tuple[int, Message]] = []
+    for line_no, raw in enumerate(lines, start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidMessage(f"text is not valid UTF-8 (byte {exc.start})", line=line_no
+                                 ) from None
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidMessage(f"invalid JSON: {exc.msg} (column {exc.colno})", line=line_no
+                                 ) from None
+        try:
+            out.extend((line_no, m) for m in parse(obj, fmt))
+        except InvalidMessage as exc:
+            raise exc.at_line(line_no) from None
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Links between tool calls and results across a session
+
+
+class ToolLinks:
+    """Which tool-call ids a session has issued and answered, to check a batch against.
+
+    ``issued`` and ``answered`` hold the ids already stored; :meth:`check` walks a batch in order
+    and raises at the first message that reuses an id or answers a call that was never made.
+    """
+
+    def __init__(self, issued: Iterable[str] = (), answered: Iterable[str] = ()) -> None:
+        self.issued = set(issued)
+        self.answered = set(answered)
+
+    def check(self, messages: Iterable[Message]) -> None:
+        for index, message in enumerate(messages):
+            for i, call in enumerate(message.tool_calls):
+                if call.id in self.issued:
+                    raise InvalidMessage(
+                        f"tool call id {call.id!r} was already used earlier in the session",
+                        index=index, field=f"tool_calls[{i}].id")
+                self.issued.add(call.id)
+            if message.role == "tool":
+                call_id = message.tool_call_id or ""
+                if call_id not in self.issued:
+                    raise InvalidMessage(
+                        f"tool result for {call_id!r} matches no earlier tool call of the session",
+                        index=index, field="tool_call_id")
+                if call_id in self.answered:
+                    raise InvalidMessage(f"tool call {call_id!r} already has a result",
+                                         index=index, field="tool_call_id")
+                self.answered.add(call_id)
+
+
+def referenced_call_ids(messages: Iterable[Message]) -> Iterator[str]:
+    """Every tool-call id a batch issues or answers (what storage must look up)."""
+    for message in messages:
+        for call in message.tool_calls:
+            yield call.id
+        if message.tool_call_id:
+            yield message.tool_call_id

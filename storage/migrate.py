@@ -1,0 +1,60 @@
+"""Schema migrations: ``compactd migrate`` and the drift check."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from storage.database import create_engine, normalize_url, translated
+
+
+def alembic_config(url: str) -> Config:
+    ini = resources.files("storage").joinpath("alembic.ini")
+    config = Config(str(ini))
+    config.attributes["url"] = normalize_url(url)
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the database at ``url`` to ``revision`` (call from a thread without a running loop)."""
+    with translated():
+        command.upgrade(alembic_config(url), revision)
+
+
+async def upgrade_async(url: str) -> None:
+    await asyncio.to_thread(upgrade, url)
+
+
+def check(url: str) -> None:
+    """Raise when the models and the migrations disagree (``alembic check``)."""
+    command.check(alembic_config(url))
+
+
+async def current_revision(engine: AsyncEngine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    def _read(conn: Any) -> str | None:
+        return MigrationContext.configure(conn).get_current_revision()
+
+    async with engine.connect() as conn:
+        return await conn.run_sync(_read)
+
+
+def head_revision(url: str) -> str | None:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def ensure_schema_sync(url: str) -> None:
+    """Migrate the embedded SQLite file to head when it is behind (it has no operator)."""
+    upgrade(url)
+
+
+__all__ = ["alembic_config", "check", "create_engine", "current_revision", "head_revision",
+           "upgrade", "upgrade_async"]

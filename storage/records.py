@@ -1,0 +1,209 @@
+"""Plain values the store returns. No SQL here, so the policy and the CLI can import them."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    id: str
+    tenant: str
+    run_model: str | None
+    context_window: int | None
+    envelope: dict[str, Any] | None
+    envelope_tokens: int
+    policy: dict[str, Any] | None
+    surface_version: int
+    surface_tokens: int
+    surface_messages: int
+    last_seq: int
+    last_position: int
+    reported_input_tokens: int | None
+    reported_version: int | None
+    signal_pending_until: dt.datetime | None
+    lease_owner: str | None
+    lease_run_id: str | None
+    lease_expires_at: dt.datetime | None
+    lease_fence: int
+    cooldown_until: dt.datetime | None
+    flagged_reason: str | None
+    flagged_at: dt.datetime | None
+    created_at: dt.datetime
+    last_append_at: dt.datetime | None
+
+    def lease_live(self, now: dt.datetime) -> bool:
+        return self.lease_expires_at is not None and self.lease_expires_at > now
+
+    @property
+    def provider_input_tokens(self) -> int | None:
+        """The provider's own count, while it still describes the current surface.
+
+        A count reported for an older version stays valid across appends (they only grow the
+        surface, so it is a lower bound), but a compaction commit clears it.
+        """
+        return self.reported_input_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    session: SessionInfo
+    first_seq: int
+    last_seq: int
+    tokens: tuple[int, ...]
+    signalled: bool = False
+
+    @property
+    def version(self) -> int:
+        return self.session.surface_version
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    seq: int
+    kind: str
+    payload: dict[str, Any]
+    tokens: int | None
+    run_id: str | None
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    session_id: str
+    ok: bool
+    problems: tuple[str, ...] = ()
+    nodes: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A lease taken on a session: the run row exists and ``compaction/start`` is journaled."""
+
+    session: SessionInfo
+    run_id: str
+    fence: int
+    owner: str
+    expires_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """The session was leased by someone else; a ``busy`` run row records the attempt."""
+
+    run_id: str
+    holder: str | None
+    expires_at: dt.datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """Nothing was claimed: the work was already done (a bulk item delivered twice)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """Replace the contiguous surface run ``seqs`` with one node.
+
+    ``journal`` is written just before the node (``compaction/prune`` or ``compaction/summary``).
+    """
+
+    seqs: tuple[int, ...]
+    kind: str
+    payload: dict[str, Any]
+    tokens: int
+    journal_kind: str
+    journal: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnd:
+    """How a claimed run ends; written with ``compaction/end`` as the last entry."""
+
+    outcome: str
+    failure_class: str | None = None
+    error: str | None = None
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    model: str | None = None
+    usage: dict[str, Any] | None = None
+    candidates: list[dict[str, Any]] | None = None
+    stages: dict[str, Any] | None = None
+    range_seqs: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    id: str
+    session_id: str
+    trigger: str
+    status: str
+    failure_class: str | None
+    owner: str | None
+    fence: int | None
+    task_id: str | None
+    bulk_job_id: str | None
+    surface_version_at_start: int | None
+    range_seqs: list[int] | None
+    candidates: list[dict[str, Any]] | None
+    stages: dict[str, Any] | None
+    model: str | None
+    usage: dict[str, Any] | None
+    tokens_before: int | None
+    tokens_after: int | None
+    error: str | None
+    started_at: dt.datetime
+    heartbeat_at: dt.datetime | None
+    finished_at: dt.datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status != "running"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.__slots__:
+            value = getattr(self, name)
+            out[name] = value.isoformat() if isinstance(value, dt.datetime) else value
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReapedLease:
+    session_id: str
+    run_id: str | None
+    owner: str | None
+    expired_at: dt.datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class BulkJob:
+    id: str
+    filter: dict[str, Any]
+    state: str
+    force: bool
+    rate_per_s: float | None
+    matched: int
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    pending: int = 0
+    enqueued: int = 0
+    done: int = 0
+    failed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "filter": self.filter, "state": self.state, "force": self.force,
+                "rate_per_s": self.rate_per_s, "matched": self.matched,
+                "pending": self.pending, "enqueued": self.enqueued, "done": self.done,
+                "failed": self.failed,
+                "created_at": self.created_at.isoformat(),
+                "updated_at": self.updated_at.isoformat()}

@@ -1,0 +1,190 @@
+"""Tables. The Alembic migrations in ``storage/migrations`` create exactly these (a test runs
+``alembic check`` to prove there is no drift)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+from storage.records import RunRecord, SessionInfo
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def dumps(value: Any) -> str:
+    # Compact, and non-ASCII kept as is: tool results are often large and not English.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
+    """Aware UTC datetimes on every backend.
+
+    PostgreSQL stores ``timestamptz``; SQLite has no time zones, so values are stored as naive UTC
+    and made aware again on the way out. Comparisons in SQL see the same representation on both.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime passed to storage; use aware UTC")
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: Dialect
+                             ) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+JSONText = sa.JSON(none_as_null=True)
+
+sessions = sa.Table(
+    "sessions", metadata,
+    sa.Column("id", sa.String(255), primary_key=True),
+    sa.Column("tenant", sa.String(255), nullable=False),
+    sa.Column("run_model", sa.String(255), nullable=True),
+    sa.Column("context_window", sa.Integer, nullable=True),
+    # The runtime's system prompt and tool schemas: sent with every call, so they count toward
+    # pressure, but they are not part of the surface.
+    sa.Column("envelope", JSONText, nullable=True),
+    sa.Column("envelope_tokens", sa.Integer, nullable=False),
+    sa.Column("policy", JSONText, nullable=True),
+    sa.Column("surface_version", sa.BigInteger, nullable=False),
+    sa.Column("surface_tokens", sa.BigInteger, nullable=False),
+    sa.Column("surface_messages", sa.Integer, nullable=False),
+    sa.Column("last_seq", sa.BigInteger, nullable=False),
+    sa.Column("last_position", sa.BigInteger, nullable=False),
+    # The provider's own input_tokens for the runtime's last call, and the surface version it
+    # was measured on; stale once a compaction replaced part of that surface.
+    sa.Column("reported_input_tokens", sa.Integer, nullable=True),
+    sa.Column("reported_version", sa.BigInteger, nullable=True),
+    # Signal de-duplication: a signal enqueues a task only when no other is pending.
+    sa.Column("signal_pending_until", UTCDateTime, nullable=True),
+    sa.Column("lease_owner", sa.String(255), nullable=True),
+    sa.Column("lease_run_id", sa.String(36), nullable=True),
+    sa.Column("lease_expires_at", UTCDateTime, nullable=True),
+    sa.Column("lease_fence", sa.BigInteger, nullable=False),
+    # Loop guard: compactions that brought no relief, and the cool-down they earned.
+    sa.Column("cooldown_until", UTCDateTime, nullable=True),
+    sa.Column("flagged_reason", sa.Text, nullable=True),
+    sa.Column("flagged_at", UTCDateTime, nullable=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("last_append_at", UTCDateTime, nullable=True),
+    sa.Index(None, "tenant"),
+    sa.Index(None, "lease_expires_at"),
+)
+
+events = sa.Table(
+    "events", metadata,
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("seq", sa.BigInteger, primary_key=True),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("payload", JSONText, nullable=False),
+    sa.Column("tokens", sa.Integer, nullable=True),
+    sa.Column("run_id", sa.String(36), nullable=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+surface = sa.Table(
+    "surface", metadata,
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("position", sa.BigInteger, primary_key=True),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("tokens", sa.Integer, nullable=False),
+    sa.UniqueConstraint("session_id", "seq"),
+)
+
+tool_calls = sa.Table(
+    "tool_calls", metadata,
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("call_id", sa.String(255), primary_key=True),
+    sa.Column("call_seq", sa.BigInteger, nullable=False),
+    sa.Column("result_seq", sa.BigInteger, nullable=True),
+)
+
+compaction_runs = sa.Table(
+    "compaction_runs", metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              nullable=False),
+    sa.Column("trigger", sa.String(32), nullable=False),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("failure_class", sa.String(32), nullable=True),
+    sa.Column("owner", sa.String(255), nullable=True),
+    sa.Column("fence", sa.BigInteger, nullable=True),
+    sa.Column("task_id", sa.String(255), nullable=True),
+    sa.Column("bulk_job_id", sa.String(36), nullable=True),
+    sa.Column("surface_version_at_start", sa.BigInteger, nullable=True),
+    sa.Column("range_seqs", JSONText, nullable=True),
+    sa.Column("candidates", JSONText, nullable=True),
+    sa.Column("stages", JSONText, nullable=True),
+    sa.Column("model", sa.String(255), nullable=True),
+    sa.Column("usage", JSONText, nullable=True),
+    sa.Column("tokens_before", sa.Integer, nullable=True),
+    sa.Column("tokens_after", sa.Integer, nullable=True),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("started_at", UTCDateTime, nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime, nullable=True),
+    sa.Column("finished_at", UTCDateTime, nullable=True),
+    sa.Index(None, "session_id", "started_at"),
+    sa.Index(None, "status", "started_at"),
+    sa.Index(None, "task_id"),
+    sa.Index(None, "bulk_job_id"),
+)
+
+bulk_jobs = sa.Table(
+    "bulk_jobs", metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("filter", JSONText, nullable=False),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("force", sa.Boolean, nullable=False),
+    sa.Column("rate_per_s", sa.Float, nullable=True),
+    sa.Column("matched", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
+bulk_items = sa.Table(
+    "bulk_items", metadata,
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("bulk_jobs.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("session_id", sa.String(255), primary_key=True),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("run_id", sa.String(36), nullable=True),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+    sa.Index(None, "job_id", "state"),
+)
+
+
+SESSION_COLUMNS = list(sessions.c)
+RUN_COLUMNS = list(compaction_runs.c)
+
+
+def session_from_row(row: Any) -> SessionInfo:
+    m = row._mapping
+    return SessionInfo(**{c.name: m[c.name] for c in SESSION_COLUMNS})
+
+
+def run_from_row(row: Any) -> RunRecord:
+    m = row._mapping
+    return RunRecord(**{c.name: m[c.name] for c in RUN_COLUMNS})

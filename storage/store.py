@@ -1,0 +1,411 @@
+"""The repository: the only code that builds SQL.
+
+:class:`Store` wraps one async engine. Every method is one short transaction (or one read), takes
+plain values, returns the records of ``storage.records`` and raises only compactd exceptions.
+Lease, run and bulk-job operations live in the mixins of ``storage.leases`` and ``storage.jobs``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from storage import schema as t
+from storage.database import connection, create_engine, is_sqlite, snapshot, transaction
+from storage.errors import InvalidMessage, SessionExists, SessionNotFound, StorageError
+from storage.jobs import JobsMixin
+from storage.leases import LeasesMixin
+from storage.messages import Message, ToolLinks, from_payload, referenced_call_ids
+from storage.records import (
+    AppendResult,
+    EventRecord,
+    SessionInfo,
+    VerifyResult,
+    utcnow,
+)
+from storage.schema import SESSION_COLUMNS, session_from_row
+from storage.surface import (
+    KIND_MESSAGE,
+    REPLACE_KINDS,
+    LoggedEvent,
+    ReplayError,
+    Surface,
+    SurfaceNode,
+    replay,
+)
+from storage.tokens import counter_for
+
+_SESSION_CACHE_MAX = 10_000
+
+
+def envelope_tokens(envelope: dict[str, Any] | None, run_model: str | None) -> int:
+    """Tokens the runtime sends with every call besides the surface: system prompt and tools."""
+    if not envelope:
+        return 0
+    counter = counter_for(run_model)
+    total = 0
+    system = envelope.get("system")
+    if system:
+        total += counter.count_message(Message(role="system", content=str(system)))
+    tools = envelope.get("tools")
+    if tools:
+        total += counter.count_text(json.dumps(tools, ensure_ascii=False, separators=(",", ":")))
+    return total
+
+
+class Store(LeasesMixin, JobsMixin):
+    """Sessions, the event log and the surface."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.sqlite = is_sqlite(engine)
+        # run_model never changes once a session exists, so appends can count tokens before
+        # their transaction without reading the session first.
+        self._run_models: dict[str, str | None] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> Store:
+        return cls(create_engine(url, **kwargs))
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    # ---------------------------------------------------------------------------------------
+    # sessions
+
+    async def create_session(
+        self, session_id: str, *, tenant: str = "default", run_model: str | None = None,
+        context_window: int | None = None, envelope: dict[str, Any] | None = None,
+        policy: dict[str, Any] | None = None, now: dt.datetime | None = None,
+    ) -> SessionInfo:
+        """Create a session, or return it when it exists with compatible settings.
+
+        Settings given here that differ from the stored ones raise :class:`SessionExists`,
+        except ``envelope`` and ``policy``, which a runtime may update (its tools can change).
+        """
+        _check_session_id(session_id)
+        now = now or utcnow()
+        env_tokens = envelope_tokens(envelope, run_model)
+        async with transaction(self.engine) as conn:
+            row = (await conn.execute(
+                sa.select(*SESSION_COLUMNS).where(t.sessions.c.id == session_id)
+                .with_for_update())).first()
+            if row is None:
+                await conn.execute(t.sessions.insert().values(
+                    id=session_id, tenant=tenant, run_model=run_model,
+                    context_window=context_window, envelope=envelope,
+                    envelope_tokens=env_tokens, policy=policy, surface_version=0,
+                    surface_tokens=0, surface_messages=0, last_seq=0, last_position=0,
+                    lease_fence=0, created_at=now))
+            else:
+                existing = session_from_row(row)
+                for name, given, stored in (("tenant", tenant, existing.tenant),
+                                            ("run_model", run_model, existing.run_model)):
+                    if given != stored:
+                        raise SessionExists(
+                            f"session {session_id!r} exists with {name}={stored!r}, "
+                            f"not {given!r}")
+                updates: dict[str, Any] = {}
+                if context_window is not None and context_window != existing.context_window:
+                    updates["context_window"] = context_window
+                if envelope is not None and envelope != existing.envelope:
+                    updates.update(envelope=envelope, envelope_tokens=env_tokens)
+                if policy is not None and policy != existing.policy:
+                    updates["policy"] = policy
+                if updates:
+                    await conn.execute(t.sessions.update()
+                                       .where(t.sessions.c.id == session_id).values(**updates))
+            info = await self._session(conn, session_id)
+        self._remember_model(session_id, info.run_model)
+        return info
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        async with connection(self.engine) as conn:
+            return await self._session(conn, session_id)
+
+    async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
+                       nowait: bool = False, skip_locked: bool = False) -> SessionInfo:
+        stmt = sa.select(*SESSION_COLUMNS).where(t.sessions.c.id == session_id)
+        if lock:
+            stmt = stmt.with_for_update(nowait=nowait, skip_locked=skip_locked)
+        row = (await conn.execute(stmt)).first()
+        if row is None:
+            raise SessionNotFound(session_id)
+        return session_from_row(row)
+
+    async def list_sessions(self, *, tenant: str | None = None, run_model: str | None = None,
+                            min_tokens: int | None = None, idle_before: dt.datetime | None = None,
+                            ids: Sequence[str] | None = None, after_id: str | None = None,
+                            limit: int = 1000) -> list[SessionInfo]:
+        """Sessions matching a filter, in id order, one keyset page at a time."""
+        c = t.sessions.c
+        stmt = sa.select(*SESSION_COLUMNS).order_by(c.id).limit(limit)
+        if tenant is not None:
+            stmt = stmt.where(c.tenant == tenant)
+        if run_model is not None:
+            stmt = stmt.where(c.run_model == run_model)
+        if min_tokens is not None:
+            stmt = stmt.where(c.surface_tokens + c.envelope_tokens >= min_tokens)
+        if idle_before is not None:
+            stmt = stmt.where(sa.or_(c.last_append_at.is_(None), c.last_append_at <= idle_before))
+        if ids is not None:
+            stmt = stmt.where(c.id.in_(list(ids)))
+        if after_id is not None:
+            stmt = stmt.where(c.id > after_id)
+        async with connection(self.engine) as conn:
+            return [session_from_row(r) for r in await conn.execute(stmt)]
+
+    def _remember_model(self, session_id: str, run_model: str | None) -> None:
+        if len(self._run_models) >= _SESSION_CACHE_MAX:
+            self._run_models.clear()
+        self._run_models[session_id] = run_model
+
+    async def _run_model(self, session_id: str) -> str | None:
+        if session_id not in self._run_models:
+            async with connection(self.engine) as conn:
+                model = (await conn.execute(sa.select(t.sessions.c.run_model)
+                                            .where(t.sessions.c.id == session_id))).first()
+            if model is None:
+                raise SessionNotFound(session_id)
+            self._remember_model(session_id, model[0])
+        return self._run_models[session_id]
+
+    async def report_usage(self, session_id: str, input_tokens: int) -> SessionInfo:
+        """Record the provider's own input token count for the runtime's last call."""
+        if not isinstance(input_tokens, int) or isinstance(input_tokens, bool) or input_tokens < 0:
+            raise InvalidMessage("must be a non-negative integer", field="input_tokens")
+        async with transaction(self.engine) as conn:
+            result = await conn.execute(
+                t.sessions.update().where(t.sessions.c.id == session_id)
+                .values(reported_input_tokens=input_tokens,
+                        reported_version=t.sessions.c.surface_version)
+                .returning(*SESSION_COLUMNS))
+            row = result.first()
+            if row is None:
+                raise SessionNotFound(session_id)
+            return session_from_row(row)
+
+    # ---------------------------------------------------------------------------------------
+    # append
+
+    async def append(
+        self, session_id: str, messages: Sequence[Message], *, now: dt.datetime | None = None,
+        signal_if: Callable[[SessionInfo], bool] | None = None, signal_ttl_s: float = 60.0,
+    ) -> AppendResult:
+        """Append a batch in one transaction: gapless seqs, tokens counted once.
+
+        Holds the session row only for its own transaction; a compaction holds a lease, not a
+        lock, so an append never waits on one. With ``signal_if``, the pressure decision is taken
+        on the new totals inside the same transaction, and the pending-signal mark is set at most
+        once per ``signal_ttl_s`` (the caller enqueues only when ``signalled`` is true).
+        """
+        if not messages:
+            raise InvalidMessage("an append needs at least one message")
+        now = now or utcnow()
+        counter = counter_for(await self._run_model(session_id))
+        tokens = tuple(counter.count_message(m) for m in messages)
+        payloads = [m.to_payload() for m in messages]
+        linked = list(referenced_call_ids(messages))
+        n, total = len(messages), sum(tokens)
+        c = t.sessions.c
+        async with transaction(self.engine) as conn:
+            row = (await conn.execute(
+                t.sessions.update().where(c.id == session_id)
+                .values(last_seq=c.last_seq + n, last_position=c.last_position + n,
+                        surface_version=c.surface_version + 1,
+                        surface_tokens=c.surface_tokens + total,
+                        surface_messages=c.surface_messages + n, last_append_at=now)
+                .returning(*SESSION_COLUMNS))).first()
+            if row is None:
+                raise SessionNotFound(session_id)
+            info = session_from_row(row)
+            first_seq = info.last_seq - n + 1
+            first_position = info.last_position - n + 1
+            if linked:
+                await self._link_tool_calls(conn, session_id, messages, linked, first_seq)
+            await conn.execute(t.events.insert(), [
+                {"session_id": session_id, "seq": first_seq + i, "kind": KIND_MESSAGE,
+                 "payload": payloads[i], "tokens": tokens[i], "created_at": now}
+                for i in range(n)])
+            await conn.execute(t.surface.insert(), [
+                {"session_id": session_id, "position": first_position + i,
+                 "seq": first_seq + i, "tokens": tokens[i]} for i in range(n)])
+            signalled = False
+            if signal_if is not None and signal_if(info):
+                signalled = await self._mark_signal(conn, session_id, now, signal_ttl_s)
+        return AppendResult(session=info, first_seq=first_seq, last_seq=info.last_seq,
+                            tokens=tokens, signalled=signalled)
+
+    async def _link_tool_calls(self, conn: AsyncConnection, session_id: str,
+                               messages: Sequence[Message], linked: list[str],
+                               first_seq: int) -> None:
+        tc = t.tool_calls.c
+        rows = (await conn.execute(
+            sa.select(tc.call_id, tc.result_seq)
+            .where(tc.session_id == session_id, tc.call_id.in_(sorted(set(linked)))))).all()
+        links = ToolLinks(issued=[r.call_id for r in rows],
+                          answered=[r.call_id for r in rows if r.result_seq is not None])
+        links.check(messages)
+        new_calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for i, message in enumerate(messages):
+            for call in message.tool_calls:
+                new_calls.append({"session_id": session_id, "call_id": call.id,
+                                  "call_seq": first_seq + i, "result_seq": None})
+            if message.role == "tool":
+                results.append({"b_call": message.tool_call_id, "b_seq": first_seq + i})
+        if new_calls:
+            await conn.execute(t.tool_calls.insert(), new_calls)
+        if results:
+            await conn.execute(
+                t.tool_calls.update()
+                .where(tc.session_id == session_id, tc.call_id == sa.bindparam("b_call"))
+                .values(result_seq=sa.bindparam("b_seq")), results)
+
+    # ---------------------------------------------------------------------------------------
+    # signals
+
+    async def mark_signal(self, session_id: str, *, ttl_s: float,
+                          now: dt.datetime | None = None) -> bool:
+        """Set the pending-signal mark unless one is live; True when this call set it."""
+        async with transaction(self.engine) as conn:
+            marked = await self._mark_signal(conn, session_id, now or utcnow(), ttl_s)
+            if not marked:
+                await self._session(conn, session_id)  # SessionNotFound beats "already queued"
+            return marked
+
+    async def _mark_signal(self, conn: AsyncConnection, session_id: str, now: dt.datetime,
+                           ttl_s: float) -> bool:
+        c = t.sessions.c
+        result = await conn.execute(
+            t.sessions.update()
+            .where(c.id == session_id,
+                   sa.or_(c.signal_pending_until.is_(None), c.signal_pending_until <= now))
+            .values(signal_pending_until=now + dt.timedelta(seconds=ttl_s)))
+        return bool(result.rowcount)
+
+    async def clear_signal(self, session_id: str) -> None:
+        async with transaction(self.engine) as conn:
+            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id)
+                               .values(signal_pending_until=None))
+
+    # ---------------------------------------------------------------------------------------
+    # reads
+
+    async def read_surface(self, session_id: str) -> Surface:
+        """The surface in order, with the version it was read at, in one indexed query."""
+        s, e, c = t.surface.c, t.events.c, t.sessions.c
+        stmt = (
+            sa.select(c.surface_version, s.position, s.seq, s.tokens, e.kind, e.payload)
+            .select_from(t.sessions.outerjoin(t.surface, s.session_id == c.id)
+                         .outerjoin(t.events, sa.and_(e.session_id == s.session_id,
+                                                      e.seq == s.seq)))
+            .where(c.id == session_id).order_by(s.position))
+        async with connection(self.engine) as conn:
+            rows = (await conn.execute(stmt)).all()
+        if not rows:
+            raise SessionNotFound(session_id)
+        nodes = tuple(SurfaceNode(seq=r.seq, kind=r.kind, message=from_payload(_message_of(r)),
+                                  tokens=r.tokens, position=r.position)
+                      for r in rows if r.seq is not None)
+        return Surface(session_id=session_id, version=rows[0].surface_version, nodes=nodes)
+
+    async def poll(self, session_id: str, since_version: int | None) -> int | None:
+        """The surface version if it moved past ``since_version``, else None (one PK read)."""
+        async with connection(self.engine) as conn:
+            row = (await conn.execute(sa.select(t.sessions.c.surface_version)
+                                      .where(t.sessions.c.id == session_id))).first()
+        if row is None:
+            raise SessionNotFound(session_id)
+        version = int(row[0])
+        return None if since_version is not None and version == since_version else version
+
+    async def read_events(self, session_id: str, *, kinds: Iterable[str] | None = None,
+                          after_seq: int = 0) -> list[EventRecord]:
+        e = t.events.c
+        stmt = (sa.select(e.seq, e.kind, e.payload, e.tokens, e.run_id, e.created_at)
+                .where(e.session_id == session_id, e.seq > after_seq).order_by(e.seq))
+        if kinds is not None:
+            stmt = stmt.where(e.kind.in_(list(kinds)))
+        async with snapshot(self.engine) as conn:
+            await self._session(conn, session_id)
+            return [EventRecord(seq=r.seq, kind=r.kind, payload=r.payload, tokens=r.tokens,
+                                run_id=r.run_id, created_at=r.created_at)
+                    for r in await conn.execute(stmt)]
+
+    async def verify(self, session_id: str) -> VerifyResult:
+        """Replay the log and compare it with the stored surface and cached totals."""
+        e, s = t.events.c, t.surface.c
+        async with snapshot(self.engine) as conn:
+            info = await self._session(conn, session_id)
+            events = [LoggedEvent(seq=r.seq, kind=r.kind, tokens=r.tokens,
+                                  replaces=tuple(r.payload.get("replaces", ()))
+                                  if r.kind in REPLACE_KINDS else ())
+                      for r in await conn.execute(
+                          sa.select(e.seq, e.kind, e.tokens, e.payload)
+                          .where(e.session_id == session_id,
+                                 e.kind.in_([KIND_MESSAGE, *REPLACE_KINDS]))
+                          .order_by(e.seq))]
+            stored = [(r.seq, r.tokens) for r in await conn.execute(
+                sa.select(s.seq, s.tokens).where(s.session_id == session_id)
+                .order_by(s.position))]
+            last_seq = (await conn.execute(sa.select(sa.func.max(e.seq))
+                                           .where(e.session_id == session_id))).scalar()
+        problems: list[str] = []
+        try:
+            replayed = replay(events)
+        except ReplayError as exc:
+            replayed = []
+            problems.append(f"the log does not replay: {exc}")
+        if not problems and replayed != stored:
+            problems.append(_first_difference(replayed, stored))
+        total = sum(tok for _, tok in stored)
+        if info.surface_tokens != total:
+            problems.append(f"cached surface_tokens {info.surface_tokens} != sum of nodes {total}")
+        if info.surface_messages != len(stored):
+            problems.append(
+                f"cached surface_messages {info.surface_messages} != {len(stored)} nodes")
+        if (last_seq or 0) != info.last_seq:
+            problems.append(f"last_seq {info.last_seq} != highest event seq {last_seq}")
+        return VerifyResult(session_id=session_id, ok=not problems, problems=tuple(problems),
+                            nodes=len(stored), tokens=total)
+
+    async def all_session_ids(self) -> list[str]:
+        async with connection(self.engine) as conn:
+            return [r[0] for r in await conn.execute(
+                sa.select(t.sessions.c.id).order_by(t.sessions.c.id))]
+
+    async def counts(self) -> dict[str, int]:
+        """Row counts per table (tests use it to prove a rejected batch wrote nothing)."""
+        out = {}
+        async with snapshot(self.engine) as conn:
+            for table in (t.sessions, t.events, t.surface, t.tool_calls, t.compaction_runs):
+                out[table.name] = int((await conn.execute(
+                    sa.select(sa.func.count()).select_from(table))).scalar() or 0)
+        return out
+
+
+def _message_of(row: Any) -> dict[str, Any]:
+    payload = row.payload
+    if payload is None:
+        raise StorageError(f"surface row seq {row.seq} has no event")
+    return payload["message"] if row.kind in REPLACE_KINDS else payload
+
+
+def _first_difference(replayed: list[tuple[int, int]], stored: list[tuple[int, int]]) -> str:
+    for i, (a, b) in enumerate(zip(replayed, stored, strict=False)):
+        if a != b:
+            return (f"node {i}: replay gives seq {a[0]} ({a[1]} tokens), "
+                    f"stored surface has seq {b[0]} ({b[1]} tokens)")
+    return (f"replay gives {len(replayed)} nodes, the stored surface has {len(stored)}")
+
+
+def _check_session_id(session_id: Any) -> None:
+    if not isinstance(session_id, str) or not session_id.strip() or len(session_id) > 255:
+        raise InvalidMessage("a session id is a non-empty string of at most 255 characters",
+                             field="session")

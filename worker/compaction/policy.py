@@ -1,0 +1,441 @@
+"""The compaction policy: what the ``summarization:`` block of the configuration says.
+
+Accepts DeerFlow's block verbatim (``enabled``, ``model_name``, ``trigger`` as one ``{type, value}``
+or a list of them, ``keep``, ``trim_tokens_to_summarize``, ``summary_prompt``,
+``skill_file_read_tool_names``), LangChain's forms (``("tokens", 4000)`` tuples; a list is OR; a
+mapping such as ``{"tokens": 4000, "messages": 30}`` is AND), and compactd's own keys.
+
+Silent misconfigurations are load-time errors naming the key path: non-finite numbers (``.nan``
+never compares true, so the threshold would be dead), a fraction outside (0, 1] (``80`` meant as
+``0.8``), a non-integer or non-positive count (LangChain slices ``messages[-keep:]``), an empty
+trigger mapping, a ``summary_prompt`` without ``{messages}``, unknown keys, and a ``keep`` that is
+not below the trigger (the kept tail alone would fire it again).
+
+Pure: no I/O. ``resolve`` binds a policy to a run model's context window, dropping ``fraction``
+clauses it cannot evaluate (with a warning), as DeerFlow does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("tokens", "messages", "fraction")
+RENDERS = ("durable_context", "compacted_summary", "langchain")
+STRATEGIES = ("chunk", "shrink")
+
+DEFAULT_KEEP_MESSAGES = 20
+DEFAULT_RETAIN_RATIO = 0.16
+DEFAULT_TRIM_TOKENS = 4000
+DEFAULT_MAX_SUMMARY_TOKENS = 2000
+DEFAULT_SKILL_TOOLS = ("read_file", "read", "view", "cat")
+DEFAULT_SKILLS_PATH = "/mnt/skills"
+PRUNE_THRESHOLD_CHARS = 8192
+PRUNE_HEAD_CHARS = 4096
+PRUNE_TAIL_CHARS = 1024
+CLEARED_PLACEHOLDER = "[cleared]"
+
+
+class PolicyError(ValueError):
+    """A policy value is not valid; the message starts with its key path."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class Clause:
+    kind: Literal["tokens", "messages", "fraction"]
+    value: float
+
+    def describe(self) -> str:
+        v = self.value if self.kind == "fraction" else int(self.value)
+        return f"{self.kind}>={v}"
+
+
+# A trigger is OR over groups; a group is AND over clauses. ``()`` means automatic compaction is
+# off (forced compaction still works).
+Trigger = tuple[tuple[Clause, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PruneConfig:
+    enabled: bool = True
+    threshold_chars: int = PRUNE_THRESHOLD_CHARS
+    head_chars: int = PRUNE_HEAD_CHARS
+    tail_chars: int = PRUNE_TAIL_CHARS
+
+
+@dataclass(frozen=True, slots=True)
+class ClearToolUsesConfig:
+    """LangChain's ClearToolUsesEdit: above ``trigger`` tokens, clear all but ``keep`` results."""
+
+    enabled: bool = False
+    trigger: int = 100_000
+    keep: int = 3
+    exclude_tools: tuple[str, ...] = ()
+    clear_tool_inputs: bool = False
+    clear_at_least: int = 0
+    placeholder: str = CLEARED_PLACEHOLDER
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    enabled: bool = True
+    model_name: str | None = None
+    trigger: Trigger = ((Clause("fraction", 0.8),),)
+    keep: Clause | None = None  # None: retain_ratio of the window, else the last 20 messages
+    retain_ratio: float = DEFAULT_RETAIN_RATIO
+    trim_tokens_to_summarize: int | None = DEFAULT_TRIM_TOKENS
+    summary_prompt: str | None = None
+    skill_file_read_tool_names: tuple[str, ...] = DEFAULT_SKILL_TOOLS
+    skills_path: str = DEFAULT_SKILLS_PATH
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    clear_tool_uses: ClearToolUsesConfig = field(default_factory=ClearToolUsesConfig)
+    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    lease_s: float = 60.0
+    max_rounds: int = 3
+    render: str = "durable_context"
+    replay_mode: bool = False
+    strategy: str = "chunk"
+    # Set by ``resolve``: the run model's window, and whether clauses were dropped.
+    context_window: int | None = None
+    dropped: tuple[str, ...] = ()
+
+    @property
+    def auto(self) -> bool:
+        """Whether automatic (pressure) compaction can fire at all."""
+        return self.enabled and bool(self.trigger)
+
+    def resolve(self, context_window: int | None) -> Policy:
+        """Bind to the run model's window: the denominator of every ``fraction``.
+
+        The window is the run model's (the model that would overflow), never the summary
+        model's. Without a window, ``fraction`` trigger clauses are dropped with a warning and a
+        ``fraction`` keep falls back to the last 20 messages.
+        """
+        if context_window is not None and context_window > 0:
+            return replace(self, context_window=context_window)
+        dropped: list[str] = []
+        groups: list[tuple[Clause, ...]] = []
+        for group in self.trigger:
+            if any(c.kind == "fraction" for c in group):
+                dropped.append(" and ".join(c.describe() for c in group))
+                continue
+            groups.append(group)
+        keep = self.keep
+        if keep is not None and keep.kind == "fraction":
+            dropped.append(f"keep {keep.describe()}")
+            keep = Clause("messages", DEFAULT_KEEP_MESSAGES)
+        if dropped:
+            logger.warning(
+                "fraction clauses dropped: the run model has no known context window",
+                extra={"action": "policy.drop_fraction", "dropped": dropped,
+                       "auto_off": not groups})
+        return replace(self, trigger=tuple(groups), keep=keep, context_window=None,
+                       dropped=tuple(dropped))
+
+    def threshold_tokens(self) -> float | None:
+        """The lowest token count at which some trigger group could fire (for sweeps/metrics)."""
+        lows = []
+        for group in self.trigger:
+            for c in group:
+                if c.kind == "tokens":
+                    lows.append(c.value)
+                elif c.kind == "fraction" and self.context_window:
+                    lows.append(c.value * self.context_window)
+        return min(lows) if lows else None
+
+    def to_config(self) -> dict[str, Any]:
+        """A ``summarization:`` mapping that parses back to this policy."""
+        out: dict[str, Any] = {
+            "enabled": self.enabled, "model_name": self.model_name,
+            "trigger": [{c.kind: c.value for c in g} for g in self.trigger],
+            "retain_ratio": self.retain_ratio,
+            "trim_tokens_to_summarize": self.trim_tokens_to_summarize,
+            "summary_prompt": self.summary_prompt,
+            "skill_file_read_tool_names": list(self.skill_file_read_tool_names),
+            "skills_path": self.skills_path,
+            "prune": {"enabled": self.prune.enabled,
+                      "threshold_chars": self.prune.threshold_chars,
+                      "head_chars": self.prune.head_chars, "tail_chars": self.prune.tail_chars},
+            "clear_tool_uses": {
+                "enabled": self.clear_tool_uses.enabled, "trigger": self.clear_tool_uses.trigger,
+                "keep": self.clear_tool_uses.keep,
+                "exclude_tools": list(self.clear_tool_uses.exclude_tools),
+                "clear_tool_inputs": self.clear_tool_uses.clear_tool_inputs,
+                "clear_at_least": self.clear_tool_uses.clear_at_least,
+                "placeholder": self.clear_tool_uses.placeholder},
+            "max_summary_tokens": self.max_summary_tokens, "lease_s": self.lease_s,
+            "max_rounds": self.max_rounds, "render": self.render,
+            "replay_mode": self.replay_mode, "strategy": self.strategy,
+        }
+        if self.keep is not None:
+            out["keep"] = {"type": self.keep.kind, "value": self.keep.value}
+        return out
+
+
+# ------------------------------------------------------------------------------------------
+# parsing
+
+_TOP_KEYS = {
+    "enabled", "model_name", "trigger", "keep", "trim_tokens_to_summarize", "summary_prompt",
+    "skill_file_read_tool_names", "skills_path", "prune", "clear_tool_uses", "retain_ratio",
+    "max_summary_tokens", "lease_s", "max_rounds", "render", "replay_mode", "strategy",
+}
+_PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
+_CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs",
+               "clear_at_least", "placeholder"}
+
+
+def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
+                 base: Policy | None = None) -> Policy:
+    """A policy from a ``summarization:`` mapping; keys not given keep ``base``'s values."""
+    policy = base or Policy()
+    if raw is None:
+        return policy
+    if not isinstance(raw, Mapping):
+        raise PolicyError(path, f"must be a mapping, got {type(raw).__name__}")
+    _no_unknown(raw, _TOP_KEYS, path)
+    changes: dict[str, Any] = {}
+    if "enabled" in raw:
+        changes["enabled"] = _bool(raw["enabled"], f"{path}.enabled")
+    if "model_name" in raw:
+        changes["model_name"] = _opt_str(raw["model_name"], f"{path}.model_name")
+    if "trigger" in raw:
+        changes["trigger"] = parse_trigger(raw["trigger"], f"{path}.trigger")
+    if "keep" in raw:
+        changes["keep"] = None if raw["keep"] is None else parse_clause(raw["keep"],
+                                                                        f"{path}.keep")
+    if "retain_ratio" in raw:
+        changes["retain_ratio"] = _fraction(raw["retain_ratio"], f"{path}.retain_ratio")
+    if "trim_tokens_to_summarize" in raw:
+        v = raw["trim_tokens_to_summarize"]
+        changes["trim_tokens_to_summarize"] = (
+            None if v is None else _count(v, f"{path}.trim_tokens_to_summarize"))
+    if "summary_prompt" in raw:
+        prompt = _opt_str(raw["summary_prompt"], f"{path}.summary_prompt")
+        if prompt is not None and "{messages}" not in prompt:
+            raise PolicyError(f"{path}.summary_prompt",
+                              "a custom prompt must contain the {messages} placeholder")
+        changes["summary_prompt"] = prompt
+    if "skill_file_read_tool_names" in raw:
+        changes["skill_file_read_tool_names"] = _str_list(
+            raw["skill_file_read_tool_names"], f"{path}.skill_file_read_tool_names")
+    if "skills_path" in raw:
+        changes["skills_path"] = _str(raw["skills_path"], f"{path}.skills_path")
+    if "prune" in raw:
+        changes["prune"] = _parse_prune(raw["prune"], f"{path}.prune", policy.prune)
+    if "clear_tool_uses" in raw:
+        changes["clear_tool_uses"] = _parse_clear(raw["clear_tool_uses"],
+                                                  f"{path}.clear_tool_uses",
+                                                  policy.clear_tool_uses)
+    if "max_summary_tokens" in raw:
+        changes["max_summary_tokens"] = _count(raw["max_summary_tokens"],
+                                               f"{path}.max_summary_tokens")
+    if "lease_s" in raw:
+        changes["lease_s"] = _positive(raw["lease_s"], f"{path}.lease_s")
+    if "max_rounds" in raw:
+        changes["max_rounds"] = _count(raw["max_rounds"], f"{path}.max_rounds")
+    if "render" in raw:
+        changes["render"] = _choice(raw["render"], RENDERS, f"{path}.render")
+    if "replay_mode" in raw:
+        changes["replay_mode"] = _bool(raw["replay_mode"], f"{path}.replay_mode")
+    if "strategy" in raw:
+        changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
+    out = replace(policy, **changes)
+    check_keep_below_trigger(out.keep, out.trigger, path)
+    return out
+
+
+def parse_trigger(raw: Any, path: str) -> Trigger:
+    """OR over groups. Accepted items: ``{type, value}`` (DeerFlow), ``[kind, value]`` tuples
+    (LangChain), and ``{kind: value, ...}`` mappings (AND, LangChain's TriggerClause)."""
+    if raw is None:
+        return ()
+    items = raw if _is_list(raw) and not _is_pair(raw) else [raw]
+    groups: list[tuple[Clause, ...]] = []
+    for i, item in enumerate(items):
+        where = f"{path}[{i}]" if items is raw else path
+        if isinstance(item, Mapping) and "type" not in item:
+            if not item:
+                raise PolicyError(where, "an empty trigger mapping never fires; "
+                                         "give at least one of tokens, messages, fraction")
+            clauses = []
+            for kind, value in item.items():
+                if kind not in KINDS:
+                    raise PolicyError(f"{where}.{kind}",
+                                      f"unknown trigger kind (expected {', '.join(KINDS)})")
+                clauses.append(_clause(kind, value, f"{where}.{kind}"))
+            groups.append(tuple(clauses))
+        else:
+            groups.append((parse_clause(item, where),))
+    return tuple(groups)
+
+
+def parse_clause(raw: Any, path: str) -> Clause:
+    """One ``{type, value}`` mapping, ``[kind, value]`` pair, or one-key ``{kind: value}``."""
+    if isinstance(raw, Mapping):
+        if "type" in raw:
+            _no_unknown(raw, {"type", "value"}, path)
+            if "value" not in raw:
+                raise PolicyError(f"{path}.value", "missing")
+            kind, value = raw["type"], raw["value"]
+            value_path = f"{path}.value"
+        elif len(raw) == 1:
+            kind, value = next(iter(raw.items()))
+            value_path = f"{path}.{kind}"
+        else:
+            raise PolicyError(path, "expected {type: KIND, value: N}")
+    elif _is_pair(raw):
+        kind, value = raw[0], raw[1]
+        value_path = f"{path}[1]"
+    else:
+        raise PolicyError(path, "expected {type: KIND, value: N} or [KIND, N]")
+    if kind not in KINDS:
+        raise PolicyError(f"{path}.type" if isinstance(raw, Mapping) else f"{path}[0]",
+                          f"unknown kind {kind!r} (expected {', '.join(KINDS)})")
+    return _clause(kind, value, value_path)
+
+
+def _clause(kind: str, value: Any, path: str) -> Clause:
+    if kind == "fraction":
+        return Clause("fraction", _fraction(value, path))
+    return Clause(kind, _count(value, path))  # type: ignore[arg-type]
+
+
+def check_keep_below_trigger(keep: Clause | None, trigger: Trigger, path: str) -> None:
+    if keep is None:
+        return
+    for g, group in enumerate(trigger):
+        for clause in group:
+            if clause.kind == keep.kind and keep.value >= clause.value:
+                raise PolicyError(
+                    f"{path}.keep",
+                    f"keep {keep.describe()} is not below trigger {clause.describe()} "
+                    f"(group {g}): the kept tail alone would fire the trigger again")
+
+
+def _parse_prune(raw: Any, path: str, base: PruneConfig) -> PruneConfig:
+    if isinstance(raw, bool):
+        return replace(base, enabled=raw)
+    if not isinstance(raw, Mapping):
+        raise PolicyError(path, "must be a mapping or a boolean")
+    _no_unknown(raw, _PRUNE_KEYS, path)
+    changes: dict[str, Any] = {k: (_bool(v, f"{path}.{k}") if k == "enabled"
+                                   else _count(v, f"{path}.{k}")) for k, v in raw.items()}
+    out = replace(base, **changes)
+    if out.head_chars + out.tail_chars >= out.threshold_chars:
+        raise PolicyError(path, "head_chars + tail_chars must be below threshold_chars, "
+                                "or pruning would not shrink anything")
+    return out
+
+
+def _parse_clear(raw: Any, path: str, base: ClearToolUsesConfig) -> ClearToolUsesConfig:
+    if isinstance(raw, bool):
+        return replace(base, enabled=raw)
+    if not isinstance(raw, Mapping):
+        raise PolicyError(path, "must be a mapping or a boolean")
+    _no_unknown(raw, _CLEAR_KEYS, path)
+    changes: dict[str, Any] = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}"
+        if key in ("enabled", "clear_tool_inputs"):
+            changes[key] = _bool(value, where)
+        elif key == "trigger":
+            changes[key] = _count(value, where)
+        elif key in ("keep", "clear_at_least"):
+            changes[key] = _count(value, where, allow_zero=True)
+        elif key == "exclude_tools":
+            changes[key] = _str_list(value, where)
+        elif key == "placeholder":
+            changes[key] = _str(value, where)
+    return replace(base, **changes)
+
+
+# ------------------------------------------------------------------------------------------
+# scalar checks
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def _is_pair(value: Any) -> bool:
+    return _is_list(value) and len(value) == 2 and isinstance(value[0], str)
+
+
+def _number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PolicyError(path, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise PolicyError(path, f"must be a finite number, got {value!r} "
+                                "(a non-finite threshold never compares true)")
+    return float(value)
+
+
+def _fraction(value: Any, path: str) -> float:
+    v = _number(value, path)
+    if not 0 < v <= 1:
+        hint = f" (write {v / 100:g} for {v:g}%)" if 1 < v <= 100 else ""
+        raise PolicyError(path, f"a fraction must be in (0, 1], got {value!r}{hint}")
+    return v
+
+
+def _count(value: Any, path: str, *, allow_zero: bool = False) -> int:
+    v = _number(value, path)
+    if not float(v).is_integer():
+        raise PolicyError(path, f"must be an integer, got {value!r}")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise PolicyError(path, f"must be {'non-negative' if allow_zero else 'positive'}, "
+                                f"got {value!r}")
+    return int(v)
+
+
+def _positive(value: Any, path: str) -> float:
+    v = _number(value, path)
+    if v <= 0:
+        raise PolicyError(path, f"must be positive, got {value!r}")
+    return v
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise PolicyError(path, f"must be true or false, got {value!r}")
+    return value
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise PolicyError(path, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _opt_str(value: Any, path: str) -> str | None:
+    return None if value is None else _str(value, path)
+
+
+def _str_list(value: Any, path: str) -> tuple[str, ...]:
+    if not _is_list(value):
+        raise PolicyError(path, f"must be a list of strings, got {value!r}")
+    return tuple(_str(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
+    if value not in choices:
+        raise PolicyError(path, f"must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _no_unknown(raw: Mapping[str, Any], known: set[str], path: str) -> None:
+    for key in raw:
+        if key not in known:
+            raise PolicyError(f"{path}.{key}",
+                              f"unknown key (expected one of {', '.join(sorted(known))})")

@@ -1,0 +1,245 @@
+"""Configuration: one object, built where a process starts, plain values passed inward.
+
+Environment (prefix ``COMPACTD_``): ``DATABASE_URL``, ``BROKER_URL``, ``CONFIG`` (a YAML file),
+``HOME`` (where the embedded default keeps its files), ``LOG_FORMAT``. The YAML file holds the rest:
+``models:``, ``summarization:`` (see ``worker.compaction.policy``), ``worker:``, ``scheduler:``.
+With nothing set, everything runs on the embedded default: a SQLite file, a broker that needs no
+server (kombu's filesystem transport under COMPACTD_HOME), and the local model-free summarizer.
+
+Every load-time error is a :class:`ConfigError` whose message starts with the key path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from storage.database import embedded_url
+from storage.errors import ConfigError
+from worker.compaction.policy import Policy, PolicyError, parse_policy
+
+PROVIDERS = ("openai", "anthropic", "openai-compatible", "local")
+LOCAL_MODEL = "local"
+
+
+class _Strict(BaseModel):
+    # allow_inf_nan=False: YAML's .nan and .inf parse as floats, and a non-finite limit never
+    # compares the way anyone meant.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class ModelSpec(_Strict):
+    """One entry of ``models:``."""
+
+    name: str = Field(min_length=1)
+    provider: Literal["openai", "anthropic", "openai-compatible", "local"]
+    model: str | None = None  # the provider's model id; defaults to ``name``
+    base_url: str | None = None
+    api_key_env: str | None = None
+    context_window: int | None = Field(default=None, gt=0)
+    max_output_tokens: int | None = Field(default=None, gt=0)
+    timeout_s: float = Field(default=60.0, gt=0)
+
+    @property
+    def model_id(self) -> str:
+        return self.model or self.name
+
+
+class LoopGuardConfig(_Strict):
+    """A session compacted more than ``max_compactions`` times within ``window_s`` without its
+    pressure falling ``margin`` below the trigger is cooled down for ``cooldown_s`` and flagged."""
+
+    max_compactions: int = Field(default=3, gt=0)
+    window_s: float = Field(default=600.0, gt=0)
+    margin: float = Field(default=0.1, ge=0, lt=1)
+    cooldown_s: float = Field(default=900.0, gt=0)
+
+
+class WorkerConfig(_Strict):
+    concurrency: int = Field(default=64, gt=0)
+    deadline_s: float = Field(default=240.0, gt=0)
+    task_time_limit_s: float = Field(default=300.0, gt=0)
+    candidate_budget_s: float = Field(default=90.0, gt=0)
+    max_attempts: int = Field(default=4, gt=0)
+    retry_after_cap_s: float = Field(default=20.0, ge=0)
+    lease_s: float = Field(default=60.0, gt=0)
+    sweep_interval_s: float = Field(default=30.0, gt=0)
+    reap_interval_s: float = Field(default=15.0, gt=0)
+    sweep_batch: int = Field(default=200, gt=0)
+    signal_ttl_s: float = Field(default=120.0, gt=0)
+    unavailable_model_s: float = Field(default=300.0, gt=0)
+    local_fallback: bool = True
+    attribution_header: str = "x-compactd-purpose"
+    attribution_value: str = "compaction"
+    metrics_port: int = Field(default=9540, ge=0, le=65535)
+    provider_rate_per_s: float | None = Field(default=None, gt=0)
+    loop_guard: LoopGuardConfig = LoopGuardConfig()
+
+    @model_validator(mode="after")
+    def _deadline_below_limit(self) -> WorkerConfig:
+        # The fallback's overall deadline must end before Celery kills the task, or a slow
+        # provider turns a clean `summary` failure into a killed task and an abandoned lease.
+        if self.deadline_s >= self.task_time_limit_s:
+            raise ValueError("deadline_s must be below task_time_limit_s")
+        return self
+
+
+class FileConfig(_Strict):
+    models: tuple[ModelSpec, ...] = ()
+    default_model: str | None = None
+    worker: WorkerConfig = WorkerConfig()
+
+
+class Settings(BaseSettings):
+    """What the environment says; ``load_settings`` adds the YAML file."""
+
+    model_config = SettingsConfigDict(env_prefix="COMPACTD_", extra="ignore")
+
+    database_url: str | None = None
+    broker_url: str | None = None
+    redis_url: str | None = None
+    config: str | None = None
+    home: str | None = None
+    log_format: Literal["auto", "json", "text"] = "auto"
+    log_level: str = "INFO"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a process needs, resolved."""
+
+    database_url: str
+    broker_url: str
+    redis_url: str | None
+    home: Path
+    models: tuple[ModelSpec, ...] = ()
+    default_model: str | None = None
+    policy: Policy = field(default_factory=Policy)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    log_format: str = "auto"
+    log_level: str = "INFO"
+    config_path: str | None = None
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def embedded_broker(self) -> bool:
+        return self.broker_url.startswith("filesystem://")
+
+    def model(self, name: str | None) -> ModelSpec | None:
+        for spec in self.models:
+            if spec.name == name:
+                return spec
+        return None
+
+    def context_window(self, run_model: str | None) -> int | None:
+        spec = self.model(run_model)
+        return spec.context_window if spec else None
+
+
+def broker_dirs(home: Path) -> dict[str, Any]:
+    base = home / "compactd-broker"
+    for sub in ("in", "processed"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    return {"data_folder_in": str(base / "in"), "data_folder_out": str(base / "in"),
+            "processed_folder": str(base / "processed"), "store_processed": False}
+
+
+def load_config(env: Mapping[str, str] | None = None, *, path: str | None = None) -> Config:
+    """Build the configuration from the environment and the optional YAML file."""
+    try:
+        settings = Settings(**_env_kwargs(env)) if env is not None else Settings()
+    except ValidationError as exc:
+        raise ConfigError(_format_pydantic(exc, "environment")) from None
+    home = Path(settings.home or os.getcwd()).expanduser().resolve()
+    config_path = path or settings.config
+    raw: dict[str, Any] = {}
+    if config_path:
+        raw = read_yaml(config_path)
+    return build_config(raw, settings=settings, home=home, config_path=config_path)
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+_FILE_KEYS = {"models", "default_model", "summarization", "worker"}
+
+
+def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
+                 home: Path | None = None, config_path: str | None = None) -> Config:
+    settings = settings or Settings()
+    home = home or Path(settings.home or os.getcwd()).expanduser().resolve()
+    for key in raw:
+        if key not in _FILE_KEYS:
+            raise ConfigError(
+                f"{key}: unknown key (expected one of {', '.join(sorted(_FILE_KEYS))})")
+    try:
+        file_config = FileConfig(**{k: v for k, v in raw.items() if k != "summarization"})
+    except ValidationError as exc:
+        raise ConfigError(_format_pydantic(exc, None)) from None
+    names = [m.name for m in file_config.models]
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise ConfigError(f"models[{i}].name: duplicate model name {name!r}")
+    if file_config.default_model and file_config.default_model not in [*names, LOCAL_MODEL]:
+        raise ConfigError(f"default_model: {file_config.default_model!r} is not in models")
+    try:
+        policy = parse_policy(raw.get("summarization"))
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    if policy.model_name and policy.model_name not in [*names, LOCAL_MODEL]:
+        raise ConfigError(f"summarization.model_name: {policy.model_name!r} is not in models")
+    return Config(
+        database_url=settings.database_url or embedded_url(home),
+        broker_url=settings.broker_url or "filesystem://",
+        redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
+        home=home, models=file_config.models, default_model=file_config.default_model,
+        policy=policy, worker=file_config.worker, log_format=settings.log_format,
+        log_level=settings.log_level, config_path=config_path)
+
+
+def _redis_from_broker(broker_url: str | None) -> str | None:
+    if broker_url and broker_url.startswith(("redis://", "rediss://")):
+        return broker_url
+    return None
+
+
+def _env_kwargs(env: Mapping[str, str]) -> dict[str, Any]:
+    prefix = "COMPACTD_"
+    return {k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)}
+
+
+def _format_pydantic(exc: ValidationError, root: str | None) -> str:
+    first = exc.errors()[0]
+    parts = [str(p) for p in first["loc"]]
+    path = ""
+    for p in parts:
+        path += f"[{p}]" if p.isdigit() else (f".{p}" if path else p)
+    if root:
+        path = f"{root}.{path}" if path else root
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    return f"{path}: {msg}"
