@@ -107,6 +107,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
 
 
 _PG_UNDEFINED_TABLE = "42P01"
+_PG_NO_DATABASE = "3D000"
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
 
@@ -118,6 +119,8 @@ def translate(exc: BaseException) -> CompactdError:
     text = str(orig)
     if code == _PG_UNDEFINED_TABLE or "no such table" in text:
         return SchemaMissing()
+    if code == _PG_NO_DATABASE:
+        return DatabaseUnavailable(f"{text}: create it (createdb) before `compactd migrate`")
     if code == _PG_LOCK_NOT_AVAILABLE or "could not obtain lock" in text:
         return LockNotAvailable()
     if isinstance(orig, sqlite3.OperationalError) and "locked" in text:

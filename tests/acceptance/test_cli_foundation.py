@@ -1,0 +1,134 @@
+"""The CLI as a subprocess: migrate, ingest, surface, verify, demo; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scheduler.samples import coding_session
+from tests.conftest import compactd_cmd
+
+SAMPLE = coding_session(steps=12, big_output_lines=40)
+
+
+def run(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([*compactd_cmd(), *args], env=env, capture_output=True, text=True,
+                         timeout=120)
+    if check and out.returncode != 0:
+        raise AssertionError(f"compactd {' '.join(args)} -> {out.returncode}\n{out.stderr}")
+    return out
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def env(request: pytest.FixtureRequest, cli_env: dict[str, str]) -> dict[str, str]:
+    if request.param == "postgres":
+        cli_env["COMPACTD_DATABASE_URL"] = request.getfixturevalue("clean_pg")
+    return cli_env
+
+
+@pytest.fixture
+def transcript(tmp_path: Path) -> Path:
+    path = tmp_path / "session.jsonl"
+    path.write_text(SAMPLE.jsonl())
+    return path
+
+
+def test_migrate_ingest_verify_surface(env: dict[str, str], transcript: Path) -> None:
+    run(env, "migrate")
+    out = run(env, "ingest", str(transcript), "--session", "s1", "--run-model", "gpt-4o",
+              "--json")
+    assert json.loads(out.stdout)["appended"] == len(SAMPLE.messages)
+    assert "ok   s1" in run(env, "verify", "s1").stdout
+    surface = json.loads(run(env, "surface", "s1", "--json").stdout)
+    assert surface["session"] == "s1" and surface["version"] == 1
+    assert [m["seq"] for m in surface["messages"]] == list(range(1, len(SAMPLE.messages) + 1))
+    assert surface["tokens"] == sum(m["tokens"] for m in surface["messages"])
+    assert [m["role"] for m in surface["messages"]] == [m["role"] for m in SAMPLE.messages]
+    tool = next(m for m in surface["messages"] if m["role"] == "tool")
+    assert tool["tool_call_id"] and tool["name"]
+    assert "total:" in run(env, "surface", "s1").stdout
+
+
+def test_ingest_appends_to_an_existing_session(env: dict[str, str], tmp_path: Path) -> None:
+    run(env, "migrate")
+    first = tmp_path / "a.jsonl"
+    first.write_text(json.dumps({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}) + "\n")
+    second = tmp_path / "b.jsonl"
+    second.write_text(json.dumps({"role": "tool", "tool_call_id": "c1", "content": "x"}) + "\n")
+    run(env, "ingest", str(first), "--session", "s2")
+    run(env, "ingest", str(second), "--session", "s2")
+    assert json.loads(run(env, "surface", "s2", "--json").stdout)["version"] == 2
+
+
+BAD_LINES = {
+    "invalid JSON": '{"role": "user", "content": "unterminated',
+    "unknown role": '{"role": "robot", "content": "beep"}',
+    "orphan tool result": '{"role": "tool", "tool_call_id": "never-called", "content": "x"}',
+    "reused tool-call id": json.dumps({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_7_0001", "type": "function",
+         "function": {"name": "read_file", "arguments": "{}"}}]}),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(BAD_LINES))
+def test_bad_input_exits_2_naming_the_line_and_changes_nothing(
+        env: dict[str, str], tmp_path: Path, problem: str) -> None:
+    """Lines 1-6 are valid (line 5 issues call_7_0001); line 7 is bad; line 8 is valid."""
+    run(env, "migrate")
+    other = tmp_path / "other.jsonl"
+    other.write_text(coding_session(steps=6, big_output_lines=10, call_prefix="other").jsonl())
+    run(env, "ingest", str(other), "--session", "kept")
+    before = run(env, "surface", "kept", "--json").stdout
+    good = SAMPLE.messages[:6]
+    bad_line = len(good) + 1
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in good) + BAD_LINES[problem] + "\n"
+                    + json.dumps({"role": "user", "content": "after"}) + "\n")
+    for session in ("fresh", "kept"):
+        out = run(env, "ingest", str(path), "--session", session, check=False)
+        assert out.returncode == 2, out.stderr
+        assert f"line {bad_line}" in out.stderr, out.stderr
+        assert out.stdout == ""
+    assert run(env, "surface", "kept", "--json").stdout == before
+    missing = run(env, "surface", "fresh", check=False)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert run(env, "verify", "--all").returncode == 0
+
+
+def test_unknown_session_and_missing_file_exit_2(env: dict[str, str], tmp_path: Path) -> None:
+    run(env, "migrate")
+    assert run(env, "surface", "nope", check=False).returncode == 2
+    out = run(env, "ingest", str(tmp_path / "missing.jsonl"), "--session", "x", check=False)
+    assert out.returncode == 2 and "cannot read" in out.stderr
+    assert run(env, "bogus-command", check=False).returncode == 2
+
+
+def test_postgres_without_schema_says_to_migrate(cli_env: dict[str, str], pg_url: str,
+                                                  transcript: Path) -> None:
+    import asyncio
+    import uuid
+    from urllib.parse import urlparse
+
+    import asyncpg
+
+    name = f"compactd_empty_{uuid.uuid4().hex[:8]}"
+    admin = urlparse(pg_url)._replace(scheme="postgresql", path="/postgres").geturl()
+
+    async def admin_sql(sql: str) -> None:
+        conn = await asyncpg.connect(admin)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin_sql(f'CREATE DATABASE "{name}"'))
+    try:
+        cli_env["COMPACTD_DATABASE_URL"] = urlparse(pg_url)._replace(path=f"/{name}").geturl()
+        out = run(cli_env, "ingest", str(transcript), "--session", "s1", check=False)
+        assert out.returncode == 2 and "compactd migrate" in out.stderr
+    finally:
+        asyncio.run(admin_sql(f'DROP DATABASE "{name}" WITH (FORCE)'))

@@ -1,0 +1,154 @@
+"""Shared fixtures: real PostgreSQL and Redis when they answer, the embedded SQLite always.
+
+A missing service skips its tests locally and FAILS them in CI (``CI=true``): in CI a missing
+service is a broken environment, never a reason to pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_URL = os.environ.get("COMPACTD_TEST_DATABASE_URL",
+                        "postgresql://postgres@127.0.0.1:5432/compactd_test")
+REDIS_URL = os.environ.get("COMPACTD_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+TABLES = ("bulk_items", "bulk_jobs", "compaction_runs", "tool_calls", "surface", "events",
+          "sessions")
+
+
+def _answers(url: str, default_port: int) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1",
+                                       parsed.port or default_port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str, url: str, default_port: int) -> None:
+    if _answers(url, default_port):
+        return
+    message = (f"{name} does not answer at {url}; start it (ops/test starts local servers) or "
+               f"set the COMPACTD_TEST_* URL")
+    if IN_CI:
+        pytest.fail(f"CI: {message}")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    require_service("PostgreSQL", PG_URL, 5432)
+    return PG_URL
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    require_service("Redis", REDIS_URL, 6379)
+    return REDIS_URL
+
+
+def _migrate(url: str) -> None:
+    from storage.migrate import upgrade
+
+    upgrade(url)
+
+
+async def _create_database(url: str) -> None:
+    import asyncpg
+
+    parsed = urlparse(url)
+    name = parsed.path.lstrip("/")
+    admin = parsed._replace(scheme="postgresql", path="/postgres").geturl()
+    conn = await asyncpg.connect(admin)
+    try:
+        if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+            await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def pg_schema(pg_url: str) -> str:
+    """The test database, created if absent and migrated to head once per test run."""
+    asyncio.run(_create_database(pg_url))
+    _migrate(pg_url)
+    return pg_url
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.sqlite3"
+    _migrate(f"sqlite:///{path}")
+    return path
+
+
+async def _truncate(url: str) -> None:
+    import sqlalchemy as sa
+
+    from storage.database import create_engine
+
+    engine = create_engine(url, pool_size=1)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+def clean_pg(pg_schema: str) -> str:
+    """The PostgreSQL test database, emptied."""
+    asyncio.run(_truncate(pg_schema))
+    return pg_schema
+
+
+@pytest.fixture
+def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
+    """A fresh, migrated SQLite file."""
+    path = tmp_path / "compactd.sqlite3"
+    shutil.copy(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """A fresh migrated database of each kind: the embedded default and PostgreSQL."""
+    if request.param == "postgres":
+        return str(request.getfixturevalue("clean_pg"))
+    return str(request.getfixturevalue("sqlite_url"))
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[object]:
+    from storage.store import Store
+
+    st = Store.from_url(db_url)
+    try:
+        yield st
+    finally:
+        await st.close()
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for running ``compactd`` as a subprocess, isolated from the developer's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COMPACTD_HOME"] = str(tmp_path)
+    yield env
+
+
+def compactd_cmd() -> list[str]:
+    return [sys.executable, "-m", "scheduler.cli"]

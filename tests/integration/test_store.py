@@ -1,0 +1,326 @@
+"""The store against real PostgreSQL and the embedded SQLite: append, surface, replace, replay,
+leases. Every test runs on both."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+import pytest
+
+from storage.errors import (
+    InvalidMessage,
+    LeaseLost,
+    SessionExists,
+    SessionNotFound,
+    SurfaceChanged,
+)
+from storage.messages import Message, parse_openai
+from storage.records import Busy, Claim, Replacement, RunEnd
+from storage.store import Store
+from storage.surface import KIND_CHECKPOINT, KIND_PRUNED
+from storage.tokens import counter_for
+
+T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
+
+
+def user(text: str) -> Message:
+    return parse_openai({"role": "user", "content": text})
+
+
+def asst_call(*ids: str) -> Message:
+    return parse_openai({"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+        for i in ids]})
+
+
+def result(cid: str, text: str = "ok") -> Message:
+    return parse_openai({"role": "tool", "tool_call_id": cid, "name": "bash", "content": text})
+
+
+async def seeded(store: Store, sid: str = "s1", n: int = 6) -> None:
+    await store.create_session(sid, run_model="gpt-4o", context_window=128_000)
+    await store.append(sid, [user(f"message {i}") for i in range(n)])
+
+
+async def test_append_assigns_gapless_seqs_and_counts_tokens_once(store: Store) -> None:
+    await store.create_session("s1", run_model="gpt-4o")
+    msgs = [user("hello"), asst_call("c1", "c2"), result("c2", "x" * 50), result("c1")]
+    r = await store.append("s1", msgs)
+    assert (r.first_seq, r.last_seq, r.version) == (1, 4, 1)
+    counter = counter_for("gpt-4o")
+    assert r.tokens == tuple(counter.count_message(m) for m in msgs)
+    r2 = await store.append("s1", [user("again")])
+    assert (r2.first_seq, r2.last_seq, r2.version) == (5, 5, 2)
+    surface = await store.read_surface("s1")
+    assert surface.seqs == [1, 2, 3, 4, 5]
+    assert surface.tokens == sum(r.tokens) + sum(r2.tokens) == r2.session.surface_tokens
+    assert surface.nodes[1].message == msgs[1]
+    assert (await store.verify("s1")).ok
+
+
+async def test_rejected_batch_writes_nothing(store: Store) -> None:
+    await store.create_session("s1")
+    await store.append("s1", [asst_call("c1"), result("c1")])
+    before = await store.counts()
+    info_before = await store.get_session("s1")
+    for bad in ([user("fine"), result("nope")], [asst_call("c1")], [result("c1")]):
+        with pytest.raises(InvalidMessage):
+            await store.append("s1", bad)
+    assert await store.counts() == before
+    assert await store.get_session("s1") == info_before
+
+
+async def test_unknown_session(store: Store) -> None:
+    with pytest.raises(SessionNotFound):
+        await store.append("ghost", [user("x")])
+    with pytest.raises(SessionNotFound):
+        await store.read_surface("ghost")
+    with pytest.raises(SessionNotFound):
+        await store.poll("ghost", 0)
+
+
+async def test_create_session_is_idempotent_but_refuses_conflicts(store: Store) -> None:
+    a = await store.create_session("s1", tenant="t1", run_model="gpt-4o")
+    b = await store.create_session("s1", tenant="t1", run_model="gpt-4o",
+                                   envelope={"system": "be brief", "tools": [{"name": "bash"}]})
+    assert a.id == b.id and b.envelope_tokens > 0
+    with pytest.raises(SessionExists, match="run_model"):
+        await store.create_session("s1", tenant="t1", run_model="claude-3")
+    with pytest.raises(SessionExists, match="tenant"):
+        await store.create_session("s1", tenant="t2", run_model="gpt-4o")
+
+
+async def test_poll_is_none_until_the_version_moves(store: Store) -> None:
+    await seeded(store)
+    v = await store.poll("s1", None)
+    assert v == 1
+    assert await store.poll("s1", v) is None
+    await store.append("s1", [user("more")])
+    assert await store.poll("s1", v) == 2
+
+
+async def test_two_concurrent_writers_get_unique_gapless_seqs(db_url: str) -> None:
+    stores = [Store.from_url(db_url), Store.from_url(db_url)]
+    try:
+        await stores[0].create_session("s1", run_model="gpt-4o")
+
+        async def writer(st: Store, tag: str) -> list[int]:
+            seqs = []
+            for i in range(40):
+                r = await st.append("s1", [user(f"{tag}{i}"), user(f"{tag}{i}b")])
+                seqs.extend(range(r.first_seq, r.last_seq + 1))
+            return seqs
+
+        a, b = await asyncio.gather(writer(stores[0], "a"), writer(stores[1], "b"))
+        assert sorted(a + b) == list(range(1, 161))
+        surface = await stores[0].read_surface("s1")
+        counter = counter_for("gpt-4o")
+        assert surface.tokens == sum(counter.count_message(n.message) for n in surface.nodes)
+        info = await stores[0].get_session("s1")
+        assert (info.surface_tokens, info.surface_messages, info.last_seq) == (
+            surface.tokens, 160, 160)
+        assert (await stores[0].verify("s1")).ok
+    finally:
+        for st in stores:
+            await st.close()
+
+
+async def claim(store: Store, sid: str = "s1", owner: str = "w1", now: dt.datetime = T0,
+                trigger: str = "manual") -> Claim:
+    c = await store.claim(sid, owner=owner, trigger=trigger, lease_s=30, now=now)
+    assert isinstance(c, Claim)
+    return c
+
+
+def checkpoint(seqs: tuple[int, ...], tokens: int = 7) -> Replacement:
+    return Replacement(seqs=seqs, kind=KIND_CHECKPOINT, tokens=tokens,
+                       payload={"role": "user", "content": "summary",
+                                "meta": {"checkpoint": True, "summary": "summary"}},
+                       journal_kind="compaction/summary", journal={"text": "summary"})
+
+
+async def test_replace_and_replay(store: Store) -> None:
+    await seeded(store)
+    before = await store.read_surface("s1")
+    c = await claim(store)
+    expected = [(n.position, n.seq) for n in before.nodes[:4]]
+    info = await store.commit("s1", run_id=c.run_id, fence=c.fence, expected=expected,
+                              replacements=[checkpoint((2, 3, 4))],
+                              end=RunEnd(outcome="committed", tokens_before=1, tokens_after=1),
+                              now=T0)
+    after = await store.read_surface("s1")
+    assert [n.kind for n in after.nodes] == ["message", KIND_CHECKPOINT, "message", "message"]
+    assert after.seqs[0] == 1 and after.seqs[2:] == [5, 6]
+    assert after.nodes[1].position == before.nodes[1].position
+    assert after.version == before.version + 1
+    assert info.surface_tokens == after.tokens and info.lease_owner is None
+    assert (await store.verify("s1")).ok
+    kinds = [e.kind for e in await store.read_events("s1")]
+    assert kinds[6:] == ["compaction/start", "compaction/summary", KIND_CHECKPOINT,
+                         "compaction/end"]
+    run = await store.get_run(c.run_id)
+    assert run is not None and run.status == "committed"
+
+
+async def test_a_second_checkpoint_merges_over_the_first(store: Store) -> None:
+    await seeded(store, n=8)
+    c = await claim(store)
+    s = await store.read_surface("s1")
+    await store.commit("s1", run_id=c.run_id, fence=c.fence,
+                       expected=[(n.position, n.seq) for n in s.nodes[:3]],
+                       replacements=[checkpoint((1, 2, 3))], end=RunEnd(outcome="committed"))
+    s = await store.read_surface("s1")
+    first = s.nodes[0].seq
+    c = await claim(store)
+    await store.commit("s1", run_id=c.run_id, fence=c.fence,
+                       expected=[(n.position, n.seq) for n in s.nodes[:3]],
+                       replacements=[checkpoint((first, 4, 5))], end=RunEnd(outcome="committed"))
+    s = await store.read_surface("s1")
+    assert [n.kind for n in s.nodes].count(KIND_CHECKPOINT) == 1
+    assert s.seqs[1:] == [6, 7, 8]
+    assert (await store.verify("s1")).ok
+
+
+async def test_prune_replaces_one_node_and_keeps_its_place(store: Store) -> None:
+    await store.create_session("s1", run_model="gpt-4o")
+    await store.append("s1", [user("go"), asst_call("c1"), result("c1", "y" * 5000), user("ok")])
+    c = await claim(store)
+    pruned = result("c1", "y" * 10).model_copy(update={"meta": {"pruned": True}})
+    rep = Replacement(seqs=(3,), kind=KIND_PRUNED, payload=pruned.to_payload(), tokens=9,
+                      journal_kind="compaction/prune", journal={"tokens_before": 600,
+                                                                "tokens_after": 9})
+    await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=[rep])
+    s = await store.read_surface("s1")
+    assert s.nodes[2].kind == KIND_PRUNED and s.nodes[2].message.tool_call_id == "c1"
+    assert s.nodes[2].tokens == 9
+    # The lease is still held: the prune commit does not end the run.
+    assert (await store.get_session("s1")).lease_run_id == c.run_id
+    assert (await store.verify("s1")).ok
+
+
+async def test_busy_when_leased(store: Store) -> None:
+    await seeded(store)
+    await claim(store)
+    other = await store.claim("s1", owner="w2", trigger="pressure", lease_s=30,
+                              now=T0 + dt.timedelta(seconds=5))
+    assert isinstance(other, Busy) and other.holder == "w1"
+    run = await store.get_run(other.run_id)
+    assert run is not None and (run.status, run.failure_class) == ("failed", "busy")
+
+
+async def test_fence_moves_on_expiry_and_the_old_owner_cannot_commit(store: Store) -> None:
+    await seeded(store)
+    old = await claim(store, owner="w1")
+    s = await store.read_surface("s1")
+    later = T0 + dt.timedelta(seconds=31)
+    new = await claim(store, owner="w2", now=later)
+    assert new.fence == old.fence + 1
+    with pytest.raises(LeaseLost):
+        await store.commit("s1", run_id=old.run_id, fence=old.fence,
+                           replacements=[checkpoint((1, 2))],
+                           expected=[(n.position, n.seq) for n in s.nodes[:2]])
+    old_run = await store.get_run(old.run_id)
+    assert old_run is not None and old_run.failure_class == "abandoned"
+    assert await store.read_surface("s1") == s
+    ends = [e for e in await store.read_events("s1") if e.kind == "compaction/end"]
+    assert ends[0].payload["failure_class"] == "abandoned"
+
+
+async def test_commit_refuses_a_changed_range_but_accepts_appends(store: Store) -> None:
+    await seeded(store)
+    s = await store.read_surface("s1")
+    c = await claim(store)
+    expected = [(n.position, n.seq) for n in s.nodes[:3]]
+    await store.append("s1", [user("appended during the model call")])
+    with pytest.raises(SurfaceChanged):
+        await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=[checkpoint((1, 2))],
+                           expected=[(1, 1), (2, 99)])
+    info = await store.commit("s1", run_id=c.run_id, fence=c.fence,
+                              replacements=[checkpoint((1, 2, 3))], expected=expected,
+                              end=RunEnd(outcome="committed"))
+    after = await store.read_surface("s1")
+    assert after.seqs[-1] == 8 and after.nodes[-1].message.text == "appended during the model call"
+    assert info.surface_messages == 5
+    assert (await store.verify("s1")).ok
+
+
+async def test_renew_and_finish(store: Store) -> None:
+    await seeded(store)
+    c = await claim(store)
+    assert await store.renew("s1", run_id=c.run_id, fence=c.fence, lease_s=30,
+                             now=T0 + dt.timedelta(seconds=20))
+    info = await store.get_session("s1")
+    assert info.lease_expires_at == T0 + dt.timedelta(seconds=50)
+    assert await store.finish("s1", run_id=c.run_id, fence=c.fence,
+                              end=RunEnd(outcome="failed", failure_class="summary",
+                                         candidates=[{"model": "m", "reason": "whitespace"}]))
+    run = await store.get_run(c.run_id)
+    assert run is not None and run.failure_class == "summary" and run.candidates
+    assert not await store.renew("s1", run_id=c.run_id, fence=c.fence, lease_s=30)
+
+
+async def test_reaper_closes_expired_leases(store: Store) -> None:
+    await seeded(store, "a")
+    await seeded(store, "b")
+    ca = await claim(store, "a")
+    await claim(store, "b", now=T0 + dt.timedelta(seconds=100))
+    reaped = await store.reap_expired(now=T0 + dt.timedelta(seconds=40))
+    assert [r.session_id for r in reaped] == ["a"]
+    run = await store.get_run(ca.run_id)
+    assert run is not None and (run.status, run.failure_class) == ("failed", "abandoned")
+    events = await store.read_events("a")
+    assert [e.kind for e in events][-2:] == ["compaction/start", "compaction/end"]
+    assert (await store.get_session("a")).lease_run_id is None
+    assert (await store.verify("a")).ok
+
+
+async def test_verify_detects_a_tampered_surface(db_url: str) -> None:
+    import sqlalchemy as sa
+
+    from storage import schema as t
+
+    st = Store.from_url(db_url)
+    try:
+        await seeded(st)
+        async with st.engine.begin() as conn:
+            await conn.execute(t.surface.delete().where(t.surface.c.seq == 3))
+        result = await st.verify("s1")
+        assert not result.ok and any("seq 3" in p for p in result.problems)
+        del sa
+    finally:
+        await st.close()
+
+
+async def test_signal_mark_deduplicates(store: Store) -> None:
+    await seeded(store)
+    assert await store.mark_signal("s1", ttl_s=60, now=T0)
+    assert not await store.mark_signal("s1", ttl_s=60, now=T0 + dt.timedelta(seconds=10))
+    assert await store.mark_signal("s1", ttl_s=60, now=T0 + dt.timedelta(seconds=61))
+    await store.clear_signal("s1")
+    assert await store.mark_signal("s1", ttl_s=60, now=T0 + dt.timedelta(seconds=62))
+    with pytest.raises(SessionNotFound):
+        await store.mark_signal("ghost", ttl_s=60)
+
+
+async def test_append_signals_inside_its_transaction(store: Store) -> None:
+    await seeded(store)
+    r = await store.append("s1", [user("x")], now=T0, signal_if=lambda s: s.surface_messages > 5)
+    assert r.signalled
+    r = await store.append("s1", [user("y")], now=T0, signal_if=lambda s: True)
+    assert not r.signalled  # already pending
+
+
+async def test_report_usage_is_cleared_by_a_commit(store: Store) -> None:
+    await seeded(store)
+    info = await store.report_usage("s1", 12345)
+    assert info.reported_input_tokens == 12345
+    with pytest.raises(InvalidMessage):
+        await store.report_usage("s1", -1)
+    c = await claim(store)
+    s = await store.read_surface("s1")
+    info = await store.commit("s1", run_id=c.run_id, fence=c.fence,
+                              replacements=[checkpoint((1, 2))],
+                              expected=[(n.position, n.seq) for n in s.nodes[:2]],
+                              end=RunEnd(outcome="committed"))
+    assert info.reported_input_tokens is None
