@@ -41,11 +41,11 @@ class UsageError(BadInput):
 async def open_store(config: Config) -> AsyncIterator[Store]:
     """A store on the configured database; the embedded SQLite file is migrated on first use
     (it has no operator to run ``compactd migrate``)."""
-    if config.embedded:
-        from storage.migrate import upgrade_async
-
-        await upgrade_async(config.database_url)
     store = Store.from_url(config.database_url, pool_size=5)
+    if config.embedded:
+        from storage.migrate import ensure_schema
+
+        await ensure_schema(store.engine, config.database_url)
     try:
         yield store
     finally:

@@ -6,14 +6,24 @@ import asyncio
 from importlib import resources
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
+from typing import TYPE_CHECKING
+
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from storage.database import create_engine, normalize_url, translated
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+
+# The newest revision; tests/migration checks it equals Alembic's head, so the embedded default
+# can tell it is up to date with one query instead of loading Alembic on every command.
+HEAD_REVISION = "0001"
+
 
 def alembic_config(url: str) -> Config:
+    from alembic.config import Config
+
     ini = resources.files("storage").joinpath("alembic.ini")
     config = Config(str(ini))
     config.attributes["url"] = normalize_url(url)
@@ -22,6 +32,8 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the database at ``url`` to ``revision`` (call from a thread without a running loop)."""
+    from alembic import command
+
     with translated():
         command.upgrade(alembic_config(url), revision)
 
@@ -32,6 +44,8 @@ async def upgrade_async(url: str) -> None:
 
 def check(url: str) -> None:
     """Raise when the models and the migrations disagree (``alembic check``)."""
+    from alembic import command
+
     command.check(alembic_config(url))
 
 
@@ -51,9 +65,18 @@ def head_revision(url: str) -> str | None:
     return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
 
 
-def ensure_schema_sync(url: str) -> None:
+async def ensure_schema(engine: AsyncEngine, url: str) -> None:
     """Migrate the embedded SQLite file to head when it is behind (it has no operator)."""
-    upgrade(url)
+    import sqlalchemy as sa
+
+    try:
+        async with engine.connect() as conn:
+            current = (await conn.execute(sa.text("SELECT version_num FROM alembic_version"))
+                       ).scalar()
+    except Exception:
+        current = None
+    if current != HEAD_REVISION:
+        await upgrade_async(url)
 
 
 __all__ = ["alembic_config", "check", "create_engine", "current_revision", "head_revision",

@@ -54,3 +54,9 @@ def test_check_fails_on_drift(tmp_path: Path) -> None:
         conn.execute("DROP INDEX ix_sessions_tenant")
     with pytest.raises(Exception, match="New upgrade operations detected"):
         check(f"sqlite:///{path}")
+
+
+def test_head_constant_matches_alembic(tmp_path: Path) -> None:
+    from storage.migrate import HEAD_REVISION, head_revision
+
+    assert head_revision(f"sqlite:///{tmp_path / 'x.sqlite3'}") == HEAD_REVISION

@@ -1,0 +1,19 @@
+"""Every queue name, task name and Redis key prefix, in one place."""
+
+from __future__ import annotations
+
+QUEUE_URGENT = "compaction.urgent"  # overflow reported by a runtime, manual runs someone awaits
+QUEUE_PRESSURE = "compaction.pressure"  # signals and sweeps
+QUEUE_BULK = "compaction.bulk"  # recompaction jobs; never starves the other two
+QUEUES = (QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)
+
+TASK_RUN = "compaction.run"
+TASK_SWEEP = "compaction.sweep"
+TASK_REAP = "compaction.reap"
+
+RATE_PREFIX = "compactd:rate:"
+RATE_PROVIDER = "provider"  # the global model-call meter
+
+
+def bulk_meter(job_id: str) -> str:
+    return f"bulk:{job_id}"
