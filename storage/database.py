@@ -185,6 +185,21 @@ async def snapshot(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
                 yield conn
 
 
+@contextlib.asynccontextmanager
+async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
+    """The asyncpg connection under a pooled SQLAlchemy connection, in autocommit mode.
+
+    For the two statements on the runtime's critical path (append and poll), where SQLAlchemy's
+    statement layer costs as much as the round trip. Errors are translated like everywhere else;
+    callers that raise compactd's own SQLSTATEs inspect them first.
+    """
+    with translated():
+        async with engine.connect() as conn:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            fairy = await conn.get_raw_connection()
+            yield fairy.driver_connection
+
+
 async def ping(engine: AsyncEngine) -> None:
     async with connection(engine) as conn:
         await conn.execute(sa.text("SELECT 1"))

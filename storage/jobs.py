@@ -138,16 +138,18 @@ class JobsMixin:
 
     async def select_for_sweep(self, *, decide: Callable[[SessionInfo], bool],
                                now: dt.datetime | None = None, limit: int = 100,
-                               after_id: str | None = None, signal_ttl_s: float = 60.0
+                               after_id: str | None = None, fresh_signal_s: float = 30.0
                                ) -> tuple[list[SessionInfo], str | None]:
         """One bounded batch of the sweep, in id order from ``after_id``.
 
         Rows other transactions hold are skipped (``SKIP LOCKED``). Sessions with a live lease,
-        a live cool-down or a fresh pending signal are passed over; of the rest, those ``decide``
-        accepts get the pending-signal mark and are returned for enqueueing. The second value is
+        a live cool-down or a signal younger than ``fresh_signal_s`` (its task is probably still
+        queued) are passed over; of the rest, those ``decide`` accepts get a new signal mark and
+        are returned for enqueueing. The second value is
         the id to continue from, None when the table is exhausted.
         """
         now = now or utcnow()
+        fresh = dt.timedelta(seconds=fresh_signal_s)
         c = t.sessions.c
         chosen: list[SessionInfo] = []
         async with transaction(self.engine) as conn:
@@ -161,14 +163,14 @@ class JobsMixin:
                     continue
                 if info.cooldown_until is not None and info.cooldown_until > now:
                     continue
-                if info.signal_pending_until is not None and info.signal_pending_until > now:
+                if info.signal_at is not None and info.signal_at > now - fresh:
                     continue
                 if decide(info):
                     chosen.append(info)
             if chosen:
                 await conn.execute(
                     t.sessions.update().where(c.id.in_([s.id for s in chosen]))
-                    .values(signal_pending_until=now + dt.timedelta(seconds=signal_ttl_s)))
+                    .values(signal_at=now))
         next_after = session_from_row(rows[-1]).id if len(rows) == limit else None
         return chosen, next_after
 

@@ -12,7 +12,7 @@ messages. Every rejection is an :class:`InvalidMessage` naming the field; file r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -440,6 +440,42 @@ class ToolLinks:
                     raise InvalidMessage(f"tool call {call_id!r} already has a result",
                                          index=index, field="tool_call_id")
                 self.answered.add(call_id)
+
+
+class BatchLinks:
+    """A batch's tool links, checked within the batch, with the ids left for the database.
+
+    ``calls`` are ``(id, index, result index or None)`` for each call the batch issues;
+    ``external`` are ``(id, index)`` for results whose call must have been issued before the batch
+    and still be unanswered, which only the database can tell.
+    """
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self.calls: list[tuple[str, int, int | None]] = []
+        self.external: list[tuple[str, int]] = []
+        issued: dict[str, int] = {}
+        results: dict[str, int] = {}
+        external: set[str] = set()
+        for index, message in enumerate(messages):
+            for i, call in enumerate(message.tool_calls):
+                if call.id in issued or call.id in external:
+                    raise InvalidMessage(
+                        f"tool call id {call.id!r} was already used earlier in the session",
+                        index=index, field=f"tool_calls[{i}].id")
+                issued[call.id] = len(self.calls)
+                self.calls.append((call.id, index, None))
+            if message.role == "tool":
+                call_id = message.tool_call_id or ""
+                if call_id in results or call_id in external:
+                    raise InvalidMessage(f"tool call {call_id!r} already has a result",
+                                         index=index, field="tool_call_id")
+                if call_id in issued:
+                    pos = issued[call_id]
+                    self.calls[pos] = (call_id, self.calls[pos][1], index)
+                    results[call_id] = index
+                else:
+                    external.add(call_id)
+                    self.external.append((call_id, index))
 
 
 def referenced_call_ids(messages: Iterable[Message]) -> Iterator[str]:

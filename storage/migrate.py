@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from importlib import resources
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -18,7 +16,7 @@ if TYPE_CHECKING:
 
 # The newest revision; tests/migration checks it equals Alembic's head, so the embedded default
 # can tell it is up to date with one query instead of loading Alembic on every command.
-HEAD_REVISION = "0001"
+HEAD_REVISION = "0002"
 
 
 def alembic_config(url: str) -> Config:

@@ -27,7 +27,7 @@ class SessionInfo:
     last_position: int
     reported_input_tokens: int | None
     reported_version: int | None
-    signal_pending_until: dt.datetime | None
+    signal_at: dt.datetime | None
     lease_owner: str | None
     lease_run_id: str | None
     lease_expires_at: dt.datetime | None

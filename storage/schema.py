@@ -75,8 +75,11 @@ sessions = sa.Table(
     # was measured on; stale once a compaction replaced part of that surface.
     sa.Column("reported_input_tokens", sa.Integer, nullable=True),
     sa.Column("reported_version", sa.BigInteger, nullable=True),
-    # Signal de-duplication: a signal enqueues a task only when no other is pending.
-    sa.Column("signal_pending_until", UTCDateTime, nullable=True),
+    # Signal de-duplication: when the pending task was enqueued (cleared when its run ends). A
+    # signal enqueues only when no mark is younger than the signal TTL; the sweep passes over a
+    # session only while its mark is younger than one sweep interval, so a lost message delays
+    # compaction by at most two intervals.
+    sa.Column("signal_at", UTCDateTime, nullable=True),
     sa.Column("lease_owner", sa.String(255), nullable=True),
     sa.Column("lease_run_id", sa.String(36), nullable=True),
     sa.Column("lease_expires_at", UTCDateTime, nullable=True),
@@ -178,6 +181,18 @@ bulk_items = sa.Table(
 
 SESSION_COLUMNS = list(sessions.c)
 RUN_COLUMNS = list(compaction_runs.c)
+
+
+_JSON_SESSION_COLUMNS = ("envelope", "policy")
+
+
+def session_from_record(record: Any) -> SessionInfo:
+    """A session from a raw asyncpg record (JSON columns arrive as text there)."""
+    values = {c.name: record[c.name] for c in SESSION_COLUMNS}
+    for name in _JSON_SESSION_COLUMNS:
+        if isinstance(values[name], str):
+            values[name] = json.loads(values[name])
+    return SessionInfo(**values)
 
 
 def session_from_row(row: Any) -> SessionInfo:

@@ -16,11 +16,31 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
-from storage.database import connection, create_engine, is_sqlite, snapshot, transaction
-from storage.errors import InvalidMessage, SessionExists, SessionNotFound, StorageError
+from storage.database import (
+    connection,
+    create_engine,
+    is_sqlite,
+    raw_connection,
+    snapshot,
+    transaction,
+    translate,
+)
+from storage.errors import (
+    CompactdError,
+    InvalidMessage,
+    SessionExists,
+    SessionNotFound,
+    StorageError,
+)
 from storage.jobs import JobsMixin
 from storage.leases import LeasesMixin
-from storage.messages import Message, ToolLinks, from_payload, referenced_call_ids
+from storage.messages import (
+    BatchLinks,
+    Message,
+    ToolLinks,
+    from_payload,
+    referenced_call_ids,
+)
 from storage.records import (
     AppendResult,
     EventRecord,
@@ -28,7 +48,7 @@ from storage.records import (
     VerifyResult,
     utcnow,
 )
-from storage.schema import SESSION_COLUMNS, session_from_row
+from storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
 from storage.surface import (
     KIND_MESSAGE,
     REPLACE_KINDS,
@@ -212,6 +232,13 @@ class Store(LeasesMixin, JobsMixin):
         payloads = [m.to_payload() for m in messages]
         linked = list(referenced_call_ids(messages))
         n, total = len(messages), sum(tokens)
+        if not self.sqlite:
+            info = await self._append_pg(session_id, messages, payloads, tokens, now)
+            signalled = False
+            if signal_if is not None and signal_if(info) and _signal_due(info, now, signal_ttl_s):
+                signalled = await self.mark_signal(session_id, ttl_s=signal_ttl_s, now=now)
+            return AppendResult(session=info, first_seq=info.last_seq - n + 1,
+                                last_seq=info.last_seq, tokens=tokens, signalled=signalled)
         c = t.sessions.c
         async with transaction(self.engine) as conn:
             row = (await conn.execute(
@@ -240,6 +267,22 @@ class Store(LeasesMixin, JobsMixin):
                 signalled = await self._mark_signal(conn, session_id, now, signal_ttl_s)
         return AppendResult(session=info, first_seq=first_seq, last_seq=info.last_seq,
                             tokens=tokens, signalled=signalled)
+
+    async def _append_pg(self, session_id: str, messages: Sequence[Message],
+                         payloads: list[dict[str, Any]], tokens: tuple[int, ...],
+                         now: dt.datetime) -> SessionInfo:
+        """The append as one call of ``compactd_append`` (migration 0002): one round trip."""
+        links = BatchLinks(messages)
+        async with raw_connection(self.engine) as raw:
+            try:
+                row = await raw.fetchrow(
+                    _APPEND_SQL, session_id, [dumps(p) for p in payloads], list(tokens), now,
+                    [c[0] for c in links.calls], [c[1] for c in links.calls],
+                    [c[2] for c in links.calls], [e[0] for e in links.external],
+                    [e[1] for e in links.external])
+            except Exception as exc:
+                raise _append_error(exc, session_id) from None
+        return session_from_record(row)
 
     async def _link_tool_calls(self, conn: AsyncConnection, session_id: str,
                                messages: Sequence[Message], linked: list[str],
@@ -285,14 +328,15 @@ class Store(LeasesMixin, JobsMixin):
         result = await conn.execute(
             t.sessions.update()
             .where(c.id == session_id,
-                   sa.or_(c.signal_pending_until.is_(None), c.signal_pending_until <= now))
-            .values(signal_pending_until=now + dt.timedelta(seconds=ttl_s)))
+                   sa.or_(c.signal_at.is_(None),
+                          c.signal_at <= now - dt.timedelta(seconds=ttl_s)))
+            .values(signal_at=now))
         return bool(result.rowcount)
 
     async def clear_signal(self, session_id: str) -> None:
         async with transaction(self.engine) as conn:
             await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id)
-                               .values(signal_pending_until=None))
+                               .values(signal_at=None))
 
     # ---------------------------------------------------------------------------------------
     # reads
@@ -317,12 +361,18 @@ class Store(LeasesMixin, JobsMixin):
 
     async def poll(self, session_id: str, since_version: int | None) -> int | None:
         """The surface version if it moved past ``since_version``, else None (one PK read)."""
-        async with connection(self.engine) as conn:
-            row = (await conn.execute(sa.select(t.sessions.c.surface_version)
-                                      .where(t.sessions.c.id == session_id))).first()
-        if row is None:
+        if self.sqlite:
+            async with connection(self.engine) as conn:
+                row = (await conn.execute(sa.select(t.sessions.c.surface_version)
+                                          .where(t.sessions.c.id == session_id))).first()
+            value = None if row is None else row[0]
+        else:
+            # The runtime polls every step: skip SQLAlchemy's statement layer for this one read.
+            async with raw_connection(self.engine) as raw:
+                value = await raw.fetchval(_POLL_SQL, session_id)
+        if value is None:
             raise SessionNotFound(session_id)
-        version = int(row[0])
+        version = int(value)
         return None if since_version is not None and version == since_version else version
 
     async def read_events(self, session_id: str, *, kinds: Iterable[str] | None = None,
@@ -388,6 +438,34 @@ class Store(LeasesMixin, JobsMixin):
                 out[table.name] = int((await conn.execute(
                     sa.select(sa.func.count()).select_from(table))).scalar() or 0)
         return out
+
+
+_POLL_SQL = "SELECT surface_version FROM sessions WHERE id = $1"
+_APPEND_SQL = "SELECT * FROM compactd_append($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+_LINK_ERRORS = {
+    "CD001": ("tool call id {id!r} was already used earlier in the session", "tool_calls"),
+    "CD002": ("tool result for {id!r} matches no earlier tool call of the session",
+              "tool_call_id"),
+    "CD003": ("tool call {id!r} already has a result", "tool_call_id"),
+}
+
+
+def _append_error(exc: Exception, session_id: str) -> Exception:
+    code = getattr(exc, "sqlstate", None)
+    if code == "CD404":
+        return SessionNotFound(session_id)
+    if code in _LINK_ERRORS:
+        reason, field = _LINK_ERRORS[code]
+        return InvalidMessage(reason.format(id=exc.detail),  # type: ignore[attr-defined]
+                              index=int(exc.hint), field=field)  # type: ignore[attr-defined]
+    if isinstance(exc, CompactdError):
+        return exc
+    return translate(exc)
+
+
+def _signal_due(info: SessionInfo, now: dt.datetime, ttl_s: float) -> bool:
+    """Skip the mark's round trip while a fresh one is already set."""
+    return info.signal_at is None or info.signal_at <= now - dt.timedelta(seconds=ttl_s)
 
 
 def _message_of(row: Any) -> dict[str, Any]:

@@ -22,8 +22,8 @@ def call(cid: str, name: str = "bash", args: str = "{}") -> dict:
 
 
 def test_openai_shapes_round_trip() -> None:
-    raw = {"role": "assistant", "content": "checking", "tool_calls": [call("c1", "grep", '{"q":1}')],
-           "meta": {"pinned": True, "free": [1, 2]}}
+    raw = {"role": "assistant", "content": "checking",
+           "tool_calls": [call("c1", "grep", '{"q":1}')], "meta": {"pinned": True, "free": [1, 2]}}
     m = parse_openai(raw)
     assert m.tool_calls[0].name == "grep" and m.tool_calls[0].arguments == '{"q":1}'
     assert m.to_openai() == {**raw, "tool_calls": [call("c1", "grep", '{"q":1}')]}
@@ -40,8 +40,8 @@ def test_content_blocks_keep_images_and_unknown_blocks_in_order() -> None:
 
 
 def test_arguments_given_as_object_become_json_text() -> None:
-    m = parse_openai({"role": "assistant", "content": None,
-                      "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": {"k": "é"}}}]})
+    m = parse_openai({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "function": {"name": "f", "arguments": {"k": "é"}}}]})
     assert json.loads(m.tool_calls[0].arguments) == {"k": "é"}
 
 
@@ -152,7 +152,8 @@ def _tool(cid: str) -> Message:
 
 
 def _asst(*ids: str) -> Message:
-    return parse_openai({"role": "assistant", "content": None, "tool_calls": [call(i) for i in ids]})
+    return parse_openai({"role": "assistant", "content": None,
+                         "tool_calls": [call(i) for i in ids]})
 
 
 @pytest.mark.parametrize(("issued", "answered", "batch", "index", "reason"), [

@@ -47,7 +47,7 @@ def upgrade() -> None:
     sa.Column('last_position', sa.BigInteger(), nullable=False),
     sa.Column('reported_input_tokens', sa.Integer(), nullable=True),
     sa.Column('reported_version', sa.BigInteger(), nullable=True),
-    sa.Column('signal_pending_until', storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('signal_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
     sa.Column('lease_owner', sa.String(length=255), nullable=True),
     sa.Column('lease_run_id', sa.String(length=36), nullable=True),
     sa.Column('lease_expires_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
