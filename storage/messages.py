@@ -411,71 +411,79 @@ def read_jsonl(lines: Iterable[bytes], fmt: str = "openai") -> list[tuple[int, M
 # Links between tool calls and results across a session
 
 
-class ToolLinks:
-    """Which tool-call ids a session has issued and answered, to check a batch against.
+REUSED_OPEN = "tool call id {id!r} is reused while its earlier call has no result yet"
+ORPHAN = "tool result for {id!r} matches no earlier tool call of the session"
+ANSWERED = "tool call {id!r} already has a result"
 
-    ``issued`` and ``answered`` hold the ids already stored; :meth:`check` walks a batch in order
-    and raises at the first message that reuses an id or answers a call that was never made.
+
+class ToolLinks:
+    """Which tool calls of a session are open (issued, unanswered) or closed, to check a batch.
+
+    A result must answer an open call. An id may be issued again once its earlier call has its
+    result (real transcripts do this: the pairing stays unambiguous, each result answering the
+    nearest earlier call), but never while that call is still open: a provider could not tell
+    which call a result answers. :meth:`check` walks a batch in order and raises at the first
+    message that breaks a link.
     """
 
-    def __init__(self, issued: Iterable[str] = (), answered: Iterable[str] = ()) -> None:
-        self.issued = set(issued)
-        self.answered = set(answered)
+    def __init__(self, open_ids: Iterable[str] = (), closed_ids: Iterable[str] = ()) -> None:
+        self.open = set(open_ids)
+        self.closed = set(closed_ids) - self.open
 
     def check(self, messages: Iterable[Message]) -> None:
         for index, message in enumerate(messages):
             for i, call in enumerate(message.tool_calls):
-                if call.id in self.issued:
-                    raise InvalidMessage(
-                        f"tool call id {call.id!r} was already used earlier in the session",
-                        index=index, field=f"tool_calls[{i}].id")
-                self.issued.add(call.id)
+                if call.id in self.open:
+                    raise InvalidMessage(REUSED_OPEN.format(id=call.id), index=index,
+                                         field=f"tool_calls[{i}].id")
+                self.open.add(call.id)
+                self.closed.discard(call.id)
             if message.role == "tool":
                 call_id = message.tool_call_id or ""
-                if call_id not in self.issued:
-                    raise InvalidMessage(
-                        f"tool result for {call_id!r} matches no earlier tool call of the session",
-                        index=index, field="tool_call_id")
-                if call_id in self.answered:
-                    raise InvalidMessage(f"tool call {call_id!r} already has a result",
-                                         index=index, field="tool_call_id")
-                self.answered.add(call_id)
+                if call_id in self.open:
+                    self.open.remove(call_id)
+                    self.closed.add(call_id)
+                elif call_id in self.closed:
+                    raise InvalidMessage(ANSWERED.format(id=call_id), index=index,
+                                         field="tool_call_id")
+                else:
+                    raise InvalidMessage(ORPHAN.format(id=call_id), index=index,
+                                         field="tool_call_id")
 
 
 class BatchLinks:
-    """A batch's tool links, checked within the batch, with the ids left for the database.
+    """A batch's tool links, checked within the batch, with what is left for the database.
 
     ``calls`` are ``(id, index, result index or None)`` for each call the batch issues;
-    ``external`` are ``(id, index)`` for results whose call must have been issued before the batch
-    and still be unanswered, which only the database can tell.
+    ``external`` are ``(id, index)`` for results answering a call issued before the batch, which
+    must still be open, and which only the database can tell. The database closes external
+    results before it checks that the batch's calls do not reuse an open id.
     """
 
     def __init__(self, messages: Sequence[Message]) -> None:
         self.calls: list[tuple[str, int, int | None]] = []
         self.external: list[tuple[str, int]] = []
-        issued: dict[str, int] = {}
-        results: dict[str, int] = {}
-        external: set[str] = set()
+        open_here: dict[str, int] = {}  # id -> position in self.calls
+        closed_here: set[str] = set()
         for index, message in enumerate(messages):
             for i, call in enumerate(message.tool_calls):
-                if call.id in issued or call.id in external:
-                    raise InvalidMessage(
-                        f"tool call id {call.id!r} was already used earlier in the session",
-                        index=index, field=f"tool_calls[{i}].id")
-                issued[call.id] = len(self.calls)
+                if call.id in open_here:
+                    raise InvalidMessage(REUSED_OPEN.format(id=call.id), index=index,
+                                         field=f"tool_calls[{i}].id")
+                open_here[call.id] = len(self.calls)
                 self.calls.append((call.id, index, None))
             if message.role == "tool":
                 call_id = message.tool_call_id or ""
-                if call_id in results or call_id in external:
-                    raise InvalidMessage(f"tool call {call_id!r} already has a result",
-                                         index=index, field="tool_call_id")
-                if call_id in issued:
-                    pos = issued[call_id]
+                if call_id in open_here:
+                    pos = open_here.pop(call_id)
                     self.calls[pos] = (call_id, self.calls[pos][1], index)
-                    results[call_id] = index
+                    closed_here.add(call_id)
+                elif call_id in closed_here:
+                    raise InvalidMessage(ANSWERED.format(id=call_id), index=index,
+                                         field="tool_call_id")
                 else:
-                    external.add(call_id)
                     self.external.append((call_id, index))
+                    closed_here.add(call_id)
 
 
 def referenced_call_ids(messages: Iterable[Message]) -> Iterator[str]:

@@ -120,8 +120,10 @@ tool_calls = sa.Table(
     "tool_calls", metadata,
     sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
               primary_key=True),
+    # An id may be issued again once its earlier call is answered, so the call's seq is part of
+    # the key; at most one row per id is open (result_seq NULL), which append enforces.
     sa.Column("call_id", sa.String(255), primary_key=True),
-    sa.Column("call_seq", sa.BigInteger, nullable=False),
+    sa.Column("call_seq", sa.BigInteger, primary_key=True),
     sa.Column("result_seq", sa.BigInteger, nullable=True),
 )
 

@@ -35,6 +35,9 @@ from storage.errors import (
 from storage.jobs import JobsMixin
 from storage.leases import LeasesMixin
 from storage.messages import (
+    ANSWERED,
+    ORPHAN,
+    REUSED_OPEN,
     BatchLinks,
     Message,
     ToolLinks,
@@ -291,24 +294,23 @@ class Store(LeasesMixin, JobsMixin):
         rows = (await conn.execute(
             sa.select(tc.call_id, tc.result_seq)
             .where(tc.session_id == session_id, tc.call_id.in_(sorted(set(linked)))))).all()
-        links = ToolLinks(issued=[r.call_id for r in rows],
-                          answered=[r.call_id for r in rows if r.result_seq is not None])
-        links.check(messages)
-        new_calls: list[dict[str, Any]] = []
-        results: list[dict[str, Any]] = []
-        for i, message in enumerate(messages):
-            for call in message.tool_calls:
-                new_calls.append({"session_id": session_id, "call_id": call.id,
-                                  "call_seq": first_seq + i, "result_seq": None})
-            if message.role == "tool":
-                results.append({"b_call": message.tool_call_id, "b_seq": first_seq + i})
-        if new_calls:
-            await conn.execute(t.tool_calls.insert(), new_calls)
-        if results:
+        ToolLinks(open_ids=[r.call_id for r in rows if r.result_seq is None],
+                  closed_ids=[r.call_id for r in rows]).check(messages)
+        links = BatchLinks(messages)
+        # Close the calls answered from before the batch first: the batch may issue their ids
+        # again (see ToolLinks).
+        if links.external:
             await conn.execute(
                 t.tool_calls.update()
-                .where(tc.session_id == session_id, tc.call_id == sa.bindparam("b_call"))
-                .values(result_seq=sa.bindparam("b_seq")), results)
+                .where(tc.session_id == session_id, tc.call_id == sa.bindparam("b_call"),
+                       tc.result_seq.is_(None))
+                .values(result_seq=sa.bindparam("b_seq")),
+                [{"b_call": cid, "b_seq": first_seq + idx} for cid, idx in links.external])
+        if links.calls:
+            await conn.execute(t.tool_calls.insert(), [
+                {"session_id": session_id, "call_id": cid, "call_seq": first_seq + idx,
+                 "result_seq": None if ridx is None else first_seq + ridx}
+                for cid, idx, ridx in links.calls])
 
     # ---------------------------------------------------------------------------------------
     # signals
@@ -443,10 +445,9 @@ class Store(LeasesMixin, JobsMixin):
 _POLL_SQL = "SELECT surface_version FROM sessions WHERE id = $1"
 _APPEND_SQL = "SELECT * FROM compactd_append($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 _LINK_ERRORS = {
-    "CD001": ("tool call id {id!r} was already used earlier in the session", "tool_calls"),
-    "CD002": ("tool result for {id!r} matches no earlier tool call of the session",
-              "tool_call_id"),
-    "CD003": ("tool call {id!r} already has a result", "tool_call_id"),
+    "CD001": (REUSED_OPEN, "tool_calls"),
+    "CD002": (ORPHAN, "tool_call_id"),
+    "CD003": (ANSWERED, "tool_call_id"),
 }
 
 

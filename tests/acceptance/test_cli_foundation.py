@@ -64,29 +64,37 @@ def test_ingest_appends_to_an_existing_session(env: dict[str, str], tmp_path: Pa
     assert json.loads(run(env, "surface", "s2", "--json").stdout)["version"] == 2
 
 
+def _call(cid: str) -> str:
+    return json.dumps({"role": "assistant", "content": None, "tool_calls": [
+        {"id": cid, "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]})
+
+
+# The bad line is the last one of each list.
 BAD_LINES = {
-    "invalid JSON": '{"role": "user", "content": "unterminated',
-    "unknown role": '{"role": "robot", "content": "beep"}',
-    "orphan tool result": '{"role": "tool", "tool_call_id": "never-called", "content": "x"}',
-    "reused tool-call id": json.dumps({"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_7_0001", "type": "function",
-         "function": {"name": "read_file", "arguments": "{}"}}]}),
+    "invalid JSON": ['{"role": "user", "content": "unterminated'],
+    "unknown role": ['{"role": "robot", "content": "beep"}'],
+    "orphan tool result": ['{"role": "tool", "tool_call_id": "never-called", "content": "x"}'],
+    "reused open tool-call id": [_call("dup"), _call("dup")],
+    "second result": [json.dumps({"role": "tool", "tool_call_id": "call_7_0001",
+                                  "content": "again"})],
 }
 
 
 @pytest.mark.parametrize("problem", sorted(BAD_LINES))
 def test_bad_input_exits_2_naming_the_line_and_changes_nothing(
         env: dict[str, str], tmp_path: Path, problem: str) -> None:
-    """Lines 1-6 are valid (line 5 issues call_7_0001); line 7 is bad; line 8 is valid."""
+    """Lines 1-6 are valid (line 5 issues call_7_0001, line 6 answers it); then the bad case,
+    its bad line last; then a valid line."""
     run(env, "migrate")
     other = tmp_path / "other.jsonl"
     other.write_text(coding_session(steps=6, big_output_lines=10, call_prefix="other").jsonl())
     run(env, "ingest", str(other), "--session", "kept")
     before = run(env, "surface", "kept", "--json").stdout
     good = SAMPLE.messages[:6]
-    bad_line = len(good) + 1
+    bad_line = len(good) + len(BAD_LINES[problem])
     path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps(m) + "\n" for m in good) + BAD_LINES[problem] + "\n"
+    path.write_text("".join(json.dumps(m) + "\n" for m in good)
+                    + "".join(line + "\n" for line in BAD_LINES[problem])
                     + json.dumps({"role": "user", "content": "after"}) + "\n")
     for session in ("fresh", "kept"):
         out = run(env, "ingest", str(path), "--session", session, check=False)

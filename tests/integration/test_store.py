@@ -61,14 +61,39 @@ async def test_append_assigns_gapless_seqs_and_counts_tokens_once(store: Store) 
 
 async def test_rejected_batch_writes_nothing(store: Store) -> None:
     await store.create_session("s1")
-    await store.append("s1", [asst_call("c1"), result("c1")])
+    await store.append("s1", [asst_call("c1"), result("c1"), asst_call("c2")])
     before = await store.counts()
     info_before = await store.get_session("s1")
-    for bad in ([user("fine"), result("nope")], [asst_call("c1")], [result("c1")]):
+    for bad in ([user("fine"), result("nope")], [asst_call("c2")], [result("c1")],
+                [result("c2"), result("c2")], [asst_call("c3"), result("c1")]):
         with pytest.raises(InvalidMessage):
             await store.append("s1", bad)
     assert await store.counts() == before
     assert await store.get_session("s1") == info_before
+
+
+async def test_ids_reused_after_their_result_pair_with_the_nearest_call(store: Store) -> None:
+    await store.create_session("s1")
+    await store.append("s1", [asst_call("a"), result("a")])
+    await store.append("s1", [asst_call("a")])
+    await store.append("s1", [result("a"), asst_call("a"), result("a", "third")])
+    with pytest.raises(InvalidMessage, match="already has a result"):
+        await store.append("s1", [result("a")])
+    assert (await store.verify("s1")).ok
+
+
+@pytest.mark.parametrize(("batch", "index", "reason"), [
+    (lambda: [user("ok"), result("ghost")], 1, "matches no earlier tool call"),
+    (lambda: [asst_call("open1")], 0, "reused while its earlier call has no result"),
+    (lambda: [result("done1")], 0, "already has a result"),
+])
+async def test_link_errors_name_the_message(store: Store, batch, index: int,  # type: ignore[no-untyped-def]
+                                            reason: str) -> None:
+    await store.create_session("s1")
+    await store.append("s1", [asst_call("done1"), result("done1"), asst_call("open1")])
+    with pytest.raises(InvalidMessage) as err:
+        await store.append("s1", batch())
+    assert err.value.index == index and reason in str(err.value)
 
 
 async def test_unknown_session(store: Store) -> None:

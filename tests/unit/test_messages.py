@@ -6,6 +6,7 @@ import pytest
 
 from storage.errors import InvalidMessage
 from storage.messages import (
+    BatchLinks,
     Message,
     ToolLinks,
     from_payload,
@@ -156,17 +157,30 @@ def _asst(*ids: str) -> Message:
                          "tool_calls": [call(i) for i in ids]})
 
 
-@pytest.mark.parametrize(("issued", "answered", "batch", "index", "reason"), [
+@pytest.mark.parametrize(("open_ids", "closed", "batch", "index", "reason"), [
     ((), (), [_tool("x")], 0, "matches no earlier tool call"),
     ((), (), [_asst("a"), _tool("a"), _tool("a")], 2, "already has a result"),
-    (("a",), (), [_asst("a")], 0, "already used earlier"),
-    (("a",), ("a",), [_tool("a")], 0, "already has a result"),
-    ((), (), [_asst("a"), _asst("a")], 1, "already used earlier"),
+    (("a",), (), [_asst("a")], 0, "reused while its earlier call has no result"),
+    ((), ("a",), [_tool("a")], 0, "already has a result"),
+    ((), (), [_asst("a"), _asst("a")], 1, "reused while its earlier call has no result"),
+    ((), (), [_asst("a", "b"), _tool("a"), _asst("b")], 2, "reused while"),
 ])
-def test_tool_links(issued: tuple, answered: tuple, batch: list[Message], index: int,
+def test_tool_links(open_ids: tuple, closed: tuple, batch: list[Message], index: int,
                     reason: str) -> None:
     with pytest.raises(InvalidMessage) as err:
-        ToolLinks(issued, answered).check(batch)
+        ToolLinks(open_ids, closed).check(batch)
+    assert err.value.index == index and reason in str(err.value)
+
+
+@pytest.mark.parametrize(("batch", "index", "reason"), [
+    ([_asst("a"), _tool("a"), _tool("a")], 2, "already has a result"),
+    ([_asst("a"), _asst("a")], 1, "reused while its earlier call has no result"),
+    ([_tool("x"), _tool("x")], 1, "already has a result"),
+])
+def test_batch_links_check_within_the_batch(batch: list[Message], index: int,
+                                            reason: str) -> None:
+    with pytest.raises(InvalidMessage) as err:
+        BatchLinks(batch)
     assert err.value.index == index and reason in str(err.value)
 
 
@@ -174,4 +188,14 @@ def test_tool_links_accept_a_valid_session() -> None:
     links = ToolLinks()
     links.check([_asst("a", "b"), _tool("b"), _tool("a")])
     links.check([_asst("c"), _tool("c")])
-    assert links.issued == {"a", "b", "c"} and links.answered == {"a", "b", "c"}
+    assert links.open == set() and links.closed == {"a", "b", "c"}
+
+
+def test_an_answered_id_may_be_issued_again() -> None:
+    """Real transcripts reuse ids sequentially; each result answers the nearest earlier call."""
+    links = ToolLinks()
+    links.check([_asst("a"), _tool("a"), _asst("a"), _tool("a")])
+    assert links.closed == {"a"}
+    batch = BatchLinks([_tool("x"), _asst("x"), _tool("x"), _asst("y")])
+    assert batch.external == [("x", 0)]
+    assert batch.calls == [("x", 1, 2), ("y", 3, None)]

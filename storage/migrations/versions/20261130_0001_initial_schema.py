@@ -126,7 +126,7 @@ def upgrade() -> None:
     sa.Column('call_seq', sa.BigInteger(), nullable=False),
     sa.Column('result_seq', sa.BigInteger(), nullable=True),
     sa.ForeignKeyConstraint(['session_id'], ['sessions.id'], name=op.f('fk_tool_calls_session_id_sessions'), ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('session_id', 'call_id', name=op.f('pk_tool_calls'))
+    sa.PrimaryKeyConstraint('session_id', 'call_id', 'call_seq', name=op.f('pk_tool_calls'))
     )
 
 

@@ -10,9 +10,9 @@ keeps ``append`` plus ``poll`` near a millisecond. The SQLite path does the same
 the integration tests run every append behaviour against both.
 
 Errors are raised with compactd's own SQLSTATEs so storage can name the message and field:
-CD404 no such session; CD001 a tool-call id already used in the session; CD002 a tool result
-whose call was never made; CD003 a tool call that already has a result. DETAIL is the call id,
-HINT the 0-based index of the message in the batch.
+CD404 no such session; CD001 a tool-call id reused while its earlier call is open; CD002 a
+tool result whose call was never made; CD003 a tool call that already has its result. DETAIL is
+the call id, HINT the 0-based index of the message in the batch.
 """
 
 from __future__ import annotations
@@ -63,10 +63,32 @@ BEGIN
     first_seq := s.last_seq - n;
     first_pos := s.last_position - n;
 
+    -- Results answering calls from before the batch close them first: the batch may issue
+    -- those ids again. Each must answer an open call (at most one row per id is open).
+    IF cardinality(p_ext_ids) > 0 THEN
+        SELECT x.id, x.idx, EXISTS (SELECT 1 FROM tool_calls t2 WHERE t2.session_id = p_session
+                                                                 AND t2.call_id = x.id)
+          INTO bad_id, bad_idx, bad_answered
+          FROM unnest(p_ext_ids, p_ext_idx) AS x(id, idx)
+         WHERE NOT EXISTS (SELECT 1 FROM tool_calls t WHERE t.session_id = p_session
+                              AND t.call_id = x.id AND t.result_seq IS NULL)
+         ORDER BY x.idx LIMIT 1;
+        IF bad_id IS NOT NULL THEN
+            RAISE EXCEPTION USING
+                  ERRCODE = CASE WHEN bad_answered THEN 'CD003' ELSE 'CD002' END,
+                  MESSAGE = 'tool result link', DETAIL = bad_id, HINT = bad_idx::text;
+        END IF;
+        UPDATE tool_calls t SET result_seq = first_seq + x.idx + 1
+          FROM unnest(p_ext_ids, p_ext_idx) AS x(id, idx)
+         WHERE t.session_id = p_session AND t.call_id = x.id AND t.result_seq IS NULL;
+    END IF;
+
+    -- A call may reuse an id only once the earlier call with it has its result.
     IF cardinality(p_call_ids) > 0 THEN
         SELECT c.id, c.idx INTO bad_id, bad_idx
           FROM unnest(p_call_ids, p_call_idx) AS c(id, idx)
           JOIN tool_calls t ON t.session_id = p_session AND t.call_id = c.id
+                           AND t.result_seq IS NULL
          ORDER BY c.idx LIMIT 1;
         IF bad_id IS NOT NULL THEN
             RAISE EXCEPTION USING ERRCODE = 'CD001', MESSAGE = 'tool call id reused',
@@ -76,22 +98,6 @@ BEGIN
         SELECT p_session, c.id, first_seq + c.idx + 1,
                CASE WHEN c.ridx IS NULL THEN NULL ELSE first_seq + c.ridx + 1 END
           FROM unnest(p_call_ids, p_call_idx, p_call_result_idx) AS c(id, idx, ridx);
-    END IF;
-
-    IF cardinality(p_ext_ids) > 0 THEN
-        SELECT x.id, x.idx, t.call_id IS NOT NULL INTO bad_id, bad_idx, bad_answered
-          FROM unnest(p_ext_ids, p_ext_idx) AS x(id, idx)
-          LEFT JOIN tool_calls t ON t.session_id = p_session AND t.call_id = x.id
-         WHERE t.call_id IS NULL OR t.result_seq IS NOT NULL
-         ORDER BY x.idx LIMIT 1;
-        IF bad_id IS NOT NULL THEN
-            RAISE EXCEPTION USING
-                  ERRCODE = CASE WHEN bad_answered THEN 'CD003' ELSE 'CD002' END,
-                  MESSAGE = 'tool result link', DETAIL = bad_id, HINT = bad_idx::text;
-        END IF;
-        UPDATE tool_calls t SET result_seq = first_seq + x.idx + 1
-          FROM unnest(p_ext_ids, p_ext_idx) AS x(id, idx)
-         WHERE t.session_id = p_session AND t.call_id = x.id;
     END IF;
 
     INSERT INTO events (session_id, seq, kind, payload, tokens, created_at)

@@ -1,0 +1,68 @@
+"""Putting compaction runs on the queues.
+
+Every enqueue goes through :class:`Enqueuer`, which sends ``compaction.run`` by name (the sender
+never imports the tasks) on the queue its trigger belongs to. Sending is blocking kombu I/O, so
+async callers hand it to a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_RUN
+
+TRIGGER_QUEUES = {
+    "overflow": QUEUE_URGENT, "manual": QUEUE_URGENT,
+    "pressure": QUEUE_PRESSURE, "sweep": QUEUE_PRESSURE, "reap": QUEUE_PRESSURE,
+    "bulk": QUEUE_BULK,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    session_id: str
+    trigger: str
+    force: bool = False
+    keep: str | None = None
+    bulk_job_id: str | None = None
+    rate_per_s: float | None = None
+    task_id: str = ""
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "trigger": self.trigger, "force": self.force,
+                "keep": self.keep, "bulk_job_id": self.bulk_job_id,
+                "rate_per_s": self.rate_per_s}
+
+
+class Sender(Protocol):
+    def send_task(self, name: str, kwargs: dict[str, Any], queue: str, task_id: str) -> Any: ...
+
+
+class Enqueuer:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def send(self, request: RunRequest) -> str:
+        task_id = request.task_id or uuid.uuid4().hex
+        self.app.send_task(TASK_RUN, kwargs=request.kwargs(),
+                           queue=TRIGGER_QUEUES[request.trigger], task_id=task_id)
+        return task_id
+
+    async def asend(self, request: RunRequest) -> str:
+        return await asyncio.to_thread(self.send, request)
+
+
+class RecordingEnqueuer(Enqueuer):
+    """An enqueuer that only records (dry runs, and unit tests of the scheduler's decisions)."""
+
+    def __init__(self) -> None:
+        super().__init__(app=None)
+        self.sent: list[RunRequest] = []
+
+    def send(self, request: RunRequest) -> str:
+        task_id = request.task_id or uuid.uuid4().hex
+        self.sent.append(request)
+        return task_id

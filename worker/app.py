@@ -1,0 +1,111 @@
+"""The Celery app: ``celery -A worker.app worker | beat | flower``.
+
+Built from the process's configuration (``COMPACTD_*`` environment and the YAML file). Clients that
+only enqueue (the CLI, ``scheduler.client``) build their own with :func:`make_app` and never import
+the tasks.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_REAP, TASK_RUN, TASK_SWEEP
+from worker.settings import Config, broker_dirs, load_config
+
+# How much longer than the longest task a Redis message stays invisible before redelivery.
+VISIBILITY_MARGIN_S = 300
+
+
+def celery_settings(config: Config) -> dict[str, Any]:
+    w = config.worker
+    transport: dict[str, Any] = {}
+    if config.embedded_broker:
+        transport.update(broker_dirs(config.home))
+    else:
+        # Redis re-delivers an unacked message after the visibility timeout. It must exceed the
+        # longest a task can run, or a slow compaction is handed to a second worker mid-run
+        # (harmless thanks to the lease, but wasted model calls).
+        transport["visibility_timeout"] = int(w.task_time_limit_s + VISIBILITY_MARGIN_S)
+    exchange = Exchange("compactd", type="direct")
+    return {
+        "broker_url": config.broker_url,
+        "broker_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        # Keep retrying a lost broker forever: a Redis restart must not kill the worker.
+        "broker_connection_max_retries": None,
+        # JSON only: no pickle ever crosses the broker.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        # Results live in PostgreSQL (compaction_runs), which is where --wait and status read
+        # them; a result backend would be a second, weaker copy.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # Late acks: a task is acked only when it ends, so a worker killed mid-run leaves its
+        # message to be redelivered. Safe because tasks are idempotent: a rerun finds the lease
+        # (busy), the work done (nothing_to_do), or the reaped run and starts again cleanly.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        # One message per free slot: a worker never hoards messages another worker could run.
+        "worker_prefetch_multiplier": 1,
+        # With late acks, a task still running when the broker connection drops can no longer
+        # be acked and will be redelivered; cancel it rather than let two copies run.
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # Soft shutdown: on SIGTERM, running compactions get this long to finish and release
+        # their leases before the cold shutdown (their messages are redelivered after that).
+        "worker_soft_shutdown_timeout": 30.0,
+        "worker_enable_soft_shutdown_on_idle": True,
+        # Most of a compaction is waiting on a model: one process runs many on a threads pool,
+        # each thread handing its coroutine to the process's single event loop.
+        "worker_pool": "threads",
+        "worker_concurrency": w.concurrency,
+        # Time limits (enforced by the prefork pool; on the threads pool the orchestration's own
+        # deadline, below these, is what bounds a run).
+        "task_time_limit": w.task_time_limit_s,
+        "task_soft_time_limit": max(1.0, w.task_time_limit_s - 10),
+        # Task events for Flower.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_track_started": True,
+        "task_default_queue": QUEUE_PRESSURE,
+        "task_default_exchange": "compactd",
+        "task_default_routing_key": QUEUE_PRESSURE,
+        "task_create_missing_queues": False,
+        "task_queues": [Queue(q, exchange, routing_key=q) for q in
+                        (QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)],
+        "task_routes": {TASK_RUN: {"queue": QUEUE_PRESSURE},
+                        TASK_SWEEP: {"queue": QUEUE_PRESSURE},
+                        TASK_REAP: {"queue": QUEUE_PRESSURE}},
+        "beat_schedule": {
+            "sweep": {"task": TASK_SWEEP, "schedule": w.sweep_interval_s,
+                      "options": {"expires": w.sweep_interval_s}},
+            "reap": {"task": TASK_REAP, "schedule": w.reap_interval_s,
+                     "options": {"expires": w.reap_interval_s}},
+        },
+        "beat_schedule_filename": str(config.home / "celerybeat-schedule"),
+        "worker_hijack_root_logger": False,
+        "timezone": "UTC",
+    }
+
+
+def make_app(config: Config, *, with_tasks: bool = False) -> Celery:
+    app = Celery("compactd", set_as_current=with_tasks)
+    app.conf.update(celery_settings(config))
+    app.conf.compactd_config = config
+    if with_tasks:
+        app.conf.imports = ("worker.tasks",)
+    return app
+
+
+@cache
+def client_app(config: Config) -> Celery:
+    """An app for enqueueing only (one per configuration, shared by the process)."""
+    return make_app(config)
+
+
+app = make_app(load_config(), with_tasks=True)

@@ -1,0 +1,75 @@
+"""A session's policy and pressure from its cached totals: what signals, sweeps and the hot path
+decide on without reading the surface.
+
+The policy is the configured one with the session's overrides on top, bound to the run model's
+context window (the session's own, else the configured model's, else a known public figure).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from storage.records import SessionInfo
+from worker.compaction.policy import Policy, parse_policy
+from worker.compaction.triggers import Pressure, should_compact
+from worker.settings import Config
+
+# Published context windows of common run models, used only when neither the session nor the
+# configuration names one (a fraction trigger is otherwise dropped). Longest prefix wins.
+KNOWN_WINDOWS: dict[str, int] = {
+    "gpt-4o": 128_000, "gpt-4o-mini": 128_000, "gpt-4.1": 1_047_576, "gpt-4-turbo": 128_000,
+    "gpt-4": 8_192, "gpt-3.5-turbo": 16_385, "gpt-5": 400_000, "o1": 200_000, "o3": 200_000,
+    "o4-mini": 200_000, "claude": 200_000, "deepseek-chat": 128_000,
+    "deepseek-reasoner": 128_000,
+}
+
+
+def known_window(run_model: str | None) -> int | None:
+    name = (run_model or "").lower().rsplit("/", 1)[-1]
+    best = None
+    for prefix, window in KNOWN_WINDOWS.items():
+        if name.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, window)
+    return best[1] if best else None
+
+
+def context_window(info: SessionInfo, config: Config) -> int | None:
+    return info.context_window or config.context_window(info.run_model) or known_window(
+        info.run_model)
+
+
+@lru_cache(maxsize=4096)
+def _resolved(base: Policy, overrides_json: str, window: int | None) -> Policy:
+    overrides: dict[str, Any] | None = json.loads(overrides_json) if overrides_json else None
+    return parse_policy(overrides, path="session.policy", base=base).resolve(window)
+
+
+def session_policy(info: SessionInfo, config: Config) -> Policy:
+    """The policy this session runs under, resolved to its run model's window."""
+    overrides = json.dumps(info.policy, sort_keys=True) if info.policy else ""
+    return _resolved(config.policy, overrides, context_window(info, config))
+
+
+def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
+    """Pressure from the cached totals: surface (checkpoints included) plus envelope, or the
+    provider's own count when it reported a larger one."""
+    tokens = info.surface_tokens + info.envelope_tokens
+    if info.reported_input_tokens is not None and info.reported_input_tokens > tokens:
+        tokens = info.reported_input_tokens
+    window = policy.context_window
+    return Pressure(tokens=tokens, messages=info.surface_messages,
+                    fraction=tokens / window if window else None)
+
+
+def over_trigger(info: SessionInfo, config: Config) -> bool:
+    policy = session_policy(info, config)
+    return should_compact(session_pressure(info, policy), policy)[0]
+
+
+def explain(info: SessionInfo, config: Config) -> tuple[bool, str, Pressure]:
+    policy = session_policy(info, config)
+    pressure = session_pressure(info, policy)
+    fired, reason = should_compact(pressure, policy)
+    return fired, reason, pressure

@@ -1,0 +1,146 @@
+"""Per-process async resources, and the one event loop that owns them.
+
+Storage and model clients are async. An engine, pool, Redis connection or HTTP client must never
+cross an event loop or a fork, so they are created inside the loop that uses them:
+
+* :func:`open_deps` builds them inside the caller's running loop (the CLI's ``--inline``, the
+  demo, tests) and closes them on exit.
+* :class:`LoopThread` is what a Celery worker process uses: one event loop in a daemon thread,
+  created lazily in the process that will use it (after any fork), serving every task thread of
+  the threads pool. A task thread hands its coroutine over and waits for the result, so dozens of
+  compactions wait on their models concurrently in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from storage.records import utcnow
+from storage.store import Store
+from worker.limits import Limiter, LocalLimiter, RedisLimiter
+from worker.settings import Config
+
+T = TypeVar("T")
+
+
+def default_owner() -> str:
+    """Who holds a lease: host and pid, enough to find the process in an incident."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class Deps:
+    """Everything the orchestration touches, built inside one event loop."""
+
+    config: Config
+    store: Store
+    limiter: Limiter
+    owner: str
+    redis: Any = None
+    models: Any = None  # worker.llm client registry, created on first use
+    clock: Callable[[], Any] = utcnow
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    async def aclose(self) -> None:
+        if self.models is not None and hasattr(self.models, "aclose"):
+            await self.models.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
+        await self.store.close()
+
+
+@contextlib.asynccontextmanager
+async def open_deps(config: Config, *, owner: str | None = None,
+                    pool_size: int = 10) -> AsyncIterator[Deps]:
+    deps = await build_deps(config, owner=owner, pool_size=pool_size)
+    try:
+        yield deps
+    finally:
+        await deps.aclose()
+
+
+async def build_deps(config: Config, *, owner: str | None = None, pool_size: int = 10) -> Deps:
+    store = Store.from_url(config.database_url, pool_size=pool_size)
+    if config.embedded:
+        from storage.migrate import ensure_schema
+
+        await ensure_schema(store.engine, config.database_url)
+    redis = None
+    limiter: Limiter = LocalLimiter()
+    if config.redis_url:
+        import redis.asyncio as aioredis
+
+        redis = aioredis.from_url(config.redis_url, health_check_interval=30)
+        limiter = RedisLimiter(redis)
+    return Deps(config=config, store=store, limiter=limiter, owner=owner or default_owner(),
+                redis=redis)
+
+
+class LoopThread:
+    """One event loop in a daemon thread, with the process's :class:`Deps` inside it."""
+
+    def __init__(self, config: Config, *, pool_size: int = 20) -> None:
+        self.config = config
+        self.pool_size = pool_size
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="compactd-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        self.deps: Deps = self.submit(lambda: build_deps(config, pool_size=pool_size))
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        self.loop.run_forever()
+
+    def submit(self, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+        """Run ``make()`` on the loop and wait for its result from this (task) thread."""
+
+        async def runner() -> T:
+            return await make()
+
+        future = asyncio.run_coroutine_threadsafe(runner(), self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+
+    def run(self, coro_fn: Callable[[Deps], Coroutine[Any, Any, T]],
+            timeout: float | None = None) -> T:
+        return self.submit(lambda: coro_fn(self.deps), timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.submit(self.deps.aclose, timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+_current: LoopThread | None = None
+_current_lock = threading.Lock()
+
+
+def process_loop(config: Config) -> LoopThread:
+    """This process's loop thread, created on first use (so never inherited across a fork)."""
+    global _current
+    with _current_lock:
+        if _current is None or _current.pid != os.getpid():
+            _current = LoopThread(config, pool_size=min(config.worker.concurrency, 50))
+        return _current
+
+
+def reset_process_loop() -> None:
+    """Forget the loop after a fork (Celery's ``worker_process_init``)."""
+    global _current
+    with _current_lock:
+        _current = None
