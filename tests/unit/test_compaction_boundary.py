@@ -158,6 +158,9 @@ def test_min_tokens_refuses_runs_no_larger_than_an_empty_checkpoint():
         (_flat(ai("", ("a", "t")), ai("x"), tool("a")), [0, 1, 1, 0]),
         (_flat(ai("", ("a", "t")), user()), [0, 1, 1]),  # still waiting for its result
         (_flat(tool("orphan"), user()), [0, 0, 0]),
+        # a reused id pairs with the nearest earlier call: two groups, not one long span
+        (_flat(ai("", ("r", "t")), tool("r"), user(), ai("", ("r", "t")), tool("r")),
+         [0, 1, 0, 0, 1, 0]),
     ],
 )
 def test_unsafe_boundaries(surface, unsafe):

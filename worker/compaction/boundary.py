@@ -95,24 +95,35 @@ def protected(nodes: Sequence[SurfaceNode]) -> list[bool]:
     return out
 
 
-def unsafe_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
-    """``unsafe[b]`` for every boundary ``b`` in ``0..len(nodes)`` (see the module docstring)."""
-    n = len(nodes)
+def pair_results(nodes: Sequence[SurfaceNode]) -> dict[int, int]:
+    """Index of each tool result -> index of the assistant message whose call it answers.
+
+    A result answers the nearest earlier call with its id. Ids should be unique in a session,
+    but real transcripts replayed from caches reuse them, and pairing by the nearest call keeps
+    each reuse its own group rather than one group spanning the session.
+    """
     owner: dict[str, int] = {}
-    waiting: dict[int, set[str]] = {}
-    last: dict[int, int] = {}
+    out: dict[int, int] = {}
     for i, node in enumerate(nodes):
         message = node.message
-        if message.tool_calls:
-            ids = {call.id for call in message.tool_calls}
-            waiting[i] = ids
-            for call_id in ids:
-                owner[call_id] = i
+        for call in message.tool_calls:
+            owner[call.id] = i
         if message.role == "tool" and message.tool_call_id is not None:
             a = owner.get(message.tool_call_id)
             if a is not None:
-                waiting[a].discard(message.tool_call_id)
-                last[a] = i
+                out[i] = a
+    return out
+
+
+def unsafe_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
+    """``unsafe[b]`` for every boundary ``b`` in ``0..len(nodes)`` (see the module docstring)."""
+    n = len(nodes)
+    waiting = {i: {call.id for call in node.message.tool_calls}
+               for i, node in enumerate(nodes) if node.message.tool_calls}
+    last: dict[int, int] = {}
+    for r, a in pair_results(nodes).items():
+        waiting[a].discard(nodes[r].message.tool_call_id or "")
+        last[a] = r
     diff = [0] * (n + 2)
     for a, missing in waiting.items():
         e = n if missing else last[a]

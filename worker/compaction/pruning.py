@@ -26,9 +26,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.messages import META_PRUNED, Message, ToolCall
+from storage.messages import META_PRUNED, Message
 from storage.surface import KIND_PRUNED, SurfaceNode
 from storage.tokens import TokenCounter
+from worker.compaction.boundary import pair_results
 from worker.compaction.policy import ClearToolUsesConfig, PruneConfig
 
 PRUNE_MARKER = "\n\n[... tool result middle pruned ...]\n\n"
@@ -135,13 +136,8 @@ def clear_tool_uses(nodes: Sequence[SurfaceNode], config: ClearToolUsesConfig,
     """
     if not config.enabled or pressure_tokens <= config.trigger:
         return []
-    calls: dict[str, tuple[int, ToolCall]] = {}
-    results: list[int] = []
-    for i, node in enumerate(nodes):
-        for call in node.message.tool_calls:
-            calls.setdefault(call.id, (i, call))
-        if node.message.role == "tool":
-            results.append(i)
+    paired = pair_results(nodes)
+    results = [i for i, node in enumerate(nodes) if node.message.role == "tool"]
     candidates = results[:-config.keep] if config.keep else results
     if config.keep >= len(results):
         candidates = []
@@ -153,10 +149,11 @@ def clear_tool_uses(nodes: Sequence[SurfaceNode], config: ClearToolUsesConfig,
         message = nodes[i].message
         if message.flag(META_CLEARED):
             continue
-        found = calls.get(message.tool_call_id or "")
-        if found is None:  # no call on the surface to attribute it to: LangChain skips it too
+        call_index = paired.get(i)
+        if call_index is None:  # no call on the surface to attribute it to: LangChain skips it
             continue
-        call_index, call = found
+        call = next(c for c in nodes[call_index].message.tool_calls
+                    if c.id == message.tool_call_id)
         if (message.name or call.name) in excluded:
             continue
         cleared = message.model_copy(update={
