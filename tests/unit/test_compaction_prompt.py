@@ -194,3 +194,13 @@ def test_clause_override_is_a_keep():
     result = plan(surface, policy=_policy(), now=NOW, keep_override=Clause("messages", 3))
     assert result.summarize is not None
     assert result.summarize.replace_seqs == (2, 3)
+
+
+def test_replay_mode_sends_an_orphan_result_as_text():
+    surface = nodes(sys(), user("u1 " * 20), tool("gone", "orphan output"), user("u2"), ai("z"))
+    policy = _policy(replay_mode=True)
+    step = plan(surface, policy=policy, now=NOW).summarize
+    assert step is not None and step.replace_seqs == (2, 3)
+    sent = build_prompt(step.calls[0], "", policy)
+    assert [m["role"] for m in sent] == ["user", "user", "user"]
+    assert sent[1]["content"].startswith("[seq 3] tool result:")

@@ -16,8 +16,8 @@ Selection:
    window; the default is ``retain_ratio`` of the window, or the last 20 messages without one. The
    cut then moves toward the head to the nearest safe boundary. Forced mode (overflow or manual
    compaction) ignores ``keep`` unless an explicit override is given: its cut is at the newest
-   assistant message with tool calls, so the newest whole tool-call group stays verbatim and the
-   head is reduced as far as it can be.
+   assistant message with tool calls (else the last assistant message, else the last node), so
+   the newest whole tool-call group stays verbatim and the head is reduced as far as it can be.
 2. **Protected nodes.** Never replaced: system messages and ``pinned`` nodes (the contract), plus
    nodes rescued from the range: ``dynamic_context_reminder`` messages and the latest real user
    request (a user message that is not a checkpoint, reminder or hidden message). Earlier user

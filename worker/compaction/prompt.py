@@ -251,9 +251,17 @@ def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
     system = (envelope or {}).get("system")
     if system:
         out.append({"role": "system", "content": system})
+    issued: set[str] = set()
     for piece in call.pieces:
-        if piece.whole and piece.parts == 1 and not piece.summary:
-            wire = piece.message.to_openai()
+        message = piece.message
+        verbatim = piece.whole and piece.parts == 1 and not piece.summary
+        # A tool result is valid chat only after its call; one whose call is not in this input
+        # (an orphan the runtime appended) is sent as text instead.
+        if verbatim and message.role == "tool" and message.tool_call_id not in issued:
+            verbatim = False
+        if verbatim:
+            issued.update(c.id for c in message.tool_calls)
+            wire = message.to_openai()
             wire.pop("meta", None)
             out.append(wire)
         else:
