@@ -1,0 +1,59 @@
+"""``worker.compaction`` is pure: it imports no queue, database, cache, HTTP or model SDK."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import worker.compaction
+
+BANNED = ("celery", "kombu", "sqlalchemy", "alembic", "asyncpg", "aiosqlite", "redis", "httpx",
+          "requests", "aiohttp", "openai", "anthropic")
+PACKAGE = Path(worker.compaction.__file__).parent
+
+PROBE = """
+import importlib, pkgutil, sys
+BANNED = set(sys.argv[1].split(","))
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BANNED:
+            raise ImportError(f"blocked import of {name}")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+for name in BANNED:
+    sys.modules.pop(name, None)
+import worker.compaction
+for info in pkgutil.iter_modules(worker.compaction.__path__, "worker.compaction."):
+    importlib.import_module(info.name)
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in BANNED)
+assert not leaked, leaked
+print("clean")
+"""
+
+
+def test_imports_with_io_modules_blocked():
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", PROBE, ",".join(BANNED)], cwd=root,
+                          capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(root), "PATH": ""})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "clean"
+
+
+def test_no_module_names_a_banned_import_even_lazily():
+    offenders = []
+    for info in pkgutil.iter_modules([str(PACKAGE)]):
+        tree = ast.parse((PACKAGE / f"{info.name}.py").read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [(info.name, n) for n in names if n.split(".")[0] in BANNED]
+    assert offenders == []

@@ -1,0 +1,153 @@
+"""The plan as a whole: gating, pruning before summarizing, the JSON contract, re-planning."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from compaction_helpers import NOW, ai, ckpt, nodes, sys, tool, user
+
+from storage.surface import SurfaceNode
+from worker.compaction.planner import checkpoint_for, plan, replan_smaller
+from worker.compaction.policy import Clause, parse_policy
+from worker.compaction.render import Skill, checkpoint_tokens
+
+
+def _policy(**raw):
+    base = {"trigger": ["tokens", 200], "keep": {"type": "messages", "value": 2}}
+    return parse_policy({**base, **raw}).resolve(None)
+
+
+def _chat(turns=6, size=20):
+    out = [sys()]
+    for i in range(turns):
+        out += [user(f"question {i} " + "detail " * size), ai(f"answer {i} " + "words " * size)]
+    return nodes(*out)
+
+
+def test_under_the_trigger_nothing_to_do():
+    surface = _chat(turns=1)
+    result = plan(surface, policy=_policy(), now=NOW)
+    assert not result.fired and result.summarize is None and result.prune == ()
+    assert result.nothing_to_do is not None and "did not fire" in result.nothing_to_do
+    assert result.to_json()["summarize"] is None
+
+
+def test_pruning_alone_brings_pressure_under_the_trigger():
+    surface = nodes(sys(), user("read it"), ai("", ("c1", "cat")), tool("c1", "data " * 6000),
+                    ai("done"))
+    before = sum(n.tokens for n in surface)
+    result = plan(surface, policy=_policy(trigger=["tokens", 3000]), now=NOW)
+    assert result.fired and before > 3000
+    [action] = result.prune
+    assert action.seq == 4 and action.tokens_after < action.tokens_before
+    assert result.tokens_after_prune == before - action.saved < 3000
+    assert result.summarize is None and result.nothing_to_do is None
+    assert result.why_no_summary == "pruning alone brought pressure under the trigger"
+
+
+def test_prune_then_summarize_reads_the_pruned_text():
+    surface = nodes(sys(), user("read it"), ai("", ("c1", "cat")), tool("c1", "data " * 6000),
+                    ai("done " * 50), user("next"), ai("ok"))
+    result = plan(surface, policy=_policy(trigger=["tokens", 300],
+                                          trim_tokens_to_summarize=None), now=NOW)
+    step = result.summarize
+    assert step is not None and result.prune
+    piece = next(p for p in step.calls[0].pieces if p.seq == 4)
+    assert "tool result middle pruned" in piece.message.text
+    assert step.replaced_tokens == sum(n.tokens for n in surface if n.seq in (2, 3, 5)) + (
+        result.prune[0].tokens_after)
+
+
+def test_forced_plan_ignores_trigger_and_keep():
+    surface = _chat(turns=3)
+    result = plan(surface, policy=_policy(trigger=["tokens", 10**6]), now=NOW, force=True)
+    assert not result.fired and result.forced
+    assert result.summarize is not None
+    # plain chat: the last assistant message and the latest request stay
+    assert result.summarize.keep_seqs == (1, 6, 7)
+
+
+def test_forced_with_everything_protected_is_nothing_to_do():
+    surface = nodes(sys(), user("only the request"), ai("", ("c1", "bash")))
+    result = plan(surface, policy=_policy(), now=NOW, force=True)
+    assert result.summarize is None and result.nothing_to_do
+
+
+def test_json_contract():
+    surface = _chat()
+    data = plan(surface, policy=_policy(), now=NOW).to_json()
+    json.dumps(data)
+    assert set(data) >= {"pressure", "trigger", "prune", "tokens_after_prune", "summarize"}
+    assert set(data["pressure"]) == {"tokens", "messages", "fraction"}
+    assert set(data["trigger"]) == {"fired", "reason"}
+    summarize = data["summarize"]
+    assert set(summarize) >= {"replace_seqs", "keep_seqs", "calls"}
+    assert all(set(c) >= {"seqs", "input_tokens"} for c in summarize["calls"])
+    assert sorted(summarize["replace_seqs"] + summarize["keep_seqs"]) == [n.seq for n in surface]
+
+
+def test_existing_checkpoint_and_skills_carry_into_the_plan():
+    skill = Skill("pdf", "/mnt/skills/pdf/SKILL.md", "PDFs", 2)
+    surface = nodes(sys(), ckpt("We did X.", [skill]), user("q " * 80), ai("a " * 80),
+                    user("latest"), ai("z"))
+    step = plan(surface, policy=_policy(trigger=["tokens", 100]), now=NOW).summarize
+    assert step is not None
+    assert step.existing_summary == "We did X."
+    assert step.skills == (skill,)
+    message = checkpoint_for(step, "merged summary", _policy())
+    assert message.meta["skills"][0]["path"] == skill.path
+
+
+def test_replan_smaller_halves_the_call_budget():
+    surface = _chat(turns=30, size=40)
+    first = plan(surface, policy=_policy(trim_tokens_to_summarize=6000,
+                                         max_summary_tokens=300), now=NOW)
+    assert first.summarize is not None
+    again = replan_smaller(first, 0.5)
+    assert again.summarize is not None
+    largest = max(c.input_tokens for c in first.summarize.calls)
+    assert again.inputs.policy.trim_tokens_to_summarize == int(min(6000, largest) * 0.5)
+    assert len(again.summarize.calls) > len(first.summarize.calls)
+    assert all(c.input_tokens <= largest * 0.5 for c in again.summarize.calls)
+    with pytest.raises(ValueError):
+        replan_smaller(first, 1.0)
+
+
+def test_equal_inputs_equal_plans():
+    surface = _chat()
+    a = plan(surface, policy=_policy(), now=NOW, keep_override=Clause("messages", 3))
+    b = plan(list(surface), policy=_policy(), now=NOW, keep_override=Clause("messages", 3))
+    assert a == b and a.to_json() == b.to_json()
+
+
+def test_applying_the_plan_shrinks_the_surface():
+    surface = _chat(turns=8)
+    result = plan(surface, policy=_policy(), now=NOW)
+    step = result.summarize
+    assert step is not None
+    message = checkpoint_for(step, "short summary", _policy())
+    tokens = checkpoint_tokens(message, None)
+    kept = sum(n.tokens for n in surface if n.seq in step.keep_seqs)
+    assert kept + tokens < sum(n.tokens for n in surface)
+
+
+def _big_surface(messages: int, tokens_per_message: int = 100) -> list[SurfaceNode]:
+    out: list = [sys()]
+    while len(out) < messages:
+        i = len(out)
+        out += [user(f"q{i}"), ai("", (f"c{i}", "bash")), tool(f"c{i}", "x"), ai(f"a{i}")]
+    return nodes(*out[:messages], tokens=[tokens_per_message] * messages)
+
+
+def test_planning_is_fast_enough_for_a_long_surface():
+    # the benchmark (tests/bench/plan_speed.py) measures; this only guards a regression
+    surface = _big_surface(2000)
+    policy = parse_policy({"trigger": ["tokens", 100_000], "keep": ["messages", 20],
+                           "trim_tokens_to_summarize": 16000}).resolve(None)
+    plan(surface, policy=policy, now=NOW)
+    started = time.perf_counter()
+    result = plan(surface, policy=policy, now=NOW)
+    assert time.perf_counter() - started < 0.5
+    assert result.summarize is not None

@@ -1,0 +1,54 @@
+"""Validation table: which summaries may be committed (step 7)."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.compaction.policy import Policy
+from worker.compaction.render import Skill
+from worker.compaction.validation import NO_HISTORY_SUMMARY, framed_tokens, validate_summary
+
+POLICY = Policy(max_summary_tokens=50)
+GOOD = "## Primary Request and Intent\nFix the parser."
+
+
+@pytest.mark.parametrize(
+    ("text", "replaced", "has_history", "refused"),
+    [
+        (GOOD, 10_000, True, None),
+        ("", 10_000, True, "empty"),
+        ("  \n\t ", 10_000, True, "whitespace-only"),
+        (None, 10_000, True, "non-text"),
+        ([{"type": "image"}], 10_000, True, "non-text"),
+        ("word " * 60, 10_000, True, "over max_summary_tokens"),
+        # the framed checkpoint must be strictly smaller than what it replaces
+        (GOOD, "framed", True, "not fewer than"),
+        (GOOD, "framed+1", True, None),
+        (NO_HISTORY_SUMMARY, 10_000, False, None),
+        (NO_HISTORY_SUMMARY, 10_000, True, "canned no-history"),
+        # an intermediate chunk summary is never committed: no convergence check
+        (GOOD, None, True, None),
+        ("", None, True, "empty"),
+    ],
+)
+def test_validate_summary(text, replaced, has_history, refused):
+    framed = framed_tokens(GOOD, (), POLICY, None)
+    replaced = {"framed": framed, "framed+1": framed + 1}.get(replaced, replaced)
+    reason = validate_summary(text, replaced_tokens=replaced, policy=POLICY, run_model=None,
+                              has_history=has_history)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason
+
+
+def test_framed_size_counts_skills_and_the_authority_contract():
+    skills = [Skill("pdf", "/mnt/skills/pdf/SKILL.md", "Read PDFs", 4)]
+    plain = framed_tokens(GOOD, (), POLICY, None)
+    with_skills = framed_tokens(GOOD, skills, POLICY, None)
+    assert with_skills > plain
+    langchain = framed_tokens(GOOD, (), Policy(render="langchain"), None)
+    assert plain > langchain  # the durable form adds the authority contract
+    reason = validate_summary(GOOD, replaced_tokens=plain + 1, policy=POLICY, run_model=None,
+                              skills=skills)
+    assert reason is not None and "not fewer than" in reason

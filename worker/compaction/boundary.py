@@ -1,0 +1,233 @@
+"""Which nodes a summary replaces: pipeline step 4.
+
+Vocabulary. ``nodes[i]`` is the i-th surface node; *boundary* ``b`` is the gap before
+``nodes[b]`` (0 is before everything, ``len(nodes)`` after everything). A boundary is *unsafe*
+when a tool-call group straddles it: an assistant message with tool calls at index ``a`` whose
+last result is at ``e`` makes every boundary in ``(a, e]`` unsafe; a group still waiting for a
+result makes ``(a, len(nodes)]`` unsafe, since the result will be appended later and must find its
+call. Parallel calls are one group (all results of one assistant message), and results that
+interleave with other messages widen the group. Cutting only at safe boundaries means no side of a
+cut ever holds a result without its call or a call without all its results.
+
+Selection:
+
+1. **The kept tail.** ``keep`` picks a cut: ``messages N`` keeps the last N nodes, ``tokens N`` the
+   longest tail within N tokens, ``fraction f`` the longest tail within f of the run model's
+   window; the default is ``retain_ratio`` of the window, or the last 20 messages without one. The
+   cut then moves toward the head to the nearest safe boundary. Forced mode (overflow or manual
+   compaction) ignores ``keep`` unless an explicit override is given: its cut is at the newest
+   assistant message with tool calls (else the last assistant message, else the last node), so
+   the newest whole tool-call group stays verbatim and the head is reduced as far as it can be.
+2. **Protected nodes.** Never replaced: system messages and ``pinned`` nodes (the contract), plus
+   nodes rescued from the range: ``dynamic_context_reminder`` messages and the latest real user
+   request (a user message that is not a checkpoint, reminder or hidden message). Earlier user
+   messages are compacted normally; that is what stops an old request from contaminating later
+   turns.
+3. **One contiguous run.** A summary is committed as a *replace*: one contiguous run of surface
+   rows becomes one checkpoint node, and there is no remove. Protected nodes inside the head
+   therefore split it into *segments* (maximal runs of unprotected nodes), each shrunk inward to
+   safe boundaries. The plan replaces exactly one segment: the one holding the most tokens (the
+   earliest on a tie), so each round buys the most relief. The others stay as they are and are
+   candidates of the next round; the orchestration's bounded re-rounds pick them up.
+
+   Why not "the run before the first protected node"? The commonest protected node inside the head
+   is the latest user request of a long first turn (``system, user, 300 tool steps``): the run
+   before it is empty and the session could never be compacted. Why not "the run after the last
+   protected node"? A pinned message near the head would then keep every older turn forever.
+   The segment with the most tokens handles both, and stacked checkpoints self-heal: an earlier
+   checkpoint inside the chosen segment is merged (its summary is the input's existing summary or
+   an inline earlier summary), and once the rescued user request is no longer the latest, the
+   segments on both sides of it join.
+4. **Worth it.** A segment that is a lone checkpoint, or whose tokens do not exceed an empty
+   checkpoint's framed size, cannot shrink the surface (validation demands strictly fewer
+   tokens), so it is not a candidate. No candidate: nothing to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
+from storage.surface import KIND_CHECKPOINT, SurfaceNode
+from worker.compaction.policy import DEFAULT_KEEP_MESSAGES, Clause, Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Where the kept tail starts and which run ``nodes[start:end]`` a summary replaces."""
+
+    cut: int
+    start: int
+    end: int
+    nothing_to_do: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.end <= self.start
+
+
+def is_checkpoint(node: SurfaceNode) -> bool:
+    return node.kind == KIND_CHECKPOINT or bool(node.message.meta.get(META_CHECKPOINT))
+
+
+def is_real_user_request(node: SurfaceNode) -> bool:
+    meta = node.message.meta
+    return (node.message.role == "user" and not is_checkpoint(node)
+            and not meta.get(META_REMINDER) and not meta.get(META_HIDDEN))
+
+
+def latest_user_request(nodes: Sequence[SurfaceNode]) -> int | None:
+    for i in range(len(nodes) - 1, -1, -1):
+        if is_real_user_request(nodes[i]):
+            return i
+    return None
+
+
+def protected(nodes: Sequence[SurfaceNode]) -> list[bool]:
+    """Per node: never replaced (system, pinned) or rescued (reminder, latest user request)."""
+    latest = latest_user_request(nodes)
+    out = []
+    for i, node in enumerate(nodes):
+        meta = node.message.meta
+        out.append(node.message.role == "system" or bool(meta.get(META_PINNED))
+                   or bool(meta.get(META_REMINDER)) or i == latest)
+    return out
+
+
+def pair_results(nodes: Sequence[SurfaceNode]) -> dict[int, int]:
+    """Index of each tool result -> index of the assistant message whose call it answers.
+
+    A result answers the nearest earlier call with its id. Ids should be unique in a session,
+    but real transcripts replayed from caches reuse them, and pairing by the nearest call keeps
+    each reuse its own group rather than one group spanning the session.
+    """
+    owner: dict[str, int] = {}
+    out: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        message = node.message
+        for call in message.tool_calls:
+            owner[call.id] = i
+        if message.role == "tool" and message.tool_call_id is not None:
+            a = owner.get(message.tool_call_id)
+            if a is not None:
+                out[i] = a
+    return out
+
+
+def unsafe_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
+    """``unsafe[b]`` for every boundary ``b`` in ``0..len(nodes)`` (see the module docstring)."""
+    n = len(nodes)
+    waiting = {i: {call.id for call in node.message.tool_calls}
+               for i, node in enumerate(nodes) if node.message.tool_calls}
+    last: dict[int, int] = {}
+    for r, a in pair_results(nodes).items():
+        waiting[a].discard(nodes[r].message.tool_call_id or "")
+        last[a] = r
+    diff = [0] * (n + 2)
+    for a, missing in waiting.items():
+        e = n if missing else last[a]
+        if e > a:
+            diff[a + 1] += 1
+            diff[e + 1] -= 1
+    unsafe = []
+    depth = 0
+    for b in range(n + 1):
+        depth += diff[b]
+        unsafe.append(depth > 0)
+    return unsafe
+
+
+def resolve_keep(policy: Policy, override: Clause | None = None) -> Clause:
+    """The effective keep clause; a ``fraction`` needs the run model's window."""
+    keep = override or policy.keep
+    window = policy.context_window
+    if keep is None:
+        if window:
+            return Clause("fraction", policy.retain_ratio)
+        return Clause("messages", DEFAULT_KEEP_MESSAGES)
+    if keep.kind == "fraction" and not window:
+        return Clause("messages", DEFAULT_KEEP_MESSAGES)
+    return keep
+
+
+def keep_cut(nodes: Sequence[SurfaceNode], keep: Clause, context_window: int | None) -> int:
+    """The boundary where the kept tail starts, before tool-pair safety."""
+    n = len(nodes)
+    if keep.kind == "messages":
+        return max(0, n - int(keep.value))
+    budget = keep.value if keep.kind == "tokens" else keep.value * (context_window or 0)
+    cut, kept = n, 0
+    while cut > 0 and kept + nodes[cut - 1].tokens <= budget:
+        kept += nodes[cut - 1].tokens
+        cut -= 1
+    return cut
+
+
+def forced_cut(nodes: Sequence[SurfaceNode]) -> int:
+    """Forced mode keeps the newest tool-call group whole (or the last assistant message, or the
+    last node) and lets everything before it go."""
+    for i in range(len(nodes) - 1, -1, -1):
+        if nodes[i].message.tool_calls:
+            return i
+    for i in range(len(nodes) - 1, -1, -1):
+        if nodes[i].message.role == "assistant":
+            return i
+    return max(0, len(nodes) - 1)
+
+
+def safe_at_or_before(unsafe: Sequence[bool], b: int) -> int:
+    while b > 0 and unsafe[b]:
+        b -= 1
+    return b
+
+
+def select_range(nodes: Sequence[SurfaceNode], *, keep: Clause | None, policy: Policy,
+                 force: bool = False, min_tokens: int = 0,
+                 unsafe: Sequence[bool] | None = None) -> Selection:
+    """The run a summary replaces (see the module docstring for every rule).
+
+    ``keep`` None in forced mode means a maximal head reduction; otherwise it is resolved with
+    :func:`resolve_keep`. ``min_tokens`` is the framed size of an empty checkpoint: a run not
+    larger than that cannot be replaced by anything smaller.
+    """
+    if unsafe is None:
+        unsafe = unsafe_boundaries(nodes)
+    if force and keep is None:
+        raw = forced_cut(nodes)
+    else:
+        raw = keep_cut(nodes, resolve_keep(policy, keep), policy.context_window)
+    cut = safe_at_or_before(unsafe, raw)
+    if cut == 0:
+        return Selection(cut, 0, 0, "the kept tail and its tool-call groups are the whole "
+                                    "surface")
+    guard = protected(nodes)
+    best: tuple[int, int, int] | None = None  # tokens, start, end
+    i = 0
+    while i < cut:
+        if guard[i]:
+            i += 1
+            continue
+        j = i
+        while j < cut and not guard[j]:
+            j += 1
+        start, end = i, j
+        while start < end and unsafe[start]:
+            start += 1
+        while end > start and unsafe[end]:
+            end -= 1
+        if end > start and not (end - start == 1 and is_checkpoint(nodes[start])):
+            tokens = sum(node.tokens for node in nodes[start:end])
+            if best is None or tokens > best[0]:
+                best = (tokens, start, end)
+        i = j
+    if best is None:
+        return Selection(cut, 0, 0, "no compactable run before the kept tail: only system, "
+                                    "pinned, rescued nodes, an earlier checkpoint or an "
+                                    "unclosed tool-call step")
+    tokens, start, end = best
+    if tokens <= min_tokens:
+        return Selection(cut, start, start,
+                         f"the largest compactable run ({tokens} tokens) is not larger than an "
+                         f"empty checkpoint ({min_tokens} tokens)")
+    return Selection(cut, start, end)

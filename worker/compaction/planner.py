@@ -1,0 +1,289 @@
+"""The plan: pipeline steps 1 to 5 joined into one pure function.
+
+``plan`` measures, checks the trigger, prunes (no model call), measures again, selects the range,
+captures skills and lays out the summarizer calls. It reads nothing and writes nothing: the
+orchestration commits the prune actions, runs the calls (each through :func:`build_prompt`),
+validates the summary and commits the checkpoint. ``compactd plan --json`` prints
+:meth:`Plan.to_json`.
+
+Gating. Nothing happens unless the trigger fired or the run is forced: compactd is only woken by
+the trigger (signals and sweeps compare against it), so the clearing edit's own trigger is
+evaluated inside a run, not instead of it. After pruning, an automatic run summarizes only if the
+trigger still fires; a forced run (overflow, manual) always goes on to a maximal head reduction,
+as DeepSeek Harness does after a provider confirmed the overflow.
+
+Determinism. The plan depends only on its arguments (``now`` is recorded, never read from a
+clock), so equal inputs give equal plans, and :func:`replan_smaller` can re-plan the same inputs
+with a smaller call budget after a provider's context-length error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from storage.messages import Message
+from storage.surface import SurfaceNode
+from storage.tokens import TokenCounter, counter_for
+from worker.compaction.boundary import (
+    Selection,
+    is_checkpoint,
+    protected,
+    select_range,
+    unsafe_boundaries,
+)
+from worker.compaction.policy import Clause, Policy
+from worker.compaction.prompt import (
+    MIN_PART_TOKENS,
+    Budget,
+    BudgetTooSmall,
+    SummaryCall,
+    atoms,
+    fit_one_call,
+    message_body,
+    pack,
+    prompt_overhead,
+    running_reserve,
+    summary_tokens,
+)
+from worker.compaction.pruning import (
+    PruneAction,
+    apply_actions,
+    clear_tool_uses,
+    merge_actions,
+    prune_tool_results,
+)
+from worker.compaction.render import Skill, checkpoint_message, checkpoint_parts
+from worker.compaction.skills import capture_skills
+from worker.compaction.triggers import Pressure, measure, should_compact
+from worker.compaction.validation import framed_tokens
+
+FORCED_REASON = "forced"
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """Everything a plan was computed from (kept so it can be re-planned)."""
+
+    nodes: tuple[SurfaceNode, ...]
+    policy: Policy
+    envelope_tokens: int
+    reported_input_tokens: int | None
+    run_model: str | None
+    now: datetime
+    force: bool
+    keep_override: Clause | None
+    envelope: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SummarizeStep:
+    """The summary part of a plan: one contiguous run replaced by one checkpoint."""
+
+    replace_seqs: tuple[int, ...]  # a contiguous run of the surface, in order
+    keep_seqs: tuple[int, ...]  # every other surface seq, in order
+    calls: tuple[SummaryCall, ...]
+    existing_summary: str  # the summary call 0 merges into ("" when none)
+    skills: tuple[Skill, ...]  # active skills the checkpoint carries
+    replaced_tokens: int  # surface tokens of the run after pruning: the summary must be smaller
+    has_history: bool  # False: nothing to read, the canned no-history summary is valid
+    strategy: str
+    deferred_seqs: tuple[int, ...]  # compactable seqs left for a later round
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replace_seqs": list(self.replace_seqs), "keep_seqs": list(self.keep_seqs),
+                "calls": [call.to_json() for call in self.calls],
+                "replaced_tokens": self.replaced_tokens, "strategy": self.strategy,
+                "skills": [s.to_json() for s in self.skills],
+                "deferred_seqs": list(self.deferred_seqs)}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a compaction of one surface would do, and why."""
+
+    pressure: Pressure
+    fired: bool  # the trigger fired (forced runs report it too, and go on regardless)
+    reason: str
+    forced: bool
+    prune: tuple[PruneAction, ...]
+    tokens_after_prune: int
+    summarize: SummarizeStep | None
+    nothing_to_do: str | None  # set when the plan neither prunes nor summarizes
+    why_no_summary: str | None  # set when ``summarize`` is None
+    planned_at: datetime
+    inputs: PlanInputs = field(repr=False)
+
+    @property
+    def pruned_messages(self) -> dict[int, Message]:
+        """The replacement message of every pruned seq."""
+        return {action.seq: action.message for action in self.prune}
+
+    def to_json(self) -> dict[str, Any]:
+        """The CLI contract's ``plan --json`` body (the caller adds session and version)."""
+        return {
+            "pressure": self.pressure.to_json(),
+            "trigger": {"fired": self.fired, "reason": self.reason},
+            "forced": self.forced,
+            "prune": [action.to_json() for action in self.prune],
+            "tokens_after_prune": self.tokens_after_prune,
+            "summarize": None if self.summarize is None else self.summarize.to_json(),
+            "nothing_to_do": self.nothing_to_do,
+            "why_no_summary": self.why_no_summary,
+        }
+
+
+def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int = 0,
+         reported_input_tokens: int | None = None, run_model: str | None = None,
+         now: datetime, force: bool = False, keep_override: Clause | None = None,
+         envelope: dict[str, Any] | None = None) -> Plan:
+    """Plan one compaction round of ``nodes`` under ``policy`` (resolved to the run model's
+    window). ``force`` ignores the trigger and, unless ``keep_override`` is given, the keep
+    policy. Token counts are the nodes' stored counts; only edited and split text is counted."""
+    inputs = PlanInputs(tuple(nodes), policy, envelope_tokens, reported_input_tokens, run_model,
+                        now, force, keep_override, envelope)
+    return _plan(inputs)
+
+
+def replan_smaller(previous: Plan, factor: float = 0.5) -> Plan:
+    """The same inputs planned with a call budget ``factor`` times the largest call, for a
+    summarizer that reported a context-length error on the previous plan."""
+    if not 0 < factor < 1:
+        raise ValueError(f"factor must be in (0, 1), got {factor}")
+    step = previous.summarize
+    if step is None:
+        return previous
+    inputs = previous.inputs
+    largest = max(call.input_tokens for call in step.calls)
+    limit = inputs.policy.trim_tokens_to_summarize
+    base = min(limit, largest) if limit is not None else largest
+    smaller = replace(inputs.policy, trim_tokens_to_summarize=max(1, int(base * factor)))
+    return _plan(replace(inputs, policy=smaller))
+
+
+def checkpoint_for(step: SummarizeStep, summary: str, policy: Policy, **meta: Any) -> Message:
+    """The checkpoint node to commit for a validated summary of ``step``."""
+    return checkpoint_message(summary, step.skills, policy.render, **meta)
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _plan(inputs: PlanInputs) -> Plan:
+    policy = inputs.policy
+    nodes = inputs.nodes
+    window = policy.context_window
+    counter = counter_for(inputs.run_model)
+    pressure = measure(nodes, envelope_tokens=inputs.envelope_tokens,
+                       reported_input_tokens=inputs.reported_input_tokens,
+                       context_window=window)
+    fired, reason = should_compact(pressure, policy)
+
+    def done(prune: tuple[PruneAction, ...], after: int, step: SummarizeStep | None,
+             why: str | None) -> Plan:
+        nothing = why if step is None and not prune else None
+        return Plan(pressure=pressure, fired=fired, reason=reason, forced=inputs.force,
+                    prune=prune, tokens_after_prune=after, summarize=step,
+                    nothing_to_do=nothing, why_no_summary=why if step is None else None,
+                    planned_at=inputs.now, inputs=inputs)
+
+    if not fired and not inputs.force:
+        return done((), pressure.tokens, None, f"trigger did not fire: {reason}")
+
+    sized = prune_tool_results(nodes, policy.prune, counter)
+    saved = sum(a.saved for a in sized)
+    cleared = clear_tool_uses(apply_actions(nodes, sized), policy.clear_tool_uses, counter,
+                              pressure_tokens=pressure.tokens - saved)
+    actions = tuple(merge_actions(sized, cleared))
+    saved = sum(a.saved for a in actions)
+    after = pressure.reduced_by(saved, window)
+    if not inputs.force and not should_compact(after, policy)[0]:
+        return done(actions, after.tokens, None,
+                    "pruning alone brought pressure under the trigger")
+
+    surface = apply_actions(nodes, actions)
+    step = _summarize(surface, inputs, counter)
+    if isinstance(step, str):
+        return done(actions, after.tokens, None, step)
+    return done(actions, after.tokens, step, None)
+
+
+@lru_cache(maxsize=32)
+def _empty_checkpoint_tokens(render: str, run_model: str | None) -> int:
+    return framed_tokens("", (), Policy(render=render), run_model)
+
+
+def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCounter
+               ) -> SummarizeStep | str:
+    """The summarize step over the pruned surface, or why there is none."""
+    policy = inputs.policy
+    unsafe = unsafe_boundaries(surface)
+    minimum = _empty_checkpoint_tokens(policy.render, inputs.run_model)
+    keep = inputs.keep_override
+    selection = select_range(surface, keep=keep, policy=policy, force=inputs.force,
+                             min_tokens=minimum, unsafe=unsafe)
+    if selection.nothing_to_do is not None:
+        return selection.nothing_to_do
+    start, end = selection.start, selection.end
+
+    # Leading checkpoints carry the existing summary, unless it is too large to carry: then
+    # they are read inline like messages (and split if need be), never dropped.
+    head = start
+    while head < end and is_checkpoint(surface[head]):
+        head += 1
+    existing = "\n\n".join(checkpoint_parts(surface[i].message)[0] for i in range(start, head))
+    existing = existing.strip()
+    overhead = prompt_overhead(policy, counter, inputs.envelope_tokens)
+    reserve = running_reserve(policy)
+    existing_tokens = summary_tokens(existing, counter)
+    budget = Budget(policy.trim_tokens_to_summarize, overhead, existing_tokens, reserve)
+    if existing and (existing_tokens > reserve or budget.room(0) < MIN_PART_TOKENS):
+        head, existing, budget = start, "", replace(budget, existing=0)
+    summary_seqs = tuple(node.seq for node in surface[start:head])
+
+    units = atoms(head, end, unsafe)
+    strategy = policy.strategy
+    try:
+        if strategy == "shrink" and budget.limit is not None:
+            units = units[:fit_one_call(surface, units, budget, counter)]
+        calls = pack(surface, units, budget, counter, first_summary_seqs=summary_seqs)
+    except BudgetTooSmall as exc:
+        if strategy == "shrink" or not units:
+            return f"the summarizer budget is too small: {exc}"
+        # Later calls have no room beside the running summary: fall back to one call.
+        strategy = "shrink"
+        units = units[:fit_one_call(surface, units, budget, counter)]
+        try:
+            calls = pack(surface, units, budget, counter, first_summary_seqs=summary_seqs)
+        except BudgetTooSmall as again:
+            return f"the summarizer budget is too small: {again}"
+    end = units[-1][1] if units else head
+
+    replaced = surface[start:end]
+    replaced_tokens = sum(node.tokens for node in replaced)
+    if replaced_tokens <= minimum:
+        return (f"the run that fits the summarizer budget ({replaced_tokens} tokens) is not "
+                f"larger than an empty checkpoint ({minimum} tokens)")
+    skills = capture_skills(replaced, tool_names=policy.skill_file_read_tool_names,
+                            skills_path=policy.skills_path)
+    has_history = bool(existing) or any(message_body(node.message).strip() for node in replaced)
+    replace_seqs = tuple(node.seq for node in replaced)
+    keep_seqs = tuple(node.seq for node in surface[:start]) + tuple(
+        node.seq for node in surface[end:])
+    return SummarizeStep(
+        replace_seqs=replace_seqs, keep_seqs=keep_seqs, calls=tuple(calls),
+        existing_summary=existing, skills=tuple(skills), replaced_tokens=replaced_tokens,
+        has_history=has_history, strategy=strategy,
+        deferred_seqs=_deferred(surface, selection, start, end))
+
+
+def _deferred(surface: Sequence[SurfaceNode], selection: Selection, start: int, end: int
+              ) -> tuple[int, ...]:
+    """Seqs before the kept tail that stay although compactable (other segments, or what the
+    shrink strategy left): a later round's candidates. Protected nodes are not listed."""
+    guard = protected(surface)
+    return tuple(surface[i].seq for i in range(selection.cut)
+                 if not guard[i] and not start <= i < end)

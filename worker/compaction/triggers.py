@@ -1,0 +1,87 @@
+"""Pressure and the trigger: pipeline steps 1 and 2.
+
+Pressure is what the run model would be sent at its next step: every surface node (a checkpoint
+node's token count already includes its rendered form and authority contract) plus the envelope
+the runtime registered (system prompt, tool schemas). Our own count is an estimate; when the
+runtime reported the provider's ``input_tokens`` for its last call, that number is the provider's
+truth about the same request, so the larger of the two is used: undercounting is what overflows.
+
+The ``fraction`` denominator is the run model's context window, the model that would overflow,
+never the summary model's (a 0.8 of a 128k summary model's window would never fire in time for a
+64k run model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from storage.surface import SurfaceNode
+from worker.compaction.policy import Clause, Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Pressure:
+    """How full the run model's next request would be."""
+
+    tokens: int
+    messages: int
+    fraction: float | None  # tokens / the run model's window; None without a known window
+
+    def to_json(self) -> dict[str, int | float | None]:
+        return {"tokens": self.tokens, "messages": self.messages,
+                "fraction": None if self.fraction is None else round(self.fraction, 6)}
+
+    def reduced_by(self, tokens: int, context_window: int | None) -> Pressure:
+        """The pressure after replacements saved ``tokens`` (node count unchanged)."""
+        return _pressure(self.tokens - tokens, self.messages, context_window)
+
+
+def measure(nodes: Sequence[SurfaceNode], *, envelope_tokens: int = 0,
+            reported_input_tokens: int | None = None,
+            context_window: int | None = None) -> Pressure:
+    """Pressure of a surface: node tokens plus the envelope, or the provider's count if larger."""
+    tokens = sum(node.tokens for node in nodes) + max(0, envelope_tokens)
+    if reported_input_tokens is not None and reported_input_tokens > tokens:
+        tokens = reported_input_tokens
+    return _pressure(tokens, len(nodes), context_window)
+
+
+def _pressure(tokens: int, messages: int, context_window: int | None) -> Pressure:
+    fraction = tokens / context_window if context_window else None
+    return Pressure(tokens=tokens, messages=messages, fraction=fraction)
+
+
+def clause_holds(clause: Clause, pressure: Pressure, context_window: int | None) -> bool:
+    if clause.kind == "tokens":
+        return pressure.tokens >= clause.value
+    if clause.kind == "messages":
+        return pressure.messages >= clause.value
+    # A fraction clause without a window cannot be evaluated; ``Policy.resolve`` drops it, and
+    # an unresolved one must not fire on a guess.
+    return bool(context_window) and pressure.tokens >= clause.value * (context_window or 0)
+
+
+def should_compact(pressure: Pressure, policy: Policy) -> tuple[bool, str]:
+    """Whether automatic compaction fires, and why (or why not), for logs and ``plan --json``.
+
+    The trigger is OR over groups, each group AND over its clauses (LangChain's semantics).
+    ``policy`` should be resolved, so ``fraction`` uses the run model's window.
+    """
+    if not policy.enabled:
+        return False, "automatic compaction is disabled"
+    if not policy.trigger:
+        return False, "no trigger clause is usable (automatic compaction is off)"
+    window = policy.context_window
+    for group in policy.trigger:
+        if all(clause_holds(c, pressure, window) for c in group):
+            what = " and ".join(c.describe() for c in group)
+            return True, f"{what} (pressure {_describe(pressure)})"
+    return False, f"under every trigger (pressure {_describe(pressure)})"
+
+
+def _describe(pressure: Pressure) -> str:
+    out = f"{pressure.tokens} tokens, {pressure.messages} messages"
+    if pressure.fraction is not None:
+        out += f", {pressure.fraction:.3f} of the window"
+    return out

@@ -1,0 +1,56 @@
+"""Whether a summary may be committed: pipeline step 7.
+
+A refused summary is that candidate's failure and the next candidate is tried, so every check
+returns a reason rather than raising. Refused:
+
+* anything that is not text (a reasoning-only reply, an image, a tool call arrives as non-text);
+* empty or whitespace-only text: an empty summary is a failed generation, never a valid one;
+* a summary over ``max_summary_tokens`` (later chunk calls reserved only that much for it);
+* a summary whose framed checkpoint (rendered form, skills, authority contract) is not strictly
+  smaller than the tokens it replaces: compaction must converge, never grow the surface;
+* the canned "no history" text for a range that has history (a model parroting it lost the
+  range). For a range with nothing to read it is the valid canned summary, with no model call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from storage.tokens import counter_for
+from worker.compaction.policy import Policy
+from worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
+
+NO_HISTORY_SUMMARY = "No previous conversation history."
+
+
+def framed_tokens(text: str, skills: Sequence[Skill], policy: Policy,
+                  run_model: str | None) -> int:
+    """Tokens the checkpoint would cost on the surface, as the run model will be sent it."""
+    return checkpoint_tokens(checkpoint_message(text, skills, policy.render), run_model)
+
+
+def validate_summary(text: object, *, replaced_tokens: int | None, policy: Policy,
+                     run_model: str | None, skills: Sequence[Skill] = (),
+                     has_history: bool = True) -> str | None:
+    """The reason ``text`` is refused, or None when it may be committed.
+
+    ``replaced_tokens`` None checks an intermediate chunk's running summary: it is never
+    committed, so only the text checks and ``max_summary_tokens`` apply (the next call reserved
+    exactly that much for it).
+    """
+    if not isinstance(text, str):
+        return f"non-text summary output ({type(text).__name__})"
+    if not text.strip():
+        return "empty or whitespace-only summary"
+    if text.strip() == NO_HISTORY_SUMMARY and has_history:
+        return "the canned no-history summary for a range that has history"
+    tokens = counter_for(run_model).count_text(text)
+    if tokens > policy.max_summary_tokens:
+        return f"summary is {tokens} tokens, over max_summary_tokens {policy.max_summary_tokens}"
+    if replaced_tokens is None:
+        return None
+    framed = framed_tokens(text, skills, policy, run_model)
+    if framed >= replaced_tokens:
+        return (f"framed summary is {framed} tokens, not fewer than the {replaced_tokens} "
+                "tokens it replaces")
+    return None
