@@ -1,0 +1,97 @@
+"""Prometheus metrics of the workers.
+
+The worker runs the threads pool: one process, so one registry and one HTTP endpoint per worker
+(``worker.metrics_port``, default 9540, 0 = off), started when the worker boots. Under a prefork
+pool each child would need the multiprocess collector; compactd does not use prefork.
+
+Label sets are bounded: outcome, failure class, trigger, candidate (a configured model name),
+error kind. Compactions per session are a histogram, not a per-session label (unbounded).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+logger = logging.getLogger(__name__)
+
+TOKEN_BUCKETS = (500, 1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000, 128_000, 256_000,
+                 512_000, 1_000_000)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 240)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self.compactions = Counter(
+            "compactd_compactions", "Compaction runs by outcome and failure class.",
+            ["outcome", "failure_class", "trigger"], registry=registry)
+        self.tokens_before = Histogram(
+            "compactd_tokens_before", "Session pressure (tokens) when a run started.",
+            buckets=TOKEN_BUCKETS, registry=registry)
+        self.tokens_after = Histogram(
+            "compactd_tokens_after", "Session pressure (tokens) after a committed run.",
+            buckets=TOKEN_BUCKETS, registry=registry)
+        self.tokens_saved = Counter(
+            "compactd_tokens_saved", "Tokens removed from surfaces by committed runs.",
+            ["stage"], registry=registry)
+        self.prune_only = Counter(
+            "compactd_prune_only_runs", "Runs that pruned and needed no model call.",
+            registry=registry)
+        self.model_latency = Histogram(
+            "compactd_model_latency_seconds", "Summary model calls by candidate.",
+            ["candidate"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.model_failures = Counter(
+            "compactd_model_failures", "Failed summary candidates by error kind.",
+            ["candidate", "kind"], registry=registry)
+        self.fallback_depth = Histogram(
+            "compactd_fallback_depth",
+            "Position of the candidate that wrote the summary (0 = the first).",
+            buckets=(0, 1, 2, 3, 4, 6), registry=registry)
+        self.queue_wait = Histogram(
+            "compactd_queue_wait_seconds", "Time from enqueue to the worker starting the run.",
+            ["queue"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.lease_reaps = Counter(
+            "compactd_lease_reaps", "Expired leases closed by the reaper (runs abandoned).",
+            registry=registry)
+        self.loop_guard_flags = Counter(
+            "compactd_loop_guard_flags", "Sessions flagged and cooled down by the loop guard.",
+            registry=registry)
+        self.flagged_sessions = Gauge(
+            "compactd_flagged_sessions", "Sessions currently flagged by the loop guard.",
+            registry=registry)
+        self.compactions_per_session = Histogram(
+            "compactd_session_compactions",
+            "Committed compactions a session has had, observed at each commit.",
+            buckets=(1, 2, 3, 5, 10, 20, 50, 100), registry=registry)
+        self.in_flight = Gauge(
+            "compactd_runs_in_flight", "Compaction runs in progress in this worker.",
+            registry=registry)
+
+
+_metrics: Metrics | None = None
+
+
+def metrics() -> Metrics:
+    global _metrics
+    if _metrics is None:
+        _metrics = Metrics()
+    return _metrics
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> bool:
+    """Start the endpoint; False (logged) when the port is taken, so a second worker on the same
+    host degrades to no metrics rather than failing to boot."""
+    if not port:
+        return False
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr=addr, registry=metrics().registry)
+    except OSError as exc:
+        logger.warning("metrics endpoint not started",
+                       extra={"action": "metrics.port_taken", "port": port, "error": str(exc)})
+        return False
+    logger.info("metrics endpoint started", extra={"action": "metrics.serve", "port": port})
+    return True

@@ -1,0 +1,497 @@
+"""One compaction: the pure policy joined to storage and the models, under the lease protocol.
+
+claim (short transaction) -> read -> plan -> commit the prunes -> summarize (no transaction
+open; the lease renewed meanwhile) -> validate -> commit the checkpoint (short transaction: fence
+ours, range unchanged; ``compaction/end`` last) -> measure again -> further rounds, bounded.
+
+Every way a run can end is an :class:`Outcome`: committed, nothing_to_do, or failed with one class
+(busy, cancelled, changed, summary, commit, persistence, abandoned). After a failure the surface
+is what it was, except for prunes already committed, which are kept on purpose: they are valid on
+their own and a retry starts from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.errors import LeaseLost, StorageError, SurfaceChanged
+from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
+from storage.surface import (
+    JOURNAL_PRUNE,
+    JOURNAL_SUMMARY,
+    KIND_CHECKPOINT,
+    KIND_PRUNED,
+    Surface,
+)
+from worker import logs
+from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
+from worker.compaction.policy import Clause, Policy, parse_clause
+from worker.compaction.prompt import build_prompt
+from worker.compaction.render import checkpoint_tokens
+from worker.compaction.triggers import should_compact
+from worker.compaction.validation import validate_summary
+from worker.keys import RATE_PROVIDER, bulk_meter
+from worker.llm.candidates import candidate_order
+from worker.llm.errors import SummaryFailed
+from worker.llm.fallback import RetryPolicy, SummaryRequest, summarize
+from worker.metrics import metrics
+from worker.pressure import session_policy, session_pressure
+from worker.runtime import Deps
+
+logger = logging.getLogger(__name__)
+
+AUTOMATIC_TRIGGERS = ("pressure", "sweep", "reap")
+
+
+@dataclass
+class Outcome:
+    session: str
+    run_id: str | None
+    outcome: str  # committed | nothing_to_do | failed
+    failure_class: str | None = None
+    trigger: str = "pressure"
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    pruned: int = 0
+    replaced_seqs: list[int] = field(default_factory=list)
+    model: str | None = None
+    stages: list[str] = field(default_factory=list)
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    summary: str | None = None
+    rounds: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome == "failed"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"session": self.session, "run_id": self.run_id, "outcome": self.outcome,
+                "failure_class": self.failure_class, "tokens_before": self.tokens_before,
+                "tokens_after": self.tokens_after, "pruned": self.pruned,
+                "replaced_seqs": self.replaced_seqs, "model": self.model,
+                "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
+                "error": self.error, "candidates": self.candidates}
+
+    def run_end(self) -> RunEnd:
+        return RunEnd(outcome=self.outcome, failure_class=self.failure_class, error=self.error,
+                      tokens_before=self.tokens_before, tokens_after=self.tokens_after,
+                      model=self.model, candidates=self.candidates or None,
+                      stages={"stages": self.stages, "pruned": self.pruned,
+                              "rounds": self.rounds},
+                      range_seqs=self.replaced_seqs or None)
+
+
+class RunFailed(Exception):
+    def __init__(self, failure_class: str, error: str) -> None:
+        super().__init__(error)
+        self.failure_class = failure_class
+        self.error = error
+
+
+async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", force: bool = False,
+                  keep: str | Clause | None = None, task_id: str | None = None,
+                  bulk_job_id: str | None = None, rate_per_s: float | None = None) -> Outcome:
+    """Run one compaction of ``session_id`` to its end; never raises for a failed run."""
+    keep_clause = parse_clause(keep.split(":", 1), "keep") if isinstance(keep, str) else keep
+    lease_s = deps.config.worker.lease_s
+    claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger, lease_s=lease_s,
+                                   now=deps.clock(), task_id=task_id, bulk_job_id=bulk_job_id)
+    if isinstance(claim, Skipped):
+        return _counted(Outcome(session_id, None, "nothing_to_do", trigger=trigger,
+                                error=claim.reason))
+    if isinstance(claim, Busy):
+        return _counted(Outcome(session_id, claim.run_id, "failed", "busy", trigger=trigger,
+                                error=f"leased by {claim.holder}"))
+    out = Outcome(session_id, claim.run_id, "nothing_to_do", trigger=trigger)
+    metrics().in_flight.inc()
+    with logs.bind(session_id=session_id, run_id=claim.run_id):
+        try:
+            async with _kept_lease(deps, claim, lease_s) as lost:
+                try:
+                    await _rounds(deps, claim, out, force=force, keep=keep_clause,
+                                  rate_per_s=rate_per_s, bulk_job_id=bulk_job_id)
+                except asyncio.CancelledError:
+                    if not lost.is_set():
+                        raise
+                    current = asyncio.current_task()
+                    if current is not None:
+                        current.uncancel()
+                    raise LeaseLost("the lease could not be renewed") from None
+        except asyncio.CancelledError:
+            # Worker shutdown or a revoked task: record it, then let the cancellation through.
+            _fail(out, "cancelled", "the run was cancelled before it committed")
+            with contextlib.suppress(Exception):
+                await asyncio.shield(_finish(deps, claim, out))
+            raise
+        except LeaseLost as exc:
+            _fail(out, "abandoned", str(exc))
+            await _finish_quietly(deps, claim, out)
+        except SurfaceChanged as exc:
+            _fail(out, "changed", str(exc))
+            await _finish_quietly(deps, claim, out)
+        except RunFailed as exc:
+            _fail(out, exc.failure_class, exc.error)
+            await _finish_quietly(deps, claim, out)
+        except StorageError as exc:
+            # A storage error before anything was committed is a persistence failure; the
+            # commit step raises its own (RunFailed "commit").
+            _fail(out, "persistence", str(exc))
+            await _finish_quietly(deps, claim, out)
+        finally:
+            metrics().in_flight.dec()
+        logger.info("compaction %s%s", out.outcome,
+                    f" ({out.failure_class})" if out.failure_class else "",
+                    extra={"action": "compaction.end", "outcome": out.outcome,
+                           "failure_class": out.failure_class, "trigger": trigger,
+                           "tokens_before": out.tokens_before, "tokens_after": out.tokens_after,
+                           "stages": out.stages, "model": out.model})
+    return _counted(out)
+
+
+async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: Clause | None,
+                  rate_per_s: float | None, bulk_job_id: str | None) -> None:
+    store = deps.store
+    info = claim.session
+    policy = session_policy(info, deps.config)
+    out.tokens_before = session_pressure(info, policy).tokens
+    for round_no in range(policy.max_rounds):
+        out.rounds = round_no + 1
+        surface = await store.read_surface(info.id)
+        current = _plan(deps, surface, info, policy, force=force and round_no == 0, keep=keep)
+        if current.prune:
+            info = await _commit_prunes(deps, claim, current)
+            out.pruned += len(current.prune)
+            out.stages.append("prune")
+            if current.summarize is None:
+                metrics().prune_only.inc()
+                break
+            surface = await store.read_surface(info.id)
+            current = _plan(deps, surface, info, policy, force=force and round_no == 0,
+                            keep=keep)
+        if current.summarize is None:
+            if round_no == 0 and not out.pruned:
+                out.error = current.nothing_to_do or current.why_no_summary
+            break
+        summary, current = await _summarize(deps, current, policy, info, out, rate_per_s,
+                                            bulk_job_id)
+        last_round = round_no + 1 >= policy.max_rounds
+        info, relieved = await _commit_checkpoint(deps, claim, out, current, surface, summary,
+                                                  policy, info, final_if_relieved=not last_round)
+        out.outcome = "committed"
+        if relieved or last_round:
+            return
+    # Ended without a final checkpoint commit: prune-only, nothing to do, or the last round's
+    # commit left the lease held.
+    if out.outcome == "committed" or out.pruned:
+        out.outcome = "committed"
+    final = await store.get_session(info.id)
+    out.tokens_after = session_pressure(final, policy).tokens
+    if not await store.finish(info.id, run_id=claim.run_id, fence=claim.fence,
+                              end=out.run_end(), now=deps.clock()):
+        raise LeaseLost("the lease was lost before the run ended")
+
+
+def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
+          keep: Clause | None) -> Plan:
+    return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
+                reported_input_tokens=info.reported_input_tokens, run_model=info.run_model,
+                now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope)
+
+
+async def _commit_prunes(deps: Deps, claim: Claim, current: Plan) -> SessionInfo:
+    reps = [Replacement(seqs=(a.seq,), kind=KIND_PRUNED, payload=a.message.to_payload(),
+                        tokens=a.tokens_after, journal_kind=JOURNAL_PRUNE,
+                        journal={"seq": a.seq, "tokens_before": a.tokens_before,
+                                 "tokens_after": a.tokens_after, "saved": a.saved,
+                                 "edits": list(a.edits)})
+            for a in current.prune]
+    try:
+        info = await deps.store.commit(claim.session.id, run_id=claim.run_id, fence=claim.fence,
+                                       replacements=reps, now=deps.clock())
+    except (LeaseLost, SurfaceChanged):
+        raise
+    except StorageError as exc:
+        raise RunFailed("commit", f"committing the prunes failed: {exc}") from exc
+    metrics().tokens_saved.labels("prune").inc(sum(a.saved for a in current.prune))
+    return info
+
+
+class _Calls:
+    """The summarizer calls of one step, run in order, each merging into the running summary.
+
+    A context-length error on the first call re-plans once with half the budget (every replaced
+    message still reaches an input: smaller calls, or with ``shrink`` a smaller range); later
+    calls are budget-sized already, so an error there moves on to the next candidate.
+    """
+
+    def __init__(self, current: Plan, policy: Policy, info: SessionInfo) -> None:
+        self.plan = current
+        self.policy = policy
+        self.info = info
+        self.index = 0
+        self.shrunk = False
+
+    @property
+    def step(self) -> Any:
+        assert self.plan.summarize is not None
+        return self.plan.summarize
+
+    def request(self, running: str | None) -> SummaryRequest:
+        step, policy, info = self.step, self.policy, self.info
+        last = self.index == len(step.calls) - 1
+
+        def check(text: str) -> str | None:
+            # Intermediate summaries only have to fit the cap; the final one must also be
+            # strictly smaller than everything it replaces.
+            return validate_summary(text, replaced_tokens=step.replaced_tokens if last else None,
+                                    policy=policy, run_model=info.run_model, skills=step.skills,
+                                    has_history=step.has_history)
+
+        chat = build_prompt(step.calls[self.index], running, policy, info.envelope)
+        return SummaryRequest.of(chat, messages=step.calls[self.index].messages,
+                                 existing_summary=running, max_tokens=policy.max_summary_tokens,
+                                 validate=check)
+
+    def shrink(self, request: SummaryRequest, _candidate: Any) -> SummaryRequest | None:
+        if self.index != 0 or self.shrunk:
+            return None
+        smaller = replan_smaller(self.plan)
+        if smaller.summarize is None:
+            return None
+        self.plan, self.shrunk = smaller, True
+        return self.request(request.existing_summary)
+
+
+async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInfo, out: Outcome,
+                     rate_per_s: float | None, bulk_job_id: str | None) -> tuple[str, Plan]:
+    config = deps.config
+    candidates = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
+                                 models=config.models, default_model=config.default_model,
+                                 local_fallback=config.worker.local_fallback)
+    retry = RetryPolicy.from_config(config.worker)
+    providers = _providers(deps, rate_per_s, bulk_job_id)
+    loop = asyncio.get_running_loop()
+    deadline_at = loop.time() + config.worker.deadline_s
+    calls = _Calls(current, policy, info)
+    running: str | None = calls.step.existing_summary or None
+    while calls.index < len(calls.step.calls):
+        try:
+            outcome = await summarize(
+                calls.request(running), candidates=candidates, validate=lambda _text: None,
+                deadline_s=max(0.0, deadline_at - loop.time()), providers=providers,
+                retry=retry, on_context_length=calls.shrink)
+        except SummaryFailed as exc:
+            out.candidates.extend(a.to_json() for a in exc.attempts)
+            _observe_attempts(exc.attempts)
+            raise RunFailed("summary", f"every candidate failed on call {calls.index + 1} of "
+                            f"{len(calls.step.calls)}") from exc
+        out.candidates.extend(a.to_json() for a in outcome.attempts)
+        _observe_attempts(outcome.attempts)
+        metrics().fallback_depth.observe(max(0, len(outcome.attempts) - 1))
+        out.model = outcome.model
+        running = outcome.text
+        calls.index += 1
+    assert running is not None
+    return running, calls.plan
+
+
+def _observe_attempts(attempts: Sequence[Any]) -> None:
+    m = metrics()
+    for a in attempts:
+        m.model_latency.labels(a.candidate).observe(a.latency_s)
+        if a.kind is not None:
+            m.model_failures.labels(a.candidate, a.kind).inc()
+
+
+async def _commit_checkpoint(deps: Deps, claim: Claim, out: Outcome, current: Plan,
+                             surface: Surface, summary: str, policy: Policy, info: SessionInfo,
+                             *, final_if_relieved: bool) -> tuple[SessionInfo, bool]:
+    step = current.summarize
+    assert step is not None
+    message = checkpoint_for(step, summary, policy, run_id=claim.run_id)
+    tokens = checkpoint_tokens(message, info.run_model)
+    last_replaced = step.replace_seqs[-1]
+    expected: list[tuple[int, int]] = []
+    for node in surface.nodes:
+        expected.append((node.position, node.seq))
+        if node.seq == last_replaced:
+            break
+    # Decide before committing whether this round ends the run, so compaction/end can go in
+    # the same transaction as the checkpoint (a crash then never leaves a committed checkpoint
+    # behind an open start).
+    saved = step.replaced_tokens - tokens
+    now_pressure = session_pressure(info, policy)
+    predicted = now_pressure.reduced_by(saved, policy.context_window)
+    relieved = not should_compact(predicted, policy)[0]
+    final = relieved or not final_if_relieved
+    out.replaced_seqs.extend(step.replace_seqs)
+    out.stages.append("summary")
+    out.summary = summary
+    journal = {"text": summary, "replaced_tokens": step.replaced_tokens, "tokens": tokens,
+               "model": out.model, "calls": len(step.calls),
+               "skills": [s.to_json() for s in step.skills]}
+    rep = Replacement(seqs=step.replace_seqs, kind=KIND_CHECKPOINT,
+                      payload=message.to_payload(), tokens=tokens,
+                      journal_kind=JOURNAL_SUMMARY, journal=journal)
+    end = None
+    if final:
+        out.outcome = "committed"
+        out.tokens_after = predicted.tokens
+        end = out.run_end()
+    try:
+        info = await deps.store.commit(info.id, run_id=claim.run_id, fence=claim.fence,
+                                       replacements=[rep], expected=expected, end=end,
+                                       now=deps.clock())
+    except (LeaseLost, SurfaceChanged):
+        out.replaced_seqs = out.replaced_seqs[:-len(step.replace_seqs)]
+        out.stages.pop()
+        raise
+    except StorageError as exc:
+        raise RunFailed("commit", f"committing the checkpoint failed: {exc}") from exc
+    metrics().tokens_saved.labels("summary").inc(max(0, saved))
+    if final:
+        out.tokens_after = session_pressure(info, policy).tokens
+        await _loop_guard(deps, out, info, policy)
+    return info, final
+
+
+async def _loop_guard(deps: Deps, out: Outcome, info: SessionInfo, policy: Policy) -> None:
+    """Flag and cool down a session that keeps compacting without relief."""
+    if out.trigger not in AUTOMATIC_TRIGGERS:
+        return
+    guard = deps.config.worker.loop_guard
+    now = deps.clock()
+    since = now - dt.timedelta(seconds=guard.window_s)
+    runs = await deps.store.recent_runs(session_id=info.id, since=since, status="committed",
+                                        limit=guard.max_compactions + 1)
+    metrics().compactions_per_session.observe(len(runs))
+    threshold = policy.threshold_tokens()
+    if threshold is None or len(runs) <= guard.max_compactions:
+        return
+    relief = threshold * (1 - guard.margin)
+    if all(r.tokens_after is not None and r.tokens_after >= relief for r in runs):
+        reason = (f"{len(runs)} compactions in {guard.window_s:g} s without pressure falling "
+                  f"below {relief:.0f} tokens")
+        await deps.store.flag_session(info.id, reason=reason,
+                                      cooldown_until=now + dt.timedelta(seconds=guard.cooldown_s),
+                                      now=now)
+        metrics().loop_guard_flags.inc()
+        logger.warning("loop guard: session cooled down", extra={"action": "loop_guard.flag",
+                                                                   "reason": reason})
+
+
+@contextlib.asynccontextmanager
+async def _kept_lease(deps: Deps, claim: Claim, lease_s: float) -> AsyncIterator[asyncio.Event]:
+    """Renew the lease every third of its length while the body runs; if a renewal finds the
+    fence moved, cancel the body (its model calls are wasted work now) and set the event."""
+    lost = asyncio.Event()
+    body = asyncio.current_task()
+
+    async def renew() -> None:
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            try:
+                ok = await deps.store.renew(claim.session.id, run_id=claim.run_id,
+                                            fence=claim.fence, lease_s=lease_s, now=deps.clock())
+            except StorageError:
+                continue  # transient; the next renewal, or the expiry, decides
+            if not ok:
+                lost.set()
+                if body is not None:
+                    body.cancel()
+                return
+
+    renewer = asyncio.create_task(renew())
+    try:
+        yield lost
+    finally:
+        renewer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewer
+
+
+def _fail(out: Outcome, failure_class: str, error: str) -> None:
+    out.outcome = "failed"
+    out.failure_class = failure_class
+    out.error = error
+
+
+async def _finish(deps: Deps, claim: Claim, out: Outcome) -> None:
+    await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
+                            end=out.run_end(), now=deps.clock())
+
+
+async def _finish_quietly(deps: Deps, claim: Claim, out: Outcome) -> None:
+    """End the run's journal; if even that fails, the lease expires and the reaper ends it."""
+    try:
+        await _finish(deps, claim, out)
+    except StorageError as exc:
+        logger.warning("could not record the end of a failed run; the reaper will",
+                       extra={"action": "compaction.finish_failed", "error": str(exc)})
+
+
+def _counted(out: Outcome) -> Outcome:
+    metrics().compactions.labels(out.outcome, out.failure_class or "", out.trigger).inc()
+    if out.tokens_before is not None:
+        metrics().tokens_before.observe(out.tokens_before)
+    if out.outcome == "committed" and out.tokens_after is not None:
+        metrics().tokens_after.observe(out.tokens_after)
+    return out
+
+
+def _providers(deps: Deps, rate_per_s: float | None, bulk_job_id: str | None) -> Any:
+    """The process's provider pool, behind the global and bulk-job rate meters."""
+    from worker.llm.providers import Attribution, ProviderPool
+
+    if deps.models is None:
+        w = deps.config.worker
+        from worker.llm.candidates import Availability
+
+        deps.models = ProviderPool(
+            attribution=Attribution(header=w.attribution_header, value=w.attribution_value),
+            availability=Availability(ttl_s=w.unavailable_model_s))
+    meters: list[tuple[str, float]] = []
+    if deps.config.worker.provider_rate_per_s:
+        meters.append((RATE_PROVIDER, deps.config.worker.provider_rate_per_s))
+    if rate_per_s:
+        meters.append((bulk_meter(bulk_job_id or "adhoc"), rate_per_s))
+    if not meters:
+        return deps.models
+    return MeteredProviders(deps.models, deps.limiter, meters)
+
+
+class MeteredProviders:
+    """A provider source whose every HTTP call first takes a slot on the shared meters."""
+
+    def __init__(self, pool: Any, limiter: Any, meters: list[tuple[str, float]]) -> None:
+        self.pool = pool
+        self.limiter = limiter
+        self.meters = meters
+
+    def get(self, candidate: Any) -> Any:
+        return _MeteredProvider(self.pool.get(candidate), self.limiter, self.meters)
+
+    def mark_broken(self, candidate: Any, reason: str) -> None:
+        self.pool.mark_broken(candidate, reason)
+
+
+class _MeteredProvider:
+    def __init__(self, provider: Any, limiter: Any, meters: list[tuple[str, float]]) -> None:
+        self.provider = provider
+        self.limiter = limiter
+        self.meters = meters
+
+    async def complete(self, *args: Any, **kwargs: Any) -> Any:
+        for name, rate in self.meters:
+            await self.limiter.acquire(name, rate)
+        return await self.provider.complete(*args, **kwargs)
+
+    async def aclose(self) -> None:
+        await self.provider.aclose()

@@ -1,0 +1,102 @@
+"""Celery tasks: thin, named with dots, given ids not rows, safe to run twice.
+
+Each hands its coroutine to the process's event loop (``worker.runtime``) and waits. A failed
+compaction raises :class:`CompactionFailed` so Flower shows the task as failed with its class;
+``busy`` and ``changed`` are contention, not faults, and return normally with the class in the
+result. Either way the run row in PostgreSQL is the record.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery import Task, shared_task
+from celery.signals import worker_process_init, worker_ready
+
+from scheduler.enqueue import Enqueuer
+from scheduler.sweeps import reap_leases, sweep_pressure
+from worker import logs
+from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
+from worker.metrics import metrics, serve
+from worker.orchestration import Outcome, compact
+from worker.runtime import Deps, process_loop, reset_process_loop
+from worker.settings import Config, load_config
+
+# Failures an operator should see as failed tasks; the others are contention.
+QUIET_FAILURES = ("busy", "changed")
+
+
+class CompactionFailed(Exception):
+    """A compaction ended as failed; the message starts with its failure class."""
+
+
+def _config(task: Task) -> Config:
+    config = getattr(task.app.conf, "compactd_config", None)
+    return config if isinstance(config, Config) else load_config()
+
+
+@shared_task(name=TASK_RUN, bind=True, acks_late=True)
+def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = False,
+        keep: str | None = None, bulk_job_id: str | None = None,
+        rate_per_s: float | None = None) -> dict[str, Any]:
+    config = _config(self)
+    sent_at = (self.request.headers or {}).get("compactd_sent_at") if self.request else None
+    if isinstance(sent_at, int | float):
+        queue = (self.request.delivery_info or {}).get("routing_key") or "unknown"
+        metrics().queue_wait.labels(queue).observe(max(0.0, time.time() - sent_at))
+
+    async def go(deps: Deps) -> Outcome:
+        try:
+            return await compact(deps, session_id, trigger=trigger, force=force, keep=keep,
+                                 task_id=self.request.id, bulk_job_id=bulk_job_id,
+                                 rate_per_s=rate_per_s)
+        finally:
+            if trigger in ("pressure", "sweep", "reap"):
+                # The signal's run is over: the next signal may enqueue again.
+                await deps.store.clear_signal(session_id)
+
+    outcome = process_loop(config).run(go)
+    if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
+        raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
+    return outcome.to_json()
+
+
+@shared_task(name=TASK_SWEEP, bind=True, ignore_result=True)
+def sweep(self: Task) -> int:
+    config = _config(self)
+    enqueuer = Enqueuer(self.app)
+
+    async def go(deps: Deps) -> int:
+        result = await sweep_pressure(deps.store, config, enqueuer)
+        flagged = await deps.store.flagged_sessions()
+        metrics().flagged_sessions.set(len(flagged))
+        return len(result.enqueued)
+
+    return process_loop(config).run(go)
+
+
+@shared_task(name=TASK_REAP, bind=True, ignore_result=True)
+def reap(self: Task) -> int:
+    config = _config(self)
+    enqueuer = Enqueuer(self.app)
+
+    async def go(deps: Deps) -> int:
+        reaped = await reap_leases(deps.store, config, enqueuer)
+        metrics().lease_reaps.inc(len(reaped))
+        return len(reaped)
+
+    return process_loop(config).run(go)
+
+
+@worker_process_init.connect
+def _after_fork(**_: Any) -> None:
+    # A prefork child must not use the parent's loop, engine or sockets.
+    reset_process_loop()
+
+
+@worker_ready.connect
+def _on_ready(sender: Any = None, **_: Any) -> None:
+    config = load_config()
+    logs.configure(config.log_format, config.log_level)
+    serve(config.worker.metrics_port)
