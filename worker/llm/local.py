@@ -18,8 +18,9 @@ Guarantees:
   existing summary carried. When the budget is too small even for those alone, the text keeps as
   many as fit: exception names before paths (they are few), each kind in order of first
   appearance, so the ones left out are the latest paths.
-* If not even the eight empty headings fit, :class:`~worker.llm.errors.LocalSummaryError` is
-  raised (the candidate fails; a range that small is not worth compacting).
+* If not even the eight empty headings fit, or nothing but them would, the input is too small to
+  summarize: :class:`~worker.llm.errors.LocalSummaryError` is raised (the candidate fails
+  rather than writing eight "(none)" for a range that had content).
 """
 
 from __future__ import annotations
@@ -596,6 +597,10 @@ class _Fitter:
             text = self._fit_estimated(budget)
             over = self.counter.count_text(text) - self.budget
             if over <= 0:
+                if text == _render({}) and any(self.sections.values()):
+                    # Eight "(none)" for an input that had content would drop it silently.
+                    raise LocalSummaryError(
+                        f"a budget of {self.budget} tokens leaves no room for any content")
                 return text
             budget -= over + 2
         raise LocalSummaryError(f"cannot fit the summary in {self.budget} tokens")
