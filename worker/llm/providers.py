@@ -381,8 +381,11 @@ def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> fl
         except ValueError:
             if divisor != 1.0:
                 continue
-            parsed = email.utils.parsedate_to_datetime(value) if value else None
-            if parsed is None or parsed.tzinfo is None:
+            try:
+                parsed = email.utils.parsedate_to_datetime(value)
+            except (ValueError, TypeError):
+                continue
+            if parsed.tzinfo is None:
                 continue
             seconds = parsed.timestamp() - (time.time() if now is None else now)
         if seconds == seconds and seconds >= 0:  # not NaN
