@@ -11,7 +11,7 @@ import pytest
 from worker.llm.candidates import Availability, Candidate, candidate_order
 from worker.llm.errors import Unavailable
 from worker.llm.providers import LoopPools, Provider, ProviderPool, build_provider
-from worker.settings import ModelSpec
+from worker.settings import ModelSpec, WorkerConfig
 
 MODELS = (
     ModelSpec(name="mini", provider="openai", model="gpt-4o-mini"),
@@ -161,3 +161,11 @@ def test_loop_pools_give_each_loop_its_own_clients() -> None:
     asyncio.run(use())
     asyncio.run(use())
     assert seen[0] is not seen[1]
+
+
+def test_pools_from_the_worker_config() -> None:
+    worker = WorkerConfig(attribution_header="x-purpose", attribution_value="bg",
+                          unavailable_model_s=42)
+    pools = LoopPools.from_config(worker, env={})
+    assert pools.attribution.headers() == {"x-purpose": "bg"}
+    assert pools.availability.ttl_s == 42

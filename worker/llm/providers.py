@@ -36,6 +36,7 @@ import pydantic
 
 from worker.llm.candidates import Availability, Candidate
 from worker.llm.errors import ErrorKind, ProviderError, Unavailable
+from worker.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class Attribution:
 
     def headers(self) -> dict[str, str]:
         return {self.header: self.value} if self.header else {}
+
+    @classmethod
+    def from_config(cls, worker: WorkerConfig) -> Attribution:
+        return cls(worker.attribution_header, worker.attribution_value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,6 +512,14 @@ class LoopPools:
         self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ProviderPool] = (
             weakref.WeakKeyDictionary())
         self._pid = os.getpid()
+
+    @classmethod
+    def from_config(cls, worker: WorkerConfig, *, env: Mapping[str, str] | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> LoopPools:
+        """The pools a worker process keeps: its attribution header, its unavailability
+        window."""
+        return cls(attribution=Attribution.from_config(worker),
+                   availability=Availability(worker.unavailable_model_s, clock=clock), env=env)
 
     def current(self) -> ProviderPool:
         loop = asyncio.get_running_loop()
