@@ -26,6 +26,7 @@ are built from status codes and error codes, and SDK exceptions are never logged
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import random
@@ -230,6 +231,11 @@ class _Run:
         except LocalSummaryError as exc:
             self.fail(candidate, "refused", str(exc), started)
             return None
+        except Exception as exc:  # a bug here must still leave a recorded, failed attempt
+            logger.debug("local summarizer raised", exc_info=True,
+                         extra={"action": "llm.internal", "candidate": candidate.name})
+            self.fail(candidate, "internal", f"unexpected {type(exc).__name__}", started)
+            return None
         completion = Completion(text=text, model=candidate.model_id, usage=Usage())
         return self.accept(candidate, completion, started, http_attempts=0)
 
@@ -415,9 +421,5 @@ def _log_fields(attempt: Attempt) -> Mapping[str, Any]:
 
 def _finish(outcome: SummaryOutcome, attempts: list[Attempt], latency_s: float
             ) -> SummaryOutcome:
-    all_attempts = tuple(attempts)
-    return SummaryOutcome(text=outcome.text, candidate=outcome.candidate, model=outcome.model,
-                          usage=outcome.usage, request_id=outcome.request_id,
-                          attempts=all_attempts, request=outcome.request, latency_s=latency_s,
-                          truncated=outcome.truncated,
-                          failures=tuple(a for a in all_attempts if not a.ok))
+    return dataclasses.replace(outcome, attempts=tuple(attempts), latency_s=latency_s,
+                               failures=tuple(a for a in attempts if not a.ok))
