@@ -404,4 +404,4 @@ async def test_many_summaries_in_flight_against_one_fake(fake: FakeProvider) -> 
         await pool.aclose()
     assert all(o.attempts[-1].ok for o in outcomes)
     assert len(fake.requests) == 200
-    assert elapsed < 4.0, elapsed
+    assert elapsed < 10.0, elapsed  # serially it would take 100 s
