@@ -162,13 +162,10 @@ class OpenAIChatProvider:
     async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
         limit = _cap(max_tokens, self._max_output)
         kwargs: dict[str, Any] = {self._token_param: limit}
-        request_id: str | None = None
         try:
             raw = await self._client.chat.completions.with_raw_response.create(
                 model=self.candidate.model_id, messages=[dict(m) for m in chat],  # type: ignore[misc]
                 **kwargs)
-            request_id = raw.request_id
-            parsed: Any = raw.parse()
         except openai.APIStatusError as exc:
             raise status_error(exc.status_code, exc.response.headers, _openai_body(exc.body),
                                request_id=exc.request_id) from None
@@ -176,9 +173,13 @@ class OpenAIChatProvider:
             raise ProviderError("timeout", "the request timed out") from None
         except openai.APIConnectionError:
             raise ProviderError("connection", "cannot connect to the provider") from None
+        except (ValueError, TypeError) as exc:
+            raise _refused_by_sdk(exc) from None
+        request_id = raw.request_id
+        try:
+            parsed: Any = raw.parse()
         except (openai.APIResponseValidationError, ValueError, pydantic.ValidationError):
-            raise ProviderError("malformed", "the response body is not valid JSON",
-                                request_id=request_id) from None
+            raise _malformed(request_id) from None
         return openai_completion(parsed, request_id)
 
     async def aclose(self) -> None:
@@ -248,13 +249,10 @@ class AnthropicProvider:
     async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
         system, messages = anthropic_messages(chat)
         kwargs: dict[str, Any] = {"system": system} if system else {}
-        request_id: str | None = None
         try:
             raw = await self._client.messages.with_raw_response.create(
                 model=self.candidate.model_id, messages=messages,  # type: ignore[arg-type]
                 max_tokens=_cap(max_tokens, self._max_output), **kwargs)
-            request_id = raw.request_id
-            parsed: Any = await raw.parse()
         except anthropic.APIStatusError as exc:
             body = exc.body if isinstance(exc.body, Mapping) else {}
             error = body.get("error")
@@ -265,9 +263,13 @@ class AnthropicProvider:
             raise ProviderError("timeout", "the request timed out") from None
         except anthropic.APIConnectionError:
             raise ProviderError("connection", "cannot connect to the provider") from None
+        except (ValueError, TypeError) as exc:
+            raise _refused_by_sdk(exc) from None
+        request_id = raw.request_id
+        try:
+            parsed: Any = await raw.parse()
         except (anthropic.APIResponseValidationError, ValueError, pydantic.ValidationError):
-            raise ProviderError("malformed", "the response body is not valid JSON",
-                                request_id=request_id) from None
+            raise _malformed(request_id) from None
         return anthropic_completion(parsed, request_id)
 
     async def aclose(self) -> None:
@@ -397,6 +399,18 @@ def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> fl
             return seconds
         return 0.0
     return None
+
+
+def _refused_by_sdk(exc: Exception) -> ProviderError:
+    # Raised before anything is sent (an argument the SDK rejects): the request itself is
+    # wrong, so it is not retried, and it is not the provider's malformed answer either.
+    return ProviderError("bad_request", f"the SDK refused to send the request "
+                                        f"({type(exc).__name__})")
+
+
+def _malformed(request_id: str | None) -> ProviderError:
+    return ProviderError("malformed", "the response body is not valid JSON",
+                         request_id=request_id)
 
 
 def _safe(value: Any) -> str | None:
