@@ -89,5 +89,6 @@ def configure(fmt: str = "auto", level: str = "INFO", stream: Any = None) -> Non
     root.addHandler(handler)
     root.setLevel(level.upper())
     # Libraries that log request bodies or headers at INFO/DEBUG stay at WARNING.
-    for noisy in ("httpx", "httpcore", "openai", "anthropic", "asyncio", "aiosqlite"):
+    for noisy in ("httpx", "httpcore", "httpx2", "httpcore2", "openai", "anthropic", "asyncio",
+                  "aiosqlite"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,97 @@
+"""The fake provider itself: scripting rules, and the subprocess with its control endpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.fake_provider import Behaviour, FakeProvider, RemoteFake, fake_summary
+from worker.llm import Candidate, ProviderPool, RetryPolicy, SummaryRequest, summarize
+from worker.settings import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as provider:
+        yield provider
+
+
+async def ask(client: openai.AsyncOpenAI, model: str) -> int:
+    try:
+        await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x" * 400}])
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    return 200
+
+
+async def test_behaviours_match_by_model_then_in_order(fake: FakeProvider) -> None:
+    fake.script(Behaviour(model="b", status=500),
+                Behaviour(status=503, times=2),
+                Behaviour(model="a", status=401))
+    client = openai.AsyncOpenAI(api_key="k", base_url=fake.openai_base_url, max_retries=0)
+    try:
+        statuses = [await ask(client, m) for m in ("a", "a", "b", "a", "b")]
+    finally:
+        await client.close()
+    # "a": the first matching entry is the any-model 503 (twice), then its own 401.
+    assert statuses == [503, 503, 500, 401, 200]
+    assert fake.pending_script() == []
+    assert [r.model for r in fake.requests_for(api="openai")] == ["a", "a", "b", "a", "b"]
+
+
+def test_the_fake_summary_is_short_and_names_the_facts() -> None:
+    text = ("Traceback in src/billing/tax.py: KeyError BILL-1234. " * 40)
+    summary = fake_summary(text, model="m", max_tokens=1000)
+    assert len(summary) <= len(text) // 4
+    assert "src/billing/tax.py" in summary and "KeyError" in summary and "BILL-1234" in summary
+    assert summary.count("## ") == 8
+
+
+@pytest.fixture
+def remote() -> Iterator[RemoteFake]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.fake_provider", "--port", "0", "--keep-bodies"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        url = json.loads(process.stdout.readline())["url"]
+        yield RemoteFake(url)
+    finally:
+        process.terminate()
+        process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+async def test_a_fake_in_another_process_is_scripted_over_http(remote: RemoteFake) -> None:
+    assert remote.health()
+    remote.script(Behaviour(model="gpt-sub", status=503, times=2))
+    remote.configure(latency_s=0.05)
+    spec = ModelSpec(name="sub", provider="openai", model="gpt-sub",
+                     base_url=remote.openai_base_url, api_key_env="K")
+    pool = ProviderPool(env={"K": "k"})
+    request = SummaryRequest.of([{"role": "user", "content": "Summarize src/app.py. " * 60}])
+    try:
+        outcome = await summarize(
+            request, candidates=[Candidate.from_spec(spec)], validate=lambda text: None,
+            deadline_s=10, providers=pool,
+            retry=RetryPolicy(backoff_initial_s=0.01, jitter=False))
+    finally:
+        await pool.aclose()
+    assert outcome.attempts[0].http_attempts == 3
+    log = remote.requests(bodies=True)
+    assert [r["status"] for r in log] == [503, 503, 200]
+    assert all(r["headers"]["x-compactd-purpose"] == "compaction" for r in log)
+    assert log[0]["body"]["model"] == "gpt-sub"
+    assert all(r["answered_t"] - r["received_t"] >= 0.05 for r in log)
+    remote.reset()
+    assert remote.requests() == []

@@ -1,0 +1,606 @@
+"""A fake LLM provider that speaks the wire formats, for tests and benchmarks.
+
+It answers OpenAI Chat Completions (``POST /v1/chat/completions``) and Anthropic Messages
+(``POST /v1/messages``) the way the real services do (bodies, status codes, ``x-request-id`` /
+``request-id``, ``retry-after``), so the code under test runs through the real SDKs over real HTTP.
+Summaries are deterministic: eight short sections listing the paths, exception names and ids
+found in the input, always much shorter than the input.
+
+Every request is logged (path, model, headers including the attribution header, body size, times,
+what was answered) and the answers are scriptable: a queue of :class:`Behaviour` entries, each
+matched by model name (and optionally API) or in order, each used ``times`` times: latency,
+hanging forever, an error status (429 with Retry-After, 500, 503, 529, 401, 400
+``context_length_exceeded`` / "prompt is too long"), whitespace-only text, non-shrinking text (the
+input echoed), malformed JSON, tool-call-only, reasoning-only or image output.
+
+It is one aiohttp server on one event loop: hundreds of requests in flight cost a coroutine each.
+
+In-process::
+
+    with FakeProvider(latency_s=0.0) as fake:      # a background thread, 127.0.0.1, random port
+        fake.script(Behaviour(model="m1", status=503, times=3))
+        ... fake.openai_base_url, fake.anthropic_base_url ...
+        fake.requests                               # list[RequestRecord]
+
+As a process another process can be pointed at (a Celery worker, a benchmark)::
+
+    python -m tests.support.fake_provider --port 0 --latency 1.0
+    # prints {"url": "http://127.0.0.1:PORT"} on its first line, then serves until SIGTERM
+
+Control endpoints (JSON), used by :class:`RemoteFake` with the same methods as the in-process API:
+``POST /_fake/script`` ``{"behaviours": [...]}``, ``POST /_fake/reset``, ``GET /_fake/requests``
+(``?bodies=1`` to include bodies), ``POST /_fake/config`` ``{"latency_s": ...}``,
+``GET /_fake/health``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+HANG_S = 3600.0
+OUTPUTS = ("summary", "whitespace", "echo", "malformed", "tool_calls", "reasoning_only",
+           "image", "text")
+SECTIONS = ("Primary Request and Intent", "Key Technical Concepts", "Files and Code",
+            "Errors and Fixes", "Pending Jobs", "Current Work", "Next Step", "Critical Context")
+
+_PATH = re.compile(r"(?<![\w/.])(?:/?[\w.-]+/)+[\w.-]+\.[A-Za-z]\w{0,7}")
+_EXC = re.compile(r"\b[A-Z][A-Za-z0-9]*(?:Error|Exception)\b")
+_TICKET = re.compile(r"\b[A-Z][A-Z0-9]{1,9}-\d{2,}\b")
+
+
+@dataclass
+class Behaviour:
+    """How to answer the requests it matches.
+
+    ``model``/``api`` select requests (None matches any); ``times`` is how many it answers
+    (-1: every matching request from now on). ``status`` other than 200 answers an error in the
+    API's own error shape; ``code`` picks a special one (``context_length_exceeded`` is OpenAI's
+    code, and becomes "prompt is too long" on the Anthropic API). ``output`` shapes a 200 answer.
+    """
+
+    model: str | None = None
+    api: str | None = None
+    status: int = 200
+    code: str | None = None
+    retry_after: float | str | None = None
+    latency_s: float | None = None
+    hang: bool = False
+    output: str = "summary"
+    text: str | None = None
+    cached_tokens: int = 0
+    times: int = 1
+
+    def __post_init__(self) -> None:
+        if self.output not in OUTPUTS:
+            raise ValueError(f"output must be one of {', '.join(OUTPUTS)}")
+
+    def matches(self, model: str | None, api: str) -> bool:
+        return (self.model is None or self.model == model) and (self.api in (None, api))
+
+    def describe(self) -> str:
+        if self.hang:
+            return "hang"
+        if self.status != 200:
+            return f"status {self.status}" + (f" {self.code}" if self.code else "")
+        return self.output
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Behaviour:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclass
+class RequestRecord:
+    n: int
+    api: str
+    path: str
+    model: str | None
+    headers: dict[str, str]
+    body_bytes: int
+    max_tokens: int | None
+    received_at: float          # wall clock
+    received_t: float           # seconds since the server started (monotonic)
+    behaviour: str
+    status: int | None = None   # None until answered (or forever, for a hang)
+    answered_t: float | None = None
+    body: dict[str, Any] | None = None
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    def to_json(self, *, bodies: bool = False) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if not bodies:
+            out.pop("body")
+        return out
+
+
+DEFAULT = Behaviour(times=-1)
+
+
+class _State:
+    """Script queue and request log, shared by the server thread and the test thread."""
+
+    def __init__(self, latency_s: float, keep_bodies: bool) -> None:
+        self.lock = threading.Lock()
+        self.latency_s = latency_s
+        self.keep_bodies = keep_bodies
+        self.queue: list[Behaviour] = []
+        self.log: list[RequestRecord] = []
+        self.started = time.monotonic()
+
+    def take(self, model: str | None, api: str) -> Behaviour:
+        with self.lock:
+            for i, behaviour in enumerate(self.queue):
+                if behaviour.matches(model, api):
+                    if behaviour.times > 0:
+                        behaviour.times -= 1
+                        if behaviour.times == 0:
+                            del self.queue[i]
+                    return behaviour
+        return DEFAULT
+
+    def record(self, record: RequestRecord) -> None:
+        with self.lock:
+            self.log.append(record)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.queue.clear()
+            self.log.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# the application
+
+
+def build_app(state: _State) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    h = _Handlers(state)
+    app.router.add_post("/v1/chat/completions", h.openai)
+    app.router.add_post("/chat/completions", h.openai)
+    app.router.add_post("/v1/messages", h.anthropic)
+    app.router.add_post("/_fake/script", h.script)
+    app.router.add_post("/_fake/reset", h.reset)
+    app.router.add_post("/_fake/config", h.config)
+    app.router.add_get("/_fake/requests", h.requests)
+    app.router.add_get("/_fake/health", h.health)
+    return app
+
+
+class _Handlers:
+    def __init__(self, state: _State) -> None:
+        self.state = state
+
+    async def openai(self, request: web.Request) -> web.StreamResponse:
+        return await _model_call(self.state, request, "openai")
+
+    async def anthropic(self, request: web.Request) -> web.StreamResponse:
+        return await _model_call(self.state, request, "anthropic")
+
+    async def script(self, request: web.Request) -> web.Response:
+        return await _control_script(self.state, request)
+
+    async def reset(self, request: web.Request) -> web.Response:
+        return await _control_reset(self.state)
+
+    async def config(self, request: web.Request) -> web.Response:
+        return await _control_config(self.state, request)
+
+    async def requests(self, request: web.Request) -> web.Response:
+        return await _control_requests(self.state, request)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"ok": True})
+
+
+async def _model_call(state: _State, request: web.Request, api: str) -> web.StreamResponse:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    behaviour = state.take(model, api)
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    with state.lock:
+        n = len(state.log) + 1
+    record = RequestRecord(
+        n=n, api=api, path=request.path, model=model,
+        headers={k.lower(): v for k, v in request.headers.items()}, body_bytes=len(raw),
+        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        received_at=time.time(), received_t=time.monotonic() - state.started,
+        behaviour=behaviour.describe(), body=body if state.keep_bodies else None)
+    state.record(record)
+    latency = state.latency_s if behaviour.latency_s is None else behaviour.latency_s
+    if behaviour.hang:
+        await asyncio.sleep(HANG_S)
+    elif latency > 0:
+        await asyncio.sleep(latency)
+    response = _answer(api, behaviour, body, raw, model, n)
+    record.status = response.status
+    record.answered_t = time.monotonic() - state.started
+    return response
+
+
+def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
+            model: str | None, n: int) -> web.Response:
+    request_id = f"req_fake_{n:06d}"
+    id_header = {"x-request-id" if api == "openai" else "request-id": request_id}
+    if behaviour.status != 200:
+        headers = dict(id_header)
+        if behaviour.retry_after is not None:
+            headers["retry-after"] = str(behaviour.retry_after)
+        return _json(_error_body(api, behaviour.status, behaviour.code, request_id),
+                     status=behaviour.status, headers=headers)
+    if behaviour.output == "malformed":
+        return web.Response(status=200, body=b'{"id": "broken", "choices": [', headers={
+            **id_header, "content-type": "application/json"})
+    text_in = _input_text(body)
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 4096
+    if behaviour.output == "whitespace":
+        text = "   \n\t \n"
+    elif behaviour.output == "echo":
+        text = text_in
+    elif behaviour.output == "text":
+        text = behaviour.text or ""
+    else:
+        text = fake_summary(text_in, model=model or "?", max_tokens=int(max_tokens))
+    usage_in = math.ceil(len(raw) / 4)
+    usage_out = math.ceil(len(text) / 4)
+    if api == "openai":
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        finish = "stop"
+        if behaviour.output == "tool_calls":
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_fake_{n}", "type": "function",
+                 "function": {"name": "lookup", "arguments": "{}"}}]}
+            finish = "tool_calls"
+        elif behaviour.output == "reasoning_only":
+            message = {"role": "assistant", "content": "", "reasoning_content": "thinking..."}
+        elif behaviour.output == "image":
+            message = {"role": "assistant", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+        payload: dict[str, Any] = {
+            "id": f"chatcmpl-fake-{n}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": message,
+                                         "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
+                      "total_tokens": usage_in + usage_out,
+                      "prompt_tokens_details": {"cached_tokens": behaviour.cached_tokens}}}
+    else:
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+        stop = "end_turn"
+        if behaviour.output == "tool_calls":
+            content = [{"type": "tool_use", "id": f"toolu_fake_{n}", "name": "lookup",
+                        "input": {}}]
+            stop = "tool_use"
+        elif behaviour.output == "reasoning_only":
+            content = [{"type": "thinking", "thinking": "thinking...", "signature": "sig"}]
+        elif behaviour.output == "image":
+            content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                    "data": "AAAA"}}]
+        payload = {"id": f"msg_fake_{n}", "type": "message", "role": "assistant",
+                   "model": model, "content": content, "stop_reason": stop,
+                   "stop_sequence": None,
+                   "usage": {"input_tokens": usage_in - behaviour.cached_tokens,
+                             "output_tokens": usage_out,
+                             "cache_read_input_tokens": behaviour.cached_tokens,
+                             "cache_creation_input_tokens": 0}}
+    return _json(payload, headers=id_header)
+
+
+_OPENAI_ERRORS = {
+    400: ("invalid_request_error", None, "Invalid request."),
+    401: ("invalid_request_error", "invalid_api_key", "Incorrect API key provided."),
+    403: ("permission_denied", None, "You are not allowed to use this model."),
+    404: ("invalid_request_error", "model_not_found", "The model does not exist."),
+    429: ("rate_limit_exceeded", "rate_limit_exceeded", "Rate limit reached."),
+}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+
+
+def _error_body(api: str, status: int, code: str | None, request_id: str) -> dict[str, Any]:
+    if api == "openai":
+        etype, default_code, message = _OPENAI_ERRORS.get(
+            status, ("server_error", None, "The server had an error processing your request."))
+        if code == "context_length_exceeded":
+            message = ("This model's maximum context length is 128000 tokens. However, your "
+                       "messages resulted in 210000 tokens.")
+        return {"error": {"message": message, "type": etype, "param": None,
+                          "code": code or default_code}}
+    etype = _ANTHROPIC_TYPES.get(status, "api_error")
+    message = {"overloaded_error": "Overloaded"}.get(etype, f"fake error {status}")
+    if code == "context_length_exceeded":
+        message = "prompt is too long: 210000 tokens > 200000 maximum"
+    return {"type": "error", "error": {"type": etype, "message": message},
+            "request_id": request_id}
+
+
+def _input_text(body: dict[str, Any]) -> str:
+    parts: list[str] = []
+    system = body.get("system")
+    if isinstance(system, str):
+        parts.append(system)
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(b.get("text", "")) for b in content if isinstance(b, dict))
+    return "\n\n".join(parts)
+
+
+def fake_summary(text: str, *, model: str, max_tokens: int) -> str:
+    """Eight short sections naming what the input mentions; at most a quarter of its length."""
+    def listed(pattern: re.Pattern[str], limit: int) -> str:
+        found = list(dict.fromkeys(pattern.findall(text)))[:limit]
+        return ", ".join(found) if found else "(none)"
+
+    bodies = {
+        "Primary Request and Intent": f"- summarize {len(text)} characters of conversation",
+        "Files and Code": f"- {listed(_PATH, 12)}",
+        "Errors and Fixes": f"- {listed(_EXC, 8)}",
+        "Current Work": f"- summarized by {model}",
+        "Critical Context": f"- {listed(_TICKET, 8)}",
+    }
+    out = "\n".join(f"## {name}\n{bodies.get(name, '(none)')}" for name in SECTIONS)
+    limit = min(len(text) // 4, max_tokens * 3)
+    return out if len(out) <= limit else out[:max(1, limit)]
+
+
+def _json(payload: Any, *, status: int = 200, headers: dict[str, str] | None = None
+          ) -> web.Response:
+    return web.Response(status=status, text=json.dumps(payload),
+                        content_type="application/json", headers=headers)
+
+
+async def _control_script(state: _State, request: web.Request) -> web.Response:
+    data = await request.json()
+    behaviours = [Behaviour.from_json(b) for b in data.get("behaviours", ())]
+    with state.lock:
+        state.queue.extend(behaviours)
+    return _json({"queued": len(behaviours)})
+
+
+async def _control_reset(state: _State) -> web.Response:
+    state.reset()
+    return _json({"ok": True})
+
+
+async def _control_config(state: _State, request: web.Request) -> web.Response:
+    data = await request.json()
+    if "latency_s" in data:
+        state.latency_s = float(data["latency_s"])
+    return _json({"latency_s": state.latency_s})
+
+
+async def _control_requests(state: _State, request: web.Request) -> web.Response:
+    bodies = request.query.get("bodies") in ("1", "true")
+    with state.lock:
+        records = [r.to_json(bodies=bodies) for r in state.log]
+    return _json({"requests": records})
+
+
+# --------------------------------------------------------------------------------------------
+# running it
+
+
+class FakeProvider:
+    """The fake, served from a background thread with its own event loop."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, latency_s: float = 0.0,
+                 keep_bodies: bool = True) -> None:
+        self.host = host
+        self.port = port
+        self._state = _State(latency_s, keep_bodies)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # lifecycle
+
+    def start(self) -> FakeProvider:
+        self._thread = threading.Thread(target=self._serve, name="fake-provider", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise RuntimeError("the fake provider did not start") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+
+    def __enter__(self) -> FakeProvider:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # reported to start(), which is waiting
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        runner = await serve(self._state, self.host, self.port)
+        self.port = runner_port(runner)
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+
+    # addresses
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def anthropic_base_url(self) -> str:
+        return self.url
+
+    # scripting and the log
+
+    @property
+    def latency_s(self) -> float:
+        return self._state.latency_s
+
+    @latency_s.setter
+    def latency_s(self, value: float) -> None:
+        self._state.latency_s = value
+
+    def script(self, *behaviours: Behaviour, **one: Any) -> None:
+        """Queue behaviours (or one built from keyword arguments)."""
+        queued = list(behaviours) + ([Behaviour(**one)] if one else [])
+        with self._state.lock:
+            self._state.queue.extend(queued)
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        with self._state.lock:
+            return list(self._state.log)
+
+    def requests_for(self, model: str | None = None, api: str | None = None
+                     ) -> list[RequestRecord]:
+        return [r for r in self.requests
+                if (model is None or r.model == model) and (api is None or r.api == api)]
+
+    def pending_script(self) -> list[Behaviour]:
+        with self._state.lock:
+            return list(self._state.queue)
+
+    def reset(self) -> None:
+        self._state.reset()
+
+
+async def serve(state: _State, host: str, port: int) -> web.AppRunner:
+    # handler_cancellation: a client that gives up (a cancelled hang) frees its handler at once.
+    runner = web.AppRunner(build_app(state), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048)
+    await site.start()
+    return runner
+
+
+def runner_port(runner: web.AppRunner) -> int:
+    address = runner.addresses[0]
+    return int(address[1])
+
+
+class RemoteFake:
+    """The control API of a fake provider running in another process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def anthropic_base_url(self) -> str:
+        return self.url
+
+    def _call(self, method: str, path: str, payload: Any = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as response:
+            return json.loads(response.read())
+
+    def health(self) -> bool:
+        return bool(self._call("GET", "/_fake/health").get("ok"))
+
+    def script(self, *behaviours: Behaviour, **one: Any) -> None:
+        queued = list(behaviours) + ([Behaviour(**one)] if one else [])
+        self._call("POST", "/_fake/script",
+                   {"behaviours": [dataclasses.asdict(b) for b in queued]})
+
+    def configure(self, *, latency_s: float) -> None:
+        self._call("POST", "/_fake/config", {"latency_s": latency_s})
+
+    def requests(self, *, bodies: bool = False) -> list[dict[str, Any]]:
+        path = "/_fake/requests" + ("?bodies=1" if bodies else "")
+        return list(self._call("GET", path)["requests"])
+
+    def reset(self) -> None:
+        self._call("POST", "/_fake/reset", {})
+
+
+def summaries_of(records: Iterable[RequestRecord]) -> Iterator[str]:
+    """The behaviours the fake applied, for compact assertions."""
+    for record in records:
+        yield f"{record.model}:{record.behaviour}:{record.status}"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+async def _run_cli(host: str, port: int, latency_s: float, keep_bodies: bool) -> None:
+    state = _State(latency_s, keep_bodies)
+    runner = await serve(state, host, port)
+    print(json.dumps({"url": f"http://{host}:{runner_port(runner)}"}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.support.fake_provider",
+                                     description="A fake OpenAI/Anthropic provider.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds per answer")
+    parser.add_argument("--keep-bodies", action="store_true",
+                        help="keep request bodies in the log (memory grows with traffic)")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_run_cli(args.host, args.port, args.latency, args.keep_bodies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Summarizer models: candidates in order, provider clients, the local summarizer, the fallback.
+
+The orchestration uses :func:`candidate_order` to list who may summarize a session,
+:class:`LoopPools` (or a :class:`ProviderPool` per event loop) for clients, and :func:`summarize`
+to get the first summary the policy accepts.
+"""
+
+from worker.llm.candidates import Availability, Candidate, candidate_order
+from worker.llm.errors import (
+    ErrorKind,
+    LLMError,
+    LocalSummaryError,
+    ProviderError,
+    SummaryFailed,
+    Unavailable,
+)
+from worker.llm.fallback import (
+    Attempt,
+    RetryPolicy,
+    SummaryOutcome,
+    SummaryRequest,
+    compute_backoff,
+    summarize,
+)
+from worker.llm.local import SECTIONS, summarize_local
+from worker.llm.providers import Attribution, Completion, LoopPools, ProviderPool, Usage
+
+__all__ = [
+    "SECTIONS",
+    "Attempt",
+    "Attribution",
+    "Availability",
+    "Candidate",
+    "Completion",
+    "ErrorKind",
+    "LLMError",
+    "LocalSummaryError",
+    "LoopPools",
+    "ProviderError",
+    "ProviderPool",
+    "RetryPolicy",
+    "SummaryFailed",
+    "SummaryOutcome",
+    "SummaryRequest",
+    "Unavailable",
+    "Usage",
+    "candidate_order",
+    "compute_backoff",
+    "summarize",
+    "summarize_local",
+]

@@ -1,0 +1,425 @@
+"""Ask the candidates for a summary, in order, until one writes text the policy accepts.
+
+Per candidate (DeerFlow's ``_asummarize_with``, with DESIGN's retry rules):
+
+* building its client, calling it, extracting text, the non-empty check and the policy's
+  ``validate`` can each fail; any failure moves on to the next candidate, recorded with its kind;
+* only transient failures are retried on the same candidate, by tenacity: 429 (waiting what
+  Retry-After says, capped), 5xx and 529, timeouts, connection errors; with exponential backoff
+  and jitter, at most ``max_attempts`` HTTP attempts, within the candidate's time budget;
+* 401/403/404/other 400s move on at once; auth, not-found and quota failures also mark the
+  candidate unavailable for a while (the key or model will not fix itself in seconds);
+* a context-length error asks ``on_context_length`` (once per call) for a smaller request; the
+  same candidate is tried again with it, and later candidates get it too; else move on;
+* a refused summary (empty, whitespace-only, non-text, not shrinking...) is not retried: the same
+  model asked the same thing tends to answer the same way.
+
+One overall deadline (``asyncio.timeout_at``) bounds every remote call: a candidate that hangs is
+cancelled when it passes, and the remaining remote candidates are not tried. The ``local``
+candidate still runs after the deadline: it makes no call, takes milliseconds, and is the point of
+having a last resort. All failed: :class:`~worker.llm.errors.SummaryFailed` with every attempt.
+
+Nothing logged at INFO or above carries a key, a prompt or a provider's response body: reasons
+are built from status codes and error codes, and SDK exceptions are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_before_delay,
+)
+from tenacity.stop import stop_base
+
+from storage.messages import Message
+from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
+from worker.llm.candidates import Candidate
+from worker.llm.errors import (
+    BROKEN_KINDS,
+    ErrorKind,
+    LocalSummaryError,
+    ProviderError,
+    SummaryFailed,
+    Unavailable,
+)
+from worker.llm.local import summarize_local
+from worker.llm.providers import ChatMessage, Completion, Provider, Usage
+from worker.settings import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+Validator = Callable[[str], "str | None"]
+ContextShrinker = Callable[["SummaryRequest", Candidate],
+                           "Awaitable[SummaryRequest | None] | SummaryRequest | None"]
+LocalSummarizer = Callable[..., str]
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryRequest:
+    """What to summarize, in both shapes: ``chat`` for a model (usually a system instruction
+    and one user message built by the policy), ``messages`` and ``existing_summary`` for the
+    local summarizer, which reads structure rather than a prompt.
+
+    ``validate`` (optional) replaces the call's validator for this request: a planner that
+    shrinks the range on a context-length error hands back the validator for the new range.
+    """
+
+    chat: tuple[ChatMessage, ...]
+    messages: tuple[Message, ...] = ()
+    existing_summary: str | None = None
+    max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    validate: Validator | None = None
+
+    @classmethod
+    def of(cls, chat: Sequence[ChatMessage], messages: Sequence[Message] = (),
+           existing_summary: str | None = None, max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
+           validate: Validator | None = None) -> SummaryRequest:
+        return cls(chat=tuple(dict(m) for m in chat), messages=tuple(messages),
+                   existing_summary=existing_summary, max_tokens=max_tokens, validate=validate)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Per-candidate retry limits. ``jitter=False`` (or a seeded ``rng`` passed to
+    :func:`summarize`) makes the waits deterministic for tests."""
+
+    max_attempts: int = 4
+    candidate_budget_s: float = 90.0
+    retry_after_cap_s: float = 20.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 8.0
+    jitter: bool = True
+
+    @classmethod
+    def from_config(cls, worker: WorkerConfig, **overrides: Any) -> RetryPolicy:
+        values: dict[str, Any] = {"max_attempts": worker.max_attempts,
+                                  "candidate_budget_s": worker.candidate_budget_s,
+                                  "retry_after_cap_s": worker.retry_after_cap_s}
+        return cls(**{**values, **overrides})
+
+
+def compute_backoff(attempt: int, *, initial_s: float, max_s: float, jitter: bool = True,
+                    rng: random.Random | None = None) -> float:
+    """Seconds to wait after HTTP attempt ``attempt`` (1-based) failed.
+
+    Doubles from ``initial_s`` up to ``max_s``; with ``jitter``, "equal jitter": a uniform draw in
+    [half, full], so a fleet of workers does not retry in lockstep yet never retries early.
+    """
+    base = min(max_s, initial_s * (2 ** max(0, attempt - 1)))
+    if not jitter:
+        return base
+    return base / 2 + (rng or random).uniform(0, base / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One candidate's part in a call. ``kind`` None means it wrote the summary."""
+
+    candidate: str
+    provider: str
+    model: str
+    kind: ErrorKind | None
+    reason: str
+    latency_s: float
+    http_attempts: int = 0
+    status: int | None = None
+    request_id: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.kind is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"candidate": self.candidate, "provider": self.provider, "model": self.model,
+                "kind": self.kind, "reason": self.reason,
+                "latency_s": round(self.latency_s, 4), "http_attempts": self.http_attempts,
+                "status": self.status, "request_id": self.request_id}
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryOutcome:
+    """The accepted summary and how it was obtained."""
+
+    text: str
+    candidate: Candidate
+    model: str  # what the provider says answered (``local`` for the local summarizer)
+    usage: Usage
+    request_id: str | None
+    attempts: tuple[Attempt, ...]
+    request: SummaryRequest  # the request actually summarized (smaller after a shrink)
+    latency_s: float
+    truncated: bool = False
+    failures: tuple[Attempt, ...] = field(default=())
+
+
+class ProviderSource(Protocol):
+    """Where providers come from (a :class:`~worker.llm.providers.ProviderPool`)."""
+
+    def get(self, candidate: Candidate) -> Provider: ...
+
+    def mark_broken(self, candidate: Candidate, reason: str) -> None: ...
+
+
+async def summarize(request: SummaryRequest, *, candidates: Sequence[Candidate],
+                    validate: Validator, deadline_s: float,
+                    providers: ProviderSource | None = None,
+                    retry: RetryPolicy | None = None,
+                    on_context_length: ContextShrinker | None = None,
+                    rng: random.Random | None = None,
+                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                    local: LocalSummarizer = summarize_local) -> SummaryOutcome:
+    """The first accepted summary from ``candidates``; raises ``SummaryFailed`` if none."""
+    run = _Run(request=request, validate=validate, providers=providers,
+               retry=retry or RetryPolicy(), on_context_length=on_context_length, rng=rng,
+               sleep=sleep, local=local)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline_at = started + deadline_s
+    for candidate in candidates:
+        if candidate.is_local:
+            outcome = await run.local_candidate(candidate)
+        elif loop.time() >= deadline_at:
+            run.fail(candidate, "deadline", f"the overall deadline ({deadline_s:g} s) passed "
+                     "before this candidate", loop.time())
+            continue
+        else:
+            outcome = await run.remote_candidate(candidate, deadline_at, deadline_s)
+        if outcome is not None:
+            return _finish(outcome, run.attempts, loop.time() - started)
+    logger.warning("every summary candidate failed",
+                   extra={"action": "llm.failed",
+                          "attempts": [f"{a.candidate}:{a.kind}" for a in run.attempts]})
+    raise SummaryFailed(run.attempts)
+
+
+@dataclass
+class _Run:
+    request: SummaryRequest
+    validate: Validator
+    providers: ProviderSource | None
+    retry: RetryPolicy
+    on_context_length: ContextShrinker | None
+    rng: random.Random | None
+    sleep: Callable[[float], Awaitable[None]]
+    local: LocalSummarizer
+    attempts: list[Attempt] = field(default_factory=list)
+    asked_to_shrink: bool = False
+
+    # ----------------------------------------------------------------------------- local
+
+    async def local_candidate(self, candidate: Candidate) -> SummaryOutcome | None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        request = self.request
+        try:
+            # A thread, so a large range does not stall the loop (lease renewal runs on it).
+            text = await asyncio.to_thread(
+                self.local, list(request.messages), existing_summary=request.existing_summary,
+                max_tokens=request.max_tokens)
+        except LocalSummaryError as exc:
+            self.fail(candidate, "refused", str(exc), started)
+            return None
+        except Exception as exc:  # a bug here must still leave a recorded, failed attempt
+            logger.debug("local summarizer raised", exc_info=True,
+                         extra={"action": "llm.internal", "candidate": candidate.name})
+            self.fail(candidate, "internal", f"unexpected {type(exc).__name__}", started)
+            return None
+        completion = Completion(text=text, model=candidate.model_id, usage=Usage())
+        return self.accept(candidate, completion, started, http_attempts=0)
+
+    # ---------------------------------------------------------------------------- remote
+
+    async def remote_candidate(self, candidate: Candidate, deadline_at: float,
+                               deadline_s: float) -> SummaryOutcome | None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if self.providers is None:
+            self.fail(candidate, "unavailable", "no provider pool was given", started)
+            return None
+        try:
+            provider = self.providers.get(candidate)
+        except Unavailable as exc:
+            self.fail(candidate, "unavailable", str(exc), started)
+            return None
+        counter = _Counter()
+        try:
+            async with asyncio.timeout_at(deadline_at):
+                completion = await self._call_with_budget(provider, candidate, counter,
+                                                          deadline_at)
+        except TimeoutError:
+            self.fail(candidate, "deadline", f"the overall deadline ({deadline_s:g} s) ended "
+                      "the call", started, http_attempts=counter.n)
+            return None
+        except ProviderError as exc:
+            self.fail(candidate, exc.kind, exc.reason, started, http_attempts=counter.n,
+                      status=exc.status, request_id=exc.request_id)
+            if exc.kind in BROKEN_KINDS:
+                self.providers.mark_broken(candidate, exc.reason)
+            return None
+        except Exception as exc:  # a bug in an adapter must not cost the local fallback
+            logger.debug("provider adapter raised", exc_info=True,
+                         extra={"action": "llm.internal", "candidate": candidate.name})
+            self.fail(candidate, "internal", f"unexpected {type(exc).__name__}", started,
+                      http_attempts=counter.n)
+            return None
+        return self.accept(candidate, completion, started, http_attempts=counter.n)
+
+    async def _call_with_budget(self, provider: Provider, candidate: Candidate,
+                                counter: _Counter, deadline_at: float) -> Completion:
+        budget_s = self.retry.candidate_budget_s
+        try:
+            async with asyncio.timeout(budget_s):
+                while True:
+                    try:
+                        return await self._call_with_retries(provider, candidate, counter,
+                                                             deadline_at)
+                    except ProviderError as exc:
+                        if exc.kind != "context_length" or not await self._shrink(candidate):
+                            raise
+        except TimeoutError:
+            # Only this block's own timeout lands here: the overall deadline's surfaces as a
+            # cancellation inside it and becomes TimeoutError at the caller's block.
+            raise ProviderError("timeout", f"the candidate's time budget ({budget_s:g} s) "
+                                "ran out") from None
+
+    async def _call_with_retries(self, provider: Provider, candidate: Candidate,
+                                 counter: _Counter, deadline_at: float) -> Completion:
+        loop = asyncio.get_running_loop()
+        policy = self.retry
+
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            if isinstance(exc, ProviderError) and exc.retry_after_s is not None:
+                return min(exc.retry_after_s, policy.retry_after_cap_s)
+            return compute_backoff(state.attempt_number, initial_s=policy.backoff_initial_s,
+                                   max_s=policy.backoff_max_s, jitter=policy.jitter,
+                                   rng=self.rng)
+
+        async def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            logger.info("retrying summary candidate %s in %.2f s", candidate.name,
+                        state.upcoming_sleep,
+                        extra={"action": "llm.retry", "candidate": candidate.name,
+                               "kind": getattr(exc, "kind", None),
+                               "http_attempts": counter.n,
+                               "wait_s": round(state.upcoming_sleep, 3)})
+
+        async def call() -> Completion:
+            counter.n += 1
+            return await provider.complete(self.request.chat,
+                                           max_tokens=self.request.max_tokens)
+
+        retrying = AsyncRetrying(
+            stop=(stop_after_attempt(policy.max_attempts)
+                  | stop_before_delay(policy.candidate_budget_s)
+                  | _stop_before_deadline(loop, deadline_at)),
+            wait=wait,
+            retry=retry_if_exception(lambda e: isinstance(e, ProviderError) and e.transient),
+            before_sleep=before_sleep, sleep=self.sleep, reraise=True)
+        result: Completion = await retrying(call)
+        return result
+
+    async def _shrink(self, candidate: Candidate) -> bool:
+        """Ask the planner once for a smaller request; True if it gave one."""
+        if self.asked_to_shrink or self.on_context_length is None:
+            return False
+        self.asked_to_shrink = True
+        smaller = self.on_context_length(self.request, candidate)
+        if inspect.isawaitable(smaller):
+            smaller = await smaller
+        if smaller is None:
+            return False
+        logger.info("context length exceeded on %s: retrying with a smaller request",
+                    candidate.name, extra={"action": "llm.shrink", "candidate": candidate.name})
+        self.request = smaller
+        return True
+
+    # ----------------------------------------------------------------------- bookkeeping
+
+    def accept(self, candidate: Candidate, completion: Completion, started: float, *,
+               http_attempts: int) -> SummaryOutcome | None:
+        text = completion.text.strip()
+        if not text:
+            self.fail(candidate, "empty", "the output is empty or whitespace only", started,
+                      http_attempts=http_attempts, request_id=completion.request_id)
+            return None
+        reason = (self.request.validate or self.validate)(text)
+        if reason is not None:
+            self.fail(candidate, "refused", reason, started, http_attempts=http_attempts,
+                      request_id=completion.request_id)
+            return None
+        loop = asyncio.get_running_loop()
+        attempt = Attempt(candidate=candidate.name, provider=candidate.provider,
+                          model=completion.model or candidate.model_id, kind=None,
+                          reason="accepted", latency_s=loop.time() - started,
+                          http_attempts=http_attempts, request_id=completion.request_id)
+        self.attempts.append(attempt)
+        if completion.truncated:
+            logger.warning("summary from %s hit its output cap", candidate.name,
+                           extra={"action": "llm.truncated", "candidate": candidate.name,
+                                  "max_tokens": self.request.max_tokens})
+        logger.info("summary written by %s", candidate.name,
+                    extra={"action": "llm.summary", "candidate": candidate.name,
+                           "model": attempt.model, "http_attempts": http_attempts,
+                           "latency_s": round(attempt.latency_s, 3),
+                           "request_id": completion.request_id,
+                           **{f"usage_{k}": v for k, v in completion.usage.to_json().items()}})
+        return SummaryOutcome(text=text, candidate=candidate, model=attempt.model,
+                              usage=completion.usage, request_id=completion.request_id,
+                              attempts=(), request=self.request, latency_s=0.0,
+                              truncated=completion.truncated)
+
+    def fail(self, candidate: Candidate, kind: ErrorKind, reason: str, started: float, *,
+             http_attempts: int = 0, status: int | None = None,
+             request_id: str | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        attempt = Attempt(candidate=candidate.name, provider=candidate.provider,
+                          model=candidate.model_id, kind=kind, reason=reason,
+                          latency_s=max(0.0, loop.time() - started),
+                          http_attempts=http_attempts, status=status, request_id=request_id)
+        self.attempts.append(attempt)
+        # A candidate remembered as unavailable was already warned about once.
+        level = logging.DEBUG if kind == "unavailable" else logging.INFO
+        logger.log(level, "summary candidate %s failed: %s", candidate.name, kind,
+                   extra={"action": "llm.attempt", **_log_fields(attempt)})
+
+
+class _stop_before_deadline(stop_base):
+    """Stop when the next wait would end past the overall deadline: sleeping into it only to be
+    cancelled wastes the time a later candidate could use, and hides the real error."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline_at: float) -> None:
+        self.loop = loop
+        self.deadline_at = deadline_at
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.loop.time() + retry_state.upcoming_sleep >= self.deadline_at
+
+
+@dataclass
+class _Counter:
+    n: int = 0
+
+
+def _log_fields(attempt: Attempt) -> Mapping[str, Any]:
+    return {"candidate": attempt.candidate, "kind": attempt.kind, "reason": attempt.reason,
+            "status": attempt.status, "http_attempts": attempt.http_attempts,
+            "latency_s": round(attempt.latency_s, 3), "request_id": attempt.request_id}
+
+
+def _finish(outcome: SummaryOutcome, attempts: list[Attempt], latency_s: float
+            ) -> SummaryOutcome:
+    return dataclasses.replace(outcome, attempts=tuple(attempts), latency_s=latency_s,
+                               failures=tuple(a for a in attempts if not a.ok))

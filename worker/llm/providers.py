@@ -1,0 +1,554 @@
+"""Provider clients: OpenAI Chat Completions, Anthropic Messages, OpenAI-compatible endpoints.
+
+Each call goes through the official SDK with its own retries off (``max_retries=0``): retries are
+decided once, by the fallback's tenacity loop, so they never multiply (SDK 2 retries x tenacity 4
+attempts would be 12 requests per candidate). Every call carries the attribution header as an HTTP
+header, so the model-visible body is exactly what the caller built, and caps its output.
+
+SDK exceptions are translated here into :class:`~worker.llm.errors.ProviderError` (``from None``:
+an SDK exception's message embeds the provider's response body, which can echo the prompt, so it
+is not chained into tracebacks). Text extraction follows DeepSeek Harness: only text is projected
+into a summary; reasoning and tool calls are ignored next to text, and output that has no text, or
+has an image or audio part, fails instead of being silently dropped.
+
+Scope: an SDK client owns an HTTP connection pool, and connections belong to the event loop and
+the process that opened them. A :class:`ProviderPool` therefore serves one event loop in one
+process and refuses to be used from another; :class:`LoopPools` hands out one pool per running
+loop, and forgets (without closing, since the sockets are the parent's) pools inherited by fork.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import os
+import re
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anthropic
+import openai
+import pydantic
+
+from worker.llm.candidates import Availability, Candidate
+from worker.llm.errors import ErrorKind, ProviderError, Unavailable
+from worker.settings import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+ChatMessage = Mapping[str, str]
+
+DEFAULT_ATTRIBUTION_HEADER = "x-compactd-purpose"
+DEFAULT_ATTRIBUTION_VALUE = "compaction"
+DEFAULT_KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+# vLLM, Ollama and llama.cpp accept any key; the SDK refuses to start without one.
+NO_KEY_PLACEHOLDER = "EMPTY"
+
+# Output blocks that are not text and are not projected into a summary, but do not make text
+# next to them invalid (DSH: reasoning and tool calls never leak into a checkpoint).
+_IGNORED_BLOCKS = frozenset({"thinking", "redacted_thinking", "tool_use", "server_tool_use"})
+_CONTEXT_MARKERS = ("context_length_exceeded", "maximum context length", "context length",
+                    "prompt is too long", "too many tokens", "input is too long",
+                    "context window")
+_QUOTA_CODES = frozenset({"insufficient_quota", "enforced_spend_limit_reached",
+                          "contract_spend_limit_reached", "billing_hard_limit_reached"})
+_SAFE_CODE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """The HTTP header every summary call carries, so provider dashboards can tell compaction
+    traffic from the agent's own; it is a header so the body (and the prefix cache) is unchanged."""
+
+    header: str = DEFAULT_ATTRIBUTION_HEADER
+    value: str = DEFAULT_ATTRIBUTION_VALUE
+
+    def headers(self) -> dict[str, str]:
+        return {self.header: self.value} if self.header else {}
+
+    @classmethod
+    def from_config(cls, worker: WorkerConfig) -> Attribution:
+        return cls(worker.attribution_header, worker.attribution_value)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens the provider billed. ``input_tokens`` includes cached ones (Anthropic reports them
+    apart; they are added back so both providers mean the same thing)."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    def to_json(self) -> dict[str, int | None]:
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "cached_tokens": self.cached_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What one successful call returned. ``model`` is the model the provider says it used."""
+
+    text: str
+    model: str
+    usage: Usage
+    request_id: str | None = None
+    stop_reason: str | None = None
+    truncated: bool = False  # the output hit max_tokens
+
+
+class Provider(Protocol):
+    candidate: Candidate
+
+    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion: ...
+
+    async def aclose(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# building
+
+
+class BuildError(Exception):
+    """A client cannot be built from its spec (caught by the pool, never escapes it)."""
+
+
+def build_provider(candidate: Candidate, *, attribution: Attribution,
+                   env: Mapping[str, str]) -> Provider:
+    """A provider for ``candidate``; raises :class:`BuildError` naming what is missing."""
+    spec = candidate.spec
+    if spec is None or candidate.is_local:
+        raise BuildError(f"{candidate.name} is not a remote model")
+    key_env = spec.api_key_env or DEFAULT_KEY_ENV.get(spec.provider)
+    key = env.get(key_env) if key_env else None
+    if key_env and not key:
+        raise BuildError(f"environment variable {key_env} is not set")
+    headers = attribution.headers()
+    if spec.provider in ("openai", "openai-compatible"):
+        if spec.provider == "openai-compatible" and not spec.base_url:
+            raise BuildError("an openai-compatible model needs base_url")
+        client = openai.AsyncOpenAI(api_key=key or NO_KEY_PLACEHOLDER, base_url=spec.base_url,
+                                    timeout=spec.timeout_s, max_retries=0,
+                                    default_headers=headers)
+        # OpenAI deprecated max_tokens for max_completion_tokens (o-series reject the old one);
+        # most compatible servers (vLLM, Ollama, DeepSeek) only know max_tokens.
+        token_param = "max_completion_tokens" if spec.provider == "openai" else "max_tokens"
+        return OpenAIChatProvider(candidate, client, token_param=token_param,
+                                  max_output_tokens=spec.max_output_tokens)
+    if spec.provider == "anthropic":
+        aclient = anthropic.AsyncAnthropic(api_key=key, base_url=spec.base_url,
+                                           timeout=spec.timeout_s, max_retries=0,
+                                           default_headers=headers)
+        return AnthropicProvider(candidate, aclient, max_output_tokens=spec.max_output_tokens)
+    raise BuildError(f"unknown provider {spec.provider!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI Chat Completions (and compatible servers)
+
+
+class OpenAIChatProvider:
+    def __init__(self, candidate: Candidate, client: openai.AsyncOpenAI, *, token_param: str,
+                 max_output_tokens: int | None = None) -> None:
+        self.candidate = candidate
+        self._client = client
+        self._token_param = token_param
+        self._max_output = max_output_tokens
+
+    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
+        limit = _cap(max_tokens, self._max_output)
+        kwargs: dict[str, Any] = {self._token_param: limit}
+        try:
+            raw = await self._client.chat.completions.with_raw_response.create(
+                model=self.candidate.model_id, messages=[dict(m) for m in chat],  # type: ignore[misc]
+                **kwargs)
+        except openai.APIStatusError as exc:
+            raise status_error(exc.status_code, exc.response.headers, _openai_body(exc.body),
+                               request_id=exc.request_id) from None
+        except openai.APITimeoutError:
+            raise ProviderError("timeout", "the request timed out") from None
+        except openai.APIConnectionError:
+            raise ProviderError("connection", "cannot connect to the provider") from None
+        except (ValueError, TypeError) as exc:
+            raise _refused_by_sdk(exc) from None
+        request_id = raw.request_id
+        try:
+            parsed: Any = raw.parse()
+        except (openai.APIResponseValidationError, ValueError, pydantic.ValidationError):
+            raise _malformed(request_id) from None
+        return openai_completion(parsed, request_id)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+def openai_completion(parsed: Any, request_id: str | None) -> Completion:
+    """Text, model and usage of a Chat Completions response; fails on non-text output."""
+    choices = getattr(parsed, "choices", None)
+    if not isinstance(parsed, pydantic.BaseModel) or not choices:
+        raise ProviderError("malformed", "the response has no choices", request_id=request_id)
+    choice = choices[0]
+    message = getattr(choice, "message", None)
+    if message is None:
+        raise ProviderError("malformed", "the first choice has no message",
+                            request_id=request_id)
+    finish = getattr(choice, "finish_reason", None)
+    if getattr(message, "audio", None) is not None:
+        raise ProviderError("non_text", "the output has an audio part", request_id=request_id)
+    content = message.content
+    if isinstance(content, list):  # lenient parse of a compatible server's content parts
+        kinds = {str(part.get("type")) for part in content if isinstance(part, Mapping)}
+        if kinds - {"text"}:
+            raise ProviderError("non_text", f"the output has {_kinds(kinds - {'text'})} parts",
+                                request_id=request_id)
+        content = "".join(str(part.get("text", "")) for part in content)
+    text = content if isinstance(content, str) else ""
+    if getattr(message, "refusal", None) and not text.strip():
+        raise ProviderError("refused", "the model refused", request_id=request_id)
+    if finish == "content_filter":
+        raise ProviderError("refused", "the content filter stopped the output",
+                            request_id=request_id)
+    if not text.strip():
+        extra = getattr(message, "model_extra", None) or {}
+        if getattr(message, "tool_calls", None) or getattr(message, "function_call", None):
+            raise ProviderError("non_text", "the output is tool calls only",
+                                request_id=request_id)
+        if extra.get("reasoning_content") or extra.get("reasoning"):
+            raise ProviderError("non_text", "the output is reasoning only",
+                                request_id=request_id)
+    usage = getattr(parsed, "usage", None)
+    details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
+    return Completion(
+        text=text, model=str(getattr(parsed, "model", "") or ""),
+        usage=Usage(input_tokens=getattr(usage, "prompt_tokens", None),
+                    output_tokens=getattr(usage, "completion_tokens", None),
+                    cached_tokens=getattr(details, "cached_tokens", None)),
+        request_id=request_id, stop_reason=finish, truncated=finish == "length")
+
+
+def _openai_body(body: object) -> Mapping[str, Any]:
+    # The openai SDK already unwrapped {"error": {...}}.
+    return body if isinstance(body, Mapping) else {}
+
+
+# --------------------------------------------------------------------------------------------
+# Anthropic Messages
+
+
+class AnthropicProvider:
+    def __init__(self, candidate: Candidate, client: anthropic.AsyncAnthropic, *,
+                 max_output_tokens: int | None = None) -> None:
+        self.candidate = candidate
+        self._client = client
+        self._max_output = max_output_tokens
+
+    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
+        system, messages = anthropic_messages(chat)
+        kwargs: dict[str, Any] = {"system": system} if system else {}
+        try:
+            raw = await self._client.messages.with_raw_response.create(
+                model=self.candidate.model_id, messages=messages,  # type: ignore[arg-type]
+                max_tokens=_cap(max_tokens, self._max_output), **kwargs)
+        except anthropic.APIStatusError as exc:
+            body = exc.body if isinstance(exc.body, Mapping) else {}
+            error = body.get("error")
+            raise status_error(exc.status_code, exc.response.headers,
+                               error if isinstance(error, Mapping) else body,
+                               request_id=exc.request_id) from None
+        except anthropic.APITimeoutError:
+            raise ProviderError("timeout", "the request timed out") from None
+        except anthropic.APIConnectionError:
+            raise ProviderError("connection", "cannot connect to the provider") from None
+        except (ValueError, TypeError) as exc:
+            raise _refused_by_sdk(exc) from None
+        request_id = raw.request_id
+        try:
+            parsed: Any = await raw.parse()
+        except (anthropic.APIResponseValidationError, ValueError, pydantic.ValidationError):
+            raise _malformed(request_id) from None
+        return anthropic_completion(parsed, request_id)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+def anthropic_messages(chat: Sequence[ChatMessage]) -> tuple[str, list[dict[str, str]]]:
+    """System text apart, consecutive same-role turns joined (the Messages API alternates)."""
+    system: list[str] = []
+    out: list[dict[str, str]] = []
+    for message in chat:
+        role, content = message["role"], message["content"]
+        if role == "system":
+            system.append(content)
+            continue
+        role = "assistant" if role == "assistant" else "user"
+        if out and out[-1]["role"] == role:
+            out[-1] = {"role": role, "content": out[-1]["content"] + "\n\n" + content}
+        else:
+            out.append({"role": role, "content": content})
+    return "\n\n".join(system), out
+
+
+def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:
+    blocks = getattr(parsed, "content", None)
+    if not isinstance(parsed, pydantic.BaseModel) or not isinstance(blocks, list):
+        raise ProviderError("malformed", "the response has no content", request_id=request_id)
+    texts: list[str] = []
+    ignored: set[str] = set()
+    for block in blocks:
+        kind = str(getattr(block, "type", None) or (block.get("type") if isinstance(block, dict)
+                                                    else "unknown"))
+        if kind == "text":
+            texts.append(str(getattr(block, "text", "") or ""))
+        elif kind in _IGNORED_BLOCKS:
+            ignored.add(kind)
+        else:
+            raise ProviderError("non_text", f"the output has a {kind!r} block",
+                                request_id=request_id)
+    stop = getattr(parsed, "stop_reason", None)
+    text = "".join(texts)
+    if stop == "refusal":
+        raise ProviderError("refused", "the model refused", request_id=request_id)
+    if not text.strip() and ignored:
+        raise ProviderError("non_text", f"the output is {_kinds(ignored)} only",
+                            request_id=request_id)
+    usage = getattr(parsed, "usage", None)
+    fresh = getattr(usage, "input_tokens", None)
+    read = getattr(usage, "cache_read_input_tokens", None)
+    written = getattr(usage, "cache_creation_input_tokens", None)
+    total_in = None if fresh is None else fresh + (read or 0) + (written or 0)
+    return Completion(
+        text=text, model=str(getattr(parsed, "model", "") or ""),
+        usage=Usage(input_tokens=total_in, output_tokens=getattr(usage, "output_tokens", None),
+                    cached_tokens=read),
+        request_id=request_id, stop_reason=stop, truncated=stop == "max_tokens")
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+def status_error(status: int, headers: Mapping[str, str], error: Mapping[str, Any], *,
+                 request_id: str | None) -> ProviderError:
+    """The :class:`ProviderError` for an HTTP error response.
+
+    ``error`` is the provider's error object (``{"type", "code", "message"}``). Its message is
+    read to recognise a context-length error but never copied into the reason: only status, type
+    and code, which are identifiers, are.
+    """
+    etype = _safe(error.get("type"))
+    code = _safe(error.get("code")) or _safe(_get(error, "details", "error_code"))
+    message = str(error.get("message") or "").lower()
+    label = "/".join(p for p in (etype, code) if p)
+    reason = f"HTTP {status}" + (f" {label}" if label else "")
+    should_retry = (headers.get("x-should-retry") or "").lower()
+    transient = True if should_retry == "true" else False if should_retry == "false" else None
+    kind: ErrorKind
+    retry_after = None
+    if status in (400, 413) and (code == "context_length_exceeded"
+                                 or any(m in message for m in _CONTEXT_MARKERS)):
+        kind = "context_length"
+        if code != "context_length_exceeded":
+            reason += " (prompt is too long)"
+    elif status in (401, 403):
+        kind = "auth"
+    elif status == 404:
+        kind = "not_found"
+    elif status == 408:
+        kind = "timeout"
+    elif status == 429 and (code in _QUOTA_CODES or etype in _QUOTA_CODES):
+        kind = "quota"
+    elif status == 429:
+        kind = "rate_limited"
+        retry_after = retry_after_s(headers)
+    elif status == 409 or status >= 500:
+        kind = "server"
+        retry_after = retry_after_s(headers)
+    else:
+        kind = "bad_request"
+    if kind == "context_length":
+        transient = False
+    return ProviderError(kind, reason, status=status, retry_after_s=retry_after,
+                         request_id=request_id, transient=transient)
+
+
+def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> float | None:
+    """Seconds the provider asks to wait: ``retry-after-ms``, ``retry-after`` (seconds or an
+    HTTP date). None when absent or unreadable."""
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) / divisor
+        except ValueError:
+            if divisor != 1.0:
+                continue
+            try:
+                parsed = email.utils.parsedate_to_datetime(value)
+            except (ValueError, TypeError):
+                continue
+            if parsed.tzinfo is None:
+                continue
+            seconds = parsed.timestamp() - (time.time() if now is None else now)
+        if seconds == seconds and seconds >= 0:  # not NaN
+            return seconds
+        return 0.0
+    return None
+
+
+def _refused_by_sdk(exc: Exception) -> ProviderError:
+    # Raised before anything is sent (an argument the SDK rejects): the request itself is
+    # wrong, so it is not retried, and it is not the provider's malformed answer either.
+    return ProviderError("bad_request", f"the SDK refused to send the request "
+                                        f"({type(exc).__name__})")
+
+
+def _malformed(request_id: str | None) -> ProviderError:
+    return ProviderError("malformed", "the response body is not valid JSON",
+                         request_id=request_id)
+
+
+def _safe(value: Any) -> str | None:
+    return value if isinstance(value, str) and _SAFE_CODE.match(value) else None
+
+
+def _get(mapping: Mapping[str, Any], *keys: str) -> Any:
+    value: Any = mapping
+    for key in keys:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+def _cap(requested: int, limit: int | None) -> int:
+    return min(requested, limit) if limit else requested
+
+
+def _kinds(kinds: set[str]) -> str:
+    return "/".join(sorted(kinds))
+
+
+# --------------------------------------------------------------------------------------------
+# scope: one pool per event loop and process
+
+
+class ProviderPool:
+    """Built providers for one event loop, by candidate name.
+
+    Building is lazy and guarded: a candidate whose client cannot be built is marked in
+    ``availability`` (one WARNING per unavailability window) and raises :class:`Unavailable`;
+    while it stays marked it raises at once without trying again. Call :meth:`aclose` before the
+    loop ends; the pool is unusable on any other loop or in a forked child.
+    """
+
+    def __init__(self, *, attribution: Attribution | None = None,
+                 availability: Availability | None = None,
+                 env: Mapping[str, str] | None = None,
+                 build: Callable[..., Provider] = build_provider) -> None:
+        self.attribution = attribution or Attribution()
+        self.availability = availability or Availability()
+        self._env = env
+        self._build = build
+        self._providers: dict[str, Provider] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = os.getpid()
+        self._closed = False
+
+    def get(self, candidate: Candidate) -> Provider:
+        self._check_scope()
+        reason = self.availability.reason(candidate.name)
+        if reason is not None:
+            logger.debug("model %s is remembered as unavailable", candidate.name,
+                         extra={"action": "llm.unavailable", "candidate": candidate.name})
+            raise Unavailable(reason)
+        provider = self._providers.get(candidate.name)
+        if provider is not None:
+            return provider
+        try:
+            provider = self._build(candidate, attribution=self.attribution,
+                                   env=os.environ if self._env is None else self._env)
+        except (BuildError, openai.OpenAIError, anthropic.AnthropicError, ValueError) as exc:
+            reason = exc.args[0] if isinstance(exc, BuildError) else (
+                f"the client cannot be built ({type(exc).__name__})")
+            self.mark_broken(candidate, reason)
+            raise Unavailable(reason) from None
+        self._providers[candidate.name] = provider
+        return provider
+
+    def mark_broken(self, candidate: Candidate, reason: str) -> None:
+        """Remember ``candidate`` as unavailable; warn the first time in its window."""
+        if self.availability.mark(candidate.name, reason):
+            logger.warning("model %s is unavailable for %.0f s: %s", candidate.name,
+                           self.availability.ttl_s, reason,
+                           extra={"action": "llm.unavailable", "candidate": candidate.name,
+                                  "reason": reason})
+
+    async def aclose(self) -> None:
+        self._closed = True
+        providers, self._providers = list(self._providers.values()), {}
+        if os.getpid() != self._pid:
+            return  # the sockets belong to the parent process
+        for provider in providers:
+            await provider.aclose()
+
+    def _check_scope(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ProviderPool is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError("a ProviderPool cannot be used in a forked child; build a new one")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError("a ProviderPool serves one event loop; use LoopPools")
+
+
+class LoopPools:
+    """One :class:`ProviderPool` per running event loop of this process.
+
+    For code that runs each task in a fresh loop (``asyncio.run`` per Celery task): call
+    :meth:`current` inside the loop and :meth:`aclose_current` before leaving it. The memory of
+    unavailable models is shared by every pool, so it survives from task to task.
+    """
+
+    def __init__(self, *, attribution: Attribution | None = None,
+                 availability: Availability | None = None,
+                 env: Mapping[str, str] | None = None,
+                 build: Callable[..., Provider] = build_provider) -> None:
+        self.attribution = attribution or Attribution()
+        self.availability = availability or Availability()
+        self._env = env
+        self._build = build
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ProviderPool] = (
+            weakref.WeakKeyDictionary())
+        self._pid = os.getpid()
+
+    @classmethod
+    def from_config(cls, worker: WorkerConfig, *, env: Mapping[str, str] | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> LoopPools:
+        """The pools a worker process keeps: its attribution header, its unavailability
+        window."""
+        return cls(attribution=Attribution.from_config(worker),
+                   availability=Availability(worker.unavailable_model_s, clock=clock), env=env)
+
+    def current(self) -> ProviderPool:
+        loop = asyncio.get_running_loop()
+        if os.getpid() != self._pid:
+            # Forked: the inherited pools hold the parent's sockets. Forget, never close, them.
+            self._pools = weakref.WeakKeyDictionary()
+            self._pid = os.getpid()
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = ProviderPool(attribution=self.attribution, availability=self.availability,
+                                env=self._env, build=self._build)
+            self._pools[loop] = pool
+        return pool
+
+    async def aclose_current(self) -> None:
+        pool = self._pools.pop(asyncio.get_running_loop(), None)
+        if pool is not None:
+            await pool.aclose()
