@@ -1,9 +1,257 @@
-"""CLI commands beyond the foundation's: registered onto the ``compactd`` parser."""
+"""CLI commands beyond the foundation's: plan, compact, signal, status, recompact, serve."""
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
+import sys
+import uuid
 from typing import Any
+
+from storage.errors import InvalidMessage
+from storage.records import utcnow
+from worker.compaction.planner import plan
+from worker.compaction.policy import Clause, PolicyError, parse_clause
+from worker.settings import Config
+
+KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
+
+
+def parse_keep(text: str | None) -> Clause | None:
+    if text is None:
+        return None
+    kind, _, value = text.partition(":")
+    try:
+        number: float = float(value)
+    except ValueError:
+        raise InvalidMessage(f"--keep expects KIND:N, got {text!r}", field="keep") from None
+    try:
+        return parse_clause([kind, int(number) if number.is_integer() and kind != "fraction"
+                             else number], "--keep")
+    except PolicyError as exc:
+        raise InvalidMessage(str(exc), field="keep") from None
+
+
+# ------------------------------------------------------------------------------------------
+# plan
+
+
+async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
+    from scheduler.cli import emit, open_store, say
+    from worker.pressure import session_policy
+
+    keep = parse_keep(args.keep)
+    async with open_store(config) as store:
+        info = await store.get_session(args.session)
+        surface = await store.read_surface(args.session)
+    policy = session_policy(info, config)
+    result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
+                  reported_input_tokens=info.reported_input_tokens, run_model=info.run_model,
+                  now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope)
+    body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
+    if args.json:
+        emit(body)
+        return 0
+    p = result.pressure
+    say(f"session {info.id} (version {surface.version}): {p.tokens} tokens, {p.messages} "
+        f"messages" + (f", {p.fraction:.1%} of the window" if p.fraction is not None else ""))
+    say(f"trigger: {'fired' if result.fired else 'not fired'} - {result.reason}"
+        + (" (forced)" if args.force else ""))
+    if result.prune:
+        saved = sum(a.tokens_before - a.tokens_after for a in result.prune)
+        say(f"prune: {len(result.prune)} tool results, saving {saved} tokens "
+            f"-> {result.tokens_after_prune} tokens")
+    step = result.summarize
+    if step is None:
+        say(f"summarize: no ({result.why_no_summary or result.nothing_to_do})")
+    else:
+        say(f"summarize: replace {len(step.replace_seqs)} nodes ({step.replaced_tokens} tokens) "
+            f"in {len(step.calls)} call(s), keep {len(step.keep_seqs)}")
+        for call in step.calls:
+            say(f"  call {call.index + 1}: seqs {call.seqs[0]}..{call.seqs[-1]} "
+                f"({len(call.seqs)}), ~{call.input_tokens} input tokens")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------
+# compact
+
+
+async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
+    from scheduler.cli import EXIT_FAILED, emit, say
+
+    keep = parse_keep(args.keep)
+    keep_text = None if keep is None else f"{keep.kind}:{keep.value:g}"
+    if args.inline:
+        from worker.orchestration import compact
+        from worker.runtime import open_deps
+
+        async with open_deps(config, owner=f"cli:{uuid.uuid4().hex[:8]}") as deps:
+            await deps.store.get_session(args.session)
+            outcome = await compact(deps, args.session, trigger="manual", force=args.force,
+                                    keep=keep)
+        result = outcome.to_json()
+    else:
+        from scheduler.client import CompactdClient
+
+        async with CompactdClient(config) as client:
+            handle = await client.get_session(args.session)
+            result = await handle.compact(force=args.force, keep=keep_text, wait=args.wait,
+                                          timeout_s=args.timeout)
+    if args.json:
+        emit(result)
+    elif result.get("outcome") == "queued":
+        say(f"queued on compaction.urgent as task {result['task_id']} "
+            f"(compactd status {args.session} shows its run)")
+    else:
+        _say_outcome(result)
+    return EXIT_FAILED if result.get("outcome") == "failed" else 0
+
+
+def _say_outcome(result: dict[str, Any]) -> None:
+    from scheduler.cli import say
+
+    outcome = result["outcome"]
+    if outcome == "failed":
+        say(f"failed ({result['failure_class']}): {result.get('error')}")
+        for c in result.get("candidates") or ():
+            if c.get("kind"):
+                say(f"  {c['candidate']}: {c['kind']} - {c['reason']}")
+        return
+    say(f"{outcome}: {result.get('tokens_before')} -> {result.get('tokens_after')} tokens"
+        + (f"; stages {', '.join(result['stages'])}" if result.get("stages") else "")
+        + (f"; model {result['model']}" if result.get("model") else ""))
+    if outcome == "nothing_to_do" and result.get("error"):
+        say(f"  {result['error']}")
+
+
+# ------------------------------------------------------------------------------------------
+# signal
+
+
+async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
+    from scheduler.cli import emit, say
+    from scheduler.client import CompactdClient
+
+    async with CompactdClient(config) as client:
+        handle = await client.get_session(args.session)
+        result = await handle.signal()
+    if args.json:
+        emit(result.to_json())
+    else:
+        say(("enqueued: " if result.enqueued else "not enqueued: ") + result.reason)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------
+# status
+
+
+async def cmd_status(args: argparse.Namespace, config: Config) -> int:
+    from scheduler.cli import emit, open_store
+    from scheduler.status import render_status, session_status, status
+
+    async with open_store(config) as store:
+        if args.session:
+            body = await session_status(store, args.session, limit=args.limit)
+        else:
+            body = await status(store, since=_since(args.since))
+    if args.json:
+        emit(body)
+    else:
+        sys.stdout.write(render_status(body))
+    return 0
+
+
+def _since(text: str | None) -> dt.datetime | None:
+    if not text:
+        return None
+    from scheduler.bulk import parse_duration
+
+    return utcnow() - dt.timedelta(seconds=parse_duration(text))
+
+
+# ------------------------------------------------------------------------------------------
+# recompact
+
+
+async def cmd_recompact(args: argparse.Namespace, config: Config) -> int:
+    from scheduler.bulk import BulkFilter, run_recompact
+    from worker.limits import parse_rate
+
+    try:
+        rate = parse_rate(args.rate) if args.rate else None
+    except ValueError as exc:
+        raise InvalidMessage(str(exc), field="rate") from None
+    bulk_filter = BulkFilter.from_args(args)
+    return await run_recompact(config, bulk_filter, force=args.force, dry_run=args.dry_run,
+                               rate_per_s=rate, resume=args.resume, as_json=args.json,
+                               chunk=args.chunk, wait=not args.no_wait)
+
+
+# ------------------------------------------------------------------------------------------
+# serve
+
+
+async def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    from scheduler.http import serve
+
+    await serve(config, host=args.host, port=args.port)
+    return 0
 
 
 def register(sub: Any) -> None:
     """Add the compaction, scheduling and operations commands to ``sub``."""
+    p = sub.add_parser("plan", help="dry run: what a compaction would do (writes nothing)")
+    p.add_argument("session")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--force", action="store_true", help="ignore the trigger and keep policy")
+    p.add_argument("--keep", help=KEEP_HELP)
+    p.set_defaults(handler=cmd_plan)
+
+    p = sub.add_parser("compact", help="compact a session now")
+    p.add_argument("session")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--force", action="store_true", help="ignore the trigger and keep policy")
+    p.add_argument("--keep", help=KEEP_HELP)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--inline", action="store_true",
+                     help="run the pipeline in this process (same lease protocol)")
+    how.add_argument("--wait", action="store_true",
+                     help="enqueue on compaction.urgent and wait for the run's result")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds --wait waits")
+    p.set_defaults(handler=cmd_compact)
+
+    p = sub.add_parser("signal", help="send a pressure signal for a session")
+    p.add_argument("session")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_signal)
+
+    p = sub.add_parser("status", help="runs, failures, leases, loop-guard flags, bulk jobs")
+    p.add_argument("session", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--since", help="only runs newer than this (e.g. 1h, 30m)")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(handler=cmd_status)
+
+    p = sub.add_parser("recompact", help="bulk recompaction of many sessions")
+    p.add_argument("--tenant")
+    p.add_argument("--run-model")
+    p.add_argument("--min-tokens", type=int)
+    p.add_argument("--idle-for", help="only sessions without appends for this long (e.g. 1h)")
+    p.add_argument("--session-file", help="a file of session ids, one per line")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--rate", help="model calls per second across all workers, e.g. 20/s")
+    p.add_argument("--resume", metavar="JOB", help="continue a bulk job")
+    p.add_argument("--chunk", type=int, default=100, help="sessions enqueued per chunk")
+    p.add_argument("--no-wait", action="store_true",
+                   help="return once every session is enqueued")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_recompact)
+
+    p = sub.add_parser("serve", help="the HTTP API for runtimes in any language")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.set_defaults(handler=cmd_serve)
+

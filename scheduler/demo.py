@@ -1,37 +1,71 @@
-"""``compactd demo``: the embedded default, end to end, on a bare machine."""
+"""``compactd demo``: the embedded default, end to end, on a bare machine.
+
+A generated coding-agent session (large tool outputs, planted facts) goes into the SQLite file;
+the same orchestration a worker runs compacts it under the lease protocol with the local
+summarizer; the demo prints what each stage did and the checkpoint the agent would now read.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 
-from scheduler.cli import emit, open_store, say
+from scheduler.cli import emit, say
 from scheduler.samples import coding_session
 from storage.messages import parse_openai
+from worker.compaction.render import render_surface
+from worker.orchestration import compact
+from worker.runtime import open_deps
 from worker.settings import Config
 
-DEMO_RUN_MODEL = "gpt-4o"
 DEMO_WINDOW = 128_000
+# The demo session's own policy: low enough that the sample (about 60k tokens) is over it.
+DEMO_POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
+               "keep": {"type": "messages", "value": 12}}
 
 
 async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
     sample = coding_session(steps=steps)
     session_id = "demo-" + dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-%f")
-    messages = [parse_openai(m) for m in sample.messages]
-    async with open_store(config) as store:
-        await store.create_session(session_id, run_model=DEMO_RUN_MODEL,
-                                   context_window=DEMO_WINDOW)
-        await store.append(session_id, messages)
+    async with open_deps(config, owner="compactd-demo") as deps:
+        store = deps.store
+        await store.create_session(session_id, context_window=DEMO_WINDOW, policy=DEMO_POLICY)
+        appended = await store.append(session_id, [parse_openai(m) for m in sample.messages])
+        before = appended.session
+        outcome = await compact(deps, session_id, trigger="pressure")
         surface = await store.read_surface(session_id)
+        verified = await store.verify(session_id)
+    checkpoint = next((m for m in render_surface(surface.nodes)
+                       if (m.get("meta") or {}).get("checkpoint") and m["role"] == "user"), None)
+    kept = [f for facts in sample.facts.values() for f in facts
+            if checkpoint and f in str(checkpoint["content"])]
+    planted = [f for facts in sample.facts.values() for f in facts]
     if as_json:
         emit({"session": session_id, "database": config.database_url,
-              "messages": len(surface.nodes), "tokens": surface.tokens})
-        return 0
-    say(f"compactd demo: database {config.database_url}")
-    say(f"session {session_id}: {len(surface.nodes)} messages, {surface.tokens} tokens "
-        f"(run model {DEMO_RUN_MODEL}, window {DEMO_WINDOW})")
-    for node in surface.nodes:
-        text = node.message.text or json.dumps([c.name for c in node.message.tool_calls])
-        say(f"{node.seq:>5} {node.role:<9} {node.tokens:>6}  {' '.join(text.split())[:70]}")
-    say(f"total: {surface.tokens} tokens")
-    return 0
+              "messages_before": before.surface_messages, "tokens_before": before.surface_tokens,
+              "messages_after": len(surface.nodes), "tokens_after": surface.tokens,
+              "outcome": outcome.to_json(), "verified": verified.ok,
+              "facts_kept": len(kept), "facts_planted": len(planted)})
+        return 0 if not outcome.failed and verified.ok else 1
+    say(f"compactd demo - embedded default: {config.database_url}")
+    say(f"  a generated coding-agent session: {before.surface_messages} messages, "
+        f"{before.surface_tokens} tokens (trigger: 20000 tokens, keep the last 12 messages)")
+    say("")
+    say(f"compaction {outcome.outcome}"
+        + (f" ({outcome.failure_class}: {outcome.error})" if outcome.failed else ""))
+    if "prune" in outcome.stages:
+        say(f"  stage 1, prune (no model call): {outcome.pruned} large tool results cut to "
+            "head + marker + tail")
+    if "summary" in outcome.stages:
+        say(f"  stage 2, summary ({outcome.model} summarizer): {len(outcome.replaced_seqs)} "
+            "nodes replaced by one checkpoint")
+    say(f"  tokens: {outcome.tokens_before} -> {outcome.tokens_after} "
+        f"({len(surface.nodes)} nodes now); log replay check: "
+        f"{'ok' if verified.ok else 'FAILED'}")
+    say(f"  planted facts still in the checkpoint: {len(kept)}/{len(planted)}")
+    if checkpoint is not None:
+        say("")
+        say("checkpoint the agent reads at its next step:")
+        say("-" * 72)
+        say(str(checkpoint["content"]))
+        say("-" * 72)
+    return 0 if not outcome.failed and verified.ok else 1

@@ -50,7 +50,7 @@ def _test_log(rng: random.Random, path: str, error: str, ticket: str, lines: int
     out += ["", "=================================== FAILURES ===================================",
             f"___________________________ test_{ticket.lower()} ___________________________",
             "Traceback (most recent call last):",
-            f'  File "/repo/src/{path}", line {rng.randint(20, 400)}, in reconcile',
+            f'  File "/repo/{path}", line {rng.randint(20, 400)}, in reconcile',
             "    raise " + error + f"(\"{ticket}: expected 1042.50 got 1042.49\")",
             f"{error}: {ticket}: expected 1042.50 got 1042.49",
             f"=================== 1 failed, {lines - 1} passed in 3.21s ==================="]

@@ -83,19 +83,16 @@ async def build_deps(config: Config, *, owner: str | None = None, pool_size: int
                 redis=redis)
 
 
-class LoopThread:
-    """One event loop in a daemon thread, with the process's :class:`Deps` inside it."""
+class EventLoopThread:
+    """An event loop running in a daemon thread; other threads hand it coroutines."""
 
-    def __init__(self, config: Config, *, pool_size: int = 20) -> None:
-        self.config = config
-        self.pool_size = pool_size
+    def __init__(self, name: str = "compactd-loop") -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="compactd-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
-        self.deps: Deps = self.submit(lambda: build_deps(config, pool_size=pool_size))
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -103,7 +100,7 @@ class LoopThread:
         self.loop.run_forever()
 
     def submit(self, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
-        """Run ``make()`` on the loop and wait for its result from this (task) thread."""
+        """Run ``make()`` on the loop and wait for its result from this thread."""
 
         async def runner() -> T:
             return await make()
@@ -115,6 +112,19 @@ class LoopThread:
             future.cancel()
             raise
 
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+class LoopThread(EventLoopThread):
+    """The worker process's loop, with the process's :class:`Deps` inside it."""
+
+    def __init__(self, config: Config, *, pool_size: int = 10) -> None:
+        super().__init__()
+        self.config = config
+        self.deps: Deps = self.submit(lambda: build_deps(config, pool_size=pool_size))
+
     def run(self, coro_fn: Callable[[Deps], Coroutine[Any, Any, T]],
             timeout: float | None = None) -> T:
         return self.submit(lambda: coro_fn(self.deps), timeout)
@@ -122,8 +132,7 @@ class LoopThread:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.submit(self.deps.aclose, timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        self.stop()
 
 
 _current: LoopThread | None = None
@@ -135,7 +144,9 @@ def process_loop(config: Config) -> LoopThread:
     global _current
     with _current_lock:
         if _current is None or _current.pid != os.getpid():
-            _current = LoopThread(config, pool_size=min(config.worker.concurrency, 50))
+            # Connections are held only for short transactions, never across a model call, so a
+            # few serve dozens of concurrent compactions.
+            _current = LoopThread(config, pool_size=10)
         return _current
 
 

@@ -14,7 +14,6 @@ pressure measured is what the model will be sent.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +65,12 @@ class Skill:
                    loaded_at=int(raw.get("loaded_at", 0)))
 
 
+def escape_block(text: str) -> str:
+    """Escape what could close or open a tag (``&`` and ``<``); ``>`` alone cannot, and leaving
+    it keeps arrows and comparisons readable to the model."""
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
 def render_skills(skills: Sequence[Skill]) -> str:
     if not skills:
         return ""
@@ -84,10 +89,10 @@ def render_text(summary: str, skills: Sequence[Skill], form: str) -> str:
         if skills_text:
             body += f"\n\n{skills_text}"
         # Escaped so summary text cannot close the block and pose as something else.
-        return f"<durable_context_data>\n{html.escape(body, quote=False)}\n</durable_context_data>"
+        return f"<durable_context_data>\n{escape_block(body)}\n</durable_context_data>"
     if form == "compacted_summary":
         body = summary + (f"\n\n{skills_text}" if skills_text else "")
-        return (f"{COMPACTED_NOTE}\n\n<compacted-summary>\n{html.escape(body, quote=False)}\n"
+        return (f"{COMPACTED_NOTE}\n\n<compacted-summary>\n{escape_block(body)}\n"
                 f"</compacted-summary>")
     if form == "langchain":
         body = summary + (f"\n\n{skills_text}" if skills_text else "")

@@ -86,7 +86,10 @@ def candidate_order(*, run_model: str | None, summary_model: str | None,
         elif name == LOCAL_MODEL:
             candidate = Candidate.local()
         else:
-            _warn_unknown(name)
+            if models:
+                # With no models configured at all (the embedded default) every run model is
+                # unknown by design: the local summarizer is the answer, not a warning.
+                _warn_unknown(name)
             continue
         if candidate.endpoint() in seen_endpoints:
             continue

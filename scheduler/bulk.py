@@ -1,0 +1,204 @@
+"""Bulk recompaction: ``compactd recompact``.
+
+A job is a filter and the sessions it matched, one item per session (pending -> enqueued -> done
+or failed). The fan-out enqueues on ``compaction.bulk`` in chunks, paced at the job's rate, and
+waits with a progress bar (JSON progress lines when stderr is not a terminal). Workers honour the
+same rate per model call on a meter in Redis shared by all of them, so neither a provider quota
+nor the urgent queue suffers.
+
+Resumable and idempotent: ``--resume JOB`` enqueues every item not yet done again. An item is
+marked done in the same transaction that ends its run, and a claim for an item already done is
+skipped under the session's row lock, so a session is compacted once however often its item is
+delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from scheduler.enqueue import Enqueuer, RunRequest
+from storage.errors import InvalidMessage
+from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING, JOB_DONE
+from storage.records import BulkJob, utcnow
+from storage.store import Store
+from worker.app import client_app
+from worker.keys import bulk_meter
+from worker.limits import LocalLimiter
+from worker.settings import Config
+
+PROGRESS_EVERY_S = 0.5
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day)?\s*$")
+_UNITS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
+          "day": 86400}
+
+
+def parse_duration(text: str) -> float:
+    match = _DURATION.match(text.lower())
+    if not match:
+        raise InvalidMessage(f"not a duration: {text!r} (e.g. 90s, 30m, 1h, 2d)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass(frozen=True, slots=True)
+class BulkFilter:
+    tenant: str | None = None
+    run_model: str | None = None
+    min_tokens: int | None = None
+    idle_for_s: float | None = None
+    session_file: str | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> BulkFilter:
+        if args.min_tokens is not None and args.min_tokens < 0:
+            raise InvalidMessage("must be non-negative", field="min-tokens")
+        return cls(tenant=args.tenant, run_model=args.run_model, min_tokens=args.min_tokens,
+                   idle_for_s=parse_duration(args.idle_for) if args.idle_for else None,
+                   session_file=args.session_file)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+async def matching_sessions(store: Store, bulk_filter: BulkFilter) -> list[str]:
+    ids: list[str] | None = None
+    if bulk_filter.session_file:
+        try:
+            text = await asyncio.to_thread(Path(bulk_filter.session_file).read_text)
+        except OSError as exc:
+            raise InvalidMessage(f"cannot read {bulk_filter.session_file}: {exc.strerror}",
+                                 field="session-file") from None
+        ids = sorted({line.strip() for line in text.splitlines() if line.strip()})
+    idle_before = None
+    if bulk_filter.idle_for_s is not None:
+        import datetime as dt
+
+        idle_before = utcnow() - dt.timedelta(seconds=bulk_filter.idle_for_s)
+    out: list[str] = []
+    after: str | None = None
+    while True:
+        page = await store.list_sessions(
+            tenant=bulk_filter.tenant, run_model=bulk_filter.run_model,
+            min_tokens=bulk_filter.min_tokens, idle_before=idle_before, after_id=after,
+            ids=ids, limit=1000)
+        out.extend(s.id for s in page)
+        if len(page) < 1000:
+            return out
+        after = page[-1].id
+
+
+async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool, dry_run: bool,
+                        rate_per_s: float | None, resume: str | None, as_json: bool,
+                        chunk: int = 100, wait: bool = True,
+                        enqueuer: Enqueuer | None = None) -> int:
+    from scheduler.cli import emit, open_store, say
+
+    if chunk <= 0:
+        raise InvalidMessage("must be positive", field="chunk")
+    async with open_store(config) as store:
+        if resume:
+            job = await store.get_bulk_job(resume)
+            if job is None:
+                raise InvalidMessage(f"no bulk job {resume!r}", field="resume")
+            rate_per_s = rate_per_s or job.rate_per_s
+            force = job.force
+        else:
+            ids = await matching_sessions(store, bulk_filter)
+            if dry_run:
+                body = {"dry_run": True, "matched": len(ids), "filter": bulk_filter.to_json(),
+                        "sessions": ids[:20]}
+                if as_json:
+                    emit(body)
+                else:
+                    say(f"{len(ids)} sessions match; nothing enqueued (dry run)")
+                return 0
+            job = await store.create_bulk_job(filter=bulk_filter.to_json(), session_ids=ids,
+                                              force=force, rate_per_s=rate_per_s)
+        enqueuer = enqueuer or Enqueuer(client_app(config))
+        progress = Progress(job, as_json=as_json)
+        states = [ITEM_PENDING] if not resume else [ITEM_PENDING, ITEM_ENQUEUED, ITEM_FAILED]
+        await fan_out(store, enqueuer, job, states=states, force=force, rate_per_s=rate_per_s,
+                      chunk=chunk, progress=progress)
+        if wait:
+            job = await wait_for_job(store, job.id, progress)
+            await store.set_bulk_job_state(job.id, JOB_DONE)
+            job = await store.get_bulk_job(job.id) or job
+        progress.close()
+    if as_json:
+        emit({"job": job.to_json()})
+    else:
+        say(f"bulk job {job.id}: {job.done} done, {job.failed} failed, {job.matched} matched"
+            + ("" if wait else " (still running: compactd status shows its progress)"))
+    return 1 if job.failed else 0
+
+
+async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: list[str],
+                  force: bool, rate_per_s: float | None, chunk: int,
+                  progress: Progress | None = None) -> int:
+    """Enqueue the job's items in ``states``, ``chunk`` at a time, paced at the job's rate."""
+    pacer = LocalLimiter()
+    sent = 0
+    after: str | None = None
+    while True:
+        ids = await store.bulk_items(job.id, states=states, limit=chunk, after_session=after)
+        if not ids:
+            return sent
+        for sid in ids:
+            if rate_per_s:
+                await pacer.acquire(bulk_meter(job.id), rate_per_s)
+            await enqueuer.asend(RunRequest(sid, "bulk", force=force, bulk_job_id=job.id,
+                                            rate_per_s=rate_per_s))
+        await store.mark_bulk_items(job.id, ids, ITEM_ENQUEUED)
+        sent += len(ids)
+        after = ids[-1]
+        if progress is not None:
+            await progress.update(store)
+
+
+async def wait_for_job(store: Store, job_id: str, progress: Progress) -> BulkJob:
+    while True:
+        job = await store.get_bulk_job(job_id)
+        assert job is not None
+        progress.show(job)
+        if job.done + job.failed >= job.matched:
+            return job
+        await asyncio.sleep(PROGRESS_EVERY_S)
+
+
+class Progress:
+    """A bar on a terminal, JSON lines otherwise (both on stderr)."""
+
+    def __init__(self, job: BulkJob, *, as_json: bool) -> None:
+        self.job_id = job.id
+        self.tty = sys.stderr.isatty() and not as_json
+        self._last = ""
+
+    async def update(self, store: Store) -> None:
+        job = await store.get_bulk_job(self.job_id)
+        if job is not None:
+            self.show(job)
+
+    def show(self, job: BulkJob) -> None:
+        if self.tty:
+            width = 30
+            finished = job.done + job.failed
+            filled = int(width * finished / job.matched) if job.matched else width
+            line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {finished}/{job.matched} "
+                    f"done={job.done} failed={job.failed} enqueued={job.enqueued}")
+        else:
+            line = json.dumps({"job": job.id, "matched": job.matched, "enqueued": job.enqueued,
+                               "done": job.done, "failed": job.failed}) + "\n"
+        if line != self._last:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            self._last = line
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+

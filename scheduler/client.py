@@ -1,0 +1,368 @@
+"""The runtime's client: a library in the agent runtime's process.
+
+The agent never waits for a summary. At each step it appends (one round trip; the pressure
+decision and the de-duplicated signal are taken in the same call), then polls (one indexed read)
+and re-reads the surface only when the version moved::
+
+    async with CompactdClient(config) as client:
+        session = await client.create_session("s1", run_model="gpt-4o", context_window=128_000,
+                                              envelope={"system": SYSTEM, "tools": TOOLS})
+        step = await session.append([{"role": "user", "content": "..."}])
+        if await session.poll() is not None:
+            messages = await session.surface()   # the newest checkpointed surface
+
+:class:`Client` is the same API for synchronous runtimes, served by a private event loop thread.
+On a provider context-overflow error, :meth:`SessionHandle.report_overflow` forces a compaction
+on ``compaction.urgent`` and returns the smaller surface, or says promptly that nothing can be
+compacted so the runtime can raise the provider's original error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from scheduler.enqueue import Enqueuer, RunRequest
+from scheduler.intake import SignalPayload, SignalResult, accept_signal, enqueue_marked
+from storage.errors import CompactdError, ConfigError, InvalidMessage
+from storage.messages import Message, parse
+from storage.records import RunRecord, SessionInfo, utcnow
+from storage.store import Store
+from worker.app import client_app
+from worker.compaction.planner import plan
+from worker.compaction.policy import PolicyError, parse_policy
+from worker.compaction.render import render_surface
+from worker.pressure import over_trigger, session_policy
+from worker.runtime import EventLoopThread
+from worker.settings import Config, load_config
+
+WAIT_POLL_S = 0.05
+
+
+class WaitTimeout(CompactdError):
+    """The compaction did not finish within the timeout (it may still run)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What an append did."""
+
+    version: int
+    first_seq: int
+    last_seq: int
+    tokens: int  # surface tokens after the append
+    messages: int  # surface nodes after the append
+    fired: bool  # the trigger fires on the new totals
+    signalled: bool  # this append enqueued a compaction (at most one per burst)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "first_seq": self.first_seq,
+                "last_seq": self.last_seq, "tokens": self.tokens, "messages": self.messages,
+                "fired": self.fired, "signalled": self.signalled}
+
+
+@dataclass(frozen=True, slots=True)
+class OverflowResult:
+    compacted: bool
+    reason: str
+    version: int
+    messages: list[dict[str, Any]] | None = None
+    run: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"compacted": self.compacted, "reason": self.reason, "version": self.version,
+                "messages": self.messages, "run": self.run}
+
+
+def parse_messages(raw: Iterable[Mapping[str, Any] | Message], fmt: str = "openai"
+                   ) -> list[Message]:
+    """Messages from dicts in a wire format (or already parsed); errors name the index."""
+    out: list[Message] = []
+    for index, item in enumerate(raw):
+        if isinstance(item, Message):
+            out.append(item)
+            continue
+        try:
+            out.extend(parse(item, fmt))
+        except InvalidMessage as exc:
+            raise InvalidMessage(exc.reason, index=index, field=exc.field) from None
+    return out
+
+
+def check_policy(overrides: Mapping[str, Any] | None, config: Config) -> None:
+    """Refuse bad per-session overrides when the session is created, not at its first run."""
+    if overrides is None:
+        return
+    try:
+        parse_policy(overrides, path="policy", base=config.policy)
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+class CompactdClient:
+    """Async client; one per runtime process (it owns a connection pool)."""
+
+    def __init__(self, config: Config | None = None, *, store: Store | None = None,
+                 enqueuer: Enqueuer | None = None) -> None:
+        self.config = config or load_config()
+        self.store = store or Store.from_url(self.config.database_url, pool_size=5)
+        self._own_store = store is None
+        self.enqueuer = enqueuer or Enqueuer(client_app(self.config))
+        self._schema_checked = not self.config.embedded
+
+    async def __aenter__(self) -> CompactdClient:
+        await self._ensure_schema()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own_store:
+            await self.store.close()
+
+    async def _ensure_schema(self) -> None:
+        if not self._schema_checked:
+            from storage.migrate import ensure_schema
+
+            await ensure_schema(self.store.engine, self.config.database_url)
+            self._schema_checked = True
+
+    async def create_session(self, session_id: str, *, run_model: str | None = None,
+                             context_window: int | None = None,
+                             envelope: Mapping[str, Any] | None = None,
+                             tenant: str = "default",
+                             policy: Mapping[str, Any] | None = None) -> SessionHandle:
+        """Create the session, or open it when it exists with the same tenant and run model."""
+        await self._ensure_schema()
+        check_policy(policy, self.config)
+        if context_window is not None and (not isinstance(context_window, int)
+                                           or context_window <= 0):
+            raise InvalidMessage("must be a positive integer", field="context_window")
+        info = await self.store.create_session(
+            session_id, tenant=tenant, run_model=run_model,
+            context_window=context_window or self.config.context_window(run_model),
+            envelope=dict(envelope) if envelope is not None else None,
+            policy=dict(policy) if policy is not None else None)
+        return SessionHandle(self, info)
+
+    async def get_session(self, session_id: str) -> SessionHandle:
+        await self._ensure_schema()
+        return SessionHandle(self, await self.store.get_session(session_id))
+
+
+class SessionHandle:
+    """One session, as a runtime drives it."""
+
+    def __init__(self, client: CompactdClient, info: SessionInfo) -> None:
+        self.client = client
+        self.info = info
+        self.version = info.surface_version
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def _config(self) -> Config:
+        return self.client.config
+
+    def _wants_signal(self, info: SessionInfo) -> bool:
+        cooling = info.cooldown_until is not None and info.cooldown_until > utcnow()
+        return not cooling and over_trigger(info, self._config)
+
+    async def append(self, messages: Sequence[Mapping[str, Any] | Message], *,
+                     format: str = "openai") -> StepResult:
+        """Append one step's messages; when the trigger fires, one compaction is enqueued
+        (the first append of a burst does it, the others see it pending)."""
+        parsed = parse_messages(messages, format)
+        result = await self.client.store.append(
+            self.id, parsed, signal_if=self._wants_signal,
+            signal_ttl_s=self._config.worker.signal_ttl_s)
+        self.info = result.session
+        if result.signalled:
+            await enqueue_marked(self.client.store, self.client.enqueuer,
+                                 RunRequest(self.id, "pressure"))
+        fired = result.signalled or over_trigger(result.session, self._config)
+        return StepResult(version=result.version, first_seq=result.first_seq,
+                          last_seq=result.last_seq, tokens=result.session.surface_tokens,
+                          messages=result.session.surface_messages, fired=fired,
+                          signalled=result.signalled)
+
+    async def signal(self, reason: str = "pressure") -> SignalResult:
+        payload = SignalPayload(session=self.id, reason=reason)  # type: ignore[arg-type]
+        return await accept_signal(self.client.store, self._config, self.client.enqueuer,
+                                   payload)
+
+    async def report_usage(self, input_tokens: int) -> SessionInfo:
+        """The provider's own input token count for the runtime's last call."""
+        self.info = await self.client.store.report_usage(self.id, input_tokens)
+        if self._wants_signal(self.info) and await self.client.store.mark_signal(
+                self.id, ttl_s=self._config.worker.signal_ttl_s):
+            await enqueue_marked(self.client.store, self.client.enqueuer,
+                                 RunRequest(self.id, "pressure"))
+        return self.info
+
+    async def poll(self, since_version: int | None = None) -> int | None:
+        """The new surface version if it moved since ``since_version`` (default: the version
+        this handle last saw), else None. One primary-key read."""
+        since = self.version if since_version is None else since_version
+        moved = await self.client.store.poll(self.id, since)
+        return moved
+
+    async def surface(self, render: str | None = None) -> list[dict[str, Any]]:
+        """The messages the model should see now, checkpoints rendered."""
+        surface = await self.client.store.read_surface(self.id)
+        self.version = surface.version
+        return render_surface(surface.nodes, render)
+
+    async def compact(self, *, force: bool = False, keep: str | None = None, wait: bool = True,
+                      timeout_s: float = 120.0) -> dict[str, Any]:
+        """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result."""
+        task_id = await self.client.enqueuer.asend(
+            RunRequest(self.id, "manual", force=force, keep=keep))
+        if not wait:
+            return {"session": self.id, "outcome": "queued", "task_id": task_id}
+        run = await self._wait_for_run(task_id, timeout_s)
+        return run_result(run)
+
+    async def report_overflow(self, *, wait: bool = True, timeout_s: float = 60.0
+                              ) -> OverflowResult:
+        """The provider said the context overflowed: force a compaction now.
+
+        The forced plan is computed here first (pure, milliseconds); when even a forced run could
+        not shrink the surface (one indivisible tool group), the answer comes at once.
+        """
+        store = self.client.store
+        info = await store.get_session(self.id)
+        surface = await store.read_surface(self.id)
+        policy = session_policy(info, self._config)
+        forced = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
+                      reported_input_tokens=info.reported_input_tokens,
+                      run_model=info.run_model, now=utcnow(), force=True,
+                      envelope=info.envelope)
+        if forced.summarize is None and not forced.prune:
+            return OverflowResult(False, f"nothing to compact: {forced.nothing_to_do}",
+                                  surface.version)
+        start_version = surface.version
+        task_id = await self.client.enqueuer.asend(RunRequest(self.id, "overflow", force=True))
+        if not wait:
+            return OverflowResult(False, "queued", start_version, run={"task_id": task_id})
+        run = await self._wait_for_run(task_id, timeout_s, retry_busy=True)
+        result = run_result(run)
+        if result["outcome"] == "committed":
+            return OverflowResult(True, "compacted", (await store.poll(self.id, None)) or 0,
+                                  messages=await self.surface(), run=result)
+        return OverflowResult(False, f"{result['outcome']}"
+                              + (f" ({result['failure_class']})" if result["failure_class"]
+                                 else "") + f": {result.get('error') or ''}".rstrip(": "),
+                              start_version, run=result)
+
+    async def _wait_for_run(self, task_id: str, timeout_s: float, *,
+                            retry_busy: bool = False) -> RunRecord:
+        """Wait for the run of ``task_id`` to end (its row in PostgreSQL is the result).
+
+        With ``retry_busy``, a run that found the session leased (a pressure run in progress)
+        waits for that lease to end and tries once more under the same deadline.
+        """
+        store = self.client.store
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        retried = False
+        while True:
+            runs = [r for r in await store.runs_for_task(task_id) if r.finished]
+            if runs:
+                run = runs[-1]
+                if not (retry_busy and not retried and run.failure_class == "busy"):
+                    return run
+                retried = True
+                while (await store.get_session(self.id)).lease_run_id is not None:
+                    if asyncio.get_running_loop().time() >= deadline:
+                        raise WaitTimeout(f"session {self.id!r} stayed leased")
+                    await asyncio.sleep(WAIT_POLL_S)
+                task_id = await self.client.enqueuer.asend(
+                    RunRequest(self.id, "overflow", force=True))
+            if asyncio.get_running_loop().time() >= deadline:
+                raise WaitTimeout(f"no result for task {task_id} within {timeout_s:g} s "
+                                  "(is a worker running?)")
+            await asyncio.sleep(WAIT_POLL_S)
+
+
+def run_result(run: RunRecord) -> dict[str, Any]:
+    """A run row in the shape of ``compact --json``."""
+    stages = (run.stages or {}).get("stages", []) if run.stages else []
+    return {"session": run.session_id, "run_id": run.id, "outcome": run.status,
+            "failure_class": run.failure_class, "tokens_before": run.tokens_before,
+            "tokens_after": run.tokens_after, "pruned": (run.stages or {}).get("pruned", 0),
+            "replaced_seqs": run.range_seqs or [], "model": run.model, "stages": stages,
+            "error": run.error, "candidates": run.candidates or [],
+            "started_at": run.started_at.isoformat(),
+            "finished_at": run.finished_at.isoformat() if run.finished_at else None}
+
+
+class Client:
+    """The synchronous client: the same calls, served by a private event loop thread."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self._loop = EventLoopThread(name="compactd-client")
+        self._async = self._loop.submit(lambda: _open(config))
+
+    def close(self) -> None:
+        self._loop.submit(self._async.aclose)
+        self._loop.stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def create_session(self, session_id: str, **kwargs: Any) -> SyncSession:
+        handle = self._loop.submit(lambda: self._async.create_session(session_id, **kwargs))
+        return SyncSession(self._loop, handle)
+
+    def get_session(self, session_id: str) -> SyncSession:
+        handle = self._loop.submit(lambda: self._async.get_session(session_id))
+        return SyncSession(self._loop, handle)
+
+
+async def _open(config: Config | None) -> CompactdClient:
+    client = CompactdClient(config)
+    await client._ensure_schema()
+    return client
+
+
+class SyncSession:
+    def __init__(self, loop: EventLoopThread, handle: SessionHandle) -> None:
+        self._loop = loop
+        self.handle = handle
+
+    @property
+    def id(self) -> str:
+        return self.handle.id
+
+    def append(self, messages: Sequence[Mapping[str, Any] | Message], **kw: Any) -> StepResult:
+        return self._loop.submit(lambda: self.handle.append(messages, **kw))
+
+    def signal(self, reason: str = "pressure") -> SignalResult:
+        return self._loop.submit(lambda: self.handle.signal(reason))
+
+    def report_usage(self, input_tokens: int) -> SessionInfo:
+        return self._loop.submit(lambda: self.handle.report_usage(input_tokens))
+
+    def poll(self, since_version: int | None = None) -> int | None:
+        return self._loop.submit(lambda: self.handle.poll(since_version))
+
+    def surface(self, render: str | None = None) -> list[dict[str, Any]]:
+        return self._loop.submit(lambda: self.handle.surface(render))
+
+    def compact(self, **kw: Any) -> dict[str, Any]:
+        return self._loop.submit(lambda: self.handle.compact(**kw))
+
+    def report_overflow(self, **kw: Any) -> OverflowResult:
+        return self._loop.submit(lambda: self.handle.report_overflow(**kw))
+
+

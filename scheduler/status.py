@@ -1,0 +1,112 @@
+"""``compactd status``: recent runs, failures by class with the last error, live leases and
+their age, loop-guard flags, bulk jobs. JSON for tools, a short report for people."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from storage.records import RunRecord, SessionInfo, utcnow
+from storage.store import Store
+
+
+async def status(store: Store, *, since: dt.datetime | None = None) -> dict[str, Any]:
+    now = utcnow()
+    counts = await store.run_counts(since=since)
+    runs: dict[str, Any] = {"committed": 0, "nothing_to_do": 0, "running": 0, "failed": {}}
+    for (state, failure_class), n in counts.items():
+        if state == "failed":
+            runs["failed"][failure_class or "unknown"] = runs["failed"].get(
+                failure_class or "unknown", 0) + n
+        else:
+            runs[state] = runs.get(state, 0) + n
+    last_errors = await store.last_errors(since=since)
+    return {
+        "runs": runs,
+        "last_errors": {cls: _run_brief(run) for cls, run in sorted(last_errors.items())},
+        "leases": [_lease(info, now) for info in await store.live_leases(now=now)],
+        "flagged": [_flag(info) for info in await store.flagged_sessions()],
+        "bulk_jobs": [job.to_json() for job in await store.list_bulk_jobs()],
+        "recent": [_run_brief(r) for r in await store.recent_runs(since=since, limit=10)],
+    }
+
+
+async def session_status(store: Store, session_id: str, *, limit: int = 20) -> dict[str, Any]:
+    info = await store.get_session(session_id)
+    now = utcnow()
+    return {
+        "session": info.id, "tenant": info.tenant, "run_model": info.run_model,
+        "version": info.surface_version, "tokens": info.surface_tokens,
+        "envelope_tokens": info.envelope_tokens, "messages": info.surface_messages,
+        "lease": _lease(info, now) if info.lease_run_id else None,
+        "flagged": _flag(info) if info.flagged_reason else None,
+        "runs": [_run_full(r) for r in await store.session_runs(session_id, limit=limit)],
+    }
+
+
+def _lease(info: SessionInfo, now: dt.datetime) -> dict[str, Any]:
+    return {"session": info.id, "owner": info.lease_owner, "run_id": info.lease_run_id,
+            "fence": info.lease_fence,
+            "expires_at": info.lease_expires_at.isoformat() if info.lease_expires_at else None,
+            "expired": bool(info.lease_expires_at and info.lease_expires_at <= now)}
+
+
+def _flag(info: SessionInfo) -> dict[str, Any]:
+    return {"session": info.id, "reason": info.flagged_reason,
+            "flagged_at": info.flagged_at.isoformat() if info.flagged_at else None,
+            "cooldown_until": info.cooldown_until.isoformat() if info.cooldown_until else None}
+
+
+def _run_brief(run: RunRecord) -> dict[str, Any]:
+    return {"run_id": run.id, "session": run.session_id, "trigger": run.trigger,
+            "status": run.status, "failure_class": run.failure_class, "error": run.error,
+            "started_at": run.started_at.isoformat(),
+            "age_s": round((utcnow() - run.started_at).total_seconds(), 1)}
+
+
+def _run_full(run: RunRecord) -> dict[str, Any]:
+    failures = [c for c in run.candidates or () if c.get("kind")]
+    return {**_run_brief(run), "tokens_before": run.tokens_before,
+            "tokens_after": run.tokens_after, "model": run.model,
+            "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+            "candidates": failures,
+            "stages": (run.stages or {}).get("stages", []) if run.stages else []}
+
+
+def render_status(body: dict[str, Any]) -> str:
+    lines: list[str] = []
+    if "session" in body:
+        lines.append(f"session {body['session']}: version {body['version']}, {body['tokens']} "
+                     f"tokens in {body['messages']} nodes (+{body['envelope_tokens']} envelope)")
+        if body["lease"]:
+            lease = body["lease"]
+            lines.append(f"  leased by {lease['owner']} until {lease['expires_at']}"
+                         + (" (EXPIRED)" if lease["expired"] else ""))
+        if body["flagged"]:
+            lines.append(f"  FLAGGED: {body['flagged']['reason']}")
+        for run in body["runs"]:
+            what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")
+            lines.append(f"  {run['started_at'][:19]}  {run['trigger']:<8} {what:<24} "
+                         f"{run['tokens_before'] or ''}->{run['tokens_after'] or ''}")
+            for c in run["candidates"]:
+                lines.append(f"      {c['candidate']}: {c['kind']} - {c['reason']}")
+        return "\n".join(lines) + "\n"
+    runs = body["runs"]
+    failed = runs["failed"]
+    lines.append(f"runs: {runs['committed']} committed, {runs['nothing_to_do']} nothing to do, "
+                 f"{sum(failed.values())} failed, {runs.get('running', 0)} running")
+    for cls, n in sorted(failed.items(), key=lambda kv: -kv[1]):
+        last = body["last_errors"].get(cls)
+        lines.append(f"  {cls:<12} {n:>6}   last: {(last or {}).get('error') or ''}"[:160])
+    lines.append(f"leases: {len(body['leases'])}")
+    for lease in body["leases"]:
+        lines.append(f"  {lease['session']} by {lease['owner']} until {lease['expires_at']}"
+                     + (" (EXPIRED)" if lease["expired"] else ""))
+    lines.append(f"flagged (loop guard): {len(body['flagged'])}")
+    for flag in body["flagged"]:
+        lines.append(f"  {flag['session']}: {flag['reason']}")
+    lines.append(f"bulk jobs: {len(body['bulk_jobs'])}")
+    for job in body["bulk_jobs"]:
+        lines.append(f"  {job['id']} {job['state']}: {job['done']}/{job['matched']} done, "
+                     f"{job['failed']} failed")
+    return "\n".join(lines) + "\n"
