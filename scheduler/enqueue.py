@@ -8,6 +8,7 @@ async callers hand it to a thread.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,7 +49,8 @@ class Enqueuer:
     def send(self, request: RunRequest) -> str:
         task_id = request.task_id or uuid.uuid4().hex
         self.app.send_task(TASK_RUN, kwargs=request.kwargs(),
-                           queue=TRIGGER_QUEUES[request.trigger], task_id=task_id)
+                           queue=TRIGGER_QUEUES[request.trigger], task_id=task_id,
+                           headers={"compactd_sent_at": time.time()})
         return task_id
 
     async def asend(self, request: RunRequest) -> str:

@@ -11,8 +11,10 @@ from functools import cache
 from typing import Any
 
 from celery import Celery
+from celery.signals import setup_logging
 from kombu import Exchange, Queue
 
+from worker import logs
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.settings import Config, broker_dirs, load_config
 
@@ -88,7 +90,10 @@ def celery_settings(config: Config) -> dict[str, Any]:
                      "options": {"expires": w.reap_interval_s}},
         },
         "beat_schedule_filename": str(config.home / "celerybeat-schedule"),
+        # compactd's own structured logging (worker.logs) is installed by the setup_logging
+        # handler below; Celery must not re-route print()/stderr into its logger as WARNING.
         "worker_hijack_root_logger": False,
+        "worker_redirect_stdouts": False,
         "timezone": "UTC",
     }
 
@@ -106,6 +111,13 @@ def make_app(config: Config, *, with_tasks: bool = False) -> Celery:
 def client_app(config: Config) -> Celery:
     """An app for enqueueing only (one per configuration, shared by the process)."""
     return make_app(config)
+
+
+@setup_logging.connect
+def _logging(**_: Any) -> None:
+    # Connected: Celery leaves logging to us instead of installing its own handlers.
+    config = load_config()
+    logs.configure(config.log_format, config.log_level)
 
 
 app = make_app(load_config(), with_tasks=True)

@@ -30,6 +30,7 @@ from storage.surface import (
     Surface,
 )
 from worker import logs
+from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_clause
 from worker.compaction.prompt import build_prompt
@@ -47,6 +48,7 @@ from worker.runtime import Deps
 logger = logging.getLogger(__name__)
 
 AUTOMATIC_TRIGGERS = ("pressure", "sweep", "reap")
+MANUAL_TRIGGERS = ("manual",)
 
 
 @dataclass
@@ -159,12 +161,15 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
                   rate_per_s: float | None, bulk_job_id: str | None) -> None:
     store = deps.store
     info = claim.session
+    manual = out.trigger in MANUAL_TRIGGERS
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
     for round_no in range(policy.max_rounds):
         out.rounds = round_no + 1
         surface = await store.read_surface(info.id)
-        current = _plan(deps, surface, info, policy, force=force and round_no == 0, keep=keep)
+        first = round_no == 0
+        current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
+                        manual=manual and first)
         if current.prune:
             info = await _commit_prunes(deps, claim, current)
             out.pruned += len(current.prune)
@@ -173,8 +178,8 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
                 metrics().prune_only.inc()
                 break
             surface = await store.read_surface(info.id)
-            current = _plan(deps, surface, info, policy, force=force and round_no == 0,
-                            keep=keep)
+            current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
+                            manual=manual and first)
         if current.summarize is None:
             if round_no == 0 and not out.pruned:
                 out.error = current.nothing_to_do or current.why_no_summary
@@ -199,7 +204,12 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
-          keep: Clause | None) -> Plan:
+          keep: Clause | None, manual: bool = False) -> Plan:
+    """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
+    without it ignores only the trigger: someone asked for this compaction, but the recent
+    history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
+    if manual and not force:
+        force, keep = True, keep or resolve_keep(policy)
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_input_tokens, run_model=info.run_model,
                 now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope)

@@ -16,7 +16,6 @@ from celery.signals import worker_process_init, worker_ready
 
 from scheduler.enqueue import Enqueuer
 from scheduler.sweeps import reap_leases, sweep_pressure
-from worker import logs
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.metrics import metrics, serve
 from worker.orchestration import Outcome, compact
@@ -41,7 +40,10 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
         keep: str | None = None, bulk_job_id: str | None = None,
         rate_per_s: float | None = None) -> dict[str, Any]:
     config = _config(self)
-    sent_at = (self.request.headers or {}).get("compactd_sent_at") if self.request else None
+    # Read the request here: it is thread-local, and the coroutine runs on the loop's thread.
+    task_id = self.request.id
+    sent_at = getattr(self.request, "compactd_sent_at", None) or (
+        self.request.headers or {}).get("compactd_sent_at")
     if isinstance(sent_at, int | float):
         queue = (self.request.delivery_info or {}).get("routing_key") or "unknown"
         metrics().queue_wait.labels(queue).observe(max(0.0, time.time() - sent_at))
@@ -49,7 +51,7 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
     async def go(deps: Deps) -> Outcome:
         try:
             return await compact(deps, session_id, trigger=trigger, force=force, keep=keep,
-                                 task_id=self.request.id, bulk_job_id=bulk_job_id,
+                                 task_id=task_id, bulk_job_id=bulk_job_id,
                                  rate_per_s=rate_per_s)
         finally:
             if trigger in ("pressure", "sweep", "reap"):
@@ -97,6 +99,4 @@ def _after_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    config = load_config()
-    logs.configure(config.log_format, config.log_level)
-    serve(config.worker.metrics_port)
+    serve(load_config().worker.metrics_port)
