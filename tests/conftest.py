@@ -152,3 +152,43 @@ def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 
 def compactd_cmd() -> list[str]:
     return [sys.executable, "-m", "scheduler.cli"]
+
+
+@pytest.fixture
+def clean_redis(redis_url: str) -> str:
+    """The test Redis database, flushed (broker queues, rate meters)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return redis_url
+
+
+@pytest.fixture
+def fake():  # type: ignore[no-untyped-def]
+    """The fake provider on 127.0.0.1, in this process."""
+    from tests.support.fake_provider import FakeProvider
+
+    with FakeProvider() as provider:
+        yield provider
+
+
+@pytest.fixture
+def make_stack(clean_pg: str, clean_redis: str, tmp_path: Path, fake):  # type: ignore[no-untyped-def]
+    """A factory of :class:`tests.support.stack.Stack` on clean PostgreSQL and Redis."""
+    from tests.support.stack import Stack
+
+    stacks: list[Stack] = []
+
+    def make(**kwargs: object) -> Stack:
+        kwargs.setdefault("fake_url", fake.url)
+        stack = Stack(clean_pg, clean_redis, tmp_path / f"stack{len(stacks)}", **kwargs)  # type: ignore[arg-type]
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.close()
