@@ -12,6 +12,13 @@ trigger tokens 1500 and keep messages 4 (not forced). Checked on every plan:
   (with a maximal running summary) is no larger than the planned ``input_tokens``;
 * the union of the calls' seqs is exactly ``replace_seqs``.
 
+Then the same files go through the commands an operator runs (``--cli``, on by default):
+``compactd ingest FILE --session S`` into an embedded SQLite file, and ``compactd plan S --json``
+with a config of trigger tokens 1500 and keep messages 4, checked on the JSON alone: no tool group
+split, every call's ``input_tokens`` within the budget, the calls' seqs covering exactly
+``replace_seqs``. The commands run in this process through ``scheduler.cli.main`` (the same code
+as the console script, without 244 interpreter start-ups).
+
 This reads ``../shared``, which a fresh checkout does not have: a script, not a test.
 Exit status 1 when any check fails.
 """
@@ -98,10 +105,90 @@ def check(nodes: list[SurfaceNode], result: Plan, policy: Policy) -> list[str]:
     return problems
 
 
+def check_json(surface: list[dict[str, Any]], planned: dict[str, Any], budget: int
+               ) -> list[str]:
+    """The plan's promises, read from ``surface --json`` and ``plan --json`` only."""
+    step = planned["summarize"]
+    if step is None:
+        return []
+    problems = []
+    replaced = set(step["replace_seqs"])
+    owner: dict[str, int] = {}
+    open_calls: dict[int, set[str]] = {}
+    for m in surface:
+        for call in m.get("tool_calls") or ():
+            owner[call["id"]] = m["seq"]
+            open_calls.setdefault(m["seq"], set()).add(call["id"])
+        if m["role"] == "tool" and m.get("tool_call_id") in owner:
+            call_seq = owner[m["tool_call_id"]]
+            open_calls[call_seq].discard(m["tool_call_id"])
+            if (m["seq"] in replaced) != (call_seq in replaced):
+                problems.append(f"cli: tool group of {m['tool_call_id']} split by the cut")
+    problems += [f"cli: seq {seq} replaced with a call still open"
+                 for seq, missing in open_calls.items() if seq in replaced and missing]
+    problems += [f"cli: call {i} plans {c['input_tokens']} tokens, over {budget}"
+                 for i, c in enumerate(step["calls"]) if c["input_tokens"] > budget]
+    covered = {s for c in step["calls"] for s in c["seqs"]}
+    if covered != replaced:
+        problems.append("cli: the calls' seqs do not cover exactly replace_seqs")
+    return problems
+
+
+def run_cli(files: list[Path], corpus: Path) -> tuple[Counter[str], dict[str, list[str]]]:
+    """ingest + plan --json for every file, through the CLI's own entry point."""
+    import contextlib
+    import io
+    import os
+    import tempfile
+
+    import yaml
+
+    from scheduler.cli import main as compactd
+
+    def call(*args: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = compactd(list(args))
+        if code != 0:
+            raise RuntimeError(f"compactd {' '.join(args)} exited {code}")
+        return out.getvalue()
+
+    counts: Counter[str] = Counter()
+    failures: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as home:
+        config = Path(home) / "compactd.yaml"
+        config.write_text(yaml.safe_dump({"summarization": POLICY}))
+        saved = {k: os.environ.get(k) for k in ("COMPACTD_HOME", "COMPACTD_CONFIG",
+                                                "COMPACTD_DATABASE_URL")}
+        os.environ.update(COMPACTD_HOME=home, COMPACTD_CONFIG=str(config))
+        os.environ.pop("COMPACTD_DATABASE_URL", None)
+        try:
+            for i, path in enumerate(files):
+                session = f"corpus-{i}"
+                call("ingest", str(path), "--session", session)
+                surface = json.loads(call("surface", session, "--json"))["messages"]
+                planned = json.loads(call("plan", session, "--json"))
+                counts["files"] += 1
+                counts["summarized"] += planned["summarize"] is not None
+                problems = check_json(surface, planned, 4000)
+                if problems:
+                    failures[str(path.relative_to(corpus))] = problems
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    counts["violations"] = sum(len(p) for p in failures.values())
+    return counts, failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("corpus", nargs="?", type=Path, default=ROOT / ".." / "shared" / "corpus")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--no-cli", dest="cli", action="store_false",
+                        help="skip the pass through compactd ingest / plan --json")
     args = parser.parse_args()
     files = sorted(args.corpus.glob("*/*.jsonl"))
     if not files:
@@ -146,9 +233,17 @@ def main() -> int:
     print(f"violations: {counts['violations']}")
     for name, problems in failures.items():
         print(f"  {name}: {'; '.join(problems[:3])}")
+    cli_counts: Counter[str] = Counter()
+    if args.cli:
+        cli_counts, cli_failures = run_cli(files, args.corpus)
+        print(f"through compactd ingest + plan --json: {cli_counts['files']} files, "
+              f"{cli_counts['summarized']} summarized, {cli_counts['violations']} violations")
+        for name, problems in cli_failures.items():
+            print(f"  {name}: {'; '.join(problems[:3])}")
+            failures.setdefault(name, []).extend(problems)
     if args.json:
         args.json.write_text(json.dumps({
-            "policy": POLICY, "counts": dict(counts),
+            "policy": POLICY, "counts": dict(counts), "cli": dict(cli_counts),
             "by_folder": {k: dict(v) for k, v in by_folder.items()},
             "no_summary_reasons": dict(reasons), "failures": failures}, indent=2))
     return 1 if failures else 0
