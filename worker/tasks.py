@@ -8,6 +8,7 @@ result. Either way the run row in PostgreSQL is the record.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -21,6 +22,8 @@ from worker.metrics import metrics, serve
 from worker.orchestration import Outcome, compact
 from worker.runtime import Deps, process_loop, reset_process_loop
 from worker.settings import Config, load_config
+
+logger = logging.getLogger(__name__)
 
 # Failures an operator should see as failed tasks; the others are contention.
 QUIET_FAILURES = ("busy", "changed")
@@ -99,4 +102,12 @@ def _after_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    serve(load_config().worker.metrics_port)
+    port = load_config().worker.metrics_port
+    pool = type(getattr(sender, "pool", None)).__module__
+    if port and pool.endswith(".prefork"):
+        # Each child would count into its own registry; this endpoint would serve zeros.
+        logger.error("metrics endpoint not started: the prefork pool is not supported, run the "
+                     "worker with the threads pool (the default)",
+                     extra={"action": "metrics.prefork", "port": port})
+        return
+    serve(port)
