@@ -8,15 +8,17 @@ result. Either way the run row in PostgreSQL is the record.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from typing import Any
 
 from celery import Task, shared_task
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import task_postrun, task_prerun, worker_process_init, worker_ready
 
 from scheduler.enqueue import Enqueuer
 from scheduler.sweeps import reap_leases, sweep_pressure
+from worker import logs
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.metrics import metrics, serve
 from worker.orchestration import Outcome, compact
@@ -53,15 +55,20 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
 
     async def go(deps: Deps) -> Outcome:
         try:
-            return await compact(deps, session_id, trigger=trigger, force=force, keep=keep,
-                                 task_id=task_id, bulk_job_id=bulk_job_id,
-                                 rate_per_s=rate_per_s)
+            # The loop thread has its own context: bind here too (compact adds the run id).
+            with logs.bind(session_id=session_id, task_id=task_id):
+                return await compact(deps, session_id, trigger=trigger, force=force, keep=keep,
+                                     task_id=task_id, bulk_job_id=bulk_job_id,
+                                     rate_per_s=rate_per_s)
         finally:
             if trigger in ("pressure", "sweep", "reap"):
                 # The signal's run is over: the next signal may enqueue again.
                 await deps.store.clear_signal(session_id)
 
     outcome = process_loop(config).run(go)
+    if outcome.run_id and task_id in _task_logs:
+        # Celery's own "succeeded" / "raised" line for this task follows in this thread.
+        logs.bind_more(run_id=outcome.run_id)
     if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
         raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
     return outcome.to_json()
@@ -92,6 +99,27 @@ def reap(self: Task) -> int:
         return len(reaped)
 
     return process_loop(config).run(go)
+
+
+# The log context of each compaction.run in its task thread, from task_prerun to task_postrun,
+# so Celery's own lines about the task (logged in between) carry the session and run ids too.
+_task_logs: dict[str, contextvars.Token[Any]] = {}
+
+
+@task_prerun.connect
+def _bind_task_logs(task_id: str | None = None, task: Any = None,
+                    kwargs: dict[str, Any] | None = None, **_: Any) -> None:
+    if task_id is None or getattr(task, "name", None) != TASK_RUN:
+        return
+    _task_logs[task_id] = logs.push(session_id=(kwargs or {}).get("session_id"),
+                                    task_id=task_id)
+
+
+@task_postrun.connect
+def _unbind_task_logs(task_id: str | None = None, **_: Any) -> None:
+    token = _task_logs.pop(task_id or "", None)
+    if token is not None:
+        logs.pop(token)
 
 
 @worker_process_init.connect
