@@ -13,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.samples import WORDS, coding_session
 from storage.records import RunRecord, utcnow
-from storage.store import Store
 from storage.surface import JOURNAL_PRUNE, JOURNAL_SUMMARY
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.probes import free_port, query
 from tests.support.stack import Stack, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -45,12 +43,6 @@ COMMITS = ("commit-a", "commit-b")
 PRUNE_ONLY = "prune-only"
 FAILS = "fails"
 ABANDONED = "abandoned"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _with_marker(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -77,19 +69,8 @@ def _prune_only_messages() -> list[dict[str, Any]]:
     ])
 
 
-def _db(url: str, fn: Any) -> Any:
-    async def go() -> Any:
-        store = Store.from_url(url, pool_size=1)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(go())
-
-
 def _runs(url: str, session: str) -> list[RunRecord]:
-    return list(_db(url, lambda store: store.session_runs(session)))
+    return query(url, lambda store: store.session_runs(session))
 
 
 def _finished(url: str, session: str) -> RunRecord | None:
@@ -167,7 +148,7 @@ def mixed(pg_schema: str, redis_url: str, tmp_path_factory: pytest.TempPathFacto
         wait_until(lambda: any(r.behaviour == "hang" for r in fake.requests), timeout=60,
                    what="w2's model call")
         stack.kill("w2")
-        wait_until(lambda: _db(url, lambda s: s.get_session(ABANDONED)).lease_expires_at
+        wait_until(lambda: query(url, lambda s: s.get_session(ABANDONED)).lease_expires_at
                    < utcnow(), timeout=LEASE_S + 30, what="the dead worker's lease to expire")
         subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "call",
                         "compaction.reap"], env=stack.env, cwd=stack.home, check=True,
@@ -178,7 +159,7 @@ def mixed(pg_schema: str, redis_url: str, tmp_path_factory: pytest.TempPathFacto
         samples = scrape(port)
         sessions = (*COMMITS, PRUNE_ONLY, FAILS, ABANDONED)
         runs = {sid: _runs(url, sid) for sid in sessions}
-        events = {sid: _db(url, lambda s, sid=sid: s.read_events(
+        events = {sid: query(url, lambda s, sid=sid: s.read_events(
             sid, kinds=[JOURNAL_PRUNE, JOURNAL_SUMMARY])) for sid in sessions}
         raw = stack.log("w1")
         lines = [json.loads(line) for line in raw.splitlines() if line.startswith("{")]
@@ -278,6 +259,6 @@ def test_every_log_line_of_a_run_carries_its_ids_and_no_secrets(mixed: Mixed) ->
             assert section_line not in mixed.raw_log
 
 
-def test_the_metrics_port_comes_from_the_environment(mixed: Mixed, tmp_path: Path) -> None:
+def test_the_metrics_port_comes_from_the_environment(mixed: Mixed) -> None:
     started = [line for line in mixed.log_lines if line.get("action") == "metrics.serve"]
     assert [line["port"] for line in started] == [mixed.port]
