@@ -65,7 +65,8 @@ def test_compose_has_every_service_with_image_command_and_environment() -> None:
         assert env["COMPACTD_BROKER_URL"].startswith("redis://redis:6379/"), name
     assert _command(services["migrate"]) == ["compactd", "migrate"]
     for name in ("worker", "beat", "flower"):
-        assert _command(services[name])[:4] == ["celery", "-A", "worker.app", name], name
+        # --quiet: no start-up banner, so the process's output is JSON lines only.
+        assert _command(services[name])[:5] == ["celery", "--quiet", "-A", "worker.app", name]
     # Only workers call models, so only they get provider keys.
     assert "OPENAI_API_KEY" in services["worker"]["environment"]
     for name in ("migrate", "beat", "flower"):
@@ -162,9 +163,9 @@ def test_systemd_units_start_the_right_processes_with_the_environment_file() -> 
         assert env_files[0] == "/etc/compactd/compactd.env", path.name
         assert service["User"] == "compactd" and service["Restart"] == "on-failure"
         argv = service["ExecStart"].split()
-        assert argv[0].startswith("/") and argv[1:3] == ["-A", "worker.app"], path.name
         process = path.name.removeprefix("compactd-").split("@")[0].split(".")[0]
-        assert argv[3] == process, path.name
+        assert argv[0].startswith("/") and argv[0].endswith("/celery"), path.name
+        assert argv[1:5] == ["--quiet", "-A", "worker.app", process], path.name
         assert unit["Install"]["WantedBy"] == "multi-user.target"
     text = (OPS / "systemd" / "compactd-worker@.service").read_text()
     assert "EnvironmentFile=/etc/compactd/compactd.env" in text
