@@ -8,8 +8,8 @@ result. Either way the run row in PostgreSQL is the record.
 
 from __future__ import annotations
 
-import contextvars
 import logging
+import threading
 import time
 from typing import Any
 
@@ -66,7 +66,7 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
                 await deps.store.clear_signal(session_id)
 
     outcome = process_loop(config).run(go)
-    if outcome.run_id and task_id in _task_logs:
+    if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)
     if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
@@ -101,23 +101,23 @@ def reap(self: Task) -> int:
     return process_loop(config).run(go)
 
 
-# The log context of each compaction.run in its task thread, from task_prerun to task_postrun,
-# so Celery's own lines about the task (logged in between) carry the session and run ids too.
-_task_logs: dict[str, contextvars.Token[Any]] = {}
+# The log context of the compaction.run a task thread is running, from task_prerun to
+# task_postrun (both in that thread), so Celery's own lines about the task, logged in between,
+# carry the session and run ids too.
+_task_logs = threading.local()
 
 
 @task_prerun.connect
 def _bind_task_logs(task_id: str | None = None, task: Any = None,
                     kwargs: dict[str, Any] | None = None, **_: Any) -> None:
-    if task_id is None or getattr(task, "name", None) != TASK_RUN:
+    if getattr(task, "name", None) != TASK_RUN:
         return
-    _task_logs[task_id] = logs.push(session_id=(kwargs or {}).get("session_id"),
-                                    task_id=task_id)
+    _task_logs.token = logs.push(session_id=(kwargs or {}).get("session_id"), task_id=task_id)
 
 
 @task_postrun.connect
-def _unbind_task_logs(task_id: str | None = None, **_: Any) -> None:
-    token = _task_logs.pop(task_id or "", None)
+def _unbind_task_logs(**_: Any) -> None:
+    token, _task_logs.token = getattr(_task_logs, "token", None), None
     if token is not None:
         logs.pop(token)
 
