@@ -218,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_demo)
 
-    from scheduler import commands
+    from scheduler import commands, leases
 
     commands.register(sub)
+    leases.register(sub)
     return parser
 
 

@@ -24,7 +24,7 @@ async def status(store: Store, *, since: dt.datetime | None = None) -> dict[str,
     return {
         "runs": runs,
         "last_errors": {cls: _run_brief(run) for cls, run in sorted(last_errors.items())},
-        "leases": [_lease(info, now) for info in await store.live_leases(now=now)],
+        "leases": [await _lease_of(store, info, now) for info in await store.live_leases(now=now)],
         "flagged": [_flag(info) for info in await store.flagged_sessions()],
         "bulk_jobs": [job.to_json() for job in await store.list_bulk_jobs()],
         "recent": [_run_brief(r) for r in await store.recent_runs(since=since, limit=10)],
@@ -38,17 +38,37 @@ async def session_status(store: Store, session_id: str, *, limit: int = 20) -> d
         "session": info.id, "tenant": info.tenant, "run_model": info.run_model,
         "version": info.surface_version, "tokens": info.surface_tokens,
         "envelope_tokens": info.envelope_tokens, "messages": info.surface_messages,
-        "lease": _lease(info, now) if info.lease_run_id else None,
+        "lease": await _lease_of(store, info, now) if info.lease_run_id else None,
         "flagged": _flag(info) if info.flagged_reason else None,
         "runs": [_run_full(r) for r in await store.session_runs(session_id, limit=limit)],
     }
 
 
-def _lease(info: SessionInfo, now: dt.datetime) -> dict[str, Any]:
+async def _lease_of(store: Store, info: SessionInfo, now: dt.datetime) -> dict[str, Any]:
+    run = await store.get_run(info.lease_run_id) if info.lease_run_id else None
+    return _lease(info, now, run)
+
+
+def _lease(info: SessionInfo, now: dt.datetime, run: RunRecord | None = None) -> dict[str, Any]:
+    """A lease, with how long its run has held it (``age_s``) and since its holder last renewed
+    it (``heartbeat_age_s``): a lease renewed recently but very old is a stuck run, one not
+    renewed for a while is a dead holder the reaper will end."""
+    expires = info.lease_expires_at
+    heartbeat = run.heartbeat_at if run else None
     return {"session": info.id, "owner": info.lease_owner, "run_id": info.lease_run_id,
             "fence": info.lease_fence,
-            "expires_at": info.lease_expires_at.isoformat() if info.lease_expires_at else None,
-            "expired": bool(info.lease_expires_at and info.lease_expires_at <= now)}
+            "trigger": run.trigger if run else None,
+            "task_id": run.task_id if run else None,
+            "started_at": run.started_at.isoformat() if run else None,
+            "age_s": _seconds(now - run.started_at) if run else None,
+            "heartbeat_age_s": _seconds(now - heartbeat) if heartbeat else None,
+            "expires_at": expires.isoformat() if expires else None,
+            "expires_in_s": _seconds(expires - now) if expires else None,
+            "expired": bool(expires and expires <= now)}
+
+
+def _seconds(delta: dt.timedelta) -> float:
+    return round(delta.total_seconds(), 1)
 
 
 def _flag(info: SessionInfo) -> dict[str, Any]:
@@ -79,9 +99,7 @@ def render_status(body: dict[str, Any]) -> str:
         lines.append(f"session {body['session']}: version {body['version']}, {body['tokens']} "
                      f"tokens in {body['messages']} nodes (+{body['envelope_tokens']} envelope)")
         if body["lease"]:
-            lease = body["lease"]
-            lines.append(f"  leased by {lease['owner']} until {lease['expires_at']}"
-                         + (" (EXPIRED)" if lease["expired"] else ""))
+            lines.append(f"  leased: {_render_lease(body['lease'])}")
         if body["flagged"]:
             lines.append(f"  FLAGGED: {body['flagged']['reason']}")
         for run in body["runs"]:
@@ -100,8 +118,7 @@ def render_status(body: dict[str, Any]) -> str:
         lines.append(f"  {cls:<12} {n:>6}   last: {(last or {}).get('error') or ''}"[:160])
     lines.append(f"leases: {len(body['leases'])}")
     for lease in body["leases"]:
-        lines.append(f"  {lease['session']} by {lease['owner']} until {lease['expires_at']}"
-                     + (" (EXPIRED)" if lease["expired"] else ""))
+        lines.append(f"  {lease['session']}: {_render_lease(lease)}")
     lines.append(f"flagged (loop guard): {len(body['flagged'])}")
     for flag in body["flagged"]:
         lines.append(f"  {flag['session']}: {flag['reason']}")
@@ -109,4 +126,20 @@ def render_status(body: dict[str, Any]) -> str:
     for job in body["bulk_jobs"]:
         lines.append(f"  {job['id']} {job['state']}: {job['done']}/{job['matched']} done, "
                      f"{job['failed']} failed")
+    lines.append(f"recent runs: {len(body['recent'])}")
+    for run in body["recent"]:
+        what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")
+        lines.append(f"  {run['started_at'][:19]}  {run['session']:<20} {run['trigger']:<8} "
+                     f"{what}")
     return "\n".join(lines) + "\n"
+
+
+def _render_lease(lease: dict[str, Any]) -> str:
+    text = f"run {lease['run_id']} by {lease['owner']}"
+    if lease.get("age_s") is not None:
+        text += f", held {lease['age_s']:g} s"
+    if lease.get("heartbeat_age_s") is not None:
+        text += f", renewed {lease['heartbeat_age_s']:g} s ago"
+    if lease["expired"]:
+        return text + f", EXPIRED at {lease['expires_at']} (the reaper will end it)"
+    return text + f", expires in {lease.get('expires_in_s')} s"

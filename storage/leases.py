@@ -156,7 +156,7 @@ class LeasesMixin:
             started_at=now, heartbeat_at=now, finished_at=finished))
 
     async def _close_abandoned(self, conn: AsyncConnection, info: SessionInfo, *, seq: int,
-                               now: dt.datetime, by: str) -> None:
+                               now: dt.datetime, by: str, error: str | None = None) -> None:
         """Journal the end of an expired lease's run and mark the run abandoned."""
         run_id = info.lease_run_id
         await conn.execute(t.events.insert().values(
@@ -169,7 +169,8 @@ class LeasesMixin:
             .where(t.compaction_runs.c.id == run_id,
                    t.compaction_runs.c.status == RUN_RUNNING)
             .values(status=RUN_FAILED, failure_class="abandoned", finished_at=now,
-                    error=f"lease of {info.lease_owner} expired at {_iso(info.lease_expires_at)}"))
+                    error=error or (f"lease of {info.lease_owner} expired at "
+                                    f"{_iso(info.lease_expires_at)}")))
 
     # ---------------------------------------------------------------------------------------
     # renew
@@ -320,14 +321,33 @@ class LeasesMixin:
                 .with_for_update(skip_locked=True))).scalars().all()
             for session_id in rows:
                 info = await self._session(conn, session_id)
-                await self._close_abandoned(conn, info, seq=info.last_seq + 1, now=now, by=by)
-                await conn.execute(t.sessions.update().where(c.id == session_id).values(
-                    last_seq=info.last_seq + 1, lease_owner=None, lease_run_id=None,
-                    lease_expires_at=None))
-                reaped.append(ReapedLease(session_id=session_id, run_id=info.lease_run_id,
-                                          owner=info.lease_owner,
-                                          expired_at=info.lease_expires_at))
+                reaped.append(await self._reap(conn, info, now=now, by=by))
         return reaped
+
+    async def release_lease(self, session_id: str, *, run_id: str | None = None,
+                            now: dt.datetime | None = None, by: str = "operator"
+                            ) -> ReapedLease | None:
+        """End a session's lease now, expired or not, as the reaper ends an expired one: the run
+        becomes ``abandoned`` and its orphan start is closed. Its holder, if alive, finds the
+        lease gone at its next renewal or commit and stops. ``run_id`` makes sure the lease
+        released is the one the operator looked at. None when there is no such lease."""
+        now = now or utcnow()
+        async with transaction(self.engine) as conn:
+            info = await self._session(conn, session_id, lock=True)
+            if info.lease_run_id is None or run_id not in (None, info.lease_run_id):
+                return None
+            return await self._reap(conn, info, now=now, by=by,
+                                    error=f"lease of {info.lease_owner} released by {by}")
+
+    async def _reap(self, conn: AsyncConnection, info: SessionInfo, *, now: dt.datetime,
+                    by: str, error: str | None = None) -> ReapedLease:
+        await self._close_abandoned(conn, info, seq=info.last_seq + 1, now=now, by=by,
+                                    error=error)
+        await conn.execute(t.sessions.update().where(t.sessions.c.id == info.id).values(
+            last_seq=info.last_seq + 1, lease_owner=None, lease_run_id=None,
+            lease_expires_at=None))
+        return ReapedLease(session_id=info.id, run_id=info.lease_run_id, owner=info.lease_owner,
+                           expired_at=info.lease_expires_at)
 
     # ---------------------------------------------------------------------------------------
     # run records

@@ -14,6 +14,7 @@ from celery import Celery
 from celery.signals import setup_logging
 from kombu import Exchange, Queue
 
+from worker import flower as _flower  # noqa: F401  (connects Flower's defaults)
 from worker import logs
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.settings import Config, broker_dirs, load_config

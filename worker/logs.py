@@ -34,6 +34,21 @@ def bind(**fields: Any) -> Iterator[None]:
         _context.reset(token)
 
 
+def push(**fields: Any) -> contextvars.Token[dict[str, Any] | None]:
+    """:func:`bind` for code that cannot wrap a block (signal handlers): undo with :func:`pop`
+    in the same thread."""
+    return _context.set({**(_context.get() or {}), **fields})
+
+
+def pop(token: contextvars.Token[dict[str, Any] | None]) -> None:
+    _context.reset(token)
+
+
+def bind_more(**fields: Any) -> None:
+    """Add ``fields`` to the current context until its :func:`bind` or :func:`push` ends."""
+    _context.set({**(_context.get() or {}), **fields})
+
+
 def bound() -> dict[str, Any]:
     return dict(_context.get() or {})
 

@@ -1,8 +1,11 @@
 """Prometheus metrics of the workers.
 
 The worker runs the threads pool: one process, so one registry and one HTTP endpoint per worker
-(``worker.metrics_port``, default 9540, 0 = off), started when the worker boots. Under a prefork
-pool each child would need the multiprocess collector; compactd does not use prefork.
+(``worker.metrics_port``, default 9540, 0 = off), started when the worker boots. Task threads
+(queue wait) and the process's event loop thread (everything else) update the same metrics;
+prometheus-client's metrics are thread-safe, and :func:`metrics` creates them once under a lock.
+Under a prefork pool each child would count into its own registry, unseen by the endpoint in the
+parent, so the worker refuses to serve metrics there (``worker.tasks``) rather than serve zeros.
 
 Label sets are bounded: outcome, failure class, trigger, candidate (a configured model name),
 error kind. Compactions per session are a histogram, not a per-session label (unbounded).
@@ -11,6 +14,7 @@ error kind. Compactions per session are a histogram, not a per-session label (un
 from __future__ import annotations
 
 import logging
+import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -63,7 +67,8 @@ class Metrics:
             registry=registry)
         self.compactions_per_session = Histogram(
             "compactd_session_compactions",
-            "Committed compactions a session has had, observed at each commit.",
+            "Committed automatic compactions of the session within the loop guard's window "
+            "(counted up to max_compactions + 1), observed at each commit.",
             buckets=(1, 2, 3, 5, 10, 20, 50, 100), registry=registry)
         self.in_flight = Gauge(
             "compactd_runs_in_flight", "Compaction runs in progress in this worker.",
@@ -71,12 +76,17 @@ class Metrics:
 
 
 _metrics: Metrics | None = None
+_metrics_lock = threading.Lock()
 
 
 def metrics() -> Metrics:
     global _metrics
     if _metrics is None:
-        _metrics = Metrics()
+        # A task thread and the loop thread can both make the first call: two Metrics() would
+        # register the same names twice in the global registry, which raises.
+        with _metrics_lock:
+            if _metrics is None:
+                _metrics = Metrics()
     return _metrics
 
 

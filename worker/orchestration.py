@@ -201,6 +201,10 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
     if not await store.finish(info.id, run_id=claim.run_id, fence=claim.fence,
                               end=out.run_end(), now=deps.clock()):
         raise LeaseLost("the lease was lost before the run ended")
+    if "summary" in out.stages:
+        # A summary committed in an earlier round, and a later round found nothing left to
+        # do: exactly the session that is never relieved, which the guard is for.
+        await _loop_guard(deps, out, final, policy)
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,

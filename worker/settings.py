@@ -1,7 +1,8 @@
 """Configuration: one object, built where a process starts, plain values passed inward.
 
 Environment (prefix ``COMPACTD_``): ``DATABASE_URL``, ``BROKER_URL``, ``CONFIG`` (a YAML file),
-``HOME`` (where the embedded default keeps its files), ``LOG_FORMAT``. The YAML file holds the rest:
+``HOME`` (where the embedded default keeps its files), ``LOG_FORMAT``, ``METRICS_PORT`` (overrides
+``worker.metrics_port``). The YAML file holds the rest:
 ``models:``, ``summarization:`` (see ``worker.compaction.policy``), ``worker:``, ``scheduler:``.
 With nothing set, everything runs on the embedded default: a SQLite file, a broker that needs no
 server (kombu's filesystem transport under COMPACTD_HOME), and the local model-free summarizer.
@@ -109,6 +110,9 @@ class Settings(BaseSettings):
     home: str | None = None
     log_format: Literal["auto", "json", "text"] = "auto"
     log_level: str = "INFO"
+    # Overrides worker.metrics_port: several workers on one host (systemd's worker@) share the
+    # YAML file but each needs its own port.
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
 
 @dataclass(frozen=True)
@@ -211,12 +215,15 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         raise ConfigError(str(exc)) from None
     if policy.model_name and policy.model_name not in [*names, LOCAL_MODEL]:
         raise ConfigError(f"summarization.model_name: {policy.model_name!r} is not in models")
+    worker = file_config.worker
+    if settings.metrics_port is not None:
+        worker = worker.model_copy(update={"metrics_port": settings.metrics_port})
     return Config(
         database_url=settings.database_url or embedded_url(home),
         broker_url=settings.broker_url or "filesystem://",
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
-        policy=policy, worker=file_config.worker, log_format=settings.log_format,
+        policy=policy, worker=worker, log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
 
 

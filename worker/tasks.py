@@ -8,19 +8,24 @@ result. Either way the run row in PostgreSQL is the record.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
 from celery import Task, shared_task
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import task_postrun, task_prerun, worker_process_init, worker_ready
 
 from scheduler.enqueue import Enqueuer
 from scheduler.sweeps import reap_leases, sweep_pressure
+from worker import logs
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.metrics import metrics, serve
 from worker.orchestration import Outcome, compact
 from worker.runtime import Deps, process_loop, reset_process_loop
 from worker.settings import Config, load_config
+
+logger = logging.getLogger(__name__)
 
 # Failures an operator should see as failed tasks; the others are contention.
 QUIET_FAILURES = ("busy", "changed")
@@ -50,15 +55,20 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
 
     async def go(deps: Deps) -> Outcome:
         try:
-            return await compact(deps, session_id, trigger=trigger, force=force, keep=keep,
-                                 task_id=task_id, bulk_job_id=bulk_job_id,
-                                 rate_per_s=rate_per_s)
+            # The loop thread has its own context: bind here too (compact adds the run id).
+            with logs.bind(session_id=session_id, task_id=task_id):
+                return await compact(deps, session_id, trigger=trigger, force=force, keep=keep,
+                                     task_id=task_id, bulk_job_id=bulk_job_id,
+                                     rate_per_s=rate_per_s)
         finally:
             if trigger in ("pressure", "sweep", "reap"):
                 # The signal's run is over: the next signal may enqueue again.
                 await deps.store.clear_signal(session_id)
 
     outcome = process_loop(config).run(go)
+    if outcome.run_id and getattr(_task_logs, "token", None) is not None:
+        # Celery's own "succeeded" / "raised" line for this task follows in this thread.
+        logs.bind_more(run_id=outcome.run_id)
     if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
         raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
     return outcome.to_json()
@@ -91,6 +101,27 @@ def reap(self: Task) -> int:
     return process_loop(config).run(go)
 
 
+# The log context of the compaction.run a task thread is running, from task_prerun to
+# task_postrun (both in that thread), so Celery's own lines about the task, logged in between,
+# carry the session and run ids too.
+_task_logs = threading.local()
+
+
+@task_prerun.connect
+def _bind_task_logs(task_id: str | None = None, task: Any = None,
+                    kwargs: dict[str, Any] | None = None, **_: Any) -> None:
+    if getattr(task, "name", None) != TASK_RUN:
+        return
+    _task_logs.token = logs.push(session_id=(kwargs or {}).get("session_id"), task_id=task_id)
+
+
+@task_postrun.connect
+def _unbind_task_logs(**_: Any) -> None:
+    token, _task_logs.token = getattr(_task_logs, "token", None), None
+    if token is not None:
+        logs.pop(token)
+
+
 @worker_process_init.connect
 def _after_fork(**_: Any) -> None:
     # A prefork child must not use the parent's loop, engine or sockets.
@@ -99,4 +130,12 @@ def _after_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    serve(load_config().worker.metrics_port)
+    port = load_config().worker.metrics_port
+    pool = type(getattr(sender, "pool", None)).__module__
+    if port and pool.endswith(".prefork"):
+        # Each child would count into its own registry; this endpoint would serve zeros.
+        logger.error("metrics endpoint not started: the prefork pool is not supported, run the "
+                     "worker with the threads pool (the default)",
+                     extra={"action": "metrics.prefork", "port": port})
+        return
+    serve(port)

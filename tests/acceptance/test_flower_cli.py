@@ -1,0 +1,66 @@
+"""``celery -A worker.app flower`` as an operator types it: credentials from any of the places
+Flower reads options (environment, command line, ``flowerconfig.py``), and no start without."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.support.probes import free_port, http_status
+from tests.support.stack import wait_until
+
+
+def _env(tmp_path: Path, broker: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPACTD_", "FLOWER_"))}
+    env.update(PYTHONPATH=str(REPO), COMPACTD_HOME=str(tmp_path), COMPACTD_BROKER_URL=broker,
+               COMPACTD_LOG_FORMAT="json")
+    return env
+
+
+def test_flower_refuses_to_start_without_authentication(tmp_path: Path) -> None:
+    # Nothing listens on the broker's port: the refusal comes before any connection.
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "flower",
+                          "--port=0", "--address=127.0.0.1"],
+                         env=_env(tmp_path, "redis://127.0.0.1:9/0"), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Flower refuses to start without authentication" in out.stderr
+    assert "FLOWER_BASIC_AUTH" in out.stderr
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("source", ["environment", "command line", "flowerconfig.py"])
+def test_flower_takes_credentials_from_where_flower_reads_options(
+        source: str, tmp_path: Path, clean_redis: str) -> None:
+    port = free_port()
+    env = _env(tmp_path, clean_redis)
+    argv = [sys.executable, "-m", "celery", "-A", "worker.app", "flower", f"--port={port}",
+            "--address=127.0.0.1"]
+    if source == "environment":
+        env["FLOWER_BASIC_AUTH"] = "ops:pw"
+    elif source == "command line":
+        argv.append("--basic-auth=ops:pw")
+    else:
+        (tmp_path / "flowerconfig.py").write_text('basic_auth = ["ops:pw"]\n')
+    log = tmp_path / "flower.log"
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/tasks"
+        wait_until(lambda: http_status(url) or proc.poll() is not None, timeout=60,
+                   what="Flower to answer")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert http_status(url) == 401
+        assert http_status(url, ("ops", "nope")) == 401
+        assert http_status(url, ("ops", "pw")) == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # Flower's own lines are compactd's JSON lines too.
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    assert lines and all(line.startswith("{") for line in lines), lines[:5]

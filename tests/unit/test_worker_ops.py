@@ -1,0 +1,134 @@
+"""The worker's operational plumbing without processes: metrics created once under concurrent
+first use, no metrics endpoint under prefork, the log context of a task, the metrics port from
+the environment."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import worker.metrics as metrics_module
+from worker import logs
+from worker.settings import load_config
+
+
+def test_concurrent_first_use_creates_the_metrics_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = CollectorRegistry()
+    real = metrics_module.Metrics
+
+    def slow_metrics() -> metrics_module.Metrics:
+        time.sleep(0.05)  # widen the window between "is it there?" and "register it"
+        return real(registry)
+
+    monkeypatch.setattr(metrics_module, "_metrics", None)
+    monkeypatch.setattr(metrics_module, "Metrics", slow_metrics)
+    start = threading.Barrier(16)
+    got: list[Any] = []
+    errors: list[BaseException] = []
+
+    def first_use() -> None:
+        start.wait()
+        try:
+            got.append(metrics_module.metrics())
+        except BaseException as exc:  # a duplicate registration raises ValueError
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_use) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(got) == 16 and len({id(m) for m in got}) == 1
+
+
+class _Sender:
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+
+@pytest.mark.parametrize("pool_module, serves", [("celery.concurrency.thread", True),
+                                                 ("celery.concurrency.prefork", False)])
+def test_the_endpoint_is_served_for_the_threads_pool_only(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, pool_module: str,
+        serves: bool) -> None:
+    import importlib
+
+    import worker.tasks as tasks
+
+    pool_cls = importlib.import_module(pool_module).TaskPool
+    served: list[int] = []
+    monkeypatch.setattr(tasks, "serve", served.append)
+    monkeypatch.setenv("COMPACTD_METRICS_PORT", "19540")
+    caplog.set_level(logging.ERROR, logger="worker.tasks")
+    tasks._on_ready(sender=_Sender(pool_cls.__new__(pool_cls)))
+    assert served == ([19540] if serves else [])
+    assert bool(caplog.records) is not serves
+    if not serves:
+        assert "prefork" in caplog.records[0].getMessage()
+
+
+def test_metrics_port_env_overrides_the_file(tmp_path: Any) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("worker:\n  metrics_port: 9600\n")
+    assert load_config({}, path=str(path)).worker.metrics_port == 9600
+    assert load_config({"COMPACTD_METRICS_PORT": "9601"}, path=str(path)).worker.metrics_port \
+        == 9601
+    assert load_config({"COMPACTD_METRICS_PORT": "0"}).worker.metrics_port == 0
+    with pytest.raises(Exception, match="metrics_port"):
+        load_config({"COMPACTD_METRICS_PORT": "70000"})
+
+
+def _capture(fmt: str) -> tuple[logging.Logger, io.StringIO]:
+    stream = io.StringIO()
+    logs.configure(fmt, "INFO", stream=stream)
+    return logging.getLogger("compactd.test"), stream
+
+
+@pytest.fixture
+def restore_logging() -> Any:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_a_task_context_carries_the_run_id_until_postrun(restore_logging: None) -> None:
+    log, stream = _capture("json")
+    token = logs.push(session_id="s1", task_id="t1")  # task_prerun
+    log.info("claimed")
+    logs.bind_more(run_id="r1")  # the run is known
+    log.info("Task compaction.run[t1] succeeded")
+    logs.pop(token)  # task_postrun
+    log.info("next task")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(x.get("session_id"), x.get("task_id"), x.get("run_id")) for x in lines] == [
+        ("s1", "t1", None), ("s1", "t1", "r1"), (None, None, None)]
+
+
+def test_text_on_a_terminal_json_otherwise(restore_logging: None) -> None:
+    log, stream = _capture("text")
+    with logs.bind(session_id="s1", run_id="r1"):
+        log.info("compaction committed", extra={"action": "compaction.end"})
+    line = stream.getvalue().strip()
+    assert line.endswith("compaction committed  [action=compaction.end session_id=s1 run_id=r1]")
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    logs.configure("auto", "INFO", stream=tty)
+    logging.getLogger("compactd.test").info("hello")
+    logs.configure("auto", "INFO", stream=pipe)
+    logging.getLogger("compactd.test").info("hello")
+    assert "INFO" in tty.getvalue() and not tty.getvalue().startswith("{")
+    assert json.loads(pipe.getvalue())["msg"] == "hello"

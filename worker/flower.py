@@ -1,0 +1,98 @@
+"""Flower with compactd's defaults: ``celery -A worker.app flower``.
+
+Flower 2.x reads its options, later ones winning, from its defaults, ``FLOWER_*`` environment
+variables (``FLOWER_BASIC_AUTH=user:password[,user2:password2]``), a ``flowerconfig.py`` in the
+current directory (or ``--conf``), and its command line. None of those is compactd's to own, so
+this module steps in after all of them have been read: Flower builds its application, the
+application imports the app's task modules, and Celery's ``import_modules`` signal calls
+:func:`apply_defaults` with every option final. There it
+
+* refuses to start without authentication (basic auth or Flower's OAuth ``--auth``): Flower's
+  pages can revoke and terminate tasks and show every task's arguments. Only
+  ``COMPACTD_FLOWER_UNAUTHENTICATED=1`` (Flower behind a proxy that authenticates) lifts that;
+* shows the exception and kwargs columns on the tasks page unless ``tasks_columns`` was set, so a
+  failed ``compaction.run`` shows its failure class and session without a click;
+* replaces Tornado's log handler with compactd's (``worker.logs``), one style in every process.
+
+Persistent mode (``--persistent=True --db=PATH --state_save_interval=MS``) keeps the task list
+across Flower restarts; see ops/RUNBOOK.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from celery.signals import import_modules
+
+logger = logging.getLogger(__name__)
+
+ENV_UNAUTHENTICATED = "COMPACTD_FLOWER_UNAUTHENTICATED"
+# The failure class is the start of a failed run's exception message (worker.tasks), so it
+# belongs on the list; kwargs name the session and trigger.
+TASK_COLUMNS = "name,uuid,state,exception,kwargs,received,runtime,worker"
+REFUSAL = (
+    "compactd: Flower refuses to start without authentication. Set FLOWER_BASIC_AUTH="
+    "user:password (or --basic-auth=user:password, or --auth with OAuth), or set "
+    f"{ENV_UNAUTHENTICATED}=1 if a proxy in front of Flower authenticates every request.\n")
+
+
+class FlowerUnauthenticated(SystemExit):
+    """Flower was asked to start with no authentication configured."""
+
+
+def running_flower() -> bool:
+    """True inside the ``flower`` subcommand of the celery CLI."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.command is not None and ctx.command.name == "flower"
+
+
+def authenticated(options: Any) -> bool:
+    return bool(options.basic_auth or options.auth)
+
+
+def opted_out(env: Any = None) -> bool:
+    value = (os.environ if env is None else env).get(ENV_UNAUTHENTICATED, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def apply_defaults(options: Any, *, env: Any = None) -> None:
+    """compactd's defaults on Flower's final options; raises :class:`FlowerUnauthenticated`."""
+    if not authenticated(options):
+        if not opted_out(env):
+            sys.stderr.write(REFUSAL)
+            raise FlowerUnauthenticated(2)
+        logger.warning("Flower runs WITHOUT authentication (%s is set)", ENV_UNAUTHENTICATED,
+                       extra={"action": "flower.unauthenticated"})
+    # Tornado keeps options under dashed names; the default tells "not set" from "set".
+    default_columns = options._options["tasks-columns"].default
+    if options.tasks_columns == default_columns:
+        options.tasks_columns = TASK_COLUMNS
+
+
+def _use_compactd_logging() -> None:
+    from tornado.log import LogFormatter
+
+    from worker import logs
+    from worker.settings import load_config
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler.formatter, LogFormatter):
+            root.removeHandler(handler)
+    config = load_config()
+    logs.configure(config.log_format, config.log_level)
+
+
+@import_modules.connect
+def _on_import_modules(sender: Any = None, **_: Any) -> None:
+    if not running_flower():
+        return
+    from flower.options import options
+
+    _use_compactd_logging()
+    apply_defaults(options)
