@@ -15,6 +15,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,69 @@ async def analyze(url: str) -> None:
         await conn.execute("ANALYZE")
     finally:
         await conn.close()
+
+
+async def _calibrate(url: str, samples: int) -> dict[str, Any]:
+    import asyncpg
+
+    conn = await asyncpg.connect(urlparse(url)._replace(scheme="postgresql").geturl())
+    try:
+        settings = dict(await conn.fetch(
+            "SELECT name, setting FROM pg_settings WHERE name = ANY($1::text[])",
+            ["synchronous_commit", "fsync", "wal_sync_method", "shared_buffers"]))
+        version = await conn.fetchval("SHOW server_version")
+        await conn.execute("CREATE TABLE IF NOT EXISTS bench_calibration (id serial PRIMARY KEY, "
+                           "body text)")
+        trips: list[float] = []
+        commits: list[float] = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            await conn.fetchval("SELECT 1")
+            trips.append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            await conn.execute("INSERT INTO bench_calibration (body) VALUES ($1)", "x" * 200)
+            commits.append((time.perf_counter() - started) * 1000)
+        await conn.execute("DROP TABLE bench_calibration")
+    finally:
+        await conn.close()
+    return {"server_version": version, "settings": settings,
+            "select1_ms": round(statistics.median(trips), 3),
+            "insert_commit_ms": round(statistics.median(commits), 3),
+            "insert_commit_p99_ms": round(percentile(commits, 99), 3)}
+
+
+def calibrate_pg(url: str, samples: int = 100) -> dict[str, Any]:
+    """The floor under any write: a ``SELECT 1`` round trip and a one-row INSERT's commit
+    (WAL flush included), measured now. On a machine whose disk is busy with other work the
+    commit floor alone can exceed a millisecond; the README should quote it with the results."""
+    return asyncio.run(_calibrate(url, samples))
+
+
+class CommitProbe:
+    """Samples the PostgreSQL commit floor while a benchmark runs: one-row INSERT commits on a
+    connection of its own, taken between (never inside) the timed operations."""
+
+    def __init__(self, url: str) -> None:
+        self.url = urlparse(url)._replace(scheme="postgresql").geturl()
+        self.conn: Any = None
+        self.samples: list[float] = []
+
+    async def open(self) -> None:
+        import asyncpg
+
+        self.conn = await asyncpg.connect(self.url)
+        await self.conn.execute("CREATE TABLE IF NOT EXISTS bench_probe (id serial PRIMARY KEY, "
+                                "body text)")
+
+    async def sample(self) -> None:
+        started = time.perf_counter()
+        await self.conn.execute("INSERT INTO bench_probe (body) VALUES ($1)", "x" * 200)
+        self.samples.append((time.perf_counter() - started) * 1000)
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            await self.conn.execute("DROP TABLE IF EXISTS bench_probe")
+            await self.conn.close()
 
 
 def prepare_sqlite(directory: Path) -> str:
