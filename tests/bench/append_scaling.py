@@ -3,13 +3,13 @@
     python tests/bench/append_scaling.py --json OUT.json [--repeat 21] [--no-sqlite]
 
 What is measured: ``Store.append`` of ONE message (an assistant message with one tool call, about
-100 tokens), timed from the call to its return, so it includes everything the runtime pays:
+65 tokens), timed from the call to its return, so it includes everything the runtime pays:
 token counting, payload building, the round trip (on PostgreSQL one call of the
 ``compactd_append`` SQL function) and the commit. Then the append of that call's tool result is
 timed the same way (reported as ``result_ms``).
 
 How: for every size N in 100, 1,000 and 10,000 there are ``--repeat`` sessions pre-filled with
-N-1 messages (steps of an assistant tool call, its result and a short reply, 100 tokens each,
+N-1 messages (steps of an assistant tool call, its result and a short reply, about 65 tokens each,
 appended in batches of up to 1,000; then ``ANALYZE``, as autovacuum would do on a live
 database). The timed appends then go round-robin over the sizes (100, 1,000, 10,000, 100, ...),
 so machine noise falls on every size alike; each timed append is the exact Nth message of its
@@ -61,7 +61,7 @@ SIZES = (100, 1_000, 10_000)
 FILL_BATCH = 1_000
 RATIO_GOAL = 2.0
 WARMUP = 5
-# About 100 o200k tokens of ordinary agent prose.
+# About 60 o200k tokens of ordinary agent prose.
 TEXT = ("Checked src/billing/invoice.py around line 42: the rounding happens before the tax is "
         "applied, so the total drifts by a cent on some invoices. Running the focused tests "
         "next to confirm the InvoiceMismatchError and then editing the quantization step. ")
