@@ -24,7 +24,9 @@ reserve of ``max_summary_tokens``), some twenty sequential 2 s calls per compact
 Between steps both loops sleep ``--think-ms`` (the agent's own model call and tools; not timed,
 the same on both sides), so the background worker compacts while the loop goes on, as it would
 behind a real agent. The sides run one after the other, LangChain first, with the compactd worker
-already up (idle) during the LangChain run.
+already up (idle) during the LangChain run. (At 100 ms the agent grows by ~10k tokens a second,
+faster than a compaction of 2 s calls can remove: the surface stays over the trigger after each
+commit and the loop guard cools the session down after four runs; 500 ms keeps up.)
 
 What one timed step is:
 
