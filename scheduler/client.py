@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from scheduler.enqueue import Enqueuer, RunRequest
-from scheduler.intake import SignalPayload, SignalResult, accept_signal, enqueue_marked
+from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
@@ -184,6 +184,10 @@ class SessionHandle:
             self.id, parsed, signal_if=self._wants_signal,
             signal_ttl_s=self._config.worker.signal_ttl_s)
         self.info = result.session
+        if result.version == self.version + 1:
+            # Only this append moved the version: the runtime has these messages already, so the
+            # next poll must report a compaction's commit, not our own append.
+            self.version = result.version
         if result.signalled:
             await enqueue_marked(self.client.store, self.client.enqueuer,
                                  RunRequest(self.id, "pressure"))
@@ -194,7 +198,7 @@ class SessionHandle:
                           signalled=result.signalled)
 
     async def signal(self, reason: str = "pressure") -> SignalResult:
-        payload = SignalPayload(session=self.id, reason=reason)  # type: ignore[arg-type]
+        payload = parse_signal({"session": self.id, "reason": reason})
         return await accept_signal(self.client.store, self._config, self.client.enqueuer,
                                    payload)
 
@@ -209,7 +213,7 @@ class SessionHandle:
 
     async def poll(self, since_version: int | None = None) -> int | None:
         """The new surface version if it moved since ``since_version`` (default: the version
-        this handle last saw), else None. One primary-key read."""
+        this handle last read or appended at), else None. One primary-key read."""
         since = self.version if since_version is None else since_version
         moved = await self.client.store.poll(self.id, since)
         return moved
