@@ -201,6 +201,10 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
     if not await store.finish(info.id, run_id=claim.run_id, fence=claim.fence,
                               end=out.run_end(), now=deps.clock()):
         raise LeaseLost("the lease was lost before the run ended")
+    if out.outcome == "committed":
+        # A run that committed a checkpoint, found nothing more to do in its next round and so
+        # ended here is exactly the one without relief: the guard must see it too.
+        await _loop_guard(deps, out, final, policy)
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
@@ -383,9 +387,16 @@ async def _loop_guard(deps: Deps, out: Outcome, info: SessionInfo, policy: Polic
                                         limit=guard.max_compactions + 1)
     metrics().compactions_per_session.observe(len(runs))
     threshold = policy.threshold_tokens()
-    if threshold is None or len(runs) <= guard.max_compactions:
+    if threshold is None:
         return
     relief = threshold * (1 - guard.margin)
+    if info.flagged_reason and out.tokens_after is not None and out.tokens_after < relief:
+        # Relief came (the cool-down is over and this run got well under the trigger): the flag
+        # would otherwise stay in status forever.
+        await deps.store.clear_flag(info.id)
+        return
+    if len(runs) <= guard.max_compactions:
+        return
     if all(r.tokens_after is not None and r.tokens_after >= relief for r in runs):
         reason = (f"{len(runs)} compactions in {guard.window_s:g} s without pressure falling "
                   f"below {relief:.0f} tokens")
