@@ -21,6 +21,8 @@ from storage.store import Store
 from worker.pressure import explain, over_trigger
 from worker.settings import Config
 
+QUEUED = "a compaction is already queued or running"
+
 
 class SignalPayload(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,8 +62,12 @@ async def accept_signal(store: Store, config: Config, enqueuer: Enqueuer,
     if info.cooldown_until is not None and info.cooldown_until > now:
         return SignalResult(info.id, False,
                             f"cooling down until {info.cooldown_until.isoformat()} (loop guard)")
-    if not await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
-        return SignalResult(info.id, False, "a compaction is already queued or running")
+    ttl_s = config.worker.signal_ttl_s
+    # A live mark seen in the read answers a burst without a write per signal; a mark that looks
+    # free is still taken by the atomic update, which is what decides between racing signals.
+    if (info.signal_at is not None and info.signal_at > now - dt.timedelta(seconds=ttl_s)) or \
+            not await store.mark_signal(info.id, ttl_s=ttl_s, now=now):
+        return SignalResult(info.id, False, QUEUED)
     task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))
     return SignalResult(info.id, True, why, task_id)
 
