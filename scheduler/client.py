@@ -31,6 +31,7 @@ from storage.errors import CompactdError, ConfigError, InvalidMessage
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
+from storage.tokens import counter_for
 from worker.app import client_app
 from worker.compaction.planner import plan
 from worker.compaction.policy import PolicyError, parse_policy
@@ -148,11 +149,20 @@ class CompactdClient:
             context_window=context_window or self.config.context_window(run_model),
             envelope=dict(envelope) if envelope is not None else None,
             policy=dict(policy) if policy is not None else None)
+        await _warm_counter(info.run_model)
         return SessionHandle(self, info)
 
     async def get_session(self, session_id: str) -> SessionHandle:
         await self._ensure_schema()
-        return SessionHandle(self, await self.store.get_session(session_id))
+        info = await self.store.get_session(session_id)
+        await _warm_counter(info.run_model)
+        return SessionHandle(self, info)
+
+
+async def _warm_counter(run_model: str | None) -> None:
+    """Load the run model's tokenizer now (a few hundred milliseconds, once per process), in a
+    thread: otherwise the agent's first step pays for it."""
+    await asyncio.to_thread(counter_for(run_model).count_text, "warm")
 
 
 class SessionHandle:
