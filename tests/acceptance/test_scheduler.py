@@ -27,6 +27,7 @@ import redis
 from scheduler.client import Client, CompactdClient, SessionHandle, SyncSession
 from scheduler.samples import coding_session, iter_steps
 from storage.jobs import ITEM_PENDING
+from storage.messages import parse_openai
 from storage.records import Claim
 from storage.store import Store
 from tests.support.stack import Stack, wait_until
@@ -347,6 +348,45 @@ async def test_a_flushed_redis_loses_no_compaction(clean_pg, private_redis, tmp_
     assert took <= 2 * sweep_s + 1.0
 
 
+@pytest.mark.timeout(120)
+async def test_the_reaper_requeues_a_session_whose_worker_died(make_stack) -> None:  # type: ignore[no-untyped-def]
+    reap_s, lease_s = 1.0, 2.0
+    # A sweep interval no test waits for: only the reaper can bring this session back.
+    stack = make_stack(summarization=POLICY, worker={
+        "reap_interval_s": reap_s, "lease_s": lease_s, "sweep_interval_s": 600})
+    stack.ingest("orphan", coding_session(steps=20, big_output_lines=40).messages)
+    async with CompactdClient(config_of(stack)) as client:
+        store = client.store
+        # A worker took the session for a signal's run and died: its signal mark, its lease,
+        # its run row and an open compaction/start are all that is left of it.
+        assert await store.mark_signal("orphan", ttl_s=120)
+        dead = await store.claim("orphan", owner="dead-worker", trigger="pressure",
+                                 lease_s=lease_s)
+        assert isinstance(dead, Claim)
+        session = await client.get_session("orphan")
+        assert not (await session.signal()).enqueued  # the dead run's mark blocks signals
+        stack.start_worker("w1", concurrency=2)
+        stack.start_beat()
+        wait_until(lambda: "beat: Starting" in stack.log("beat"), timeout=30,
+                   what="beat to start")
+        started = time.monotonic()
+
+        async def recovered() -> list[Any]:
+            return [r for r in await store.session_runs("orphan")
+                    if (r.trigger, r.status) == ("reap", "committed")]
+
+        await until(recovered, timeout=60, what="the reaper to re-enqueue the session")
+        took = time.monotonic() - started
+        abandoned = await store.get_run(dead.run_id)
+    print(f"\nreaper: the dead worker's session compacted {took:.1f} s after beat started "
+          f"(reap interval {reap_s:g} s)")
+    assert abandoned is not None and (abandoned.status, abandoned.failure_class) == (
+        "failed", "abandoned")
+    # The lease had long expired: the first reap tick takes it, then one compaction.
+    assert took <= 2 * reap_s + 3.0
+    assert "1/1 sessions verified" in stack.cli("verify", "orphan").stdout
+
+
 # ------------------------------------------------------------------------------------------
 # 4. bulk recompaction
 
@@ -358,8 +398,6 @@ async def _many_sessions(store: Store, n: int, *, tenants: tuple[str, ...] = ("d
     sem = asyncio.Semaphore(8)
 
     async def one(i: int, sid: str) -> None:
-        from storage.messages import parse_openai
-
         async with sem:
             await store.create_session(sid, tenant=tenants[i % len(tenants)],
                                        run_model="fake-gpt")
@@ -415,11 +453,16 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
     store = Store.from_url(stack.database_url)
     try:
         ids = await _many_sessions(store, n, steps=20)
+        # A live session outside the job (its own summary model, so its calls are told apart).
+        await store.create_session("live", tenant="live", run_model="fake-gpt",
+                                   policy={"model_name": "fake-mini"})
+        await store.append("live", [parse_openai(m) for m in coding_session(
+            steps=20, big_output_lines=30, call_prefix="live").messages])
 
         # No worker yet: the first half of the fan-out piles up on compaction.bulk.
         first = stack.start("recompact-1", [sys.executable, "-m", "scheduler.cli", "recompact",
-                                            "--force", "--rate", f"{rate}/s", "--chunk", "10",
-                                            "--json"])
+                                            "--tenant", "default", "--force", "--rate",
+                                            f"{rate}/s", "--chunk", "10", "--json"])
 
         async def half_enqueued() -> str | None:
             jobs = await store.list_bulk_jobs()
@@ -438,9 +481,34 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
         stuck_id = (await store.bulk_items(job_id, states=[ITEM_PENDING], limit=1))[0]
         stuck = await store.claim(stuck_id, owner="dead-worker", trigger="pressure", lease_s=5.0)
         assert isinstance(stuck, Claim)
-        resumed = stack.cli_json("recompact", "--resume", job_id, timeout=180)
+        resume = subprocess.Popen(
+            [sys.executable, "-m", "scheduler.cli", "recompact", "--resume", job_id, "--json"],
+            env=stack.env, cwd=stack.home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        try:
+            # Urgent work is not starved by the bulk backlog: a manual compaction someone waits
+            # for runs on compaction.urgent while the job is under way.
+            async def under_way() -> bool:
+                running = await store.get_bulk_job(job_id)
+                return running is not None and 0 < running.done < n
+            await until(under_way, timeout=60, what="the resumed job to be under way")
+            t0 = time.monotonic()
+            urgent = stack.cli_json("compact", "live", "--wait", "--timeout", "60")
+            urgent_s = time.monotonic() - t0
+            during = await store.get_bulk_job(job_id)
+            out, err = resume.communicate(timeout=180)
+        finally:
+            if resume.poll() is None:
+                resume.kill()
+        assert resume.returncode == 0, err
+        resumed = json.loads(out)
         assert resumed["job"]["id"] == job_id
         assert (resumed["job"]["done"], resumed["job"]["failed"]) == (n, 0)
+        progress = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        assert progress and progress[-1]["done"] == n  # JSON progress when not on a terminal
+        assert urgent["outcome"] == "committed" and urgent["model"] == "fake-mini"
+        assert during is not None and during.done < n, "the job ended before the urgent run"
+        assert urgent_s < 15
 
         listed = stack.cli_json("status")["bulk_jobs"]
         assert [(j["id"], j["matched"], j["done"], j["failed"], j["pending"], j["state"])
@@ -461,16 +529,16 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
             ("failed", "abandoned"), ("failed", "busy"), ("committed", None)}
     finally:
         await store.close()
-    assert f"{n}/{n} sessions verified" in stack.cli("verify", "--all").stdout
+    assert f"{n + 1}/{n + 1} sessions verified" in stack.cli("verify", "--all").stdout
 
-    times = [r.received_at for r in fake.requests]
+    times = [r.received_at for r in fake.requests_for(model="fake-gpt")]
     assert len(times) == calls, "a model call that no committed run accounts for"
     peak = _max_in_window(times)
     span = max(times) - min(times)
     mean = (len(times) - 1) / span
     print(f"\nrecompact at {rate}/s: {n} sessions, {calls} model calls over {span:.2f} s "
           f"(mean {mean:.1f}/s), peak {peak} in any 1 s window; calls waited {waited_s:.1f} s "
-          "in all on the meter")
+          f"in all on the meter; an urgent compaction during the job took {urgent_s:.1f} s")
     # The criterion: the meter reserves slots 1/rate apart, so at most `rate` calls start in any
     # half-open one-second window; the fake's receive times add delivery jitter, allowed for
     # with 10% (five calls, 100 ms). Over the whole run the mean rate is at most the rate.
