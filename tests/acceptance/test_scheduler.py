@@ -599,18 +599,21 @@ async def test_a_session_without_relief_is_flagged_and_cooled_down(make_stack, f
 
 
 # ------------------------------------------------------------------------------------------
-# the CLI's signal
+# bad input to signal and recompact
 
 
-def test_signal_cli_errors_are_bad_input(make_stack) -> None:  # type: ignore[no-untyped-def]
+def test_signal_and_recompact_errors_are_bad_input(make_stack) -> None:  # type: ignore[no-untyped-def]
     stack = make_stack(summarization=POLICY)
     stack.ingest("s1", coding_session(steps=20, big_output_lines=40).messages)
     for args, message in [
-        (["ghost"], "session 'ghost' does not exist"),
-        (["s1", "--reason", "panic"], "field 'reason'"),
-        (["x" * 300], "field 'session'"),
+        (["signal", "ghost"], "session 'ghost' does not exist"),
+        (["signal", "s1", "--reason", "panic"], "field 'reason'"),
+        (["signal", "x" * 300], "field 'session'"),
+        (["recompact", "--rate", "fast/s"], "field 'rate': not a rate"),
+        (["recompact", "--idle-for", "soon", "--dry-run"], "not a duration"),
+        (["recompact", "--resume", "nosuchjob"], "no bulk job 'nosuchjob'"),
     ]:
-        out = stack.cli("signal", *args, check=False)
+        out = stack.cli(*args, check=False)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert message in out.stderr and out.stdout == ""
     body = stack.cli_json("signal", "s1")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from scheduler.bulk import fan_out
+from scheduler.bulk import BulkFilter, fan_out, matching_sessions
 from scheduler.client import CompactdClient, SessionHandle
 from scheduler.enqueue import Enqueuer, RecordingEnqueuer
 from scheduler.intake import SignalPayload, accept_signal, follow_up
@@ -456,6 +456,31 @@ async def test_bulk_items_move_pending_enqueued_done_and_resume_skips_done(
     listed = (await status(store))["bulk_jobs"]
     assert [(j["id"], j["matched"], j["done"], j["failed"], j["pending"]) for j in listed] == [
         (job.id, 4, 1, 0, 0)]
+
+
+async def test_recompact_filters_select_sessions(store: Store, tmp_path: Any) -> None:
+    now = utcnow()
+    for sid, tenant, model, tokens, idle_h in [
+        ("a-big", "acme", "gpt-4o", 500, 0), ("b-small", "acme", "claude-3-5-sonnet", 50, 0),
+        ("c-idle", "globex", "gpt-4o", 800, 3), ("d-empty", "globex", "gpt-4o", 0, 0)]:
+        await store.create_session(sid, tenant=tenant, run_model=model)
+        if tokens:
+            await store.append(sid, [_msg(user(tokens))],
+                               now=now - dt.timedelta(hours=idle_h))
+    session_file = tmp_path / "ids.txt"
+    session_file.write_text("c-idle\n\n  a-big  \nghost\n")
+    for bulk_filter, expected in [
+        (BulkFilter(), ["a-big", "b-small", "c-idle", "d-empty"]),
+        (BulkFilter(tenant="acme"), ["a-big", "b-small"]),
+        (BulkFilter(run_model="gpt-4o"), ["a-big", "c-idle", "d-empty"]),
+        (BulkFilter(min_tokens=400), ["a-big", "c-idle"]),
+        (BulkFilter(idle_for_s=3600), ["c-idle", "d-empty"]),  # never appended counts as idle
+        (BulkFilter(session_file=str(session_file)), ["a-big", "c-idle"]),
+        (BulkFilter(tenant="acme", min_tokens=400, run_model="gpt-4o"), ["a-big"]),
+    ]:
+        assert await matching_sessions(store, bulk_filter) == expected, bulk_filter
+    with pytest.raises(InvalidMessage, match="cannot read"):
+        await matching_sessions(store, BulkFilter(session_file=str(tmp_path / "missing")))
 
 
 # ------------------------------------------------------------------------------------------
