@@ -302,15 +302,19 @@ async def test_reaper_abandons_expired_runs_and_requeues_sessions_still_over(
         client: CompactdClient, store: Store, config: Config,
         enqueuer: RecordingEnqueuer) -> None:
     await over(client, "hot")
+    await over(client, "flagged")
     cool = await client.create_session("cool", run_model="gpt-4o")
     await cool.append([user(10)])
     t0 = utcnow()
-    claims = [await store.claim(sid, owner="dead-worker", trigger="pressure", lease_s=5, now=t0)
-              for sid in ("hot", "cool")]
+    await store.flag_session("flagged", reason="test", cooldown_until=t0 + dt.timedelta(
+        minutes=5))
+    claims = [await store.claim(sid, owner="dead-worker", trigger="manual", lease_s=5, now=t0)
+              for sid in ("hot", "cool", "flagged")]
     assert all(isinstance(c, Claim) for c in claims)
     assert await reap_leases(store, config, enqueuer, now=t0 + dt.timedelta(seconds=1)) == []
     reaped = await reap_leases(store, config, enqueuer, now=t0 + dt.timedelta(seconds=6))
-    assert sorted(r.session_id for r in reaped) == ["cool", "hot"]
+    assert sorted(r.session_id for r in reaped) == ["cool", "flagged", "hot"]
+    # Over its trigger: back on the queue; under it, or cooling down: not.
     assert [(r.session_id, r.trigger) for r in enqueuer.sent] == [("hot", "reap")]
     for claim in claims:
         assert isinstance(claim, Claim)
