@@ -143,6 +143,7 @@ async def test_agent_loop_picks_up_checkpoints_and_never_waits(make_stack, fake)
         for step in iter_steps(coding_session(steps=30, big_output_lines=40)):
             await loop.step(step)
             await asyncio.sleep(0.2)  # the model thinking
+        picked_up_in_loop = loop.pickups
         await settled(client.store, "agent")
         # The agent's next step picks up whatever committed after its last one.
         await loop.step([{"role": "user", "content": "Thanks, that is all."}])
@@ -165,7 +166,7 @@ async def test_agent_loop_picks_up_checkpoints_and_never_waits(make_stack, fake)
     assert len(committed) >= 2, [(r.status, r.failure_class, r.error) for r in runs]
     assert during >= 3, "no step ran while a compaction was in flight"
     assert slowest < 0.5, f"a step took {slowest:.3f} s: it waited for something"
-    assert loop.pickups >= 2
+    assert picked_up_in_loop >= 1, "no checkpoint was picked up while the agent worked"
     # The runtime's incremental view is exactly the checkpointed surface.
     assert loop.view == [(m["role"], m.get("content")) for m in final]
     assert checkpoints(final) == 1
@@ -490,13 +491,13 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
             # for runs on compaction.urgent while the job is under way.
             async def under_way() -> bool:
                 running = await store.get_bulk_job(job_id)
-                return running is not None and 0 < running.done < n
+                return running is not None and running.done > 0
             await until(under_way, timeout=60, what="the resumed job to be under way")
-            t0 = time.monotonic()
-            urgent = stack.cli_json("compact", "live", "--wait", "--timeout", "60")
-            urgent_s = time.monotonic() - t0
-            during = await store.get_bulk_job(job_id)
-            out, err = resume.communicate(timeout=180)
+            async with CompactdClient(config_of(stack)) as client:
+                t0 = time.monotonic()
+                urgent = await (await client.get_session("live")).compact(timeout_s=60)
+                urgent_s = time.monotonic() - t0
+            out, err = await asyncio.to_thread(resume.communicate, timeout=180)
         finally:
             if resume.poll() is None:
                 resume.kill()
@@ -507,13 +508,12 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
         progress = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
         assert progress and progress[-1]["done"] == n  # JSON progress when not on a terminal
         assert urgent["outcome"] == "committed" and urgent["model"] == "fake-mini"
-        assert during is not None and during.done < n, "the job ended before the urgent run"
-        assert urgent_s < 15
+        assert urgent_s < 10
 
         listed = stack.cli_json("status")["bulk_jobs"]
         assert [(j["id"], j["matched"], j["done"], j["failed"], j["pending"], j["state"])
                 for j in listed] == [(job_id, n, n, 0, 0, "done")]
-        calls, waited_s = 0, 0.0
+        calls, waited_s, last_bulk = 0, 0.0, dt.datetime.min.replace(tzinfo=dt.UTC)
         for sid in ids:
             runs = [r for r in await store.session_runs(sid) if r.bulk_job_id == job_id]
             assert [r.status for r in runs if r.status != "failed"] == ["committed"], sid
@@ -521,6 +521,9 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
             committed = [r for r in runs if r.status == "committed"]
             calls += sum(len(r.candidates or ()) for r in committed)
             waited_s += sum((r.stages or {})["rate_wait_s"] for r in committed)
+            last_bulk = max([last_bulk, *(r.finished_at for r in committed if r.finished_at)])
+        # The urgent run did not wait for the bulk backlog to drain.
+        assert dt.datetime.fromisoformat(urgent["finished_at"]) < last_bulk
         surfaces = [await store.read_surface(sid) for sid in ids]
         assert all(sum(1 for node in s.nodes if node.kind == "checkpoint") == 1
                    for s in surfaces)
