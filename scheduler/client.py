@@ -26,11 +26,12 @@ from types import TracebackType
 from typing import Any
 
 from scheduler.enqueue import Enqueuer, RunRequest
-from scheduler.intake import SignalPayload, SignalResult, accept_signal, enqueue_marked
+from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
+from storage.tokens import counter_for
 from worker.app import client_app
 from worker.compaction.planner import plan
 from worker.compaction.policy import PolicyError, parse_policy
@@ -148,11 +149,20 @@ class CompactdClient:
             context_window=context_window or self.config.context_window(run_model),
             envelope=dict(envelope) if envelope is not None else None,
             policy=dict(policy) if policy is not None else None)
+        await _warm_counter(info.run_model)
         return SessionHandle(self, info)
 
     async def get_session(self, session_id: str) -> SessionHandle:
         await self._ensure_schema()
-        return SessionHandle(self, await self.store.get_session(session_id))
+        info = await self.store.get_session(session_id)
+        await _warm_counter(info.run_model)
+        return SessionHandle(self, info)
+
+
+async def _warm_counter(run_model: str | None) -> None:
+    """Load the run model's tokenizer now (a few hundred milliseconds, once per process), in a
+    thread: otherwise the agent's first step pays for it."""
+    await asyncio.to_thread(counter_for(run_model).count_text, "warm")
 
 
 class SessionHandle:
@@ -184,6 +194,10 @@ class SessionHandle:
             self.id, parsed, signal_if=self._wants_signal,
             signal_ttl_s=self._config.worker.signal_ttl_s)
         self.info = result.session
+        if result.version == self.version + 1:
+            # Only this append moved the version: the runtime has these messages already, so the
+            # next poll must report a compaction's commit, not our own append.
+            self.version = result.version
         if result.signalled:
             await enqueue_marked(self.client.store, self.client.enqueuer,
                                  RunRequest(self.id, "pressure"))
@@ -194,7 +208,7 @@ class SessionHandle:
                           signalled=result.signalled)
 
     async def signal(self, reason: str = "pressure") -> SignalResult:
-        payload = SignalPayload(session=self.id, reason=reason)  # type: ignore[arg-type]
+        payload = parse_signal({"session": self.id, "reason": reason})
         return await accept_signal(self.client.store, self._config, self.client.enqueuer,
                                    payload)
 
@@ -209,7 +223,7 @@ class SessionHandle:
 
     async def poll(self, since_version: int | None = None) -> int | None:
         """The new surface version if it moved since ``since_version`` (default: the version
-        this handle last saw), else None. One primary-key read."""
+        this handle last read or appended at), else None. One primary-key read."""
         since = self.version if since_version is None else since_version
         moved = await self.client.store.poll(self.id, since)
         return moved

@@ -132,10 +132,13 @@ def _say_outcome(result: dict[str, Any]) -> None:
 async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
     from scheduler.cli import emit, say
     from scheduler.client import CompactdClient
+    from scheduler.intake import parse_signal
 
+    # Validated before anything is opened: a bad field is bad input whatever the database says.
+    payload = parse_signal({"session": args.session, "reason": args.reason})
     async with CompactdClient(config) as client:
-        handle = await client.get_session(args.session)
-        result = await handle.signal()
+        handle = await client.get_session(payload.session)
+        result = await handle.signal(payload.reason)
     if args.json:
         emit(result.to_json())
     else:
@@ -224,6 +227,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")
     p.add_argument("session")
+    p.add_argument("--reason", default="pressure", help="pressure | step | append")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_signal)
 

@@ -8,6 +8,7 @@ task (a Redis flush) loses nothing: the pressure sweep finds every session over 
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,8 +18,10 @@ from scheduler.enqueue import Enqueuer, RunRequest
 from storage.errors import InvalidMessage
 from storage.records import utcnow
 from storage.store import Store
-from worker.pressure import explain
+from worker.pressure import explain, over_trigger
 from worker.settings import Config
+
+QUEUED = "a compaction is already queued or running"
 
 
 class SignalPayload(BaseModel):
@@ -59,8 +62,12 @@ async def accept_signal(store: Store, config: Config, enqueuer: Enqueuer,
     if info.cooldown_until is not None and info.cooldown_until > now:
         return SignalResult(info.id, False,
                             f"cooling down until {info.cooldown_until.isoformat()} (loop guard)")
-    if not await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
-        return SignalResult(info.id, False, "a compaction is already queued or running")
+    ttl_s = config.worker.signal_ttl_s
+    # A live mark seen in the read answers a burst without a write per signal; a mark that looks
+    # free is still taken by the atomic update, which is what decides between racing signals.
+    if (info.signal_at is not None and info.signal_at > now - dt.timedelta(seconds=ttl_s)) or \
+            not await store.mark_signal(info.id, ttl_s=ttl_s, now=now):
+        return SignalResult(info.id, False, QUEUED)
     task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))
     return SignalResult(info.id, True, why, task_id)
 
@@ -73,3 +80,26 @@ async def enqueue_marked(store: Store, enqueuer: Enqueuer, request: RunRequest) 
     except Exception:
         await store.clear_signal(request.session_id)
         raise
+
+
+async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, session_id: str, *,
+                    run_started_at: dt.datetime) -> str | None:
+    """Signal again for a session whose automatic run just ended, when appends made while it ran
+    put the session over its trigger again.
+
+    Those appends found the run's signal mark set and did not enqueue; without this the session
+    would wait for the runtime's next append or the pressure sweep. Only appends newer than the
+    run count, so a run that could not bring relief on its own does not re-enqueue itself (the
+    loop guard deals with that).
+    """
+    info = await store.get_session(session_id)
+    now = utcnow()
+    if info.last_append_at is None or info.last_append_at <= run_started_at:
+        return None
+    if info.cooldown_until is not None and info.cooldown_until > now:
+        return None
+    if not over_trigger(info, config):
+        return None
+    if not await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
+        return None
+    return await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))

@@ -4,7 +4,8 @@
   over their trigger with no live lease, no cool-down and no fresh signal, so a lost signal or a
   flushed Redis costs at most two sweep intervals.
 * :func:`reap_leases` closes expired leases (the run becomes ``abandoned`` and its orphan
-  ``compaction/start`` is ended) and re-enqueues the sessions still over their trigger.
+  ``compaction/start`` is ended) and re-enqueues the sessions still over their trigger, unless
+  the loop guard is cooling them down.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
                        extra={"action": "reap", "session_id": lease.session_id,
                               "run_id": lease.run_id, "owner": lease.owner})
         info = await store.get_session(lease.session_id)
-        if over_trigger(info, config):
+        cooling = info.cooldown_until is not None and info.cooldown_until > now
+        if over_trigger(info, config) and not cooling:
             # The dead run's signal mark would block signals until its TTL: replace it.
             await store.clear_signal(info.id)
             if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):

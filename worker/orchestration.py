@@ -68,6 +68,7 @@ class Outcome:
     error: str | None = None
     summary: str | None = None
     rounds: int = 0
+    rate_wait_s: float = 0.0  # how long the model calls waited on the shared rate meters
 
     @property
     def failed(self) -> bool:
@@ -79,6 +80,7 @@ class Outcome:
                 "tokens_after": self.tokens_after, "pruned": self.pruned,
                 "replaced_seqs": self.replaced_seqs, "model": self.model,
                 "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
+                "rate_wait_s": round(self.rate_wait_s, 3),
                 "error": self.error, "candidates": self.candidates}
 
     def run_end(self) -> RunEnd:
@@ -86,7 +88,8 @@ class Outcome:
                       tokens_before=self.tokens_before, tokens_after=self.tokens_after,
                       model=self.model, candidates=self.candidates or None,
                       stages={"stages": self.stages, "pruned": self.pruned,
-                              "rounds": self.rounds},
+                              "rounds": self.rounds,
+                              "rate_wait_s": round(self.rate_wait_s, 3)},
                       range_seqs=self.replaced_seqs or None)
 
 
@@ -290,7 +293,7 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
                                  models=config.models, default_model=config.default_model,
                                  local_fallback=config.worker.local_fallback)
     retry = RetryPolicy.from_config(config.worker)
-    providers = _providers(deps, rate_per_s, bulk_job_id)
+    providers = _providers(deps, rate_per_s, bulk_job_id, out)
     loop = asyncio.get_running_loop()
     deadline_at = loop.time() + config.worker.deadline_s
     calls = _Calls(current, policy, info)
@@ -387,9 +390,16 @@ async def _loop_guard(deps: Deps, out: Outcome, info: SessionInfo, policy: Polic
                                         limit=guard.max_compactions + 1)
     metrics().compactions_per_session.observe(len(runs))
     threshold = policy.threshold_tokens()
-    if threshold is None or len(runs) <= guard.max_compactions:
+    if threshold is None:
         return
     relief = threshold * (1 - guard.margin)
+    if info.flagged_reason and out.tokens_after is not None and out.tokens_after < relief:
+        # Relief came (the cool-down is over and this run got well under the trigger): the flag
+        # would otherwise stay in status forever.
+        await deps.store.clear_flag(info.id)
+        return
+    if len(runs) <= guard.max_compactions:
+        return
     if all(r.tokens_after is not None and r.tokens_after >= relief for r in runs):
         reason = (f"{len(runs)} compactions in {guard.window_s:g} s without pressure falling "
                   f"below {relief:.0f} tokens")
@@ -460,7 +470,8 @@ def _counted(out: Outcome) -> Outcome:
     return out
 
 
-def _providers(deps: Deps, rate_per_s: float | None, bulk_job_id: str | None) -> Any:
+def _providers(deps: Deps, rate_per_s: float | None, bulk_job_id: str | None,
+               out: Outcome) -> Any:
     """The process's provider pool, behind the global and bulk-job rate meters."""
     from worker.llm.providers import Attribution, ProviderPool
 
@@ -478,33 +489,40 @@ def _providers(deps: Deps, rate_per_s: float | None, bulk_job_id: str | None) ->
         meters.append((bulk_meter(bulk_job_id or "adhoc"), rate_per_s))
     if not meters:
         return deps.models
-    return MeteredProviders(deps.models, deps.limiter, meters)
+    return MeteredProviders(deps.models, deps.limiter, meters, out)
 
 
 class MeteredProviders:
-    """A provider source whose every HTTP call first takes a slot on the shared meters."""
+    """A provider source whose every HTTP call first takes a slot on the shared meters; the
+    time spent waiting for slots is added to the run's outcome (its stages show it)."""
 
-    def __init__(self, pool: Any, limiter: Any, meters: list[tuple[str, float]]) -> None:
+    def __init__(self, pool: Any, limiter: Any, meters: list[tuple[str, float]],
+                 out: Outcome | None = None) -> None:
         self.pool = pool
         self.limiter = limiter
         self.meters = meters
+        self.out = out
 
     def get(self, candidate: Any) -> Any:
-        return _MeteredProvider(self.pool.get(candidate), self.limiter, self.meters)
+        return _MeteredProvider(self.pool.get(candidate), self.limiter, self.meters, self.out)
 
     def mark_broken(self, candidate: Any, reason: str) -> None:
         self.pool.mark_broken(candidate, reason)
 
 
 class _MeteredProvider:
-    def __init__(self, provider: Any, limiter: Any, meters: list[tuple[str, float]]) -> None:
+    def __init__(self, provider: Any, limiter: Any, meters: list[tuple[str, float]],
+                 out: Outcome | None = None) -> None:
         self.provider = provider
         self.limiter = limiter
         self.meters = meters
+        self.out = out
 
     async def complete(self, *args: Any, **kwargs: Any) -> Any:
         for name, rate in self.meters:
-            await self.limiter.acquire(name, rate)
+            waited = await self.limiter.acquire(name, rate)
+            if self.out is not None:
+                self.out.rate_wait_s += waited
         return await self.provider.complete(*args, **kwargs)
 
     async def aclose(self) -> None:

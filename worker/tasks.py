@@ -17,11 +17,14 @@ from celery import Task, shared_task
 from celery.signals import task_postrun, task_prerun, worker_process_init, worker_ready
 
 from scheduler.enqueue import Enqueuer
+from scheduler.intake import follow_up
 from scheduler.sweeps import reap_leases, sweep_pressure
+from storage.jobs import ITEM_FAILED
+from storage.records import utcnow
 from worker import logs
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.metrics import metrics, serve
-from worker.orchestration import Outcome, compact
+from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
 from worker.runtime import Deps, process_loop, reset_process_loop
 from worker.settings import Config, load_config
 
@@ -29,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 # Failures an operator should see as failed tasks; the others are contention.
 QUIET_FAILURES = ("busy", "changed")
+# A bulk item that finds its session leased is retried this many times, a third of a lease
+# apart (an expired lease is closed by the next claim), before the item is marked failed.
+BULK_BUSY_RETRIES = 12
 
 
 class CompactionFailed(Exception):
@@ -54,21 +60,40 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
         metrics().queue_wait.labels(queue).observe(max(0.0, time.time() - sent_at))
 
     async def go(deps: Deps) -> Outcome:
+        started_at = utcnow()
+        outcome: Outcome | None = None
         try:
             # The loop thread has its own context: bind here too (compact adds the run id).
             with logs.bind(session_id=session_id, task_id=task_id):
-                return await compact(deps, session_id, trigger=trigger, force=force, keep=keep,
-                                     task_id=task_id, bulk_job_id=bulk_job_id,
-                                     rate_per_s=rate_per_s)
+                outcome = await compact(deps, session_id, trigger=trigger, force=force,
+                                        keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
+                                        rate_per_s=rate_per_s)
+            return outcome
         finally:
-            if trigger in ("pressure", "sweep", "reap"):
+            if trigger in AUTOMATIC_TRIGGERS:
                 # The signal's run is over: the next signal may enqueue again.
                 await deps.store.clear_signal(session_id)
+                if outcome is not None and outcome.outcome == "committed":
+                    try:
+                        await follow_up(deps.store, config, Enqueuer(self.app), session_id,
+                                        run_started_at=started_at)
+                    except Exception as exc:
+                        # The run itself succeeded; the pressure sweep finds the session.
+                        logger.warning("follow-up signal failed: %s", exc,
+                                       extra={"action": "follow_up_failed",
+                                              "session_id": session_id})
 
     outcome = process_loop(config).run(go)
     if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)
+    if bulk_job_id is not None and outcome.failure_class == "busy":
+        # Another run holds the session (or this item is a duplicate delivery still running):
+        # try again after the lease has had time to end, or the bulk job would wait forever.
+        if self.request.retries < BULK_BUSY_RETRIES:
+            raise self.retry(countdown=config.worker.lease_s / 3, max_retries=BULK_BUSY_RETRIES)
+        process_loop(config).run(lambda deps: deps.store.mark_bulk_items(
+            bulk_job_id, [session_id], ITEM_FAILED))
     if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
         raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
     return outcome.to_json()

@@ -1,0 +1,511 @@
+"""The scheduler's decisions against real databases (PostgreSQL and the embedded SQLite) and, where
+it matters, real Redis: signal intake and de-duplication, the runtime client's append/poll/usage,
+sweeps, the lease reaper, the loop guard, follow-up signals, bulk item states and the shared rate
+meter. Enqueues are recorded (``RecordingEnqueuer``) unless the test is about the queue itself."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from scheduler.bulk import BulkFilter, fan_out, matching_sessions
+from scheduler.client import CompactdClient, SessionHandle
+from scheduler.enqueue import Enqueuer, RecordingEnqueuer
+from scheduler.intake import SignalPayload, accept_signal, follow_up
+from scheduler.status import status
+from scheduler.sweeps import reap_leases, sweep_pressure
+from storage.errors import InvalidMessage, SessionNotFound
+from storage.jobs import ITEM_DONE, ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
+from storage.records import Claim, utcnow
+from storage.store import Store
+from storage.surface import JOURNAL_END
+from worker.app import client_app
+from worker.keys import QUEUE_PRESSURE, TASK_RUN
+from worker.limits import LocalLimiter, RedisLimiter
+from worker.orchestration import compact
+from worker.runtime import Deps
+from worker.settings import Config, Settings, build_config
+
+TRIGGER = 400
+
+
+def make_config(db_url: str, *, broker: str = "memory://", trigger: int = TRIGGER,
+                keep: int = 2, worker: dict[str, Any] | None = None) -> Config:
+    raw = {"summarization": {"trigger": {"type": "tokens", "value": trigger},
+                             "keep": {"type": "messages", "value": keep}},
+           "worker": {"metrics_port": 0, **(worker or {})}}
+    return build_config(raw, settings=Settings(database_url=db_url, broker_url=broker))
+
+
+WORDS = ("apple", "river", "stone", "cloud", "green", "table", "light", "house", "water", "paper")
+
+
+def text(tokens: int, tag: str = "") -> str:
+    # One token per word for these common words (o200k and cl100k); the tag keeps texts apart.
+    body = " ".join(WORDS[i % len(WORDS)] for i in range(tokens - 1 if tag else tokens))
+    return f"{tag} {body}" if tag else body
+
+
+def user(tokens: int, tag: str = "") -> dict[str, Any]:
+    return {"role": "user", "content": text(tokens, tag)}
+
+
+@pytest.fixture
+def config(db_url: str) -> Config:
+    return make_config(db_url)
+
+
+@pytest.fixture
+def enqueuer() -> RecordingEnqueuer:
+    return RecordingEnqueuer()
+
+
+@pytest.fixture
+async def client(config: Config, store: Store, enqueuer: RecordingEnqueuer
+                 ) -> AsyncIterator[CompactdClient]:
+    async with CompactdClient(config, store=store, enqueuer=enqueuer) as c:
+        yield c
+
+
+async def over(client: CompactdClient, sid: str = "s1", **kw: Any) -> SessionHandle:
+    """A session over the trigger whose signal mark is free (as after a lost signal)."""
+    handle = await client.create_session(sid, run_model="gpt-4o", **kw)
+    await client.store.append(sid, [_msg(user(TRIGGER + 50))])
+    return handle
+
+
+def tool_step(tokens: int, tag: str) -> list[dict[str, Any]]:
+    """An assistant tool call and its result of about ``tokens`` tokens: what summaries shrink
+    well (the local summarizer keeps a result's paths and errors, not its text)."""
+    call = f"call_{tag}"
+    return [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": call, "type": "function",
+                 "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
+            {"role": "tool", "tool_call_id": call, "name": "bash", "content": text(tokens, tag)}]
+
+
+def _msg(raw: dict[str, Any]) -> Any:
+    from storage.messages import parse_openai
+
+    return parse_openai(raw)
+
+
+def deps_for(config: Config, store: Store) -> Deps:
+    return Deps(config=config, store=store, limiter=LocalLimiter(), owner="test-worker")
+
+
+# ------------------------------------------------------------------------------------------
+# signal intake
+
+
+async def test_signal_for_an_unknown_session_is_refused(config: Config, store: Store,
+                                                         enqueuer: RecordingEnqueuer) -> None:
+    with pytest.raises(SessionNotFound, match="'ghost' does not exist"):
+        await accept_signal(store, config, enqueuer, SignalPayload(session="ghost"))
+    assert enqueuer.sent == []
+
+
+async def test_client_signal_with_a_bad_reason_names_the_field(client: CompactdClient) -> None:
+    handle = await client.create_session("s1")
+    with pytest.raises(InvalidMessage) as err:
+        await handle.signal("panic")
+    assert err.value.field == "reason"
+
+
+async def test_signal_under_the_trigger_enqueues_nothing(client: CompactdClient,
+                                                         enqueuer: RecordingEnqueuer) -> None:
+    handle = await client.create_session("s1", run_model="gpt-4o")
+    await handle.append([user(50)])
+    result = await handle.signal()
+    assert not result.enqueued and result.reason.startswith("not compacting")
+    assert enqueuer.sent == []
+
+
+async def test_a_burst_of_signals_enqueues_one_task(client: CompactdClient,
+                                                    enqueuer: RecordingEnqueuer) -> None:
+    handle = await over(client)
+    results = await asyncio.gather(*(handle.signal() for _ in range(200)))
+    enqueued = [r for r in results if r.enqueued]
+    assert len(enqueued) == 1 and len(enqueuer.sent) == 1
+    assert enqueuer.sent[0].trigger == "pressure" and enqueuer.sent[0].session_id == "s1"
+    assert {r.reason for r in results if not r.enqueued} == {
+        "a compaction is already queued or running"}
+
+
+async def test_the_next_signal_enqueues_again_once_the_run_cleared_the_mark(
+        client: CompactdClient, store: Store, enqueuer: RecordingEnqueuer) -> None:
+    handle = await over(client)
+    assert (await handle.signal()).enqueued
+    assert not (await handle.signal()).enqueued
+    await store.clear_signal("s1")  # what the worker does when the signal's run ends
+    assert (await handle.signal()).enqueued
+    assert len(enqueuer.sent) == 2
+
+
+async def test_a_lost_signal_mark_expires_after_its_ttl(db_url: str, store: Store) -> None:
+    config = make_config(db_url, worker={"signal_ttl_s": 0.2})
+    enqueuer = RecordingEnqueuer()
+    async with CompactdClient(config, store=store, enqueuer=enqueuer) as client:
+        handle = await over(client)
+        assert (await handle.signal()).enqueued
+        assert not (await handle.signal()).enqueued
+        await asyncio.sleep(0.3)
+        assert (await handle.signal()).enqueued
+
+
+async def test_a_cooling_session_is_not_signalled(client: CompactdClient, store: Store,
+                                                  enqueuer: RecordingEnqueuer,
+                                                  config: Config) -> None:
+    handle = await over(client)
+    await store.flag_session("s1", reason="test", cooldown_until=utcnow() + dt.timedelta(
+        minutes=5))
+    result = await handle.signal()
+    assert not result.enqueued and "cooling down" in result.reason
+    step = await handle.append([user(20)])
+    assert step.fired and not step.signalled
+    assert (await sweep_pressure(store, config, enqueuer)).enqueued == ()
+    assert enqueuer.sent == []
+
+
+# ------------------------------------------------------------------------------------------
+# the runtime client
+
+
+async def test_append_returns_totals_and_signals_once_per_burst(
+        client: CompactdClient, enqueuer: RecordingEnqueuer) -> None:
+    handle = await client.create_session("s1", run_model="gpt-4o")
+    first = await handle.append([user(100), {"role": "assistant", "content": "ok"}])
+    assert (first.first_seq, first.last_seq, first.messages) == (1, 2, 2)
+    assert first.tokens == (await client.store.read_surface("s1")).tokens
+    assert not first.fired and not first.signalled
+    steps = [await handle.append([user(150)]) for _ in range(4)]
+    assert [s.fired for s in steps] == [False, True, True, True]
+    assert [s.signalled for s in steps] == [False, True, False, False]
+    assert steps[-1].tokens > steps[0].tokens and steps[-1].last_seq == 6
+    assert len(enqueuer.sent) == 1
+    assert json.loads(json.dumps(steps[1].to_json()))["signalled"] is True
+
+
+async def test_report_usage_moves_the_trigger(client: CompactdClient, store: Store,
+                                              enqueuer: RecordingEnqueuer) -> None:
+    handle = await client.create_session("s1", run_model="gpt-4o")
+    step = await handle.append([user(50)])
+    assert not step.fired
+    info = await handle.report_usage(TRIGGER - 1)
+    assert info.reported_input_tokens == TRIGGER - 1 and enqueuer.sent == []
+    info = await handle.report_usage(TRIGGER + 100)  # the provider counts more than we do
+    assert len(enqueuer.sent) == 1
+    assert (await handle.signal()).reason == "a compaction is already queued or running"
+    with pytest.raises(InvalidMessage, match="input_tokens"):
+        await handle.report_usage(-1)
+
+
+async def test_poll_reports_a_commit_not_the_runtimes_own_appends(
+        client: CompactdClient, config: Config, store: Store) -> None:
+    handle = await client.create_session("s1", run_model="gpt-4o")
+    for i in range(6):
+        await handle.append(tool_step(80, f"t{i}"))
+        assert await handle.poll() is None, "an own append is not news"
+    outcome = await compact(deps_for(config, store), "s1", trigger="manual", force=True)
+    assert outcome.outcome == "committed"
+    moved = await handle.poll()
+    assert moved is not None
+    # An append after the commit must not hide it.
+    await handle.append([user(5)])
+    assert await handle.poll() is not None
+    messages = await handle.surface()
+    assert any((m.get("meta") or {}).get("checkpoint") for m in messages)
+    assert await handle.poll() is None
+
+
+async def test_a_burst_of_appends_over_the_trigger_puts_one_message_on_the_queue(
+        clean_pg: str, clean_redis: str) -> None:
+    import redis
+
+    config = make_config(clean_pg, broker=clean_redis)
+    async with CompactdClient(config, enqueuer=Enqueuer(client_app(config))) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.append([user(TRIGGER - 20)])
+        steps = await asyncio.gather(*(handle.append([user(30, f"b{i}")]) for i in range(30)))
+    assert all(s.fired for s in steps)
+    assert sum(s.signalled for s in steps) == 1
+    r = redis.Redis.from_url(clean_redis)
+    try:
+        queued = r.lrange(QUEUE_PRESSURE, 0, -1)
+    finally:
+        r.close()
+    assert len(queued) == 1
+    message = json.loads(queued[0])
+    assert message["headers"]["task"] == TASK_RUN
+    _args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+    assert (kwargs["session_id"], kwargs["trigger"]) == ("s1", "pressure")
+
+
+# ------------------------------------------------------------------------------------------
+# sweeps and the reaper
+
+
+async def test_sweep_enqueues_only_idle_sessions_over_their_trigger(
+        db_url: str, store: Store) -> None:
+    config = make_config(db_url, worker={"sweep_batch": 2, "sweep_interval_s": 30})
+    enqueuer = RecordingEnqueuer()
+    now = utcnow()
+    async with CompactdClient(config, store=store, enqueuer=enqueuer) as client:
+        for sid in ("a-over", "c-leased", "d-cooling", "e-fresh", "f-stale"):
+            await over(client, sid)
+        under = await client.create_session("b-under", run_model="gpt-4o")
+        await under.append([user(10)])
+    claim = await store.claim("c-leased", owner="other", trigger="manual", lease_s=300)
+    assert isinstance(claim, Claim)
+    await store.flag_session("d-cooling", reason="test",
+                             cooldown_until=now + dt.timedelta(minutes=5))
+    assert await store.mark_signal("e-fresh", ttl_s=120, now=now - dt.timedelta(seconds=5))
+    assert await store.mark_signal("f-stale", ttl_s=120, now=now - dt.timedelta(seconds=31))
+    result = await sweep_pressure(store, config, enqueuer, now=now)
+    assert sorted(result.enqueued) == ["a-over", "f-stale"]
+    assert result.scanned_batches >= 3  # six sessions, two per batch
+    assert {r.trigger for r in enqueuer.sent} == {"sweep"}
+    # The sweep marked what it enqueued: the next sweep does not enqueue them twice.
+    again = await sweep_pressure(store, config, enqueuer, now=now + dt.timedelta(seconds=1))
+    assert again.enqueued == ()
+
+
+async def test_sweep_skips_a_row_another_transaction_holds(clean_pg: str) -> None:
+    config = make_config(clean_pg)
+    enqueuer = RecordingEnqueuer()
+    store = Store.from_url(clean_pg)
+    try:
+        async with CompactdClient(config, store=store, enqueuer=enqueuer) as client:
+            await over(client, "held")
+            await over(client, "free")
+        async with store.engine.connect() as conn, conn.begin():
+            await conn.execute(sa.text("SELECT id FROM sessions WHERE id = 'held' FOR UPDATE"))
+            started = time.monotonic()
+            result = await sweep_pressure(store, config, enqueuer)
+            assert time.monotonic() - started < 5, "the sweep waited for the lock"
+        assert result.enqueued == ("free",)
+        assert (await sweep_pressure(store, config, enqueuer)).enqueued == ("held",)
+    finally:
+        await store.close()
+
+
+async def test_reaper_abandons_expired_runs_and_requeues_sessions_still_over(
+        client: CompactdClient, store: Store, config: Config,
+        enqueuer: RecordingEnqueuer) -> None:
+    await over(client, "hot")
+    await over(client, "flagged")
+    cool = await client.create_session("cool", run_model="gpt-4o")
+    await cool.append([user(10)])
+    t0 = utcnow()
+    await store.flag_session("flagged", reason="test", cooldown_until=t0 + dt.timedelta(
+        minutes=5))
+    claims = [await store.claim(sid, owner="dead-worker", trigger="manual", lease_s=5, now=t0)
+              for sid in ("hot", "cool", "flagged")]
+    assert all(isinstance(c, Claim) for c in claims)
+    assert await reap_leases(store, config, enqueuer, now=t0 + dt.timedelta(seconds=1)) == []
+    reaped = await reap_leases(store, config, enqueuer, now=t0 + dt.timedelta(seconds=6))
+    assert sorted(r.session_id for r in reaped) == ["cool", "flagged", "hot"]
+    # Over its trigger: back on the queue; under it, or cooling down: not.
+    assert [(r.session_id, r.trigger) for r in enqueuer.sent] == [("hot", "reap")]
+    for claim in claims:
+        assert isinstance(claim, Claim)
+        run = await store.get_run(claim.run_id)
+        assert run is not None and (run.status, run.failure_class) == ("failed", "abandoned")
+        info = await store.get_session(claim.session.id)
+        assert info.lease_run_id is None
+        ends = await store.read_events(claim.session.id, kinds=[JOURNAL_END])
+        assert [e.payload["failure_class"] for e in ends] == ["abandoned"]
+        assert (await store.verify(claim.session.id)).ok
+
+
+# ------------------------------------------------------------------------------------------
+# follow-up signals after a run
+
+
+async def test_follow_up_signals_only_for_appends_made_during_the_run(
+        client: CompactdClient, store: Store, config: Config,
+        enqueuer: RecordingEnqueuer) -> None:
+    await over(client)
+    appended_at = (await store.get_session("s1")).last_append_at
+    assert appended_at is not None
+    # Nothing appended since the run started: a run that left the session over its trigger
+    # does not re-enqueue itself.
+    assert await follow_up(store, config, enqueuer, "s1",
+                           run_started_at=appended_at + dt.timedelta(seconds=1)) is None
+    assert await follow_up(store, config, enqueuer, "s1",
+                           run_started_at=appended_at - dt.timedelta(seconds=1)) is not None
+    assert [r.trigger for r in enqueuer.sent] == ["pressure"]
+    # Its mark is live now: a second follow-up (or signal) does not add a task.
+    assert await follow_up(store, config, enqueuer, "s1",
+                           run_started_at=appended_at - dt.timedelta(seconds=1)) is None
+    assert len(enqueuer.sent) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# loop guard
+
+
+async def test_loop_guard_flags_a_session_compacting_without_relief(
+        db_url: str, store: Store) -> None:
+    config = make_config(db_url, worker={"loop_guard": {
+        "max_compactions": 2, "window_s": 60, "margin": 0.1, "cooldown_s": 30}})
+    enqueuer = RecordingEnqueuer()
+    deps = deps_for(config, store)
+    # The envelope alone is over the trigger: no compaction can bring relief.
+    envelope = {"system": text(TRIGGER + 30, "sys")}
+    async with CompactdClient(config, store=store, enqueuer=enqueuer) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o", envelope=envelope)
+        outcomes = []
+        for round_no in range(4):
+            for i in range(2):
+                await handle.append(tool_step(200, f"r{round_no}m{i}"))
+            info = await store.get_session("s1")
+            if info.cooldown_until is not None:
+                break
+            outcomes.append(await compact(deps, "s1", trigger="pressure"))
+        assert [o.outcome for o in outcomes] == ["committed"] * 3
+        info = await store.get_session("s1")
+        assert info.flagged_reason is not None and "without pressure falling" in \
+            info.flagged_reason
+        assert info.cooldown_until is not None
+        assert dt.timedelta(seconds=25) < info.cooldown_until - utcnow() <= dt.timedelta(
+            seconds=30)
+        body = await status(store)
+        assert [f["session"] for f in body["flagged"]] == ["s1"]
+        # Cooled down: neither signals, appends nor sweeps enqueue it (with its signal mark
+        # free, as when the last run ended, so only the cool-down can be what stops them).
+        assert len(enqueuer.sent) == 1  # the first append, before any run
+        await store.clear_signal("s1")
+        assert "cooling down" in (await handle.signal()).reason
+        step = await handle.append([user(10)])
+        assert step.fired and not step.signalled
+        assert (await sweep_pressure(store, config, enqueuer)).enqueued == ()
+        assert len(enqueuer.sent) == 1
+        # Relief clears the flag: a small envelope, and a run that gets well under the trigger.
+        await client.create_session("s1", run_model="gpt-4o", envelope={"system": "short"})
+        await handle.append([user(10, "small"), {"role": "assistant", "content": "ok"}])
+        done = await compact(deps, "s1", trigger="pressure")
+        assert done.outcome == "committed"
+        assert done.tokens_after is not None and done.tokens_after < TRIGGER * 0.9
+        info = await store.get_session("s1")
+        assert (info.flagged_reason, info.cooldown_until) == (None, None)
+        assert (await status(store))["flagged"] == []
+
+
+async def test_loop_guard_leaves_manual_runs_alone(db_url: str, store: Store) -> None:
+    config = make_config(db_url, worker={"loop_guard": {"max_compactions": 1}})
+    deps = deps_for(config, store)
+    envelope = {"system": text(TRIGGER + 30, "sys")}
+    await store.create_session("s1", run_model="gpt-4o", envelope=envelope)
+    for round_no in range(3):
+        for i in range(2):
+            await store.append("s1", [_msg(m) for m in tool_step(200, f"r{round_no}m{i}")])
+        assert (await compact(deps, "s1", trigger="manual")).outcome == "committed"
+    assert (await store.get_session("s1")).flagged_reason is None
+
+
+# ------------------------------------------------------------------------------------------
+# bulk items
+
+
+async def test_bulk_items_move_pending_enqueued_done_and_resume_skips_done(
+        client: CompactdClient, store: Store, config: Config) -> None:
+    ids = [f"b{i}" for i in range(4)]
+    for sid in ids:
+        handle = await client.create_session(sid, run_model="gpt-4o")
+        for i in range(4):
+            await handle.append(tool_step(60, f"{sid}m{i}"))
+    job = await store.create_bulk_job(filter={"tenant": "default"}, session_ids=ids, force=True,
+                                      rate_per_s=100.0)
+    assert (job.matched, job.pending, job.enqueued, job.done) == (4, 4, 0, 0)
+    recorder = RecordingEnqueuer()
+    started = time.monotonic()
+    sent = await fan_out(store, recorder, job, states=[ITEM_PENDING], force=True,
+                         rate_per_s=100.0, chunk=3)
+    assert sent == 4 and time.monotonic() - started >= 3 / 100 * 0.9  # paced at the rate
+    assert [(r.session_id, r.trigger, r.bulk_job_id, r.force) for r in recorder.sent] == [
+        (sid, "bulk", job.id, True) for sid in ids]
+    job = await store.get_bulk_job(job.id)
+    assert job is not None and (job.pending, job.enqueued, job.done) == (0, 4, 0)
+
+    deps = deps_for(config, store)
+    first = await compact(deps, "b0", trigger="bulk", force=True, bulk_job_id=job.id)
+    assert first.outcome == "committed"
+    # A second delivery of the same item compacts nothing and records no run.
+    again = await compact(deps, "b0", trigger="bulk", force=True, bulk_job_id=job.id)
+    assert (again.outcome, again.run_id) == ("nothing_to_do", None)
+    assert again.error is not None and "already finished" in again.error
+    runs = [r for r in await store.session_runs("b0") if r.bulk_job_id == job.id]
+    assert [r.status for r in runs] == ["committed"]
+
+    await store.mark_bulk_items(job.id, ["b1"], ITEM_FAILED)
+    await store.mark_bulk_items(job.id, ["b0"], ITEM_ENQUEUED)  # never moves done back
+    job = await store.get_bulk_job(job.id)
+    assert job is not None and (job.done, job.failed, job.enqueued) == (1, 1, 4)
+    resumed = RecordingEnqueuer()
+    await fan_out(store, resumed, job, states=[ITEM_PENDING, ITEM_ENQUEUED, ITEM_FAILED],
+                  force=True, rate_per_s=None, chunk=100)
+    assert [r.session_id for r in resumed.sent] == ["b1", "b2", "b3"]
+    assert await store.bulk_items(job.id, states=[ITEM_DONE], limit=10) == ["b0"]
+
+    listed = (await status(store))["bulk_jobs"]
+    assert [(j["id"], j["matched"], j["done"], j["failed"], j["pending"]) for j in listed] == [
+        (job.id, 4, 1, 0, 0)]
+
+
+async def test_recompact_filters_select_sessions(store: Store, tmp_path: Any) -> None:
+    now = utcnow()
+    for sid, tenant, model, tokens, idle_h in [
+        ("a-big", "acme", "gpt-4o", 500, 0), ("b-small", "acme", "claude-3-5-sonnet", 50, 0),
+        ("c-idle", "globex", "gpt-4o", 800, 3), ("d-empty", "globex", "gpt-4o", 0, 0)]:
+        await store.create_session(sid, tenant=tenant, run_model=model)
+        if tokens:
+            await store.append(sid, [_msg(user(tokens))],
+                               now=now - dt.timedelta(hours=idle_h))
+    session_file = tmp_path / "ids.txt"
+    session_file.write_text("c-idle\n\n  a-big  \nghost\n")
+    for bulk_filter, expected in [
+        (BulkFilter(), ["a-big", "b-small", "c-idle", "d-empty"]),
+        (BulkFilter(tenant="acme"), ["a-big", "b-small"]),
+        (BulkFilter(run_model="gpt-4o"), ["a-big", "c-idle", "d-empty"]),
+        (BulkFilter(min_tokens=400), ["a-big", "c-idle"]),
+        (BulkFilter(idle_for_s=3600), ["c-idle", "d-empty"]),  # never appended counts as idle
+        (BulkFilter(session_file=str(session_file)), ["a-big", "c-idle"]),
+        (BulkFilter(tenant="acme", min_tokens=400, run_model="gpt-4o"), ["a-big"]),
+    ]:
+        assert await matching_sessions(store, bulk_filter) == expected, bulk_filter
+    with pytest.raises(InvalidMessage, match="cannot read"):
+        await matching_sessions(store, BulkFilter(session_file=str(tmp_path / "missing")))
+
+
+# ------------------------------------------------------------------------------------------
+# the shared rate meter
+
+
+async def test_the_redis_meter_spaces_calls_across_workers(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    clock = [1_000_000.0]
+    a, b = aioredis.from_url(redis_url), aioredis.from_url(redis_url)
+    try:
+        worker_a = RedisLimiter(a, clock=lambda: clock[0])
+        worker_b = RedisLimiter(b, clock=lambda: clock[0])
+        meter = f"test:{uuid.uuid4().hex}"
+        waits = [await (worker_a if i % 2 else worker_b).acquire(meter, 50.0) for i in range(5)]
+        # Five calls at one instant from two workers take consecutive slots 20 ms apart.
+        assert waits == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08], abs=1e-6)
+        clock[0] += 10.0  # an idle meter does not bank a burst
+        assert await worker_a.acquire(meter, 50.0) == 0.0
+        assert await worker_b.acquire(meter, 50.0) == pytest.approx(0.02, abs=1e-6)
+    finally:
+        await a.aclose()
+        await b.aclose()
