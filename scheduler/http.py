@@ -349,6 +349,13 @@ class Api:
             raise SessionNotFound(session_id)
         return info
 
+    async def exists(self, session_id: str) -> bool:
+        try:
+            self.remember(await self.store.get_session(session_id))
+        except SessionNotFound:
+            return False
+        return True
+
     def remember(self, info: SessionInfo) -> None:
         if len(self._sessions) >= _SESSION_CACHE_MAX:
             self._sessions.clear()
@@ -394,6 +401,20 @@ async def _owned(session_id: SessionId, tenant: Tenant, api: ApiDep) -> SessionI
 
 
 Owned = Annotated[SessionInfo, Depends(_owned)]
+
+
+async def _claimable(session_id: SessionId, tenant: Tenant, api: ApiDep) -> SessionInfo | None:
+    """This tenant's session, or None when the id is free; another tenant's is not found."""
+    try:
+        return await api.owned(session_id, tenant, fresh=True)
+    except SessionNotFound:
+        # owned() raises the same error for a missing session and for a foreign one.
+        if await api.exists(session_id):
+            raise
+        return None
+
+
+Claimable = Annotated[SessionInfo | None, Depends(_claimable)]
 
 
 # ------------------------------------------------------------------------------------------
@@ -458,15 +479,12 @@ def add_routes(app: FastAPI) -> None:
                         409: _error("the session exists with another run model")},
              tags=["sessions"])
     async def create_session(session_id: SessionId, tenant: Tenant, api: ApiDep,
-                             response: Response,
+                             existing: Claimable, response: Response,
                              body: Annotated[SessionIn | None, Body()] = None) -> SessionOut:
         """Create the session, or open it when it exists for this tenant with the same run
         model (its envelope, policy and context window are updated)."""
         body = body or SessionIn()
         check_policy(body.policy, api.config)
-        existing: SessionInfo | None = None
-        with contextlib.suppress(SessionNotFound):
-            existing = await api.owned(session_id, tenant, fresh=True)
         try:
             handle = await api.client.create_session(
                 session_id, tenant=tenant,
@@ -680,6 +698,11 @@ def add_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            # Its loc ends with a character offset, not a field.
+            error = (first.get("ctx") or {}).get("error", "")
+            return _error_response(422, "invalid", f"the body is not valid JSON: {error}",
+                                   field="body")
         field = _location(first.get("loc", ()))
         return _error_response(422, "invalid", f"{field}: {first.get('msg')}",
                                field=field or None)
