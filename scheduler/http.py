@@ -697,7 +697,7 @@ def add_error_handlers(app: FastAPI) -> None:
     async def request_invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid"}
         if first.get("type") == "json_invalid":
             # Its loc ends with a character offset, not a field.
             error = (first.get("ctx") or {}).get("error", "")
