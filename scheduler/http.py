@@ -43,9 +43,11 @@ from typing import Annotated, Any, Literal
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.client import (
@@ -80,6 +82,14 @@ _SESSION_CACHE_MAX = 100_000
 # Printable text: a NUL or control character in an id would reach PostgreSQL as a bad byte.
 _PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
+def _whole(value: Any) -> Any:
+    # JSON Schema's integer includes 5.0; strict validation alone would refuse it.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+WholeNumber = Annotated[int, BeforeValidator(_whole)]
 RenderForm = Literal["durable_context", "compacted_summary", "langchain"]
 MessageFormat = Literal["openai", "anthropic", "langchain"]
 
@@ -89,7 +99,9 @@ MessageFormat = Literal["openai", "anthropic", "langchain"]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Strict: "true" is not a boolean and "5" is not a number; what the schema says is what
+    # is accepted.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class ErrorOut(BaseModel):
@@ -110,7 +122,7 @@ class EnvelopeIn(_Body):
 class SessionIn(_Body):
     run_model: str | None = Field(default=None, min_length=1, max_length=255,
                                   pattern=_PRINTABLE)
-    context_window: int | None = Field(default=None, gt=0, le=2_147_483_647)
+    context_window: WholeNumber | None = Field(default=None, gt=0, le=2_147_483_647)
     envelope: EnvelopeIn | None = None
     policy: dict[str, Any] | None = Field(
         default=None, description="overrides of the configured summarization policy")
@@ -128,8 +140,47 @@ class SessionOut(BaseModel):
     created: bool
 
 
+# The three wire shapes, documented (and so reachable by schema-driven fuzzers); the importers
+# of ``storage.messages`` validate each message against the shape ``format`` names.
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "null"},
+                      {"type": "array", "items": {"type": ["object", "string"]},
+                       "description": "content blocks; a string block is a text block"}]}
+_OPENAI_MESSAGE = {
+    "title": "OpenAIMessage", "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "user", "assistant", "tool"]},
+        "content": _CONTENT,
+        "tool_calls": {"type": ["array", "null"], "items": {
+            "type": "object", "required": ["id", "function"],
+            "properties": {"id": {"type": "string", "minLength": 1},
+                           "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"},
+                                                       "arguments": {"type": "string"}}}}}},
+        "tool_call_id": {"type": ["string", "null"]},
+        "name": {"type": ["string", "null"]},
+        "meta": {"type": ["object", "null"],
+                 "description": "compactd flags (pinned, dynamic_context_reminder, ...)"},
+    },
+}
+_ANTHROPIC_MESSAGE = {
+    "title": "AnthropicMessage", "type": "object", "required": ["role"],
+    "description": "format: anthropic (tool_use / tool_result blocks)",
+    "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": _CONTENT,
+                   "meta": {"type": ["object", "null"]}},
+}
+_LANGCHAIN_MESSAGE = {
+    "title": "LangChainMessage", "type": "object", "required": ["type"],
+    "description": "format: langchain (message.model_dump() or messages_to_dict output)",
+    "properties": {"type": {"type": "string"}, "content": _CONTENT,
+                   "data": {"type": "object"}},
+}
+WireMessage = Annotated[dict[str, Any], WithJsonSchema(
+    {"anyOf": [_OPENAI_MESSAGE, _ANTHROPIC_MESSAGE, _LANGCHAIN_MESSAGE]})]
+
+
 class AppendIn(_Body):
-    messages: list[dict[str, Any]] = Field(
+    messages: list[WireMessage] = Field(
         min_length=1, description="one step's messages in the wire format `format` names "
                                   "(OpenAI chat dicts by default, plus an optional `meta`)")
     format: MessageFormat = "openai"
@@ -189,7 +240,7 @@ class SignalOut(BaseModel):
 
 
 class UsageIn(_Body):
-    input_tokens: int = Field(ge=0, le=2_147_483_647)
+    input_tokens: WholeNumber = Field(ge=0, le=2_147_483_647)
 
 
 class UsageOut(BaseModel):
@@ -201,7 +252,9 @@ class UsageOut(BaseModel):
 
 class CompactIn(_Body):
     force: bool = Field(default=False, description="ignore the trigger and the keep policy")
-    keep: str | None = Field(default=None, description="messages:N | tokens:N | fraction:F")
+    keep: str | None = Field(default=None, pattern=r"^(messages|tokens|fraction):[0-9.]+$",
+                             description="messages:N | tokens:N | fraction:F, overriding the "
+                                         "policy's keep for this run")
     wait: bool = Field(default=False, description="answer with the run's result")
     timeout_s: float | None = Field(default=None, gt=0, le=3600,
                                     description="how long to wait (capped by api.max_wait_s)")
@@ -436,6 +489,12 @@ _WITH_BODY: dict[int | str, dict[str, Any]] = {
     400: _error("the body is not JSON"),
     413: _error("the body is over api.max_body_bytes"),
 }
+# What a created or opened session leads to (OpenAPI links: generated clients and stateful
+# testers follow them).
+_SESSION_LINKS = {
+    name: {"operationId": name, "parameters": {"session_id": "$response.body#/session"}}
+    for name in ("sessionStatus", "appendMessages", "readSurface", "signal", "reportUsage",
+                 "compact", "reportOverflow")}
 _ETAG = {"ETag": {"description": "the surface version, quoted", "schema": {"type": "string"}}}
 
 
@@ -467,7 +526,7 @@ def _matches(if_none_match: str, version: int) -> bool:
 
 
 def add_routes(app: FastAPI) -> None:
-    @app.get("/healthz", response_model=HealthOut, tags=["health"],
+    @app.get("/healthz", response_model=HealthOut, tags=["health"], operation_id="health",
              responses={503: _error("the database cannot be reached")})
     async def health(api: ApiDep) -> HealthOut:
         """No token needed: whether this process can reach its database."""
@@ -475,7 +534,11 @@ def add_routes(app: FastAPI) -> None:
         return HealthOut(ok=True)
 
     @app.put(API_PREFIX + "/sessions/{session_id}", response_model=SessionOut,
-             responses={**_WITH_BODY, 201: {"model": SessionOut, "description": "created"},
+             operation_id="createSession",
+             responses={**_WITH_BODY,
+                        200: {"description": "opened", "links": _SESSION_LINKS},
+                        201: {"model": SessionOut, "description": "created",
+                              "links": _SESSION_LINKS},
                         409: _error("the session exists with another run model")},
              tags=["sessions"])
     async def create_session(session_id: SessionId, tenant: Tenant, api: ApiDep,
@@ -503,12 +566,14 @@ def add_routes(app: FastAPI) -> None:
         return _session_out(handle.info, created=existing is None)
 
     @app.get(API_PREFIX + "/sessions/{session_id}", response_model=StatusOut,
+             operation_id="sessionStatus",
              responses=_COMMON, tags=["sessions"])
     async def get_status(info: Owned, api: ApiDep) -> dict[str, Any]:
         """The session's totals, lease, loop-guard flag and recent runs (newest first)."""
         return await session_status(api.store, info.id)
 
     @app.post(API_PREFIX + "/sessions/{session_id}/messages", response_model=StepOut,
+              operation_id="appendMessages",
               responses=_WITH_BODY, tags=["sessions"])
     async def append(info: Owned, api: ApiDep, body: AppendIn) -> StepOut:
         """Append one step's messages in one transaction. When the trigger fires, one compaction
@@ -520,6 +585,7 @@ def add_routes(app: FastAPI) -> None:
         return StepOut(**step.to_json())
 
     @app.get(API_PREFIX + "/sessions/{session_id}/surface", response_model=SurfaceOut,
+             operation_id="readSurface",
              # The messages keep the shape of `compactd surface --json`: absent keys stay absent.
              response_model_exclude_unset=True,
              responses={**_COMMON,
@@ -544,6 +610,7 @@ def add_routes(app: FastAPI) -> None:
                 "messages": render_surface(current.nodes, render)}
 
     @app.post(API_PREFIX + "/sessions/{session_id}/signal", response_model=SignalOut,
+              operation_id="signal",
               responses=_WITH_BODY, tags=["sessions"])
     async def signal(info: Owned, api: ApiDep,
                      body: Annotated[SignalIn | None, Body()] = None) -> SignalOut:
@@ -553,6 +620,7 @@ def add_routes(app: FastAPI) -> None:
         return SignalOut(**result.to_json())  # type: ignore[arg-type]
 
     @app.post(API_PREFIX + "/sessions/{session_id}/usage", response_model=UsageOut,
+              operation_id="reportUsage",
               responses=_WITH_BODY, tags=["sessions"])
     async def usage(info: Owned, api: ApiDep, body: UsageIn) -> UsageOut:
         """The provider's own ``input_tokens`` for the runtime's last call; pressure uses the
@@ -566,6 +634,7 @@ def add_routes(app: FastAPI) -> None:
                         tokens=updated.surface_tokens)
 
     @app.post(API_PREFIX + "/sessions/{session_id}/compact", response_model=RunOut,
+              operation_id="compact",
               responses={**_WITH_BODY,
                          202: {"model": QueuedOut,
                                "description": "enqueued (not waiting, or not finished yet)"}},
@@ -594,6 +663,7 @@ def add_routes(app: FastAPI) -> None:
         return _queued(info.id, task_id, "queued on compaction.urgent")
 
     @app.post(API_PREFIX + "/sessions/{session_id}/overflow", response_model=OverflowOut,
+              operation_id="reportOverflow",
               response_model_exclude_unset=True,
               responses={**_WITH_BODY,
                          202: {"model": OverflowOut,
@@ -663,6 +733,16 @@ def _location(loc: Sequence[Any]) -> str:
     return out
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE and isinstance(route, APIRoute | Route):
+            methods |= route.methods or set()
+    return sorted(methods)
+
+
 def _broker_errors() -> tuple[type[Exception], ...]:
     """What enqueueing raises when the broker cannot be reached."""
     import kombu.exceptions
@@ -717,9 +797,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        headers = dict(exc.headers) if exc.headers else {}
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(request))
         return _error_response(exc.status_code, _HTTP_ERRORS.get(exc.status_code, "error"),
-                               str(exc.detail),
-                               headers=dict(exc.headers) if exc.headers else None)
+                               str(exc.detail), headers=headers or None)
 
     app.add_exception_handler(Unauthorized, unauthorized)
     app.add_exception_handler(SessionNotFound, not_found)
