@@ -244,3 +244,27 @@ def test_messages_survive_the_round_trip_through_compactd() -> None:
                                "meta": {"checkpoint": True}})
     assert checkpoint.additional_kwargs["lc_source"] == "summarization"
     assert checkpoint.id == "compactd-9"
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_against_the_fake_provider(
+        fake: FakeProvider, cli_env: dict[str, str], tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, compactd_cmd
+
+    fake.script(Behaviour(model="example-model", output="tool_calls", times=3),
+                Behaviour(model="example-model", output="text", text="It is a rounding bug."))
+    env = {**cli_env, "OPENAI_BASE_URL": fake.openai_base_url, "OPENAI_API_KEY": "sk-fake",
+           "MODEL": "example-model"}
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "langchain_agent.py")],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "It is a rounding bug."
+    surface = subprocess.run([*compactd_cmd(), "surface", "example-session", "--json"],
+                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    messages = json.loads(surface.stdout)["messages"]
+    assert [m["role"] for m in messages] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
+    assert "billing/tax.py" in messages[2]["content"]
