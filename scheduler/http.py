@@ -82,6 +82,7 @@ _SESSION_CACHE_MAX = 100_000
 # Printable text: a NUL or control character in an id would reach PostgreSQL as a bad byte.
 _PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
+
 def _whole(value: Any) -> Any:
     # JSON Schema's integer includes 5.0; strict validation alone would refuse it.
     if isinstance(value, float) and value.is_integer():
@@ -398,16 +399,9 @@ class Api:
         if info is None:
             info = await self.store.get_session(session_id)
             self.remember(info)
-        if not hmac.compare_digest(info.tenant.encode(), tenant.encode()):
+        if info.tenant != tenant:
             raise SessionNotFound(session_id)
         return info
-
-    async def exists(self, session_id: str) -> bool:
-        try:
-            self.remember(await self.store.get_session(session_id))
-        except SessionNotFound:
-            return False
-        return True
 
     def remember(self, info: SessionInfo) -> None:
         if len(self._sessions) >= _SESSION_CACHE_MAX:
@@ -459,12 +453,13 @@ Owned = Annotated[SessionInfo, Depends(_owned)]
 async def _claimable(session_id: SessionId, tenant: Tenant, api: ApiDep) -> SessionInfo | None:
     """This tenant's session, or None when the id is free; another tenant's is not found."""
     try:
-        return await api.owned(session_id, tenant, fresh=True)
+        info = await api.store.get_session(session_id)
     except SessionNotFound:
-        # owned() raises the same error for a missing session and for a foreign one.
-        if await api.exists(session_id):
-            raise
         return None
+    api.remember(info)
+    if info.tenant != tenant:
+        raise SessionNotFound(session_id)
+    return info
 
 
 Claimable = Annotated[SessionInfo | None, Depends(_claimable)]
@@ -554,7 +549,8 @@ def add_routes(app: FastAPI) -> None:
                 run_model=body.run_model if body.run_model is not None or existing is None
                 else existing.run_model,
                 context_window=body.context_window,
-                envelope=body.envelope.model_dump() if body.envelope is not None else None,
+                envelope=body.envelope.model_dump(exclude_none=True)
+                if body.envelope is not None else None,
                 policy=body.policy)
         except SessionExists:
             # Created meanwhile by another tenant: as invisible as one that existed before.
