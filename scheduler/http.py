@@ -37,9 +37,11 @@ import hashlib
 import hmac
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
+import uvicorn
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -62,6 +64,7 @@ from scheduler.status import session_status
 from storage.database import ping
 from storage.errors import (
     BadInput,
+    CompactdError,
     ConfigError,
     InvalidMessage,
     SessionExists,
@@ -885,34 +888,35 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying when it listens."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.listening.set()
+
+
 async def serve(config: Config, *, host: str, port: int) -> None:
     """Run the API until SIGINT/SIGTERM; prints the address it listens on (port 0: any free)."""
-    import sys
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        ready = asyncio.Event()
-
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                self.ready.set()
-
     app = create_app(config)
-    server = Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_config=None, server_header=False,
         proxy_headers=False))
-    task = asyncio.create_task(server.serve())
-    ready = asyncio.create_task(server.ready.wait())
-    await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if server.ready.is_set():
+    serving = asyncio.create_task(server.serve())
+    listening = asyncio.create_task(server.listening.wait())
+    await asyncio.wait({serving, listening}, return_when=asyncio.FIRST_COMPLETED)
+    if server.listening.is_set():
         bound = server.servers[0].sockets[0].getsockname()
         # Tests and supervisors read the port from this line when they asked for port 0.
         sys.stdout.write(f"compactd API listening on http://{bound[0]}:{bound[1]}\n")
         sys.stdout.flush()
     else:
-        ready.cancel()
-    await task
-    if not server.ready.is_set():
-        raise StorageError("the API did not start (see the log above)")
+        listening.cancel()
+    await serving
+    if not server.listening.is_set():
+        raise CompactdError("the API did not start (see the log above)")

@@ -360,3 +360,13 @@ def test_the_openapi_document_describes_every_status_of_every_route(tmp_path: Pa
                 if code != "304":
                     assert "application/json" in response["content"], (method, path, code)
     assert re.search(r"ETag", str(doc["paths"]["/v1/sessions/{session_id}/surface"]))
+
+
+def test_serve_refuses_to_start_without_a_token(cli_env: dict[str, str], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "scheduler.cli", "serve", "--port", "0"],
+                         env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "api.tokens: no bearer token is configured" in out.stderr
