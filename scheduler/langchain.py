@@ -32,7 +32,9 @@ mirrored message (checkpoints in place of the ones they replaced), the tail what
 be mirrored yet. The tail is empty unless compactd could not be reached, in which case the step
 goes on with the last surface it read plus the messages since (or, before any surface was read,
 with the whole history, as without the middleware). The surface keeps a tool call and its result
-together, so the request holds no orphan tool result.
+together, so the request holds no orphan tool result. An append whose reply was lost may have
+committed: the next step reads which of its messages arrived (each carries its LangChain id in
+``meta.lc_id``) and appends only the rest, so no message is ever stored twice.
 
 One LangGraph thread is one compactd session (the ``thread_id``, unless ``session_id`` is given),
 and the state must persist between invocations (a checkpointer) for the count to survive them: a
@@ -69,7 +71,7 @@ from langchain_core.messages import (
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from scheduler.client import CompactdClient, SessionHandle
+from scheduler.client import CompactdClient, SessionHandle, StepResult
 from storage.errors import BadInput, CompactdError
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
@@ -195,6 +197,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         # Written only on the bridge's loop.
         self._views: dict[str, _View] = {}
         self._handles: dict[str, SessionHandle] = {}
+        self._last_seqs: dict[str, int] = {}  # after this process's last append, per session
+        self._unsure: set[str] = set()  # sessions whose last append may or may not have landed
 
     # -------------------------------------------------------------------------------- hooks
 
@@ -271,18 +275,27 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         return str(thread_id)
 
     def _request_messages(self, request: ModelRequest[Any], step: _Step,
-                          view: _View | BaseException) -> tuple[list[Any], int]:
-        """The model request's messages, and how many state messages are mirrored now."""
-        if not isinstance(view, BaseException):
-            return list(view.messages), step.mirrored + len(step.tail)
-        if isinstance(view, BadInput):
-            raise view
-        logger.warning("compactd unreachable, the step goes on without it: %s", view,
-                       extra={"action": "langchain_mirror_failed", "session_id": step.session_id})
+                          outcome: _View | BaseException | None) -> tuple[list[Any], int]:
+        """The model request's messages, and how many state messages are mirrored now.
+
+        ``outcome``: the new view; None when the tail was stored but the surface could not be
+        read; an exception when the tail could not be stored.
+        """
+        if isinstance(outcome, _View):
+            return list(outcome.messages), step.mirrored + len(step.tail)
+        if isinstance(outcome, BadInput):
+            raise outcome
+        stored = outcome is None
+        if not stored:
+            logger.warning("compactd unreachable, the step goes on without it: %s", outcome,
+                           extra={"action": "langchain_mirror_failed",
+                                  "session_id": step.session_id})
+        mirrored = step.mirrored + (len(step.tail) if stored else 0)
+        # The last view read covers the first step.mirrored messages.
         cached = self._views.get(step.session_id)
         if cached is None:
-            return list(request.messages), step.mirrored
-        return [*cached.messages, *step.tail], step.mirrored
+            return list(request.messages), mirrored
+        return [*cached.messages, *step.tail], mirrored
 
     def _with_update(self, response: Any, request: ModelRequest[Any], mirrored: int) -> Any:
         messages = request.state["messages"]
@@ -303,8 +316,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                                   "session_id": step.session_id})
 
     def _mirrored_update(self, messages: Sequence[AnyMessage], step: _Step,
-                         done: bool | BaseException) -> dict[str, Any] | None:
-        if done is not True:
+                         done: object) -> dict[str, Any] | None:
+        if isinstance(done, BaseException):
             if isinstance(done, BadInput):
                 raise done
             logger.warning("compactd unreachable, the final messages stay unmirrored: %s", done,
@@ -328,7 +341,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             self._handles[step.session_id] = handle
         return handle
 
-    async def _mirror(self, step: _Step) -> _View:
+    async def _mirror(self, step: _Step) -> _View | None:
+        """Store the tail, then the view to send (None: stored, but the read failed)."""
         handle = await self._open(step)
         if step.fresh:
             info = await handle.client.store.get_session(step.session_id)
@@ -338,29 +352,69 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                     "agent state has mirrored none: run the agent with a checkpointer (one "
                     "thread per session), or give this run its own session id")
         cached = self._views.get(step.session_id)
-        if step.tail:
-            appended = await handle.append(step.payload)
-            if cached is not None and appended.version == cached.version + 1:
+        appended = await self._store_tail(handle, step)
+        # From here on the tail is stored: a failure costs this step its fresh view, never a
+        # second copy of the tail.
+        try:
+            if appended is not None and cached is not None and \
+                    appended.version == cached.version + 1:
                 # Only this append moved the surface: extend the view, no read.
                 view = _View(appended.version, [*cached.messages, *step.tail])
-                self._views[step.session_id] = view
-                return view
-        elif cached is not None and await handle.poll(cached.version) is None:
-            return cached
-        # A checkpoint (or another writer) moved it: one read, never a wait.
-        rendered = await handle.surface(self.render)
-        view = _View(handle.version, [to_langchain(m) for m in rendered])
+            elif appended is None and cached is not None and \
+                    await handle.poll(cached.version) is None:
+                return cached
+            else:
+                # A checkpoint (or another writer) moved it: one read, never a wait.
+                rendered = await handle.surface(self.render)
+                view = _View(handle.version, [to_langchain(m) for m in rendered])
+        except Exception as exc:
+            if isinstance(exc, BadInput):
+                raise
+            logger.warning("compactd stored the step but its surface could not be read: %s",
+                           exc, extra={"action": "langchain_read_failed",
+                                       "session_id": step.session_id})
+            return None
         self._views[step.session_id] = view
         return view
 
     async def _append_only(self, step: _Step) -> bool:
         handle = await self._open(step)
-        appended = await handle.append(step.payload)
         cached = self._views.get(step.session_id)
-        if cached is not None and appended.version == cached.version + 1:
+        appended = await self._store_tail(handle, step)
+        if appended is not None and cached is not None and \
+                appended.version == cached.version + 1:
             self._views[step.session_id] = _View(appended.version,
                                                  [*cached.messages, *step.tail])
         return True
+
+    async def _store_tail(self, handle: SessionHandle, step: _Step) -> StepResult | None:
+        """Append what of the tail compactd does not hold yet; None when it holds all of it.
+
+        An append that failed without an answer (a timeout, a dropped connection) may still
+        have committed. The tail is then appended again at the next step, so that step first
+        reads which of its messages did arrive (by the LangChain id each carries in ``meta``)
+        and appends only the rest: the session never holds a message twice.
+        """
+        sid = step.session_id
+        payload = step.payload
+        if sid in self._unsure:
+            events = await handle.client.store.read_events(
+                sid, kinds=["message"], after_seq=self._last_seqs.get(sid, 0))
+            arrived = {(e.payload.get("meta") or {}).get(META_LC_ID) for e in events} - {None}
+            payload = [m for m in payload if m.get("meta", {}).get(META_LC_ID) not in arrived]
+        if not payload:
+            self._unsure.discard(sid)
+            return None
+        try:
+            appended = await handle.append(payload)
+        except BadInput:
+            raise  # refused whole: nothing was stored
+        except Exception:
+            self._unsure.add(sid)
+            raise
+        self._unsure.discard(sid)
+        self._last_seqs[sid] = appended.last_seq
+        return appended
 
     async def _report(self, session_id: str, input_tokens: int) -> None:
         handle = self._handles.get(session_id)

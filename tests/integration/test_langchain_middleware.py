@@ -221,6 +221,45 @@ async def test_when_compactd_is_unreachable_the_agent_runs_on_uncompacted(
     assert any("compactd unreachable" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_lost_reply_or_a_failed_read_never_stores_a_message_twice(
+        fake: FakeProvider, middleware: CompactdMiddleware, db_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler.client import SessionHandle
+
+    real_append, real_surface = SessionHandle.append, SessionHandle.surface
+    appends = {"n": 0}
+    reads = {"n": 0}
+
+    async def append(self: SessionHandle, messages: Any, **kw: Any) -> Any:
+        appends["n"] += 1
+        if appends["n"] == 2:
+            raise ConnectionResetError("the database went away before the append")
+        result = await real_append(self, messages, **kw)
+        if appends["n"] == 4:
+            raise ConnectionResetError("the reply to a committed append was lost")
+        return result
+
+    async def surface(self: SessionHandle, render: str | None = None) -> Any:
+        reads["n"] += 1
+        if reads["n"] == 2:
+            raise ConnectionResetError("the read after an append failed")
+        return await real_surface(self, render)
+
+    monkeypatch.setattr(SessionHandle, "append", append)
+    monkeypatch.setattr(SessionHandle, "surface", surface)
+    script_steps(fake, 6)
+    out = await agent_for(fake, middleware).ainvoke(
+        {"messages": [{"role": "user", "content": "go"}]}, {"configurable": {"thread_id": "s5"}})
+    state = out["messages"]
+    assert state[-1].content == "done" and appends["n"] >= 6 and reads["n"] >= 2
+
+    payloads, _, verified = await stored(db_url, "s5")
+    assert verified
+    assert [(p.get("meta") or {}).get("lc_id") for p in payloads] == [m.id for m in state]
+    for request in sent_messages(fake):
+        assert_tool_pairs_whole(request)
+
+
 def test_messages_survive_the_round_trip_through_compactd() -> None:
     messages = [
         SystemMessage("rules", id="m0"),
