@@ -73,6 +73,7 @@ from langgraph.types import Command
 
 from scheduler.client import CompactdClient, SessionHandle, StepResult
 from storage.errors import BadInput, CompactdError
+from worker.compaction.policy import RENDERS
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
@@ -117,7 +118,7 @@ class _Step:
     mirrored: int  # state messages already in compactd
     tail: list[AnyMessage]  # the state messages to append now
     payload: list[dict[str, Any]]  # the tail in compactd's wire shape
-    fresh: bool  # the state has never been mirrored
+    fresh: bool  # no message of this state has been mirrored yet
     opening: _Opening | None  # set until this process has opened the session
 
 
@@ -185,6 +186,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                  run_model: str | None = None, context_window: int | None = None,
                  policy: Mapping[str, Any] | None = None, render: str = "langchain") -> None:
         super().__init__()
+        if render not in RENDERS:
+            raise ValueError(f"render must be one of {', '.join(RENDERS)}, not {render!r}")
         self.session_id = session_id
         self.config = config
         self.tenant = tenant
@@ -205,8 +208,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     def wrap_model_call(self, request: ModelRequest[Any],
                         handler: Callable[[ModelRequest[Any]], ModelResponse[Any]]) -> Any:
         step = self._plan(request)
-        view = self._call(lambda: self._mirror(step))
-        messages, mirrored = self._request_messages(request, step, view)
+        outcome = self._call(lambda: self._mirror(step))
+        messages, mirrored = self._request_messages(request, step, outcome)
         response = handler(request.override(messages=messages))
         tokens = _input_tokens(response)
         if tokens is not None:
@@ -217,8 +220,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             self, request: ModelRequest[Any],
             handler: Callable[[ModelRequest[Any]], Awaitable[ModelResponse[Any]]]) -> Any:
         step = self._plan(request)
-        view = await self._acall(lambda: self._mirror(step))
-        messages, mirrored = self._request_messages(request, step, view)
+        outcome = await self._acall(lambda: self._mirror(step))
+        messages, mirrored = self._request_messages(request, step, outcome)
         response = await handler(request.override(messages=messages))
         tokens = _input_tokens(response)
         if tokens is not None:
@@ -250,8 +253,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         tail = messages[mirrored:]
         opening = None if session_id in self._handles else _opening(request)
         return _Step(session_id=session_id, mirrored=mirrored, tail=tail,
-                     payload=to_compactd(tail), fresh="compactd_mirrored" not in state,
-                     opening=opening)
+                     payload=to_compactd(tail), fresh=mirrored == 0, opening=opening)
 
     def _final_step(self, state: CompactdState) -> _Step | None:
         messages = list(state["messages"])
@@ -344,7 +346,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     async def _mirror(self, step: _Step) -> _View | None:
         """Store the tail, then the view to send (None: stored, but the read failed)."""
         handle = await self._open(step)
-        if step.fresh:
+        # (After an append of ours whose outcome is unknown, the session may hold part of this
+        # very tail: _store_tail sorts that out.)
+        if step.fresh and step.session_id not in self._unsure:
             info = await handle.client.store.get_session(step.session_id)
             if info.last_seq:
                 raise StateMismatch(

@@ -307,3 +307,8 @@ def test_the_readme_example_runs_against_the_fake_provider(
     messages = json.loads(surface.stdout)["messages"]
     assert [m["role"] for m in messages] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
     assert "billing/tax.py" in messages[2]["content"]
+
+
+def test_an_unknown_render_form_is_refused_when_the_middleware_is_built() -> None:
+    with pytest.raises(ValueError, match="render must be one of"):
+        CompactdMiddleware(render="html")
