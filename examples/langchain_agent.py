@@ -29,9 +29,10 @@ def lookup(query: str = "") -> str:
 
 def main() -> None:
     model = ChatOpenAI(model=os.environ.get("MODEL", "gpt-4o-mini"))
-    # In place of SummarizationMiddleware: the step never waits for a summary; the checkpoint
-    # a worker commits reaches the model at the next step.
-    compactd = CompactdMiddleware()
+    # In place of SummarizationMiddleware(model=..., trigger=..., keep=...): the same trigger
+    # and keep, but a worker summarizes in the background; the step never waits for it, and
+    # the checkpoint reaches the model at the next step.
+    compactd = CompactdMiddleware(trigger=("tokens", 4000), keep=("messages", 20))
     agent = create_agent(model, tools=[lookup], middleware=[compactd],
                          system_prompt="You are a careful coding agent.",
                          checkpointer=InMemorySaver())

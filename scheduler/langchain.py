@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -73,7 +74,7 @@ from langgraph.types import Command
 
 from scheduler.client import CompactdClient, SessionHandle, StepResult
 from storage.errors import BadInput, CompactdError
-from worker.compaction.policy import RENDERS
+from worker.compaction.policy import RENDERS, PolicyError, parse_policy
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
@@ -172,6 +173,11 @@ def _input_tokens(response: Any) -> int | None:
 class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     """Mirror the agent's messages into compactd and send the model its compacted surface.
 
+    ``trigger``, ``keep``, ``trim_tokens_to_summarize`` and ``summary_prompt`` take what
+    SummarizationMiddleware takes (``("tokens", 4000)``, a list of them for OR, a mapping for AND)
+    and become the session's policy overrides, which the workers apply; the summary model is
+    compactd's (``summarization.model_name`` in its configuration).
+
     ``session_id``: the compactd session (default: the LangGraph ``thread_id``). ``config``:
     compactd's configuration (default: the ``COMPACTD_*`` environment). ``run_model`` and
     ``context_window`` default to the chat model's name and profile. ``render``: how a
@@ -182,6 +188,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     state_schema = CompactdState
 
     def __init__(self, session_id: str | None = None, *,
+                 trigger: Any = None, keep: Any = None,
+                 trim_tokens_to_summarize: int | None = None, summary_prompt: str | None = None,
                  config: Config | None = None, tenant: str = "default",
                  run_model: str | None = None, context_window: int | None = None,
                  policy: Mapping[str, Any] | None = None, render: str = "langchain") -> None:
@@ -193,7 +201,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         self.tenant = tenant
         self.run_model = run_model
         self.context_window = context_window
-        self.policy = dict(policy) if policy is not None else None
+        self.policy = _session_policy(policy, trigger=trigger, keep=keep,
+                                      trim_tokens_to_summarize=trim_tokens_to_summarize,
+                                      summary_prompt=summary_prompt)
         self.render = render
         self._bridge: _Bridge | None = None
         self._bridge_lock = threading.Lock()
@@ -519,6 +529,21 @@ def _opening(request: ModelRequest[Any]) -> _Opening:
     window = profile.get("max_input_tokens") if isinstance(profile, Mapping) else None
     return _Opening(envelope=envelope or None, run_model=name if isinstance(name, str) else None,
                     context_window=window if isinstance(window, int) else None)
+
+
+def _session_policy(policy: Mapping[str, Any] | None, **overrides: Any
+                    ) -> dict[str, Any] | None:
+    """The session's policy overrides as JSON values, checked now rather than at the first
+    step."""
+    merged = {**(policy or {}), **{k: v for k, v in overrides.items() if v is not None}}
+    if not merged:
+        return None
+    plain: dict[str, Any] = json.loads(json.dumps(merged))  # tuples become lists, as stored
+    try:
+        parse_policy(plain, path="policy")
+    except PolicyError as exc:
+        raise ValueError(str(exc)) from None
+    return plain
 
 
 def _merge(command: Command[Any] | None, update: dict[str, Any]) -> Command[Any]:

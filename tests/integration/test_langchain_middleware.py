@@ -312,3 +312,22 @@ def test_the_readme_example_runs_against_the_fake_provider(
 def test_an_unknown_render_form_is_refused_when_the_middleware_is_built() -> None:
     with pytest.raises(ValueError, match="render must be one of"):
         CompactdMiddleware(render="html")
+
+
+async def test_summarization_middleware_arguments_become_the_session_policy(
+        fake: FakeProvider, db_url: str, tmp_path: Path) -> None:
+    middleware = CompactdMiddleware(config=make_config(db_url, tmp_path),
+                                    trigger=[("tokens", 4000), ("messages", 40)],
+                                    keep=("messages", 20))
+    script_steps(fake, 1)
+    try:
+        await agent_for(fake, middleware).ainvoke(
+            {"messages": [{"role": "user", "content": "go"}]},
+            {"configurable": {"thread_id": "s6"}})
+    finally:
+        middleware.close()
+    _, info, _ = await stored(db_url, "s6")
+    assert info.policy == {"trigger": [["tokens", 4000], ["messages", 40]],
+                           "keep": ["messages", 20]}
+    with pytest.raises(ValueError, match="trigger"):
+        CompactdMiddleware(trigger=("tokens", -5))
