@@ -178,10 +178,12 @@ class Config:
 
 def broker_dirs(home: Path) -> dict[str, Any]:
     base = home / "compactd-broker"
-    for sub in ("in", "processed"):
+    for sub in ("in", "processed", "control"):
         (base / sub).mkdir(parents=True, exist_ok=True)
+    # control_folder defaults to ./control, relative to wherever the process was started.
     return {"data_folder_in": str(base / "in"), "data_folder_out": str(base / "in"),
-            "processed_folder": str(base / "processed"), "store_processed": False}
+            "processed_folder": str(base / "processed"), "control_folder": str(base / "control"),
+            "store_processed": False}
 
 
 def load_config(env: Mapping[str, str] | None = None, *, path: str | None = None) -> Config:
