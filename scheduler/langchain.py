@@ -82,6 +82,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 META_LC_ID = "lc_id"
+STALE = -1  # the version of a view to read again (a poll always finds it moved)
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -303,11 +304,11 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                            extra={"action": "langchain_mirror_failed",
                                   "session_id": step.session_id})
         mirrored = step.mirrored + (len(step.tail) if stored else 0)
-        # The last view read covers the first step.mirrored messages.
+        # The cached view covers exactly the mirrored messages (see _advance).
         cached = self._views.get(step.session_id)
         if cached is None:
             return list(request.messages), mirrored
-        return [*cached.messages, *step.tail], mirrored
+        return [*cached.messages, *request.state["messages"][mirrored:]], mirrored
 
     def _with_update(self, response: Any, request: ModelRequest[Any], mirrored: int) -> Any:
         messages = request.state["messages"]
@@ -365,22 +366,18 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                     f"session {step.session_id!r} already holds {info.last_seq} events but this "
                     "agent state has mirrored none: run the agent with a checkpointer (one "
                     "thread per session), or give this run its own session id")
-        cached = self._views.get(step.session_id)
         appended = await self._store_tail(handle, step)
+        cached = self._advance(step, appended)
+        if cached is not None and cached.version != STALE:
+            return cached  # only this append moved the surface: no read
         # From here on the tail is stored: a failure costs this step its fresh view, never a
         # second copy of the tail.
         try:
-            if appended is not None and cached is not None and \
-                    appended.version == cached.version + 1:
-                # Only this append moved the surface: extend the view, no read.
-                view = _View(appended.version, [*cached.messages, *step.tail])
-            elif appended is None and cached is not None and \
-                    await handle.poll(cached.version) is None:
+            if cached is not None and await handle.poll(cached.version) is None:
                 return cached
-            else:
-                # A checkpoint (or another writer) moved it: one read, never a wait.
-                rendered = await handle.surface(self.render)
-                view = _View(handle.version, [to_langchain(m) for m in rendered])
+            # A checkpoint (or another writer) moved it: one read, never a wait.
+            rendered = await handle.surface(self.render)
+            view = _View(handle.version, [to_langchain(m) for m in rendered])
         except Exception as exc:
             if isinstance(exc, BadInput):
                 raise
@@ -393,13 +390,21 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
 
     async def _append_only(self, step: _Step) -> bool:
         handle = await self._open(step)
-        cached = self._views.get(step.session_id)
-        appended = await self._store_tail(handle, step)
-        if appended is not None and cached is not None and \
-                appended.version == cached.version + 1:
-            self._views[step.session_id] = _View(appended.version,
-                                                 [*cached.messages, *step.tail])
+        self._advance(step, await self._store_tail(handle, step))
         return True
+
+    def _advance(self, step: _Step, appended: StepResult | None) -> _View | None:
+        """The cached view once the tail is stored: it keeps covering exactly the mirrored
+        messages (what a step falls back on), current when only this append moved the surface,
+        else STALE, to be read again."""
+        cached = self._views.get(step.session_id)
+        if cached is None or not step.tail:
+            return cached
+        current = appended is not None and appended.version == cached.version + 1
+        view = _View(appended.version if current and appended is not None else STALE,
+                     [*cached.messages, *step.tail])
+        self._views[step.session_id] = view
+        return view
 
     async def _store_tail(self, handle: SessionHandle, step: _Step) -> StepResult | None:
         """Append what of the tail compactd does not hold yet; None when it holds all of it.
