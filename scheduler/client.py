@@ -20,6 +20,7 @@ compacted so the runtime can raise the provider's original error.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -41,6 +42,8 @@ from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
 WAIT_POLL_S = 0.05
+
+logger = logging.getLogger(__name__)
 
 
 class WaitTimeout(CompactdError):
@@ -198,14 +201,22 @@ class SessionHandle:
             # Only this append moved the version: the runtime has these messages already, so the
             # next poll must report a compaction's commit, not our own append.
             self.version = result.version
-        if result.signalled:
-            await enqueue_marked(self.client.store, self.client.enqueuer,
-                                 RunRequest(self.id, "pressure"))
+        signalled = result.signalled
+        if signalled:
+            # The messages are committed: raising now would make the runtime append them again.
+            # A lost signal costs nothing lasting (the pressure sweep finds the session).
+            try:
+                await enqueue_marked(self.client.store, self.client.enqueuer,
+                                     RunRequest(self.id, "pressure"))
+            except Exception as exc:
+                signalled = False
+                logger.warning("append committed but its signal was not enqueued: %s", exc,
+                               extra={"action": "signal_failed", "session_id": self.id})
         fired = result.signalled or over_trigger(result.session, self._config)
         return StepResult(version=result.version, first_seq=result.first_seq,
                           last_seq=result.last_seq, tokens=result.session.surface_tokens,
                           messages=result.session.surface_messages, fired=fired,
-                          signalled=result.signalled)
+                          signalled=signalled)
 
     async def signal(self, reason: str = "pressure") -> SignalResult:
         payload = parse_signal({"session": self.id, "reason": reason})

@@ -2,8 +2,8 @@
 
 Environment (prefix ``COMPACTD_``): ``DATABASE_URL``, ``BROKER_URL``, ``CONFIG`` (a YAML file),
 ``HOME`` (where the embedded default keeps its files), ``LOG_FORMAT``, ``METRICS_PORT`` (overrides
-``worker.metrics_port``). The YAML file holds the rest:
-``models:``, ``summarization:`` (see ``worker.compaction.policy``), ``worker:``, ``scheduler:``.
+``worker.metrics_port``). The YAML file holds the rest: ``models:``, ``summarization:`` (see
+``worker.compaction.policy``), ``worker:``, ``api:`` (the HTTP API of ``compactd serve``).
 With nothing set, everything runs on the embedded default: a SQLite file, a broker that needs no
 server (kombu's filesystem transport under COMPACTD_HOME), and the local model-free summarizer.
 
@@ -92,10 +92,38 @@ class WorkerConfig(_Strict):
         return self
 
 
+class ApiToken(_Strict):
+    """One bearer token of ``api.tokens`` and the tenant it acts for.
+
+    The secret itself never sits in the file: either the name of an environment variable that
+    holds it (read when the server starts), or its SHA-256 hex digest.
+    """
+
+    tenant: str = Field(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]+$")
+    token_env: str | None = Field(default=None, min_length=1)
+    token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiToken:
+        if (self.token_env is None) == (self.token_sha256 is None):
+            raise ValueError("give exactly one of token_env and token_sha256")
+        return self
+
+
+class ApiConfig(_Strict):
+    """``compactd serve``: who may call it, and how much it accepts."""
+
+    tokens: tuple[ApiToken, ...] = ()
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # A request that waits for a compaction holds a connection; this caps what a caller may ask.
+    max_wait_s: float = Field(default=120.0, gt=0)
+
+
 class FileConfig(_Strict):
     models: tuple[ModelSpec, ...] = ()
     default_model: str | None = None
     worker: WorkerConfig = WorkerConfig()
+    api: ApiConfig = ApiConfig()
 
 
 class Settings(BaseSettings):
@@ -127,6 +155,7 @@ class Config:
     default_model: str | None = None
     policy: Policy = field(default_factory=Policy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
     log_format: str = "auto"
     log_level: str = "INFO"
     config_path: str | None = None
@@ -152,10 +181,12 @@ class Config:
 
 def broker_dirs(home: Path) -> dict[str, Any]:
     base = home / "compactd-broker"
-    for sub in ("in", "processed"):
+    for sub in ("in", "processed", "control"):
         (base / sub).mkdir(parents=True, exist_ok=True)
+    # control_folder defaults to ./control, relative to wherever the process was started.
     return {"data_folder_in": str(base / "in"), "data_folder_out": str(base / "in"),
-            "processed_folder": str(base / "processed"), "store_processed": False}
+            "processed_folder": str(base / "processed"), "control_folder": str(base / "control"),
+            "store_processed": False}
 
 
 def load_config(env: Mapping[str, str] | None = None, *, path: str | None = None) -> Config:
@@ -188,7 +219,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-_FILE_KEYS = {"models", "default_model", "summarization", "worker"}
+_FILE_KEYS = {"models", "default_model", "summarization", "worker", "api"}
 
 
 def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
@@ -223,7 +254,7 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         broker_url=settings.broker_url or "filesystem://",
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
-        policy=policy, worker=worker, log_format=settings.log_format,
+        policy=policy, worker=worker, api=file_config.api, log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
 
 

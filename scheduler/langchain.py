@@ -1,0 +1,564 @@
+"""compactd as a LangChain 1.x agent middleware (the ``compactd[langchain]`` extra).
+
+A drop-in alternative to ``SummarizationMiddleware`` that never blocks a step on a summary::
+
+    from langchain.agents import create_agent
+    from scheduler.langchain import CompactdMiddleware
+
+    agent = create_agent(model, tools=tools, system_prompt=SYSTEM,
+                         middleware=[CompactdMiddleware()], checkpointer=InMemorySaver())
+    agent.invoke({"messages": [...]}, {"configurable": {"thread_id": "session-1"}})
+
+Before each model call it appends the step's new messages to compactd (one round trip, in which
+compactd also decides pressure and enqueues a background compaction when the trigger fires),
+and sends the model compactd's newest surface instead of the whole history: the checkpoint a
+worker committed, then the messages after it. It never waits for a compaction: a summary still
+being written shows up at a later step. After the call it reports the provider's own
+``usage_metadata.input_tokens``.
+
+**How state messages map to compactd seqs.** The agent state keeps every original message: only
+the model request is compacted (the history stays whole for the checkpointer, the UI and human
+review). Two private state fields record the mirroring:
+
+* ``compactd_mirrored``: how many of ``state["messages"]``, from the first, have been appended to
+  compactd. They hold seqs 1..N of the session in that order (one batch per step, so a batch's
+  seqs are contiguous); ``state["messages"][compactd_mirrored:]`` is what the next append sends.
+* ``compactd_last_id``: the id of the last mirrored message. If another middleware rewrote the
+  state (removed or replaced messages) the count no longer lines up, and the middleware raises
+  rather than mirror the wrong messages.
+
+The model is sent ``surface + state["messages"][compactd_mirrored:]``: the surface covers every
+mirrored message (checkpoints in place of the ones they replaced), the tail whatever could not
+be mirrored yet. The tail is empty unless compactd could not be reached, in which case the step
+goes on with the last surface it read plus the messages since (or, before any surface was read,
+with the whole history, as without the middleware). The surface keeps a tool call and its result
+together, so the request holds no orphan tool result. An append whose reply was lost may have
+committed: the next step reads which of its messages arrived (each carries its LangChain id in
+``meta.lc_id``) and appends only the rest, so no message is ever stored twice.
+
+One LangGraph thread is one compactd session (the ``thread_id``, unless ``session_id`` is given),
+and the state must persist between invocations (a checkpointer) for the count to survive them: a
+fresh state for a session that already holds messages raises instead of appending them twice.
+
+compactd I/O runs on the middleware's own event loop thread (its connection pool never crosses
+the caller's loops), so the sync (``invoke``) and async (``ainvoke``) paths behave the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, NotRequired, TypeVar
+
+from langchain.agents.middleware import AgentMiddleware, AgentState
+from langchain.agents.middleware.types import (
+    ExtendedModelResponse,
+    ModelRequest,
+    ModelResponse,
+    PrivateStateAttr,
+)
+from langchain_core.messages import (
+    AIMessage,
+    AnyMessage,
+    BaseMessage,
+    convert_to_messages,
+    convert_to_openai_messages,
+)
+from langgraph.runtime import Runtime
+from langgraph.types import Command
+
+from scheduler.client import CompactdClient, SessionHandle, StepResult
+from storage.errors import BadInput, CompactdError
+from worker.compaction.policy import RENDERS, PolicyError, parse_policy
+from worker.runtime import EventLoopThread
+from worker.settings import Config, load_config
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+META_LC_ID = "lc_id"
+STALE = -1  # the version of a view to read again (a poll always finds it moved)
+CLOSE_TIMEOUT_S = 10.0
+
+
+class CompactdState(AgentState[Any]):
+    compactd_mirrored: NotRequired[Annotated[int, PrivateStateAttr]]
+    compactd_last_id: NotRequired[Annotated[str | None, PrivateStateAttr]]
+
+
+class StateMismatch(BadInput):
+    """The agent state does not line up with what was mirrored into compactd."""
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """The surface as LangChain messages, at a surface version."""
+
+    version: int
+    messages: list[BaseMessage]
+
+
+@dataclass(frozen=True, slots=True)
+class _Opening:
+    """What the session is created with, read off the first model request."""
+
+    envelope: dict[str, Any] | None
+    run_model: str | None
+    context_window: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What one model call mirrors: worked out in the caller's thread, cheap and pure."""
+
+    session_id: str
+    mirrored: int  # state messages already in compactd
+    tail: list[AnyMessage]  # the state messages to append now
+    payload: list[dict[str, Any]]  # the tail in compactd's wire shape
+    fresh: bool  # no message of this state has been mirrored yet
+    opening: _Opening | None  # set until this process has opened the session
+
+
+# ------------------------------------------------------------------------------------------
+# message shapes
+
+
+def to_compactd(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as OpenAI chat dicts, each remembering its LangChain id."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        converted = convert_to_openai_messages(message)
+        for item in converted if isinstance(converted, list) else [converted]:
+            item.pop("id", None)
+            if message.id:
+                item["meta"] = {META_LC_ID: message.id}
+            out.append(item)
+    return out
+
+
+def to_langchain(message: Mapping[str, Any]) -> BaseMessage:
+    """A rendered surface message as a LangChain message (the id it was mirrored with)."""
+    meta = message.get("meta") or {}
+    wire = {k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name")
+            if message.get(k) is not None}
+    wire.setdefault("content", "")
+    converted = convert_to_messages([wire])[0]
+    converted.id = meta.get(META_LC_ID) or f"compactd-{message['seq']}"
+    if meta.get("checkpoint"):
+        # What SummarizationMiddleware marks its summary message with.
+        converted.additional_kwargs["lc_source"] = "summarization"
+    return converted
+
+
+def _input_tokens(response: Any) -> int | None:
+    model_response = response.model_response if isinstance(
+        response, ExtendedModelResponse) else response
+    messages = model_response.result if isinstance(model_response, ModelResponse) else [
+        model_response]
+    for message in messages:
+        usage = getattr(message, "usage_metadata", None)
+        if isinstance(message, AIMessage) and usage and usage.get("input_tokens") is not None:
+            return int(usage["input_tokens"])
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# the middleware
+
+
+class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
+    """Mirror the agent's messages into compactd and send the model its compacted surface.
+
+    ``trigger``, ``keep``, ``trim_tokens_to_summarize`` and ``summary_prompt`` take what
+    SummarizationMiddleware takes (``("tokens", 4000)``, a list of them for OR, a mapping for AND)
+    and become the session's policy overrides, which the workers apply; the summary model is
+    compactd's (``summarization.model_name`` in its configuration).
+
+    ``session_id``: the compactd session (default: the LangGraph ``thread_id``). ``config``:
+    compactd's configuration (default: the ``COMPACTD_*`` environment). ``run_model`` and
+    ``context_window`` default to the chat model's name and profile. ``render``: how a
+    checkpoint reads to the model (``langchain`` by default: the ``Here is a summary of the
+    conversation to date:`` message SummarizationMiddleware writes).
+    """
+
+    state_schema = CompactdState
+
+    def __init__(self, session_id: str | None = None, *,
+                 trigger: Any = None, keep: Any = None,
+                 trim_tokens_to_summarize: int | None = None, summary_prompt: str | None = None,
+                 config: Config | None = None, tenant: str = "default",
+                 run_model: str | None = None, context_window: int | None = None,
+                 policy: Mapping[str, Any] | None = None, render: str = "langchain") -> None:
+        super().__init__()
+        if render not in RENDERS:
+            raise ValueError(f"render must be one of {', '.join(RENDERS)}, not {render!r}")
+        self.session_id = session_id
+        self.config = config
+        self.tenant = tenant
+        self.run_model = run_model
+        self.context_window = context_window
+        self.policy = _session_policy(policy, trigger=trigger, keep=keep,
+                                      trim_tokens_to_summarize=trim_tokens_to_summarize,
+                                      summary_prompt=summary_prompt)
+        self.render = render
+        self._bridge: _Bridge | None = None
+        self._bridge_lock = threading.Lock()
+        # Written only on the bridge's loop.
+        self._views: dict[str, _View] = {}
+        self._handles: dict[str, SessionHandle] = {}
+        self._last_seqs: dict[str, int] = {}  # after this process's last append, per session
+        self._unsure: set[str] = set()  # sessions whose last append may or may not have landed
+
+    # -------------------------------------------------------------------------------- hooks
+
+    def wrap_model_call(self, request: ModelRequest[Any],
+                        handler: Callable[[ModelRequest[Any]], ModelResponse[Any]]) -> Any:
+        step = self._plan(request)
+        outcome = self._call(lambda: self._mirror(step))
+        messages, mirrored = self._request_messages(request, step, outcome)
+        response = handler(request.override(messages=messages))
+        tokens = _input_tokens(response)
+        if tokens is not None:
+            self._logged(self._call(lambda: self._report(step.session_id, tokens)), step)
+        return self._with_update(response, request, mirrored)
+
+    async def awrap_model_call(
+            self, request: ModelRequest[Any],
+            handler: Callable[[ModelRequest[Any]], Awaitable[ModelResponse[Any]]]) -> Any:
+        step = self._plan(request)
+        outcome = await self._acall(lambda: self._mirror(step))
+        messages, mirrored = self._request_messages(request, step, outcome)
+        response = await handler(request.override(messages=messages))
+        tokens = _input_tokens(response)
+        if tokens is not None:
+            self._logged(await self._acall(lambda: self._report(step.session_id, tokens)), step)
+        return self._with_update(response, request, mirrored)
+
+    def after_agent(self, state: CompactdState, runtime: Runtime[Any]) -> dict[str, Any] | None:
+        step = self._final_step(state)
+        if step is None:
+            return None
+        done = self._call(lambda: self._append_only(step))
+        return self._mirrored_update(state["messages"], step, done)
+
+    async def aafter_agent(self, state: CompactdState,
+                           runtime: Runtime[Any]) -> dict[str, Any] | None:
+        step = self._final_step(state)
+        if step is None:
+            return None
+        done = await self._acall(lambda: self._append_only(step))
+        return self._mirrored_update(state["messages"], step, done)
+
+    # ----------------------------------------------------------------------- caller's thread
+
+    def _plan(self, request: ModelRequest[Any]) -> _Step:
+        state = request.state
+        messages = list(state["messages"])
+        session_id = self._session()
+        mirrored = _mirrored_count(state, messages)
+        tail = messages[mirrored:]
+        opening = None if session_id in self._handles else _opening(request)
+        return _Step(session_id=session_id, mirrored=mirrored, tail=tail,
+                     payload=to_compactd(tail), fresh=mirrored == 0, opening=opening)
+
+    def _final_step(self, state: CompactdState) -> _Step | None:
+        messages = list(state["messages"])
+        mirrored = _mirrored_count(state, messages)
+        session_id = self._session()
+        if mirrored == len(messages) or session_id not in self._handles:
+            return None  # nothing new, or no model call ever opened the session
+        tail = messages[mirrored:]
+        return _Step(session_id=session_id, mirrored=mirrored, tail=tail,
+                     payload=to_compactd(tail), fresh=False, opening=None)
+
+    def _session(self) -> str:
+        if self.session_id is not None:
+            return self.session_id
+        from langgraph.config import get_config
+
+        thread_id = (get_config().get("configurable") or {}).get("thread_id")
+        if thread_id is None:
+            raise StateMismatch("CompactdMiddleware needs a session_id, or a thread_id in the "
+                                "run's config ({'configurable': {'thread_id': ...}})")
+        return str(thread_id)
+
+    def _request_messages(self, request: ModelRequest[Any], step: _Step,
+                          outcome: _View | BaseException | None) -> tuple[list[Any], int]:
+        """The model request's messages, and how many state messages are mirrored now.
+
+        ``outcome``: the new view; None when the tail was stored but the surface could not be
+        read; an exception when the tail could not be stored.
+        """
+        if isinstance(outcome, _View):
+            return list(outcome.messages), step.mirrored + len(step.tail)
+        if isinstance(outcome, BadInput):
+            raise outcome
+        stored = outcome is None
+        if not stored:
+            logger.warning("compactd unreachable, the step goes on without it: %s", outcome,
+                           extra={"action": "langchain_mirror_failed",
+                                  "session_id": step.session_id})
+        mirrored = step.mirrored + (len(step.tail) if stored else 0)
+        # The cached view covers exactly the mirrored messages (see _advance).
+        cached = self._views.get(step.session_id)
+        if cached is None:
+            return list(request.messages), mirrored
+        return [*cached.messages, *request.state["messages"][mirrored:]], mirrored
+
+    def _with_update(self, response: Any, request: ModelRequest[Any], mirrored: int) -> Any:
+        messages = request.state["messages"]
+        update = {"compactd_mirrored": mirrored,
+                  "compactd_last_id": messages[mirrored - 1].id if mirrored else None}
+        if isinstance(response, ExtendedModelResponse):
+            # Another middleware's command rides along; ours is applied after it.
+            return ExtendedModelResponse(model_response=response.model_response,
+                                         command=_merge(response.command, update))
+        if isinstance(response, AIMessage):
+            response = ModelResponse(result=[response])
+        return ExtendedModelResponse(model_response=response, command=Command(update=update))
+
+    def _logged(self, result: object, step: _Step) -> None:
+        if isinstance(result, BaseException):
+            logger.warning("compactd did not take the usage report: %s", result,
+                           extra={"action": "langchain_usage_failed",
+                                  "session_id": step.session_id})
+
+    def _mirrored_update(self, messages: Sequence[AnyMessage], step: _Step,
+                         done: object) -> dict[str, Any] | None:
+        if isinstance(done, BaseException):
+            if isinstance(done, BadInput):
+                raise done
+            logger.warning("compactd unreachable, the final messages stay unmirrored: %s", done,
+                           extra={"action": "langchain_mirror_failed",
+                                  "session_id": step.session_id})
+            return None
+        return {"compactd_mirrored": len(messages), "compactd_last_id": messages[-1].id}
+
+    # ------------------------------------------------------------------------ bridge's loop
+
+    async def _open(self, step: _Step) -> SessionHandle:
+        handle = self._handles.get(step.session_id)
+        if handle is None:
+            opening = step.opening or _Opening(None, None, None)
+            client = await self._bridge_client()
+            handle = await client.create_session(
+                step.session_id, tenant=self.tenant,
+                run_model=self.run_model or opening.run_model,
+                context_window=self.context_window or opening.context_window,
+                envelope=opening.envelope, policy=self.policy)
+            self._handles[step.session_id] = handle
+        return handle
+
+    async def _mirror(self, step: _Step) -> _View | None:
+        """Store the tail, then the view to send (None: stored, but the read failed)."""
+        handle = await self._open(step)
+        # (After an append of ours whose outcome is unknown, the session may hold part of this
+        # very tail: _store_tail sorts that out.)
+        if step.fresh and step.session_id not in self._unsure:
+            info = await handle.client.store.get_session(step.session_id)
+            if info.last_seq:
+                raise StateMismatch(
+                    f"session {step.session_id!r} already holds {info.last_seq} events but this "
+                    "agent state has mirrored none: run the agent with a checkpointer (one "
+                    "thread per session), or give this run its own session id")
+        appended = await self._store_tail(handle, step)
+        cached = self._advance(step, appended)
+        if cached is not None and cached.version != STALE:
+            return cached  # only this append moved the surface: no read
+        # From here on the tail is stored: a failure costs this step its fresh view, never a
+        # second copy of the tail.
+        try:
+            if cached is not None and await handle.poll(cached.version) is None:
+                return cached
+            # A checkpoint (or another writer) moved it: one read, never a wait.
+            rendered = await handle.surface(self.render)
+            view = _View(handle.version, [to_langchain(m) for m in rendered])
+        except Exception as exc:
+            if isinstance(exc, BadInput):
+                raise
+            logger.warning("compactd stored the step but its surface could not be read: %s",
+                           exc, extra={"action": "langchain_read_failed",
+                                       "session_id": step.session_id})
+            return None
+        self._views[step.session_id] = view
+        return view
+
+    async def _append_only(self, step: _Step) -> bool:
+        handle = await self._open(step)
+        self._advance(step, await self._store_tail(handle, step))
+        return True
+
+    def _advance(self, step: _Step, appended: StepResult | None) -> _View | None:
+        """The cached view once the tail is stored: it keeps covering exactly the mirrored
+        messages (what a step falls back on), current when only this append moved the surface,
+        else STALE, to be read again."""
+        cached = self._views.get(step.session_id)
+        if cached is None or not step.tail:
+            return cached
+        current = appended is not None and appended.version == cached.version + 1
+        view = _View(appended.version if current and appended is not None else STALE,
+                     [*cached.messages, *step.tail])
+        self._views[step.session_id] = view
+        return view
+
+    async def _store_tail(self, handle: SessionHandle, step: _Step) -> StepResult | None:
+        """Append what of the tail compactd does not hold yet; None when it holds all of it.
+
+        An append that failed without an answer (a timeout, a dropped connection) may still
+        have committed. The tail is then appended again at the next step, so that step first
+        reads which of its messages did arrive (by the LangChain id each carries in ``meta``)
+        and appends only the rest: the session never holds a message twice.
+        """
+        sid = step.session_id
+        payload = step.payload
+        if sid in self._unsure:
+            events = await handle.client.store.read_events(
+                sid, kinds=["message"], after_seq=self._last_seqs.get(sid, 0))
+            arrived = {(e.payload.get("meta") or {}).get(META_LC_ID) for e in events} - {None}
+            payload = [m for m in payload if m.get("meta", {}).get(META_LC_ID) not in arrived]
+        if not payload:
+            self._unsure.discard(sid)
+            return None
+        try:
+            appended = await handle.append(payload)
+        except BadInput:
+            raise  # refused whole: nothing was stored
+        except Exception:
+            self._unsure.add(sid)
+            raise
+        self._unsure.discard(sid)
+        self._last_seqs[sid] = appended.last_seq
+        return appended
+
+    async def _report(self, session_id: str, input_tokens: int) -> None:
+        handle = self._handles.get(session_id)
+        if handle is not None:
+            await handle.report_usage(input_tokens)
+
+    async def _bridge_client(self) -> CompactdClient:
+        bridge = self._bridge
+        assert bridge is not None
+        if bridge.client is None:
+            client = CompactdClient(self.config or load_config())
+            await client.__aenter__()
+            bridge.client = client
+        return bridge.client
+
+    # ------------------------------------------------------------------------------ bridge
+
+    def _get_bridge(self) -> _Bridge:
+        with self._bridge_lock:
+            if self._bridge is None:
+                self._bridge = _Bridge()
+            return self._bridge
+
+    def _call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T | BaseException:
+        """Run ``make()`` on the bridge; a failure is returned, not raised, for the caller to
+        judge (bad input raises, an outage degrades)."""
+        try:
+            return self._get_bridge().thread.submit(make)
+        except Exception as exc:
+            return exc
+
+    async def _acall(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T | BaseException:
+        bridge = self._get_bridge()
+        future = asyncio.run_coroutine_threadsafe(make(), bridge.thread.loop)
+        try:
+            return await asyncio.wrap_future(future)
+        except Exception as exc:
+            return exc
+
+    def close(self) -> None:
+        """Close the connection pool and stop the loop thread (idempotent)."""
+        with self._bridge_lock:
+            bridge, self._bridge = self._bridge, None
+        if bridge is not None:
+            bridge.close()
+
+
+class _Bridge:
+    """The middleware's event loop thread and the compactd client living on it."""
+
+    def __init__(self) -> None:
+        self.thread = EventLoopThread(name="compactd-langchain")
+        self.client: CompactdClient | None = None
+
+    def close(self) -> None:
+        client = self.client
+        if client is not None:
+            try:
+                self.thread.submit(client.aclose, timeout=CLOSE_TIMEOUT_S)
+            except (CompactdError, concurrent.futures.TimeoutError, OSError) as exc:
+                logger.warning("closing the compactd client failed: %s", exc,
+                               extra={"action": "langchain_close"})
+        self.thread.stop()
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _mirrored_count(state: Mapping[str, Any], messages: Sequence[AnyMessage]) -> int:
+    mirrored = int(state.get("compactd_mirrored") or 0)
+    last_id = state.get("compactd_last_id")
+    if mirrored > len(messages) or (mirrored and messages[mirrored - 1].id != last_id):
+        raise StateMismatch(
+            f"the agent state no longer holds the {mirrored} messages mirrored into compactd "
+            "(another middleware rewrote state['messages']?); CompactdMiddleware must be the "
+            "only middleware that compacts messages")
+    return mirrored
+
+
+def _opening(request: ModelRequest[Any]) -> _Opening:
+    """The envelope (system prompt and tool schemas, sent with every call, so they count toward
+    pressure), and the chat model's name and window when it says them."""
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    envelope: dict[str, Any] = {}
+    if request.system_prompt:
+        envelope["system"] = request.system_prompt
+    tools = []
+    for tool in request.tools:
+        try:
+            tools.append(tool if isinstance(tool, dict) else convert_to_openai_tool(tool))
+        except (TypeError, ValueError):  # a provider-native tool with no OpenAI schema
+            continue
+    if tools:
+        envelope["tools"] = tools
+    name = getattr(request.model, "model_name", None) or getattr(request.model, "model", None)
+    profile = getattr(request.model, "profile", None)
+    window = profile.get("max_input_tokens") if isinstance(profile, Mapping) else None
+    return _Opening(envelope=envelope or None, run_model=name if isinstance(name, str) else None,
+                    context_window=window if isinstance(window, int) else None)
+
+
+def _session_policy(policy: Mapping[str, Any] | None, **overrides: Any
+                    ) -> dict[str, Any] | None:
+    """The session's policy overrides as JSON values, checked now rather than at the first
+    step."""
+    merged = {**(policy or {}), **{k: v for k, v in overrides.items() if v is not None}}
+    if not merged:
+        return None
+    plain: dict[str, Any] = json.loads(json.dumps(merged))  # tuples become lists, as stored
+    try:
+        parse_policy(plain, path="policy")
+    except PolicyError as exc:
+        raise ValueError(str(exc)) from None
+    return plain
+
+
+def _merge(command: Command[Any] | None, update: dict[str, Any]) -> Command[Any]:
+    if command is None:
+        return Command(update=update)
+    existing = command.update if isinstance(command.update, dict) else {}
+    return Command(graph=command.graph, update={**existing, **update}, resume=command.resume,
+                   goto=command.goto)
+
+
+__all__ = ["CompactdMiddleware", "CompactdState", "StateMismatch", "to_compactd",
+           "to_langchain"]
+

@@ -1,0 +1,113 @@
+"""``compactd serve`` as a real process on PostgreSQL and Redis: schemathesis over the document
+it serves, the README's curl example, and waiting for a real worker's compaction through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scheduler.samples import coding_session
+from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
+from tests.support.stack import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+
+# Sessions schemathesis aims at most of the time (the rest of its ids are random, so the 404
+# path is fuzzed too): generated messages then reach the append path and storage.
+FUZZ_SESSIONS = ("fuzz-a", "fuzz-b")
+SCHEMATHESIS_CONFIG = f"""
+[dictionaries.sessions]
+values = {json.dumps(list(FUZZ_SESSIONS))}
+
+[parameters]
+"path.session_id" = {{ dictionary = "sessions", probability = 0.7 }}
+"""
+EXAMPLES = 25
+
+
+def test_schemathesis_finds_no_server_error_and_no_response_that_breaks_the_schema(
+        make_stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack()
+    url = start_api(stack, api={"max_wait_s": 0.3})
+    for session in FUZZ_SESSIONS:
+        httpx.put(f"{url}/v1/sessions/{session}", headers=bearer(TOKEN_A), json={},
+                  timeout=30).raise_for_status()
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(SCHEMATHESIS_CONFIG)
+    # Every check but positive_data_acceptance: a schema-valid message can still be refused for
+    # what JSON Schema cannot say (a tool result must answer an open call of the session, a
+    # policy's clauses must make sense together), and that refusal is a correct 422.
+    out = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "--no-color", "--config-file", str(config),
+         "run", f"{url}/openapi.json", "--header", f"Authorization: Bearer {TOKEN_A}",
+         "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+         "--max-examples", str(EXAMPLES), "--workers", "1", "--generation-database", "none",
+         "--request-timeout", "30"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report[-8000:]
+    assert "Selected: 9/9" in report and "Tested: 9" in report, report[-3000:]
+    generated = int(re.search(r"(\d+) generated", report).group(1))  # type: ignore[union-attr]
+    assert generated >= 9 * EXAMPLES, report[-3000:]
+    appended = sum(httpx.get(f"{url}/v1/sessions/{s}", headers=bearer(TOKEN_A), timeout=30)
+                   .json()["messages"] for s in FUZZ_SESSIONS)
+    assert appended > 0, "no generated message reached storage: the fuzzing stayed shallow"
+    assert "sessions verified" in stack.cli("verify", "--all").stdout
+
+
+def test_the_readme_curl_example_runs_against_the_server(make_stack) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack()
+    url = start_api(stack)
+    out = subprocess.run(["bash", str(REPO / "ops" / "examples" / "http_api.sh")],
+                         env={**os.environ, "COMPACTD_URL": url, "COMPACTD_TOKEN": TOKEN_A},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "304" in out.stdout and '"created":true' in out.stdout
+    surface = httpx.get(f"{url}/v1/sessions/curl-demo/surface", headers=bearer(TOKEN_A),
+                        timeout=30).json()
+    assert [m["role"] for m in surface["messages"]] == ["user", "assistant", "tool", "assistant"]
+    foreign = httpx.get(f"{url}/v1/sessions/curl-demo/surface", headers=bearer(TOKEN_B),
+                        timeout=30)
+    assert foreign.status_code == 404
+
+
+def test_compact_and_overflow_wait_for_a_real_worker_through_the_api(make_stack) -> None:  # type: ignore[no-untyped-def]
+    # No automatic runs (a pressure run holding the lease would make the manual one busy).
+    stack = make_stack(summarization={"model_name": "fake-gpt",
+                                      "trigger": [{"type": "tokens", "value": 10_000_000}],
+                                      "keep": {"type": "messages", "value": 6}})
+    url = start_api(stack)
+    stack.start_worker("w1", concurrency=2)
+    headers = bearer(TOKEN_A)
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
+        assert http.put("/v1/sessions/s1", json={"run_model": "fake-gpt"}).status_code == 201
+        messages = coding_session(steps=12, big_output_lines=30).messages
+        assert http.post("/v1/sessions/s1/messages",
+                         json={"messages": messages}).status_code == 200
+        before = http.get("/v1/sessions/s1/surface")
+
+        run = http.post("/v1/sessions/s1/compact", json={"wait": True, "timeout_s": 90})
+        assert run.status_code == 200, run.text
+        assert run.json()["outcome"] == "committed" and run.json()["replaced_seqs"]
+        after = http.get("/v1/sessions/s1/surface",
+                         headers={"If-None-Match": before.headers["etag"]})
+        assert after.status_code == 200 and after.json()["tokens"] < before.json()["tokens"]
+        assert any((m.get("meta") or {}).get("checkpoint") for m in after.json()["messages"])
+
+        more = coding_session(steps=12, big_output_lines=30, seed=11).messages[1:]
+        assert http.post("/v1/sessions/s1/messages", json={"messages": more}).status_code == 200
+        overflow = http.post("/v1/sessions/s1/overflow", json={"wait": True, "timeout_s": 90})
+        assert overflow.status_code == 200, overflow.text
+        body = overflow.json()
+        assert body["compacted"] is True, body["reason"]
+        assert body["messages"] and body["run"]["outcome"] == "committed"
+        status = http.get("/v1/sessions/s1").json()
+        assert [r["status"] for r in status["runs"]][:2] == ["committed", "committed"]
+    assert "1/1 sessions verified" in stack.cli("verify", "--all").stdout

@@ -1,0 +1,47 @@
+"""``compactd serve`` as a real process of a :class:`tests.support.stack.Stack`.
+
+    url = start_api(stack)                      # port 0: the server picks a free one
+    httpx.get(f"{url}/v1/sessions/s1", headers=bearer(TOKEN_A))
+
+Two tenants, each with a bearer token read from the server's environment (``token_env``), so
+the secrets never sit in the config file.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from tests.support.stack import Stack, wait_until
+
+TOKEN_A = "tok-tenant-a-2f9c1e7d"
+TOKEN_B = "tok-tenant-b-81b0a4c3"
+TENANTS = {"tenant-a": ("COMPACTD_TEST_TOKEN_A", TOKEN_A),
+           "tenant-b": ("COMPACTD_TEST_TOKEN_B", TOKEN_B)}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def start_api(stack: Stack, name: str = "api", *, api: Mapping[str, Any] | None = None,
+              timeout: float = 60.0) -> str:
+    """Add an ``api:`` section to the stack's config, start the server, return its URL."""
+    config = yaml.safe_load(stack.config_path.read_text()) or {}
+    config["api"] = {"tokens": [{"tenant": tenant, "token_env": env}
+                                for tenant, (env, _) in TENANTS.items()], **(api or {})}
+    stack.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = stack.start(name, [sys.executable, "-m", "scheduler.cli", "serve", "--port", "0"],
+                       env={env: token for env, token in TENANTS.values()})
+    found = wait_until(
+        lambda: proc.poll() is not None
+        or re.search(r"listening on (http://\S+)", stack.log(name)),
+        timeout=timeout, what=f"{name} to listen")
+    if proc.poll() is not None:
+        raise AssertionError(f"{name} exited {proc.returncode}:\n{stack.log(name)[-3000:]}")
+    assert isinstance(found, re.Match)
+    return found.group(1)
