@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from storage.records import (
     utcnow,
 )
 from storage.schema import RUN_COLUMNS, SESSION_COLUMNS, run_from_row, session_from_row
-from storage.surface import JOURNAL_END, JOURNAL_START, check_contiguous
+from storage.surface import JOURNAL_END, JOURNAL_START
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -221,40 +222,35 @@ class LeasesMixin:
                 if current != [tuple(x) for x in expected]:
                     raise SurfaceChanged(
                         f"the surface of {session_id!r} changed under run {run_id}")
+            replaced = await self._replaced_rows(conn, session_id, replacements)
             seq = info.last_seq
             d_tokens = d_nodes = 0
-            for rep in replacements:
-                rows = (await conn.execute(
-                    sa.select(s.position, s.seq, s.tokens)
-                    .where(s.session_id == session_id, s.seq.in_(list(rep.seqs)))
-                    .order_by(s.position))).all()
-                if [r.seq for r in rows] != list(rep.seqs):
-                    raise SurfaceChanged(
-                        f"seqs {list(rep.seqs)} are no longer on the surface in that order")
-                positions = [r.position for r in rows]
-                order = (await conn.execute(
-                    sa.select(s.seq).where(s.session_id == session_id,
-                                           s.position >= positions[0],
-                                           s.position <= positions[-1])
-                    .order_by(s.position))).scalars().all()
-                check_contiguous(list(order), rep.seqs)
+            events: list[dict[str, Any]] = []
+            nodes: list[dict[str, Any]] = []
+            for rep, rows in zip(replacements, replaced, strict=True):
+                # Journal entry, then the node, per replacement: the same seqs as one at a time.
                 seq += 1
-                await conn.execute(t.events.insert().values(
-                    session_id=session_id, seq=seq, kind=rep.journal_kind, run_id=run_id,
-                    created_at=now, payload={"run_id": run_id, **rep.journal,
-                                             "replaced_seqs": list(rep.seqs)}))
+                events.append({"session_id": session_id, "seq": seq, "kind": rep.journal_kind,
+                               "run_id": run_id, "created_at": now, "tokens": None,
+                               "payload": {"run_id": run_id, **rep.journal,
+                                           "replaced_seqs": list(rep.seqs)}})
                 seq += 1
-                await conn.execute(t.events.insert().values(
-                    session_id=session_id, seq=seq, kind=rep.kind, run_id=run_id,
-                    created_at=now, tokens=rep.tokens,
-                    payload={"message": rep.payload, "replaces": list(rep.seqs),
-                             "run_id": run_id}))
-                await conn.execute(t.surface.delete().where(s.session_id == session_id,
-                                                            s.seq.in_(list(rep.seqs))))
-                await conn.execute(t.surface.insert().values(
-                    session_id=session_id, position=positions[0], seq=seq, tokens=rep.tokens))
+                events.append({"session_id": session_id, "seq": seq, "kind": rep.kind,
+                               "run_id": run_id, "created_at": now, "tokens": rep.tokens,
+                               "payload": {"message": rep.payload, "replaces": list(rep.seqs),
+                                           "run_id": run_id}})
+                nodes.append({"session_id": session_id, "position": rows[0].position,
+                              "seq": seq, "tokens": rep.tokens})
                 d_tokens += rep.tokens - sum(r.tokens for r in rows)
                 d_nodes += 1 - len(rows)
+            if replacements:
+                # Three statements however many replacements (a prune commit has one per large
+                # tool result): the commit holds the session row, and appends wait on it.
+                await conn.execute(t.events.insert(), events)
+                await conn.execute(t.surface.delete().where(
+                    s.session_id == session_id,
+                    s.seq.in_([q for rep in replacements for q in rep.seqs])))
+                await conn.execute(t.surface.insert(), nodes)
             c = t.sessions.c
             values: dict[str, Any] = {"last_seq": seq}
             if replacements:
@@ -266,6 +262,38 @@ class LeasesMixin:
             if end is not None:
                 await self._write_end(conn, session_id, run_id, seq + 1, end, now)
             return await self._session(conn, session_id)
+
+    async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
+                             replacements: Sequence[Replacement]) -> list[list[Any]]:
+        """The surface rows each replacement names, in order; :class:`SurfaceChanged` unless
+        every one is on the surface, in that order, as one contiguous run."""
+        s = t.surface.c
+        wanted = [q for rep in replacements for q in rep.seqs]
+        if len(set(wanted)) != len(wanted):
+            raise ValueError("a seq is named by more than one replacement")
+        if not wanted:
+            return [[] for _ in replacements]
+        found = {r.seq: r for r in await conn.execute(
+            sa.select(s.position, s.seq, s.tokens)
+            .where(s.session_id == session_id, s.seq.in_(wanted)))}
+        out: list[list[Any]] = []
+        for rep in replacements:
+            rows = [found[q] for q in rep.seqs if q in found]
+            if not rows or len(rows) != len(rep.seqs) or any(
+                    a.position >= b.position for a, b in itertools.pairwise(rows)):
+                raise SurfaceChanged(
+                    f"seqs {list(rep.seqs)} are no longer on the surface in that order")
+            if len(rows) > 1:
+                # All present and in order: contiguous when nothing else lies between them.
+                between = (await conn.execute(
+                    sa.select(sa.func.count()).select_from(t.surface)
+                    .where(s.session_id == session_id, s.position >= rows[0].position,
+                           s.position <= rows[-1].position))).scalar()
+                if between != len(rows):
+                    raise SurfaceChanged(
+                        f"seqs {list(rep.seqs)} are no longer one contiguous run of the surface")
+            out.append(rows)
+        return out
 
     async def finish(self, session_id: str, *, run_id: str, fence: int, end: RunEnd,
                      now: dt.datetime | None = None) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -173,10 +174,8 @@ class RssSampler(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             for pid in self.pids:
-                try:
+                with contextlib.suppress(OSError):
                     self.peak = max(self.peak, rss_mb(pid))
-                except OSError:
-                    pass
             self.stop.wait(self.interval_s)
 
 
