@@ -123,13 +123,15 @@ class LeasesMixin:
                 session_id=session_id, seq=seq, kind=JOURNAL_START, run_id=run_id, created_at=now,
                 payload={"run_id": run_id, "trigger": trigger, "owner": owner, "fence": fence,
                          "surface_version": info.surface_version}))
-            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
-                last_seq=seq, lease_owner=owner, lease_run_id=run_id, lease_expires_at=expires,
-                lease_fence=fence))
+            row = (await conn.execute(
+                t.sessions.update().where(t.sessions.c.id == session_id).values(
+                    last_seq=seq, lease_owner=owner, lease_run_id=run_id,
+                    lease_expires_at=expires, lease_fence=fence)
+                .returning(*SESSION_COLUMNS))).one()
             await self._insert_run(conn, run_id, session_id, trigger=trigger, owner=owner,
                                    fence=fence, task_id=task_id, bulk_job_id=bulk_job_id,
                                    version=info.surface_version, now=now, status=RUN_RUNNING)
-            info = await self._session(conn, session_id)
+            info = session_from_row(row)
         return Claim(session=info, run_id=run_id, fence=fence, owner=owner, expires_at=expires)
 
     async def _record_busy(self, session_id: str, *, owner: str, trigger: str, now: dt.datetime,
@@ -213,16 +215,19 @@ class LeasesMixin:
             if info.lease_fence != fence or info.lease_run_id != run_id:
                 raise LeaseLost(f"run {run_id} lost its lease on {session_id!r} "
                                 f"(fence {fence}, now {info.lease_fence})")
+            replaced = None
             if expected:
                 upto = max(pos for pos, _ in expected)
-                current = [(r.position, r.seq) for r in await conn.execute(
-                    sa.select(s.position, s.seq)
+                prefix = (await conn.execute(
+                    sa.select(s.position, s.seq, s.tokens)
                     .where(s.session_id == session_id, s.position <= upto)
-                    .order_by(s.position))]
-                if current != [tuple(x) for x in expected]:
+                    .order_by(s.position))).all()
+                if [(r.position, r.seq) for r in prefix] != [tuple(x) for x in expected]:
                     raise SurfaceChanged(
                         f"the surface of {session_id!r} changed under run {run_id}")
-            replaced = await self._replaced_rows(conn, session_id, replacements)
+                replaced = _rows_in_prefix(prefix, replacements)
+            if replaced is None:
+                replaced = await self._replaced_rows(conn, session_id, replacements)
             seq = info.last_seq
             d_tokens = d_nodes = 0
             events: list[dict[str, Any]] = []
@@ -243,10 +248,15 @@ class LeasesMixin:
                               "seq": seq, "tokens": rep.tokens})
                 d_tokens += rep.tokens - sum(r.tokens for r in rows)
                 d_nodes += 1 - len(rows)
-            if replacements:
-                # Three statements however many replacements (a prune commit has one per large
-                # tool result): the commit holds the session row, and appends wait on it.
+            if end is not None:
+                # compaction/end is the last event, in the same transaction as the checkpoint.
+                seq += 1
+                events.append(_end_event(session_id, run_id, seq, end, now))
+            # A handful of statements however many replacements (a prune commit has one per
+            # large tool result): the commit holds the session row, and appends wait on it.
+            if events:
                 await conn.execute(t.events.insert(), events)
+            if replacements:
                 await conn.execute(t.surface.delete().where(
                     s.session_id == session_id,
                     s.seq.in_([q for rep in replacements for q in rep.seqs])))
@@ -258,10 +268,13 @@ class LeasesMixin:
                               surface_tokens=c.surface_tokens + d_tokens,
                               surface_messages=c.surface_messages + d_nodes,
                               reported_input_tokens=None, reported_version=None)
-            await conn.execute(t.sessions.update().where(c.id == session_id).values(**values))
             if end is not None:
-                await self._write_end(conn, session_id, run_id, seq + 1, end, now)
-            return await self._session(conn, session_id)
+                values.update(lease_owner=None, lease_run_id=None, lease_expires_at=None)
+            row = (await conn.execute(t.sessions.update().where(c.id == session_id)
+                                      .values(**values).returning(*SESSION_COLUMNS))).one()
+            if end is not None:
+                await self._end_run(conn, session_id, run_id, end, now)
+            return session_from_row(row)
 
     async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
                              replacements: Sequence[Replacement]) -> list[list[Any]]:
@@ -316,21 +329,26 @@ class LeasesMixin:
 
     async def _write_end(self, conn: AsyncConnection, session_id: str, run_id: str, seq: int,
                          end: RunEnd, now: dt.datetime) -> None:
-        await conn.execute(t.events.insert().values(
-            session_id=session_id, seq=seq, kind=JOURNAL_END, run_id=run_id, created_at=now,
-            payload={"run_id": run_id, "outcome": end.outcome,
-                     "failure_class": end.failure_class, "tokens_before": end.tokens_before,
-                     "tokens_after": end.tokens_after}))
+        await conn.execute(t.events.insert().values(_end_event(session_id, run_id, seq, end,
+                                                                now)))
         await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
             last_seq=seq, lease_owner=None, lease_run_id=None, lease_expires_at=None))
-        await conn.execute(t.compaction_runs.update().where(t.compaction_runs.c.id == run_id)
-                           .values(status=end.outcome, failure_class=end.failure_class,
-                                   error=end.error, tokens_before=end.tokens_before,
-                                   tokens_after=end.tokens_after, model=end.model,
-                                   usage=end.usage, candidates=end.candidates,
-                                   stages=end.stages, range_seqs=end.range_seqs,
-                                   finished_at=now, heartbeat_at=now))
-        await self._settle_bulk_item(conn, run_id, session_id, end.outcome, now)
+        await self._end_run(conn, session_id, run_id, end, now)
+
+    async def _end_run(self, conn: AsyncConnection, session_id: str, run_id: str, end: RunEnd,
+                       now: dt.datetime) -> None:
+        """The run row's result, and its bulk item's when it belongs to a bulk job."""
+        r = t.compaction_runs.c
+        job_id = (await conn.execute(
+            t.compaction_runs.update().where(r.id == run_id)
+            .values(status=end.outcome, failure_class=end.failure_class, error=end.error,
+                    tokens_before=end.tokens_before, tokens_after=end.tokens_after,
+                    model=end.model, usage=end.usage, candidates=end.candidates,
+                    stages=end.stages, range_seqs=end.range_seqs, finished_at=now,
+                    heartbeat_at=now)
+            .returning(r.bulk_job_id))).scalar()
+        if job_id is not None:
+            await self._settle_bulk_item(conn, run_id, session_id, end.outcome, now)
 
     # ---------------------------------------------------------------------------------------
     # reap
@@ -418,6 +436,36 @@ class LeasesMixin:
             return [session_from_row(row) for row in await conn.execute(
                 sa.select(*SESSION_COLUMNS).where(c.lease_run_id.is_not(None))
                 .order_by(c.lease_expires_at))]
+
+
+def _end_event(session_id: str, run_id: str, seq: int, end: RunEnd, now: dt.datetime
+               ) -> dict[str, Any]:
+    return {"session_id": session_id, "seq": seq, "kind": JOURNAL_END, "run_id": run_id,
+            "created_at": now, "tokens": None,
+            "payload": {"run_id": run_id, "outcome": end.outcome,
+                        "failure_class": end.failure_class, "tokens_before": end.tokens_before,
+                        "tokens_after": end.tokens_after}}
+
+
+def _rows_in_prefix(prefix: Sequence[Any], replacements: Sequence[Replacement]
+                    ) -> list[list[Any]] | None:
+    """Each replacement's rows, when the checked prefix holds them all: a replacement must be a
+    consecutive run of it. None when some seq lies beyond the prefix (read them instead)."""
+    index = {r.seq: i for i, r in enumerate(prefix)}
+    wanted = [q for rep in replacements for q in rep.seqs]
+    if len(set(wanted)) != len(wanted):
+        raise ValueError("a seq is named by more than one replacement")
+    out: list[list[Any]] = []
+    for rep in replacements:
+        if not rep.seqs or any(q not in index for q in rep.seqs):
+            return None
+        first = index[rep.seqs[0]]
+        rows = list(prefix[first:first + len(rep.seqs)])
+        if [r.seq for r in rows] != list(rep.seqs):
+            raise SurfaceChanged(
+                f"seqs {list(rep.seqs)} are not one contiguous run of the surface")
+        out.append(rows)
+    return out
 
 
 def _iso(value: dt.datetime | None) -> str | None:
