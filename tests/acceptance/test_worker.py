@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,27 +133,40 @@ APPEND_RATE_PER_S = 200
 
 
 def append_until(db: Db, session_id: str, task_id: str, *, per_s: float = APPEND_RATE_PER_S,
-                 limit_s: float = 60.0) -> tuple[list[int], float]:
-    """Append one message every 1/per_s seconds (as an agent would, one after another) until
-    the run of ``task_id`` has finished; the seqs appended and the rate achieved."""
+                 limit_s: float = 60.0, agents: int = 4) -> tuple[list[int], float]:
+    """Append one message at a time on a schedule of ``per_s`` a second until the run of
+    ``task_id`` has finished; the seqs appended (in seq order) and the rate achieved. A few
+    appends may be in flight at once, so a slow machine still keeps the rate."""
 
     async def go(store: Store) -> tuple[list[int], float]:
         loop = asyncio.get_running_loop()
         started = loop.time()
         seqs: list[int] = []
-        while loop.time() - started < limit_s:
-            delay = started + len(seqs) / per_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            text = f"append {len(seqs)}: checking src/billing/tax.py again"
-            message = (Message(role="user", content=text) if len(seqs) % 2 == 0
-                       else Message(role="assistant", content=text))
-            result = await store.append(session_id, [message])
-            seqs.append(result.first_seq)
-            if len(seqs) % 20 == 0 and any(r.finished for r in
-                                           await store.runs_for_task(task_id)):
-                break
-        return seqs, len(seqs) / (loop.time() - started)
+        issued = 0
+        done = asyncio.Event()
+
+        async def agent() -> None:
+            nonlocal issued
+            while not done.is_set() and loop.time() - started < limit_s:
+                i = issued
+                issued += 1
+                delay = started + i / per_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                text = f"append {i}: checking src/billing/tax.py again"
+                message = (Message(role="user", content=text) if i % 2 == 0
+                           else Message(role="assistant", content=text))
+                seqs.append((await store.append(session_id, [message])).first_seq)
+
+        async def watch() -> None:
+            while not any(r.finished for r in await store.runs_for_task(task_id)):
+                await asyncio.sleep(0.1)
+            done.set()
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(agent() for _ in range(agents)))
+        watcher.cancel()
+        return sorted(seqs), len(seqs) / (loop.time() - started)
 
     return db.run(go, timeout=limit_s + 30)
 
@@ -181,7 +195,7 @@ def test_appends_at_200_per_s_during_runs_all_land(
             run = finished_run(db, task_id)
             assert run is not None
             assert (run.status, run.failure_class) == ("committed", None), run
-            assert rate >= APPEND_RATE_PER_S * 0.75, f"only {rate:.0f} appends/s"
+            assert rate >= APPEND_RATE_PER_S * 0.9, f"only {rate:.0f} appends/s"
 
             [summary] = [e for e in db.events("a1", ["compaction/summary"])
                          if e.run_id == run.id]
@@ -341,14 +355,22 @@ class PrivateRedis:
             self.proc.wait(10)
         self.proc = None
 
-    def queue_length(self, queue: str) -> int:
+    def queued_runs(self, session_id: str, queue: str = "compaction.pressure") -> list[Any]:
+        """The compaction.run messages for ``session_id`` waiting in ``queue``."""
         import redis
 
         client = redis.Redis.from_url(self.url)
         try:
-            return int(client.llen(queue))
+            messages = client.lrange(queue, 0, -1)
         finally:
             client.close()
+        out = []
+        for raw in messages:
+            headers = json.loads(raw).get("headers") or {}
+            if headers.get("task") == "compaction.run" and repr(session_id) in str(
+                    headers.get("kwargsrepr")):
+                out.append(raw)
+        return out
 
 
 def test_redis_restarted_during_a_run_loses_nothing(clean_pg: str, fake: FakeProvider, db: Db,
@@ -374,13 +396,14 @@ def test_redis_restarted_during_a_run_loses_nothing(clean_pg: str, fake: FakePro
             # same already; either way a message for it waits in Redis).
             db.run(lambda s: s.mark_signal("r-queued", ttl_s=120))
             enq.send(RunRequest("r-queued", "pressure"))
-        assert broker.queue_length("compaction.pressure") >= 1, "the second run is queued"
+        assert broker.queued_runs("r-queued"), "the second run waits in Redis"
 
         restarted_at = dt.datetime.now(dt.UTC)
         broker.stop()
         time.sleep(1.0)  # the worker notices the lost connection while its run is in flight
         broker.start()
-        assert broker.queue_length("compaction.pressure") == 0, "the queued message is lost"
+        # (beat's own sweep and reap messages arrive again at once; the run's is gone)
+        assert not broker.queued_runs("r-queued"), "the queued message is lost"
 
         for sid in ("r-inflight", "r-queued"):
             wait_until(lambda: any(r.status == "committed" for r in db.runs(sid)),  # noqa: B023
