@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
+import itertools
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,7 @@ from storage.records import (
     utcnow,
 )
 from storage.schema import RUN_COLUMNS, SESSION_COLUMNS, run_from_row, session_from_row
-from storage.surface import JOURNAL_END, JOURNAL_START, check_contiguous
+from storage.surface import JOURNAL_END, JOURNAL_START
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -118,17 +120,18 @@ class LeasesMixin:
             fence = info.lease_fence + 1
             expires = now + dt.timedelta(seconds=lease_s)
             seq += 1
-            await conn.execute(t.events.insert().values(
-                session_id=session_id, seq=seq, kind=JOURNAL_START, run_id=run_id, created_at=now,
-                payload={"run_id": run_id, "trigger": trigger, "owner": owner, "fence": fence,
-                         "surface_version": info.surface_version}))
-            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
-                last_seq=seq, lease_owner=owner, lease_run_id=run_id, lease_expires_at=expires,
-                lease_fence=fence))
+            await conn.execute(_INSERT_EVENTS, {
+                "session_id": session_id, "seq": seq, "kind": JOURNAL_START, "run_id": run_id,
+                "created_at": now, "tokens": None,
+                "payload": {"run_id": run_id, "trigger": trigger, "owner": owner,
+                            "fence": fence, "surface_version": info.surface_version}})
+            row = (await conn.execute(_CLAIM_UPDATE, {
+                "b_id": session_id, "b_last_seq": seq, "b_owner": owner, "b_run": run_id,
+                "b_expires": expires, "b_fence": fence})).one()
             await self._insert_run(conn, run_id, session_id, trigger=trigger, owner=owner,
                                    fence=fence, task_id=task_id, bulk_job_id=bulk_job_id,
                                    version=info.surface_version, now=now, status=RUN_RUNNING)
-            info = await self._session(conn, session_id)
+            info = session_from_row(row)
         return Claim(session=info, run_id=run_id, fence=fence, owner=owner, expires_at=expires)
 
     async def _record_busy(self, session_id: str, *, owner: str, trigger: str, now: dt.datetime,
@@ -207,66 +210,91 @@ class LeasesMixin:
         raises :class:`LeaseLost`.
         """
         now = now or utcnow()
-        s = t.surface.c
         async with transaction(self.engine) as conn:
             info = await self._session(conn, session_id, lock=True)
             if info.lease_fence != fence or info.lease_run_id != run_id:
                 raise LeaseLost(f"run {run_id} lost its lease on {session_id!r} "
                                 f"(fence {fence}, now {info.lease_fence})")
+            replaced = None
             if expected:
                 upto = max(pos for pos, _ in expected)
-                current = [(r.position, r.seq) for r in await conn.execute(
-                    sa.select(s.position, s.seq)
-                    .where(s.session_id == session_id, s.position <= upto)
-                    .order_by(s.position))]
-                if current != [tuple(x) for x in expected]:
+                prefix = (await conn.execute(_PREFIX, {"b_session": session_id,
+                                                       "b_upto": upto})).all()
+                if [(r.position, r.seq) for r in prefix] != [tuple(x) for x in expected]:
                     raise SurfaceChanged(
                         f"the surface of {session_id!r} changed under run {run_id}")
+                replaced = _rows_in_prefix(prefix, replacements)
+            if replaced is None:
+                replaced = await self._replaced_rows(conn, session_id, replacements)
             seq = info.last_seq
             d_tokens = d_nodes = 0
-            for rep in replacements:
-                rows = (await conn.execute(
-                    sa.select(s.position, s.seq, s.tokens)
-                    .where(s.session_id == session_id, s.seq.in_(list(rep.seqs)))
-                    .order_by(s.position))).all()
-                if [r.seq for r in rows] != list(rep.seqs):
-                    raise SurfaceChanged(
-                        f"seqs {list(rep.seqs)} are no longer on the surface in that order")
-                positions = [r.position for r in rows]
-                order = (await conn.execute(
-                    sa.select(s.seq).where(s.session_id == session_id,
-                                           s.position >= positions[0],
-                                           s.position <= positions[-1])
-                    .order_by(s.position))).scalars().all()
-                check_contiguous(list(order), rep.seqs)
+            events: list[dict[str, Any]] = []
+            nodes: list[dict[str, Any]] = []
+            for rep, rows in zip(replacements, replaced, strict=True):
+                # Journal entry, then the node, per replacement: the same seqs as one at a time.
                 seq += 1
-                await conn.execute(t.events.insert().values(
-                    session_id=session_id, seq=seq, kind=rep.journal_kind, run_id=run_id,
-                    created_at=now, payload={"run_id": run_id, **rep.journal,
-                                             "replaced_seqs": list(rep.seqs)}))
+                events.append({"session_id": session_id, "seq": seq, "kind": rep.journal_kind,
+                               "run_id": run_id, "created_at": now, "tokens": None,
+                               "payload": {"run_id": run_id, **rep.journal,
+                                           "replaced_seqs": list(rep.seqs)}})
                 seq += 1
-                await conn.execute(t.events.insert().values(
-                    session_id=session_id, seq=seq, kind=rep.kind, run_id=run_id,
-                    created_at=now, tokens=rep.tokens,
-                    payload={"message": rep.payload, "replaces": list(rep.seqs),
-                             "run_id": run_id}))
-                await conn.execute(t.surface.delete().where(s.session_id == session_id,
-                                                            s.seq.in_(list(rep.seqs))))
-                await conn.execute(t.surface.insert().values(
-                    session_id=session_id, position=positions[0], seq=seq, tokens=rep.tokens))
+                events.append({"session_id": session_id, "seq": seq, "kind": rep.kind,
+                               "run_id": run_id, "created_at": now, "tokens": rep.tokens,
+                               "payload": {"message": rep.payload, "replaces": list(rep.seqs),
+                                           "run_id": run_id}})
+                nodes.append({"session_id": session_id, "position": rows[0].position,
+                              "seq": seq, "tokens": rep.tokens})
                 d_tokens += rep.tokens - sum(r.tokens for r in rows)
                 d_nodes += 1 - len(rows)
-            c = t.sessions.c
-            values: dict[str, Any] = {"last_seq": seq}
-            if replacements:
-                values.update(surface_version=c.surface_version + 1,
-                              surface_tokens=c.surface_tokens + d_tokens,
-                              surface_messages=c.surface_messages + d_nodes,
-                              reported_input_tokens=None, reported_version=None)
-            await conn.execute(t.sessions.update().where(c.id == session_id).values(**values))
             if end is not None:
-                await self._write_end(conn, session_id, run_id, seq + 1, end, now)
-            return await self._session(conn, session_id)
+                # compaction/end is the last event, in the same transaction as the checkpoint.
+                seq += 1
+                events.append(_end_event(session_id, run_id, seq, end, now))
+            # A handful of statements however many replacements (a prune commit has one per
+            # large tool result): the commit holds the session row, and appends wait on it.
+            if events:
+                await conn.execute(_INSERT_EVENTS, events)
+            if replacements:
+                await conn.execute(_DELETE_NODES, {
+                    "b_session": session_id,
+                    "b_seqs": [q for rep in replacements for q in rep.seqs]})
+                await conn.execute(_INSERT_NODES, nodes)
+            row = (await conn.execute(
+                _commit_update(bool(replacements), end is not None),
+                {"b_id": session_id, "b_last_seq": seq, "b_tokens": d_tokens,
+                 "b_nodes": d_nodes})).one()
+            if end is not None:
+                await self._end_run(conn, session_id, run_id, end, now)
+            return session_from_row(row)
+
+    async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
+                             replacements: Sequence[Replacement]) -> list[list[Any]]:
+        """The surface rows each replacement names, in order; :class:`SurfaceChanged` unless
+        every one is on the surface, in that order, as one contiguous run."""
+        wanted = [q for rep in replacements for q in rep.seqs]
+        if len(set(wanted)) != len(wanted):
+            raise ValueError("a seq is named by more than one replacement")
+        if not wanted:
+            return [[] for _ in replacements]
+        found = {r.seq: r for r in await conn.execute(
+            _ROWS_BY_SEQ, {"b_session": session_id, "b_seqs": wanted})}
+        out: list[list[Any]] = []
+        for rep in replacements:
+            rows = [found[q] for q in rep.seqs if q in found]
+            if not rows or len(rows) != len(rep.seqs) or any(
+                    a.position >= b.position for a, b in itertools.pairwise(rows)):
+                raise SurfaceChanged(
+                    f"seqs {list(rep.seqs)} are no longer on the surface in that order")
+            if len(rows) > 1:
+                # All present and in order: contiguous when nothing else lies between them.
+                between = (await conn.execute(_COUNT_BETWEEN, {
+                    "b_session": session_id, "b_first": rows[0].position,
+                    "b_last": rows[-1].position})).scalar()
+                if between != len(rows):
+                    raise SurfaceChanged(
+                        f"seqs {list(rep.seqs)} are no longer one contiguous run of the surface")
+            out.append(rows)
+        return out
 
     async def finish(self, session_id: str, *, run_id: str, fence: int, end: RunEnd,
                      now: dt.datetime | None = None) -> bool:
@@ -289,21 +317,23 @@ class LeasesMixin:
 
     async def _write_end(self, conn: AsyncConnection, session_id: str, run_id: str, seq: int,
                          end: RunEnd, now: dt.datetime) -> None:
-        await conn.execute(t.events.insert().values(
-            session_id=session_id, seq=seq, kind=JOURNAL_END, run_id=run_id, created_at=now,
-            payload={"run_id": run_id, "outcome": end.outcome,
-                     "failure_class": end.failure_class, "tokens_before": end.tokens_before,
-                     "tokens_after": end.tokens_after}))
+        await conn.execute(t.events.insert().values(_end_event(session_id, run_id, seq, end,
+                                                                now)))
         await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
             last_seq=seq, lease_owner=None, lease_run_id=None, lease_expires_at=None))
-        await conn.execute(t.compaction_runs.update().where(t.compaction_runs.c.id == run_id)
-                           .values(status=end.outcome, failure_class=end.failure_class,
-                                   error=end.error, tokens_before=end.tokens_before,
-                                   tokens_after=end.tokens_after, model=end.model,
-                                   usage=end.usage, candidates=end.candidates,
-                                   stages=end.stages, range_seqs=end.range_seqs,
-                                   finished_at=now, heartbeat_at=now))
-        await self._settle_bulk_item(conn, run_id, session_id, end.outcome, now)
+        await self._end_run(conn, session_id, run_id, end, now)
+
+    async def _end_run(self, conn: AsyncConnection, session_id: str, run_id: str, end: RunEnd,
+                       now: dt.datetime) -> None:
+        """The run row's result, and its bulk item's when it belongs to a bulk job."""
+        job_id = (await conn.execute(_END_RUN, {
+            "b_id": run_id, "b_status": end.outcome, "b_failure_class": end.failure_class,
+            "b_error": end.error, "b_tokens_before": end.tokens_before,
+            "b_tokens_after": end.tokens_after, "b_model": end.model, "b_usage": end.usage,
+            "b_candidates": end.candidates, "b_stages": end.stages,
+            "b_range_seqs": end.range_seqs, "b_now": now})).scalar()
+        if job_id is not None:
+            await self._settle_bulk_item(conn, run_id, session_id, end.outcome, now)
 
     # ---------------------------------------------------------------------------------------
     # reap
@@ -410,6 +440,90 @@ class LeasesMixin:
             return [session_from_row(row) for row in await conn.execute(
                 sa.select(*SESSION_COLUMNS).where(c.lease_run_id.is_not(None))
                 .order_by(c.lease_expires_at))]
+
+
+# The statements of the compaction hot path, built once: constructing a statement costs about as
+# much CPU as executing it, and a worker runs dozens of compactions a second.
+_s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
+_INSERT_EVENTS = t.events.insert()
+_INSERT_NODES = t.surface.insert()
+_PREFIX = (sa.select(_s.position, _s.seq, _s.tokens)
+           .where(_s.session_id == sa.bindparam("b_session"),
+                  _s.position <= sa.bindparam("b_upto"))
+           .order_by(_s.position))
+_ROWS_BY_SEQ = (sa.select(_s.position, _s.seq, _s.tokens)
+                .where(_s.session_id == sa.bindparam("b_session"),
+                       _s.seq.in_(sa.bindparam("b_seqs", expanding=True))))
+_COUNT_BETWEEN = (sa.select(sa.func.count()).select_from(t.surface)
+                  .where(_s.session_id == sa.bindparam("b_session"),
+                         _s.position >= sa.bindparam("b_first"),
+                         _s.position <= sa.bindparam("b_last")))
+_DELETE_NODES = t.surface.delete().where(
+    _s.session_id == sa.bindparam("b_session"),
+    _s.seq.in_(sa.bindparam("b_seqs", expanding=True)))
+_CLAIM_UPDATE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
+                 .values(last_seq=sa.bindparam("b_last_seq"), lease_owner=sa.bindparam("b_owner"),
+                         lease_run_id=sa.bindparam("b_run"),
+                         lease_expires_at=sa.bindparam("b_expires"),
+                         lease_fence=sa.bindparam("b_fence"))
+                 .returning(*SESSION_COLUMNS))
+_END_RUN = (t.compaction_runs.update().where(_r.id == sa.bindparam("b_id"))
+            .values(status=sa.bindparam("b_status"),
+                    failure_class=sa.bindparam("b_failure_class"),
+                    error=sa.bindparam("b_error"), tokens_before=sa.bindparam("b_tokens_before"),
+                    tokens_after=sa.bindparam("b_tokens_after"), model=sa.bindparam("b_model"),
+                    usage=sa.bindparam("b_usage", type_=_r.usage.type),
+                    candidates=sa.bindparam("b_candidates", type_=_r.candidates.type),
+                    stages=sa.bindparam("b_stages", type_=_r.stages.type),
+                    range_seqs=sa.bindparam("b_range_seqs", type_=_r.range_seqs.type),
+                    finished_at=sa.bindparam("b_now"), heartbeat_at=sa.bindparam("b_now"))
+            .returning(_r.bulk_job_id))
+
+
+@functools.cache
+def _commit_update(replaced: bool, ended: bool) -> Any:
+    """The session update of a commit: always the new last seq; with replacements the surface
+    totals and version; with an end the lease cleared."""
+    values: dict[str, Any] = {"last_seq": sa.bindparam("b_last_seq")}
+    if replaced:
+        values.update(surface_version=_c.surface_version + 1,
+                      surface_tokens=_c.surface_tokens + sa.bindparam("b_tokens"),
+                      surface_messages=_c.surface_messages + sa.bindparam("b_nodes"),
+                      reported_input_tokens=None, reported_version=None)
+    if ended:
+        values.update(lease_owner=None, lease_run_id=None, lease_expires_at=None)
+    return (t.sessions.update().where(_c.id == sa.bindparam("b_id")).values(**values)
+            .returning(*SESSION_COLUMNS))
+
+
+def _end_event(session_id: str, run_id: str, seq: int, end: RunEnd, now: dt.datetime
+               ) -> dict[str, Any]:
+    return {"session_id": session_id, "seq": seq, "kind": JOURNAL_END, "run_id": run_id,
+            "created_at": now, "tokens": None,
+            "payload": {"run_id": run_id, "outcome": end.outcome,
+                        "failure_class": end.failure_class, "tokens_before": end.tokens_before,
+                        "tokens_after": end.tokens_after}}
+
+
+def _rows_in_prefix(prefix: Sequence[Any], replacements: Sequence[Replacement]
+                    ) -> list[list[Any]] | None:
+    """Each replacement's rows, when the checked prefix holds them all: a replacement must be a
+    consecutive run of it. None when some seq lies beyond the prefix (read them instead)."""
+    index = {r.seq: i for i, r in enumerate(prefix)}
+    wanted = [q for rep in replacements for q in rep.seqs]
+    if len(set(wanted)) != len(wanted):
+        raise ValueError("a seq is named by more than one replacement")
+    out: list[list[Any]] = []
+    for rep in replacements:
+        if not rep.seqs or any(q not in index for q in rep.seqs):
+            return None
+        first = index[rep.seqs[0]]
+        rows = list(prefix[first:first + len(rep.seqs)])
+        if [r.seq for r in rows] != list(rep.seqs):
+            raise SurfaceChanged(
+                f"seqs {list(rep.seqs)} are not one contiguous run of the surface")
+        out.append(rows)
+    return out
 
 
 def _iso(value: dt.datetime | None) -> str | None:

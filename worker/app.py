@@ -57,14 +57,24 @@ def celery_settings(config: Config) -> dict[str, Any]:
         # One message per free slot: a worker never hoards messages another worker could run.
         "worker_prefetch_multiplier": 1,
         # With late acks, a task still running when the broker connection drops can no longer
-        # be acked and will be redelivered; cancel it rather than let two copies run.
+        # be acked and will be redelivered; cancel it rather than let two copies run. Celery
+        # cannot stop a thread, so on the threads pool the cancel is refused ("Failed to
+        # cancel active request" in the log) and the run carries on under its lease: it
+        # commits or fails cleanly in PostgreSQL, and a redelivered copy finds the lease
+        # (busy) or the work done (nothing_to_do). On a prefork pool the cancel takes effect.
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        # Soft shutdown: on SIGTERM, running compactions get this long to finish and release
-        # their leases before the cold shutdown (their messages are redelivered after that).
+        # Warm shutdown (SIGTERM) stops consuming and waits for the running compactions, each
+        # bounded by worker.deadline_s, so they commit or fail and release their leases. A cold
+        # shutdown (SIGQUIT, or SIGTERM with CELERY_REMAP_SIGTERM=SIGQUIT) is softened: runs
+        # get this long before they are cancelled and their messages go back to the queue.
         "worker_soft_shutdown_timeout": 30.0,
-        "worker_enable_soft_shutdown_on_idle": True,
+        # Soft shutdown on idle exists to requeue ETA tasks; there are none here, so an idle
+        # worker stops at once.
+        "worker_enable_soft_shutdown_on_idle": False,
         # Most of a compaction is waiting on a model: one process runs many on a threads pool,
-        # each thread handing its coroutine to the process's single event loop.
+        # each thread handing its coroutine to the process's single event loop. Celery uses
+        # worker_pool when the command line gives no -P, so `celery -A worker.app worker` runs
+        # threads ("concurrency: 64 (thread)" in its banner); an explicit -P overrides it.
         "worker_pool": "threads",
         "worker_concurrency": w.concurrency,
         # Time limits (enforced by the prefork pool; on the threads pool the orchestration's own

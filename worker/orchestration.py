@@ -167,9 +167,10 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
     manual = out.trigger in MANUAL_TRIGGERS
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
+    surface: Surface | None = None
     for round_no in range(policy.max_rounds):
         out.rounds = round_no + 1
-        surface = await store.read_surface(info.id)
+        surface = await store.read_surface(info.id, reuse=surface)
         first = round_no == 0
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                         manual=manual and first)
@@ -180,7 +181,7 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
             if current.summarize is None:
                 metrics().prune_only.inc()
                 break
-            surface = await store.read_surface(info.id)
+            surface = await store.read_surface(info.id, reuse=surface)
             current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                             manual=manual and first)
         if current.summarize is None:

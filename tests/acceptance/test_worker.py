@@ -1,29 +1,108 @@
 """The worker with real processes: ``celery -A worker.app worker`` subprocesses, real Redis and
-PostgreSQL, the fake provider over HTTP."""
+PostgreSQL, the fake provider over HTTP.
+
+Sessions are seeded and inspected through the store directly (``tests.support.db``): a CLI
+subprocess per step would cost a second each. Runs are enqueued the way the scheduler does
+(``Enqueuer``), or through the CLI where the CLI is what the acceptance line names.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import datetime as dt
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.samples import coding_session
+from storage.messages import Message
+from storage.records import RunRecord
+from storage.store import Store
+from storage.surface import KIND_CHECKPOINT
+from tests.support.db import Db
+from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.stack import Stack, wait_until
+from worker.app import make_app
+from worker.settings import load_config
 
 pytestmark = pytest.mark.slow
+
+MakeStack = Callable[..., Stack]
 
 POLICY = {"trigger": [{"type": "tokens", "value": 8000}], "keep": {"type": "messages",
                                                                      "value": 6},
           "model_name": "fake-gpt"}
+# One summarizer call per run (the range fits the input budget), so a run is one model call
+# long and the tests can hold or slow exactly that call.
+ONE_CALL = {"keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
+            "trim_tokens_to_summarize": 16000}
 
 
-def test_two_workers_one_session_exactly_one_commits(make_stack, fake) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture
+def db(clean_pg: str) -> Iterator[Db]:
+    with Db(clean_pg) as handle:
+        yield handle
+
+
+@contextlib.contextmanager
+def enqueuer(stack: Stack) -> Iterator[Enqueuer]:
+    """Sends runs exactly as the scheduler does, on the stack's broker."""
+    app = make_app(load_config(env=stack.env))
+    try:
+        yield Enqueuer(app)
+    finally:
+        app.close()
+
+
+def finished_run(db: Db, task_id: str) -> RunRecord | None:
+    runs = [r for r in db.run(lambda s: s.runs_for_task(task_id)) if r.finished]
+    return runs[-1] if runs else None
+
+
+def checkpoint_count(db: Db, session_id: str) -> tuple[int, int]:
+    """(checkpoint events in the log, checkpoint nodes on the surface)."""
+    journal = db.journal(session_id)
+    surface = db.surface(session_id)
+    return journal[KIND_CHECKPOINT], sum(1 for n in surface.nodes if n.kind == KIND_CHECKPOINT)
+
+
+def assert_journal_closed(db: Db, session_id: str) -> None:
+    """Every compaction/start has its compaction/end, and the log replays to the surface."""
+    journal = db.journal(session_id)
+    assert journal["compaction/start"] == journal["compaction/end"], journal
+    verified = db.verify(session_id)
+    assert verified.ok, verified.problems
+
+
+# ------------------------------------------------------------------------------------------
+# 1. two workers, one session
+
+
+def test_two_workers_one_session_exactly_one_commits(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
     stack = make_stack(summarization=POLICY)
-    fake.latency_s = 1.0
+    # Three summary calls of 1.5 s: the first run still holds its worker when the second
+    # message arrives, however far apart the two CLI processes start.
+    fake.latency_s = 1.5
     stack.ingest("s1", coding_session(steps=20, big_output_lines=30).messages)
-    stack.start_worker("w1", concurrency=2)
-    stack.start_worker("w2", concurrency=2)
+    # One slot each: a worker busy with the first run cannot take the second (prefetch of one,
+    # late acks), so each worker receives one of the two runs.
+    stack.start_worker("w1", concurrency=1)
+    stack.start_worker("w2", concurrency=1)
+    # Started without -P: the configured threads pool is what runs.
+    assert "concurrency: 1 (thread)" in stack.log("w1")
     procs = [subprocess.Popen([sys.executable, "-m", "scheduler.cli", "compact", "s1",
                                "--wait", "--json"], env=stack.env, cwd=stack.home,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -33,8 +112,352 @@ def test_two_workers_one_session_exactly_one_commits(make_stack, fake) -> None: 
     assert outcomes.count(("committed", None)) == 1, outcomes
     other = next(o for o in outcomes if o != ("committed", None))
     assert other in (("failed", "busy"), ("nothing_to_do", None)), outcomes
+    for name in ("w1", "w2"):
+        received = [line for line in stack.log(name).splitlines()
+                    if "Task compaction.run[" in line and "received" in line]
+        assert len(received) == 1, f"{name} received {len(received)} runs"
     surface = stack.cli_json("surface", "s1")
     assert sum(1 for m in surface["messages"] if (m.get("meta") or {}).get("checkpoint")
                and m["role"] == "user") == 1
+    journal = db.journal("s1")
+    assert journal[KIND_CHECKPOINT] == 1, journal
+    assert journal["compaction/summary"] == 1, journal
+    assert_journal_closed(db, "s1")
     assert "1/1 sessions verified" in stack.cli("verify", "--all").stdout
     assert fake.requests_for(model="fake-gpt"), "the summary came from the configured model"
+
+
+# ------------------------------------------------------------------------------------------
+# 2. appends while a run is in flight
+
+
+APPEND_RATE_PER_S = 200
+
+
+def append_until(db: Db, session_id: str, task_id: str, *, per_s: float = APPEND_RATE_PER_S,
+                 limit_s: float = 60.0, agents: int = 4) -> tuple[list[int], float]:
+    """Append one message at a time on a schedule of ``per_s`` a second until the run of
+    ``task_id`` has finished; the seqs appended (in seq order) and the rate achieved. A few
+    appends may be in flight at once, so a slow machine still keeps the rate."""
+
+    async def go(store: Store) -> tuple[list[int], float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        seqs: list[int] = []
+        issued = 0
+        done = asyncio.Event()
+
+        async def agent() -> None:
+            nonlocal issued
+            while not done.is_set() and loop.time() - started < limit_s:
+                i = issued
+                issued += 1
+                delay = started + i / per_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                text = f"append {i}: checking src/billing/tax.py again"
+                message = (Message(role="user", content=text) if i % 2 == 0
+                           else Message(role="assistant", content=text))
+                seqs.append((await store.append(session_id, [message])).first_seq)
+
+        async def watch() -> None:
+            while not any(r.finished for r in await store.runs_for_task(task_id)):
+                await asyncio.sleep(0.1)
+            done.set()
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(agent() for _ in range(agents)))
+        watcher.cancel()
+        return sorted(seqs), len(seqs) / (loop.time() - started)
+
+    return db.run(go, timeout=limit_s + 30)
+
+
+def test_appends_at_200_per_s_during_runs_all_land(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    """An automatic run, then a manual one, each with a 2 s model call and 200 appends/s to
+    the same session meanwhile. Storage's commit checks the (position, seq) prefix through the
+    replaced range, the fence, and that the replaced seqs are still one contiguous run, so both
+    commit, with every appended message after the checkpoint."""
+    stack = make_stack(summarization={**ONE_CALL,
+                                      "trigger": [{"type": "tokens", "value": 3000}]})
+    fake.latency_s = 2.0
+    sample = coding_session(steps=20, big_output_lines=30).messages
+    db.ingest("a1", sample)
+    stack.start_worker("w1", concurrency=2)
+    all_appended: list[int] = []
+    with enqueuer(stack) as enq:
+        for trigger in ("pressure", "manual"):
+            requests = len(fake.requests)
+            task_id = enq.send(RunRequest("a1", trigger))
+            wait_until(lambda: len(fake.requests) > requests, timeout=30,  # noqa: B023
+                       what=f"the {trigger} run's model call")
+            seqs, rate = append_until(db, "a1", task_id)
+            all_appended += seqs
+            run = finished_run(db, task_id)
+            assert run is not None
+            assert (run.status, run.failure_class) == ("committed", None), run
+            assert rate >= APPEND_RATE_PER_S * 0.9, f"only {rate:.0f} appends/s"
+
+            [summary] = [e for e in db.events("a1", ["compaction/summary"])
+                         if e.run_id == run.id]
+            during = [s for s in seqs if s < summary.seq]
+            assert len(during) >= APPEND_RATE_PER_S, (
+                f"only {len(during)} appends landed while the model call ran")
+            nodes = db.surface("a1").nodes
+            order = [n.seq for n in nodes]
+            checkpoint = next(i for i, n in enumerate(nodes)
+                              if n.kind == KIND_CHECKPOINT and n.seq > summary.seq)
+            # Every message appended during the run is on the surface, in order, after the
+            # checkpoint that run committed; nothing it replaced was appended after it started.
+            assert order[-len(seqs):] == seqs
+            assert order.index(seqs[0]) > checkpoint
+            assert not set(summary.payload["replaced_seqs"]) & set(seqs)
+            assert_journal_closed(db, "a1")
+    journal = db.journal("a1")
+    assert journal["message"] == len(sample) + len(all_appended)
+    assert journal[KIND_CHECKPOINT] == 2
+    assert "1/1 sessions verified" in stack.cli("verify", "a1").stdout
+    assert len(fake.requests) == 2, "one model call per run: nothing was retried"
+
+
+# ------------------------------------------------------------------------------------------
+# 3. kill -9 during a model call, looped
+
+
+KILL_LOOPS = int(os.environ.get("COMPACTD_KILL_LOOPS", "20"))
+
+
+def test_kill_9_during_model_call_is_reaped_and_recompacted(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    """The worker dies holding a model call; the lease expires, beat's reaper closes the run as
+    abandoned and re-enqueues the session (still over its trigger: the prunes committed before
+    the call do not relieve it), and the restarted worker compacts it. Looped."""
+    lease_s = 2.0
+    stack = make_stack(
+        summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 5000}]},
+        worker={"lease_s": lease_s, "reap_interval_s": 0.25, "sweep_interval_s": 3600})
+    sessions = [f"k{i:02d}" for i in range(KILL_LOOPS)]
+    for i, sid in enumerate(sessions):
+        db.ingest(sid, coding_session(steps=10, big_output_lines=200, seed=100 + i,
+                                      call_prefix=f"c{i}").messages)
+    stack.start_beat()
+    worker = stack.start_worker("w0", concurrency=4)
+    with enqueuer(stack) as enq:
+        for i, sid in enumerate(sessions):
+            fake.script(Behaviour(model="fake-gpt", hang=True, times=1))
+            requests = len(fake.requests)
+            enq.send(RunRequest(sid, "pressure"))
+            wait_until(lambda: len(fake.requests) > requests, timeout=30,  # noqa: B023
+                       what=f"{sid}'s model call to hang")
+            assert fake.requests[-1].behaviour == "hang"
+            victim = [r for r in db.runs(sid) if r.status == "running"]
+            assert len(victim) == 1, victim
+            stack.kill(f"w{i}")
+            assert worker.poll() is not None
+            worker = stack.start_worker(f"w{i + 1}", concurrency=4)
+            done = wait_until(lambda: [r for r in db.runs(sid)  # noqa: B023
+                                       if r.status == "committed"],
+                              timeout=60, what=f"{sid} to be compacted after the kill")
+            runs = db.runs(sid)
+            killed = next(r for r in runs if r.id == victim[0].id)
+            assert (killed.status, killed.failure_class) == ("failed", "abandoned"), killed
+            assert done[0].trigger == "reap", "the reaper re-enqueued the session"
+            ends = [e for e in db.events(sid, ["compaction/end"]) if e.run_id == killed.id]
+            assert len(ends) == 1 and ends[0].payload["failure_class"] == "abandoned", ends
+            assert ends[0].payload["closed_by"] == "reaper"
+            assert checkpoint_count(db, sid) == (1, 1), f"{sid}: one checkpoint"
+            assert db.journal(sid)["compaction/prune"] >= 1, "the killed run's prunes stayed"
+            assert_journal_closed(db, sid)
+    # Later runs of earlier sessions (none expected) would show up here as extra checkpoints.
+    for sid in sessions:
+        assert checkpoint_count(db, sid) == (1, 1), sid
+    out = stack.cli("verify", "--all")
+    assert f"{KILL_LOOPS}/{KILL_LOOPS} sessions verified" in out.stdout, out.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# 4. every candidate returns whitespace
+
+
+def test_every_candidate_returns_whitespace_fails_summary(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    """No prune applies to this session (no tool result over the threshold, no clearing), so
+    the surface after the failed run must be byte-for-byte what it was."""
+    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    fake.script(Behaviour(output="whitespace", times=-1))
+    db.ingest("ws", coding_session(steps=20, big_output_lines=30).messages,
+              run_model="fake-claude", context_window=200_000)
+    before = stack.cli_json("surface", "ws")
+    stack.start_worker("w1", concurrency=2)
+    out = stack.cli("compact", "ws", "--wait", "--json", check=False)
+    assert out.returncode == 1, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert (result["outcome"], result["failure_class"]) == ("failed", "summary"), result
+    assert stack.cli_json("surface", "ws") == before
+    journal = db.journal("ws")
+    assert journal["compaction/prune"] == 0 and journal[KIND_CHECKPOINT] == 0, journal
+    assert_journal_closed(db, "ws")
+
+    status = stack.cli_json("status", "ws")
+    [run] = status["runs"]
+    assert (run["status"], run["failure_class"]) == ("failed", "summary"), run
+    tried = {c["candidate"]: c for c in run["candidates"]}
+    assert set(tried) == {"fake-gpt", "fake-claude"}, run["candidates"]
+    for candidate in tried.values():
+        assert candidate["kind"] == "empty", candidate
+        assert "whitespace" in candidate["reason"], candidate
+    # A refused answer is not retried: one request per candidate, then the next one.
+    assert sorted(r.model or "" for r in fake.requests) == ["fake-claude", "fake-gpt"]
+
+
+# ------------------------------------------------------------------------------------------
+# 5. Redis restarted during a run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivateRedis:
+    """A redis-server of this test's own (the shared one must never be restarted)."""
+
+    def __init__(self, home: Path) -> None:
+        self.port = free_port()
+        self.home = home
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.home)],
+            stdout=(self.home / "redis.log").open("ab"), stderr=subprocess.STDOUT)
+        wait_until(self.answers, timeout=10, what="the private redis-server")
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def queued_runs(self, session_id: str, queue: str = "compaction.pressure") -> list[Any]:
+        """The compaction.run messages for ``session_id`` waiting in ``queue``."""
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        try:
+            messages = client.lrange(queue, 0, -1)
+        finally:
+            client.close()
+        out = []
+        for raw in messages:
+            headers = json.loads(raw).get("headers") or {}
+            if headers.get("task") == "compaction.run" and repr(session_id) in str(
+                    headers.get("kwargsrepr")):
+                out.append(raw)
+        return out
+
+
+def test_redis_restarted_during_a_run_loses_nothing(clean_pg: str, fake: FakeProvider, db: Db,
+                                                    tmp_path: Path) -> None:
+    """Redis dies (no persistence: every queued message is gone) while a run waits on its
+    model and another run is queued. The worker and beat reconnect; the run in flight commits
+    to PostgreSQL; the lost message is recovered by the pressure sweep; new tasks run."""
+    broker = PrivateRedis(tmp_path)
+    broker.start()
+    stack = Stack(clean_pg, broker.url, tmp_path / "stack", fake_url=fake.url,
+                  summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 3000}]},
+                  worker={"sweep_interval_s": 1.0, "reap_interval_s": 1.0, "lease_s": 10})
+    try:
+        fake.script(Behaviour(model="fake-gpt", latency_s=6.0, times=1))
+        # One slot: while the first run holds it, the second message stays in Redis.
+        stack.start_worker("w1", concurrency=1)
+        stack.start_beat()
+        db.ingest("r-inflight", coding_session(steps=20, big_output_lines=30, seed=1).messages)
+        wait_until(lambda: fake.requests, timeout=30, what="the first run's model call")
+        db.ingest("r-queued", coding_session(steps=20, big_output_lines=30, seed=2).messages)
+        with enqueuer(stack) as enq:
+            # As intake does: the signal mark, then the message (the sweep may have done the
+            # same already; either way a message for it waits in Redis).
+            db.run(lambda s: s.mark_signal("r-queued", ttl_s=120))
+            enq.send(RunRequest("r-queued", "pressure"))
+        assert broker.queued_runs("r-queued"), "the second run waits in Redis"
+
+        restarted_at = dt.datetime.now(dt.UTC)
+        broker.stop()
+        time.sleep(1.0)  # the worker notices the lost connection while its run is in flight
+        broker.start()
+        # (beat's own sweep and reap messages arrive again at once; the run's is gone)
+        assert not broker.queued_runs("r-queued"), "the queued message is lost"
+
+        for sid in ("r-inflight", "r-queued"):
+            wait_until(lambda: any(r.status == "committed" for r in db.runs(sid)),  # noqa: B023
+                       timeout=60, what=f"{sid} to be compacted after the restart")
+        [inflight] = [r for r in db.runs("r-inflight") if r.status == "committed"]
+        assert inflight.finished_at is not None
+        assert inflight.started_at < restarted_at < inflight.finished_at, inflight
+        recovered = [r for r in db.runs("r-queued") if r.status == "committed"]
+        assert recovered[0].trigger == "sweep", "the sweep found the session the lost task had"
+        # A new task after the restart, through the CLI on compaction.urgent: a manual run of
+        # a session under its trigger (so the sweep leaves it to the CLI's run).
+        db.ingest("r-after", coding_session(steps=12, big_output_lines=20, seed=3).messages)
+        result = stack.cli_json("compact", "r-after", "--wait", "--timeout", "60")
+        assert result["outcome"] == "committed", result
+        for sid in ("r-inflight", "r-queued", "r-after"):
+            assert checkpoint_count(db, sid) == (1, 1), sid
+            assert_journal_closed(db, sid)
+        assert stack.procs["w1"].poll() is None and stack.procs["beat"].poll() is None
+        assert stack.log("w1").count("Connected to redis") >= 2, "the worker reconnected"
+        assert "3/3 sessions verified" in stack.cli("verify", "--all").stdout
+    finally:
+        stack.close()
+        broker.stop()
+
+
+# ------------------------------------------------------------------------------------------
+# 6. the demo with no servers at all
+
+
+def test_demo_compacts_without_postgres_or_redis(tmp_path: Path) -> None:
+    """No COMPACTD_* URL, a fresh home, and (where ``unshare`` may) a network namespace with
+    no connectivity at all: the demo must still compact on the embedded default."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env["COMPACTD_HOME"] = str(tmp_path)
+    argv = [sys.executable, "-m", "scheduler.cli", "demo", "--json"]
+    isolated = _no_network_prefix()
+    out = subprocess.run([*isolated, *argv], env=env, capture_output=True, text=True,
+                         timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["outcome"]["outcome"] == "committed", report["outcome"]
+    assert report["tokens_before"] > report["tokens_after"], report
+    assert report["verified"] is True
+    assert report["database"].startswith("sqlite"), report["database"]
+    assert (tmp_path / "compactd.sqlite3").is_file()
+
+
+def _no_network_prefix() -> list[str]:
+    """``unshare -n`` when this user may create a network namespace, else nothing."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return []
+    probe = subprocess.run([unshare, "-n", "true"], capture_output=True)
+    return [unshare, "-n"] if probe.returncode == 0 else []

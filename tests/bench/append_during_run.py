@@ -1,0 +1,210 @@
+"""Append latency while a compaction of the same session runs, against append latency at rest.
+
+    python tests/bench/append_during_run.py --json OUT.json [--rate 200] [--rounds 5]
+        [--window 2.0] [--latency 2.0]
+
+An agent appends to its session at ``--rate`` messages per second, one append at a time, through
+the store (on PostgreSQL, one call of the ``compactd_append`` function). A real worker process
+(``celery -A worker.app worker``) compacts the same session: each round the benchmark appends for
+``--window`` seconds with no run in flight, then enqueues a manual compaction and keeps appending
+until the run has ended. The fake provider (a subprocess, ``--latency`` seconds per call) holds
+each run's model call, so most of a run is the wait the lease protocol keeps outside any
+transaction; the claim, the prune and checkpoint commits take the session row briefly, and an
+append that arrives then waits for them.
+
+An append counts as "during a run" when it starts while the session's lease is held (sampled
+every 20 ms). Reported: ``p50_ms_idle``, ``p99_ms_idle``, ``p50_ms_during_run``,
+``p99_ms_during_run``, ``ratio_p99`` (during / idle) and the counts. Goal (issue 5): the p99
+during a run within 2x of the p99 at rest. Uses ``COMPACTD_TEST_DATABASE_URL`` (TRUNCATEd) and
+``COMPACTD_TEST_REDIS_URL`` (flushed), like the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scheduler.enqueue import Enqueuer, RunRequest  # noqa: E402
+from scheduler.samples import coding_session  # noqa: E402
+from storage.messages import Message, parse_openai  # noqa: E402
+from storage.store import Store  # noqa: E402
+from tests.bench.throughput import flush_redis, reset_database  # noqa: E402
+from tests.support.stack import Stack  # noqa: E402
+from worker.app import make_app  # noqa: E402
+from worker.settings import load_config  # noqa: E402
+
+SESSION = "bench-appends"
+POLICY = {"trigger": [{"type": "tokens", "value": 3000}], "keep": {"type": "messages",
+                                                                     "value": 6},
+          "model_name": "fake-gpt", "trim_tokens_to_summarize": 64_000}
+GOAL_RATIO_P99 = 2.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+class Appender:
+    """One agent's appends, paced at ``rate`` per second, each one timed."""
+
+    def __init__(self, store: Store, rate: float) -> None:
+        self.store = store
+        self.rate = rate
+        self.n = 0
+        self.in_run = False
+        self.idle: list[float] = []
+        self.during: list[float] = []
+
+    async def append_for(self, seconds: float | None = None,
+                         until: asyncio.Event | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        sent = 0
+        while True:
+            now = loop.time()
+            if seconds is not None and now - started >= seconds:
+                return
+            if until is not None and until.is_set():
+                return
+            delay = started + sent / self.rate - now
+            if delay > 0:
+                await asyncio.sleep(delay)
+            text = f"step {self.n}: ran the billing tests again, 2 failures left"
+            message = (Message(role="user", content=text) if self.n % 2 == 0
+                       else Message(role="assistant", content=text))
+            during = self.in_run
+            t0 = time.perf_counter()
+            await self.store.append(SESSION, [message])
+            elapsed_ms = (time.perf_counter() - t0) * 1000
+            (self.during if during else self.idle).append(elapsed_ms)
+            self.n += 1
+            sent += 1
+
+
+async def watch_lease(store: Store, appender: Appender, stop: asyncio.Event) -> None:
+    """Keep ``appender.in_run`` equal to "the session's lease is held" (a separate pool)."""
+    while not stop.is_set():
+        info = await store.get_session(SESSION)
+        appender.in_run = info.lease_run_id is not None
+        await asyncio.sleep(0.02)
+
+
+async def drive(args: argparse.Namespace, enqueuer: Enqueuer) -> dict[str, Any]:
+    url = args.database_url
+    store = Store.from_url(url, pool_size=2)
+    watcher_store = Store.from_url(url, pool_size=1)
+    try:
+        await store.create_session(SESSION, run_model="fake-gpt", context_window=128_000)
+        await store.append(SESSION, [parse_openai(m) for m in
+                                     coding_session(steps=20, big_output_lines=30).messages])
+        appender = Appender(store, args.rate)
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_lease(watcher_store, appender, stop))
+        outcomes: list[str] = []
+        try:
+            for _ in range(args.rounds):
+                await appender.append_for(seconds=args.window)
+                task_id = await enqueuer.asend(RunRequest(SESSION, "manual"))
+                finished = asyncio.Event()
+
+                async def wait_run(task_id: str = task_id, finished: asyncio.Event = finished
+                                   ) -> None:
+                    while True:
+                        runs = [r for r in await watcher_store.runs_for_task(task_id)
+                                if r.finished]
+                        if runs:
+                            outcomes.append(runs[-1].status)
+                            finished.set()
+                            return
+                        await asyncio.sleep(0.05)
+
+                waiter = asyncio.create_task(wait_run())
+                await appender.append_for(until=finished)
+                await waiter
+        finally:
+            stop.set()
+            await watcher
+        verified = await store.verify(SESSION)
+    finally:
+        await store.close()
+        await watcher_store.close()
+    idle, during = appender.idle, appender.during
+    report = {
+        "rate_per_s": args.rate, "rounds": args.rounds, "latency_s": args.latency,
+        "appends": appender.n, "appends_idle": len(idle), "appends_during_run": len(during),
+        "p50_ms_idle": round(statistics.median(idle), 3),
+        "p99_ms_idle": round(percentile(idle, 0.99), 3),
+        "p50_ms_during_run": round(statistics.median(during), 3) if during else None,
+        "p99_ms_during_run": round(percentile(during, 0.99), 3) if during else None,
+        "max_ms_idle": round(max(idle), 3),
+        "max_ms_during_run": round(max(during), 3) if during else None,
+        "runs": outcomes, "verified": verified.ok,
+    }
+    report["ratio_p99"] = (round(report["p99_ms_during_run"] / report["p99_ms_idle"], 3)
+                           if during else None)
+    report["goal_ratio_p99"] = GOAL_RATIO_P99
+    report["meets_goal"] = bool(during) and report["ratio_p99"] <= GOAL_RATIO_P99
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--json", required=True, help="where to write the report")
+    parser.add_argument("--rate", type=float, default=200.0, help="appends per second")
+    parser.add_argument("--rounds", type=int, default=5, help="compactions to append through")
+    parser.add_argument("--window", type=float, default=2.0,
+                        help="seconds of appends at rest before each run")
+    parser.add_argument("--latency", type=float, default=2.0,
+                        help="the fake model's seconds per call (the run's length)")
+    parser.add_argument("--database-url", default=os.environ.get(
+        "COMPACTD_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/compactd_bench"))
+    parser.add_argument("--redis-url", default=os.environ.get(
+        "COMPACTD_TEST_REDIS_URL", "redis://127.0.0.1:6379/14"))
+    args = parser.parse_args(argv)
+    asyncio.run(reset_database(args.database_url))
+    flush_redis(args.redis_url)
+    fake = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
+         "--latency", str(args.latency)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        url = json.loads(fake.stdout.readline())["url"]
+        with tempfile.TemporaryDirectory(prefix="compactd-appends-") as tmp:
+            stack = Stack(args.database_url, args.redis_url, Path(tmp), fake_url=url,
+                          summarization=POLICY,
+                          worker={"sweep_interval_s": 3600, "reap_interval_s": 3600})
+            try:
+                stack.start_worker("w1", concurrency=4, ready_timeout=60)
+                app = make_app(load_config(env=stack.env))
+                try:
+                    report = asyncio.run(drive(args, Enqueuer(app)))
+                finally:
+                    app.close()
+            finally:
+                stack.close()
+    finally:
+        fake.terminate()
+        fake.wait(10)
+    print(json.dumps(report, indent=2))
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0 if report["verified"] and all(r == "committed" for r in report["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
