@@ -16,9 +16,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# In CI the property tests replay the same examples every run: a red build is a real change,
+# never a new random draw. Locally they keep exploring (and remember what failed).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if IN_CI:
+    settings.load_profile("ci")
 PG_URL = os.environ.get("COMPACTD_TEST_DATABASE_URL",
                         "postgresql://postgres@127.0.0.1:5432/compactd_test")
 REDIS_URL = os.environ.get("COMPACTD_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

@@ -115,6 +115,8 @@ class EventLoopThread:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 class LoopThread(EventLoopThread):

@@ -94,7 +94,11 @@ REPLAY_INSTRUCTION = (
 REPLAY_MESSAGES_NOTE = "(the messages are the conversation above this instruction)"
 
 # Allowances for the estimate of a piece in the summarizer's input (see the module docstring).
-LABEL_TOKENS = 16
+# A label such as "[seq 999999999] summary of earlier conversation part 999/999:" plus the blank
+# line joining pieces is at most 20 tokens in every shipped encoding and the Anthropic estimate;
+# a tool result's label adds its tool name, counted per piece. The rest is slack for tokens that
+# merge differently at a piece's edges than in the piece alone (hypothesis found 2).
+LABEL_TOKENS = 24
 CALL_LINE_TOKENS = 3
 ESCAPE_TOKENS = 2
 SUMMARY_ESCAPE_SLACK = 0.1
@@ -317,18 +321,24 @@ def estimate(node: SurfaceNode, counter: TokenCounter) -> int:
         text = checkpoint_parts(message)[0]
         return LABEL_TOKENS + counter.count_text(text) + ESCAPE_TOKENS * _escapes(text)
     escapes = _escapes(message.text) + sum(_escapes(c.arguments) for c in message.tool_calls)
-    return (node.tokens + LABEL_TOKENS + CALL_LINE_TOKENS * len(message.tool_calls)
-            + ESCAPE_TOKENS * escapes)
+    return (node.tokens + LABEL_TOKENS + _name_tokens(message, counter)
+            + CALL_LINE_TOKENS * len(message.tool_calls) + ESCAPE_TOKENS * escapes)
 
 
-def _part_tokens(text: str, counter: TokenCounter) -> int:
-    return LABEL_TOKENS + counter.count_text(text) + ESCAPE_TOKENS * _escapes(text)
+def _name_tokens(message: Message, counter: TokenCounter) -> int:
+    return counter.count_text(message.name) if message.role == "tool" and message.name else 0
 
 
-def take_prefix(text: str, room: int, counter: TokenCounter) -> tuple[str, int]:
+def _part_tokens(text: str, counter: TokenCounter, name_tokens: int = 0) -> int:
+    return (LABEL_TOKENS + name_tokens + counter.count_text(text)
+            + ESCAPE_TOKENS * _escapes(text))
+
+
+def take_prefix(text: str, room: int, counter: TokenCounter, name_tokens: int = 0
+                ) -> tuple[str, int]:
     """The longest-ish prefix of ``text`` whose part fits ``room`` tokens, cut on code points
     (at a line end when one is near), with its size. Always at least one code point."""
-    tokens = _part_tokens(text, counter)
+    tokens = _part_tokens(text, counter, name_tokens)
     if tokens <= room:
         return text, tokens
     size = max(1, int(len(text) * room / tokens))
@@ -337,7 +347,7 @@ def take_prefix(text: str, room: int, counter: TokenCounter) -> tuple[str, int]:
         newline = prefix.rfind("\n", int(size * 0.8))
         if newline > 0:
             prefix = prefix[:newline + 1]
-        tokens = _part_tokens(prefix, counter)
+        tokens = _part_tokens(prefix, counter, name_tokens)
         if tokens <= room or size == 1:
             return prefix, tokens
         size = max(1, min(size - 1, int(size * room / tokens * 0.95)))
@@ -433,7 +443,8 @@ class _Packer:
                         f"max_summary_tokens")
                 self.close()
                 continue
-            prefix, tokens = take_prefix(rest, self.room(), self.counter)
+            prefix, tokens = take_prefix(rest, self.room(), self.counter,
+                                         _name_tokens(piece.message, self.counter))
             rest = rest[len(prefix):]
             part += 1
             # A part is plain text: its message keeps role and ids but no calls, and a summary's
