@@ -10,6 +10,7 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from urllib.parse import urlparse
 
 import pytest
 from hypothesis import settings
+
+from tests.support.services import create_database_sync, flush_redis
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -72,24 +75,10 @@ def _migrate(url: str) -> None:
     upgrade(url)
 
 
-async def _create_database(url: str) -> None:
-    import asyncpg
-
-    parsed = urlparse(url)
-    name = parsed.path.lstrip("/")
-    admin = parsed._replace(scheme="postgresql", path="/postgres").geturl()
-    conn = await asyncpg.connect(admin)
-    try:
-        if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
-            await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-
-
 @pytest.fixture(scope="session")
 def pg_schema(pg_url: str) -> str:
     """The test database, created if absent and migrated to head once per test run."""
-    asyncio.run(_create_database(pg_url))
+    create_database_sync(pg_url)
     _migrate(pg_url)
     return pg_url
 
@@ -161,16 +150,20 @@ def compactd_cmd() -> list[str]:
     return [sys.executable, "-m", "scheduler.cli"]
 
 
+def run_cli(env: dict[str, str], *args: str, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``compactd ARGS`` as a subprocess; with ``check``, a non-zero exit fails the test."""
+    out = subprocess.run([*compactd_cmd(), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"compactd {' '.join(args)} -> {out.returncode}\n{out.stderr}")
+    return out
+
+
 @pytest.fixture
 def clean_redis(redis_url: str) -> str:
     """The test Redis database, flushed (broker queues, rate meters)."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
+    flush_redis(redis_url)
     return redis_url
 
 

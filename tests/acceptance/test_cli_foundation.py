@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
 
 from scheduler.samples import coding_session
-from tests.conftest import compactd_cmd
+from tests.conftest import run_cli as run
+from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 SAMPLE = coding_session(steps=12, big_output_lines=40)
-
-
-def run(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([*compactd_cmd(), *args], env=env, capture_output=True, text=True,
-                         timeout=120)
-    if check and out.returncode != 0:
-        raise AssertionError(f"compactd {' '.join(args)} -> {out.returncode}\n{out.stderr}")
-    return out
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -117,26 +110,11 @@ def test_unknown_session_and_missing_file_exit_2(env: dict[str, str], tmp_path: 
 
 def test_postgres_without_schema_says_to_migrate(cli_env: dict[str, str], pg_url: str,
                                                   transcript: Path) -> None:
-    import asyncio
-    import uuid
-    from urllib.parse import urlparse
-
-    import asyncpg
-
-    name = f"compactd_empty_{uuid.uuid4().hex[:8]}"
-    admin = urlparse(pg_url)._replace(scheme="postgresql", path="/postgres").geturl()
-
-    async def admin_sql(sql: str) -> None:
-        conn = await asyncpg.connect(admin)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(admin_sql(f'CREATE DATABASE "{name}"'))
+    url = with_database(pg_url, f"compactd_empty_{uuid.uuid4().hex[:8]}")
+    create_database_sync(url)
     try:
-        cli_env["COMPACTD_DATABASE_URL"] = urlparse(pg_url)._replace(path=f"/{name}").geturl()
+        cli_env["COMPACTD_DATABASE_URL"] = url
         out = run(cli_env, "ingest", str(transcript), "--session", "s1", check=False)
         assert out.returncode == 2 and "compactd migrate" in out.stderr
     finally:
-        asyncio.run(admin_sql(f'DROP DATABASE "{name}" WITH (FORCE)'))
+        drop_database_sync(url)

@@ -4,23 +4,14 @@ shape; and ``compact --inline`` running the same pipeline in the CLI process."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from scheduler.samples import coding_session
-from tests.conftest import compactd_cmd
+from tests.conftest import run_cli as run
 
 SAMPLE = coding_session(steps=16, big_output_lines=220)
-
-
-def run(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([*compactd_cmd(), *args], env=env, capture_output=True, text=True,
-                         timeout=120)
-    if check and out.returncode != 0:
-        raise AssertionError(f"compactd {' '.join(args)} -> {out.returncode}\n{out.stderr}")
-    return out
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

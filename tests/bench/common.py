@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tests.support.services import create_database_sync
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -39,20 +41,6 @@ def pg_url(script: str) -> str:
     return parsed._replace(path=f"/compactd_bench_{script}").geturl()
 
 
-async def _create_database(url: str) -> None:
-    import asyncpg
-
-    parsed = urlparse(url)
-    name = parsed.path.lstrip("/")
-    admin = parsed._replace(scheme="postgresql", path="/postgres").geturl()
-    conn = await asyncpg.connect(admin)
-    try:
-        if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
-            await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-
-
 async def _truncate(url: str) -> None:
     import asyncpg
 
@@ -68,7 +56,7 @@ def prepare_pg(url: str) -> str:
     event loop (Alembic runs its own)."""
     from storage.migrate import upgrade
 
-    asyncio.run(_create_database(url))
+    create_database_sync(url)
     upgrade(url)
     asyncio.run(_truncate(url))
     return url
@@ -158,17 +146,6 @@ def prepare_sqlite(directory: Path) -> str:
     url = f"sqlite:///{path}"
     upgrade(url)
     return url
-
-
-def flush_redis(url: str) -> None:
-    """Empty the benchmark's own Redis database (never the whole server)."""
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -103,7 +103,6 @@ from tests.bench.common import (
     ROOT,
     CommitProbe,
     calibrate_pg,
-    flush_redis,
     machine,
     machine_line,
     pg_url,
@@ -114,6 +113,7 @@ from tests.bench.common import (
 )
 from tests.bench.peers import add_step, apply_update, is_summary, to_langchain
 from tests.support.fake_provider import RemoteFake
+from tests.support.services import flush_redis
 from tests.support.stack import Stack
 from worker.settings import load_config
 

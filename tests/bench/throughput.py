@@ -45,7 +45,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -56,6 +55,7 @@ from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
 from storage.store import Store  # noqa: E402
 from tests.support.fake_provider import RemoteFake  # noqa: E402
+from tests.support.services import create_database, flush_redis  # noqa: E402
 from tests.support.stack import Stack, wait_until  # noqa: E402
 from worker.app import make_app  # noqa: E402
 from worker.settings import load_config  # noqa: E402
@@ -77,20 +77,12 @@ GOALS = {"compactions_per_s": 30.0, "in_flight": 30, "cpu_ms_per_compaction": 15
 
 
 async def reset_database(url: str) -> None:
-    import asyncpg
     import sqlalchemy as sa
 
     from storage.database import create_engine
     from storage.migrate import upgrade_async
 
-    parsed = urlparse(url)
-    name = parsed.path.lstrip("/")
-    admin = await asyncpg.connect(parsed._replace(scheme="postgresql", path="/postgres").geturl())
-    try:
-        if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
-            await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
+    await create_database(url)
     await upgrade_async(url)
     engine = create_engine(url, pool_size=1)
     try:
@@ -98,16 +90,6 @@ async def reset_database(url: str) -> None:
             await conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
     finally:
         await engine.dispose()
-
-
-def flush_redis(url: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
 
 
 def templates() -> list[list[Message]]:

@@ -3,33 +3,21 @@ drift, on PostgreSQL and on SQLite."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
 
 from storage.migrate import check, upgrade
-
-
-async def _admin(url: str, sql: str) -> None:
-    import asyncpg
-
-    admin = urlparse(url)._replace(scheme="postgresql", path="/postgres").geturl()
-    conn = await asyncpg.connect(admin)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
+from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 
 @pytest.fixture
 def empty_pg(pg_url: str):  # type: ignore[no-untyped-def]
-    name = f"compactd_mig_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_admin(pg_url, f'CREATE DATABASE "{name}"'))
-    yield urlparse(pg_url)._replace(path=f"/{name}").geturl()
-    asyncio.run(_admin(pg_url, f'DROP DATABASE "{name}" WITH (FORCE)'))
+    url = with_database(pg_url, f"compactd_mig_{uuid.uuid4().hex[:8]}")
+    create_database_sync(url)
+    yield url
+    drop_database_sync(url)
 
 
 def test_upgrade_then_check_on_empty_postgres(empty_pg: str) -> None:

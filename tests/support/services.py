@@ -1,0 +1,59 @@
+"""Small helpers for the real services the tests and benchmarks use: PostgreSQL databases of
+their own, and Redis databases they may empty (never the whole server)."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlparse
+
+
+def admin_url(url: str) -> str:
+    """The same server's ``postgres`` database, where databases are created and dropped."""
+    return urlparse(url)._replace(scheme="postgresql", path="/postgres").geturl()
+
+
+def with_database(url: str, name: str) -> str:
+    return urlparse(url)._replace(path=f"/{name}").geturl()
+
+
+async def admin_execute(url: str, sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(admin_url(url))
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def create_database(url: str) -> None:
+    """Create the database ``url`` names unless it exists."""
+    import asyncpg
+
+    name = urlparse(url).path.lstrip("/")
+    conn = await asyncpg.connect(admin_url(url))
+    try:
+        if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+            await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+
+
+def create_database_sync(url: str) -> None:
+    asyncio.run(create_database(url))
+
+
+def drop_database_sync(url: str) -> None:
+    name = urlparse(url).path.lstrip("/")
+    asyncio.run(admin_execute(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def flush_redis(url: str) -> None:
+    """Empty the Redis database ``url`` names (FLUSHDB: the other databases are untouched)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
