@@ -20,13 +20,14 @@ loop, and forgets (without closing, since the sockets are the parent's) pools in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import logging
 import os
 import re
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -162,19 +163,10 @@ class OpenAIChatProvider:
     async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
         limit = _cap(max_tokens, self._max_output)
         kwargs: dict[str, Any] = {self._token_param: limit}
-        try:
+        with sdk_errors(openai, _openai_body):
             raw = await self._client.chat.completions.with_raw_response.create(
                 model=self.candidate.model_id, messages=[dict(m) for m in chat],  # type: ignore[misc]
                 **kwargs)
-        except openai.APIStatusError as exc:
-            raise status_error(exc.status_code, exc.response.headers, _openai_body(exc.body),
-                               request_id=exc.request_id) from None
-        except openai.APITimeoutError:
-            raise ProviderError("timeout", "the request timed out") from None
-        except openai.APIConnectionError:
-            raise ProviderError("connection", "cannot connect to the provider") from None
-        except (ValueError, TypeError) as exc:
-            raise _refused_by_sdk(exc) from None
         request_id = raw.request_id
         try:
             parsed: Any = raw.parse()
@@ -235,6 +227,29 @@ def _openai_body(body: object) -> Mapping[str, Any]:
     return body if isinstance(body, Mapping) else {}
 
 
+def _anthropic_body(body: object) -> Mapping[str, Any]:
+    body = body if isinstance(body, Mapping) else {}
+    error = body.get("error")
+    return error if isinstance(error, Mapping) else body
+
+
+@contextlib.contextmanager
+def sdk_errors(sdk: Any, error_body: Callable[[object], Mapping[str, Any]]) -> Iterator[None]:
+    """One SDK's request errors as ``ProviderError``s. Both SDKs name their exceptions alike;
+    ``from None`` because their messages embed the response body, which is never logged."""
+    try:
+        yield
+    except sdk.APIStatusError as exc:
+        raise status_error(exc.status_code, exc.response.headers, error_body(exc.body),
+                           request_id=exc.request_id) from None
+    except sdk.APITimeoutError:  # a subclass of APIConnectionError: first
+        raise ProviderError("timeout", "the request timed out") from None
+    except sdk.APIConnectionError:
+        raise ProviderError("connection", "cannot connect to the provider") from None
+    except (ValueError, TypeError) as exc:
+        raise _refused_by_sdk(exc) from None
+
+
 # --------------------------------------------------------------------------------------------
 # Anthropic Messages
 
@@ -249,22 +264,10 @@ class AnthropicProvider:
     async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
         system, messages = anthropic_messages(chat)
         kwargs: dict[str, Any] = {"system": system} if system else {}
-        try:
+        with sdk_errors(anthropic, _anthropic_body):
             raw = await self._client.messages.with_raw_response.create(
                 model=self.candidate.model_id, messages=messages,  # type: ignore[arg-type]
                 max_tokens=_cap(max_tokens, self._max_output), **kwargs)
-        except anthropic.APIStatusError as exc:
-            body = exc.body if isinstance(exc.body, Mapping) else {}
-            error = body.get("error")
-            raise status_error(exc.status_code, exc.response.headers,
-                               error if isinstance(error, Mapping) else body,
-                               request_id=exc.request_id) from None
-        except anthropic.APITimeoutError:
-            raise ProviderError("timeout", "the request timed out") from None
-        except anthropic.APIConnectionError:
-            raise ProviderError("connection", "cannot connect to the provider") from None
-        except (ValueError, TypeError) as exc:
-            raise _refused_by_sdk(exc) from None
         request_id = raw.request_id
         try:
             parsed: Any = await raw.parse()
