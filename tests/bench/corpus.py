@@ -125,6 +125,7 @@ from tests.bench.peers import (
     to_compactd,
     to_langchain,
 )
+from tests.support.pairs import request_problems
 from worker.compaction.render import render_surface
 from worker.llm.errors import LocalSummaryError
 from worker.llm.local import summarize_local, tool_result_facts
@@ -320,21 +321,8 @@ def _ratio(part: float, whole: float) -> float | None:
 
 
 def pair_problems(messages: Sequence[dict[str, Any]]) -> int:
-    """What a provider rejects: a result not answering a call of the assistant message right
-    before it, a call left without its result."""
-    problems = 0
-    pending: set[str] = set()
-    for m in messages:
-        role = m["role"]
-        if role == "tool":
-            if m.get("tool_call_id") in pending:
-                pending.discard(m["tool_call_id"])
-            else:
-                problems += 1
-            continue
-        problems += len(pending)
-        pending = {c["id"] for c in m.get("tool_calls") or ()} if role == "assistant" else set()
-    return problems + len(pending)
+    """How many things a provider would reject in this request (``request_problems``)."""
+    return len(request_problems(messages))
 
 
 def context_text(messages: Iterable[dict[str, Any]]) -> str:

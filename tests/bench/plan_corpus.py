@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from storage.messages import read_jsonl  # noqa: E402
 from storage.surface import SurfaceNode  # noqa: E402
 from storage.tokens import counter_for  # noqa: E402
+from tests.support.pairs import cut_problems, json_rows, node_rows  # noqa: E402
 from worker.compaction.planner import Plan, plan  # noqa: E402
 from worker.compaction.policy import Policy, parse_policy  # noqa: E402
 from worker.compaction.prompt import build_prompt  # noqa: E402
@@ -72,21 +73,7 @@ def check(nodes: list[SurfaceNode], result: Plan, policy: Policy) -> list[str]:
         return []
     problems = []
     replaced = set(step.replace_seqs)
-    # A result answers the nearest earlier call with its id (some transcripts reuse ids).
-    owner: dict[str, int] = {}
-    unanswered: dict[int, set[str]] = {}
-    for n in nodes:
-        for call in n.message.tool_calls:
-            owner[call.id] = n.seq
-            unanswered.setdefault(n.seq, set()).add(call.id)
-        call_id = n.message.tool_call_id
-        if n.message.role == "tool" and call_id in owner:
-            unanswered[owner[call_id]].discard(call_id)
-            if (n.seq in replaced) != (owner[call_id] in replaced):
-                problems.append(f"tool group of call {call_id} split by the cut")
-    for seq, missing in unanswered.items():
-        if seq in replaced and missing:
-            problems.append(f"seq {seq}: a call without its result is replaced")
+    problems += cut_problems(node_rows(nodes), replaced)
     budget = policy.trim_tokens_to_summarize
     for call in step.calls:
         if budget is not None and call.input_tokens > budget:
@@ -113,19 +100,7 @@ def check_json(surface: list[dict[str, Any]], planned: dict[str, Any], budget: i
         return []
     problems = []
     replaced = set(step["replace_seqs"])
-    owner: dict[str, int] = {}
-    open_calls: dict[int, set[str]] = {}
-    for m in surface:
-        for call in m.get("tool_calls") or ():
-            owner[call["id"]] = m["seq"]
-            open_calls.setdefault(m["seq"], set()).add(call["id"])
-        if m["role"] == "tool" and m.get("tool_call_id") in owner:
-            call_seq = owner[m["tool_call_id"]]
-            open_calls[call_seq].discard(m["tool_call_id"])
-            if (m["seq"] in replaced) != (call_seq in replaced):
-                problems.append(f"cli: tool group of {m['tool_call_id']} split by the cut")
-    problems += [f"cli: seq {seq} replaced with a call still open"
-                 for seq, missing in open_calls.items() if seq in replaced and missing]
+    problems += [f"cli: {p}" for p in cut_problems(json_rows(surface), replaced)]
     problems += [f"cli: call {i} plans {c['input_tokens']} tokens, over {budget}"
                  for i, c in enumerate(step["calls"]) if c["input_tokens"] > budget]
     covered = {s for c in step["calls"] for s in c["seqs"]}

@@ -21,6 +21,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from scheduler.langchain import CompactdMiddleware, StateMismatch, to_compactd, to_langchain
 from storage.store import Store
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.pairs import request_problems
 from worker.compaction.render import LANGCHAIN_PREFIX
 from worker.orchestration import compact
 from worker.runtime import open_deps
@@ -152,16 +153,8 @@ async def test_a_checkpoint_replaces_history_in_the_next_request_only(
 
 def assert_tool_pairs_whole(messages: list[dict[str, Any]]) -> None:
     """No tool result without its call before it, no call without its result after it."""
-    open_calls: set[str] = set()
-    for message in messages:
-        if message["role"] == "tool":
-            assert message["tool_call_id"] in open_calls, f"orphan result {message}"
-            open_calls.discard(message["tool_call_id"])
-        elif open_calls:
-            raise AssertionError(f"calls {open_calls} have no result before {message['role']}")
-        for call in message.get("tool_calls") or ():
-            open_calls.add(call["id"])
-    assert not open_calls, f"calls without results at the end: {open_calls}"
+    problems = request_problems(messages)
+    assert not problems, problems
 
 
 def test_the_sync_path_mirrors_the_same_way(fake: FakeProvider,

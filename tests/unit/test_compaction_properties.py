@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from storage.messages import Message
 from storage.surface import SurfaceNode
+from tests.support.pairs import cut_problems, node_rows
 from worker.compaction.boundary import protected
 from worker.compaction.planner import Plan, checkpoint_for, plan
 from worker.compaction.policy import Clause, PolicyError, parse_policy
@@ -145,18 +146,7 @@ def test_plan_properties(surface: list[SurfaceNode], case: Any) -> None:
     assert sorted(step.keep_seqs + step.replace_seqs) == sorted(order)
 
     # 1. tool-pair safety on both sides of the cut
-    owner: dict[str, int] = {}
-    unanswered: dict[int, set[str]] = {}
-    for node in surface:
-        for call in node.message.tool_calls:
-            owner[call.id] = node.seq
-            unanswered.setdefault(node.seq, set()).add(call.id)
-        call_id = node.message.tool_call_id
-        if node.message.role == "tool" and call_id in owner:
-            unanswered[owner[call_id]].discard(call_id)
-            assert (node.seq in replaced) == (owner[call_id] in replaced)
-    for seq, missing in unanswered.items():
-        assert not (missing and seq in replaced)
+    assert not cut_problems(node_rows(surface), replaced)
 
     # 2. never replaced: system, pinned, reminders, the latest user request
     guard = protected(surface)
