@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,21 +102,32 @@ async def timed(store: Store, session: str, message: Message) -> float:
     return (time.perf_counter() - started) * 1000
 
 
+async def prepare_sessions(store: Store, url: str, sizes: Sequence[int], repeat: int, *,
+                           pg: bool, poll: bool = False) -> float:
+    """Fill ``repeat`` sessions ``n{size}r{rep}`` per size to one message short of it, refresh
+    PostgreSQL's statistics, and warm the connections up (with polls too when ``poll``).
+    Returns the seconds the fill took."""
+    started = time.perf_counter()
+    for size in sizes:
+        for rep in range(repeat):
+            await fill(store, f"n{size}r{rep}", size - 1)
+    fill_s = time.perf_counter() - started
+    if pg:
+        await analyze(url)
+    await fill(store, "warmup", 10)
+    for i in range(WARMUP):
+        await timed(store, "warmup", call("warmup", 1000 + i))
+        await timed(store, "warmup", result("warmup", 1000 + i))
+        if poll:
+            await store.poll("warmup", None)
+    return fill_s
+
+
 async def run_backend(url: str, repeat: int, sizes: tuple[int, ...], *, pg: bool
                       ) -> dict[str, Any]:
     store = Store.from_url(url, pool_size=2)
     try:
-        started = time.perf_counter()
-        for size in sizes:
-            for rep in range(repeat):
-                await fill(store, f"n{size}r{rep}", size - 1)
-        fill_s = time.perf_counter() - started
-        if pg:
-            await analyze(url)
-        await fill(store, "warmup", 10)
-        for i in range(WARMUP):
-            await timed(store, "warmup", call("warmup", 1000 + i))
-            await timed(store, "warmup", result("warmup", 1000 + i))
+        fill_s = await prepare_sessions(store, url, sizes, repeat, pg=pg)
         calls: dict[int, list[float]] = {n: [] for n in sizes}
         results: dict[int, list[float]] = {n: [] for n in sizes}
         for rep in range(repeat):

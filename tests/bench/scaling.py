@@ -39,9 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from storage.store import Store
-from tests.bench.append_scaling import WARMUP, call, fill, result, timed
+from tests.bench.append_scaling import call, prepare_sessions, result, timed
 from tests.bench.common import (
-    analyze,
     calibrate_pg,
     machine,
     machine_line,
@@ -65,16 +64,7 @@ async def run_backend(url: str, repeat: int, plan_repeat: int, *, pg: bool) -> d
     store = Store.from_url(url, pool_size=2)
     rows: dict[str, dict[str, Any]] = {}
     try:
-        for size in SIZES:
-            for rep in range(repeat):
-                await fill(store, f"n{size}r{rep}", size - 1)
-        if pg:
-            await analyze(url)
-        await fill(store, "warmup", 10)
-        for i in range(WARMUP):
-            await timed(store, "warmup", call("warmup", 1000 + i))
-            await timed(store, "warmup", result("warmup", 1000 + i))
-            await store.poll("warmup", None)
+        await prepare_sessions(store, url, SIZES, repeat, pg=pg, poll=True)
         appends: dict[int, list[float]] = {n: [] for n in SIZES}
         for rep in range(repeat):
             for size in SIZES:
