@@ -474,15 +474,11 @@ def _counted(out: Outcome) -> Outcome:
 def _providers(deps: Deps, rate_per_s: float | None, bulk_job_id: str | None,
                out: Outcome) -> Any:
     """The process's provider pool, behind the global and bulk-job rate meters."""
-    from worker.llm.providers import Attribution, ProviderPool
+    from worker.llm.providers import ProviderPool
 
     if deps.models is None:
         w = deps.config.worker
-        from worker.llm.candidates import Availability
-
-        deps.models = ProviderPool(
-            attribution=Attribution(header=w.attribution_header, value=w.attribution_value),
-            availability=Availability(ttl_s=w.unavailable_model_s))
+        deps.models = ProviderPool.from_config(w)
     meters: list[tuple[str, float]] = []
     if deps.config.worker.provider_rate_per_s:
         meters.append((RATE_PROVIDER, deps.config.worker.provider_rate_per_s))

@@ -10,7 +10,7 @@ import pytest
 
 from worker.llm.candidates import Availability, Candidate, candidate_order
 from worker.llm.errors import Unavailable
-from worker.llm.providers import LoopPools, Provider, ProviderPool, build_provider
+from worker.llm.providers import Provider, ProviderPool, build_provider
 from worker.settings import ModelSpec, WorkerConfig
 
 MODELS = (
@@ -147,25 +147,9 @@ def test_a_pool_serves_one_event_loop() -> None:
         asyncio.run(use())
 
 
-def test_loop_pools_give_each_loop_its_own_clients() -> None:
-    pools = LoopPools(env={"K": "k"})
-    spec = Candidate.from_spec(ModelSpec(name="m", provider="openai", api_key_env="K"))
-    seen = []
-
-    async def use() -> None:
-        pool = pools.current()
-        assert pools.current() is pool
-        seen.append(pool.get(spec))
-        await pools.aclose_current()
-
-    asyncio.run(use())
-    asyncio.run(use())
-    assert seen[0] is not seen[1]
-
-
 def test_pools_from_the_worker_config() -> None:
     worker = WorkerConfig(attribution_header="x-purpose", attribution_value="bg",
                           unavailable_model_s=42)
-    pools = LoopPools.from_config(worker, env={})
-    assert pools.attribution.headers() == {"x-purpose": "bg"}
-    assert pools.availability.ttl_s == 42
+    pool = ProviderPool.from_config(worker, env={})
+    assert pool.attribution.headers() == {"x-purpose": "bg"}
+    assert pool.availability.ttl_s == 42

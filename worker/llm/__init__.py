@@ -1,7 +1,7 @@
 """Summarizer models: candidates in order, provider clients, the local summarizer, the fallback.
 
 The orchestration uses :func:`candidate_order` to list who may summarize a session,
-:class:`LoopPools` (or a :class:`ProviderPool` per event loop) for clients, and :func:`summarize`
+:class:`ProviderPool` (one per event loop: the worker process's) for clients, and :func:`summarize`
 to get the first summary the policy accepts.
 """
 
@@ -23,7 +23,7 @@ from worker.llm.fallback import (
     summarize,
 )
 from worker.llm.local import SECTIONS, summarize_local
-from worker.llm.providers import Attribution, Completion, LoopPools, ProviderPool, Usage
+from worker.llm.providers import Attribution, Completion, ProviderPool, Usage
 
 __all__ = [
     "SECTIONS",
@@ -35,7 +35,6 @@ __all__ = [
     "ErrorKind",
     "LLMError",
     "LocalSummaryError",
-    "LoopPools",
     "ProviderError",
     "ProviderPool",
     "RetryPolicy",

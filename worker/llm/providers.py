@@ -13,8 +13,8 @@ has an image or audio part, fails instead of being silently dropped.
 
 Scope: an SDK client owns an HTTP connection pool, and connections belong to the event loop and
 the process that opened them. A :class:`ProviderPool` therefore serves one event loop in one
-process and refuses to be used from another; :class:`LoopPools` hands out one pool per running
-loop, and forgets (without closing, since the sockets are the parent's) pools inherited by fork.
+process and refuses to be used from another. A worker process keeps one, in its one event loop
+(``worker.runtime``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -461,6 +460,14 @@ class ProviderPool:
         self._pid = os.getpid()
         self._closed = False
 
+    @classmethod
+    def from_config(cls, worker: WorkerConfig, *, env: Mapping[str, str] | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> ProviderPool:
+        """The pool a worker process keeps: its attribution header, its unavailability
+        window."""
+        return cls(attribution=Attribution.from_config(worker),
+                   availability=Availability(worker.unavailable_model_s, clock=clock), env=env)
+
     def get(self, candidate: Candidate) -> Provider:
         self._check_scope()
         reason = self.availability.reason(candidate.name)
@@ -507,51 +514,4 @@ class ProviderPool:
         if self._loop is None:
             self._loop = loop
         elif loop is not self._loop:
-            raise RuntimeError("a ProviderPool serves one event loop; use LoopPools")
-
-
-class LoopPools:
-    """One :class:`ProviderPool` per running event loop of this process.
-
-    For code that runs each task in a fresh loop (``asyncio.run`` per Celery task): call
-    :meth:`current` inside the loop and :meth:`aclose_current` before leaving it. The memory of
-    unavailable models is shared by every pool, so it survives from task to task.
-    """
-
-    def __init__(self, *, attribution: Attribution | None = None,
-                 availability: Availability | None = None,
-                 env: Mapping[str, str] | None = None,
-                 build: Callable[..., Provider] = build_provider) -> None:
-        self.attribution = attribution or Attribution()
-        self.availability = availability or Availability()
-        self._env = env
-        self._build = build
-        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ProviderPool] = (
-            weakref.WeakKeyDictionary())
-        self._pid = os.getpid()
-
-    @classmethod
-    def from_config(cls, worker: WorkerConfig, *, env: Mapping[str, str] | None = None,
-                    clock: Callable[[], float] = time.monotonic) -> LoopPools:
-        """The pools a worker process keeps: its attribution header, its unavailability
-        window."""
-        return cls(attribution=Attribution.from_config(worker),
-                   availability=Availability(worker.unavailable_model_s, clock=clock), env=env)
-
-    def current(self) -> ProviderPool:
-        loop = asyncio.get_running_loop()
-        if os.getpid() != self._pid:
-            # Forked: the inherited pools hold the parent's sockets. Forget, never close, them.
-            self._pools = weakref.WeakKeyDictionary()
-            self._pid = os.getpid()
-        pool = self._pools.get(loop)
-        if pool is None:
-            pool = ProviderPool(attribution=self.attribution, availability=self.availability,
-                                env=self._env, build=self._build)
-            self._pools[loop] = pool
-        return pool
-
-    async def aclose_current(self) -> None:
-        pool = self._pools.pop(asyncio.get_running_loop(), None)
-        if pool is not None:
-            await pool.aclose()
+            raise RuntimeError("a ProviderPool serves one event loop; build one per loop")
