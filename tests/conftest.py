@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import pytest
 from hypothesis import settings
 
-from tests.support.services import create_database_sync, flush_redis
+from tests.support.services import create_database_sync, empty_database, flush_redis
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -32,10 +32,6 @@ if IN_CI:
 PG_URL = os.environ.get("COMPACTD_TEST_DATABASE_URL",
                         "postgresql://postgres@127.0.0.1:5432/compactd_test")
 REDIS_URL = os.environ.get("COMPACTD_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-
-TABLES = ("bulk_items", "bulk_jobs", "compaction_runs", "tool_calls", "surface", "events",
-          "sessions")
-
 
 def _answers(url: str, default_port: int) -> bool:
     parsed = urlparse(url)
@@ -90,23 +86,10 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-async def _truncate(url: str) -> None:
-    import sqlalchemy as sa
-
-    from storage.database import create_engine
-
-    engine = create_engine(url, pool_size=1)
-    try:
-        async with engine.begin() as conn:
-            await conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
-    finally:
-        await engine.dispose()
-
-
 @pytest.fixture
 def clean_pg(pg_schema: str) -> str:
     """The PostgreSQL test database, emptied."""
-    asyncio.run(_truncate(pg_schema))
+    asyncio.run(empty_database(pg_schema))
     return pg_schema
 
 

@@ -41,7 +41,7 @@ from scheduler.enqueue import Enqueuer, RunRequest  # noqa: E402
 from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
 from storage.store import Store  # noqa: E402
-from tests.bench.throughput import flush_redis, reset_database  # noqa: E402
+from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
 from worker.app import make_app  # noqa: E402
 from worker.settings import load_config  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from tests.support.services import create_database_sync
+from tests.support.services import reset_database
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -30,10 +30,6 @@ if str(ROOT) not in sys.path:
 DEFAULT_CORPUS = ROOT.parent / "shared" / "corpus"
 PG_BASE = os.environ.get("COMPACTD_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432")
 REDIS_URL = os.environ.get("COMPACTD_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9")
-TABLES = ("bulk_items", "bulk_jobs", "compaction_runs", "tool_calls", "surface", "events",
-          "sessions")
-
-
 def pg_url(script: str) -> str:
     """The script's own database: ``COMPACTD_BENCH_DATABASE_URL`` (a server URL, or a full URL
     whose database name is replaced) with the database ``compactd_bench_<script>``."""
@@ -41,24 +37,9 @@ def pg_url(script: str) -> str:
     return parsed._replace(path=f"/compactd_bench_{script}").geturl()
 
 
-async def _truncate(url: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(urlparse(url)._replace(scheme="postgresql").geturl())
-    try:
-        await conn.execute(f"TRUNCATE {', '.join(TABLES)} CASCADE")
-    finally:
-        await conn.close()
-
-
 def prepare_pg(url: str) -> str:
-    """Create (if absent), migrate and empty the database at ``url``. Call without a running
-    event loop (Alembic runs its own)."""
-    from storage.migrate import upgrade
-
-    create_database_sync(url)
-    upgrade(url)
-    asyncio.run(_truncate(url))
+    """Create (if absent), migrate and empty the database at ``url``."""
+    asyncio.run(reset_database(url))
     return url
 
 

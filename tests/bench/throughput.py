@@ -55,13 +55,11 @@ from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
 from storage.store import Store  # noqa: E402
 from tests.support.fake_provider import RemoteFake  # noqa: E402
-from tests.support.services import create_database, flush_redis  # noqa: E402
+from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack, wait_until  # noqa: E402
 from worker.app import make_app  # noqa: E402
 from worker.settings import load_config  # noqa: E402
 
-TABLES = ("bulk_items", "bulk_jobs", "compaction_runs", "tool_calls", "surface", "events",
-          "sessions")
 # About 22k tokens: a prune (six large tool results cut) that leaves it over the trigger, then
 # one summary call replacing ~16k tokens.
 POLICY = {"trigger": [{"type": "tokens", "value": 10_000}],
@@ -74,22 +72,6 @@ GOALS = {"compactions_per_s": 30.0, "in_flight": 30, "cpu_ms_per_compaction": 15
 
 # ------------------------------------------------------------------------------------------
 # setup
-
-
-async def reset_database(url: str) -> None:
-    import sqlalchemy as sa
-
-    from storage.database import create_engine
-    from storage.migrate import upgrade_async
-
-    await create_database(url)
-    await upgrade_async(url)
-    engine = create_engine(url, pool_size=1)
-    try:
-        async with engine.begin() as conn:
-            await conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
-    finally:
-        await engine.dispose()
 
 
 def templates() -> list[list[Message]]:

@@ -48,6 +48,30 @@ def drop_database_sync(url: str) -> None:
     asyncio.run(admin_execute(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+async def empty_database(url: str) -> None:
+    """Remove every row of compactd's tables (the schema stays). The table list comes from the
+    models, so a new table is never left out."""
+    import asyncpg
+
+    from storage.schema import metadata
+
+    tables = ", ".join(t.name for t in metadata.sorted_tables)
+    conn = await asyncpg.connect(urlparse(url)._replace(scheme="postgresql").geturl())
+    try:
+        await conn.execute(f"TRUNCATE {tables} CASCADE")
+    finally:
+        await conn.close()
+
+
+async def reset_database(url: str) -> None:
+    """Create the database if absent, migrate it to head, and empty it."""
+    from storage.migrate import upgrade_async
+
+    await create_database(url)
+    await upgrade_async(url)
+    await empty_database(url)
+
+
 def flush_redis(url: str) -> None:
     """Empty the Redis database ``url`` names (FLUSHDB: the other databases are untouched)."""
     import redis
