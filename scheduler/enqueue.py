@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_RUN
 
@@ -36,10 +36,6 @@ class RunRequest:
         return {"session_id": self.session_id, "trigger": self.trigger, "force": self.force,
                 "keep": self.keep, "bulk_job_id": self.bulk_job_id,
                 "rate_per_s": self.rate_per_s}
-
-
-class Sender(Protocol):
-    def send_task(self, name: str, kwargs: dict[str, Any], queue: str, task_id: str) -> Any: ...
 
 
 class Enqueuer:

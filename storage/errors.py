@@ -84,7 +84,3 @@ class LeaseLost(StorageError):
 
 class SurfaceChanged(StorageError):
     """The surface changed since the compaction read it."""
-
-
-class ReplayMismatch(StorageError):
-    """Replaying the event log does not give the stored surface."""

@@ -22,7 +22,6 @@ ITEM_PENDING = "pending"
 ITEM_ENQUEUED = "enqueued"
 ITEM_DONE = "done"
 ITEM_FAILED = "failed"
-ITEM_STATES = (ITEM_PENDING, ITEM_ENQUEUED, ITEM_DONE, ITEM_FAILED)
 
 JOB_RUNNING = "running"
 JOB_DONE = "done"

@@ -46,8 +46,6 @@ CLAIM_LOCK_RETRY_S = 0.5
 CLAIM_LOCK_RETRY_STEP_S = 0.01
 
 RUN_RUNNING = "running"
-RUN_COMMITTED = "committed"
-RUN_NOTHING = "nothing_to_do"
 RUN_FAILED = "failed"
 
 

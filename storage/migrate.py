@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.database import create_engine, normalize_url, translated
+from storage.database import normalize_url, translated
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -47,16 +47,6 @@ def check(url: str) -> None:
     command.check(alembic_config(url))
 
 
-async def current_revision(engine: AsyncEngine) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
-    def _read(conn: Any) -> str | None:
-        return MigrationContext.configure(conn).get_current_revision()
-
-    async with engine.connect() as conn:
-        return await conn.run_sync(_read)
-
-
 def head_revision(url: str) -> str | None:
     from alembic.script import ScriptDirectory
 
@@ -76,6 +66,3 @@ async def ensure_schema(engine: AsyncEngine, url: str) -> None:
     if current != HEAD_REVISION:
         await upgrade_async(url)
 
-
-__all__ = ["alembic_config", "check", "create_engine", "current_revision", "head_revision",
-           "upgrade", "upgrade_async"]

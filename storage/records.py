@@ -41,15 +41,6 @@ class SessionInfo:
     def lease_live(self, now: dt.datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now
 
-    @property
-    def provider_input_tokens(self) -> int | None:
-        """The provider's own count, while it still describes the current surface.
-
-        A count reported for an older version stays valid across appends (they only grow the
-        surface, so it is a lower bound), but a compaction commit clears it.
-        """
-        return self.reported_input_tokens
-
 
 @dataclass(frozen=True, slots=True)
 class AppendResult:

@@ -23,14 +23,12 @@ from storage.messages import Message
 KIND_MESSAGE = "message"
 KIND_CHECKPOINT = "checkpoint"
 KIND_PRUNED = "pruned"
-NODE_KINDS = (KIND_MESSAGE, KIND_CHECKPOINT, KIND_PRUNED)
 REPLACE_KINDS = (KIND_CHECKPOINT, KIND_PRUNED)
 
 JOURNAL_START = "compaction/start"
 JOURNAL_PRUNE = "compaction/prune"
 JOURNAL_SUMMARY = "compaction/summary"
 JOURNAL_END = "compaction/end"
-JOURNAL_KINDS = (JOURNAL_START, JOURNAL_PRUNE, JOURNAL_SUMMARY, JOURNAL_END)
 
 
 @dataclass(frozen=True, slots=True)

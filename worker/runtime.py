@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from storage.records import utcnow
@@ -46,7 +46,6 @@ class Deps:
     redis: Any = None
     models: Any = None  # worker.llm client registry, created on first use
     clock: Callable[[], Any] = utcnow
-    extras: dict[str, Any] = field(default_factory=dict)
 
     async def aclose(self) -> None:
         if self.models is not None and hasattr(self.models, "aclose"):

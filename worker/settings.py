@@ -26,7 +26,6 @@ from storage.database import embedded_url
 from storage.errors import ConfigError
 from worker.compaction.policy import Policy, PolicyError, parse_policy
 
-PROVIDERS = ("openai", "anthropic", "openai-compatible", "local")
 LOCAL_MODEL = "local"
 
 

@@ -62,10 +62,6 @@ class Selection:
     end: int
     nothing_to_do: str | None = None
 
-    @property
-    def empty(self) -> bool:
-        return self.end <= self.start
-
 
 def is_checkpoint(node: SurfaceNode) -> bool:
     return node.kind == KIND_CHECKPOINT or bool(node.message.meta.get(META_CHECKPOINT))

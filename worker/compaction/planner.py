@@ -61,8 +61,6 @@ from worker.compaction.skills import capture_skills
 from worker.compaction.triggers import Pressure, measure, should_compact
 from worker.compaction.validation import framed_tokens
 
-FORCED_REASON = "forced"
-
 
 @dataclass(frozen=True, slots=True)
 class PlanInputs:
@@ -116,11 +114,6 @@ class Plan:
     why_no_summary: str | None  # set when ``summarize`` is None
     planned_at: datetime
     inputs: PlanInputs = field(repr=False)
-
-    @property
-    def pruned_messages(self) -> dict[int, Message]:
-        """The replacement message of every pruned seq."""
-        return {action.seq: action.message for action in self.prune}
 
     def to_json(self) -> dict[str, Any]:
         """The CLI contract's ``plan --json`` body (the caller adds session and version)."""

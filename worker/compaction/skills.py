@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from storage.messages import META_SKILL, Message
 from storage.surface import SurfaceNode
@@ -131,7 +130,3 @@ def merge_skills(skills: Iterable[Skill]) -> list[Skill]:
             by_path[skill.path] = skill
     newest = sorted(by_path.values(), key=lambda s: (s.loaded_at, s.path))
     return newest[-MAX_SKILLS:]
-
-
-def skills_json(skills: Sequence[Skill]) -> list[dict[str, Any]]:
-    return [s.to_json() for s in skills]
