@@ -28,6 +28,7 @@ from storage.records import RunRecord, utcnow
 from storage.surface import JOURNAL_PRUNE, JOURNAL_SUMMARY
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.probes import free_port, query
+from tests.support.services import empty_database, flush_redis
 from tests.support.stack import Stack, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -104,14 +105,8 @@ class Mixed:
 @pytest.fixture(scope="module")
 def mixed(pg_schema: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Mixed]:
-    import redis
-
-    from tests.conftest import _truncate
-
-    asyncio.run(_truncate(pg_schema))
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
+    asyncio.run(empty_database(pg_schema))
+    flush_redis(redis_url)
     port = free_port()
     with FakeProvider() as fake, Stack(
             pg_schema, redis_url, tmp_path_factory.mktemp("mixed"), fake_url=fake.url,
