@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler.enqueue import Enqueuer, RunRequest
 from storage.errors import InvalidMessage
-from storage.records import utcnow
+from storage.records import SessionInfo, utcnow
 from storage.store import Store
 from worker.pressure import explain, over_trigger
 from worker.settings import Config
@@ -82,7 +82,7 @@ async def enqueue_marked(store: Store, enqueuer: Enqueuer, request: RunRequest) 
         raise
 
 
-async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, session_id: str, *,
+async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, info: SessionInfo, *,
                     run_started_at: dt.datetime) -> str | None:
     """Signal again for a session whose automatic run just ended, when appends made while it ran
     put the session over its trigger again.
@@ -91,8 +91,10 @@ async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, session_id
     would wait for the runtime's next append or the pressure sweep. Only appends newer than the
     run count, so a run that could not bring relief on its own does not re-enqueue itself (the
     loop guard deals with that).
+
+    ``info`` is the session as read after the run's signal mark was cleared (an append after
+    that enqueues on its own).
     """
-    info = await store.get_session(session_id)
     now = utcnow()
     if info.last_append_at is None or info.last_append_at <= run_started_at:
         return None

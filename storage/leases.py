@@ -35,7 +35,7 @@ from storage.records import (
     utcnow,
 )
 from storage.schema import RUN_COLUMNS, SESSION_COLUMNS, run_from_row, session_from_row
-from storage.surface import JOURNAL_END, JOURNAL_START
+from storage.surface import JOURNAL_END, JOURNAL_START, commit_seqs
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -228,14 +228,15 @@ class LeasesMixin:
             d_tokens = d_nodes = 0
             events: list[dict[str, Any]] = []
             nodes: list[dict[str, Any]] = []
-            for rep, rows in zip(replacements, replaced, strict=True):
+            for rep, rows, (journal_seq, seq) in zip(
+                    replacements, replaced, commit_seqs(info.last_seq, len(replacements)),
+                    strict=True):
                 # Journal entry, then the node, per replacement: the same seqs as one at a time.
-                seq += 1
-                events.append({"session_id": session_id, "seq": seq, "kind": rep.journal_kind,
+                events.append({"session_id": session_id, "seq": journal_seq,
+                               "kind": rep.journal_kind,
                                "run_id": run_id, "created_at": now, "tokens": None,
                                "payload": {"run_id": run_id, **rep.journal,
                                            "replaced_seqs": list(rep.seqs)}})
-                seq += 1
                 events.append({"session_id": session_id, "seq": seq, "kind": rep.kind,
                                "run_id": run_id, "created_at": now, "tokens": rep.tokens,
                                "payload": {"message": rep.payload, "replaces": list(rep.seqs),

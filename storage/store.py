@@ -334,10 +334,20 @@ class Store(LeasesMixin, JobsMixin):
             .values(signal_at=now))
         return bool(result.rowcount)
 
-    async def clear_signal(self, session_id: str) -> None:
-        async with transaction(self.engine) as conn:
-            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id)
-                               .values(signal_at=None))
+    async def clear_signal(self, session_id: str) -> SessionInfo:
+        """Clear the pending-signal mark; the session as it is after that.
+
+        Every automatic run ends with this, so on PostgreSQL it is one autocommit statement
+        (no BEGIN and COMMIT round trips), and it returns the row the worker's follow-up check
+        reads instead of a second query."""
+        stmt = (t.sessions.update().where(t.sessions.c.id == session_id).values(signal_at=None)
+                .returning(*SESSION_COLUMNS))
+        opened = transaction(self.engine) if self.sqlite else connection(self.engine)
+        async with opened as conn:
+            row = (await conn.execute(stmt)).first()
+        if row is None:
+            raise SessionNotFound(session_id)
+        return session_from_row(row)
 
     # ---------------------------------------------------------------------------------------
     # reads

@@ -107,3 +107,48 @@ def replay(events: Iterable[LoggedEvent]) -> list[tuple[int, int]]:
             continue
         tokens[event.seq] = int(event.tokens or 0)
     return [(seq, tokens[seq]) for seq in order]
+
+
+def commit_seqs(last_seq: int, count: int) -> list[tuple[int, int]]:
+    """The ``(journal, node)`` seqs a commit of ``count`` replacements takes after ``last_seq``:
+    each replacement's journal entry directly before its node."""
+    return [(last_seq + 2 * i + 1, last_seq + 2 * i + 2) for i in range(count)]
+
+
+@dataclass(frozen=True, slots=True)
+class NewNode:
+    """What one replacement of a commit puts on the surface (its seq comes from the commit)."""
+
+    replaces: tuple[int, ...]
+    kind: str
+    message: Message
+    tokens: int
+
+
+def surface_after_commit(surface: Surface, new_nodes: Sequence[NewNode], *, version: int,
+                         last_seq: int) -> Surface | None:
+    """``surface`` with a commit of ``new_nodes`` applied, without reading it back.
+
+    ``version`` and ``last_seq`` are the session's as that commit (one without an end event)
+    returned them. Each new node takes the seq :func:`commit_seqs` gave it and the position of
+    the first node it replaces; the other positions do not move. None when a writer other than
+    that commit moved the surface since ``surface`` was read (the version is not one past it):
+    the caller reads the surface instead.
+    """
+    if version != surface.version + 1:
+        return None
+    seqs = commit_seqs(last_seq - 2 * len(new_nodes), len(new_nodes))
+    first: dict[int, tuple[int, NewNode]] = {}
+    gone: set[int] = set()
+    for new, (_, seq) in zip(new_nodes, seqs, strict=True):
+        first[new.replaces[0]] = (seq, new)
+        gone.update(new.replaces)
+    nodes: list[SurfaceNode] = []
+    for node in surface.nodes:
+        if node.seq in first:
+            seq, new = first[node.seq]
+            nodes.append(SurfaceNode(seq=seq, kind=new.kind, message=new.message,
+                                     tokens=new.tokens, position=node.position))
+        elif node.seq not in gone:
+            nodes.append(node)
+    return Surface(session_id=surface.session_id, version=version, nodes=tuple(nodes))

@@ -27,7 +27,9 @@ from storage.surface import (
     JOURNAL_SUMMARY,
     KIND_CHECKPOINT,
     KIND_PRUNED,
+    NewNode,
     Surface,
+    surface_after_commit,
 )
 from worker import logs
 from worker.compaction.boundary import resolve_keep
@@ -181,7 +183,12 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
             if current.summarize is None:
                 metrics().prune_only.inc()
                 break
-            surface = await store.read_surface(info.id, reuse=surface)
+            # The pruned surface is known without a read, unless an append came in between.
+            surface = surface_after_commit(
+                surface, [NewNode((a.seq,), KIND_PRUNED, a.message, a.tokens_after)
+                          for a in current.prune],
+                version=info.surface_version, last_seq=info.last_seq
+            ) or await store.read_surface(info.id, reuse=surface)
             current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                             manual=manual and first)
         if current.summarize is None:

@@ -72,10 +72,10 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
         finally:
             if trigger in AUTOMATIC_TRIGGERS:
                 # The signal's run is over: the next signal may enqueue again.
-                await deps.store.clear_signal(session_id)
+                after = await deps.store.clear_signal(session_id)
                 if outcome is not None and outcome.outcome == "committed":
                     try:
-                        await follow_up(deps.store, config, Enqueuer(self.app), session_id,
+                        await follow_up(deps.store, config, Enqueuer(self.app), after,
                                         run_started_at=started_at)
                     except Exception as exc:
                         # The run itself succeeded; the pressure sweep finds the session.

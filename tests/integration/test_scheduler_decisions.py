@@ -335,17 +335,20 @@ async def test_follow_up_signals_only_for_appends_made_during_the_run(
         client: CompactdClient, store: Store, config: Config,
         enqueuer: RecordingEnqueuer) -> None:
     await over(client)
-    appended_at = (await store.get_session("s1")).last_append_at
+    # What the worker does when a run ends: clear the mark, and check with what that returns.
+    info = await store.clear_signal("s1")
+    assert info.id == "s1" and info.signal_at is None
+    appended_at = info.last_append_at
     assert appended_at is not None
     # Nothing appended since the run started: a run that left the session over its trigger
     # does not re-enqueue itself.
-    assert await follow_up(store, config, enqueuer, "s1",
+    assert await follow_up(store, config, enqueuer, info,
                            run_started_at=appended_at + dt.timedelta(seconds=1)) is None
-    assert await follow_up(store, config, enqueuer, "s1",
+    assert await follow_up(store, config, enqueuer, info,
                            run_started_at=appended_at - dt.timedelta(seconds=1)) is not None
     assert [r.trigger for r in enqueuer.sent] == ["pressure"]
     # Its mark is live now: a second follow-up (or signal) does not add a task.
-    assert await follow_up(store, config, enqueuer, "s1",
+    assert await follow_up(store, config, enqueuer, info,
                            run_started_at=appended_at - dt.timedelta(seconds=1)) is None
     assert len(enqueuer.sent) == 1
 

@@ -18,7 +18,7 @@ from storage.errors import (
 from storage.messages import Message, parse_openai
 from storage.records import Busy, Claim, Replacement, RunEnd
 from storage.store import Store
-from storage.surface import KIND_CHECKPOINT, KIND_PRUNED
+from storage.surface import KIND_CHECKPOINT, KIND_PRUNED, NewNode, surface_after_commit
 from storage.tokens import counter_for
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
@@ -224,6 +224,39 @@ async def test_prune_replaces_one_node_and_keeps_its_place(store: Store) -> None
     assert (await store.verify("s1")).ok
 
 
+def pruned_result(cid: str, text: str) -> Message:
+    return result(cid, text).model_copy(update={"meta": {"pruned": True}})
+
+
+async def test_the_surface_after_a_commit_is_what_a_read_returns(store: Store) -> None:
+    """The worker skips the read after its prune commit; what it computes instead must be
+    exactly what the read would have returned, and it must give up when an append came in."""
+    await store.create_session("s1", run_model="gpt-4o")
+    await store.append("s1", [user("go"), asst_call("c1", "c2"), result("c1", "y" * 5000),
+                              result("c2", "z" * 5000), user("ok")])
+    c = await claim(store)
+    before = await store.read_surface("s1")
+    new = [NewNode((3,), KIND_PRUNED, pruned_result("c1", "y" * 10), 9),
+           NewNode((4,), KIND_PRUNED, pruned_result("c2", "z" * 10), 8)]
+    reps = [Replacement(seqs=n.replaces, kind=n.kind, payload=n.message.to_payload(),
+                        tokens=n.tokens, journal_kind="compaction/prune") for n in new]
+    info = await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=reps)
+    computed = surface_after_commit(before, new, version=info.surface_version,
+                                    last_seq=info.last_seq)
+    assert computed == await store.read_surface("s1")
+    assert computed is not None and [n.kind for n in computed.nodes][2:4] == [KIND_PRUNED] * 2
+
+    # An append between the read and the commit: the computed surface would miss it.
+    before = await store.read_surface("s1")
+    await store.append("s1", [user("late")])
+    new = [NewNode((5,), KIND_PRUNED, user("o"), 1)]
+    info = await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=[
+        Replacement(seqs=(5,), kind=KIND_PRUNED, payload=user("o").to_payload(), tokens=1,
+                    journal_kind="compaction/prune")])
+    assert surface_after_commit(before, new, version=info.surface_version,
+                                last_seq=info.last_seq) is None
+
+
 async def test_busy_when_leased(store: Store) -> None:
     await seeded(store)
     await claim(store)
@@ -322,10 +355,13 @@ async def test_signal_mark_deduplicates(store: Store) -> None:
     assert await store.mark_signal("s1", ttl_s=60, now=T0)
     assert not await store.mark_signal("s1", ttl_s=60, now=T0 + dt.timedelta(seconds=10))
     assert await store.mark_signal("s1", ttl_s=60, now=T0 + dt.timedelta(seconds=61))
-    await store.clear_signal("s1")
+    cleared = await store.clear_signal("s1")
+    assert cleared.signal_at is None and (await store.get_session("s1")).signal_at is None
     assert await store.mark_signal("s1", ttl_s=60, now=T0 + dt.timedelta(seconds=62))
     with pytest.raises(SessionNotFound):
         await store.mark_signal("ghost", ttl_s=60)
+    with pytest.raises(SessionNotFound):
+        await store.clear_signal("ghost")
 
 
 async def test_append_signals_inside_its_transaction(store: Store) -> None:
