@@ -325,8 +325,22 @@ def estimate(node: SurfaceNode, counter: TokenCounter) -> int:
             + CALL_LINE_TOKENS * len(message.tool_calls) + ESCAPE_TOKENS * escapes)
 
 
+# Token counts of tool names by (counter, name): a session names a handful of tools over and
+# over, and every plan estimates each of their results.
+_NAME_TOKENS: dict[tuple[str, str], int] = {}
+_NAME_TOKENS_MAX = 4096
+
+
 def _name_tokens(message: Message, counter: TokenCounter) -> int:
-    return counter.count_text(message.name) if message.role == "tool" and message.name else 0
+    if message.role != "tool" or not message.name:
+        return 0
+    key = (counter.name, message.name)
+    tokens = _NAME_TOKENS.get(key)
+    if tokens is None:
+        if len(_NAME_TOKENS) >= _NAME_TOKENS_MAX:
+            _NAME_TOKENS.clear()
+        tokens = _NAME_TOKENS[key] = counter.count_text(message.name)
+    return tokens
 
 
 def _part_tokens(text: str, counter: TokenCounter, name_tokens: int = 0) -> int:
