@@ -150,11 +150,11 @@ class LeasesMixin:
                           bulk_job_id: str | None, version: int, now: dt.datetime, status: str,
                           failure_class: str | None = None, error: str | None = None) -> None:
         finished = None if status == RUN_RUNNING else now
-        await conn.execute(t.compaction_runs.insert().values(
-            id=run_id, session_id=session_id, trigger=trigger, status=status,
-            failure_class=failure_class, owner=owner, fence=fence, task_id=task_id,
-            bulk_job_id=bulk_job_id, surface_version_at_start=version, error=error,
-            started_at=now, heartbeat_at=now, finished_at=finished))
+        await conn.execute(_INSERT_RUN, {
+            "id": run_id, "session_id": session_id, "trigger": trigger, "status": status,
+            "failure_class": failure_class, "owner": owner, "fence": fence, "task_id": task_id,
+            "bulk_job_id": bulk_job_id, "surface_version_at_start": version, "error": error,
+            "started_at": now, "heartbeat_at": now, "finished_at": finished})
 
     async def _close_abandoned(self, conn: AsyncConnection, info: SessionInfo, *, seq: int,
                                now: dt.datetime, by: str, error: str | None = None) -> None:
@@ -316,10 +316,8 @@ class LeasesMixin:
 
     async def _write_end(self, conn: AsyncConnection, session_id: str, run_id: str, seq: int,
                          end: RunEnd, now: dt.datetime) -> None:
-        await conn.execute(t.events.insert().values(_end_event(session_id, run_id, seq, end,
-                                                                now)))
-        await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
-            last_seq=seq, lease_owner=None, lease_run_id=None, lease_expires_at=None))
+        await conn.execute(_INSERT_EVENTS, _end_event(session_id, run_id, seq, end, now))
+        await conn.execute(_END_LEASE, {"b_id": session_id, "b_last_seq": seq})
         await self._end_run(conn, session_id, run_id, end, now)
 
     async def _end_run(self, conn: AsyncConnection, session_id: str, run_id: str, end: RunEnd,
@@ -403,16 +401,11 @@ class LeasesMixin:
     async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
                           session_id: str | None = None, status: str | None = None
                           ) -> list[RunRecord]:
-        r = t.compaction_runs.c
-        stmt = sa.select(*RUN_COLUMNS).order_by(r.started_at.desc(), r.id.desc()).limit(limit)
-        if since is not None:
-            stmt = stmt.where(r.started_at >= since)
-        if session_id is not None:
-            stmt = stmt.where(r.session_id == session_id)
-        if status is not None:
-            stmt = stmt.where(r.status == status)
+        stmt = _recent_runs(since is not None, session_id is not None, status is not None,
+                            limit)
+        params = {"b_since": since, "b_session": session_id, "b_status": status}
         async with connection(self.engine) as conn:
-            return [run_from_row(row) for row in await conn.execute(stmt)]
+            return [run_from_row(row) for row in await conn.execute(stmt, params)]
 
     async def run_counts(self, *, since: dt.datetime | None = None
                          ) -> dict[tuple[str, str | None], int]:
@@ -445,6 +438,10 @@ class LeasesMixin:
 # much CPU as executing it, and a worker runs dozens of compactions a second.
 _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
 _INSERT_EVENTS = t.events.insert()
+_INSERT_RUN = t.compaction_runs.insert()
+_END_LEASE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
+              .values(last_seq=sa.bindparam("b_last_seq"), lease_owner=None, lease_run_id=None,
+                      lease_expires_at=None))
 _INSERT_NODES = t.surface.insert()
 _PREFIX = (sa.select(_s.position, _s.seq, _s.tokens)
            .where(_s.session_id == sa.bindparam("b_session"),
@@ -477,6 +474,22 @@ _END_RUN = (t.compaction_runs.update().where(_r.id == sa.bindparam("b_id"))
                     range_seqs=sa.bindparam("b_range_seqs", type_=_r.range_seqs.type),
                     finished_at=sa.bindparam("b_now"), heartbeat_at=sa.bindparam("b_now"))
             .returning(_r.bulk_job_id))
+
+
+@functools.cache
+@functools.lru_cache(maxsize=64)
+def _recent_runs(since: bool, session: bool, status: bool, limit: int) -> Any:
+    """The runs query of one filter shape, built once (the loop guard runs it after every
+    committed automatic run)."""
+    r = t.compaction_runs.c
+    stmt = sa.select(*RUN_COLUMNS).order_by(r.started_at.desc(), r.id.desc()).limit(limit)
+    if since:
+        stmt = stmt.where(r.started_at >= sa.bindparam("b_since"))
+    if session:
+        stmt = stmt.where(r.session_id == sa.bindparam("b_session"))
+    if status:
+        stmt = stmt.where(r.status == sa.bindparam("b_status"))
+    return stmt
 
 
 @functools.cache

@@ -340,11 +340,9 @@ class Store(LeasesMixin, JobsMixin):
         Every automatic run ends with this, so on PostgreSQL it is one autocommit statement
         (no BEGIN and COMMIT round trips), and it returns the row the worker's follow-up check
         reads instead of a second query."""
-        stmt = (t.sessions.update().where(t.sessions.c.id == session_id).values(signal_at=None)
-                .returning(*SESSION_COLUMNS))
         opened = transaction(self.engine) if self.sqlite else connection(self.engine)
         async with opened as conn:
-            row = (await conn.execute(stmt)).first()
+            row = (await conn.execute(_CLEAR_SIGNAL, {"b_id": session_id})).first()
         if row is None:
             raise SessionNotFound(session_id)
         return session_from_row(row)
@@ -497,13 +495,18 @@ _EVENTS_BY_SEQ = (sa.select(_se.seq, _se.kind, _se.payload)
 
 
 @functools.cache
+@functools.cache
 def _session_select(lock: bool, nowait: bool, skip_locked: bool) -> Any:
+    # Built once per flag combination: constructing a 24-column statement on every call costs
+    # more than SQLAlchemy's cached compilation saves.
     stmt = sa.select(*SESSION_COLUMNS).where(_sc.id == sa.bindparam("b_id"))
     if lock:
         stmt = stmt.with_for_update(nowait=nowait, skip_locked=skip_locked)
     return stmt
 
 
+_CLEAR_SIGNAL = (t.sessions.update().where(_sc.id == sa.bindparam("b_id"))
+                 .values(signal_at=None).returning(*SESSION_COLUMNS))
 _POLL_SQL = "SELECT surface_version FROM sessions WHERE id = $1"
 _APPEND_SQL = "SELECT * FROM compactd_append($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 _LINK_ERRORS = {
