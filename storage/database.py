@@ -107,6 +107,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
 
 
 _PG_UNDEFINED_TABLE = "42P01"
+_PG_UNDEFINED_FUNCTION = "42883"
 _PG_NO_DATABASE = "3D000"
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
@@ -119,6 +120,10 @@ def translate(exc: BaseException) -> CompactdError:
     text = str(orig)
     if code == _PG_UNDEFINED_TABLE or "no such table" in text:
         return SchemaMissing()
+    if code == _PG_UNDEFINED_FUNCTION and "compactd_" in text:
+        # The code is newer than the schema: one of compactd's SQL functions is missing.
+        return SchemaMissing(f"the database schema is older than this compactd ({text.strip()}):"
+                             " run `compactd migrate`")
     if code == _PG_NO_DATABASE:
         return DatabaseUnavailable(f"{text}: create it (createdb) before `compactd migrate`")
     if code == _PG_LOCK_NOT_AVAILABLE or "could not obtain lock" in text:

@@ -21,8 +21,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
-from storage.database import connection, transaction
-from storage.errors import LeaseLost, LockNotAvailable, SurfaceChanged
+from storage.database import connection, raw_connection, transaction
+from storage.errors import LeaseLost, LockNotAvailable, SessionNotFound, SurfaceChanged
 from storage.records import (
     Busy,
     Claim,
@@ -34,7 +34,13 @@ from storage.records import (
     Skipped,
     utcnow,
 )
-from storage.schema import RUN_COLUMNS, SESSION_COLUMNS, run_from_row, session_from_row
+from storage.schema import (
+    RUN_COLUMNS,
+    SESSION_COLUMNS,
+    run_from_row,
+    session_from_record,
+    session_from_row,
+)
 from storage.surface import JOURNAL_END, JOURNAL_START, commit_seqs
 
 if TYPE_CHECKING:
@@ -94,6 +100,12 @@ class LeasesMixin:
                           now: dt.datetime, task_id: str | None, bulk_job_id: str | None,
                           skip_locked: bool) -> Claim | Busy | Skipped:
         run_id = uuid.uuid4().hex
+        if not self.sqlite and bulk_job_id is None:
+            claimed = await self._claim_free_pg(session_id, run_id=run_id, owner=owner,
+                                                trigger=trigger, lease_s=lease_s, now=now,
+                                                task_id=task_id, skip_locked=skip_locked)
+            if claimed is not None:
+                return claimed
         async with transaction(self.engine) as conn:
             info = await self._session(conn, session_id, lock=True, nowait=not skip_locked,
                                        skip_locked=skip_locked)
@@ -131,6 +143,27 @@ class LeasesMixin:
                                    version=info.surface_version, now=now, status=RUN_RUNNING)
             info = session_from_row(row)
         return Claim(session=info, run_id=run_id, fence=fence, owner=owner, expires_at=expires)
+
+    async def _claim_free_pg(self, session_id: str, *, run_id: str, owner: str, trigger: str,
+                             lease_s: float, now: dt.datetime, task_id: str | None,
+                             skip_locked: bool) -> Claim | None:
+        """The claim of a session with no lease, as one call of ``compactd_claim`` (migration
+        0003); None when the session is leased or has an expired lease to close, which the
+        general path handles. A bulk item always takes the general path (it checks the job)."""
+        expires = now + dt.timedelta(seconds=lease_s)
+        async with raw_connection(self.engine) as raw:
+            try:
+                row = await raw.fetchrow(_CLAIM_SQL, session_id, run_id, owner, trigger,
+                                         expires, now, task_id, skip_locked)
+            except Exception as exc:
+                if getattr(exc, "sqlstate", None) == "CD404":
+                    raise SessionNotFound(session_id) from None
+                raise
+        info = session_from_record(row)
+        if info.lease_run_id != run_id:
+            return None
+        return Claim(session=info, run_id=run_id, fence=info.lease_fence, owner=owner,
+                     expires_at=expires)
 
     async def _record_busy(self, session_id: str, *, owner: str, trigger: str, now: dt.datetime,
                            task_id: str | None, bulk_job_id: str | None, holder: str | None,
@@ -437,6 +470,7 @@ class LeasesMixin:
 # The statements of the compaction hot path, built once: constructing a statement costs about as
 # much CPU as executing it, and a worker runs dozens of compactions a second.
 _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
+_CLAIM_SQL = "SELECT * FROM compactd_claim($1, $2, $3, $4, $5, $6, $7, $8)"
 _INSERT_EVENTS = t.events.insert()
 _INSERT_RUN = t.compaction_runs.insert()
 _END_LEASE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))

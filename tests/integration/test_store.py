@@ -257,6 +257,39 @@ async def test_the_surface_after_a_commit_is_what_a_read_returns(store: Store) -
                                 last_seq=info.last_seq) is None
 
 
+async def test_a_claim_of_a_free_session_writes_the_same_rows_on_both_databases(
+        store: Store) -> None:
+    """PostgreSQL claims a free session with one call of ``compactd_claim``; SQLite runs the
+    general path. Both must leave exactly these rows."""
+    await seeded(store)
+    before = await store.get_session("s1")
+    c = await store.claim("s1", owner="w1", trigger="pressure", lease_s=30, now=T0,
+                          task_id="task-1")
+    assert isinstance(c, Claim)
+    assert c.fence == before.lease_fence + 1 and c.expires_at == T0 + dt.timedelta(seconds=30)
+    info = await store.get_session("s1")
+    assert info == c.session
+    assert (info.lease_owner, info.lease_run_id, info.lease_expires_at, info.lease_fence,
+            info.last_seq) == ("w1", c.run_id, c.expires_at, c.fence, before.last_seq + 1)
+    assert (info.surface_version, info.surface_tokens) == (before.surface_version,
+                                                           before.surface_tokens)
+    start = (await store.read_events("s1"))[-1]
+    assert (start.seq, start.kind, start.run_id, start.tokens, start.created_at) == (
+        before.last_seq + 1, "compaction/start", c.run_id, None, T0)
+    assert start.payload == {"run_id": c.run_id, "trigger": "pressure", "owner": "w1",
+                             "fence": c.fence, "surface_version": before.surface_version}
+    run = await store.get_run(c.run_id)
+    assert run is not None
+    assert (run.session_id, run.trigger, run.status, run.failure_class, run.owner, run.fence,
+            run.task_id, run.bulk_job_id, run.surface_version_at_start, run.started_at,
+            run.heartbeat_at, run.finished_at) == (
+        "s1", "pressure", "running", None, "w1", c.fence, "task-1", None,
+        before.surface_version, T0, T0, None)
+    assert (await store.verify("s1")).ok
+    with pytest.raises(SessionNotFound):
+        await store.claim("ghost", owner="w1", trigger="pressure", lease_s=30, now=T0)
+
+
 async def test_busy_when_leased(store: Store) -> None:
     await seeded(store)
     await claim(store)

@@ -48,3 +48,36 @@ def test_head_constant_matches_alembic(tmp_path: Path) -> None:
     from storage.migrate import HEAD_REVISION, head_revision
 
     assert head_revision(f"sqlite:///{tmp_path / 'x.sqlite3'}") == HEAD_REVISION
+
+
+def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
+    """A database left at the revision before the claim function: the claim names the fix
+    instead of failing with a driver error; after the upgrade it works."""
+    import asyncio
+
+    from storage.errors import SchemaMissing
+    from storage.records import Claim
+    from storage.store import Store
+
+    upgrade(empty_pg, "0002")
+
+    async def claim() -> object:
+        store = Store.from_url(empty_pg)
+        try:
+            await store.create_session("s1")
+            return await store.claim("s1", owner="w1", trigger="manual", lease_s=30)
+        finally:
+            await store.close()
+
+    with pytest.raises(SchemaMissing, match="compactd migrate"):
+        asyncio.run(claim())
+    upgrade(empty_pg)
+
+    async def claim_again() -> object:
+        store = Store.from_url(empty_pg)
+        try:
+            return await store.claim("s1", owner="w1", trigger="manual", lease_s=30)
+        finally:
+            await store.close()
+
+    assert isinstance(asyncio.run(claim_again()), Claim)
