@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
@@ -37,6 +38,7 @@ from storage.records import (
 from storage.schema import (
     RUN_COLUMNS,
     SESSION_COLUMNS,
+    dumps,
     run_from_row,
     session_from_record,
     session_from_row,
@@ -241,19 +243,24 @@ class LeasesMixin:
         raises :class:`LeaseLost`.
         """
         now = now or utcnow()
+        wanted = [q for rep in replacements for q in rep.seqs]
+        if len(set(wanted)) != len(wanted):
+            raise ValueError("a seq is named by more than one replacement")
+        if not self.sqlite:
+            return await self._commit_pg(session_id, run_id=run_id, fence=fence,
+                                         replacements=replacements, expected=expected, end=end,
+                                         now=now)
         async with transaction(self.engine) as conn:
             info = await self._session(conn, session_id, lock=True)
             if info.lease_fence != fence or info.lease_run_id != run_id:
-                raise LeaseLost(f"run {run_id} lost its lease on {session_id!r} "
-                                f"(fence {fence}, now {info.lease_fence})")
+                raise _lease_lost(session_id, run_id, fence, info.lease_fence)
             replaced = None
             if expected:
                 upto = max(pos for pos, _ in expected)
                 prefix = (await conn.execute(_PREFIX, {"b_session": session_id,
                                                        "b_upto": upto})).all()
                 if [(r.position, r.seq) for r in prefix] != [tuple(x) for x in expected]:
-                    raise SurfaceChanged(
-                        f"the surface of {session_id!r} changed under run {run_id}")
+                    raise _prefix_changed(session_id, run_id)
                 replaced = _rows_in_prefix(prefix, replacements)
             if replaced is None:
                 replaced = await self._replaced_rows(conn, session_id, replacements)
@@ -266,14 +273,11 @@ class LeasesMixin:
                     strict=True):
                 # Journal entry, then the node, per replacement: the same seqs as one at a time.
                 events.append({"session_id": session_id, "seq": journal_seq,
-                               "kind": rep.journal_kind,
-                               "run_id": run_id, "created_at": now, "tokens": None,
-                               "payload": {"run_id": run_id, **rep.journal,
-                                           "replaced_seqs": list(rep.seqs)}})
+                               "kind": rep.journal_kind, "run_id": run_id, "created_at": now,
+                               "tokens": None, "payload": _journal_payload(rep, run_id)})
                 events.append({"session_id": session_id, "seq": seq, "kind": rep.kind,
                                "run_id": run_id, "created_at": now, "tokens": rep.tokens,
-                               "payload": {"message": rep.payload, "replaces": list(rep.seqs),
-                                           "run_id": run_id}})
+                               "payload": _node_payload(rep, run_id)})
                 nodes.append({"session_id": session_id, "position": rows[0].position,
                               "seq": seq, "tokens": rep.tokens})
                 d_tokens += rep.tokens - sum(r.tokens for r in rows)
@@ -287,9 +291,7 @@ class LeasesMixin:
             if events:
                 await conn.execute(_INSERT_EVENTS, events)
             if replacements:
-                await conn.execute(_DELETE_NODES, {
-                    "b_session": session_id,
-                    "b_seqs": [q for rep in replacements for q in rep.seqs]})
+                await conn.execute(_DELETE_NODES, {"b_session": session_id, "b_seqs": wanted})
                 await conn.execute(_INSERT_NODES, nodes)
             row = (await conn.execute(
                 _commit_update(bool(replacements), end is not None),
@@ -299,13 +301,60 @@ class LeasesMixin:
                 await self._end_run(conn, session_id, run_id, end, now)
             return session_from_row(row)
 
+    async def _commit_pg(self, session_id: str, *, run_id: str, fence: int,
+                         replacements: Sequence[Replacement],
+                         expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
+                         now: dt.datetime) -> SessionInfo:
+        """The commit as one call of ``compactd_commit`` (migration 0004). Without ``end`` that
+        call is the whole commit (autocommit); with it, the call and the run row's end share
+        one transaction, the call first so the session row is locked before the run row, as
+        everywhere else."""
+        args = (
+            session_id, run_id, fence, now, [q for rep in replacements for q in rep.seqs],
+            [len(rep.seqs) for rep in replacements], [rep.kind for rep in replacements],
+            [dumps(_node_payload(rep, run_id)) for rep in replacements],
+            [rep.tokens for rep in replacements], [rep.journal_kind for rep in replacements],
+            [dumps(_journal_payload(rep, run_id)) for rep in replacements],
+            [pos for pos, _ in expected] if expected else None,
+            [seq for _, seq in expected] if expected else None,
+            dumps(_end_payload(run_id, end)) if end is not None else None)
+
+        def failed(exc: BaseException) -> BaseException:
+            code, detail = getattr(exc, "sqlstate", None), getattr(exc, "detail", None) or ""
+            if code == "CD404":
+                return SessionNotFound(session_id)
+            if code == "CD409":
+                return _lease_lost(session_id, run_id, fence, detail)
+            if code == "CD410":
+                if detail == "prefix":
+                    return _prefix_changed(session_id, run_id)
+                what, _, index = detail.partition(":")
+                return _run_changed(replacements[int(index) - 1].seqs,
+                                    contiguous=what == "contiguous")
+            return exc
+
+        if end is None:
+            async with raw_connection(self.engine) as raw:
+                try:
+                    record = await raw.fetchrow(_COMMIT_SQL, *args)
+                except Exception as exc:
+                    raise failed(exc) from None
+            return session_from_record(record)
+        async with transaction(self.engine) as conn:
+            try:
+                # Through SQLAlchemy's driver-level path, so the transaction has begun: the end
+                # of the run below commits or rolls back with the checkpoint.
+                row = (await conn.exec_driver_sql(_COMMIT_SQL, args)).one()
+            except DBAPIError as exc:
+                raise failed(exc.orig or exc) from None
+            await self._end_run(conn, session_id, run_id, end, now)
+            return session_from_row(row)
+
     async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
                              replacements: Sequence[Replacement]) -> list[list[Any]]:
         """The surface rows each replacement names, in order; :class:`SurfaceChanged` unless
         every one is on the surface, in that order, as one contiguous run."""
         wanted = [q for rep in replacements for q in rep.seqs]
-        if len(set(wanted)) != len(wanted):
-            raise ValueError("a seq is named by more than one replacement")
         if not wanted:
             return [[] for _ in replacements]
         found = {r.seq: r for r in await conn.execute(
@@ -315,16 +364,14 @@ class LeasesMixin:
             rows = [found[q] for q in rep.seqs if q in found]
             if not rows or len(rows) != len(rep.seqs) or any(
                     a.position >= b.position for a, b in itertools.pairwise(rows)):
-                raise SurfaceChanged(
-                    f"seqs {list(rep.seqs)} are no longer on the surface in that order")
+                raise _run_changed(rep.seqs, contiguous=False)
             if len(rows) > 1:
                 # All present and in order: contiguous when nothing else lies between them.
                 between = (await conn.execute(_COUNT_BETWEEN, {
                     "b_session": session_id, "b_first": rows[0].position,
                     "b_last": rows[-1].position})).scalar()
                 if between != len(rows):
-                    raise SurfaceChanged(
-                        f"seqs {list(rep.seqs)} are no longer one contiguous run of the surface")
+                    raise _run_changed(rep.seqs, contiguous=True)
             out.append(rows)
         return out
 
@@ -471,6 +518,8 @@ class LeasesMixin:
 # much CPU as executing it, and a worker runs dozens of compactions a second.
 _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
 _CLAIM_SQL = "SELECT * FROM compactd_claim($1, $2, $3, $4, $5, $6, $7, $8)"
+_COMMIT_SQL = ("SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, "
+               "$13, $14)")
 _INSERT_EVENTS = t.events.insert()
 _INSERT_RUN = t.compaction_runs.insert()
 _END_LEASE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
@@ -545,10 +594,35 @@ def _commit_update(replaced: bool, ended: bool) -> Any:
 def _end_event(session_id: str, run_id: str, seq: int, end: RunEnd, now: dt.datetime
                ) -> dict[str, Any]:
     return {"session_id": session_id, "seq": seq, "kind": JOURNAL_END, "run_id": run_id,
-            "created_at": now, "tokens": None,
-            "payload": {"run_id": run_id, "outcome": end.outcome,
-                        "failure_class": end.failure_class, "tokens_before": end.tokens_before,
-                        "tokens_after": end.tokens_after}}
+            "created_at": now, "tokens": None, "payload": _end_payload(run_id, end)}
+
+
+def _end_payload(run_id: str, end: RunEnd) -> dict[str, Any]:
+    return {"run_id": run_id, "outcome": end.outcome, "failure_class": end.failure_class,
+            "tokens_before": end.tokens_before, "tokens_after": end.tokens_after}
+
+
+def _journal_payload(rep: Replacement, run_id: str) -> dict[str, Any]:
+    return {"run_id": run_id, **rep.journal, "replaced_seqs": list(rep.seqs)}
+
+
+def _node_payload(rep: Replacement, run_id: str) -> dict[str, Any]:
+    return {"message": rep.payload, "replaces": list(rep.seqs), "run_id": run_id}
+
+
+def _lease_lost(session_id: str, run_id: str, fence: int, current: object) -> LeaseLost:
+    return LeaseLost(f"run {run_id} lost its lease on {session_id!r} "
+                     f"(fence {fence}, now {current})")
+
+
+def _prefix_changed(session_id: str, run_id: str) -> SurfaceChanged:
+    return SurfaceChanged(f"the surface of {session_id!r} changed under run {run_id}")
+
+
+def _run_changed(seqs: Sequence[int], *, contiguous: bool) -> SurfaceChanged:
+    if contiguous:
+        return SurfaceChanged(f"seqs {list(seqs)} are no longer one contiguous run of the surface")
+    return SurfaceChanged(f"seqs {list(seqs)} are no longer on the surface in that order")
 
 
 def _rows_in_prefix(prefix: Sequence[Any], replacements: Sequence[Replacement]

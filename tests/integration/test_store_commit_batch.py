@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage.errors import SurfaceChanged
+from storage.errors import LeaseLost, SessionNotFound, SurfaceChanged
 from storage.messages import Message, parse_openai
 from storage.records import Claim, Replacement, RunEnd
 from storage.store import Store
@@ -67,13 +67,29 @@ async def test_many_replacements_commit_as_one_at_a_time_would(store: Store) -> 
 async def test_a_replacement_that_is_not_contiguous_changes_nothing(store: Store) -> None:
     c = await session(store)
     before = await store.read_surface("s1")
-    for bad in ([checkpoint((1, 3))], [checkpoint((3, 2))], [pruned(3, "a"), checkpoint((99,))]):
-        with pytest.raises(SurfaceChanged):
-            await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=bad)
+    info_before = await store.get_session("s1")
+    # PostgreSQL checks these inside compactd_commit, SQLite in Python: the same words.
+    for bad, problem in (([checkpoint((1, 3))], r"seqs \[1, 3\] .* one contiguous run"),
+                         ([checkpoint((3, 2))], r"seqs \[3, 2\] .* in that order"),
+                         ([pruned(3, "a"), checkpoint((99,))], r"seqs \[99\] .* in that order")):
+        with pytest.raises(SurfaceChanged, match=problem):
+            await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=bad,
+                               end=RunEnd(outcome="committed"))
+    with pytest.raises(SurfaceChanged, match="changed under run"):
+        await store.commit("s1", run_id=c.run_id, fence=c.fence,
+                           replacements=[checkpoint((1, 2))], expected=[(1, 1), (2, 3)])
+    with pytest.raises(LeaseLost, match=f"fence {c.fence + 1}, now {c.fence}"):
+        await store.commit("s1", run_id=c.run_id, fence=c.fence + 1,
+                           replacements=[checkpoint((1, 2))])
+    with pytest.raises(SessionNotFound):
+        await store.commit("ghost", run_id=c.run_id, fence=c.fence, replacements=[])
     with pytest.raises(ValueError, match="more than one"):
         await store.commit("s1", run_id=c.run_id, fence=c.fence,
                            replacements=[pruned(3, "a"), checkpoint((2, 3))])
     assert await store.read_surface("s1") == before
+    assert await store.get_session("s1") == info_before
+    run = await store.get_run(c.run_id)
+    assert run is not None and run.status == "running"
     assert (await store.verify("s1")).ok
 
 
