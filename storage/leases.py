@@ -23,7 +23,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
 from storage.database import connection, raw_connection, transaction
-from storage.errors import LeaseLost, LockNotAvailable, SessionNotFound, SurfaceChanged
+from storage.errors import (
+    CompactdError,
+    LeaseLost,
+    LockNotAvailable,
+    SessionNotFound,
+    SurfaceChanged,
+)
 from storage.records import (
     Busy,
     Claim,
@@ -246,6 +252,8 @@ class LeasesMixin:
         wanted = [q for rep in replacements for q in rep.seqs]
         if len(set(wanted)) != len(wanted):
             raise ValueError("a seq is named by more than one replacement")
+        if any(not rep.seqs for rep in replacements):
+            raise ValueError("a replacement must name at least one seq")
         if not self.sqlite:
             return await self._commit_pg(session_id, run_id=run_id, fence=fence,
                                          replacements=replacements, expected=expected, end=end,
@@ -319,8 +327,11 @@ class LeasesMixin:
             [seq for _, seq in expected] if expected else None,
             dumps(_end_payload(run_id, end)) if end is not None else None)
 
-        def failed(exc: BaseException) -> BaseException:
-            code, detail = getattr(exc, "sqlstate", None), getattr(exc, "detail", None) or ""
+        def failed(exc: BaseException) -> CompactdError | None:
+            """compactd's own error for the function's SQLSTATEs; None for any other error,
+            which the caller re-raises for the usual translation."""
+            pg = _asyncpg_error(exc)
+            code, detail = getattr(pg, "sqlstate", None), getattr(pg, "detail", None) or ""
             if code == "CD404":
                 return SessionNotFound(session_id)
             if code == "CD409":
@@ -331,14 +342,17 @@ class LeasesMixin:
                 what, _, index = detail.partition(":")
                 return _run_changed(replacements[int(index) - 1].seqs,
                                     contiguous=what == "contiguous")
-            return exc
+            return None
 
         if end is None:
             async with raw_connection(self.engine) as raw:
                 try:
                     record = await raw.fetchrow(_COMMIT_SQL, *args)
                 except Exception as exc:
-                    raise failed(exc) from None
+                    mapped = failed(exc)
+                    if mapped is None:
+                        raise
+                    raise mapped from None
             return session_from_record(record)
         async with transaction(self.engine) as conn:
             try:
@@ -346,7 +360,10 @@ class LeasesMixin:
                 # of the run below commits or rolls back with the checkpoint.
                 row = (await conn.exec_driver_sql(_COMMIT_SQL, args)).one()
             except DBAPIError as exc:
-                raise failed(exc.orig or exc) from None
+                mapped = failed(exc)
+                if mapped is None:
+                    raise  # translated like every driver error (lock timeout, lost connection)
+                raise mapped from None
             await self._end_run(conn, session_id, run_id, end, now)
             return session_from_row(row)
 
@@ -630,20 +647,29 @@ def _rows_in_prefix(prefix: Sequence[Any], replacements: Sequence[Replacement]
     """Each replacement's rows, when the checked prefix holds them all: a replacement must be a
     consecutive run of it. None when some seq lies beyond the prefix (read them instead)."""
     index = {r.seq: i for i, r in enumerate(prefix)}
-    wanted = [q for rep in replacements for q in rep.seqs]
-    if len(set(wanted)) != len(wanted):
-        raise ValueError("a seq is named by more than one replacement")
     out: list[list[Any]] = []
     for rep in replacements:
-        if not rep.seqs or any(q not in index for q in rep.seqs):
+        if any(q not in index for q in rep.seqs):
             return None
         first = index[rep.seqs[0]]
         rows = list(prefix[first:first + len(rep.seqs)])
         if [r.seq for r in rows] != list(rep.seqs):
-            raise SurfaceChanged(
-                f"seqs {list(rep.seqs)} are not one contiguous run of the surface")
+            return None  # the general check names what is wrong (order or a gap)
         out.append(rows)
     return out
+
+
+def _asyncpg_error(exc: BaseException) -> BaseException:
+    """The asyncpg exception under SQLAlchemy's wrappers: it carries ``sqlstate`` and ``detail``
+    (SQLAlchemy 2.0's adapter error copies only the SQLSTATE)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            break
+        if (type(seen).__module__ or "").startswith("asyncpg"):
+            return seen
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return exc
 
 
 def _iso(value: dt.datetime | None) -> str | None:

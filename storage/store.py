@@ -334,8 +334,9 @@ class Store(LeasesMixin, JobsMixin):
             .values(signal_at=now))
         return bool(result.rowcount)
 
-    async def clear_signal(self, session_id: str) -> SessionInfo:
-        """Clear the pending-signal mark; the session as it is after that.
+    async def clear_signal(self, session_id: str) -> SessionInfo | None:
+        """Clear the pending-signal mark; the session as it is after that, None when there is
+        no such session (callers run this in cleanup, where the original error must win).
 
         Every automatic run ends with this, so on PostgreSQL it is one autocommit statement
         (no BEGIN and COMMIT round trips), and it returns the row the worker's follow-up check
@@ -343,9 +344,7 @@ class Store(LeasesMixin, JobsMixin):
         opened = transaction(self.engine) if self.sqlite else connection(self.engine)
         async with opened as conn:
             row = (await conn.execute(_CLEAR_SIGNAL, {"b_id": session_id})).first()
-        if row is None:
-            raise SessionNotFound(session_id)
-        return session_from_row(row)
+        return None if row is None else session_from_row(row)
 
     # ---------------------------------------------------------------------------------------
     # reads

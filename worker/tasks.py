@@ -73,7 +73,7 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
             if trigger in AUTOMATIC_TRIGGERS:
                 # The signal's run is over: the next signal may enqueue again.
                 after = await deps.store.clear_signal(session_id)
-                if outcome is not None and outcome.outcome == "committed":
+                if after is not None and outcome is not None and outcome.outcome == "committed":
                     try:
                         await follow_up(deps.store, config, Enqueuer(self.app), after,
                                         run_started_at=started_at)

@@ -337,7 +337,7 @@ async def test_follow_up_signals_only_for_appends_made_during_the_run(
     await over(client)
     # What the worker does when a run ends: clear the mark, and check with what that returns.
     info = await store.clear_signal("s1")
-    assert info.id == "s1" and info.signal_at is None
+    assert info is not None and info.id == "s1" and info.signal_at is None
     appended_at = info.last_append_at
     assert appended_at is not None
     # Nothing appended since the run started: a run that left the session over its trigger

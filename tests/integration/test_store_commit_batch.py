@@ -83,6 +83,15 @@ async def test_a_replacement_that_is_not_contiguous_changes_nothing(store: Store
                            replacements=[checkpoint((1, 2))])
     with pytest.raises(SessionNotFound):
         await store.commit("ghost", run_id=c.run_id, fence=c.fence, replacements=[])
+    # With the prefix the plan read, as the worker's checkpoint commits pass it: same words.
+    prefix = [(n.position, n.seq) for n in before.nodes]
+    for bad, problem in (([checkpoint((1, 3))], r"seqs \[1, 3\] .* one contiguous run"),
+                         ([checkpoint((3, 2))], r"seqs \[3, 2\] .* in that order")):
+        with pytest.raises(SurfaceChanged, match=problem):
+            await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=bad,
+                               expected=prefix, end=RunEnd(outcome="committed"))
+    with pytest.raises(ValueError, match="at least one seq"):
+        await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=[checkpoint(())])
     with pytest.raises(ValueError, match="more than one"):
         await store.commit("s1", run_id=c.run_id, fence=c.fence,
                            replacements=[pruned(3, "a"), checkpoint((2, 3))])

@@ -81,3 +81,35 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
             await store.close()
 
     assert isinstance(asyncio.run(claim_again()), Claim)
+
+
+def test_a_commit_on_a_schema_without_the_commit_function_says_run_migrate(empty_pg: str
+                                                                           ) -> None:
+    """At revision 0003 the claim works and both kinds of commit (with and without the end of
+    the run) name the fix; the run is untouched."""
+    import asyncio
+
+    from storage.errors import SchemaMissing
+    from storage.records import Claim, Replacement, RunEnd
+    from storage.store import Store
+
+    upgrade(empty_pg, "0003")
+
+    async def attempt() -> None:
+        store = Store.from_url(empty_pg)
+        try:
+            await store.create_session("s1")
+            claim = await store.claim("s1", owner="w1", trigger="manual", lease_s=30)
+            assert isinstance(claim, Claim)
+            rep = Replacement(seqs=(1,), kind="pruned", payload={"role": "user", "content": ""},
+                              tokens=1, journal_kind="compaction/prune")
+            for end in (None, RunEnd(outcome="committed")):
+                with pytest.raises(SchemaMissing, match="compactd migrate"):
+                    await store.commit("s1", run_id=claim.run_id, fence=claim.fence,
+                                       replacements=[rep], end=end)
+            run = await store.get_run(claim.run_id)
+            assert run is not None and run.status == "running"
+        finally:
+            await store.close()
+
+    asyncio.run(attempt())

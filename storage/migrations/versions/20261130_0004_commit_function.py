@@ -75,7 +75,7 @@ BEGIN
     IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'CD404', MESSAGE = 'no such session', DETAIL = p_session;
     END IF;
-    IF s.lease_fence <> p_fence OR s.lease_run_id IS DISTINCT FROM p_run_id THEN
+    IF s.lease_fence IS DISTINCT FROM p_fence OR s.lease_run_id IS DISTINCT FROM p_run_id THEN
         RAISE EXCEPTION USING ERRCODE = 'CD409', MESSAGE = 'lease lost',
               DETAIL = s.lease_fence::text;
     END IF;
