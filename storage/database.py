@@ -23,6 +23,7 @@ from storage.errors import (
     DatabaseUnavailable,
     LockNotAvailable,
     SchemaMissing,
+    SessionNotFound,
     StorageError,
 )
 from storage.schema import dumps
@@ -106,6 +107,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
+_CD_NO_SESSION = "CD404"
 _PG_UNDEFINED_TABLE = "42P01"
 _PG_UNDEFINED_FUNCTION = "42883"
 _PG_NO_DATABASE = "3D000"
@@ -113,11 +115,28 @@ _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
 
 
+def driver_error(exc: BaseException) -> BaseException:
+    """The asyncpg exception under SQLAlchemy's wrappers: it carries ``sqlstate`` and ``detail``
+    (SQLAlchemy 2.0's adapter error copies only the SQLSTATE). ``exc`` itself when there is
+    none (SQLite, or an error raised before the driver)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            break
+        if (type(seen).__module__ or "").startswith("asyncpg"):
+            return seen
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return exc
+
+
 def translate(exc: BaseException) -> CompactdError:
     """Storage's own exception for a driver error."""
     orig = getattr(exc, "orig", None) or exc
     code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     text = str(orig)
+    if code == _CD_NO_SESSION:
+        # compactd's SQL functions raise this with the session id as DETAIL.
+        return SessionNotFound(str(getattr(driver_error(exc), "detail", None) or ""))
     if code == _PG_UNDEFINED_TABLE or "no such table" in text:
         return SchemaMissing()
     if code == _PG_UNDEFINED_FUNCTION and "compactd_" in text:

@@ -22,12 +22,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
-from storage.database import connection, raw_connection, transaction
+from storage.database import connection, driver_error, raw_connection, transaction
 from storage.errors import (
     CompactdError,
     LeaseLost,
     LockNotAvailable,
-    SessionNotFound,
     SurfaceChanged,
 )
 from storage.records import (
@@ -160,13 +159,8 @@ class LeasesMixin:
         general path handles. A bulk item always takes the general path (it checks the job)."""
         expires = now + dt.timedelta(seconds=lease_s)
         async with raw_connection(self.engine) as raw:
-            try:
-                row = await raw.fetchrow(_CLAIM_SQL, session_id, run_id, owner, trigger,
-                                         expires, now, task_id, skip_locked)
-            except Exception as exc:
-                if getattr(exc, "sqlstate", None) == "CD404":
-                    raise SessionNotFound(session_id) from None
-                raise
+            row = await raw.fetchrow(_CLAIM_SQL, session_id, run_id, owner, trigger, expires,
+                                     now, task_id, skip_locked)
         info = session_from_record(row)
         if info.lease_run_id != run_id:
             return None
@@ -256,8 +250,8 @@ class LeasesMixin:
             raise ValueError("a replacement must name at least one seq")
         if not self.sqlite:
             return await self._commit_pg(session_id, run_id=run_id, fence=fence,
-                                         replacements=replacements, expected=expected, end=end,
-                                         now=now)
+                                         replacements=replacements, wanted=wanted,
+                                         expected=expected, end=end, now=now)
         async with transaction(self.engine) as conn:
             info = await self._session(conn, session_id, lock=True)
             if info.lease_fence != fence or info.lease_run_id != run_id:
@@ -310,7 +304,7 @@ class LeasesMixin:
             return session_from_row(row)
 
     async def _commit_pg(self, session_id: str, *, run_id: str, fence: int,
-                         replacements: Sequence[Replacement],
+                         replacements: Sequence[Replacement], wanted: list[int],
                          expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
                          now: dt.datetime) -> SessionInfo:
         """The commit as one call of ``compactd_commit`` (migration 0004). Without ``end`` that
@@ -318,7 +312,7 @@ class LeasesMixin:
         one transaction, the call first so the session row is locked before the run row, as
         everywhere else."""
         args = (
-            session_id, run_id, fence, now, [q for rep in replacements for q in rep.seqs],
+            session_id, run_id, fence, now, wanted,
             [len(rep.seqs) for rep in replacements], [rep.kind for rep in replacements],
             [dumps(_node_payload(rep, run_id)) for rep in replacements],
             [rep.tokens for rep in replacements], [rep.journal_kind for rep in replacements],
@@ -329,11 +323,9 @@ class LeasesMixin:
 
         def failed(exc: BaseException) -> CompactdError | None:
             """compactd's own error for the function's SQLSTATEs; None for any other error,
-            which the caller re-raises for the usual translation."""
-            pg = _asyncpg_error(exc)
+            which the caller re-raises for the usual translation (CD404 included)."""
+            pg = driver_error(exc)
             code, detail = getattr(pg, "sqlstate", None), getattr(pg, "detail", None) or ""
-            if code == "CD404":
-                return SessionNotFound(session_id)
             if code == "CD409":
                 return _lease_lost(session_id, run_id, fence, detail)
             if code == "CD410":
@@ -576,7 +568,6 @@ _END_RUN = (t.compaction_runs.update().where(_r.id == sa.bindparam("b_id"))
             .returning(_r.bulk_job_id))
 
 
-@functools.cache
 @functools.lru_cache(maxsize=64)
 def _recent_runs(since: bool, session: bool, status: bool, limit: int) -> Any:
     """The runs query of one filter shape, built once (the loop guard runs it after every
@@ -657,19 +648,6 @@ def _rows_in_prefix(prefix: Sequence[Any], replacements: Sequence[Replacement]
             return None  # the general check names what is wrong (order or a gap)
         out.append(rows)
     return out
-
-
-def _asyncpg_error(exc: BaseException) -> BaseException:
-    """The asyncpg exception under SQLAlchemy's wrappers: it carries ``sqlstate`` and ``detail``
-    (SQLAlchemy 2.0's adapter error copies only the SQLSTATE)."""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            break
-        if (type(seen).__module__ or "").startswith("asyncpg"):
-            return seen
-        seen = getattr(seen, "orig", None) or seen.__cause__
-    return exc
 
 
 def _iso(value: dt.datetime | None) -> str | None:

@@ -283,7 +283,7 @@ class Store(LeasesMixin, JobsMixin):
                     [c[2] for c in links.calls], [e[0] for e in links.external],
                     [e[1] for e in links.external])
             except Exception as exc:
-                raise _append_error(exc, session_id) from None
+                raise _append_error(exc) from None
         return session_from_record(row)
 
     async def _link_tool_calls(self, conn: AsyncConnection, session_id: str,
@@ -494,7 +494,6 @@ _EVENTS_BY_SEQ = (sa.select(_se.seq, _se.kind, _se.payload)
 
 
 @functools.cache
-@functools.cache
 def _session_select(lock: bool, nowait: bool, skip_locked: bool) -> Any:
     # Built once per flag combination: constructing a 24-column statement on every call costs
     # more than SQLAlchemy's cached compilation saves.
@@ -515,10 +514,8 @@ _LINK_ERRORS = {
 }
 
 
-def _append_error(exc: Exception, session_id: str) -> Exception:
+def _append_error(exc: Exception) -> Exception:
     code = getattr(exc, "sqlstate", None)
-    if code == "CD404":
-        return SessionNotFound(session_id)
     if code in _LINK_ERRORS:
         reason, field = _LINK_ERRORS[code]
         return InvalidMessage(reason.format(id=exc.detail),  # type: ignore[attr-defined]
