@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from scheduler.enqueue import Enqueuer, RunRequest  # noqa: E402
 from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
 from storage.store import Store  # noqa: E402
+from tests.support.fake_provider import fake_provider_process  # noqa: E402
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
 from worker.app import make_app  # noqa: E402
@@ -179,28 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     asyncio.run(reset_database(args.database_url))
     flush_redis(args.redis_url)
-    fake = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
-         "--latency", str(args.latency)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert fake.stdout is not None
-        url = json.loads(fake.stdout.readline())["url"]
-        with tempfile.TemporaryDirectory(prefix="compactd-appends-") as tmp:
-            stack = Stack(args.database_url, args.redis_url, Path(tmp), fake_url=url,
-                          summarization=POLICY,
-                          worker={"sweep_interval_s": 3600, "reap_interval_s": 3600})
+    with fake_provider_process(args.latency) as url, \
+            tempfile.TemporaryDirectory(prefix="compactd-appends-") as tmp:
+        stack = Stack(args.database_url, args.redis_url, Path(tmp), fake_url=url,
+                      summarization=POLICY,
+                      worker={"sweep_interval_s": 3600, "reap_interval_s": 3600})
+        try:
+            stack.start_worker("w1", concurrency=4, ready_timeout=60)
+            app = make_app(load_config(env=stack.env))
             try:
-                stack.start_worker("w1", concurrency=4, ready_timeout=60)
-                app = make_app(load_config(env=stack.env))
-                try:
-                    report = asyncio.run(drive(args, Enqueuer(app)))
-                finally:
-                    app.close()
+                report = asyncio.run(drive(args, Enqueuer(app)))
             finally:
-                stack.close()
-    finally:
-        fake.terminate()
-        fake.wait(10)
+                app.close()
+        finally:
+            stack.close()
     print(json.dumps(report, indent=2))
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0 if report["verified"] and all(r == "committed" for r in report["runs"]) else 1

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.support.fake_provider import RemoteFake  # noqa: E402
+from tests.support.fake_provider import RemoteFake, fake_provider_process  # noqa: E402
 from worker.llm import Candidate, ProviderPool  # noqa: E402
 from worker.settings import ModelSpec  # noqa: E402
 
@@ -68,17 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api", choices=("openai", "anthropic"), default="openai")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
-         "--latency", str(args.latency)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        url = json.loads(process.stdout.readline())["url"]
+    with fake_provider_process(args.latency) as url:
         result = asyncio.run(drive(url, args.api, args.concurrency, args.requests))
         served = len(RemoteFake(url).requests())
-    finally:
-        process.terminate()
-        process.wait(10)
     ideal = args.concurrency / args.latency if args.latency else None
     report = {"api": args.api, "concurrency": args.concurrency, "requests": args.requests,
               "latency_s": args.latency, "served": served, **result,

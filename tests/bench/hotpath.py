@@ -80,10 +80,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -100,7 +98,6 @@ from scheduler.client import CompactdClient
 from scheduler.samples import coding_session, iter_steps
 from tests.bench.common import (
     REDIS_URL,
-    ROOT,
     CommitProbe,
     calibrate_pg,
     machine,
@@ -112,7 +109,7 @@ from tests.bench.common import (
     write_json,
 )
 from tests.bench.peers import add_step, apply_update, is_summary, to_langchain
-from tests.support.fake_provider import RemoteFake
+from tests.support.fake_provider import RemoteFake, fake_provider_process
 from tests.support.services import flush_redis
 from tests.support.stack import Stack
 from worker.settings import load_config
@@ -278,29 +275,6 @@ async def run_compactd(stack: Stack, system: str, steps: list[list[dict[str, Any
 # ------------------------------------------------------------------------------------ main
 
 
-def start_fake(latency: float) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
-                             "--latency", str(latency)], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(10)
-        raise RuntimeError("the fake provider did not start")
-    return proc, json.loads(line)["url"]
-
-
-def stop(proc: subprocess.Popen[str] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
 def _raise_exit(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -328,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
               "keep": {"type": "messages", "value": args.keep}, "model_name": "fake-gpt"}
     if args.trim:
         policy["trim_tokens_to_summarize"] = args.trim
-    fake: subprocess.Popen[str] | None = None
     report: dict[str, Any] = {
         "machine": info, "pg_calibration": calibration,
         "config": {"steps": len(steps), "latency_s": args.latency, "think_ms": args.think_ms,
@@ -336,23 +309,20 @@ def main(argv: list[str] | None = None) -> int:
                    "trim_tokens_to_summarize": args.trim or None,
                    "worker_concurrency": args.concurrency},
     }
-    with tempfile.TemporaryDirectory(prefix="compactd-hotpath-") as home:
-        try:
-            fake, fake_url = start_fake(args.latency)
-            with Stack(database, REDIS_URL, Path(home), fake_url=fake_url,
-                       summarization=policy) as stack:
-                stack.start_worker("w1", concurrency=args.concurrency)
-                print(f"langchain: {len(steps)} steps ...", flush=True)
-                report["langchain"] = asyncio.run(run_langchain(
-                    system, steps, fake_url, trigger=args.trigger, keep=args.keep,
-                    trim=args.trim or None, think_s=args.think_ms / 1000))
-                print(f"compactd: {len(steps)} steps ...", flush=True)
-                report["compactd"] = asyncio.run(run_compactd(
-                    stack, system, steps, think_s=args.think_ms / 1000))
-                requests = RemoteFake(fake_url).requests()
-                report["fake_requests"] = len(requests)
-        finally:
-            stop(fake)
+    with tempfile.TemporaryDirectory(prefix="compactd-hotpath-") as home, \
+            fake_provider_process(args.latency) as fake_url, \
+            Stack(database, REDIS_URL, Path(home), fake_url=fake_url,
+                  summarization=policy) as stack:
+        stack.start_worker("w1", concurrency=args.concurrency)
+        print(f"langchain: {len(steps)} steps ...", flush=True)
+        report["langchain"] = asyncio.run(run_langchain(
+            system, steps, fake_url, trigger=args.trigger, keep=args.keep,
+            trim=args.trim or None, think_s=args.think_ms / 1000))
+        print(f"compactd: {len(steps)} steps ...", flush=True)
+        report["compactd"] = asyncio.run(run_compactd(
+            stack, system, steps, think_s=args.think_ms / 1000))
+        requests = RemoteFake(fake_url).requests()
+        report["fake_requests"] = len(requests)
     lc, cd = report["langchain"], report["compactd"]
     compacting = lc["compacting_step_ms"]
     ratio = round(compacting / cd["p99_ms"], 1) if compacting else None

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,7 +53,7 @@ from scheduler.enqueue import Enqueuer, RunRequest  # noqa: E402
 from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
 from storage.store import Store  # noqa: E402
-from tests.support.fake_provider import RemoteFake  # noqa: E402
+from tests.support.fake_provider import RemoteFake, fake_provider_process  # noqa: E402
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack, wait_until  # noqa: E402
 from worker.app import make_app  # noqa: E402
@@ -248,21 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         "COMPACTD_TEST_REDIS_URL", "redis://127.0.0.1:6379/14"))
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.workers.split(",") if x.strip()]
-    fake = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
-         "--latency", str(args.latency)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     by_workers: dict[str, dict[str, Any]] = {}
-    try:
-        assert fake.stdout is not None
-        url = json.loads(fake.stdout.readline())["url"]
-        with tempfile.TemporaryDirectory(prefix="compactd-throughput-") as tmp:
-            for n in counts:
-                result = measure(args, url, n, Path(tmp))
-                by_workers[str(n)] = result
-                print(json.dumps(result), file=sys.stderr)
-    finally:
-        fake.terminate()
-        fake.wait(10)
+    with fake_provider_process(args.latency) as url, \
+            tempfile.TemporaryDirectory(prefix="compactd-throughput-") as tmp:
+        for n in counts:
+            result = measure(args, url, n, Path(tmp))
+            by_workers[str(n)] = result
+            print(json.dumps(result), file=sys.stderr)
     first = by_workers[str(counts[0])]
     report = {**first, "goals": GOALS, "by_workers": by_workers}
     if "1" in by_workers:

@@ -565,6 +565,33 @@ class RemoteFake:
         self._call("POST", "/_fake/reset", {})
 
 
+@contextlib.contextmanager
+def fake_provider_process(latency_s: float = 0.0) -> Iterator[str]:
+    """A fake provider in a subprocess, so a benchmark's measurements do not share its CPU; its
+    URL (drive it with :class:`RemoteFake`). Stopped on exit."""
+    import subprocess
+    from pathlib import Path
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
+         "--latency", str(latency_s)], cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the fake provider did not start")
+        yield json.loads(line)["url"]
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
 def summaries_of(records: Iterable[RequestRecord]) -> Iterator[str]:
     """The behaviours the fake applied, for compact assertions."""
     for record in records:
