@@ -30,6 +30,10 @@ values = {json.dumps(list(FUZZ_SESSIONS))}
 "path.session_id" = {{ dictionary = "sessions", probability = 0.7 }}
 """
 EXAMPLES = 25
+# A fixed seed: with random seeds about one run in four generated no message that storage
+# accepts (most schema-valid messages are refused for what JSON Schema cannot say), and the
+# depth check below failed by luck. COMPACTD_FUZZ_SEED picks another for exploratory runs.
+SEED = int(os.environ.get("COMPACTD_FUZZ_SEED", "20261130"))
 
 
 def test_schemathesis_finds_no_server_error_and_no_response_that_breaks_the_schema(
@@ -48,7 +52,8 @@ def test_schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
         [sys.executable, "-m", "schemathesis.cli", "--no-color", "--config-file", str(config),
          "run", f"{url}/openapi.json", "--header", f"Authorization: Bearer {TOKEN_A}",
          "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-         "--max-examples", str(EXAMPLES), "--workers", "1", "--generation-database", "none",
+         "--max-examples", str(EXAMPLES), "--seed", str(SEED), "--workers", "1",
+         "--generation-database", "none",
          "--request-timeout", "30"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     report = out.stdout + out.stderr
