@@ -192,6 +192,17 @@ def append_until(db: Db, session_id: str, task_id: str, *, per_s: float = APPEND
     return db.run(go, timeout=limit_s + 30)
 
 
+def append_turns(db: Db, session_id: str, count: int) -> list[int]:
+    """Append ``count`` short user/assistant messages at once; their seqs."""
+    messages = [Message(role="user" if i % 2 == 0 else "assistant",
+                        content=f"turn {i}: reading src/billing/invoice.py")
+                for i in range(count)]
+    result = db.run(lambda store: store.append(session_id, messages))
+    seqs = list(range(result.first_seq, result.last_seq + 1))
+    assert len(seqs) == count
+    return seqs
+
+
 def test_appends_at_200_per_s_during_runs_all_land(
         make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
     """An automatic run, then a manual one, each with a 2 s model call and 200 appends/s to
@@ -207,10 +218,18 @@ def test_appends_at_200_per_s_during_runs_all_land(
     all_appended: list[int] = []
     with enqueuer(stack) as enq:
         for trigger in ("pressure", "manual"):
+            if trigger == "manual":
+                # The automatic follow-up may have summarized everything before its kept tail;
+                # a few more turns give the manual run a range to select.
+                all_appended += append_turns(db, "a1", 12)
             requests = len(fake.requests)
             task_id = enq.send(RunRequest("a1", trigger))
-            wait_until(lambda: len(fake.requests) > requests, timeout=30,  # noqa: B023
-                       what=f"the {trigger} run's model call")
+            wait_until(lambda: len(fake.requests) > requests  # noqa: B023
+                       or finished_run(db, task_id) is not None,  # noqa: B023
+                       timeout=30, what=f"the {trigger} run's model call")
+            assert len(fake.requests) > requests, (
+                f"the {trigger} run ended without a model call: {finished_run(db, task_id)}; "
+                f"runs: {db.runs('a1')}")
             seqs, rate = append_until(db, "a1", task_id)
             all_appended += seqs
             run = finished_run(db, task_id)
