@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -153,3 +155,20 @@ def test_pools_from_the_worker_config() -> None:
     pool = ProviderPool.from_config(worker, env={})
     assert pool.attribution.headers() == {"x-purpose": "bg"}
     assert pool.availability.ttl_s == 42
+
+
+def test_the_worker_imports_an_sdk_only_when_a_client_of_its_kind_is_built() -> None:
+    """Importing anthropic costs ~1.4 s at every worker start; a fleet on OpenAI never pays it."""
+    code = (
+        "import sys, worker.tasks, worker.app\n"
+        "from worker.llm.candidates import Candidate\n"
+        "from worker.llm.providers import Attribution, build_provider\n"
+        "from worker.settings import ModelSpec\n"
+        "assert not {'openai', 'anthropic'} & set(sys.modules), 'imported at start'\n"
+        "spec = ModelSpec(name='mini', provider='openai', model='gpt-4o-mini')\n"
+        "build_provider(Candidate.from_spec(spec), attribution=Attribution(),\n"
+        "               env={'OPENAI_API_KEY': 'k'})\n"
+        "assert 'openai' in sys.modules and 'anthropic' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
