@@ -73,28 +73,30 @@ BAD_LINES = {
 }
 
 
-@pytest.mark.parametrize("problem", sorted(BAD_LINES))
 def test_bad_input_exits_2_naming_the_line_and_changes_nothing(
-        env: dict[str, str], tmp_path: Path, problem: str) -> None:
-    """Lines 1-6 are valid (line 5 issues call_7_0001, line 6 answers it); then the bad case,
-    its bad line last; then a valid line."""
+        env: dict[str, str], tmp_path: Path) -> None:
+    """For each problem: lines 1-6 are valid (line 5 issues call_7_0001, line 6 answers it); then
+    the bad case, its bad line last; then a valid line. Ingested into a new session and into an
+    existing one; neither is created or changed. (One database for all the problems: each CLI
+    call is a process start, and what one bad ingest left behind would show in the next.)"""
     run(env, "migrate")
     other = tmp_path / "other.jsonl"
     other.write_text(coding_session(steps=6, big_output_lines=10, call_prefix="other").jsonl())
     run(env, "ingest", str(other), "--session", "kept")
     before = run(env, "surface", "kept", "--json").stdout
     good = SAMPLE.messages[:6]
-    bad_line = len(good) + len(BAD_LINES[problem])
-    path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps(m) + "\n" for m in good)
-                    + "".join(line + "\n" for line in BAD_LINES[problem])
-                    + json.dumps({"role": "user", "content": "after"}) + "\n")
-    for session in ("fresh", "kept"):
-        out = run(env, "ingest", str(path), "--session", session, check=False)
-        assert out.returncode == 2, out.stderr
-        assert f"line {bad_line}" in out.stderr, out.stderr
-        assert out.stdout == ""
-    assert run(env, "surface", "kept", "--json").stdout == before
+    for problem, lines in sorted(BAD_LINES.items()):
+        bad_line = len(good) + len(lines)
+        path = tmp_path / "bad.jsonl"
+        path.write_text("".join(json.dumps(m) + "\n" for m in good)
+                        + "".join(line + "\n" for line in lines)
+                        + json.dumps({"role": "user", "content": "after"}) + "\n")
+        for session in ("fresh", "kept"):
+            out = run(env, "ingest", str(path), "--session", session, check=False)
+            assert out.returncode == 2, (problem, session, out.stderr)
+            assert f"line {bad_line}" in out.stderr, (problem, session, out.stderr)
+            assert out.stdout == "", (problem, session)
+        assert run(env, "surface", "kept", "--json").stdout == before, problem
     missing = run(env, "surface", "fresh", check=False)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert run(env, "verify", "--all").returncode == 0
