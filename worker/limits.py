@@ -6,6 +6,14 @@ per-worker ``rate_limit``. Each acquire atomically reserves the next slot on a s
 the caller sleeps that long without holding anything. Because slots are reserved, waiting callers
 never race each other, and the observed rate over any window stays at or under the configured one.
 
+Slots are spaced 5% wider than ``1/rate``: a call leaves some milliseconds after its slot (the
+SDK builds the request, the network delivers it), unevenly, and at full load that jitter alone
+would let a provider count a few calls over the rate in some one-second window.
+
+A caller that wakes a whole interval or more after its slot (its process was descheduled, or its
+event loop busy) gives the slot up and reserves again: otherwise every caller due during the stall
+would send at the same instant, and the provider would see a burst over the rate.
+
 Without Redis (the embedded default) the same meter runs in process.
 """
 
@@ -13,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from worker.keys import RATE_PREFIX
@@ -39,10 +47,35 @@ class Limiter(Protocol):
         ...
 
 
+# How much wider than 1/rate the slots are (see the module's docstring).
+JITTER_MARGIN = 0.05
+
+
 def _check_rate(rate_per_s: float) -> float:
     if not rate_per_s > 0:
         raise ValueError(f"a rate must be positive, got {rate_per_s!r}")
-    return 1.0 / rate_per_s
+    return (1.0 + JITTER_MARGIN) / rate_per_s
+
+
+# After this many slots missed in a row the caller goes anyway (a late call beats none).
+MAX_RESERVATIONS = 3
+
+
+async def _wait_for_slot(reserve: Callable[[], Awaitable[float]], interval: float) -> float:
+    """Reserve a slot and sleep until it, reserving again when woken a slot late; returns the
+    seconds the meter asked for (lateness not included)."""
+    loop = asyncio.get_running_loop()
+    asked = 0.0
+    for _ in range(MAX_RESERVATIONS):
+        wait = await reserve()
+        asked += wait
+        if wait <= 0:
+            break
+        due = loop.time() + wait
+        await asyncio.sleep(wait)
+        if loop.time() - due < interval:
+            break
+    return asked
 
 
 class RedisLimiter:
@@ -58,12 +91,13 @@ class RedisLimiter:
         # The Redis server's clock would be the single source of truth, but EVAL cannot read
         # TIME before a write on older servers; workers run NTP, and the meter tolerates skew
         # of a few milliseconds as a slightly uneven spacing, never as a burst.
-        wait = float(await self._script(keys=[RATE_PREFIX + name],
-                                        args=[repr(self.clock()), repr(interval),
-                                              repr(interval * (self.burst - 1))]))
-        if wait > 0:
-            await asyncio.sleep(wait)
-        return wait
+
+        async def reserve() -> float:
+            return float(await self._script(keys=[RATE_PREFIX + name],
+                                            args=[repr(self.clock()), repr(interval),
+                                                  repr(interval * (self.burst - 1))]))
+
+        return await _wait_for_slot(reserve, interval)
 
 
 class LocalLimiter:
@@ -76,13 +110,14 @@ class LocalLimiter:
 
     async def acquire(self, name: str, rate_per_s: float) -> float:
         interval = _check_rate(rate_per_s)
-        now = self.clock()
-        tat = max(self._tat.get(name, now), now)
-        wait = max(0.0, tat - now - interval * (self.burst - 1))
-        self._tat[name] = tat + interval
-        if wait > 0:
-            await asyncio.sleep(wait)
-        return wait
+
+        async def reserve() -> float:
+            now = self.clock()
+            tat = max(self._tat.get(name, now), now)
+            self._tat[name] = tat + interval
+            return max(0.0, tat - now - interval * (self.burst - 1))
+
+        return await _wait_for_slot(reserve, interval)
 
 
 def parse_rate(text: str) -> float:

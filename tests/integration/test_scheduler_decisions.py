@@ -30,7 +30,7 @@ from storage.store import Store
 from storage.surface import JOURNAL_END
 from worker.app import client_app
 from worker.keys import QUEUE_PRESSURE, TASK_RUN
-from worker.limits import LocalLimiter, RedisLimiter
+from worker.limits import JITTER_MARGIN, LocalLimiter, RedisLimiter
 from worker.orchestration import compact
 from worker.runtime import Deps
 from worker.settings import Config, Settings, build_config
@@ -504,11 +504,13 @@ async def test_the_redis_meter_spaces_calls_across_workers(redis_url: str) -> No
         worker_b = RedisLimiter(b, clock=lambda: clock[0])
         meter = f"test:{uuid.uuid4().hex}"
         waits = [await (worker_a if i % 2 else worker_b).acquire(meter, 50.0) for i in range(5)]
-        # Five calls at one instant from two workers take consecutive slots 20 ms apart.
-        assert waits == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08], abs=1e-6)
+        # Five calls at one instant from two workers take consecutive slots 1/50 s apart (and
+        # the jitter margin).
+        slot = (1 + JITTER_MARGIN) / 50
+        assert waits == pytest.approx([0.0, slot, 2 * slot, 3 * slot, 4 * slot], abs=1e-6)
         clock[0] += 10.0  # an idle meter does not bank a burst
         assert await worker_a.acquire(meter, 50.0) == 0.0
-        assert await worker_b.acquire(meter, 50.0) == pytest.approx(0.02, abs=1e-6)
+        assert await worker_b.acquire(meter, 50.0) == pytest.approx(slot, abs=1e-6)
     finally:
         await a.aclose()
         await b.aclose()
