@@ -61,8 +61,12 @@ def is_sqlite(engine_or_url: AsyncEngine | str) -> bool:
     return url.startswith("sqlite")
 
 
-def create_engine(url: str, *, pool_size: int = 10, echo: bool = False) -> AsyncEngine:
-    """An async engine for ``url``; create one per process and per event loop, never share it."""
+def create_engine(url: str, *, pool_size: int = 10, max_overflow: int | None = None,
+                  echo: bool = False) -> AsyncEngine:
+    """An async engine for ``url``; create one per process and per event loop, never share it.
+
+    On PostgreSQL it keeps ``pool_size`` connections and opens up to ``max_overflow`` more
+    (default: as many again) for bursts, closing those on return."""
     url = normalize_url(url)
     if url.startswith("sqlite"):
         path = url.split(":///", 1)[1] if ":///" in url else ""
@@ -78,7 +82,8 @@ def create_engine(url: str, *, pool_size: int = 10, echo: bool = False) -> Async
         # No pool_pre_ping: it costs a round trip on every checkout, which is most of a poll.
         # A connection that died is invalidated by SQLAlchemy when its error surfaces (as
         # DatabaseUnavailable) and the caller's retry gets a fresh one.
-        url, echo=echo, json_serializer=dumps, pool_size=pool_size, max_overflow=pool_size,
+        url, echo=echo, json_serializer=dumps, pool_size=pool_size,
+        max_overflow=pool_size if max_overflow is None else max_overflow,
         pool_recycle=1800,
         connect_args={"server_settings": {"application_name": "compactd"}},
     )

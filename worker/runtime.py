@@ -65,8 +65,14 @@ async def open_deps(config: Config, *, owner: str | None = None,
         await deps.aclose()
 
 
-async def build_deps(config: Config, *, owner: str | None = None, pool_size: int = 10) -> Deps:
-    store = Store.from_url(config.database_url, pool_size=pool_size)
+async def build_deps(config: Config, *, owner: str | None = None,
+                     pool_size: int | None = None) -> Deps:
+    """Without ``pool_size``, a worker process's: ``worker.db_pool_size`` connections, no more."""
+    if pool_size is None:
+        store = Store.from_url(config.database_url, pool_size=config.worker.db_pool_size,
+                               max_overflow=0)
+    else:
+        store = Store.from_url(config.database_url, pool_size=pool_size)
     if config.embedded:
         from storage.migrate import ensure_schema
 
@@ -121,10 +127,13 @@ class EventLoopThread:
 class LoopThread(EventLoopThread):
     """The worker process's loop, with the process's :class:`Deps` inside it."""
 
-    def __init__(self, config: Config, *, pool_size: int = 10) -> None:
+    def __init__(self, config: Config) -> None:
+        from worker.llm.providers import import_sdks
+
+        import_sdks(config.models)  # before the loop runs: see worker.llm.providers
         super().__init__()
         self.config = config
-        self.deps: Deps = self.submit(lambda: build_deps(config, pool_size=pool_size))
+        self.deps: Deps = self.submit(lambda: build_deps(config))
 
     def run(self, coro_fn: Callable[[Deps], Coroutine[Any, Any, T]],
             timeout: float | None = None) -> T:
@@ -145,9 +154,7 @@ def process_loop(config: Config) -> LoopThread:
     global _current
     with _current_lock:
         if _current is None or _current.pid != os.getpid():
-            # Connections are held only for short transactions, never across a model call, so a
-            # few serve dozens of concurrent compactions.
-            _current = LoopThread(config, pool_size=10)
+            _current = LoopThread(config)
         return _current
 
 

@@ -168,7 +168,11 @@ def test_the_worker_imports_an_sdk_only_when_a_client_of_its_kind_is_built() -> 
         "spec = ModelSpec(name='mini', provider='openai', model='gpt-4o-mini')\n"
         "build_provider(Candidate.from_spec(spec), attribution=Attribution(),\n"
         "               env={'OPENAI_API_KEY': 'k'})\n"
-        "assert 'openai' in sys.modules and 'anthropic' not in sys.modules\n")
+        "assert 'openai' in sys.modules and 'anthropic' not in sys.modules\n"
+        "from worker.llm.providers import import_sdks\n"
+        "claude = ModelSpec(name='claude', provider='anthropic', model='claude-sonnet-4-5')\n"
+        "assert import_sdks([claude, spec]) == ['anthropic', 'openai']\n"
+        "assert 'anthropic' in sys.modules\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr

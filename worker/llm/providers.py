@@ -18,7 +18,10 @@ process and refuses to be used from another. A worker process keeps one, in its 
 
 Each SDK is imported when the first client of its kind is built, not with this module: importing
 ``anthropic`` takes ~1.4 s and ``openai`` ~0.6 s of CPU on a 2 GHz core, paid by every worker
-start, CLI ``compact --inline`` and test process, most of which never use both.
+start, CLI ``compact --inline`` and test process, most of which never use both. A worker imports
+the SDKs its configured models need (:func:`import_sdks`) before its event loop starts: an import
+inside the loop would stall every compaction in flight, and calls held back by a rate meter would
+then all leave at once, over the provider's quota.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import importlib
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,7 +42,7 @@ import pydantic
 
 from worker.llm.candidates import Availability, Candidate
 from worker.llm.errors import ErrorKind, ProviderError, Unavailable
-from worker.settings import WorkerConfig
+from worker.settings import ModelSpec, WorkerConfig
 
 if TYPE_CHECKING:
     import anthropic
@@ -117,6 +121,17 @@ class Provider(Protocol):
 
 # --------------------------------------------------------------------------------------------
 # building
+
+
+_SDK_OF_PROVIDER = {"openai": "openai", "openai-compatible": "openai", "anthropic": "anthropic"}
+
+
+def import_sdks(models: Iterable[ModelSpec]) -> list[str]:
+    """Import the SDK of every remote provider among ``models``; the modules imported."""
+    names = sorted({_SDK_OF_PROVIDER[m.provider] for m in models if m.provider in _SDK_OF_PROVIDER})
+    for name in names:
+        importlib.import_module(name)
+    return names
 
 
 class BuildError(Exception):
