@@ -130,7 +130,9 @@ class LoopThread(EventLoopThread):
     def __init__(self, config: Config) -> None:
         from worker.llm.providers import import_sdks
 
-        import_sdks(config.models)  # before the loop runs: see worker.llm.providers
+        # Done at worker start already (worker.tasks); here for any other process that runs a
+        # loop thread. Either way before the loop runs: see worker.llm.providers.
+        import_sdks(config.models)
         super().__init__()
         self.config = config
         self.deps: Deps = self.submit(lambda: build_deps(config))

@@ -14,7 +14,13 @@ import time
 from typing import Any
 
 from celery import Task, shared_task
-from celery.signals import task_postrun, task_prerun, worker_process_init, worker_ready
+from celery.signals import (
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_ready,
+)
 
 from scheduler.enqueue import Enqueuer
 from scheduler.intake import follow_up
@@ -23,6 +29,7 @@ from storage.jobs import ITEM_FAILED
 from storage.records import utcnow
 from worker import logs
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
+from worker.llm.providers import import_sdks
 from worker.metrics import metrics, serve
 from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
 from worker.runtime import Deps, process_loop, reset_process_loop
@@ -145,6 +152,15 @@ def _unbind_task_logs(**_: Any) -> None:
     token, _task_logs.token = getattr(_task_logs, "token", None), None
     if token is not None:
         logs.pop(token)
+
+
+@worker_init.connect
+def _import_sdks(sender: Any = None, **_: Any) -> None:
+    # Before the worker consumes anything: the first compaction must not wait for them (~2 s
+    # for both SDKs), and no import may ever run on the event loop (see worker.llm.providers).
+    conf = getattr(getattr(sender, "app", None), "conf", None)
+    config = getattr(conf, "compactd_config", None) or load_config()
+    import_sdks(config.models)
 
 
 @worker_process_init.connect
