@@ -265,7 +265,7 @@ class LeasesMixin:
                     raise _prefix_changed(session_id, run_id)
                 replaced = _rows_in_prefix(prefix, replacements)
             if replaced is None:
-                replaced = await self._replaced_rows(conn, session_id, replacements)
+                replaced = await self._replaced_rows(conn, session_id, replacements, wanted)
             seq = info.last_seq
             d_tokens = d_nodes = 0
             events: list[dict[str, Any]] = []
@@ -360,10 +360,11 @@ class LeasesMixin:
             return session_from_row(row)
 
     async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
-                             replacements: Sequence[Replacement]) -> list[list[Any]]:
-        """The surface rows each replacement names, in order; :class:`SurfaceChanged` unless
-        every one is on the surface, in that order, as one contiguous run."""
-        wanted = [q for rep in replacements for q in rep.seqs]
+                             replacements: Sequence[Replacement],
+                             wanted: list[int]) -> list[list[Any]]:
+        """The surface rows each replacement names, in order (``wanted``: all their seqs);
+        :class:`SurfaceChanged` unless every one is on the surface, in that order, as one
+        contiguous run."""
         if not wanted:
             return [[] for _ in replacements]
         found = {r.seq: r for r in await conn.execute(

@@ -128,11 +128,8 @@ class LoopThread(EventLoopThread):
     """The worker process's loop, with the process's :class:`Deps` inside it."""
 
     def __init__(self, config: Config) -> None:
-        from worker.llm.providers import import_sdks
-
-        # Done at worker start already (worker.tasks); here for any other process that runs a
-        # loop thread. Either way before the loop runs: see worker.llm.providers.
-        import_sdks(config.models)
+        # The SDKs its models need were imported at worker start (worker.tasks), not here: the
+        # first task creates this thread, and it must not wait for them.
         super().__init__()
         self.config = config
         self.deps: Deps = self.submit(lambda: build_deps(config))

@@ -48,8 +48,8 @@ class CompactionFailed(Exception):
     """A compaction ended as failed; the message starts with its failure class."""
 
 
-def _config(task: Task) -> Config:
-    config = getattr(task.app.conf, "compactd_config", None)
+def _config(app: Any) -> Config:
+    config = getattr(app.conf, "compactd_config", None)
     return config if isinstance(config, Config) else load_config()
 
 
@@ -57,7 +57,7 @@ def _config(task: Task) -> Config:
 def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = False,
         keep: str | None = None, bulk_job_id: str | None = None,
         rate_per_s: float | None = None) -> dict[str, Any]:
-    config = _config(self)
+    config = _config(self.app)
     # Read the request here: it is thread-local, and the coroutine runs on the loop's thread.
     task_id = self.request.id
     sent_at = getattr(self.request, "compactd_sent_at", None) or (
@@ -108,7 +108,7 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
 
 @shared_task(name=TASK_SWEEP, bind=True, ignore_result=True)
 def sweep(self: Task) -> int:
-    config = _config(self)
+    config = _config(self.app)
     enqueuer = Enqueuer(self.app)
 
     async def go(deps: Deps) -> int:
@@ -122,7 +122,7 @@ def sweep(self: Task) -> int:
 
 @shared_task(name=TASK_REAP, bind=True, ignore_result=True)
 def reap(self: Task) -> int:
-    config = _config(self)
+    config = _config(self.app)
     enqueuer = Enqueuer(self.app)
 
     async def go(deps: Deps) -> int:
@@ -158,9 +158,7 @@ def _unbind_task_logs(**_: Any) -> None:
 def _import_sdks(sender: Any = None, **_: Any) -> None:
     # Before the worker consumes anything: the first compaction must not wait for them (~2 s
     # for both SDKs), and no import may ever run on the event loop (see worker.llm.providers).
-    conf = getattr(getattr(sender, "app", None), "conf", None)
-    config = getattr(conf, "compactd_config", None) or load_config()
-    import_sdks(config.models)
+    import_sdks(_config(sender.app).models)
 
 
 @worker_process_init.connect

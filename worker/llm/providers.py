@@ -19,9 +19,9 @@ process and refuses to be used from another. A worker process keeps one, in its 
 Each SDK is imported when the first client of its kind is built, not with this module: importing
 ``anthropic`` takes ~1.4 s and ``openai`` ~0.6 s of CPU on a 2 GHz core, paid by every worker
 start, CLI ``compact --inline`` and test process, most of which never use both. A worker imports
-the SDKs its configured models need (:func:`import_sdks`) before its event loop starts: an import
-inside the loop would stall every compaction in flight, and calls held back by a rate meter would
-then all leave at once, over the provider's quota.
+the SDKs its configured models need (:func:`import_sdks`) when it starts, before it consumes: an
+import inside the loop would stall every compaction in flight, and calls held back by a rate meter
+would then all leave at once, over the provider's quota.
 """
 
 from __future__ import annotations
