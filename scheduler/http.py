@@ -197,7 +197,9 @@ class StepOut(BaseModel):
     tokens: int = Field(description="surface tokens after the append")
     messages: int = Field(description="surface nodes after the append")
     fired: bool = Field(description="the trigger fires on the new totals")
-    signalled: bool = Field(description="this append enqueued a compaction")
+    signalled: bool = Field(description="this append marked the session and sent a compaction "
+                            "to the queue (in the background; a failed send is logged and frees "
+                            "the mark for the next append)")
 
 
 class FunctionOut(BaseModel):

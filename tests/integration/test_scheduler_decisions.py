@@ -9,6 +9,7 @@ import asyncio
 import base64
 import datetime as dt
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ import sqlalchemy as sa
 
 from scheduler.bulk import BulkFilter, fan_out, matching_sessions
 from scheduler.client import CompactdClient, SessionHandle
-from scheduler.enqueue import Enqueuer, RecordingEnqueuer
+from scheduler.enqueue import Enqueuer, RecordingEnqueuer, RunRequest
 from scheduler.intake import SignalPayload, accept_signal, follow_up
 from scheduler.status import status
 from scheduler.sweeps import reap_leases, sweep_pressure
@@ -173,6 +174,7 @@ async def test_a_cooling_session_is_not_signalled(client: CompactdClient, store:
     step = await handle.append([user(20)])
     assert step.fired and not step.signalled
     assert (await sweep_pressure(store, config, enqueuer)).enqueued == ()
+    await client.drain()
     assert enqueuer.sent == []
 
 
@@ -191,8 +193,38 @@ async def test_append_returns_totals_and_signals_once_per_burst(
     assert [s.fired for s in steps] == [False, True, True, True]
     assert [s.signalled for s in steps] == [False, True, False, False]
     assert steps[-1].tokens > steps[0].tokens and steps[-1].last_seq == 6
+    await client.drain()  # the signal is sent in the background
     assert len(enqueuer.sent) == 1
     assert json.loads(json.dumps(steps[1].to_json()))["signalled"] is True
+
+
+class RefusingEnqueuer(RecordingEnqueuer):
+    """A broker that refuses every send, after a moment (a send is network I/O)."""
+
+    async def asend(self, request: RunRequest) -> str:
+        await asyncio.sleep(0.05)
+        raise ConnectionError("broker refused the connection")
+
+
+async def test_an_append_does_not_wait_for_its_signal_and_a_refused_send_frees_the_mark(
+        db_url: str, store: Store, config: Config, caplog: pytest.LogCaptureFixture) -> None:
+    async with CompactdClient(config, store=store, enqueuer=RefusingEnqueuer()) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.append([user(TRIGGER - 20)])
+        step = await handle.append([user(30)])
+        # The append returned with its messages committed and the mark set, before the send
+        # ended; the send fails afterwards without touching what was appended.
+        assert step.fired and step.signalled
+        assert (await store.get_session("s1")).signal_at is not None
+        with caplog.at_level(logging.WARNING, logger="scheduler.client"):
+            await client.drain()
+        assert "signal was not enqueued: broker refused the connection" in caplog.text
+        info = await store.get_session("s1")
+        assert info.signal_at is None, "the mark is cleared so the next append signals again"
+        assert info.surface_messages == 2 and info.last_seq == 2
+        assert (await handle.append([user(5)])).signalled
+    # Closing the client waited for that last send too: it failed and freed the mark.
+    assert (await store.get_session("s1")).signal_at is None
 
 
 async def test_report_usage_moves_the_trigger(client: CompactdClient, store: Store,
@@ -201,8 +233,10 @@ async def test_report_usage_moves_the_trigger(client: CompactdClient, store: Sto
     step = await handle.append([user(50)])
     assert not step.fired
     info = await handle.report_usage(TRIGGER - 1)
+    await client.drain()
     assert info.reported_input_tokens == TRIGGER - 1 and enqueuer.sent == []
     info = await handle.report_usage(TRIGGER + 100)  # the provider counts more than we do
+    await client.drain()
     assert len(enqueuer.sent) == 1
     assert (await handle.signal()).reason == "a compaction is already queued or running"
     with pytest.raises(InvalidMessage, match="input_tokens"):
@@ -386,12 +420,14 @@ async def test_loop_guard_flags_a_session_compacting_without_relief(
         assert [f["session"] for f in body["flagged"]] == ["s1"]
         # Cooled down: neither signals, appends nor sweeps enqueue it (with its signal mark
         # free, as when the last run ended, so only the cool-down can be what stops them).
+        await client.drain()
         assert len(enqueuer.sent) == 1  # the first append, before any run
         await store.clear_signal("s1")
         assert "cooling down" in (await handle.signal()).reason
         step = await handle.append([user(10)])
         assert step.fired and not step.signalled
         assert (await sweep_pressure(store, config, enqueuer)).enqueued == ()
+        await client.drain()
         assert len(enqueuer.sent) == 1
         # Relief clears the flag: a small envelope, and a run that gets well under the trigger.
         await client.create_session("s1", run_model="gpt-4o", envelope={"system": "short"})
