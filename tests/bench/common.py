@@ -111,6 +111,22 @@ class CommitProbe:
         await self.conn.execute("INSERT INTO bench_probe (body) VALUES ($1)", "x" * 200)
         self.samples.append((time.perf_counter() - started) * 1000)
 
+    async def idle_floor(self, idle_s: float, samples: int) -> list[float]:
+        """What the least a step can cost after ``idle_s`` of idleness: a one-row INSERT's commit
+        then a primary-key read, after sleeping as the agent does between steps. On a VM whose
+        idle vCPUs halt (no halt polling), waking costs more than the round trips themselves:
+        an append-and-poll step cannot beat this, while the warm floor of :meth:`sample`
+        underrates it."""
+        floor: list[float] = []
+        for _ in range(samples):
+            await asyncio.sleep(idle_s)
+            started = time.perf_counter()
+            row_id = await self.conn.fetchval(
+                "INSERT INTO bench_probe (body) VALUES ($1) RETURNING id", "x" * 200)
+            await self.conn.fetchval("SELECT body FROM bench_probe WHERE id = $1", row_id)
+            floor.append((time.perf_counter() - started) * 1000)
+        return floor
+
     async def close(self) -> None:
         if self.conn is not None:
             await self.conn.execute("DROP TABLE IF EXISTS bench_probe")
