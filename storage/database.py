@@ -6,6 +6,7 @@ Every transaction here is short: none is ever held open across a model call.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sqlite3
@@ -19,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, Program
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from storage.errors import (
+    BadInput,
     CompactdError,
     DatabaseUnavailable,
     LockNotAvailable,
@@ -118,6 +120,7 @@ _PG_UNDEFINED_FUNCTION = "42883"
 _PG_NO_DATABASE = "3D000"
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
+
 
 
 def driver_error(exc: BaseException) -> BaseException:
@@ -227,6 +230,89 @@ async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             fairy = await conn.get_raw_connection()
             yield fairy.driver_connection
+
+
+class StepConnection:
+    """One pooled PostgreSQL connection the runtime's per-step statements (append, poll, the
+    signal mark) keep checked out, instead of a pool checkout and return around each.
+
+    After the agent's think time the process runs cold: on the benchmark VM a checkout and its
+    return cost 0.4 ms of an append's ~2.5 ms, against 0.08 ms warm. The connection is one of
+    the pool's own (no extra server connection) and is taken at the first per-step statement,
+    so a worker, which never appends, never holds one. A second statement while it is busy
+    (several sessions appending at once in one process) goes through the pool as before. When
+    the connection fails it is dropped, and taken afresh by the next statement; refused and
+    cancelled statements leave it in place.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._conn: AsyncConnection | None = None
+        self._raw: Any = None
+        self._busy = False
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[Any]:
+        if self._busy:
+            async with raw_connection(self._engine) as raw:
+                yield raw
+            return
+        self._busy = True
+        try:
+            with translated():
+                if self._raw is None or self._raw.is_closed():
+                    await self._drop()
+                    conn = await self._engine.connect()
+                    self._raw = (await conn.get_raw_connection()).driver_connection
+                    self._conn = conn
+                raw = self._raw
+                try:
+                    yield raw
+                except BaseException as exc:
+                    # asyncpg cancels an interrupted statement on the server and keeps the
+                    # connection usable (the next statement waits for that), as after a refused
+                    # statement; anything else may have left it in an unknown state.
+                    if raw.is_closed() or not (isinstance(exc, asyncio.CancelledError)
+                                               or _statement_error(exc)):
+                        await self._drop()
+                    raise
+        finally:
+            self._busy = False
+
+    async def close(self) -> None:
+        await self._drop()
+
+    async def _drop(self) -> None:
+        conn, self._conn, self._raw = self._conn, None, None
+        if conn is not None:
+            # Its state is unknown (a statement may still be running): never reuse it.
+            with contextlib.suppress(Exception):
+                await conn.invalidate()
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+
+def _statement_error(exc: BaseException) -> bool:
+    """The server refused one statement (or the caller refused its input): the connection
+    itself is as good as before."""
+    if isinstance(exc, BadInput):
+        return True
+    from asyncpg import PostgresError  # imported here: only a failing statement needs it
+
+    return isinstance(exc, PostgresError) and not isinstance(
+        exc, _postgres_connection_errors())
+
+
+def _postgres_connection_errors() -> tuple[type[BaseException], ...]:
+    from asyncpg.exceptions import (
+        AdminShutdownError,
+        CannotConnectNowError,
+        PostgresConnectionError,
+        QueryCanceledError,
+    )
+
+    return (PostgresConnectionError, AdminShutdownError, CannotConnectNowError,
+            QueryCanceledError)
 
 
 async def ping(engine: AsyncEngine) -> None:

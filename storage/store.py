@@ -18,10 +18,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage.database import (
+    StepConnection,
     connection,
     create_engine,
     is_sqlite,
-    raw_connection,
     snapshot,
     transaction,
     translate,
@@ -91,12 +91,14 @@ class Store(LeasesMixin, JobsMixin):
         # run_model never changes once a session exists, so appends can count tokens before
         # their transaction without reading the session first.
         self._run_models: dict[str, str | None] = {}
+        self._step = StepConnection(engine)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Store:
         return cls(create_engine(url, **kwargs))
 
     async def close(self) -> None:
+        await self._step.close()
         await self.engine.dispose()
 
     # ---------------------------------------------------------------------------------------
@@ -223,8 +225,11 @@ class Store(LeasesMixin, JobsMixin):
 
         Holds the session row only for its own transaction; a compaction holds a lease, not a
         lock, so an append never waits on one. With ``signal_if``, the pressure decision is taken
-        on the new totals inside the same transaction, and the pending-signal mark is set at most
-        once per ``signal_ttl_s`` (the caller enqueues only when ``signalled`` is true).
+        on the new totals the append returns, and the pending-signal mark is set at most once per
+        ``signal_ttl_s`` (a conditional update, so of appends racing over the trigger one sets
+        it; the caller enqueues only when ``signalled`` is true). On SQLite the mark is part of
+        the append's transaction; on PostgreSQL it is one more statement, made only when the
+        trigger fires and no mark is live.
         """
         if not messages:
             raise InvalidMessage("an append needs at least one message")
@@ -275,7 +280,7 @@ class Store(LeasesMixin, JobsMixin):
                          now: dt.datetime) -> SessionInfo:
         """The append as one call of ``compactd_append`` (migration 0002): one round trip."""
         links = BatchLinks(messages)
-        async with raw_connection(self.engine) as raw:
+        async with self._step.use() as raw:
             try:
                 row = await raw.fetchrow(
                     _APPEND_SQL, session_id, [dumps(p) for p in payloads], list(tokens), now,
@@ -326,7 +331,7 @@ class Store(LeasesMixin, JobsMixin):
     async def _mark_signal_pg(self, session_id: str, now: dt.datetime, ttl_s: float) -> bool:
         """The mark as one autocommit statement: an append over its trigger sets it on the
         runtime's critical path, where BEGIN and COMMIT would be two more round trips."""
-        async with raw_connection(self.engine) as raw:
+        async with self._step.use() as raw:
             status = await raw.execute(_MARK_SIGNAL_SQL, session_id, now,
                                        now - dt.timedelta(seconds=ttl_s))
         return status != "UPDATE 0"
@@ -411,7 +416,7 @@ class Store(LeasesMixin, JobsMixin):
             value = None if row is None else row[0]
         else:
             # The runtime polls every step: skip SQLAlchemy's statement layer for this one read.
-            async with raw_connection(self.engine) as raw:
+            async with self._step.use() as raw:
                 value = await raw.fetchval(_POLL_SQL, session_id)
         if value is None:
             raise SessionNotFound(session_id)

@@ -397,7 +397,7 @@ async def test_signal_mark_deduplicates(store: Store) -> None:
     assert await store.clear_signal("ghost") is None
 
 
-async def test_append_signals_inside_its_transaction(store: Store) -> None:
+async def test_an_append_over_the_trigger_sets_the_signal_mark_once(store: Store) -> None:
     await seeded(store)
     r = await store.append("s1", [user("x")], now=T0, signal_if=lambda s: s.surface_messages > 5)
     assert r.signalled

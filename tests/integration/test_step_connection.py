@@ -1,0 +1,112 @@
+"""The connection a PostgreSQL store keeps for the runtime's per-step statements (append, poll,
+the signal mark): reused across steps, left in place by a refused statement, and replaced when
+it fails or a statement on it is cancelled, without losing or doubling an append."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from storage.errors import DatabaseUnavailable, InvalidMessage, SessionNotFound
+from storage.messages import Message, parse_openai
+from storage.store import Store
+
+
+def user(text: str) -> Message:
+    return parse_openai({"role": "user", "content": text})
+
+
+@pytest.fixture
+async def pg_store(clean_pg: str) -> AsyncIterator[Store]:
+    store = Store.from_url(clean_pg)
+    await store.create_session("s1", run_model="gpt-4o")
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def step_backend(store: Store) -> int:
+    """The server process behind the store's per-step connection."""
+    async with store._step.use() as raw:
+        return int(await raw.fetchval("SELECT pg_backend_pid()"))
+
+
+async def terminate(url: str, pid: int) -> None:
+    admin = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
+    finally:
+        await admin.close()
+
+
+async def test_steps_reuse_one_connection_and_a_refused_statement_keeps_it(
+        pg_store: Store) -> None:
+    await pg_store.append("s1", [user("a")])
+    pid = await step_backend(pg_store)
+    for i in range(3):
+        result = await pg_store.append("s1", [user(f"b{i}")])
+        assert await pg_store.poll("s1", result.session.surface_version) is None
+    with pytest.raises(SessionNotFound):
+        await pg_store.append("ghost", [user("x")])
+    with pytest.raises(InvalidMessage, match="tool_call_id"):
+        await pg_store.append("s1", [parse_openai(
+            {"role": "tool", "tool_call_id": "never-made", "content": "x"})])
+    with pytest.raises(SessionNotFound):
+        await pg_store.poll("ghost", None)
+    assert await step_backend(pg_store) == pid
+    assert (await pg_store.get_session("s1")).last_seq == 4
+
+
+async def test_a_connection_the_server_dropped_is_replaced(clean_pg: str,
+                                                           pg_store: Store) -> None:
+    await pg_store.append("s1", [user("a")])
+    await terminate(clean_pg, await step_backend(pg_store))
+    await asyncio.sleep(0.1)  # let the client's socket see the close
+    # A statement that meets the dead connection before its close is seen fails as
+    # unavailable (an append's outcome would be unknown, so nothing is retried behind the
+    # caller's back) ...
+    with contextlib.suppress(DatabaseUnavailable):
+        await pg_store.poll("s1", None)
+    # ... and the next one runs on a new connection.
+    result = await pg_store.append("s1", [user("b")])
+    assert result.last_seq == 2
+    assert (await pg_store.verify("s1")).ok
+
+
+async def test_a_cancelled_append_lands_whole_or_not_at_all_and_the_connection_goes_on(
+        pg_store: Store) -> None:
+    big = [user("x" * 20_000) for _ in range(50)]
+    pid = await step_backend(pg_store)
+    for delay in (0.0, 0.001, 0.003, 0.01):
+        task = asyncio.create_task(pg_store.append("s1", big))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # Whatever the cancellation interrupted, the next statements run normally (on the
+        # same connection they wait until the server has ended the interrupted one), and the
+        # cancelled append either landed whole or not at all: its caller cannot know which,
+        # as with any statement cancelled in flight.
+        after = await pg_store.append("s1", [user("next")])
+        assert (after.last_seq - 1) % 50 == 0
+        assert await pg_store.poll("s1", after.session.surface_version) is None
+        # Back to a multiple of 50 for the next round's check.
+        await pg_store.append("s1", [user("pad")] * 49)
+    assert (await pg_store.verify("s1")).ok
+    assert await step_backend(pg_store) == pid
+
+
+async def test_concurrent_steps_share_the_pool_when_the_kept_connection_is_busy(
+        pg_store: Store) -> None:
+    for i in range(5):
+        await pg_store.create_session(f"c{i}", run_model="gpt-4o")
+    results = await asyncio.gather(*(pg_store.append(f"c{i % 5}", [user(f"m{i}")])
+                                     for i in range(40)))
+    assert sorted(r.last_seq for r in results if r.session.id == "c0") == list(range(1, 9))
+    for i in range(5):
+        assert (await pg_store.get_session(f"c{i}")).last_seq == 8
