@@ -114,7 +114,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
-_CD_NO_SESSION = "CD404"
+CD_NO_SESSION = "CD404"
 _PG_UNDEFINED_TABLE = "42P01"
 _PG_UNDEFINED_FUNCTION = "42883"
 _PG_NO_DATABASE = "3D000"
@@ -142,7 +142,7 @@ def translate(exc: BaseException) -> CompactdError:
     orig = getattr(exc, "orig", None) or exc
     code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     text = str(orig)
-    if code == _CD_NO_SESSION:
+    if code == CD_NO_SESSION:
         # compactd's SQL functions raise this with the session id as DETAIL.
         return SessionNotFound(str(getattr(driver_error(exc), "detail", None) or ""))
     if code == _PG_UNDEFINED_TABLE or "no such table" in text:

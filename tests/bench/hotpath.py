@@ -214,6 +214,7 @@ async def run_compactd(stack: Stack, system: str, steps: list[list[dict[str, Any
     poll_ms: list[float] = []
     surface_ms: list[float] = []
     ap_ms: list[float] = []
+    details: list[tuple[int, bool, bool]] = []  # per step: messages, signalled, run in flight
     step_ms: list[float] = []
     pickups = 0
     signalled = 0
@@ -247,6 +248,7 @@ async def run_compactd(stack: Stack, system: str, steps: list[list[dict[str, Any
                 signalled_ms.append((t1 - t0) * 1000)
             poll_ms.append((t2 - t1) * 1000)
             ap_ms.append((t2 - t0) * 1000)
+            details.append((len(step), result.signalled, session.info.lease_run_id is not None))
             step_ms.append((t3 - t0) * 1000)
             if moved:
                 surface_ms.append((t3 - t2) * 1000)
@@ -279,6 +281,11 @@ async def run_compactd(stack: Stack, system: str, steps: list[list[dict[str, Any
         "final_surface_tokens": final.surface_tokens, "final_messages": final.surface_messages,
         "verify_ok": verify.ok, "verify_problems": list(verify.problems),
         "context_messages": len(context), "pg_commit_floor": summary_ms(probe.samples),
+        "slowest_steps": [
+            {"step": i, "append_poll_ms": round(ap_ms[i], 3), "append_ms": round(append_ms[i], 3),
+             "messages": details[i][0], "signalled": details[i][1],
+             "run_in_flight": details[i][2]}
+            for i in sorted(range(len(ap_ms)), key=ap_ms.__getitem__)[-8:][::-1]],
         "pg_idle_floor": summary_ms(idle_floor),
     }
 

@@ -110,3 +110,18 @@ async def test_concurrent_steps_share_the_pool_when_the_kept_connection_is_busy(
     assert sorted(r.last_seq for r in results if r.session.id == "c0") == list(range(1, 9))
     for i in range(5):
         assert (await pg_store.get_session(f"c{i}")).last_seq == 8
+
+
+async def test_preparing_the_steps_writes_nothing_and_leaves_the_first_append_nothing_to_prepare(
+        pg_store: Store) -> None:
+    before = await pg_store.get_session("s1")
+    await pg_store.prepare_steps()
+    await pg_store.prepare_steps()  # idempotent
+    assert await pg_store.get_session("s1") == before
+    # The statements are ready on the step connection: the first append does not prepare.
+    async with pg_store._step.use() as raw:
+        prepared = len(raw._stmt_cache)
+    result = await pg_store.append("s1", [user("a")])
+    async with pg_store._step.use() as raw:
+        assert len(raw._stmt_cache) == prepared
+    assert result.last_seq == 1 and (await pg_store.verify("s1")).ok
