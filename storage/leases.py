@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
@@ -29,6 +28,7 @@ from storage.errors import (
     LockNotAvailable,
     SurfaceChanged,
 )
+from storage.jobs import ITEM_DONE, ITEM_FAILED
 from storage.records import (
     Busy,
     Claim,
@@ -307,10 +307,10 @@ class LeasesMixin:
                          replacements: Sequence[Replacement], wanted: list[int],
                          expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
                          now: dt.datetime) -> SessionInfo:
-        """The commit as one call of ``compactd_commit`` (migration 0004). Without ``end`` that
-        call is the whole commit (autocommit); with it, the call and the run row's end share
-        one transaction, the call first so the session row is locked before the run row, as
-        everywhere else."""
+        """The commit as one statement, in autocommit: a call of ``compactd_commit`` (migration
+        0004), and with ``end`` the run row's result and its bulk item's in the same statement
+        (``_COMMIT_ENDING_SQL``). As a transaction around the call that was three more round
+        trips (BEGIN, the run row, COMMIT), with appends waiting on the session row meanwhile."""
         args = (
             session_id, run_id, fence, now, wanted,
             [len(rep.seqs) for rep in replacements], [rep.kind for rep in replacements],
@@ -336,28 +336,23 @@ class LeasesMixin:
                                     contiguous=what == "contiguous")
             return None
 
-        if end is None:
-            async with raw_connection(self.engine) as raw:
-                try:
-                    record = await raw.fetchrow(_COMMIT_SQL, *args)
-                except Exception as exc:
-                    mapped = failed(exc)
-                    if mapped is None:
-                        raise
-                    raise mapped from None
-            return session_from_record(record)
-        async with transaction(self.engine) as conn:
+        sql = _COMMIT_SQL
+        ending: tuple[Any, ...] = ()
+        if end is not None:
+            sql, ending = _COMMIT_ENDING_SQL, (
+                end.outcome, end.failure_class, end.error, end.tokens_before, end.tokens_after,
+                end.model, _json_or_none(end.usage), _json_or_none(end.candidates),
+                _json_or_none(end.stages), _json_or_none(end.range_seqs),
+                ITEM_FAILED if end.outcome == "failed" else ITEM_DONE)
+        async with raw_connection(self.engine) as raw:
             try:
-                # Through SQLAlchemy's driver-level path, so the transaction has begun: the end
-                # of the run below commits or rolls back with the checkpoint.
-                row = (await conn.exec_driver_sql(_COMMIT_SQL, args)).one()
-            except DBAPIError as exc:
+                record = await raw.fetchrow(sql, *args, *ending)
+            except Exception as exc:
                 mapped = failed(exc)
                 if mapped is None:
                     raise  # translated like every driver error (lock timeout, lost connection)
                 raise mapped from None
-            await self._end_run(conn, session_id, run_id, end, now)
-            return session_from_row(row)
+        return session_from_record(record)
 
     async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
                              replacements: Sequence[Replacement],
@@ -530,6 +525,25 @@ _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
 _CLAIM_SQL = "SELECT * FROM compactd_claim($1, $2, $3, $4, $5, $6, $7, $8)"
 _COMMIT_SQL = ("SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, "
                "$13, $14)")
+# The commit that ends its run: the run row's result and its bulk item's ride on the call.
+# The UPDATE waits for the call (EXISTS on its result), so the session row is locked before the
+# run row, as everywhere else, and a refused call (moved fence, changed surface) changes
+# nothing. compactd_commit does not touch compaction_runs, so one snapshot serves all three.
+_COMMIT_ENDING_SQL = f"""
+WITH c AS (SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+                                         $13, $14)),
+     r AS (UPDATE compaction_runs
+              SET status = $15, failure_class = $16, error = $17, tokens_before = $18,
+                  tokens_after = $19, model = $20, usage = $21, candidates = $22, stages = $23,
+                  range_seqs = $24, finished_at = $4, heartbeat_at = $4
+            WHERE id = $2::text AND EXISTS (SELECT FROM c)
+           RETURNING bulk_job_id),
+     b AS (UPDATE bulk_items AS i SET state = $25, run_id = $2::text, updated_at = $4
+             FROM r
+            WHERE i.job_id = r.bulk_job_id AND i.session_id = $1::text
+              AND i.state <> '{ITEM_DONE}')
+SELECT * FROM c
+"""
 _INSERT_EVENTS = t.events.insert()
 _INSERT_RUN = t.compaction_runs.insert()
 _END_LEASE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
@@ -617,6 +631,10 @@ def _journal_payload(rep: Replacement, run_id: str) -> dict[str, Any]:
 
 def _node_payload(rep: Replacement, run_id: str) -> dict[str, Any]:
     return {"message": rep.payload, "replaces": list(rep.seqs), "run_id": run_id}
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else dumps(value)
 
 
 def _lease_lost(session_id: str, run_id: str, fence: int, current: object) -> LeaseLost:
