@@ -71,6 +71,9 @@ class WorkerConfig(_Strict):
     # prepared again on each connect) and a server process fork each time. Workers x this
     # stays under the server's max_connections (100 by default).
     db_pool_size: int = Field(default=20, gt=0)
+    # The garbage collector's first-generation threshold in a worker process (see
+    # worker.runtime.tune_gc); 0 keeps Python's own (700).
+    gc_threshold: int = Field(default=10_000, ge=0)
     deadline_s: float = Field(default=240.0, gt=0)
     task_time_limit_s: float = Field(default=300.0, gt=0)
     candidate_budget_s: float = Field(default=90.0, gt=0)

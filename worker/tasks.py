@@ -32,7 +32,7 @@ from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.llm.providers import import_sdks
 from worker.metrics import metrics, serve
 from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
-from worker.runtime import Deps, process_loop, reset_process_loop
+from worker.runtime import Deps, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
 
 logger = logging.getLogger(__name__)
@@ -155,10 +155,13 @@ def _unbind_task_logs(**_: Any) -> None:
 
 
 @worker_init.connect
-def _import_sdks(sender: Any = None, **_: Any) -> None:
+def _prepare_process(sender: Any = None, **_: Any) -> None:
+    config = _config(sender.app)
     # Before the worker consumes anything: the first compaction must not wait for them (~2 s
     # for both SDKs), and no import may ever run on the event loop (see worker.llm.providers).
-    import_sdks(_config(sender.app).models)
+    import_sdks(config.models)
+    # After the imports, so they are among what the collector never rescans.
+    tune_gc(config.worker.gc_threshold)
 
 
 @worker_process_init.connect

@@ -69,6 +69,8 @@ def cfg(text: str):  # type: ignore[no-untyped-def]
     ("worker: {deadline_s: 400, task_time_limit_s: 300}",
      "worker: Value error, deadline_s must be below task_time_limit_s"),
     ("worker: {loop_guard: {margin: 1.5}}", "worker.loop_guard.margin: Input should be less"),
+    ("worker: {gc_threshold: -1}", "worker.gc_threshold: Input should be greater than or equal"),
+    ("worker: {gc_threshold: often}", "worker.gc_threshold: Input should be a valid integer"),
     ("workers: {}", "workers: unknown key"),
 ])
 def test_bad_configs_name_the_key(text: str, error: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import io
 import json
 import logging
@@ -158,3 +159,20 @@ def test_a_worker_keeps_db_pool_size_connections_and_opens_no_more(
             await deps.aclose()
 
     assert asyncio.run(pool_of_a_worker()) == (expected, 0)
+
+
+def test_a_worker_collects_garbage_less_often_and_never_rescans_startup_objects() -> None:
+    from worker.runtime import tune_gc
+    from worker.settings import WorkerConfig
+
+    assert WorkerConfig().gc_threshold == 10_000
+    before = gc.get_threshold()
+    try:
+        tune_gc(0)  # Python's own collector, untouched
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+        tune_gc(12_345)
+        assert gc.get_threshold() == (12_345, before[1], before[2])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
