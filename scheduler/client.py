@@ -21,6 +21,7 @@ compacted so the runtime can raise the provider's original error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,32 +137,40 @@ class CompactdClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self.drain()
-        if self._own_store:
-            await self.store.close()
+        try:
+            await self.drain()
+        finally:
+            if self._own_store:
+                await self.store.close()
 
     async def drain(self) -> None:
         """Wait until every signal this client is sending in the background has reached the
         broker or been given up (closing the client does this first)."""
         while self._sending:
-            await asyncio.gather(*self._sending)
+            await asyncio.gather(*self._sending, return_exceptions=True)
 
     def send_in_background(self, request: RunRequest) -> None:
         """Hand the run for a session whose signal mark was just set to the broker without
         making the caller wait: a publish costs 1.4 ms (median, after the agent's think time) on
-        the step, and the signal is only a hint. The send starts after the step's own calls
-        (``SIGNAL_SEND_DELAY_S``)."""
+        the step, and the signal is only a hint. The send starts ``SIGNAL_SEND_DELAY_S`` later,
+        after the step's poll in practice."""
         task = asyncio.get_running_loop().create_task(self._send_marked(request))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
     async def _send_marked(self, request: RunRequest) -> None:
-        await asyncio.sleep(SIGNAL_SEND_DELAY_S)
         try:
+            await asyncio.sleep(SIGNAL_SEND_DELAY_S)
             await enqueue_marked(self.store, self.enqueuer, request)
+        except asyncio.CancelledError:
+            # Cancelled before the broker had it (the loop is closing without aclose): free the
+            # mark, or the session's next signal waits for its TTL or the pressure sweep.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.store.clear_signal(request.session_id))
+            raise
         except Exception as exc:
-            # The messages are committed; a lost signal costs nothing lasting (the mark is
-            # cleared, so the next append signals again, and the pressure sweep finds it).
+            # The messages are committed; a lost signal costs nothing lasting (enqueue_marked
+            # frees the mark so the next append signals again, and the pressure sweep finds it).
             logger.warning("an append's signal was not enqueued: %s", exc,
                            extra={"action": "signal_failed", "session_id": request.session_id})
 

@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from storage.schema import dumps
 SQLITE_FILENAME = "compactd.sqlite3"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 READ_ONLY_OPTION = "compactd_read_only"
+POOL_RECYCLE_S = 1800
 
 
 def embedded_url(home: str | os.PathLike[str] | None = None) -> str:
@@ -86,7 +88,7 @@ def create_engine(url: str, *, pool_size: int = 10, max_overflow: int | None = N
         # DatabaseUnavailable) and the caller's retry gets a fresh one.
         url, echo=echo, json_serializer=dumps, pool_size=pool_size,
         max_overflow=pool_size if max_overflow is None else max_overflow,
-        pool_recycle=1800,
+        pool_recycle=POOL_RECYCLE_S,
         connect_args={"server_settings": {"application_name": "compactd"}},
     )
 
@@ -114,7 +116,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
-CD_NO_SESSION = "CD404"
+_CD_NO_SESSION = "CD404"
 _PG_UNDEFINED_TABLE = "42P01"
 _PG_UNDEFINED_FUNCTION = "42883"
 _PG_NO_DATABASE = "3D000"
@@ -142,7 +144,7 @@ def translate(exc: BaseException) -> CompactdError:
     orig = getattr(exc, "orig", None) or exc
     code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     text = str(orig)
-    if code == CD_NO_SESSION:
+    if code == _CD_NO_SESSION:
         # compactd's SQL functions raise this with the session id as DETAIL.
         return SessionNotFound(str(getattr(driver_error(exc), "detail", None) or ""))
     if code == _PG_UNDEFINED_TABLE or "no such table" in text:
@@ -221,8 +223,9 @@ async def snapshot(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
 async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
     """The asyncpg connection under a pooled SQLAlchemy connection, in autocommit mode.
 
-    For the two statements on the runtime's critical path (append and poll), where SQLAlchemy's
-    statement layer costs as much as the round trip. Errors are translated like everywhere else;
+    For single statements where SQLAlchemy's statement layer costs as much as the round trip
+    (the worker's claim and commits; the runtime's append and poll when its
+    :class:`StepConnection` is busy). Errors are translated like everywhere else;
     callers that raise compactd's own SQLSTATEs inspect them first.
     """
     with translated():
@@ -242,14 +245,17 @@ class StepConnection:
     so a worker, which never appends, never holds one. A second statement while it is busy
     (several sessions appending at once in one process) goes through the pool as before. When
     the connection fails it is dropped, and taken afresh by the next statement; refused and
-    cancelled statements leave it in place.
+    cancelled statements leave it in place. It goes back to the pool as often as the pool
+    recycles its own connections (``pool_recycle``), so it is renewed as they are.
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._conn: AsyncConnection | None = None
         self._raw: Any = None
+        self._taken_at = 0.0
         self._busy = False
+        self.prepared = False  # prepare() ran on this connection
 
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[Any]:
@@ -260,59 +266,68 @@ class StepConnection:
         self._busy = True
         try:
             with translated():
-                if self._raw is None or self._raw.is_closed():
-                    await self._drop()
-                    conn = await self._engine.connect()
-                    self._raw = (await conn.get_raw_connection()).driver_connection
-                    self._conn = conn
+                if self._raw is not None and (
+                        self._raw.is_closed()
+                        or time.monotonic() - self._taken_at > POOL_RECYCLE_S):
+                    await self._release(broken=self._raw.is_closed())
+                if self._raw is None:
+                    self._conn = await self._engine.connect()
+                    self._raw = (await self._conn.get_raw_connection()).driver_connection
+                    self._taken_at = time.monotonic()
                 raw = self._raw
                 try:
                     yield raw
                 except BaseException as exc:
-                    # asyncpg cancels an interrupted statement on the server and keeps the
-                    # connection usable (the next statement waits for that), as after a refused
-                    # statement; anything else may have left it in an unknown state.
-                    if raw.is_closed() or not (isinstance(exc, asyncio.CancelledError)
-                                               or _statement_error(exc)):
-                        await self._drop()
+                    if raw.is_closed() or not _connection_survives(exc):
+                        await self._release(broken=True)
                     raise
         finally:
             self._busy = False
 
-    async def close(self) -> None:
-        await self._drop()
+    async def prepare(self, statements: Sequence[str]) -> None:
+        """Prepare ``statements`` on the kept connection, once per connection."""
+        if self.prepared:
+            return
+        async with self.use() as raw:
+            if raw is not self._raw:
+                return  # busy: a pool connection served, and preparing it is no use
+            for statement in statements:
+                await raw.prepare(statement)
+            self.prepared = True
 
-    async def _drop(self) -> None:
-        conn, self._conn, self._raw = self._conn, None, None
-        if conn is not None:
+    async def close(self) -> None:
+        await self._release(broken=False)
+
+    async def _release(self, *, broken: bool) -> None:
+        conn, self._conn, self._raw, self.prepared = self._conn, None, None, False
+        if conn is None:
+            return
+        if broken:
             # Its state is unknown (a statement may still be running): never reuse it.
             with contextlib.suppress(Exception):
                 await conn.invalidate()
-            with contextlib.suppress(Exception):
-                await conn.close()
+        with contextlib.suppress(Exception):
+            await conn.close()
 
 
-def _statement_error(exc: BaseException) -> bool:
-    """The server refused one statement (or the caller refused its input): the connection
-    itself is as good as before."""
-    if isinstance(exc, BadInput):
+def _connection_survives(exc: BaseException) -> bool:
+    """Whether the connection is as good as before after ``exc`` left a statement on it: the
+    caller refused the input, the statement was cancelled (asyncpg cancels it on the server and
+    the next statement waits for that), or the server refused the statement itself (any SQLSTATE
+    but the connection and shutdown classes, 08 and 57P). Callers may have translated the
+    driver's error already, so the chain under ``exc`` is searched."""
+    if isinstance(exc, BadInput | asyncio.CancelledError):
         return True
     from asyncpg import PostgresError  # imported here: only a failing statement needs it
 
-    return isinstance(exc, PostgresError) and not isinstance(
-        exc, _postgres_connection_errors())
-
-
-def _postgres_connection_errors() -> tuple[type[BaseException], ...]:
-    from asyncpg.exceptions import (
-        AdminShutdownError,
-        CannotConnectNowError,
-        PostgresConnectionError,
-        QueryCanceledError,
-    )
-
-    return (PostgresConnectionError, AdminShutdownError, CannotConnectNowError,
-            QueryCanceledError)
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            break
+        if isinstance(seen, PostgresError):
+            return not (seen.sqlstate or "").startswith(_PG_UNAVAILABLE_PREFIXES)
+        seen = getattr(seen, "orig", None) or seen.__cause__ or seen.__context__
+    return False
 
 
 async def ping(engine: AsyncEngine) -> None:

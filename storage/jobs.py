@@ -23,6 +23,11 @@ ITEM_ENQUEUED = "enqueued"
 ITEM_DONE = "done"
 ITEM_FAILED = "failed"
 
+
+def bulk_item_state(outcome: str) -> str:
+    """What a bulk item becomes when its run ends with ``outcome``."""
+    return ITEM_FAILED if outcome == "failed" else ITEM_DONE
+
 JOB_RUNNING = "running"
 JOB_DONE = "done"
 _ITEM_INSERT_CHUNK = 1000
@@ -126,11 +131,10 @@ class JobsMixin:
         if job_id is None:
             return
         i = t.bulk_items.c
-        state = ITEM_FAILED if outcome == "failed" else ITEM_DONE
         await conn.execute(
             t.bulk_items.update()
             .where(i.job_id == job_id, i.session_id == session_id, i.state != ITEM_DONE)
-            .values(state=state, run_id=run_id, updated_at=now))
+            .values(state=bulk_item_state(outcome), run_id=run_id, updated_at=now))
 
     # ---------------------------------------------------------------------------------------
     # sweeps

@@ -28,7 +28,7 @@ from storage.errors import (
     LockNotAvailable,
     SurfaceChanged,
 )
-from storage.jobs import ITEM_DONE, ITEM_FAILED
+from storage.jobs import ITEM_DONE, bulk_item_state
 from storage.records import (
     Busy,
     Claim,
@@ -339,11 +339,10 @@ class LeasesMixin:
         sql = _COMMIT_SQL
         ending: tuple[Any, ...] = ()
         if end is not None:
-            sql, ending = _COMMIT_ENDING_SQL, (
-                end.outcome, end.failure_class, end.error, end.tokens_before, end.tokens_after,
-                end.model, _json_or_none(end.usage), _json_or_none(end.candidates),
-                _json_or_none(end.stages), _json_or_none(end.range_seqs),
-                ITEM_FAILED if end.outcome == "failed" else ITEM_DONE)
+            sql = _COMMIT_ENDING_SQL
+            ending = (*(_json_or_none(value) if column in _RUN_JSON_COLUMNS else value
+                        for column, value in _run_end_values(end).items()),
+                      bulk_item_state(end.outcome))
         async with raw_connection(self.engine) as raw:
             try:
                 record = await raw.fetchrow(sql, *args, *ending)
@@ -409,11 +408,8 @@ class LeasesMixin:
                        now: dt.datetime) -> None:
         """The run row's result, and its bulk item's when it belongs to a bulk job."""
         job_id = (await conn.execute(_END_RUN, {
-            "b_id": run_id, "b_status": end.outcome, "b_failure_class": end.failure_class,
-            "b_error": end.error, "b_tokens_before": end.tokens_before,
-            "b_tokens_after": end.tokens_after, "b_model": end.model, "b_usage": end.usage,
-            "b_candidates": end.candidates, "b_stages": end.stages,
-            "b_range_seqs": end.range_seqs, "b_now": now})).scalar()
+            "b_id": run_id, "b_now": now,
+            **{f"b_{column}": value for column, value in _run_end_values(end).items()}})).scalar()
         if job_id is not None:
             await self._settle_bulk_item(conn, run_id, session_id, end.outcome, now)
 
@@ -525,20 +521,36 @@ _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
 _CLAIM_SQL = "SELECT * FROM compactd_claim($1, $2, $3, $4, $5, $6, $7, $8)"
 _COMMIT_SQL = ("SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, "
                "$13, $14)")
+# The run row's result, column by column, as every way of ending a run writes it.
+_RUN_END_COLUMNS = ("status", "failure_class", "error", "tokens_before", "tokens_after", "model",
+                    "usage", "candidates", "stages", "range_seqs")
+_RUN_JSON_COLUMNS = frozenset(c for c in _RUN_END_COLUMNS
+                              if isinstance(t.compaction_runs.c[c].type, sa.JSON))
+
+
+def _run_end_values(end: RunEnd) -> dict[str, Any]:
+    values = {"status": end.outcome, "failure_class": end.failure_class, "error": end.error,
+              "tokens_before": end.tokens_before, "tokens_after": end.tokens_after,
+              "model": end.model, "usage": end.usage, "candidates": end.candidates,
+              "stages": end.stages, "range_seqs": end.range_seqs}
+    return {column: values[column] for column in _RUN_END_COLUMNS}
+
+
 # The commit that ends its run: the run row's result and its bulk item's ride on the call.
 # The UPDATE waits for the call (EXISTS on its result), so the session row is locked before the
 # run row, as everywhere else, and a refused call (moved fence, changed surface) changes
-# nothing. compactd_commit does not touch compaction_runs, so one snapshot serves all three.
+# nothing. The call does not touch compaction_runs; the run row's UPDATE re-reads the row's
+# newest version if a lease renewal changed it meanwhile, as any UPDATE does.
 _COMMIT_ENDING_SQL = f"""
 WITH c AS (SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
                                          $13, $14)),
      r AS (UPDATE compaction_runs
-              SET status = $15, failure_class = $16, error = $17, tokens_before = $18,
-                  tokens_after = $19, model = $20, usage = $21, candidates = $22, stages = $23,
-                  range_seqs = $24, finished_at = $4, heartbeat_at = $4
+              SET {", ".join(f"{c} = ${i}" for i, c in enumerate(_RUN_END_COLUMNS, start=15))},
+                  finished_at = $4, heartbeat_at = $4
             WHERE id = $2::text AND EXISTS (SELECT FROM c)
            RETURNING bulk_job_id),
-     b AS (UPDATE bulk_items AS i SET state = $25, run_id = $2::text, updated_at = $4
+     b AS (UPDATE bulk_items AS i SET state = ${15 + len(_RUN_END_COLUMNS)}, run_id = $2::text,
+                  updated_at = $4
              FROM r
             WHERE i.job_id = r.bulk_job_id AND i.session_id = $1::text
               AND i.state <> '{ITEM_DONE}')
@@ -571,14 +583,7 @@ _CLAIM_UPDATE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
                          lease_fence=sa.bindparam("b_fence"))
                  .returning(*SESSION_COLUMNS))
 _END_RUN = (t.compaction_runs.update().where(_r.id == sa.bindparam("b_id"))
-            .values(status=sa.bindparam("b_status"),
-                    failure_class=sa.bindparam("b_failure_class"),
-                    error=sa.bindparam("b_error"), tokens_before=sa.bindparam("b_tokens_before"),
-                    tokens_after=sa.bindparam("b_tokens_after"), model=sa.bindparam("b_model"),
-                    usage=sa.bindparam("b_usage", type_=_r.usage.type),
-                    candidates=sa.bindparam("b_candidates", type_=_r.candidates.type),
-                    stages=sa.bindparam("b_stages", type_=_r.stages.type),
-                    range_seqs=sa.bindparam("b_range_seqs", type_=_r.range_seqs.type),
+            .values(**{c: sa.bindparam(f"b_{c}", type_=_r[c].type) for c in _RUN_END_COLUMNS},
                     finished_at=sa.bindparam("b_now"), heartbeat_at=sa.bindparam("b_now"))
             .returning(_r.bulk_job_id))
 

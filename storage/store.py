@@ -18,7 +18,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage.database import (
-    CD_NO_SESSION,
     StepConnection,
     connection,
     create_engine,
@@ -278,21 +277,11 @@ class Store(LeasesMixin, JobsMixin):
 
     async def prepare_steps(self) -> None:
         """Ready the per-step statements before a runtime's first step: on PostgreSQL, take the
-        per-step connection and prepare the append, poll and signal-mark statements on it
-        (asyncpg prepares a statement and looks up its array types at first use: ~9 ms on the
-        first append otherwise). Nothing is written: they run for a session id none has."""
-        if self.sqlite:
-            return
-        import asyncpg
-
-        async with self._step.use() as raw:
-            await raw.fetchval(_POLL_SQL, "")
-            await raw.execute(_MARK_SIGNAL_SQL, "", utcnow(), utcnow())
-            try:
-                await raw.fetchrow(_APPEND_SQL, "", [], [], utcnow(), [], [], [], [], [])
-            except asyncpg.PostgresError as exc:
-                if exc.sqlstate != CD_NO_SESSION:  # what an unknown session gets
-                    raise
+        per-step connection and prepare the append and signal-mark statements on it, once per
+        connection (asyncpg looks up a statement's array types at first use: the first append
+        took ~9 ms, ~2.7 ms after this). Nothing is executed."""
+        if not self.sqlite:
+            await self._step.prepare((_APPEND_SQL, _MARK_SIGNAL_SQL))
 
     async def _append_pg(self, session_id: str, messages: Sequence[Message],
                          payloads: list[dict[str, Any]], tokens: tuple[int, ...],

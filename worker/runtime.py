@@ -41,7 +41,8 @@ def tune_gc(threshold: int) -> None:
     each full pass also the imported modules and SDKs. Throughput bench, one worker, three
     alternating pairs (medians): CPU per compaction 12.8 -> 11.6 ms, 50.7 -> 55.5 compactions/s,
     resident memory 304 -> 337 MB (a 50,000 threshold saved a little more CPU for ~375 MB).
-    Called before a prefork pool forks, the frozen objects also stay shared with the children.
+    Called before a prefork pool forks, the collector also no longer writes to the pages of the
+    frozen objects in the children (reference counts still do).
     """
     if threshold <= 0:
         return

@@ -199,23 +199,29 @@ async def test_append_returns_totals_and_signals_once_per_burst(
 
 
 class RefusingEnqueuer(RecordingEnqueuer):
-    """A broker that refuses every send, after a moment (a send is network I/O)."""
+    """A broker that refuses every send, once the test lets the send end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
 
     async def asend(self, request: RunRequest) -> str:
-        await asyncio.sleep(0.05)
+        await self.answer.wait()
         raise ConnectionError("broker refused the connection")
 
 
 async def test_an_append_does_not_wait_for_its_signal_and_a_refused_send_frees_the_mark(
         db_url: str, store: Store, config: Config, caplog: pytest.LogCaptureFixture) -> None:
-    async with CompactdClient(config, store=store, enqueuer=RefusingEnqueuer()) as client:
+    broker = RefusingEnqueuer()
+    async with CompactdClient(config, store=store, enqueuer=broker) as client:
         handle = await client.create_session("s1", run_model="gpt-4o")
         await handle.append([user(TRIGGER - 20)])
         step = await handle.append([user(30)])
-        # The append returned with its messages committed and the mark set, before the send
-        # ended; the send fails afterwards without touching what was appended.
+        # The append returned with its messages committed and the mark set while its send is
+        # still held; the send then fails without touching what was appended.
         assert step.fired and step.signalled
         assert (await store.get_session("s1")).signal_at is not None
+        broker.answer.set()
         with caplog.at_level(logging.WARNING, logger="scheduler.client"):
             await client.drain()
         assert "signal was not enqueued: broker refused the connection" in caplog.text
@@ -223,8 +229,24 @@ async def test_an_append_does_not_wait_for_its_signal_and_a_refused_send_frees_t
         assert info.signal_at is None, "the mark is cleared so the next append signals again"
         assert info.surface_messages == 2 and info.last_seq == 2
         assert (await handle.append([user(5)])).signalled
+        assert (await store.get_session("s1")).signal_at is not None
     # Closing the client waited for that last send too: it failed and freed the mark.
     assert (await store.get_session("s1")).signal_at is None
+
+
+async def test_a_send_cancelled_before_the_broker_had_it_frees_the_mark(
+        db_url: str, store: Store, config: Config) -> None:
+    broker = RefusingEnqueuer()  # never answers: the send is still waiting when cancelled
+    client = CompactdClient(config, store=store, enqueuer=broker)
+    handle = await client.create_session("s1", run_model="gpt-4o")
+    await handle.append([user(TRIGGER - 20)])
+    assert (await handle.append([user(30)])).signalled
+    await asyncio.sleep(0.05)  # past the send's delay: waiting on the broker
+    for task in list(client._sending):
+        task.cancel()
+    await client.aclose()
+    assert (await store.get_session("s1")).signal_at is None
+    assert (await store.get_session("s1")).last_seq == 2
 
 
 async def test_report_usage_moves_the_trigger(client: CompactdClient, store: Store,

@@ -1,6 +1,6 @@
 """The connection a PostgreSQL store keeps for the runtime's per-step statements (append, poll,
-the signal mark): reused across steps, left in place by a refused statement, and replaced when
-it fails or a statement on it is cancelled, without losing or doubling an append."""
+the signal mark): reused across steps, left in place by a refused or cancelled statement, and
+replaced when it fails, without losing or doubling an append."""
 
 from __future__ import annotations
 
@@ -112,16 +112,22 @@ async def test_concurrent_steps_share_the_pool_when_the_kept_connection_is_busy(
         assert (await pg_store.get_session(f"c{i}")).last_seq == 8
 
 
-async def test_preparing_the_steps_writes_nothing_and_leaves_the_first_append_nothing_to_prepare(
-        pg_store: Store) -> None:
+async def test_preparing_the_steps_writes_nothing_and_is_redone_on_a_new_connection(
+        clean_pg: str, pg_store: Store) -> None:
     before = await pg_store.get_session("s1")
     await pg_store.prepare_steps()
-    await pg_store.prepare_steps()  # idempotent
+    await pg_store.prepare_steps()  # once per connection: the second call does nothing
+    assert pg_store._step.prepared
     assert await pg_store.get_session("s1") == before
-    # The statements are ready on the step connection: the first append does not prepare.
-    async with pg_store._step.use() as raw:
-        prepared = len(raw._stmt_cache)
     result = await pg_store.append("s1", [user("a")])
-    async with pg_store._step.use() as raw:
-        assert len(raw._stmt_cache) == prepared
     assert result.last_seq == 1 and (await pg_store.verify("s1")).ok
+    # A connection that failed is replaced, and the new one is not prepared yet.
+    await terminate(clean_pg, await step_backend(pg_store))
+    await asyncio.sleep(0.1)
+    with contextlib.suppress(DatabaseUnavailable):
+        await pg_store.poll("s1", None)
+    await pg_store.poll("s1", None)
+    assert not pg_store._step.prepared
+    await pg_store.prepare_steps()
+    assert pg_store._step.prepared
+    assert (await pg_store.append("s1", [user("b")])).last_seq == 2

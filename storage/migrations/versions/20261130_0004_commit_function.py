@@ -8,8 +8,8 @@ A compaction commits twice when it prunes before it summarizes: the prunes, then
 checkpoint. As separate statements each commit costs eight or nine round trips through
 SQLAlchemy (begin, lock, prefix read, events, delete, nodes, session update, run update,
 commit), and the worker pays that CPU on every run. This function does everything but the run
-row's end in one call; a commit that ends the run calls it inside a transaction that also ends
-the run row (``LeasesMixin.commit``). The SQLite path does the same work in Python, and the
+row's end in one call; a commit that ends the run calls it in the same statement that ends the
+run row (``LeasesMixin.commit``). The SQLite path does the same work in Python, and the
 integration tests run every commit behaviour against both databases.
 
 Arguments: the replacements flattened into arrays (``p_seqs`` holds every replaced seq,

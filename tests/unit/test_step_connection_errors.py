@@ -1,0 +1,59 @@
+"""Which errors leave the runtime's per-step PostgreSQL connection in place: a statement the
+server refused or a cancelled one keep it, a failed connection does not, also when storage has
+already translated the driver's error into its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg.exceptions as pg
+import pytest
+
+from storage.database import _connection_survives, translate
+from storage.errors import InvalidMessage, LockNotAvailable, SessionNotFound, StorageError
+
+
+def translated(driver: BaseException) -> BaseException:
+    """What storage raises for ``driver``, chained the way ``raise ... from None`` leaves it."""
+    try:
+        try:
+            raise driver
+        except Exception as exc:
+            raise translate(exc) from None
+    except Exception as outer:
+        return outer
+
+
+@pytest.mark.parametrize("exc", [
+    pg.LockNotAvailableError("lock timeout"),          # 55P03
+    pg.QueryCanceledError("statement timeout"),        # 57014: the statement, not the server
+    pg.UndefinedTableError("no table"),                # 42P01
+    pg.UniqueViolationError("duplicate"),              # 23505
+    InvalidMessage("bad tool link", field="tool_call_id"),
+    SessionNotFound("ghost"),
+    asyncio.CancelledError(),
+])
+def test_refused_and_cancelled_statements_keep_the_connection(exc: BaseException) -> None:
+    assert _connection_survives(exc)
+    if isinstance(exc, pg.PostgresError):
+        assert _connection_survives(translated(exc))
+
+
+@pytest.mark.parametrize("exc", [
+    pg.AdminShutdownError("terminating connection"),   # 57P01
+    pg.CannotConnectNowError("starting up"),           # 57P03
+    pg.ProtocolViolationError("protocol"),             # 08P01
+    pg.ConnectionDoesNotExistError("closed"),          # 08003
+    pg.InterfaceError("another operation is in progress"),
+    OSError("connection reset"),
+    RuntimeError("unknown"),
+])
+def test_failed_connections_are_dropped(exc: BaseException) -> None:
+    assert not _connection_survives(exc)
+    assert not _connection_survives(translated(exc))
+
+
+def test_a_translated_lock_timeout_still_counts_as_the_statement_s() -> None:
+    exc = translated(pg.LockNotAvailableError("could not obtain lock"))
+    assert isinstance(exc, LockNotAvailable | StorageError)
+    assert _connection_survives(exc)
