@@ -176,3 +176,21 @@ def test_a_worker_collects_garbage_less_often_and_never_rescans_startup_objects(
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_a_starting_worker_applies_its_configured_gc_threshold(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from worker.settings import WorkerConfig
+    from worker.tasks import _prepare_process
+
+    config = load_config({"COMPACTD_HOME": str(tmp_path)})  # the local summarizer: no SDK
+    config = dataclasses.replace(config, worker=WorkerConfig(gc_threshold=23_456))
+    sender = SimpleNamespace(app=SimpleNamespace(conf=SimpleNamespace(compactd_config=config)))
+    before = gc.get_threshold()
+    try:
+        _prepare_process(sender=sender)  # what Celery's worker_init runs
+        assert gc.get_threshold()[0] == 23_456
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
