@@ -124,18 +124,18 @@ _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
 
 
-
 def driver_error(exc: BaseException) -> BaseException:
-    """The asyncpg exception under SQLAlchemy's wrappers: it carries ``sqlstate`` and ``detail``
-    (SQLAlchemy 2.0's adapter error copies only the SQLSTATE). ``exc`` itself when there is
-    none (SQLite, or an error raised before the driver)."""
+    """The asyncpg exception under SQLAlchemy's wrappers, or under storage's own error raised
+    for it (``raise ... from None`` leaves it as the context): it carries ``sqlstate`` and
+    ``detail`` (SQLAlchemy 2.0's adapter error copies only the SQLSTATE). ``exc`` itself when
+    there is none (SQLite, or an error raised before the driver)."""
     seen: BaseException | None = exc
     for _ in range(4):
         if seen is None:
             break
         if (type(seen).__module__ or "").startswith("asyncpg"):
             return seen
-        seen = getattr(seen, "orig", None) or seen.__cause__
+        seen = getattr(seen, "orig", None) or seen.__cause__ or seen.__context__
     return exc
 
 
@@ -314,20 +314,15 @@ def _connection_survives(exc: BaseException) -> bool:
     """Whether the connection is as good as before after ``exc`` left a statement on it: the
     caller refused the input, the statement was cancelled (asyncpg cancels it on the server and
     the next statement waits for that), or the server refused the statement itself (any SQLSTATE
-    but the connection and shutdown classes, 08 and 57P). Callers may have translated the
-    driver's error already, so the chain under ``exc`` is searched."""
+    but the connection and shutdown classes, 08 and 57P), also when the caller has translated
+    the driver's error already."""
     if isinstance(exc, BadInput | asyncio.CancelledError):
         return True
     from asyncpg import PostgresError  # imported here: only a failing statement needs it
 
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            break
-        if isinstance(seen, PostgresError):
-            return not (seen.sqlstate or "").startswith(_PG_UNAVAILABLE_PREFIXES)
-        seen = getattr(seen, "orig", None) or seen.__cause__ or seen.__context__
-    return False
+    driver = driver_error(exc)
+    return isinstance(driver, PostgresError) and not (
+        driver.sqlstate or "").startswith(_PG_UNAVAILABLE_PREFIXES)
 
 
 async def ping(engine: AsyncEngine) -> None:

@@ -23,14 +23,14 @@ ITEM_ENQUEUED = "enqueued"
 ITEM_DONE = "done"
 ITEM_FAILED = "failed"
 
+JOB_RUNNING = "running"
+JOB_DONE = "done"
+_ITEM_INSERT_CHUNK = 1000
+
 
 def bulk_item_state(outcome: str) -> str:
     """What a bulk item becomes when its run ends with ``outcome``."""
     return ITEM_FAILED if outcome == "failed" else ITEM_DONE
-
-JOB_RUNNING = "running"
-JOB_DONE = "done"
-_ITEM_INSERT_CHUNK = 1000
 
 
 class JobsMixin:

@@ -12,12 +12,9 @@ import asyncpg
 import pytest
 
 from storage.errors import DatabaseUnavailable, InvalidMessage, SessionNotFound
-from storage.messages import Message, parse_openai
+from storage.messages import parse_openai
 from storage.store import Store
-
-
-def user(text: str) -> Message:
-    return parse_openai({"role": "user", "content": text})
+from tests.unit.compaction_helpers import user
 
 
 @pytest.fixture
