@@ -172,7 +172,7 @@ def _after_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    port = load_config().worker.metrics_port
+    port = _config(sender.app).worker.metrics_port
     pool = type(getattr(sender, "pool", None)).__module__
     if port and pool.endswith(".prefork"):
         # Each child would count into its own registry; this endpoint would serve zeros.

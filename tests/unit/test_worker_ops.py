@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -53,8 +54,12 @@ def test_concurrent_first_use_creates_the_metrics_once(monkeypatch: pytest.Monke
 
 
 class _Sender:
+    """What Celery's worker_ready passes: the consumer, with its pool and its app (whose conf
+    carries no compactd config here, so the environment's is read)."""
+
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        self.app = SimpleNamespace(conf=SimpleNamespace())
 
 
 @pytest.mark.parametrize("pool_module, serves", [("celery.concurrency.thread", True),
@@ -179,8 +184,6 @@ def test_a_worker_collects_garbage_less_often_and_never_rescans_startup_objects(
 
 
 def test_a_starting_worker_applies_its_configured_gc_threshold(tmp_path: Any) -> None:
-    from types import SimpleNamespace
-
     from worker.settings import WorkerConfig
     from worker.tasks import _prepare_process
 
