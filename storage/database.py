@@ -12,6 +12,7 @@ import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -223,10 +224,9 @@ async def snapshot(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
 async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
     """The asyncpg connection under a pooled SQLAlchemy connection, in autocommit mode.
 
-    For single statements where SQLAlchemy's statement layer costs as much as the round trip
-    (the worker's claim and commits; the runtime's append and poll when its
-    :class:`StepConnection` is busy). Errors are translated like everywhere else;
-    callers that raise compactd's own SQLSTATEs inspect them first.
+    For single statements where SQLAlchemy's statement layer costs as much as the round trip,
+    when every :class:`KeptConnections` connection is busy. Errors are translated like
+    everywhere else; callers that raise compactd's own SQLSTATEs inspect them first.
     """
     with translated():
         async with engine.connect() as conn:
@@ -235,79 +235,124 @@ async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
             yield fairy.driver_connection
 
 
-class StepConnection:
-    """One pooled PostgreSQL connection the runtime's per-step statements (append, poll, the
-    signal mark) keep checked out, instead of a pool checkout and return around each.
+class KeptConnections:
+    """Up to ``capacity`` pooled PostgreSQL connections kept checked out for the statements a
+    process runs over and over, instead of a pool checkout and return around each.
 
-    After the agent's think time the process runs cold: on the benchmark VM a checkout and its
-    return cost 0.4 ms of an append's ~2.5 ms, against 0.08 ms warm. The connection is one of
-    the pool's own (no extra server connection) and is taken at the first per-step statement,
-    so a worker, which never appends, never holds one. A second statement while it is busy
-    (several sessions appending at once in one process) goes through the pool as before. When
-    the connection fails it is dropped, and taken afresh by the next statement; refused and
-    cancelled statements leave it in place. It goes back to the pool as often as the pool
-    recycles its own connections (``pool_recycle``), so it is renewed as they are.
+    A checkout and its return cost more than the statement they serve: the runtime after the
+    agent's think time runs cold (on the benchmark VM 0.4 ms of an append's ~2.5 ms, against
+    0.08 ms warm), and a worker runs six statements per compaction (0.07 ms of CPU per
+    checkout). The connections are the pool's own (no extra server connections) and are
+    taken at first use, so a process that never runs these statements holds none. A
+    statement that finds every kept connection busy goes through the pool as before, so the
+    pool always has ``pool_size - capacity`` connections for everything else. A connection
+    that fails is dropped and taken afresh by a later statement; refused and cancelled
+    statements leave it in place. Each goes back to the pool as often as the pool recycles its
+    own connections (``pool_recycle``), so they are renewed as those are.
+
+    The runtime keeps one (its append, poll and signal mark); a worker keeps a few (claim,
+    surface read, commits, the loop guard's read, the signal clear).
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, capacity: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, not {capacity}")
         self._engine = engine
-        self._conn: AsyncConnection | None = None
-        self._raw: Any = None
-        self._taken_at = 0.0
-        self._busy = False
-        self.prepared = False  # prepare() ran on this connection
+        self.capacity = capacity
+        self._idle: list[_Kept] = []
+        self._held = 0  # kept connections, idle or in use
+        self._generation = 0  # close() drops those in use when they come back
+
+    @property
+    def prepared(self) -> bool:
+        """Whether prepare() ran on every idle kept connection (and there is one)."""
+        return bool(self._idle) and all(k.prepared for k in self._idle)
 
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[Any]:
-        if self._busy:
+        kept = await self._checkout()
+        if kept is None:
             async with raw_connection(self._engine) as raw:
                 yield raw
             return
-        self._busy = True
         try:
             with translated():
-                if self._raw is not None and (
-                        self._raw.is_closed()
-                        or time.monotonic() - self._taken_at > POOL_RECYCLE_S):
-                    await self._release(broken=self._raw.is_closed())
-                if self._raw is None:
-                    self._conn = await self._engine.connect()
-                    self._raw = (await self._conn.get_raw_connection()).driver_connection
-                    self._taken_at = time.monotonic()
-                raw = self._raw
                 try:
-                    yield raw
+                    yield kept.raw
                 except BaseException as exc:
-                    if raw.is_closed() or not _connection_survives(exc):
-                        await self._release(broken=True)
+                    if kept.raw.is_closed() or not _connection_survives(exc):
+                        dropped, kept = kept, None
+                        await self._drop(dropped, broken=True)
                     raise
         finally:
-            self._busy = False
+            if kept is not None:
+                if kept.generation == self._generation:
+                    self._idle.append(kept)
+                else:
+                    await self._drop(kept, broken=False)
 
     async def prepare(self, statements: Sequence[str]) -> None:
-        """Prepare ``statements`` on the kept connection, once per connection."""
-        if self.prepared:
-            return
-        async with self.use() as raw:
-            if raw is not self._raw:
-                return  # busy: a pool connection served, and preparing it is no use
-            for statement in statements:
-                await raw.prepare(statement)
-            self.prepared = True
+        """Prepare ``statements`` on a kept connection, once per connection."""
+        kept = await self._checkout()
+        if kept is None:
+            return  # all busy: a pool connection would serve, and preparing it is no use
+        try:
+            if not kept.prepared:
+                with translated():
+                    for statement in statements:
+                        await kept.raw.prepare(statement)
+                kept.prepared = True
+        except BaseException:
+            await self._drop(kept, broken=True)
+            raise
+        self._idle.append(kept)
 
     async def close(self) -> None:
-        await self._release(broken=False)
+        self._generation += 1
+        idle, self._idle = self._idle, []
+        for kept in idle:
+            await self._drop(kept, broken=False)
 
-    async def _release(self, *, broken: bool) -> None:
-        conn, self._conn, self._raw, self.prepared = self._conn, None, None, False
-        if conn is None:
-            return
+    async def _checkout(self) -> _Kept | None:
+        while self._idle:
+            kept = self._idle.pop()
+            if not kept.raw.is_closed() and time.monotonic() - kept.taken_at <= POOL_RECYCLE_S:
+                return kept
+            await self._drop(kept, broken=kept.raw.is_closed())
+        if self._held >= self.capacity:
+            return None
+        self._held += 1
+        try:
+            with translated():
+                conn = await self._engine.connect()
+                try:
+                    raw = (await conn.get_raw_connection()).driver_connection
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await conn.close()
+                    raise
+        except BaseException:
+            self._held -= 1
+            raise
+        return _Kept(conn, raw, time.monotonic(), self._generation)
+
+    async def _drop(self, kept: _Kept, *, broken: bool) -> None:
+        self._held -= 1
         if broken:
             # Its state is unknown (a statement may still be running): never reuse it.
             with contextlib.suppress(Exception):
-                await conn.invalidate()
+                await kept.conn.invalidate()
         with contextlib.suppress(Exception):
-            await conn.close()
+            await kept.conn.close()
+
+
+@dataclass
+class _Kept:
+    conn: AsyncConnection
+    raw: Any
+    taken_at: float
+    generation: int
+    prepared: bool = False  # KeptConnections.prepare() ran on it
 
 
 def _connection_survives(exc: BaseException) -> bool:

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
-from storage.database import connection, driver_error, raw_connection, transaction
+from storage.database import KeptConnections, connection, driver_error, transaction
 from storage.errors import (
     CompactdError,
     LeaseLost,
@@ -44,6 +44,7 @@ from storage.schema import (
     RUN_COLUMNS,
     SESSION_COLUMNS,
     dumps,
+    run_from_record,
     run_from_row,
     session_from_record,
     session_from_row,
@@ -66,6 +67,7 @@ RUN_FAILED = "failed"
 class LeasesMixin:
     engine: AsyncEngine
     sqlite: bool
+    _kept: KeptConnections
 
     if TYPE_CHECKING:  # provided by Store and JobsMixin
         async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
@@ -158,7 +160,7 @@ class LeasesMixin:
         0003); None when the session is leased or has an expired lease to close, which the
         general path handles. A bulk item always takes the general path (it checks the job)."""
         expires = now + dt.timedelta(seconds=lease_s)
-        async with raw_connection(self.engine) as raw:
+        async with self._kept.use() as raw:
             row = await raw.fetchrow(_CLAIM_SQL, session_id, run_id, owner, trigger, expires,
                                      now, task_id, skip_locked)
         info = session_from_record(row)
@@ -343,7 +345,7 @@ class LeasesMixin:
             ending = (*(_json_or_none(value) if column in _RUN_JSON_COLUMNS else value
                         for column, value in _run_end_values(end).items()),
                       bulk_item_state(end.outcome))
-        async with raw_connection(self.engine) as raw:
+        async with self._kept.use() as raw:
             try:
                 record = await raw.fetchrow(sql, *args, *ending)
             except Exception as exc:
@@ -482,6 +484,12 @@ class LeasesMixin:
     async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
                           session_id: str | None = None, status: str | None = None
                           ) -> list[RunRecord]:
+        if not self.sqlite and since is not None and session_id is not None and status:
+            # The loop guard's read after every committed automatic run: on a kept connection,
+            # without SQLAlchemy's statement layer.
+            async with self._kept.use() as raw:
+                records = await raw.fetch(_SESSION_RUNS_SQL, session_id, status, since, limit)
+            return [run_from_record(r) for r in records]
         stmt = _recent_runs(since is not None, session_id is not None, status is not None,
                             limit)
         params = {"b_since": since, "b_session": session_id, "b_status": status}
@@ -586,6 +594,11 @@ _END_RUN = (t.compaction_runs.update().where(_r.id == sa.bindparam("b_id"))
             .values(**{c: sa.bindparam(f"b_{c}", type_=_r[c].type) for c in _RUN_END_COLUMNS},
                     finished_at=sa.bindparam("b_now"), heartbeat_at=sa.bindparam("b_now"))
             .returning(_r.bulk_job_id))
+
+
+# _recent_runs(True, True, True, limit) as raw SQL, in the same order.
+_SESSION_RUNS_SQL = ("SELECT * FROM compaction_runs WHERE session_id = $1 AND status = $2"
+                     " AND started_at >= $3 ORDER BY started_at DESC, id DESC LIMIT $4")
 
 
 @functools.lru_cache(maxsize=64)

@@ -197,6 +197,18 @@ def session_from_record(record: Any) -> SessionInfo:
     return SessionInfo(**values)
 
 
+_JSON_RUN_COLUMNS = ("range_seqs", "candidates", "stages", "usage")
+
+
+def run_from_record(record: Any) -> RunRecord:
+    """A run from a raw asyncpg record (JSON columns may arrive as text there)."""
+    values = {c.name: record[c.name] for c in RUN_COLUMNS}
+    for name in _JSON_RUN_COLUMNS:
+        if isinstance(values[name], str):
+            values[name] = json.loads(values[name])
+    return RunRecord(**values)
+
+
 def session_from_row(row: Any) -> SessionInfo:
     m = row._mapping
     return SessionInfo(**{c.name: m[c.name] for c in SESSION_COLUMNS})

@@ -29,7 +29,7 @@ async def pg_store(clean_pg: str) -> AsyncIterator[Store]:
 
 async def step_backend(store: Store) -> int:
     """The server process behind the store's per-step connection."""
-    async with store._step.use() as raw:
+    async with store._kept.use() as raw:
         return int(await raw.fetchval("SELECT pg_backend_pid()"))
 
 
@@ -114,7 +114,7 @@ async def test_preparing_the_steps_writes_nothing_and_is_redone_on_a_new_connect
     before = await pg_store.get_session("s1")
     await pg_store.prepare_steps()
     await pg_store.prepare_steps()  # once per connection: the second call does nothing
-    assert pg_store._step.prepared
+    assert pg_store._kept.prepared
     assert await pg_store.get_session("s1") == before
     result = await pg_store.append("s1", [user("a")])
     assert result.last_seq == 1 and (await pg_store.verify("s1")).ok
@@ -124,7 +124,39 @@ async def test_preparing_the_steps_writes_nothing_and_is_redone_on_a_new_connect
     with contextlib.suppress(DatabaseUnavailable):
         await pg_store.poll("s1", None)
     await pg_store.poll("s1", None)
-    assert not pg_store._step.prepared
+    assert not pg_store._kept.prepared
     await pg_store.prepare_steps()
-    assert pg_store._step.prepared
+    assert pg_store._kept.prepared
     assert (await pg_store.append("s1", [user("b")])).last_seq == 2
+
+
+async def test_a_store_keeps_at_most_its_capacity_and_reuses_those(clean_pg: str) -> None:
+    """A worker's store keeps several connections: uses beyond them go through the pool, and
+    the kept ones serve the later statements."""
+    store = Store.from_url(clean_pg, kept_connections=3)
+    try:
+        async def burst(size: int) -> set[int]:
+            gate = asyncio.Event()
+            pids: list[int] = []
+
+            async def hold() -> None:
+                async with store._kept.use() as raw:
+                    pids.append(int(await raw.fetchval("SELECT pg_backend_pid()")))
+                    await gate.wait()
+
+            tasks = [asyncio.create_task(hold()) for _ in range(size)]
+            while len(pids) < size:
+                await asyncio.sleep(0.01)
+            gate.set()
+            await asyncio.gather(*tasks)
+            return set(pids)
+
+        first = await burst(5)
+        assert len(first) == 5  # three kept, two from the pool at once
+        assert store._kept._held == 3 and len(store._kept._idle) == 3
+        again = await burst(3)
+        assert len(again) == 3 and again <= first
+        assert store._kept._held == 3
+    finally:
+        await store.close()
+    assert store._kept._held == 0
