@@ -147,3 +147,26 @@ async def test_broken_kinds_mark_the_candidate() -> None:
         await summarize(REQUEST, candidates=[CANDIDATE], validate=lambda text: None,
                         deadline_s=5, providers=source, retry=RetryPolicy(), sleep=Sleeps())
     assert source.broken == ["HTTP 401"]
+
+
+async def test_a_finished_call_leaves_its_request_to_reference_counting() -> None:
+    """Nothing of a request may wait for the garbage collector after its call: a run's plan
+    and surface hang off it, and they are a worker's largest transient objects."""
+    import gc
+    import weakref
+
+    def check(text: str) -> str | None:
+        return None
+
+    request = SummaryRequest.of([{"role": "user", "content": "summarize this"}], validate=check)
+    alive = weakref.ref(check)
+    del check
+    gc.disable()
+    try:
+        await summarize(request, candidates=[CANDIDATE], validate=lambda text: None,
+                        deadline_s=60, providers=Source(Scripted([server(), "ok"])),
+                        retry=RetryPolicy(max_attempts=2, jitter=False), sleep=Sleeps())
+        del request
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -297,7 +297,13 @@ class _Run:
     async def _call_with_retries(self, provider: Provider, candidate: Candidate,
                                  counter: _Counter, deadline_at: float) -> Completion:
         loop = asyncio.get_running_loop()
-        policy = self.retry
+        policy, rng, max_tokens = self.retry, self.rng, self.request.max_tokens
+        # tenacity's retrying object stays in a reference cycle after the call (its iteration
+        # state holds its own bound methods), so all its callbacks reach waits for the garbage
+        # collector. They reach only this call's small objects, and the prompt through `held`,
+        # emptied when the call ends: the run's surface and plan are freed by reference
+        # counting as soon as the run ends, not at the next full collection.
+        held = [self.request.chat]
 
         def wait(state: RetryCallState) -> float:
             exc = state.outcome.exception() if state.outcome else None
@@ -305,7 +311,7 @@ class _Run:
                 return min(exc.retry_after_s, policy.retry_after_cap_s)
             return compute_backoff(state.attempt_number, initial_s=policy.backoff_initial_s,
                                    max_s=policy.backoff_max_s, jitter=policy.jitter,
-                                   rng=self.rng)
+                                   rng=rng)
 
         async def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -318,8 +324,7 @@ class _Run:
 
         async def call() -> Completion:
             counter.n += 1
-            return await provider.complete(self.request.chat,
-                                           max_tokens=self.request.max_tokens)
+            return await provider.complete(held[0], max_tokens=max_tokens)
 
         retrying = AsyncRetrying(
             stop=(stop_after_attempt(policy.max_attempts)
@@ -328,7 +333,10 @@ class _Run:
             wait=wait,
             retry=retry_if_exception(lambda e: isinstance(e, ProviderError) and e.transient),
             before_sleep=before_sleep, sleep=self.sleep, reraise=True)
-        result: Completion = await retrying(call)
+        try:
+            result: Completion = await retrying(call)
+        finally:
+            held.clear()
         return result
 
     async def _shrink(self, candidate: Candidate) -> bool:
