@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from storage.errors import InvalidMessage
 from storage.messages import (
@@ -199,3 +201,34 @@ def test_an_answered_id_may_be_issued_again() -> None:
     batch = BatchLinks([_tool("x"), _asst("x"), _tool("x"), _asst("y")])
     assert batch.external == [("x", 0)]
     assert batch.calls == [("x", 1, 2), ("y", 3, None)]
+
+
+@pytest.mark.parametrize("payload", [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [["c1", "bash", '{"cmd": "ls"}'], ["c2", "read", "{}"]]},
+    {"role": "tool", "content": [{"type": "text", "text": "out"}, {"type": "image_url"}],
+     "tool_call_id": "c1", "name": "bash", "meta": {"pruned": True}},
+    {"role": "system", "content": "", "meta": {"pinned": True, "n": 2**70}},
+])
+def test_a_stored_message_is_rebuilt_as_model_construct_would(payload: dict[str, Any]) -> None:
+    """from_payload skips model_construct's per-field loop; the result must not differ."""
+    from storage.messages import ToolCall
+
+    rebuilt = from_payload(payload)
+    calls = tuple(ToolCall.model_construct(id=c[0], name=c[1], arguments=c[2])
+                  for c in payload.get("tool_calls") or ())
+    expected = Message.model_construct(
+        role=payload["role"], content=payload.get("content"), tool_calls=calls,
+        tool_call_id=payload.get("tool_call_id"), name=payload.get("name"),
+        meta=dict(payload.get("meta") or {}))
+    assert rebuilt == expected and rebuilt.model_fields_set == expected.model_fields_set
+    assert [c.model_fields_set for c in rebuilt.tool_calls] == [
+        c.model_fields_set for c in expected.tool_calls]
+    assert rebuilt.model_dump() == expected.model_dump()
+    assert rebuilt.to_payload() == expected.to_payload()
+    assert Message.model_validate(rebuilt.model_dump()) == rebuilt
+    copy = rebuilt.model_copy(update={"meta": {"pruned": True}})
+    assert copy.meta == {"pruned": True} and copy.role == rebuilt.role
+    with pytest.raises(ValidationError):
+        rebuilt.role = "user"  # frozen, as a validated message is
