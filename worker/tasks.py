@@ -103,7 +103,7 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
             bulk_job_id, [session_id], ITEM_FAILED))
     if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
         raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
-    return outcome.to_json()
+    return outcome.brief()
 
 
 @shared_task(name=TASK_SWEEP, bind=True, ignore_result=True)
