@@ -14,8 +14,8 @@ from celery import Celery
 from celery.signals import setup_logging
 from kombu import Exchange, Queue
 
+from worker import broker, logs
 from worker import flower as _flower  # noqa: F401  (connects Flower's defaults)
-from worker import logs
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.settings import Config, broker_dirs, load_config
 
@@ -110,6 +110,8 @@ def celery_settings(config: Config) -> dict[str, Any]:
 
 
 def make_app(config: Config, *, with_tasks: bool = False) -> Celery:
+    # One Redis client per channel instead of one per operation (see worker.broker).
+    broker.install()
     app = Celery("compactd", set_as_current=with_tasks)
     app.conf.update(celery_settings(config))
     app.conf.compactd_config = config
