@@ -12,7 +12,7 @@ import pytest
 
 from worker.llm.candidates import Availability, Candidate, candidate_order
 from worker.llm.errors import Unavailable
-from worker.llm.providers import Provider, ProviderPool, build_provider
+from worker.llm.providers import Attribution, Provider, ProviderPool, build_provider
 from worker.settings import ModelSpec, WorkerConfig
 
 MODELS = (
@@ -176,3 +176,19 @@ def test_the_worker_imports_an_sdk_only_when_a_client_of_its_kind_is_built() -> 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(("provider", "env"), [("openai", {"OPENAI_API_KEY": "k"}),
+                                               ("anthropic", {"ANTHROPIC_API_KEY": "k"})])
+async def test_remote_clients_use_their_sdks_aiohttp_client(provider: str,
+                                                            env: dict[str, str]) -> None:
+    """The SDKs' aiohttp client parses HTTP in C: ~6% less worker CPU per compaction."""
+    import importlib
+
+    sdk = importlib.import_module(provider)
+    spec = ModelSpec(name="m", provider=provider, model="some-model")  # type: ignore[arg-type]
+    built: Any = build_provider(Candidate.from_spec(spec), attribution=Attribution(), env=env)
+    try:
+        assert isinstance(built._client._client, sdk.DefaultAioHttpClient)
+    finally:
+        await built.aclose()

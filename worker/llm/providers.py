@@ -156,7 +156,8 @@ def build_provider(candidate: Candidate, *, attribution: Attribution,
         try:
             client = openai.AsyncOpenAI(api_key=key or NO_KEY_PLACEHOLDER,
                                         base_url=spec.base_url, timeout=spec.timeout_s,
-                                        max_retries=0, default_headers=headers)
+                                        max_retries=0, default_headers=headers,
+                                        http_client=_aiohttp_client(openai))
         except openai.OpenAIError as exc:
             raise BuildError(f"the client cannot be built ({type(exc).__name__})") from None
         # OpenAI deprecated max_tokens for max_completion_tokens (o-series reject the old one);
@@ -169,11 +170,30 @@ def build_provider(candidate: Candidate, *, attribution: Attribution,
         try:
             aclient = anthropic.AsyncAnthropic(api_key=key, base_url=spec.base_url,
                                                timeout=spec.timeout_s, max_retries=0,
-                                               default_headers=headers)
+                                               default_headers=headers,
+                                               http_client=_aiohttp_client(anthropic))
         except anthropic.AnthropicError as exc:
             raise BuildError(f"the client cannot be built ({type(exc).__name__})") from None
         return AnthropicProvider(candidate, aclient, max_output_tokens=spec.max_output_tokens)
     raise BuildError(f"unknown provider {spec.provider!r}")
+
+
+def _aiohttp_client(sdk: Any) -> Any:
+    """The SDK's own aiohttp-backed HTTP client (its ``aiohttp`` extra), or None for the SDK's
+    default when this SDK version or installation has none.
+
+    Same requests, errors and timeouts; aiohttp parses HTTP in C where the default stack
+    (httpcore and h11) does it in Python: throughput bench, three alternating pairs, CPU per
+    compaction 11.32 -> 10.68 ms. The client opens its session at the first request, inside
+    the event loop that makes it.
+    """
+    factory = getattr(sdk, "DefaultAioHttpClient", None)
+    if factory is None:
+        return None
+    try:
+        return factory()
+    except RuntimeError:  # the SDK was installed without its aiohttp extra
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,12 +291,28 @@ def sdk_errors(sdk: Any, error_body: Callable[[object], Mapping[str, Any]]) -> I
     except sdk.APIStatusError as exc:
         raise status_error(exc.status_code, exc.response.headers, error_body(exc.body),
                            request_id=exc.request_id) from None
-    except sdk.APITimeoutError:  # a subclass of APIConnectionError: first
+    except sdk.APITimeoutError as exc:  # a subclass of APIConnectionError: first
+        if _refused(exc):
+            raise ProviderError("connection", "cannot connect to the provider") from None
         raise ProviderError("timeout", "the request timed out") from None
     except sdk.APIConnectionError:
         raise ProviderError("connection", "cannot connect to the provider") from None
     except (ValueError, TypeError) as exc:
         raise _refused_by_sdk(exc) from None
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a timeout error the SDK raised is a connection that failed without timing out:
+    the aiohttp transport reports a refused connection as a connect timeout, but its cause
+    is the socket error (an OSError that is no TimeoutError)."""
+    seen: BaseException | None = exc.__cause__ or exc.__context__
+    for _ in range(6):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and not isinstance(seen, TimeoutError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 # --------------------------------------------------------------------------------------------
