@@ -32,6 +32,9 @@ def _read(call_id, path, result=FRONT, tool_name="read_file", **meta):
         ('{"path": "/home/SKILL.md"}', None),
         ("not json", None),
         ('["/mnt/skills/pdf/SKILL.md"]', None),
+        # The name spelled with JSON escapes is still the name.
+        ('{"path": "/mnt/skills/pdf/SKILL\\u002emd"}', "/mnt/skills/pdf/SKILL.md"),
+        ('{"path": "/mnt/skills/pdf/\\u0053KILL.md"}', "/mnt/skills/pdf/SKILL.md"),
     ],
 )
 def test_skill_path(arguments, path):
