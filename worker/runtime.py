@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from storage.errors import ConfigError
 from storage.records import utcnow
 from storage.store import Store
 from worker.limits import Limiter, LocalLimiter, RedisLimiter
@@ -50,6 +51,27 @@ def tune_gc(threshold: int) -> None:
     gc.freeze()
     _, middle, oldest = gc.get_threshold()
     gc.set_threshold(threshold, middle, oldest)
+
+
+def new_worker_loop(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """What makes a worker process's event loop, for ``worker.event_loop``.
+
+    uvloop (libuv, in C) runs the loop's own work, its sockets and the cross-thread handoffs
+    of every task with less CPU than asyncio's pure-Python selector loop: throughput bench, one
+    worker, three alternating pairs, CPU per compaction 10.63 -> 10.00 ms. ``auto`` takes it
+    when it is installed; ``uvloop`` insists on it (a worker that cannot have it does not
+    start); ``asyncio`` is the standard loop.
+    """
+    if choice == "asyncio":
+        return asyncio.new_event_loop
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError("worker.event_loop: uvloop is not installed "
+                              "(pip install uvloop, or set it to auto or asyncio)") from None
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
 
 
 def default_owner() -> str:
@@ -116,9 +138,11 @@ async def build_deps(config: Config, *, owner: str | None = None,
 class EventLoopThread:
     """An event loop running in a daemon thread; other threads hand it coroutines."""
 
-    def __init__(self, name: str = "compactd-loop") -> None:
+    def __init__(self, name: str = "compactd-loop", *,
+                 new_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+                 ) -> None:
         self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -155,7 +179,7 @@ class LoopThread(EventLoopThread):
     def __init__(self, config: Config) -> None:
         # The SDKs its models need were imported at worker start (worker.tasks), not here: the
         # first task creates this thread, and it must not wait for them.
-        super().__init__()
+        super().__init__(new_loop=new_worker_loop(config.worker.event_loop))
         self.config = config
         self.deps: Deps = self.submit(lambda: build_deps(config))
 

@@ -74,6 +74,9 @@ class WorkerConfig(_Strict):
     # The garbage collector's first-generation threshold in a worker process (see
     # worker.runtime.tune_gc); 0 keeps Python's own (700).
     gc_threshold: int = Field(default=10_000, ge=0)
+    # The event loop of a worker process (see worker.runtime.new_worker_loop): auto is uvloop
+    # when it is installed (it is a dependency except on Windows), else asyncio's own.
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     deadline_s: float = Field(default=240.0, gt=0)
     task_time_limit_s: float = Field(default=300.0, gt=0)
     candidate_budget_s: float = Field(default=90.0, gt=0)

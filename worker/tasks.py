@@ -32,7 +32,7 @@ from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.llm.providers import import_sdks
 from worker.metrics import metrics, serve
 from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
-from worker.runtime import Deps, process_loop, reset_process_loop, tune_gc
+from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,9 @@ def _prepare_process(sender: Any = None, **_: Any) -> None:
     # Before the worker consumes anything: the first compaction must not wait for them (~2 s
     # for both SDKs), and no import may ever run on the event loop (see worker.llm.providers).
     import_sdks(config.models)
+    # Now, so a worker configured for a loop it cannot have says so in its start-up log
+    # (Celery logs a failing handler and goes on), not only at its first task.
+    new_worker_loop(config.worker.event_loop)
     # After the imports, so they are among what the collector never rescans.
     tune_gc(config.worker.gc_threshold)
 

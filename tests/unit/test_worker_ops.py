@@ -213,3 +213,34 @@ def test_a_task_returns_the_outcome_at_a_glance_not_the_whole_run() -> None:
     assert brief["error"] == "every candidate failed" and brief["session"] == "s1"
     assert "replaced_seqs" not in brief and "candidates" not in brief
     assert len(repr(brief)) < len(repr(outcome.to_json())) / 2
+
+
+def test_a_worker_runs_uvloop_unless_told_otherwise(tmp_path: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvloop costs a worker less CPU per compaction; asyncio's loop stays one setting away,
+    and a worker told to have uvloop where it is missing says so."""
+    import sys
+
+    import uvloop
+
+    from storage.errors import ConfigError
+    from worker.runtime import LoopThread, new_worker_loop
+    from worker.settings import WorkerConfig
+
+    config = load_config({"COMPACTD_HOME": str(tmp_path)})  # embedded: no server needed
+    assert config.worker.event_loop == "auto"
+    thread = LoopThread(config)
+    try:
+        assert isinstance(thread.loop, uvloop.Loop)
+    finally:
+        thread.close()
+    plain = LoopThread(dataclasses.replace(config, worker=WorkerConfig(event_loop="asyncio")))
+    try:
+        assert not isinstance(plain.loop, uvloop.Loop)
+        assert isinstance(plain.loop, asyncio.AbstractEventLoop)
+    finally:
+        plain.close()
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+    assert new_worker_loop("auto") is asyncio.new_event_loop
+    with pytest.raises(ConfigError, match=r"worker\.event_loop"):
+        new_worker_loop("uvloop")
