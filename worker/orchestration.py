@@ -185,12 +185,12 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
         surface = await store.read_surface(info.id, reuse=surface)
         first = round_no == 0
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                        manual=manual and first)
+                        manual=manual and first, defer_summary=True)
         if current.prune:
             info = await _commit_prunes(deps, claim, current)
             out.pruned += len(current.prune)
             out.stages.append("prune")
-            if current.summarize is None:
+            if not current.summary_deferred:
                 metrics().prune_only.inc()
                 break
             # The pruned surface is known without a read, unless an append came in between.
@@ -201,6 +201,8 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
             ) or await store.read_surface(info.id, reuse=surface)
             current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                             manual=manual and first)
+            if current.summarize is None:
+                metrics().prune_only.inc()
         if current.summarize is None:
             if round_no == 0 and not out.pruned:
                 out.error = current.nothing_to_do or current.why_no_summary
@@ -229,7 +231,7 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
-          keep: Clause | None, manual: bool = False) -> Plan:
+          keep: Clause | None, manual: bool = False, defer_summary: bool = False) -> Plan:
     """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
     without it ignores only the trigger: someone asked for this compaction, but the recent
     history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
@@ -237,7 +239,8 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
         force, keep = True, keep or resolve_keep(policy)
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_input_tokens, run_model=info.run_model,
-                now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope)
+                now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope,
+                defer_summary=defer_summary)
 
 
 async def _commit_prunes(deps: Deps, claim: Claim, current: Plan) -> SessionInfo:

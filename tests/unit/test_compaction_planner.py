@@ -60,6 +60,25 @@ def test_prune_then_summarize_reads_the_pruned_text():
         result.prune[0].tokens_after)
 
 
+def test_a_deferred_summary_is_left_for_the_pruned_surface():
+    """What a worker asks first: the prunes, and whether a summary must follow them."""
+    surface = nodes(sys(), user("read it"), ai("", ("c1", "cat")), tool("c1", "data " * 6000),
+                    ai("done " * 50), user("next"), ai("ok"))
+    policy = _policy(trigger=["tokens", 300], trim_tokens_to_summarize=None)
+    full = plan(surface, policy=policy, now=NOW)
+    first = plan(surface, policy=policy, now=NOW, defer_summary=True)
+    assert first.prune == full.prune and first.summary_deferred
+    assert first.summarize is None and first.nothing_to_do is None
+    # Relieved by pruning alone, or nothing to prune: the plan is the full one.
+    relieved = plan(surface, policy=_policy(trigger=["tokens", 3000]), now=NOW,
+                    defer_summary=True)
+    assert relieved.prune and not relieved.summary_deferred
+    assert relieved.why_no_summary == "pruning alone brought pressure under the trigger"
+    chat = _chat()
+    assert plan(chat, policy=_policy(), now=NOW, defer_summary=True) == plan(
+        chat, policy=_policy(), now=NOW)
+
+
 def test_forced_plan_ignores_trigger_and_keep():
     surface = _chat(turns=3)
     result = plan(surface, policy=_policy(trigger=["tokens", 10**6]), now=NOW, force=True)

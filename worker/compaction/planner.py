@@ -114,6 +114,9 @@ class Plan:
     why_no_summary: str | None  # set when ``summarize`` is None
     planned_at: datetime
     inputs: PlanInputs = field(repr=False)
+    # Planned with ``defer_summary``: the prunes still leave the trigger fired, and the
+    # summarize step is for the plan of the surface they make (``summarize`` is None here).
+    summary_deferred: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The CLI contract's ``plan --json`` body (the caller adds session and version)."""
@@ -132,13 +135,18 @@ class Plan:
 def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int = 0,
          reported_input_tokens: int | None = None, run_model: str | None = None,
          now: datetime, force: bool = False, keep_override: Clause | None = None,
-         envelope: dict[str, Any] | None = None) -> Plan:
+         envelope: dict[str, Any] | None = None, defer_summary: bool = False) -> Plan:
     """Plan one compaction round of ``nodes`` under ``policy`` (resolved to the run model's
     window). ``force`` ignores the trigger and, unless ``keep_override`` is given, the keep
-    policy. Token counts are the nodes' stored counts; only edited and split text is counted."""
+    policy. Token counts are the nodes' stored counts; only edited and split text is counted.
+
+    ``defer_summary``: when there is something to prune, stop there (``summary_deferred`` says
+    whether a summary would follow). A worker commits the prunes and plans the surface they
+    make, whose summarize step is the one it runs; planning it on the virtual surface first was
+    work thrown away (~0.35 ms of the ~1.6 ms plan of a bench session)."""
     inputs = PlanInputs(tuple(nodes), policy, envelope_tokens, reported_input_tokens, run_model,
                         now, force, keep_override, envelope)
-    return _plan(inputs)
+    return _plan(inputs, defer_summary=defer_summary)
 
 
 def replan_smaller(previous: Plan, factor: float = 0.5) -> Plan:
@@ -165,7 +173,7 @@ def checkpoint_for(step: SummarizeStep, summary: str, policy: Policy, **meta: An
 # ------------------------------------------------------------------------------------------
 
 
-def _plan(inputs: PlanInputs) -> Plan:
+def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     policy = inputs.policy
     nodes = inputs.nodes
     window = policy.context_window
@@ -176,12 +184,12 @@ def _plan(inputs: PlanInputs) -> Plan:
     fired, reason = should_compact(pressure, policy)
 
     def done(prune: tuple[PruneAction, ...], after: int, step: SummarizeStep | None,
-             why: str | None) -> Plan:
+             why: str | None, deferred: bool = False) -> Plan:
         nothing = why if step is None and not prune else None
         return Plan(pressure=pressure, fired=fired, reason=reason, forced=inputs.force,
                     prune=prune, tokens_after_prune=after, summarize=step,
                     nothing_to_do=nothing, why_no_summary=why if step is None else None,
-                    planned_at=inputs.now, inputs=inputs)
+                    planned_at=inputs.now, inputs=inputs, summary_deferred=deferred)
 
     if not fired and not inputs.force:
         return done((), pressure.tokens, None, f"trigger did not fire: {reason}")
@@ -197,6 +205,9 @@ def _plan(inputs: PlanInputs) -> Plan:
         return done(actions, after.tokens, None,
                     "pruning alone brought pressure under the trigger")
 
+    if defer_summary and actions:
+        return done(actions, after.tokens, None, "planned after the prunes are committed",
+                    deferred=True)
     surface = apply_actions(nodes, actions)
     step = _summarize(surface, inputs, counter)
     if isinstance(step, str):
