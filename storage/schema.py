@@ -186,27 +186,28 @@ RUN_COLUMNS = list(compaction_runs.c)
 
 
 _JSON_SESSION_COLUMNS = ("envelope", "policy")
-
-
-def session_from_record(record: Any) -> SessionInfo:
-    """A session from a raw asyncpg record (JSON columns arrive as text there)."""
-    values = {c.name: record[c.name] for c in SESSION_COLUMNS}
-    for name in _JSON_SESSION_COLUMNS:
-        if isinstance(values[name], str):
-            values[name] = json.loads(values[name])
-    return SessionInfo(**values)
-
-
 _JSON_RUN_COLUMNS = ("range_seqs", "candidates", "stages", "usage")
 
 
+def session_from_record(record: Any) -> SessionInfo:
+    """A session from a raw asyncpg record."""
+    return SessionInfo(**_record_values(record, SESSION_COLUMNS, _JSON_SESSION_COLUMNS))
+
+
 def run_from_record(record: Any) -> RunRecord:
-    """A run from a raw asyncpg record (JSON columns may arrive as text there)."""
-    values = {c.name: record[c.name] for c in RUN_COLUMNS}
-    for name in _JSON_RUN_COLUMNS:
+    """A run from a raw asyncpg record."""
+    return RunRecord(**_record_values(record, RUN_COLUMNS, _JSON_RUN_COLUMNS))
+
+
+def _record_values(record: Any, columns: list[sa.Column[Any]],
+                   json_columns: tuple[str, ...]) -> dict[str, Any]:
+    # JSON columns arrive decoded on the pool's connections (SQLAlchemy installs the codec)
+    # and as text on a bare asyncpg connection.
+    values = {c.name: record[c.name] for c in columns}
+    for name in json_columns:
         if isinstance(values[name], str):
             values[name] = json.loads(values[name])
-    return RunRecord(**values)
+    return values
 
 
 def session_from_row(row: Any) -> SessionInfo:
