@@ -241,7 +241,7 @@ class KeptConnections:
 
     A checkout and its return cost more than the statement they serve: the runtime after the
     agent's think time runs cold (on the benchmark VM 0.4 ms of an append's ~2.5 ms, against
-    0.08 ms warm), and a worker runs six statements per compaction (0.07 ms of CPU per
+    0.08 ms warm), and a worker runs five kinds of statement per compaction (0.07 ms of CPU per
     checkout). The connections are the pool's own (no extra server connections) and are
     taken at first use, so a process that never runs these statements holds none. A
     statement that finds every kept connection busy goes through the pool as before, so the
@@ -250,13 +250,14 @@ class KeptConnections:
     statements leave it in place. Each goes back to the pool as often as the pool recycles its
     own connections (``pool_recycle``), so they are renewed as those are.
 
-    The runtime keeps one (its append, poll and signal mark); a worker keeps a few (claim,
-    surface read, commits, the loop guard's read, the signal clear).
+    The runtime keeps one (its append, poll and signal mark); a worker keeps half its pool
+    (claim, surface read, commits, the loop guard's read, the signal clear). With a capacity of
+    0 every statement goes through the pool.
     """
 
     def __init__(self, engine: AsyncEngine, capacity: int = 1) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1, not {capacity}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be 0 or more, not {capacity}")
         self._engine = engine
         self.capacity = capacity
         self._idle: list[_Kept] = []
@@ -286,10 +287,7 @@ class KeptConnections:
                     raise
         finally:
             if kept is not None:
-                if kept.generation == self._generation:
-                    self._idle.append(kept)
-                else:
-                    await self._drop(kept, broken=False)
+                await self._give_back(kept)
 
     async def prepare(self, statements: Sequence[str]) -> None:
         """Prepare ``statements`` on a kept connection, once per connection."""
@@ -305,7 +303,7 @@ class KeptConnections:
         except BaseException:
             await self._drop(kept, broken=True)
             raise
-        self._idle.append(kept)
+        await self._give_back(kept)
 
     async def close(self) -> None:
         self._generation += 1
@@ -322,6 +320,8 @@ class KeptConnections:
         if self._held >= self.capacity:
             return None
         self._held += 1
+        # Read before connecting: a close() while it connects makes this one stale too.
+        generation = self._generation
         try:
             with translated():
                 conn = await self._engine.connect()
@@ -334,7 +334,14 @@ class KeptConnections:
         except BaseException:
             self._held -= 1
             raise
-        return _Kept(conn, raw, time.monotonic(), self._generation)
+        return _Kept(conn, raw, time.monotonic(), generation)
+
+    async def _give_back(self, kept: _Kept) -> None:
+        """Keep ``kept`` for the next statement, unless close() ran since it was taken."""
+        if kept.generation == self._generation:
+            self._idle.append(kept)
+        else:
+            await self._drop(kept, broken=False)
 
     async def _drop(self, kept: _Kept, *, broken: bool) -> None:
         self._held -= 1

@@ -114,10 +114,11 @@ async def build_deps(config: Config, *, owner: str | None = None,
     """Without ``pool_size``, a worker process's: ``worker.db_pool_size`` connections, no more."""
     if pool_size is None:
         # Half the pool is kept for the statements every compaction runs (claim, surface
-        # read, commits, loop guard, signal clear); the rest serves everything else.
+        # read, commits, loop guard, signal clear); the rest, never less than one, serves
+        # the transactions (lease renewals, run ends, the reaper), which never take a kept one.
         pool = config.worker.db_pool_size
         store = Store.from_url(config.database_url, pool_size=pool, max_overflow=0,
-                               kept_connections=max(1, pool // 2))
+                               kept_connections=pool // 2)
     else:
         store = Store.from_url(config.database_url, pool_size=pool_size)
     if config.embedded:

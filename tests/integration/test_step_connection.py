@@ -1,5 +1,5 @@
-"""The connection a PostgreSQL store keeps for the runtime's per-step statements (append, poll,
-the signal mark): reused across steps, left in place by a refused or cancelled statement, and
+"""The connections a PostgreSQL store keeps for the statements it runs over and over (the
+runtime's append, poll and signal mark; a worker's claim, surface read and commits): reused, left in place by a refused or cancelled statement, and
 replaced when it fails, without losing or doubling an append."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ async def pg_store(clean_pg: str) -> AsyncIterator[Store]:
 
 
 async def step_backend(store: Store) -> int:
-    """The server process behind the store's per-step connection."""
+    """The server process behind the store's kept connection."""
     async with store._kept.use() as raw:
         return int(await raw.fetchval("SELECT pg_backend_pid()"))
 
@@ -160,3 +160,42 @@ async def test_a_store_keeps_at_most_its_capacity_and_reuses_those(clean_pg: str
     finally:
         await store.close()
     assert store._kept._held == 0
+
+
+async def test_a_close_while_a_connection_is_being_taken_leaves_none_kept(clean_pg: str) -> None:
+    """A connection that was still connecting when the store closed is stale too: it goes back
+    to the pool when its statement ends instead of staying checked out after close()."""
+    store = Store.from_url(clean_pg, kept_connections=2)
+    try:
+        async def statement() -> int:
+            async with store._kept.use() as raw:
+                return int(await raw.fetchval("SELECT 1"))
+
+        task = asyncio.create_task(statement())
+        await asyncio.sleep(0)  # the task is inside the pool's connect now
+        assert store._kept._held == 1 and not store._kept._idle
+        await store._kept.close()
+        assert await task == 1
+        assert store._kept._held == 0 and not store._kept._idle
+    finally:
+        await store.close()
+
+
+async def test_a_pool_of_one_with_nothing_kept_serves_statements_and_transactions(
+        clean_pg: str) -> None:
+    """A worker with ``db_pool_size: 1`` keeps no connection (capacity 0): the kept statements
+    and the transactions share the pool's one connection instead of the transactions waiting
+    for a connection a kept statement holds."""
+    store = Store.from_url(clean_pg, pool_size=1, max_overflow=0, kept_connections=0)
+
+    async def steps() -> None:
+        await store.create_session("s1", run_model="gpt-4o")
+        assert (await store.append("s1", [user("a")])).last_seq == 1
+        assert (await store.get_session("s1")).id == "s1"
+        assert (await store.read_surface("s1")).seqs == [1]
+
+    try:
+        await asyncio.wait_for(steps(), 10)  # a starved pool would wait out its 30 s timeout
+        assert store._kept._held == 0
+    finally:
+        await store.close()
