@@ -7,6 +7,7 @@ what the fake provider's request log says was actually sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -358,6 +359,33 @@ async def test_connection_errors_are_retried_then_move_on(pool: ProviderPool) ->
     outcome = await run(req, [Candidate.from_spec(dead), Candidate.local()], pool)
     assert [(a.candidate, a.kind, a.http_attempts) for a in outcome.attempts] == [
         ("dead", "connection", 4), ("local", None, 0)]
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+@pytest.mark.parametrize(("server", "kind"), [("hangs up", "connection"),
+                                              ("never answers", "timeout")])
+async def test_a_dropped_connection_is_a_connection_error_and_silence_a_timeout(
+        pool: ProviderPool, api: str, server: str, kind: str) -> None:
+    """The SDKs' aiohttp transport reports every dropped connection as a connect timeout; a
+    server that closes the connection on a request is still a connection failure, and only a
+    server that keeps silent past the read timeout is a timeout."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if server == "never answers":
+            await asyncio.sleep(5)
+        writer.close()
+
+    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}" + ("/v1" if api == "openai" else "")
+    lost = ModelSpec(name="lost", provider=api, model="x", base_url=base_url,  # type: ignore[arg-type]
+                     api_key_env=KEY_ENV, timeout_s=0.3)
+    try:
+        outcome = await run(request(), [Candidate.from_spec(lost), Candidate.local()], pool,
+                            retry=dataclasses.replace(FAST, max_attempts=2))
+    finally:
+        listener.close()
+    assert [(a.candidate, a.kind) for a in outcome.attempts] == [("lost", kind), ("local", None)]
 
 
 async def test_logs_of_a_full_fallback_carry_no_key_body_or_prompt(

@@ -302,14 +302,20 @@ def sdk_errors(sdk: Any, error_body: Callable[[object], Mapping[str, Any]]) -> I
 
 
 def _refused(exc: BaseException) -> bool:
-    """Whether a timeout error the SDK raised is a connection that failed without timing out:
-    the aiohttp transport reports a refused connection as a connect timeout, but its cause
-    is the socket error (an OSError that is no TimeoutError)."""
+    """Whether a timeout error the SDK raised is a connection that failed without timing out.
+
+    The aiohttp transport reports every aiohttp connection error as a connect timeout: a
+    refused connection (its cause an OSError that is no TimeoutError) and a server that closed
+    the connection (an aiohttp ``ClientConnectionError`` that is no ``ServerTimeoutError``)
+    alike. Only the timeouts themselves are TimeoutErrors there."""
+    from aiohttp import ClientConnectionError  # a failing request only: the SDKs import it
+
     seen: BaseException | None = exc.__cause__ or exc.__context__
     for _ in range(6):
         if seen is None:
             return False
-        if isinstance(seen, OSError) and not isinstance(seen, TimeoutError):
+        if isinstance(seen, OSError | ClientConnectionError) and not isinstance(
+                seen, TimeoutError):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
