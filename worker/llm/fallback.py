@@ -300,7 +300,7 @@ class _Run:
         policy, rng, max_tokens = self.retry, self.rng, self.request.max_tokens
         # tenacity's retrying object stays in a reference cycle after the call (its iteration
         # state holds its own bound methods), so all its callbacks reach waits for the garbage
-        # collector. They reach only this call's small objects, and the prompt through `held`,
+        # collector (a failed call's error too: see the except below). They reach only this call's small objects, and the prompt through `held`,
         # emptied when the call ends: the run's surface and plan are freed by reference
         # counting as soon as the run ends, not at the next full collection.
         held = [self.request.chat]
@@ -335,6 +335,12 @@ class _Run:
             before_sleep=before_sleep, sleep=self.sleep, reraise=True)
         try:
             result: Completion = await retrying(call)
+        except ProviderError as exc:
+            # The last attempt's error stays in tenacity's state, which its traceback reaches
+            # (a cycle); the traceback and the SDK error under it reach this run and the
+            # prompt. Raised bare, it reaches only the frames it passes from here on.
+            exc.__context__ = None
+            raise exc.with_traceback(None) from None
         finally:
             held.clear()
         return result
