@@ -25,6 +25,7 @@ from celery.signals import (
 from scheduler.enqueue import Enqueuer
 from scheduler.intake import follow_up
 from scheduler.sweeps import reap_leases, sweep_pressure
+from storage.errors import ConfigError
 from storage.jobs import ITEM_FAILED
 from storage.records import utcnow
 from worker import logs
@@ -160,9 +161,12 @@ def _prepare_process(sender: Any = None, **_: Any) -> None:
     # Before the worker consumes anything: the first compaction must not wait for them (~2 s
     # for both SDKs), and no import may ever run on the event loop (see worker.llm.providers).
     import_sdks(config.models)
-    # Now, so a worker configured for a loop it cannot have says so in its start-up log
-    # (Celery logs a failing handler and goes on), not only at its first task.
-    new_worker_loop(config.worker.event_loop)
+    # Now, so a worker configured for a loop it cannot have does not start. Celery logs a
+    # handler's exception and goes on (every task would then fail); SystemExit it lets through.
+    try:
+        new_worker_loop(config.worker.event_loop)
+    except ConfigError as exc:
+        raise SystemExit(f"compactd worker: {exc}") from None
     # After the imports, so they are among what the collector never rescans.
     tune_gc(config.worker.gc_threshold)
 

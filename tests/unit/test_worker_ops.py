@@ -223,7 +223,7 @@ def test_a_worker_runs_uvloop_unless_told_otherwise(tmp_path: Any,
     and a worker told to have uvloop where it is missing says so."""
     import sys
 
-    import uvloop
+    uvloop = pytest.importorskip("uvloop")  # not installed on Windows
 
     from storage.errors import ConfigError
     from worker.runtime import LoopThread, new_worker_loop
@@ -246,3 +246,31 @@ def test_a_worker_runs_uvloop_unless_told_otherwise(tmp_path: Any,
     assert new_worker_loop("auto") is asyncio.new_event_loop
     with pytest.raises(ConfigError, match=r"worker\.event_loop"):
         new_worker_loop("uvloop")
+
+
+def test_a_worker_told_to_have_uvloop_where_it_is_missing_does_not_start(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's signal logs a handler's exception and goes on, which would leave a worker that
+    fails every task: the start-up handler stops the worker instead, naming the setting."""
+    import sys
+
+    from celery.signals import worker_init
+
+    import worker.tasks  # noqa: F401  (connects the start-up handler)
+    from worker.settings import WorkerConfig
+
+    config = load_config({"COMPACTD_HOME": str(tmp_path)})
+    config = dataclasses.replace(config, worker=WorkerConfig(event_loop="uvloop"))
+
+    class WorkController:  # hashable, as Celery's own sender is
+        app = SimpleNamespace(conf=SimpleNamespace(compactd_config=config))
+
+    sender = WorkController()
+    monkeypatch.setitem(sys.modules, "uvloop", None)
+    before = gc.get_threshold()
+    try:
+        with pytest.raises(SystemExit, match=r"worker\.event_loop: uvloop is not installed"):
+            worker_init.send(sender=sender)  # as Celery sends it, through every handler
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
