@@ -185,29 +185,19 @@ SESSION_COLUMNS = list(sessions.c)
 RUN_COLUMNS = list(compaction_runs.c)
 
 
-_JSON_SESSION_COLUMNS = ("envelope", "policy")
-_JSON_RUN_COLUMNS = ("range_seqs", "candidates", "stages", "usage")
-
-
 def session_from_record(record: Any) -> SessionInfo:
-    """A session from a raw asyncpg record."""
-    return SessionInfo(**_record_values(record, SESSION_COLUMNS, _JSON_SESSION_COLUMNS))
+    """A session from a raw asyncpg record of a pool connection (JSON arrives decoded: the
+    dialect installs asyncpg's json and jsonb codecs on every connection it opens)."""
+    return SessionInfo(**_record_values(record, SESSION_COLUMNS))
 
 
 def run_from_record(record: Any) -> RunRecord:
-    """A run from a raw asyncpg record."""
-    return RunRecord(**_record_values(record, RUN_COLUMNS, _JSON_RUN_COLUMNS))
+    """A run from a raw asyncpg record of a pool connection (JSON decoded, as above)."""
+    return RunRecord(**_record_values(record, RUN_COLUMNS))
 
 
-def _record_values(record: Any, columns: list[sa.Column[Any]],
-                   json_columns: tuple[str, ...]) -> dict[str, Any]:
-    # JSON columns arrive decoded on the pool's connections (SQLAlchemy installs the codec)
-    # and as text on a bare asyncpg connection.
-    values = {c.name: record[c.name] for c in columns}
-    for name in json_columns:
-        if isinstance(values[name], str):
-            values[name] = json.loads(values[name])
-    return values
+def _record_values(record: Any, columns: list[sa.Column[Any]]) -> dict[str, Any]:
+    return {c.name: record[c.name] for c in columns}
 
 
 def session_from_row(row: Any) -> SessionInfo:
