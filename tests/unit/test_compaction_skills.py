@@ -35,6 +35,9 @@ def _read(call_id, path, result=FRONT, tool_name="read_file", **meta):
         # The name spelled with JSON escapes is still the name.
         ('{"path": "/mnt/skills/pdf/SKILL\\u002emd"}', "/mnt/skills/pdf/SKILL.md"),
         ('{"path": "/mnt/skills/pdf/\\u0053KILL.md"}', "/mnt/skills/pdf/SKILL.md"),
+        # Arguments that are no text (never validated on a rebuilt surface) name nothing.
+        (None, None),
+        ({"path": "/mnt/skills/pdf/SKILL.md"}, None),
     ],
 )
 def test_skill_path(arguments, path):

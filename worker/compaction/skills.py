@@ -35,13 +35,15 @@ PATH_ARGUMENTS = ("path", "file_path", "filepath", "file", "filename", "target_f
 
 def skill_path(arguments: str, skills_path: str) -> str | None:
     """The normalized ``SKILL.md`` path a read call names, if it is one under ``skills_path``."""
+    if not isinstance(arguments, str):  # stored surfaces are rebuilt without validation
+        return None
     if SKILL_FILE not in arguments and "\\u" not in arguments:
         # Exact without decoding: only a \u escape can spell the name differently in JSON
         # text. Every plan looks at every read call of its range: 32 -> 19 us per plan.
         return None
     try:
         args = json.loads(arguments)
-    except (ValueError, TypeError):
+    except ValueError:
         return None
     if not isinstance(args, Mapping):
         return None
