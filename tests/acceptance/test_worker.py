@@ -135,6 +135,12 @@ def test_two_workers_one_session_exactly_one_commits(
         received = [line for line in stack.log(name).splitlines()
                     if "Task compaction.run[" in line and "received" in line]
         assert len(received) == 1, f"{name} received {len(received)} runs"
+    # The task's return value, which Celery renders for this line and for Flower's event, is
+    # the outcome at a glance; the replaced seqs and the candidates stay in the run row.
+    done = [line for name in ("w1", "w2") for line in stack.log(name).splitlines()
+            if "Task compaction.run[" in line and "succeeded" in line]
+    assert len(done) == 2 and all("'outcome': " in line for line in done), done
+    assert not any("replaced_seqs" in line or "candidates" in line for line in done), done
     surface = stack.cli_json("surface", "s1")
     assert sum(1 for m in surface["messages"] if (m.get("meta") or {}).get("checkpoint")
                and m["role"] == "user") == 1
