@@ -1,6 +1,7 @@
 """The connections a PostgreSQL store keeps for the statements it runs over and over (the
-runtime's append, poll and signal mark; a worker's claim, surface read and commits): reused, left in place by a refused or cancelled statement, and
-replaced when it fails, without losing or doubling an append."""
+runtime's append, poll and signal mark; a worker's claim, surface read and commits): reused,
+left in place by a refused or cancelled statement, and replaced when it fails, without losing or
+doubling an append."""
 
 from __future__ import annotations
 

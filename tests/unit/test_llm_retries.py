@@ -163,7 +163,7 @@ async def test_a_finished_call_leaves_its_request_to_reference_counting(succeeds
     request = SummaryRequest.of([{"role": "user", "content": "summarize this"}], validate=check)
     alive = weakref.ref(check)
     del check
-    async def call() -> None:
+    async def call(request: SummaryRequest) -> None:
         answers = Scripted([server(), "ok" if succeeds else server()])  # the errors die with it
         try:
             await summarize(request, candidates=[CANDIDATE], validate=lambda text: None,
@@ -174,7 +174,7 @@ async def test_a_finished_call_leaves_its_request_to_reference_counting(succeeds
 
     gc.disable()
     try:
-        await call()
+        await call(request)
         del request
         assert alive() is None
     finally:

@@ -300,9 +300,10 @@ class _Run:
         policy, rng, max_tokens = self.retry, self.rng, self.request.max_tokens
         # tenacity's retrying object stays in a reference cycle after the call (its iteration
         # state holds its own bound methods), so all its callbacks reach waits for the garbage
-        # collector (a failed call's error too: see the except below). They reach only this call's small objects, and the prompt through `held`,
-        # emptied when the call ends: the run's surface and plan are freed by reference
-        # counting as soon as the run ends, not at the next full collection.
+        # collector (a failed call's error too: see the except below). They reach only this
+        # call's small objects, and the prompt through `held`, emptied when the call ends: the
+        # run's surface and plan are freed by reference counting as soon as the run ends, not
+        # at the next full collection.
         held = [self.request.chat]
 
         def wait(state: RetryCallState) -> float:
