@@ -308,14 +308,16 @@ def _refused(exc: BaseException) -> bool:
     refused connection (its cause an OSError that is no TimeoutError) and a server that closed
     the connection (an aiohttp ``ClientConnectionError`` that is no ``ServerTimeoutError``)
     alike. Only the timeouts themselves are TimeoutErrors there."""
-    from aiohttp import ClientConnectionError  # a failing request only: the SDKs import it
-
+    try:  # a failing request only; the SDK's own transport serves when aiohttp is missing
+        from aiohttp import ClientConnectionError
+        dropped: tuple[type[BaseException], ...] = (OSError, ClientConnectionError)
+    except ImportError:
+        dropped = (OSError,)
     seen: BaseException | None = exc.__cause__ or exc.__context__
     for _ in range(6):
         if seen is None:
             return False
-        if isinstance(seen, OSError | ClientConnectionError) and not isinstance(
-                seen, TimeoutError):
+        if isinstance(seen, dropped) and not isinstance(seen, TimeoutError):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
