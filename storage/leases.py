@@ -484,6 +484,9 @@ class LeasesMixin:
     async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
                           session_id: str | None = None, status: str | None = None
                           ) -> list[RunRecord]:
+        if since is not None and since.tzinfo is None:
+            # The raw statement below would read it as the server's local time.
+            raise ValueError("naive datetime passed to storage; use aware UTC")
         if not self.sqlite and since is not None and session_id is not None and status:
             # The loop guard's read after every committed automatic run: on a kept connection,
             # without SQLAlchemy's statement layer.

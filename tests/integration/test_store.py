@@ -418,3 +418,15 @@ async def test_report_usage_is_cleared_by_a_commit(store: Store) -> None:
                               expected=[(n.position, n.seq) for n in s.nodes[:2]],
                               end=RunEnd(outcome="committed"))
     assert info.reported_input_tokens is None
+
+
+async def test_a_naive_time_is_refused_on_both_backends_and_the_loop_guard_read(
+        store: Store) -> None:
+    """On PostgreSQL the loop guard's read goes around SQLAlchemy's UTC type, which refuses
+    naive datetimes; asyncpg alone would read one as the server's local time."""
+    await seeded(store)
+    naive = dt.datetime(2026, 1, 1, 12, 0)
+    for kwargs in ({}, {"session_id": "s1", "status": "committed"}):
+        with pytest.raises(ValueError, match="naive datetime"):
+            await store.recent_runs(since=naive, **kwargs)  # type: ignore[arg-type]
+        assert await store.recent_runs(since=naive.replace(tzinfo=dt.UTC), **kwargs) == []
