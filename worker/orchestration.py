@@ -190,17 +190,15 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
             info = await _commit_prunes(deps, claim, current)
             out.pruned += len(current.prune)
             out.stages.append("prune")
-            if not current.summary_deferred:
-                metrics().prune_only.inc()
-                break
-            # The pruned surface is known without a read, unless an append came in between.
-            surface = surface_after_commit(
-                surface, [NewNode((a.seq,), KIND_PRUNED, a.message, a.tokens_after)
-                          for a in current.prune],
-                version=info.surface_version, last_seq=info.last_seq
-            ) or await store.read_surface(info.id, reuse=surface)
-            current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                            manual=manual and first)
+            if current.summary_deferred:
+                # The pruned surface is known without a read, unless an append came in between.
+                surface = surface_after_commit(
+                    surface, [NewNode((a.seq,), KIND_PRUNED, a.message, a.tokens_after)
+                              for a in current.prune],
+                    version=info.surface_version, last_seq=info.last_seq
+                ) or await store.read_surface(info.id, reuse=surface)
+                current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
+                                manual=manual and first)
             if current.summarize is None:
                 metrics().prune_only.inc()
         if current.summarize is None:
