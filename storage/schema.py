@@ -201,10 +201,8 @@ def _record_values(record: Any, columns: list[sa.Column[Any]]) -> dict[str, Any]
 
 
 def session_from_row(row: Any) -> SessionInfo:
-    m = row._mapping
-    return SessionInfo(**{c.name: m[c.name] for c in SESSION_COLUMNS})
+    return SessionInfo(**_record_values(row._mapping, SESSION_COLUMNS))
 
 
 def run_from_row(row: Any) -> RunRecord:
-    m = row._mapping
-    return RunRecord(**{c.name: m[c.name] for c in RUN_COLUMNS})
+    return RunRecord(**_record_values(row._mapping, RUN_COLUMNS))
