@@ -20,6 +20,8 @@ from scheduler.samples import coding_session
 from storage.messages import Message, parse_openai
 from storage.tokens import counter_for
 from tests.support.fake_provider import Behaviour, FakeProvider
+from worker.compaction.policy import Policy
+from worker.compaction.validation import missing_sections, validate_summary
 from worker.llm import (
     Availability,
     Candidate,
@@ -433,3 +435,53 @@ async def test_many_summaries_in_flight_against_one_fake(fake: FakeProvider) -> 
     assert all(o.attempts[-1].ok for o in outcomes)
     assert len(fake.requests) == 200
     assert elapsed < 10.0, elapsed  # serially it would take 100 s
+
+
+# --------------------------------------------------------------------------------------------
+# what a summary may be: not cut off, and (with the default instruction) in its sections
+
+
+@pytest.mark.parametrize(("api", "stop"), [("openai", "length"), ("anthropic", "max_tokens")])
+async def test_a_summary_cut_off_at_its_cap_is_that_candidates_failure(
+        fake: FakeProvider, pool: ProviderPool, api: str, stop: str) -> None:
+    fake.script(Behaviour(model="cut-model", output="truncated"))
+    other = "anthropic" if api == "openai" else "openai"
+    outcome = await run(request(), candidates(spec(fake, "cut", api), spec(fake, "whole", other),
+                                              local=True), pool)
+    assert [(a.candidate, a.kind, a.http_attempts) for a in outcome.attempts] == [
+        ("cut", "truncated", 1), ("whole", None, 1)]
+    assert stop in outcome.attempts[0].reason and "600" in outcome.attempts[0].reason
+    assert missing_sections(outcome.text) == []  # the whole summary, its last section too
+    assert [r.model for r in fake.requests] == ["cut-model", "whole-model"]  # not retried
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_a_summary_without_its_sections_is_refused_with_the_default_prompt(
+        fake: FakeProvider, pool: ProviderPool, api: str) -> None:
+    fake.script(Behaviour(model="prose-model", output="text",
+                          text="We fixed the parser in src/parse.py and the tests pass."),
+                Behaviour(model="half-model", output="text",
+                          text="## Primary Request and Intent\nFix the parser.\n"
+                               "## Key Technical Concepts\n(none)"))
+
+    def default(text: str) -> str | None:
+        return validate_summary(text, replaced_tokens=None, policy=Policy(), run_model=None)
+
+    outcome = await summarize(
+        request(), candidates=candidates(spec(fake, "prose", api), spec(fake, "half", api),
+                                         spec(fake, "sections", api)),
+        validate=default, deadline_s=20, providers=pool, retry=FAST)
+    assert [(a.candidate, a.kind) for a in outcome.attempts] == [
+        ("prose", "refused"), ("half", "refused"), ("sections", None)]
+    assert "lacks 8 of the 8 section headings" in outcome.attempts[0].reason
+    assert "lacks 6 of the 8" in outcome.attempts[1].reason
+    assert "Files and Code" in outcome.attempts[1].reason
+    # A custom prompt sets its own format: the same prose is a summary there.
+    fake.script(Behaviour(model="prose-model", output="text", text="We fixed the parser."))
+    custom = Policy(summary_prompt="Summarize briefly.\n{messages}")
+    outcome = await summarize(
+        request(), candidates=candidates(spec(fake, "prose", api)),
+        validate=lambda t: validate_summary(t, replaced_tokens=None, policy=custom,
+                                            run_model=None),
+        deadline_s=20, providers=pool, retry=FAST)
+    assert outcome.text == "We fixed the parser."

@@ -11,7 +11,8 @@ what was answered) and the answers are scriptable: a queue of :class:`Behaviour`
 matched by model name (and optionally API) or in order, each used ``times`` times: latency,
 hanging forever, an error status (429 with Retry-After, 500, 503, 529, 401, 400
 ``context_length_exceeded`` / "prompt is too long"), whitespace-only text, non-shrinking text (the
-input echoed), malformed JSON, tool-call-only, reasoning-only or image output.
+input echoed), malformed JSON, tool-call-only, reasoning-only or image output, or a summary cut
+off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"``).
 
 It is one aiohttp server on one event loop: hundreds of requests in flight cost a coroutine each.
 
@@ -55,7 +56,7 @@ from aiohttp import web
 
 HANG_S = 3600.0
 OUTPUTS = ("summary", "whitespace", "echo", "malformed", "tool_calls", "reasoning_only",
-           "image", "text")
+           "image", "text", "truncated")
 SECTIONS = ("Primary Request and Intent", "Key Technical Concepts", "Files and Code",
             "Errors and Fixes", "Pending Jobs", "Current Work", "Next Step", "Critical Context")
 
@@ -265,11 +266,15 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         text = behaviour.text or ""
     else:
         text = fake_summary(text_in, model=model or "?", max_tokens=int(max_tokens))
+    # A real model stops where its output cap is, mid-section, and says so.
+    cut = behaviour.output == "truncated"
+    if cut:
+        text = text[:len(text) // 2]
     usage_in = math.ceil(len(raw) / 4)
     usage_out = math.ceil(len(text) / 4)
     if api == "openai":
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        finish = "stop"
+        finish = "length" if cut else "stop"
         if behaviour.output == "tool_calls":
             message = {"role": "assistant", "content": None, "tool_calls": [
                 {"id": f"call_fake_{n}", "type": "function",
@@ -289,7 +294,7 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
                       "prompt_tokens_details": {"cached_tokens": behaviour.cached_tokens}}}
     else:
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-        stop = "end_turn"
+        stop = "max_tokens" if cut else "end_turn"
         if behaviour.output == "tool_calls":
             content = [{"type": "tool_use", "id": f"toolu_fake_{n}", "name": "lookup",
                         "input": {}}]
@@ -367,6 +372,9 @@ def fake_summary(text: str, *, model: str, max_tokens: int) -> str:
     }
     out = "\n".join(f"## {name}\n{bodies.get(name, '(none)')}" for name in SECTIONS)
     limit = min(len(text) // 4, max_tokens * 3)
+    if len(out) > limit:  # a shorter summary still has every section, as a real one would
+        short = {"Current Work": bodies["Current Work"]}
+        out = "\n".join(f"## {name}\n{short.get(name, '(none)')}" for name in SECTIONS)
     return out if len(out) <= limit else out[:max(1, limit)]
 
 

@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 
 from worker.compaction.policy import Policy
+from worker.compaction.prompt import SECTIONS
 from worker.compaction.render import Skill
-from worker.compaction.validation import NO_HISTORY_SUMMARY, framed_tokens, validate_summary
+from worker.compaction.validation import (
+    NO_HISTORY_SUMMARY,
+    framed_tokens,
+    missing_sections,
+    validate_summary,
+)
 
-POLICY = Policy(max_summary_tokens=50)
-GOOD = "## Primary Request and Intent\nFix the parser."
+POLICY = Policy(max_summary_tokens=120)
+GOOD = "## Primary Request and Intent\nFix the parser.\n" + "\n".join(
+    f"## {name}\n(none)" for name in SECTIONS[1:])
 
 
 @pytest.mark.parametrize(
@@ -20,7 +27,13 @@ GOOD = "## Primary Request and Intent\nFix the parser."
         ("  \n\t ", 10_000, True, "whitespace-only"),
         (None, 10_000, True, "non-text"),
         ([{"type": "image"}], 10_000, True, "non-text"),
-        ("word " * 60, 10_000, True, "over max_summary_tokens"),
+        (GOOD + "\nword" * 120, 10_000, True, "over max_summary_tokens"),
+        # the default instruction's eight headings, as models write them; all of them
+        (GOOD.replace("## Next Step", "### 7. **Next step:**"), 10_000, True, None),
+        (GOOD.replace("## Next Step\n", ""), 10_000, True, "lacks 1 of the 8 section headings"),
+        (GOOD.replace("## Next Step", "Next Step"), 10_000, True, "(Next Step)"),
+        (GOOD[:len(GOOD) // 2], None, True, "section headings"),
+        ("Fixed the parser.", 10_000, True, "lacks 8 of the 8"),
         # the framed checkpoint must be strictly smaller than what it replaces
         (GOOD, "framed", True, "not fewer than"),
         (GOOD, "framed+1", True, None),
@@ -52,3 +65,18 @@ def test_framed_size_counts_skills_and_the_authority_contract():
     reason = validate_summary(GOOD, replaced_tokens=plain + 1, policy=POLICY, run_model=None,
                               skills=skills)
     assert reason is not None and "not fewer than" in reason
+
+
+def test_a_custom_prompt_sets_its_own_format():
+    custom = Policy(max_summary_tokens=120, summary_prompt="Summarize.\n{messages}")
+    assert validate_summary("Fixed the parser.", replaced_tokens=10_000, policy=custom,
+                            run_model=None) is None
+
+
+def test_the_local_summarizer_writes_every_section():
+    from scheduler.samples import coding_session
+    from storage.messages import parse_openai
+    from worker.llm.local import summarize_local
+
+    messages = [parse_openai(m) for m in coding_session(steps=6, seed=3).messages]
+    assert missing_sections(summarize_local(messages, max_tokens=2000)) == []

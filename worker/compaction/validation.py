@@ -9,18 +9,35 @@ returns a reason rather than raising. Refused:
 * a summary whose framed checkpoint (rendered form, skills, authority contract) is not strictly
   smaller than the tokens it replaces: compaction must converge, never grow the surface;
 * the canned "no history" text for a range that has history (a model parroting it lost the
-  range). For a range with nothing to read it is the valid canned summary, with no model call.
+  range). For a range with nothing to read it is the valid canned summary, with no model call;
+* with compactd's own instruction (no ``summary_prompt``), a summary missing any of the eight
+  section headings it asks for: a reply cut short, or one that ignored the format, leaves the
+  agent without the sections it will look for (a custom prompt sets its own format).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from storage.tokens import counter_for
 from worker.compaction.policy import Policy
+from worker.compaction.prompt import SECTIONS
 from worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
 
 NO_HISTORY_SUMMARY = "No previous conversation history."
+
+# A section heading as models write the one asked for ("## Current Work"): any Markdown level,
+# optionally numbered or bold, optionally ending in a colon, alone on its line.
+_HEADINGS = {name: re.compile(r"^[ \t]*#{1,6}[ \t]*(?:\d+[.)][ \t]*)?(?:\*\*)?[ \t]*"
+                              + re.escape(name) + r"[ \t]*:?[ \t]*(?:\*\*)?[ \t]*:?[ \t]*$",
+                              re.IGNORECASE | re.MULTILINE)
+             for name in SECTIONS}
+
+
+def missing_sections(text: str) -> list[str]:
+    """The default instruction's section headings that ``text`` lacks, in their order."""
+    return [name for name, heading in _HEADINGS.items() if not heading.search(text)]
 
 
 def framed_tokens(text: str, skills: Sequence[Skill], policy: Policy,
@@ -42,8 +59,14 @@ def validate_summary(text: object, *, replaced_tokens: int | None, policy: Polic
         return f"non-text summary output ({type(text).__name__})"
     if not text.strip():
         return "empty or whitespace-only summary"
-    if text.strip() == NO_HISTORY_SUMMARY and has_history:
+    canned = text.strip() == NO_HISTORY_SUMMARY
+    if canned and has_history:
         return "the canned no-history summary for a range that has history"
+    if policy.summary_prompt is None and not canned:
+        missing = missing_sections(text)
+        if missing:
+            return (f"summary lacks {len(missing)} of the {len(SECTIONS)} section headings "
+                    f"({', '.join(missing)})")
     tokens = counter_for(run_model).count_text(text)
     if tokens > policy.max_summary_tokens:
         return f"summary is {tokens} tokens, over max_summary_tokens {policy.max_summary_tokens}"

@@ -30,6 +30,7 @@ ErrorKind = Literal[
     "malformed",       # a 2xx whose body is not the wire format (bad JSON, wrong shape)
     "non_text",        # no text: tool calls only, reasoning only, or an image/audio part
     "empty",           # text that is empty or whitespace only
+    "truncated",       # the output stopped at its token cap (a summary cut off mid-section)
     "refused",         # the policy's validation refused the text (e.g. it does not shrink)
     "unavailable",     # the client cannot be built (missing key, bad spec) or is remembered so
     "deadline",        # the overall deadline ended this candidate or came before it started

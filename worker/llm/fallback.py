@@ -12,7 +12,8 @@ Per candidate (DeerFlow's ``_asummarize_with``, with DESIGN's retry rules):
 * a context-length error asks ``on_context_length`` (once per call) for a smaller request; the
   same candidate is tried again with it, and later candidates get it too; else move on;
 * a refused summary (empty, whitespace-only, non-text, not shrinking...) is not retried: the same
-  model asked the same thing tends to answer the same way.
+  model asked the same thing tends to answer the same way; nor is one cut off at the output cap
+  (kind ``truncated``), which the same cap would cut again.
 
 One overall deadline (``asyncio.timeout_at``) bounds every remote call: a candidate that hangs is
 cancelled when it passes, and the remaining remote candidates are not tried. The ``local``
@@ -160,7 +161,6 @@ class SummaryOutcome:
     attempts: tuple[Attempt, ...]
     request: SummaryRequest  # the request actually summarized (smaller after a shrink)
     latency_s: float
-    truncated: bool = False
     failures: tuple[Attempt, ...] = field(default=())
 
 
@@ -365,6 +365,14 @@ class _Run:
 
     def accept(self, candidate: Candidate, completion: Completion, started: float, *,
                http_attempts: int) -> SummaryOutcome | None:
+        if completion.truncated:
+            # A reply cut at the output cap ends mid-section: committed, it would lose whatever
+            # the model had not written yet, with nothing to show for it. The same cap gives
+            # the same cut, so the next candidate is asked instead.
+            self.fail(candidate, "truncated", f"the output stopped at its cap of "
+                      f"{self.request.max_tokens} tokens ({completion.stop_reason})", started,
+                      http_attempts=http_attempts, request_id=completion.request_id)
+            return None
         text = completion.text.strip()
         if not text:
             self.fail(candidate, "empty", "the output is empty or whitespace only", started,
@@ -381,10 +389,6 @@ class _Run:
                           reason="accepted", latency_s=loop.time() - started,
                           http_attempts=http_attempts, request_id=completion.request_id)
         self.attempts.append(attempt)
-        if completion.truncated:
-            logger.warning("summary from %s hit its output cap", candidate.name,
-                           extra={"action": "llm.truncated", "candidate": candidate.name,
-                                  "max_tokens": self.request.max_tokens})
         logger.info("summary written by %s", candidate.name,
                     extra={"action": "llm.summary", "candidate": candidate.name,
                            "model": attempt.model, "http_attempts": http_attempts,
@@ -393,8 +397,7 @@ class _Run:
                            **{f"usage_{k}": v for k, v in completion.usage.to_json().items()}})
         return SummaryOutcome(text=text, candidate=candidate, model=attempt.model,
                               usage=completion.usage, request_id=completion.request_id,
-                              attempts=(), request=self.request, latency_s=0.0,
-                              truncated=completion.truncated)
+                              attempts=(), request=self.request, latency_s=0.0)
 
     def fail(self, candidate: Candidate, kind: ErrorKind, reason: str, started: float, *,
              http_attempts: int = 0, status: int | None = None,
