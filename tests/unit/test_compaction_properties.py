@@ -22,7 +22,7 @@ from tests.support.pairs import cut_problems, node_rows
 from worker.compaction.boundary import protected
 from worker.compaction.planner import Plan, checkpoint_for, plan
 from worker.compaction.policy import Clause, PolicyError, parse_policy
-from worker.compaction.prompt import build_prompt
+from worker.compaction.prompt import SECTIONS, build_prompt
 from worker.compaction.render import Skill, checkpoint_tokens
 from worker.compaction.validation import validate_summary
 
@@ -181,7 +181,8 @@ def test_plan_properties(surface: list[SurfaceNode], case: Any) -> None:
     pruned = {a.seq: a.tokens_after for a in result.prune}
     before = sum(n.tokens for n in surface)
     kept = sum(pruned.get(n.seq, n.tokens) for n in surface if n.seq in step.keep_seqs)
-    for text in ("s", "## Current Work\nfixing the parser"):
+    sections = "\n".join(f"## {name}\n(none)" for name in SECTIONS)
+    for text in ("s", "## Current Work\nfixing the parser", sections):
         if validate_summary(text, replaced_tokens=step.replaced_tokens, policy=policy,
                             run_model=None, skills=step.skills,
                             has_history=step.has_history) is None:
