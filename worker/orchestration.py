@@ -35,7 +35,7 @@ from worker import logs
 from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_clause
-from worker.compaction.prompt import build_prompt
+from worker.compaction.prompt import build_prompt, request_tools
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
 from worker.compaction.validation import validate_summary
@@ -293,7 +293,7 @@ class _Calls:
         chat = build_prompt(step.calls[self.index], running, policy, info.envelope)
         return SummaryRequest.of(chat, messages=step.calls[self.index].messages,
                                  existing_summary=running, max_tokens=policy.max_summary_tokens,
-                                 validate=check)
+                                 validate=check, tools=request_tools(policy, info.envelope))
 
     def shrink(self, request: SummaryRequest, _candidate: Any) -> SummaryRequest | None:
         if self.index != 0 or self.shrunk:

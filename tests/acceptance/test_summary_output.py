@@ -1,10 +1,14 @@
 """What a real worker sends the summarizer and commits: no content can forge a turn in the input;
-never a summary cut off at the output cap, and with the default instruction never one without its
-eight sections (the next candidate writes it)."""
+in replay mode exactly the runtime's last request (its system prompt, its tools, the range's
+turns) in each SDK's wire shape, the instruction last, which the fake provider checks; never a
+summary cut off at the output cap, and with the default instruction never one without its eight
+sections (the next candidate writes it)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -77,3 +81,86 @@ def test_a_tool_result_cannot_forge_a_turn_in_what_the_worker_sends(
     forged = [(attrs, body) for attrs, body in turns if FORGED in body]
     assert [attrs["role"] for attrs, _body in forged] == ["tool"]
     assert int(forged[0][0]["seq"]) == first_tool + 1
+
+
+# ------------------------------------------------------------------------------------------
+# replay mode: the runtime's last request, then the instruction
+
+SYSTEM = "You are a careful coding agent. Work in small, tested steps."
+SCHEMA_READ = {"type": "object", "properties": {"path": {"type": "string"}},
+               "required": ["path"]}
+SCHEMA_RUN = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                                           "parameters": SCHEMA_READ}},
+         {"type": "function", "function": {"name": "run", "description": "Run a command.",
+                                           "parameters": SCHEMA_RUN}}]
+ASK = "Fix the failing test in src/app/parser.py."
+READ_ARGS = json.dumps({"path": "src/app/parser.py"})
+RUN_ARGS = json.dumps({"cmd": "pytest -x tests/test_parser.py"})
+SOURCE = "".join(f"def rule_{i}(tokens):\n    return tokens[{i}:]  # rule {i}\n"
+                 for i in range(60))
+LOG = "".join(f"tests/test_parser.py::test_case_{i} PASSED\n" for i in range(60)) + (
+    "ValueError: the parser dropped the last token\n")
+FOUND = "The parser drops the last token in rule_59; I will fix the slice."
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "user", "content": ASK},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_read", "type": "function",
+         "function": {"name": "read_file", "arguments": READ_ARGS}},
+        {"id": "call_run", "type": "function",
+         "function": {"name": "run", "arguments": RUN_ARGS}}]},
+    {"role": "tool", "tool_call_id": "call_read", "content": SOURCE},
+    {"role": "tool", "tool_call_id": "call_run", "content": LOG},
+    {"role": "assistant", "content": FOUND},
+    # kept: the policy keeps the last two messages, the latest request among them
+    {"role": "user", "content": "Go ahead."},
+    {"role": "assistant", "content": "Fixed; the suite passes."},
+]
+RANGE = 5
+
+# The runtime's last request as each API is sent it, written out by hand.
+OPENAI_PREFIX = {"tools": TOOLS,
+                 "messages": [{"role": "system", "content": SYSTEM}, *MESSAGES[:RANGE]]}
+ANTHROPIC_PREFIX = {
+    "system": SYSTEM,
+    "tools": [{"name": "read_file", "description": "Read a file.", "input_schema": SCHEMA_READ},
+              {"name": "run", "description": "Run a command.", "input_schema": SCHEMA_RUN}],
+    "messages": [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "call_read", "name": "read_file",
+             "input": {"path": "src/app/parser.py"}},
+            {"type": "tool_use", "id": "call_run", "name": "run",
+             "input": {"cmd": "pytest -x tests/test_parser.py"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "call_read", "content": SOURCE},
+            {"type": "tool_result", "tool_use_id": "call_run", "content": LOG}]},
+        {"role": "assistant", "content": FOUND}]}
+
+
+def test_replay_mode_sends_the_runtimes_last_request_then_the_instruction(
+        make_stack: Callable[..., Stack], fake: FakeProvider, db: Db) -> None:
+    stack = make_stack(summarization={"keep": {"type": "messages", "value": 2},
+                                      "replay_mode": True},
+                       worker={"local_fallback": False})
+    fake.script(Behaviour(model="fake-gpt", expect_prefix=OPENAI_PREFIX),
+                Behaviour(model="fake-claude", expect_prefix=ANTHROPIC_PREFIX))
+    sessions = {"replay-openai": "fake-gpt", "replay-anthropic": "fake-claude"}
+    for sid, run_model in sessions.items():
+        db.run(lambda s, sid=sid, run_model=run_model: s.create_session(
+            sid, run_model=run_model, context_window=128_000,
+            envelope={"system": SYSTEM, "tools": TOOLS}))
+        db.ingest(sid, MESSAGES, run_model=run_model)
+    stack.start_worker("w1", concurrency=2)
+    for sid, run_model in sessions.items():
+        result = stack.cli_json("compact", sid, "--wait")
+        assert (result["outcome"], result["model"]) == ("committed", run_model), result
+        [record] = fake.requests_for(model=run_model)
+        assert (record.prefix_ok, record.status) == (True, 200), record.behaviour
+        assert record.body is not None
+        instruction = record.body["messages"][-1]
+        assert instruction["role"] == "user" and "<existing_summary>" in instruction["content"]
+        surface = db.surface(sid)
+        assert [(n.kind, n.seq) for n in surface.nodes][1:] == [
+            ("message", RANGE + 1), ("message", RANGE + 2)]
+        assert surface.nodes[0].kind == KIND_CHECKPOINT

@@ -12,7 +12,9 @@ matched by model name (and optionally API) or in order, each used ``times`` time
 hanging forever, an error status (429 with Retry-After, 500, 503, 529, 401, 400
 ``context_length_exceeded`` / "prompt is too long"), whitespace-only text, non-shrinking text (the
 input echoed), malformed JSON, tool-call-only, reasoning-only or image output, or a summary cut
-off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"``).
+off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"``). A behaviour
+can also require the request to begin with a given system prompt, tools and messages (replay
+mode), and answers 400 when it does not.
 
 It is one aiohttp server on one event loop: hundreds of requests in flight cost a coroutine each.
 
@@ -86,6 +88,10 @@ class Behaviour:
     text: str | None = None
     cached_tokens: int = 0
     times: int = 1
+    # The request must begin with this (replay mode): its keys ("system", "tools", "messages")
+    # are compared with the body's, "messages" as a prefix followed by at least one more
+    # message. A request that does not is answered 400 ``prefix_mismatch`` and recorded so.
+    expect_prefix: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.output not in OUTPUTS:
@@ -122,6 +128,7 @@ class RequestRecord:
     status: int | None = None   # None until answered (or forever, for a hang)
     answered_t: float | None = None
     body: dict[str, Any] | None = None
+    prefix_ok: bool | None = None  # whether it began with the behaviour's expect_prefix
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -231,6 +238,11 @@ async def _model_call(state: _State, request: web.Request, api: str) -> web.Stre
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         received_at=time.time(), received_t=time.monotonic() - state.started,
         behaviour=behaviour.describe(), body=body if state.keep_bodies else None)
+    if behaviour.expect_prefix is not None:
+        record.prefix_ok = begins_with(body, behaviour.expect_prefix)
+        if not record.prefix_ok:
+            behaviour = dataclasses.replace(behaviour, status=400, code="prefix_mismatch")
+            record.behaviour = behaviour.describe()
     state.record(record)
     latency = state.latency_s if behaviour.latency_s is None else behaviour.latency_s
     if behaviour.hang:
@@ -341,6 +353,20 @@ def _error_body(api: str, status: int, code: str | None, request_id: str) -> dic
         message = "prompt is too long: 210000 tokens > 200000 maximum"
     return {"type": "error", "error": {"type": etype, "message": message},
             "request_id": request_id}
+
+
+def begins_with(body: dict[str, Any], prefix: dict[str, Any]) -> bool:
+    """Whether a request body begins with ``prefix``: equal ``system`` and ``tools`` where the
+    prefix names them, and ``messages`` starting with the prefix's, with more after them."""
+    for key, expected in prefix.items():
+        got = body.get(key)
+        if key == "messages":
+            if not isinstance(got, list) or len(got) <= len(expected) or (
+                    got[:len(expected)] != expected):
+                return False
+        elif got != expected:
+            return False
+    return True
 
 
 def _input_text(body: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,8 @@ class Scripted:
         self.answers = list(answers)
         self.calls = 0
 
-    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
+    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int,
+                       tools: Sequence[Any] = ()) -> Completion:
         self.calls += 1
         if isinstance(self.answers[0], ProviderError):
             # No local names the error: as in the adapters, only its traceback reaches frames.

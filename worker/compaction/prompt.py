@@ -13,9 +13,11 @@ escaped with their quotes. The default instruction asks for eight fixed sections
 summary to be merged, not copied. A custom ``summary_prompt`` must contain ``{messages}``; it may
 also contain ``{existing_summary}``, and when it does not, ``{messages}`` receives both blocks.
 Replay mode (``replay_mode``) instead sends the runtime's own system prompt, the range as chat
-messages verbatim and the instruction last, so the call is a true prefix of the runtime's last
-request and the provider's prefix cache is reused; the caller passes ``envelope["tools"]`` as the
-request's tools.
+messages verbatim (OpenAI wire shape; the provider adapter converts them for its API) and the
+instruction last, with the runtime's tools (:func:`request_tools`), so a single-call plan begins
+with exactly the runtime's envelope and range and the provider's prefix cache is reused. A piece
+that cannot be sent as a valid turn (a part of a split message, an earlier summary, a tool result
+whose call is not in the input) is sent as a user turn holding its ``<turn>`` element.
 
 **Budget, never silent truncation.** ``trim_tokens_to_summarize`` bounds each call's whole input
 (instruction, summary so far and messages). Every replaced message reaches exactly one call:
@@ -254,7 +256,7 @@ def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
 
     ``running_summary`` is the plan's existing summary for call 0 and the previous call's
     output afterwards. In replay mode ``envelope`` may hold the runtime's ``system`` prompt (sent
-    first) and ``tools`` (for the caller to send as the request's tools).
+    first) and ``tools`` (sent as the request's tools: :func:`request_tools`).
     """
     template = instruction_template(policy)
     summary = running_summary or ""
@@ -283,6 +285,15 @@ def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
             out.append({"role": "user", "content": render_piece(piece)})
     out.append({"role": "user", "content": fill_instruction(template, summary, None)})
     return out
+
+
+def request_tools(policy: Policy, envelope: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The tool schemas a call sends: the runtime's, in replay mode only (its request had
+    them); the default prompt reads the messages as text and needs none."""
+    if not policy.replay_mode or not envelope:
+        return []
+    tools = envelope.get("tools")
+    return [dict(t) for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
 
 
 # ------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from worker.llm.errors import (
     Unavailable,
 )
 from worker.llm.local import summarize_local
-from worker.llm.providers import ChatMessage, Completion, Provider, Usage
+from worker.llm.providers import ChatMessage, Completion, Provider, Tool, Usage
 from worker.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class SummaryRequest:
 
     chat: tuple[ChatMessage, ...]
     messages: tuple[Message, ...] = ()
+    tools: tuple[Tool, ...] = ()  # the runtime's tool schemas, sent in replay mode
     existing_summary: str | None = None
     max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
     validate: Validator | None = None
@@ -86,9 +87,10 @@ class SummaryRequest:
     @classmethod
     def of(cls, chat: Sequence[ChatMessage], messages: Sequence[Message] = (),
            existing_summary: str | None = None, max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
-           validate: Validator | None = None) -> SummaryRequest:
+           validate: Validator | None = None, tools: Sequence[Tool] = ()) -> SummaryRequest:
         return cls(chat=tuple(dict(m) for m in chat), messages=tuple(messages),
-                   existing_summary=existing_summary, max_tokens=max_tokens, validate=validate)
+                   existing_summary=existing_summary, max_tokens=max_tokens, validate=validate,
+                   tools=tuple(dict(t) for t in tools))
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +300,7 @@ class _Run:
                                  counter: _Counter, deadline_at: float) -> Completion:
         loop = asyncio.get_running_loop()
         policy, rng, max_tokens = self.retry, self.rng, self.request.max_tokens
+        tools = self.request.tools
         # tenacity's retrying object stays in a reference cycle after the call (its iteration
         # state holds its own bound methods), so all its callbacks reach waits for the garbage
         # collector (a failed call's error too: see the except below). They reach only this
@@ -325,7 +328,7 @@ class _Run:
 
         async def call() -> Completion:
             counter.n += 1
-            return await provider.complete(held[0], max_tokens=max_tokens)
+            return await provider.complete(held[0], max_tokens=max_tokens, tools=tools)
 
         retrying = AsyncRetrying(
             stop=(stop_after_attempt(policy.max_attempts)

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import email.utils
 import importlib
+import json
 import logging
 import os
 import re
@@ -50,7 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ChatMessage = Mapping[str, str]
+# One chat message in the OpenAI wire shape: role and content, and in replay mode the runtime's
+# own turns with tool calls, tool results and content blocks.
+ChatMessage = Mapping[str, Any]
+Tool = Mapping[str, Any]
 
 DEFAULT_ATTRIBUTION_HEADER = "x-compactd-purpose"
 DEFAULT_ATTRIBUTION_VALUE = "compaction"
@@ -114,7 +118,8 @@ class Completion:
 class Provider(Protocol):
     candidate: Candidate
 
-    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion: ...
+    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int,
+                       tools: Sequence[Tool] = ()) -> Completion: ...
 
     async def aclose(self) -> None: ...
 
@@ -208,10 +213,13 @@ class OpenAIChatProvider:
         self._token_param = token_param
         self._max_output = max_output_tokens
 
-    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
+    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int,
+                       tools: Sequence[Tool] = ()) -> Completion:
         import openai  # imported by build_provider already: a dictionary lookup
         limit = _cap(max_tokens, self._max_output)
         kwargs: dict[str, Any] = {self._token_param: limit}
+        if tools:
+            kwargs["tools"] = [openai_tool(t) for t in tools]
         with sdk_errors(openai, _openai_body):
             raw = await self._client.chat.completions.with_raw_response.create(
                 model=self.candidate.model_id, messages=[dict(m) for m in chat],  # type: ignore[misc]
@@ -334,10 +342,13 @@ class AnthropicProvider:
         self._client = client
         self._max_output = max_output_tokens
 
-    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int) -> Completion:
+    async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int,
+                       tools: Sequence[Tool] = ()) -> Completion:
         import anthropic  # imported by build_provider already: a dictionary lookup
         system, messages = anthropic_messages(chat)
         kwargs: dict[str, Any] = {"system": system} if system else {}
+        if tools:
+            kwargs["tools"] = [anthropic_tool(t) for t in tools]
         with sdk_errors(anthropic, _anthropic_body):
             raw = await self._client.messages.with_raw_response.create(
                 model=self.candidate.model_id, messages=messages,  # type: ignore[arg-type]
@@ -353,21 +364,108 @@ class AnthropicProvider:
         await self._client.close()
 
 
-def anthropic_messages(chat: Sequence[ChatMessage]) -> tuple[str, list[dict[str, str]]]:
-    """System text apart, consecutive same-role turns joined (the Messages API alternates)."""
+def anthropic_messages(chat: Sequence[ChatMessage]) -> tuple[str, list[dict[str, Any]]]:
+    """OpenAI wire turns in the Messages API's shape, the system text apart.
+
+    A turn is converted on its own, so a replayed range stays a prefix of what the runtime sends
+    (the API joins consecutive same-role turns itself): an assistant's tool calls become
+    ``tool_use`` blocks after its text, consecutive tool results one user turn of
+    ``tool_result`` blocks (how a runtime on this API sends parallel results), ``image_url``
+    parts ``image`` blocks; blocks already in this API's shape pass as they are. A turn with
+    nothing in it is left out: the API refuses empty content.
+    """
     system: list[str] = []
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for message in chat:
-        role, content = message["role"], message["content"]
+        role, content = message["role"], message.get("content")
         if role == "system":
-            system.append(content)
+            system.append(content if isinstance(content, str) else "".join(
+                str(b.get("text", "")) for b in _anthropic_blocks(content)))
+            continue
+        if role == "tool":
+            result: dict[str, Any] = {"type": "tool_result",
+                                      "tool_use_id": message.get("tool_call_id")}
+            if content:
+                result["content"] = (content if isinstance(content, str)
+                                     else _anthropic_blocks(content))
+            last = out[-1] if out else None
+            if (last is not None and last["role"] == "user" and isinstance(last["content"], list)
+                    and all(b.get("type") == "tool_result" for b in last["content"])):
+                last["content"].append(result)
+            else:
+                out.append({"role": "user", "content": [result]})
             continue
         role = "assistant" if role == "assistant" else "user"
-        if out and out[-1]["role"] == role:
-            out[-1] = {"role": role, "content": out[-1]["content"] + "\n\n" + content}
-        else:
-            out.append({"role": role, "content": content})
+        calls = message.get("tool_calls") or ()
+        if isinstance(content, str) and not calls:
+            if content:
+                out.append({"role": role, "content": content})
+            continue
+        blocks = _anthropic_blocks(content) + [_tool_use(c) for c in calls]
+        if blocks:
+            out.append({"role": role, "content": blocks})
     return "\n\n".join(system), out
+
+
+def _anthropic_blocks(content: object) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    out: list[dict[str, Any]] = []
+    for block in content if isinstance(content, list) else ():
+        if not isinstance(block, Mapping):
+            continue
+        image = block.get("image_url")
+        if block.get("type") == "image_url" and isinstance(image, Mapping | str):
+            url = str(image.get("url", "") if isinstance(image, Mapping) else image)
+            out.append({"type": "image", "source": _image_source(url)})
+        elif block.get("type") == "text":
+            if block.get("text"):
+                out.append({"type": "text", "text": str(block["text"])})
+        else:
+            out.append(dict(block))
+    return out
+
+
+def _image_source(url: str) -> dict[str, str]:
+    header, sep, data = url.partition(",")
+    if url.startswith("data:") and sep and header.endswith(";base64"):
+        return {"type": "base64", "media_type": header[5:-7], "data": data}
+    return {"type": "url", "url": url}
+
+
+def _tool_use(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    raw = function.get("arguments") or "{}"
+    try:
+        arguments = json.loads(raw)
+    except ValueError:
+        arguments = None
+    return {"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+            "input": arguments if isinstance(arguments, dict) else {"arguments": raw}}
+
+
+def openai_tool(tool: Tool) -> dict[str, Any]:
+    """A tool schema in Chat Completions' shape (an Anthropic one is converted)."""
+    if "input_schema" in tool and "function" not in tool:
+        function: dict[str, Any] = {"name": tool.get("name")}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        function["parameters"] = tool["input_schema"]
+        return {"type": "function", "function": function}
+    return dict(tool)
+
+
+def anthropic_tool(tool: Tool) -> dict[str, Any]:
+    """A tool schema in the Messages API's shape (a Chat Completions one is converted)."""
+    function = tool.get("function")
+    if tool.get("type") == "function" and isinstance(function, Mapping):
+        out: dict[str, Any] = {"name": function.get("name")}
+        if function.get("description"):
+            out["description"] = function["description"]
+        out["input_schema"] = function.get("parameters") or {"type": "object",
+                                                             "properties": {}}
+        return out
+    return dict(tool)
 
 
 def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:
