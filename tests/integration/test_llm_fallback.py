@@ -485,3 +485,25 @@ async def test_a_summary_without_its_sections_is_refused_with_the_default_prompt
                                             run_model=None),
         deadline_s=20, providers=pool, retry=FAST)
     assert outcome.text == "We fixed the parser."
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_a_requests_tools_are_sent_and_the_fake_refuses_a_wrong_prefix(
+        fake: FakeProvider, pool: ProviderPool, api: str) -> None:
+    schema = {"type": "object", "properties": {"cmd": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "run", "parameters": schema}}
+    prefix = ({"tools": [tool], "messages": [{"role": "system", "content": "S"}]}
+              if api == "openai" else
+              {"system": "S", "tools": [{"name": "run", "input_schema": schema}]})
+    fake.script(Behaviour(model="p-model", expect_prefix=prefix, times=2))
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "U " * 400}]
+    without = SummaryRequest.of(chat)
+    with pytest.raises(SummaryFailed) as failed:
+        await run(without, candidates(spec(fake, "p", api)), pool)
+    assert [a.kind for a in failed.value.attempts] == ["bad_request"]
+    with_tools = SummaryRequest.of(chat, tools=[tool])
+    outcome = await summarize(with_tools, candidates=candidates(spec(fake, "p", api)),
+                              validate=lambda _text: None, deadline_s=20, providers=pool,
+                              retry=FAST)
+    assert outcome.attempts[0].ok
+    assert [(r.prefix_ok, r.status) for r in fake.requests] == [(False, 400), (True, 200)]
