@@ -31,6 +31,14 @@ META_SKILL = "skill_context_entry"
 META_CHECKPOINT = "checkpoint"
 META_PRUNED = "pruned"
 
+# Keys only compactd writes, on the nodes a compaction commits: the checkpoint flag, its summary,
+# skills and render form, the authority contract's flag, the run that wrote it, the pruning
+# marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
+# or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
+# holds this set to the keys the worker writes.
+RESERVED_META = frozenset({META_CHECKPOINT, "summary", "skills", "render", "authority_contract",
+                           "run_id", META_PRUNED, "cleared", "cleared_tool_inputs"})
+
 
 class ToolCall(BaseModel):
     """One function call an assistant message asks for. ``arguments`` is the JSON text."""
@@ -93,6 +101,15 @@ class Message(BaseModel):
         if self.meta:
             out["meta"] = self.meta
         return out
+
+
+def without_reserved(payload: dict[str, Any]) -> dict[str, Any]:
+    """An appended message's payload without :data:`RESERVED_META` keys: a row appended before
+    they were refused must still never read as a checkpoint or a pruned result."""
+    meta = payload.get("meta")
+    if not meta or RESERVED_META.isdisjoint(meta):
+        return payload
+    return {**payload, "meta": {k: v for k, v in meta.items() if k not in RESERVED_META}}
 
 
 def from_payload(payload: Mapping[str, Any]) -> Message:
@@ -191,13 +208,22 @@ def _check_content(value: Any, field: str = "content") -> str | list[dict[str, A
     return blocks
 
 
-def _check_meta(value: Any) -> dict[str, Any]:
+def _check_meta(value: Any, field: str = "meta") -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise InvalidMessage(f"must be an object, got {type(value).__name__}", field="meta")
-    _check_strings(value, "meta")
+        raise InvalidMessage(f"must be an object, got {type(value).__name__}", field=field)
+    _check_not_reserved(value, field)
+    _check_strings(value, field)
     return dict(value)
+
+
+def _check_not_reserved(value: Mapping[str, Any], field: str) -> None:
+    if RESERVED_META.isdisjoint(value):
+        return
+    key = min(RESERVED_META.intersection(value))
+    raise InvalidMessage("is set only by compactd (on the checkpoints and pruned results a "
+                         "compaction commits), never by a runtime", field=f"{field}.{key}")
 
 
 def _arguments_text(value: Any, field: str) -> str:
@@ -235,6 +261,21 @@ def _make(role: Any, **fields: Any) -> Message:
                                  field=f"tool_calls[{i}].id")
         seen.add(call.id)
     return Message(role=role, **fields)
+
+
+def check_message(message: Message) -> Message:
+    """A :class:`Message` the runtime built itself, checked as the importers check the dicts
+    they parse (it passed through none of them): the same rules, the same field names."""
+    for i, call in enumerate(message.tool_calls):
+        where = f"tool_calls[{i}]"
+        _check_text(call.id, f"{where}.id")
+        _check_text(call.name, f"{where}.function.name")
+        _check_text(call.arguments, f"{where}.function.arguments")
+    if message.tool_call_id is not None:
+        _check_text(message.tool_call_id, "tool_call_id")
+    return _make(message.role, content=_check_content(message.content),
+                 tool_calls=message.tool_calls, tool_call_id=message.tool_call_id,
+                 name=message.name, meta=_check_meta(message.meta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,6 +417,7 @@ def parse_langchain(obj: Any) -> Message:
     meta = _check_meta(data.get("meta"))
     extra = data.get("additional_kwargs")
     if isinstance(extra, Mapping) and extra:
+        _check_not_reserved(extra, "additional_kwargs")
         _check_strings(extra, "additional_kwargs")
         meta = {**extra, **meta}
     if data.get("status") == "error":
