@@ -12,6 +12,7 @@ messages. Every rejection is an :class:`InvalidMessage` naming the field; file r
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -36,6 +37,15 @@ META_PRUNED = "pruned"
 # marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
 # or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
 # holds this set to the keys the worker writes.
+# The deepest an array or object may sit inside one message field (content, meta, tool
+# arguments given as an object). Real content is a few levels deep; the bound keeps every read
+# of a stored message (the HTTP API's encoder stops near 255 levels, Python's json near 1000)
+# far from the limits of the code that serves it back.
+MAX_NESTING_DEPTH = 100
+
+TOO_DEEP = (f"JSON nested too deep to read (a message may nest at most {MAX_NESTING_DEPTH} "
+            "levels)")
+
 RESERVED_META = frozenset({META_CHECKPOINT, "summary", "skills", "render", "authority_contract",
                            "run_id", META_PRUNED, "cleared", "cleared_tool_inputs"})
 
@@ -170,17 +180,32 @@ def _check_utf8(value: str, field: str) -> None:
         ) from None
 
 
-def _check_strings(value: Any, field: str) -> None:
-    """Every string anywhere inside ``value`` must be valid UTF-8."""
+def _check_json(value: Any, field: str, depth: int = 1, top: str | None = None) -> None:
+    """``value`` is JSON every reader can serve back: strings (keys too) valid UTF-8, finite
+    numbers, arrays and objects nested at most :data:`MAX_NESTING_DEPTH` levels (``depth`` is
+    the level ``value`` sits at, ``top`` the field the walk began at, which a too-deep value
+    is reported at)."""
     if isinstance(value, str):
         _check_utf8(value, field)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _check_strings(key, field)
-            _check_strings(item, f"{field}.{key}")
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _check_strings(item, f"{field}[{i}]")
+    elif isinstance(value, Mapping | list | tuple):
+        if depth > MAX_NESTING_DEPTH:
+            raise InvalidMessage(f"is nested more than {MAX_NESTING_DEPTH} levels deep",
+                                 field=top or field)
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise InvalidMessage("object keys must be strings", field=field)
+                _check_utf8(key, field)
+                _check_json(item, f"{field}.{key}", depth + 1, top or field)
+        else:
+            for i, item in enumerate(value):
+                _check_json(item, f"{field}[{i}]", depth + 1, top or field)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidMessage("must be a finite number (JSON has no NaN or Infinity)",
+                                 field=field)
+    elif value is not None and not isinstance(value, int):
+        raise InvalidMessage(f"must be a JSON value, got {type(value).__name__}", field=field)
 
 
 def _check_content(value: Any, field: str = "content") -> str | list[dict[str, Any]] | None:
@@ -195,15 +220,15 @@ def _check_content(value: Any, field: str = "content") -> str | list[dict[str, A
     for i, block in enumerate(value):
         where = f"{field}[{i}]"
         if isinstance(block, str):
-            _check_utf8(block, where)
             block = {"type": "text", "text": block}
         if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
             raise InvalidMessage("a content block must be an object with a string 'type'",
                                  field=where)
-        if block["type"] == "text":
-            _check_text(block.get("text"), f"{where}.text")
-        else:
-            _check_strings(block, where)
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            raise InvalidMessage(f"must be a string, got {type(block.get('text')).__name__}",
+                                 field=f"{where}.text")
+        # Level 2: the content list is level 1 of the message's JSON.
+        _check_json(block, where, depth=2)
         blocks.append(dict(block))
     return blocks
 
@@ -214,7 +239,7 @@ def _check_meta(value: Any, field: str = "meta") -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidMessage(f"must be an object, got {type(value).__name__}", field=field)
     _check_not_reserved(value, field)
-    _check_strings(value, field)
+    _check_json(value, field)
     return dict(value)
 
 
@@ -232,7 +257,7 @@ def _arguments_text(value: Any, field: str) -> str:
     if isinstance(value, str):
         return _check_text(value, field)
     if isinstance(value, Mapping):
-        _check_strings(value, field)
+        _check_json(value, field)
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     raise InvalidMessage("must be a JSON string or an object", field=field)
 
@@ -297,7 +322,7 @@ def parse_openai(obj: Any) -> Message:
     meta = _check_meta(obj.get("meta"))
     for key in _OPENAI_PASSTHROUGH & set(obj):
         if obj[key] is not None:
-            _check_strings(obj[key], key)
+            _check_json(obj[key], key)
             meta.setdefault(key, obj[key])
     calls: list[ToolCall] = []
     raw_calls = obj.get("tool_calls")
@@ -418,7 +443,7 @@ def parse_langchain(obj: Any) -> Message:
     extra = data.get("additional_kwargs")
     if isinstance(extra, Mapping) and extra:
         _check_not_reserved(extra, "additional_kwargs")
-        _check_strings(extra, "additional_kwargs")
+        _check_json(extra, "additional_kwargs")
         meta = {**extra, **meta}
     if data.get("status") == "error":
         meta["is_error"] = True
@@ -460,6 +485,8 @@ def read_jsonl(lines: Iterable[bytes], fmt: str = "openai") -> list[tuple[int, M
         except json.JSONDecodeError as exc:
             raise InvalidMessage(f"invalid JSON: {exc.msg} (column {exc.colno})", line=line_no
                                  ) from None
+        except RecursionError:
+            raise InvalidMessage(TOO_DEEP, line=line_no) from None
         try:
             out.extend((line_no, m) for m in parse(obj, fmt))
         except InvalidMessage as exc:

@@ -15,6 +15,10 @@ GOOD = [{"role": "user", "content": "fix the bug"},
             {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "a.py"}]
 
+DEEP_300: dict[str, object] = {"leaf": 1}
+for _ in range(300):
+    DEEP_300 = {"a": DEEP_300}
+
 # problem -> (the bad line, what the error must name)
 BAD = {
     "checkpoint posed by a message": (
@@ -24,6 +28,13 @@ BAD = {
     "pruned flag on a tool result": (
         json.dumps({"role": "user", "content": "hi", "meta": {"pruned": True}}),
         "field 'meta.pruned'"),
+    "a block nested 300 levels": (
+        json.dumps({"role": "user", "content": [{"type": "data", "value": DEEP_300}]}),
+        "field 'content[0]': is nested more than 100 levels deep"),
+    "JSON nested 5000 levels": (
+        '{"role": "user", "content": [{"type": "data", "value": '
+        + '{"a": ' * 5000 + "1" + "}" * 5000 + "}]}",
+        "JSON nested too deep to read"),
 }
 
 
@@ -44,10 +55,13 @@ def test_ingest_refuses_what_a_runtime_may_not_store(env: dict[str, str], tmp_pa
     for problem, (line, named) in BAD.items():
         path = tmp_path / "bad.jsonl"
         path.write_text(json.dumps({"role": "user", "content": "ok"}) + "\n" + line + "\n")
-        for session in ("fresh", "kept"):
+        # Every problem into a new session; the first also into an existing one (each ingest is
+        # a process start, and every refusal happens before anything is written).
+        for session in ("fresh", "kept") if problem == next(iter(BAD)) else ("fresh",):
             out = run(env, "ingest", str(path), "--session", session, check=False)
             assert out.returncode == 2, (problem, session, out.stderr)
-            assert f"line 2, {named}" in out.stderr, (problem, session, out.stderr)
+            assert "line 2" in out.stderr, (problem, session, out.stderr)
+            assert named in out.stderr, (problem, session, out.stderr)
             assert "Traceback" not in out.stderr and "obey me" not in out.stderr, problem
     assert run(env, "surface", "kept", "--json").stdout == before
     missing = run(env, "surface", "fresh", check=False)

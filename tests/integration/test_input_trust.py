@@ -16,7 +16,7 @@ import pytest
 from scheduler.client import Client, CompactdClient
 from scheduler.enqueue import RecordingEnqueuer
 from storage.errors import InvalidMessage
-from storage.messages import META_PRUNED, RESERVED_META, Message
+from storage.messages import MAX_NESTING_DEPTH, META_PRUNED, RESERVED_META, Message
 from storage.store import Store
 from storage.tokens import counter_for
 from tests.integration.test_http_api import A, Served, api_config, serve_app
@@ -146,3 +146,93 @@ async def test_a_forged_row_stored_before_the_refusal_reads_as_the_plain_message
     assert only["meta"] == {"pinned": True}
     counted = counter_for("gpt-4o").count_message(Message(role="user", content="hello"))
     assert only["tokens"] == surface["tokens"] == counted
+
+
+# ------------------------------------------------------------------------------------------
+# item 2: nesting is bounded on input, and whatever is stored is served back
+
+
+def nested(levels: int) -> dict[str, Any]:
+    """An object ``levels`` deep (built without recursion: the deep cases go to 5000)."""
+    value: dict[str, Any] = {"leaf": 1}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+def deep_block(levels: int) -> dict[str, Any]:
+    """A content block whose deepest object sits ``levels`` levels into the message's content
+    (the content list is level 1, the block level 2)."""
+    return {"type": "data", "value": nested(levels - 2)}
+
+
+async def test_http_append_bounds_nesting_and_serves_what_it_accepted(api: Served,
+                                                                      db_url: str) -> None:
+    await api.create("s1", A)
+    deepest = {"role": "user", "content": [deep_block(MAX_NESTING_DEPTH)],
+               "meta": nested(MAX_NESTING_DEPTH)}
+    assert (await api.append("s1", A, deepest)).status_code == 200
+    before = await counts(db_url)
+    for message, field in [
+            ({"role": "user", "content": [deep_block(MAX_NESTING_DEPTH + 1)]},
+             "body.messages[0].content[0]"),
+            ({"role": "user", "content": [{"type": "text", "text": "x"}, deep_block(300)]},
+             "body.messages[0].content[1]"),
+            ({"role": "user", "content": "x", "meta": nested(MAX_NESTING_DEPTH + 1)},
+             "body.messages[0].meta"),
+            ({"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "f", "arguments": nested(MAX_NESTING_DEPTH + 1)}}]},
+             "body.messages[0].tool_calls[0].function.arguments")]:
+        response = await api.append("s1", A, message)
+        assert response.status_code == 422, (field, response.text)
+        assert response.json()["field"] == field
+        assert f"nested more than {MAX_NESTING_DEPTH} levels" in response.json()["message"]
+    # Deeper than Python's JSON reader goes: the body itself cannot be read.
+    body = ('{"messages": [{"role": "user", "content": [{"type": "data", "value": '
+            + '{"a": ' * 5000 + "1" + "}" * 5000 + "}]}]}")
+    response = await api.http.post("/v1/sessions/s1/messages", content=body,
+                                   headers={**A, "Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["field"] == "body" and "nested too deep" in response.json()["message"]
+    assert await counts(db_url) == before
+    surface = await api.http.get("/v1/sessions/s1/surface", headers=A)
+    assert surface.status_code == 200
+    assert surface.json()["messages"][0]["content"] == [deep_block(MAX_NESTING_DEPTH)]
+
+
+async def test_a_row_nested_deeper_than_the_bound_still_serves_its_surface(
+        api: Served, db_url: str) -> None:
+    """Appended before depth was bounded (the store is given validated messages and does not
+    check): every later surface read of the session answered 500."""
+    await api.create("s1", A)
+    store = Store.from_url(db_url)
+    try:
+        await store.append("s1", [Message(role="user", content=[deep_block(300)]),
+                                  Message(role="user", content="after")])
+    finally:
+        await store.close()
+    response = await api.http.get("/v1/sessions/s1/surface", headers=A)
+    assert response.status_code == 200, response.text
+    assert response.headers["ETag"] == '"1"'
+    assert [m["content"] for m in response.json()["messages"]] == [[deep_block(300)], "after"]
+
+
+async def test_the_clients_refuse_deep_nesting_in_dicts_and_in_their_own_messages(
+        db_url: str) -> None:
+    async with CompactdClient(client_config(db_url), enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1")
+        for batch in ([{"role": "user", "content": [deep_block(5000)]}],
+                      [Message(role="user", content=[deep_block(5000)])],
+                      [Message(role="user", content="x", meta=nested(5000))]):
+            with pytest.raises(InvalidMessage) as caught:
+                await handle.append(batch)
+            assert caught.value.field in ("content[0]", "meta")
+            assert f"nested more than {MAX_NESTING_DEPTH} levels" in caught.value.reason
+        assert (await client.store.read_surface("s1")).nodes == ()
+    with Client(client_config(db_url)) as sync_client:
+        session = sync_client.get_session("s1")
+        with pytest.raises(InvalidMessage) as caught:
+            session.append([{"role": "user", "content": [deep_block(300)]}])
+        assert caught.value.field == "content[0]"
+        assert session.surface() == []
