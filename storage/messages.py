@@ -43,6 +43,8 @@ META_PRUNED = "pruned"
 # far from the limits of the code that serves it back.
 MAX_NESTING_DEPTH = 100
 
+MAX_ID_CHARS = 255  # a tool-call id, as the tool_calls table holds it
+
 TOO_DEEP = (f"JSON nested too deep to read (a message may nest at most {MAX_NESTING_DEPTH} "
             "levels)")
 
@@ -208,6 +210,20 @@ def _check_json(value: Any, field: str, depth: int = 1, top: str | None = None) 
         raise InvalidMessage(f"must be a JSON value, got {type(value).__name__}", field=field)
 
 
+def _check_id(value: Any, field: str, missing: str) -> str:
+    """A tool-call id: what the ``tool_calls`` table holds as text of at most
+    :data:`MAX_ID_CHARS` characters, where PostgreSQL cannot store a NUL."""
+    if not isinstance(value, str) or not value:
+        raise InvalidMessage(missing, field=field)
+    _check_utf8(value, field)
+    if "\x00" in value:
+        raise InvalidMessage("must not contain a NUL character (U+0000)", field=field)
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidMessage(f"must be at most {MAX_ID_CHARS} characters, got {len(value)}",
+                             field=field)
+    return value
+
+
 def _check_content(value: Any, field: str = "content") -> str | list[dict[str, Any]] | None:
     if value is None or isinstance(value, str):
         if value is not None:
@@ -270,10 +286,8 @@ def _make(role: Any, **fields: Any) -> Message:
     if calls and role != "assistant":
         raise InvalidMessage("only assistant messages carry tool calls", field="tool_calls")
     if role == "tool":
-        call_id = fields.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InvalidMessage("a tool result needs the id of its tool call",
-                                 field="tool_call_id")
+        _check_id(fields.get("tool_call_id"), "tool_call_id",
+                  "a tool result needs the id of its tool call")
     elif fields.get("tool_call_id") is not None:
         raise InvalidMessage("only tool results carry a tool_call_id", field="tool_call_id")
     name = fields.get("name")
@@ -293,7 +307,7 @@ def check_message(message: Message) -> Message:
     they parse (it passed through none of them): the same rules, the same field names."""
     for i, call in enumerate(message.tool_calls):
         where = f"tool_calls[{i}]"
-        _check_text(call.id, f"{where}.id")
+        _check_id(call.id, f"{where}.id", "a tool call needs a non-empty string id")
         _check_text(call.name, f"{where}.function.name")
         _check_text(call.arguments, f"{where}.function.arguments")
     if message.tool_call_id is not None:
@@ -334,10 +348,7 @@ def parse_openai(obj: Any) -> Message:
             raise InvalidMessage("must be an object", field=where)
         function = raw.get("function")
         fn: Mapping[str, Any] = function if isinstance(function, Mapping) else raw
-        call_id = raw.get("id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InvalidMessage("a tool call needs a non-empty string id", field=f"{where}.id")
-        _check_utf8(call_id, f"{where}.id")
+        call_id = _check_id(raw.get("id"), f"{where}.id", "a tool call needs a non-empty string id")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidMessage("a tool call needs a function name",
@@ -382,20 +393,18 @@ def parse_anthropic(obj: Any) -> list[Message]:
         if kind == "tool_use":
             if role != "assistant":
                 raise InvalidMessage("tool_use blocks belong to assistant messages", field=where)
-            call_id, name = block.get("id"), block.get("name")
-            if not isinstance(call_id, str) or not call_id:
-                raise InvalidMessage("a tool_use block needs an id", field=f"{where}.id")
+            call_id = _check_id(block.get("id"), f"{where}.id", "a tool_use block needs an id")
+            name = block.get("name")
             if not isinstance(name, str) or not name:
                 raise InvalidMessage("a tool_use block needs a name", field=f"{where}.name")
+            _check_utf8(name, f"{where}.name")
             calls.append(ToolCall(id=call_id, name=name,
                                   arguments=_arguments_text(block.get("input"), f"{where}.input")))
         elif kind == "tool_result":
             if role != "user":
                 raise InvalidMessage("tool_result blocks belong to user messages", field=where)
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise InvalidMessage("a tool_result block needs a tool_use_id",
-                                     field=f"{where}.tool_use_id")
+            call_id = _check_id(block.get("tool_use_id"), f"{where}.tool_use_id",
+                                "a tool_result block needs a tool_use_id")
             result_meta = {"is_error": True} if block.get("is_error") else {}
             results.append(_make("tool", content=_check_content(block.get("content"),
                                                                 f"{where}.content"),
@@ -433,10 +442,12 @@ def parse_langchain(obj: Any) -> Message:
     calls: list[ToolCall] = []
     for i, raw in enumerate(data.get("tool_calls") or ()):
         where = f"tool_calls[{i}]"
-        if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str) or not raw["id"]:
-            raise InvalidMessage("a tool call needs a non-empty string id", field=f"{where}.id")
+        if not isinstance(raw, Mapping):
+            raise InvalidMessage("must be an object", field=where)
+        _check_id(raw.get("id"), f"{where}.id", "a tool call needs a non-empty string id")
         if not isinstance(raw.get("name"), str) or not raw["name"]:
             raise InvalidMessage("a tool call needs a name", field=f"{where}.name")
+        _check_utf8(raw["name"], f"{where}.name")
         calls.append(ToolCall(id=raw["id"], name=raw["name"],
                               arguments=_arguments_text(raw.get("args"), f"{where}.args")))
     meta = _check_meta(data.get("meta"))

@@ -28,6 +28,11 @@ BAD = {
     "pruned flag on a tool result": (
         json.dumps({"role": "user", "content": "hi", "meta": {"pruned": True}}),
         "field 'meta.pruned'"),
+    # It exited 1 with the driver's error on PostgreSQL, leaving the new session behind.
+    "NUL in a tool-call id": (
+        json.dumps({"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c\x00", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}),
+        "field 'tool_calls[0].id': must not contain a NUL character"),
     "a block nested 300 levels": (
         json.dumps({"role": "user", "content": [{"type": "data", "value": DEEP_300}]}),
         "field 'content[0]': is nested more than 100 levels deep"),

@@ -236,3 +236,90 @@ async def test_the_clients_refuse_deep_nesting_in_dicts_and_in_their_own_message
             session.append([{"role": "user", "content": [deep_block(300)]}])
         assert caught.value.field == "content[0]"
         assert session.surface() == []
+
+
+# ------------------------------------------------------------------------------------------
+# item 3: message-level bad input is refused naming the field, never as a storage error
+
+
+def call(call_id: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}
+
+
+async def test_http_append_refuses_what_postgresql_cannot_hold_as_a_422_naming_it(
+        api: Served, db_url: str) -> None:
+    """A NUL in a tool-call id was a 503 with Retry-After (a client retries it forever) showing
+    the driver's error on PostgreSQL, and stored on SQLite; NaN and ids over the column's 255
+    characters were driver errors too. Refused alike on both backends."""
+    await api.create("s1", A)
+    assert (await api.append("s1", A, call("open1"))).status_code == 200
+    before = await counts(db_url)
+    cases: list[tuple[str, list[dict[str, Any]], str]] = [
+        ("openai", [call("c\x00d")], "body.messages[0].tool_calls[0].id"),
+        ("openai", [{"role": "tool", "tool_call_id": "open1\x00", "content": "x"}],
+         "body.messages[0].tool_call_id"),
+        ("anthropic", [{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t\x00", "name": "ls", "input": {}}]}],
+         "body.messages[0].content[0].id"),
+        ("anthropic", [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "open1\x00", "content": "x"}]}],
+         "body.messages[0].content[0].tool_use_id"),
+        ("langchain", [{"type": "ai", "content": "", "tool_calls": [
+            {"id": "l\x00", "name": "ls", "args": {}}]}], "body.messages[0].tool_calls[0].id"),
+        ("openai", [call("c" * 256)], "body.messages[0].tool_calls[0].id"),
+    ]
+    for fmt, messages, field in cases:
+        response = await api.http.post("/v1/sessions/s1/messages", headers=A,
+                                       json={"messages": messages, "format": fmt})
+        assert response.status_code == 422, (field, response.text)
+        assert "Retry-After" not in response.headers
+        assert response.json()["field"] == field, response.text
+        assert "NUL" in response.text or "at most 255" in response.text
+        assert "byte sequence" not in response.text and "Error" not in response.text
+    # NaN is not JSON, but Python's reader (FastAPI's) accepts it.
+    response = await api.http.post(
+        "/v1/sessions/s1/messages", headers={**A, "Content-Type": "application/json"},
+        content='{"messages": [{"role": "user", "content": [{"type": "data", "v": NaN}]}]}')
+    assert response.status_code == 422, response.text
+    assert response.json()["field"] == "body.messages[0].content[0].v"
+    assert await counts(db_url) == before
+    # The longest id the column holds is accepted.
+    assert (await api.append("s1", A, call("c" * 255))).status_code == 200
+
+
+async def test_a_nul_where_the_json_payload_holds_it_is_stored_and_read_back(
+        api: Served) -> None:
+    """Content, names and meta live in the JSON payload, which holds a NUL (escaped) on both
+    backends: a tool output may carry one, so they are kept, not refused."""
+    await api.create("s1", A)
+    message = {"role": "user", "content": "a\x00b", "name": "n\x00", "meta": {"k\x00": "v\x00"}}
+    assert (await api.append("s1", A, message)).status_code == 200
+    [read] = (await api.http.get("/v1/sessions/s1/surface", headers=A)).json()["messages"]
+    assert {k: read[k] for k in message} == message
+
+
+async def test_the_clients_refuse_a_lone_surrogate_in_their_own_messages_naming_the_field(
+        db_url: str) -> None:
+    """It raised a storage error quoting the content (PostgreSQL) or stored it (SQLite)."""
+    secret = "the secret text \ud800 of the user"
+    cases = [(Message(role="user", content=secret), "content"),
+             (Message(role="user", content=[{"type": "text", "text": secret}]),
+              "content[0].text"),
+             (Message(role="user", content="x", name=secret), "name"),
+             (Message(role="user", content="x", meta={"note": secret}), "meta.note"),
+             (Message(role="tool", tool_call_id="c\x00", content="x"), "tool_call_id")]
+    async with CompactdClient(client_config(db_url), enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1")
+        for message, field in cases:
+            with pytest.raises(InvalidMessage) as caught:
+                await handle.append([message])
+            assert caught.value.field == field and caught.value.index == 0
+            assert "secret" not in str(caught.value)
+        assert (await client.store.read_surface("s1")).nodes == ()
+    with Client(client_config(db_url)) as sync_client:
+        session = sync_client.get_session("s1")
+        with pytest.raises(InvalidMessage) as caught:
+            session.append([Message(role="user", content=secret)])
+        assert caught.value.field == "content" and "secret" not in str(caught.value)
+        assert session.surface() == []
