@@ -31,7 +31,7 @@ from typing import Any
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
-from storage.messages import Message, check_message, parse
+from storage.messages import Message, check_json, check_message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from storage.tokens import counter_for
@@ -189,6 +189,8 @@ class CompactdClient:
         """Create the session, or open it when it exists with the same tenant and run model."""
         await self._ensure_schema()
         check_policy(policy, self.config)
+        check_json(envelope, "envelope")
+        check_json(policy, "policy")
         if context_window is not None and (not isinstance(context_window, int)
                                            or context_window <= 0):
             raise InvalidMessage("must be a positive integer", field="context_window")

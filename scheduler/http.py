@@ -562,6 +562,8 @@ def add_routes(app: FastAPI) -> None:
             # Created meanwhile by another tenant: as invisible as one that existed before.
             await api.owned(session_id, tenant, fresh=True)
             raise
+        except InvalidMessage as exc:
+            raise _in_body(exc) from None
         api.remember(handle.info)
         if existing is None:
             response.status_code = 201

@@ -182,11 +182,12 @@ def _check_utf8(value: str, field: str) -> None:
         ) from None
 
 
-def _check_json(value: Any, field: str, depth: int = 1, top: str | None = None) -> None:
-    """``value`` is JSON every reader can serve back: strings (keys too) valid UTF-8, finite
-    numbers, arrays and objects nested at most :data:`MAX_NESTING_DEPTH` levels (``depth`` is
-    the level ``value`` sits at, ``top`` the field the walk began at, which a too-deep value
-    is reported at)."""
+def check_json(value: Any, field: str, depth: int = 1, top: str | None = None) -> None:
+    """``value`` (a message field, or what a runtime sends besides messages: a session's
+    envelope and policy) is JSON every reader can serve back: strings (keys too) valid UTF-8,
+    finite numbers, arrays and objects nested at most :data:`MAX_NESTING_DEPTH` levels
+    (``depth`` is the level ``value`` sits at, ``top`` the field the walk began at, which a
+    too-deep value is reported at)."""
     if isinstance(value, str):
         _check_utf8(value, field)
     elif isinstance(value, Mapping | list | tuple):
@@ -198,10 +199,10 @@ def _check_json(value: Any, field: str, depth: int = 1, top: str | None = None) 
                 if not isinstance(key, str):
                     raise InvalidMessage("object keys must be strings", field=field)
                 _check_utf8(key, field)
-                _check_json(item, f"{field}.{key}", depth + 1, top or field)
+                check_json(item, f"{field}.{key}", depth + 1, top or field)
         else:
             for i, item in enumerate(value):
-                _check_json(item, f"{field}[{i}]", depth + 1, top or field)
+                check_json(item, f"{field}[{i}]", depth + 1, top or field)
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidMessage("must be a finite number (JSON has no NaN or Infinity)",
@@ -244,7 +245,7 @@ def _check_content(value: Any, field: str = "content") -> str | list[dict[str, A
             raise InvalidMessage(f"must be a string, got {type(block.get('text')).__name__}",
                                  field=f"{where}.text")
         # Level 2: the content list is level 1 of the message's JSON.
-        _check_json(block, where, depth=2)
+        check_json(block, where, depth=2)
         blocks.append(dict(block))
     return blocks
 
@@ -255,7 +256,7 @@ def _check_meta(value: Any, field: str = "meta") -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidMessage(f"must be an object, got {type(value).__name__}", field=field)
     _check_not_reserved(value, field)
-    _check_json(value, field)
+    check_json(value, field)
     return dict(value)
 
 
@@ -273,7 +274,7 @@ def _arguments_text(value: Any, field: str) -> str:
     if isinstance(value, str):
         return _check_text(value, field)
     if isinstance(value, Mapping):
-        _check_json(value, field)
+        check_json(value, field)
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     raise InvalidMessage("must be a JSON string or an object", field=field)
 
@@ -336,7 +337,7 @@ def parse_openai(obj: Any) -> Message:
     meta = _check_meta(obj.get("meta"))
     for key in _OPENAI_PASSTHROUGH & set(obj):
         if obj[key] is not None:
-            _check_json(obj[key], key)
+            check_json(obj[key], key)
             meta.setdefault(key, obj[key])
     calls: list[ToolCall] = []
     raw_calls = obj.get("tool_calls")
@@ -454,7 +455,7 @@ def parse_langchain(obj: Any) -> Message:
     extra = data.get("additional_kwargs")
     if isinstance(extra, Mapping) and extra:
         _check_not_reserved(extra, "additional_kwargs")
-        _check_json(extra, "additional_kwargs")
+        check_json(extra, "additional_kwargs")
         meta = {**extra, **meta}
     if data.get("status") == "error":
         meta["is_error"] = True

@@ -323,3 +323,33 @@ async def test_the_clients_refuse_a_lone_surrogate_in_their_own_messages_naming_
             session.append([Message(role="user", content=secret)])
         assert caught.value.field == "content" and "secret" not in str(caught.value)
         assert session.surface() == []
+
+
+async def test_a_session_envelope_follows_the_same_rules_on_put_and_in_the_client(
+        api: Served, db_url: str) -> None:
+    """NaN and a lone surrogate in the envelope were a 503 with the driver's text on PostgreSQL
+    (NaN was stored on SQLite, the surrogate a 500); deep nesting was stored."""
+    cases = [('{"envelope": {"tools": [{"name": "ls", "parameters": {"max": NaN}}]}}',
+              "body.envelope.tools[0].parameters.max"),
+             ('{"envelope": {"system": "you are \\ud800 helpful"}}', "body.envelope.system"),
+             ('{"envelope": {"tools": [' + '{"a": ' * 150 + "1" + "}" * 150 + "]}}",
+              "body.envelope")]
+    for body, field in cases:
+        response = await api.http.put("/v1/sessions/s1", content=body,
+                                      headers={**A, "Content-Type": "application/json"})
+        assert response.status_code == 422, (field, response.text)
+        assert response.json()["field"] == field
+        assert "Error" not in response.text and "helpful" not in response.text
+    assert (await api.http.get("/v1/sessions/s1", headers=A)).status_code == 404
+    await api.create("s1", A, envelope={"system": "ok"})
+    response = await api.http.put("/v1/sessions/s1", content=cases[1][0],
+                                  headers={**A, "Content-Type": "application/json"})
+    assert response.status_code == 422
+    async with CompactdClient(client_config(db_url), enqueuer=RecordingEnqueuer()) as client:
+        with pytest.raises(InvalidMessage) as caught:
+            await client.create_session("s2", envelope={"tools": [{"x": float("inf")}]})
+        assert caught.value.field == "envelope.tools[0].x"
+        with pytest.raises(InvalidMessage) as caught:
+            await client.create_session("s2", envelope={"system": "\udfff"})
+        assert caught.value.field == "envelope.system"
+        assert await client.store.all_session_ids() == ["s1"]
