@@ -20,6 +20,7 @@ from storage.messages import MAX_NESTING_DEPTH, META_PRUNED, RESERVED_META, Mess
 from storage.store import Store
 from storage.tokens import counter_for
 from tests.integration.test_http_api import A, Served, api_config, serve_app
+from tests.support.fake_provider import FakeProvider
 from worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
 from worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
 from worker.settings import Config, Settings, build_config
@@ -353,3 +354,31 @@ async def test_a_session_envelope_follows_the_same_rules_on_put_and_in_the_clien
             await client.create_session("s2", envelope={"system": "\udfff"})
         assert caught.value.field == "envelope.system"
         assert await client.store.all_session_ids() == ["s1"]
+
+
+async def test_the_langchain_middleware_raises_bad_input_instead_of_degrading(
+        fake: FakeProvider, db_url: str, tmp_path: Path) -> None:
+    """A NUL in a tool-call id of the agent's state was a storage error on PostgreSQL, which
+    the middleware takes for an outage (it degrades and tries again every step), and was
+    stored on SQLite. It is bad input: the step raises it, naming the field, storing nothing."""
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    from scheduler.langchain import CompactdMiddleware
+    from tests.integration.test_langchain_middleware import AGENT_MODEL, agent_for, make_config
+    from tests.support.fake_provider import Behaviour
+
+    fake.script(Behaviour(model=AGENT_MODEL, output="text", text="done"))
+    middleware = CompactdMiddleware(config=make_config(db_url, tmp_path))
+    try:
+        agent = agent_for(fake, middleware)
+        state = [HumanMessage("go", id="h1"),
+                 AIMessage("", id="a1", tool_calls=[{"id": "c\x00", "name": "lookup",
+                                                     "args": {}}]),
+                 ToolMessage("found", id="t1", tool_call_id="c\x00")]
+        with pytest.raises(InvalidMessage) as caught:
+            await agent.ainvoke({"messages": state}, {"configurable": {"thread_id": "s1"}})
+        assert caught.value.index == 1 and caught.value.field == "tool_calls[0].id"
+    finally:
+        middleware.close()
+    assert fake.requests_for(model=AGENT_MODEL) == []
+    assert (await counts(db_url))["events"] == 0
