@@ -31,7 +31,7 @@ from typing import Any
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
-from storage.messages import Message, parse
+from storage.messages import Message, check_json, check_message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from storage.tokens import counter_for
@@ -96,11 +96,11 @@ def parse_messages(raw: Iterable[Mapping[str, Any] | Message], fmt: str = "opena
     """Messages from dicts in a wire format (or already parsed); errors name the index."""
     out: list[Message] = []
     for index, item in enumerate(raw):
-        if isinstance(item, Message):
-            out.append(item)
-            continue
         try:
-            out.extend(parse(item, fmt))
+            if isinstance(item, Message):
+                out.append(check_message(item))
+            else:
+                out.extend(parse(item, fmt))
         except InvalidMessage as exc:
             raise InvalidMessage(exc.reason, index=index, field=exc.field) from None
     return out
@@ -189,6 +189,8 @@ class CompactdClient:
         """Create the session, or open it when it exists with the same tenant and run model."""
         await self._ensure_schema()
         check_policy(policy, self.config)
+        check_json(envelope, "envelope")
+        check_json(policy, "policy")
         if context_window is not None and (not isinstance(context_window, int)
                                            or context_window <= 0):
             raise InvalidMessage("must be a positive integer", field="context_window")

@@ -71,6 +71,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
+from storage.messages import TOO_DEEP
 from storage.records import SessionInfo
 from storage.store import Store
 from worker.compaction.render import render_surface
@@ -561,6 +562,8 @@ def add_routes(app: FastAPI) -> None:
             # Created meanwhile by another tenant: as invisible as one that existed before.
             await api.owned(session_id, tenant, fresh=True)
             raise
+        except InvalidMessage as exc:
+            raise _in_body(exc) from None
         api.remember(handle.info)
         if existing is None:
             response.status_code = 201
@@ -594,7 +597,7 @@ def add_routes(app: FastAPI) -> None:
                         304: {"description": "unchanged since the version in If-None-Match",
                               "headers": _ETAG}},
              tags=["sessions"])
-    async def surface(info: Owned, api: ApiDep, response: Response,
+    async def surface(info: Owned, api: ApiDep,
                       render: Annotated[RenderForm | None, Query(
                           description="how checkpoints read (default: the session's form)")]
                       = None,
@@ -606,9 +609,13 @@ def add_routes(app: FastAPI) -> None:
             if version is not None and _matches(if_none_match, version):
                 return Response(status_code=304, headers={"ETag": _etag(version)})
         current = await api.store.read_surface(info.id)
-        response.headers["ETag"] = _etag(current.version)
-        return {"session": info.id, "version": current.version, "tokens": current.tokens,
-                "messages": render_surface(current.nodes, render)}
+        # Encoded here, not through the response model: its encoder refuses values nested
+        # deeper than ~255 levels, and a row stored before input depth was bounded must still
+        # be served.
+        return JSONResponse({"session": info.id, "version": current.version,
+                             "tokens": current.tokens,
+                             "messages": render_surface(current.nodes, render)},
+                            headers={"ETag": _etag(current.version)})
 
     @app.post(API_PREFIX + "/sessions/{session_id}/signal", response_model=SignalOut,
               operation_id="signal",
@@ -798,6 +805,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            # FastAPI's body reader hit Python's JSON depth limit: invalid input, said so.
+            return _error_response(422, "invalid", f"the body is not valid: {TOO_DEEP}",
+                                   field="body")
         headers = dict(exc.headers) if exc.headers else {}
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(_allowed_methods(request))

@@ -12,6 +12,7 @@ messages. Every rejection is an :class:`InvalidMessage` naming the field; file r
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -30,6 +31,25 @@ META_HIDDEN = "hide_from_ui"
 META_SKILL = "skill_context_entry"
 META_CHECKPOINT = "checkpoint"
 META_PRUNED = "pruned"
+
+# Keys only compactd writes, on the nodes a compaction commits: the checkpoint flag, its summary,
+# skills and render form, the authority contract's flag, the run that wrote it, the pruning
+# marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
+# or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
+# holds this set to the keys the worker writes.
+# The deepest an array or object may sit inside one message field (content, meta, tool
+# arguments given as an object). Real content is a few levels deep; the bound keeps every read
+# of a stored message (the HTTP API's encoder stops near 255 levels, Python's json near 1000)
+# far from the limits of the code that serves it back.
+MAX_NESTING_DEPTH = 100
+
+MAX_ID_CHARS = 255  # a tool-call id, as the tool_calls table holds it
+
+TOO_DEEP = (f"JSON nested too deep to read (a message may nest at most {MAX_NESTING_DEPTH} "
+            "levels)")
+
+RESERVED_META = frozenset({META_CHECKPOINT, "summary", "skills", "render", "authority_contract",
+                           "run_id", META_PRUNED, "cleared", "cleared_tool_inputs"})
 
 
 class ToolCall(BaseModel):
@@ -95,6 +115,15 @@ class Message(BaseModel):
         return out
 
 
+def without_reserved(payload: dict[str, Any]) -> dict[str, Any]:
+    """An appended message's payload without :data:`RESERVED_META` keys: a row appended before
+    they were refused must still never read as a checkpoint or a pruned result."""
+    meta = payload.get("meta")
+    if not meta or RESERVED_META.isdisjoint(meta):
+        return payload
+    return {**payload, "meta": {k: v for k, v in meta.items() if k not in RESERVED_META}}
+
+
 def from_payload(payload: Mapping[str, Any]) -> Message:
     """Rebuild a stored message without re-validating it (it was validated when appended)."""
     raw_calls = payload.get("tool_calls")
@@ -153,17 +182,47 @@ def _check_utf8(value: str, field: str) -> None:
         ) from None
 
 
-def _check_strings(value: Any, field: str) -> None:
-    """Every string anywhere inside ``value`` must be valid UTF-8."""
+def check_json(value: Any, field: str, depth: int = 1, top: str | None = None) -> None:
+    """``value`` (a message field, or what a runtime sends besides messages: a session's
+    envelope and policy) is JSON every reader can serve back: strings (keys too) valid UTF-8,
+    finite numbers, arrays and objects nested at most :data:`MAX_NESTING_DEPTH` levels
+    (``depth`` is the level ``value`` sits at, ``top`` the field the walk began at, which a
+    too-deep value is reported at)."""
     if isinstance(value, str):
         _check_utf8(value, field)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _check_strings(key, field)
-            _check_strings(item, f"{field}.{key}")
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _check_strings(item, f"{field}[{i}]")
+    elif isinstance(value, Mapping | list | tuple):
+        if depth > MAX_NESTING_DEPTH:
+            raise InvalidMessage(f"is nested more than {MAX_NESTING_DEPTH} levels deep",
+                                 field=top or field)
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise InvalidMessage("object keys must be strings", field=field)
+                _check_utf8(key, field)
+                check_json(item, f"{field}.{key}", depth + 1, top or field)
+        else:
+            for i, item in enumerate(value):
+                check_json(item, f"{field}[{i}]", depth + 1, top or field)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidMessage("must be a finite number (JSON has no NaN or Infinity)",
+                                 field=field)
+    elif value is not None and not isinstance(value, int):
+        raise InvalidMessage(f"must be a JSON value, got {type(value).__name__}", field=field)
+
+
+def _check_id(value: Any, field: str, missing: str) -> str:
+    """A tool-call id: what the ``tool_calls`` table holds as text of at most
+    :data:`MAX_ID_CHARS` characters, where PostgreSQL cannot store a NUL."""
+    if not isinstance(value, str) or not value:
+        raise InvalidMessage(missing, field=field)
+    _check_utf8(value, field)
+    if "\x00" in value:
+        raise InvalidMessage("must not contain a NUL character (U+0000)", field=field)
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidMessage(f"must be at most {MAX_ID_CHARS} characters, got {len(value)}",
+                             field=field)
+    return value
 
 
 def _check_content(value: Any, field: str = "content") -> str | list[dict[str, Any]] | None:
@@ -178,26 +237,35 @@ def _check_content(value: Any, field: str = "content") -> str | list[dict[str, A
     for i, block in enumerate(value):
         where = f"{field}[{i}]"
         if isinstance(block, str):
-            _check_utf8(block, where)
             block = {"type": "text", "text": block}
         if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
             raise InvalidMessage("a content block must be an object with a string 'type'",
                                  field=where)
-        if block["type"] == "text":
-            _check_text(block.get("text"), f"{where}.text")
-        else:
-            _check_strings(block, where)
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            raise InvalidMessage(f"must be a string, got {type(block.get('text')).__name__}",
+                                 field=f"{where}.text")
+        # Level 2: the content list is level 1 of the message's JSON.
+        check_json(block, where, depth=2)
         blocks.append(dict(block))
     return blocks
 
 
-def _check_meta(value: Any) -> dict[str, Any]:
+def _check_meta(value: Any, field: str = "meta") -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise InvalidMessage(f"must be an object, got {type(value).__name__}", field="meta")
-    _check_strings(value, "meta")
+        raise InvalidMessage(f"must be an object, got {type(value).__name__}", field=field)
+    _check_not_reserved(value, field)
+    check_json(value, field)
     return dict(value)
+
+
+def _check_not_reserved(value: Mapping[str, Any], field: str) -> None:
+    if RESERVED_META.isdisjoint(value):
+        return
+    key = min(RESERVED_META.intersection(value))
+    raise InvalidMessage("is set only by compactd (on the checkpoints and pruned results a "
+                         "compaction commits), never by a runtime", field=f"{field}.{key}")
 
 
 def _arguments_text(value: Any, field: str) -> str:
@@ -206,7 +274,7 @@ def _arguments_text(value: Any, field: str) -> str:
     if isinstance(value, str):
         return _check_text(value, field)
     if isinstance(value, Mapping):
-        _check_strings(value, field)
+        check_json(value, field)
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     raise InvalidMessage("must be a JSON string or an object", field=field)
 
@@ -219,10 +287,8 @@ def _make(role: Any, **fields: Any) -> Message:
     if calls and role != "assistant":
         raise InvalidMessage("only assistant messages carry tool calls", field="tool_calls")
     if role == "tool":
-        call_id = fields.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InvalidMessage("a tool result needs the id of its tool call",
-                                 field="tool_call_id")
+        _check_id(fields.get("tool_call_id"), "tool_call_id",
+                  "a tool result needs the id of its tool call")
     elif fields.get("tool_call_id") is not None:
         raise InvalidMessage("only tool results carry a tool_call_id", field="tool_call_id")
     name = fields.get("name")
@@ -235,6 +301,21 @@ def _make(role: Any, **fields: Any) -> Message:
                                  field=f"tool_calls[{i}].id")
         seen.add(call.id)
     return Message(role=role, **fields)
+
+
+def check_message(message: Message) -> Message:
+    """A :class:`Message` the runtime built itself, checked as the importers check the dicts
+    they parse (it passed through none of them): the same rules, the same field names."""
+    for i, call in enumerate(message.tool_calls):
+        where = f"tool_calls[{i}]"
+        _check_id(call.id, f"{where}.id", "a tool call needs a non-empty string id")
+        _check_text(call.name, f"{where}.function.name")
+        _check_text(call.arguments, f"{where}.function.arguments")
+    if message.tool_call_id is not None:
+        _check_text(message.tool_call_id, "tool_call_id")
+    return _make(message.role, content=_check_content(message.content),
+                 tool_calls=message.tool_calls, tool_call_id=message.tool_call_id,
+                 name=message.name, meta=_check_meta(message.meta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,7 +337,7 @@ def parse_openai(obj: Any) -> Message:
     meta = _check_meta(obj.get("meta"))
     for key in _OPENAI_PASSTHROUGH & set(obj):
         if obj[key] is not None:
-            _check_strings(obj[key], key)
+            check_json(obj[key], key)
             meta.setdefault(key, obj[key])
     calls: list[ToolCall] = []
     raw_calls = obj.get("tool_calls")
@@ -268,10 +349,7 @@ def parse_openai(obj: Any) -> Message:
             raise InvalidMessage("must be an object", field=where)
         function = raw.get("function")
         fn: Mapping[str, Any] = function if isinstance(function, Mapping) else raw
-        call_id = raw.get("id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InvalidMessage("a tool call needs a non-empty string id", field=f"{where}.id")
-        _check_utf8(call_id, f"{where}.id")
+        call_id = _check_id(raw.get("id"), f"{where}.id", "a tool call needs a non-empty string id")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidMessage("a tool call needs a function name",
@@ -316,20 +394,18 @@ def parse_anthropic(obj: Any) -> list[Message]:
         if kind == "tool_use":
             if role != "assistant":
                 raise InvalidMessage("tool_use blocks belong to assistant messages", field=where)
-            call_id, name = block.get("id"), block.get("name")
-            if not isinstance(call_id, str) or not call_id:
-                raise InvalidMessage("a tool_use block needs an id", field=f"{where}.id")
+            call_id = _check_id(block.get("id"), f"{where}.id", "a tool_use block needs an id")
+            name = block.get("name")
             if not isinstance(name, str) or not name:
                 raise InvalidMessage("a tool_use block needs a name", field=f"{where}.name")
+            _check_utf8(name, f"{where}.name")
             calls.append(ToolCall(id=call_id, name=name,
                                   arguments=_arguments_text(block.get("input"), f"{where}.input")))
         elif kind == "tool_result":
             if role != "user":
                 raise InvalidMessage("tool_result blocks belong to user messages", field=where)
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise InvalidMessage("a tool_result block needs a tool_use_id",
-                                     field=f"{where}.tool_use_id")
+            call_id = _check_id(block.get("tool_use_id"), f"{where}.tool_use_id",
+                                "a tool_result block needs a tool_use_id")
             result_meta = {"is_error": True} if block.get("is_error") else {}
             results.append(_make("tool", content=_check_content(block.get("content"),
                                                                 f"{where}.content"),
@@ -367,16 +443,19 @@ def parse_langchain(obj: Any) -> Message:
     calls: list[ToolCall] = []
     for i, raw in enumerate(data.get("tool_calls") or ()):
         where = f"tool_calls[{i}]"
-        if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str) or not raw["id"]:
-            raise InvalidMessage("a tool call needs a non-empty string id", field=f"{where}.id")
+        if not isinstance(raw, Mapping):
+            raise InvalidMessage("must be an object", field=where)
+        _check_id(raw.get("id"), f"{where}.id", "a tool call needs a non-empty string id")
         if not isinstance(raw.get("name"), str) or not raw["name"]:
             raise InvalidMessage("a tool call needs a name", field=f"{where}.name")
+        _check_utf8(raw["name"], f"{where}.name")
         calls.append(ToolCall(id=raw["id"], name=raw["name"],
                               arguments=_arguments_text(raw.get("args"), f"{where}.args")))
     meta = _check_meta(data.get("meta"))
     extra = data.get("additional_kwargs")
     if isinstance(extra, Mapping) and extra:
-        _check_strings(extra, "additional_kwargs")
+        _check_not_reserved(extra, "additional_kwargs")
+        check_json(extra, "additional_kwargs")
         meta = {**extra, **meta}
     if data.get("status") == "error":
         meta["is_error"] = True
@@ -418,6 +497,8 @@ def read_jsonl(lines: Iterable[bytes], fmt: str = "openai") -> list[tuple[int, M
         except json.JSONDecodeError as exc:
             raise InvalidMessage(f"invalid JSON: {exc.msg} (column {exc.colno})", line=line_no
                                  ) from None
+        except RecursionError:
+            raise InvalidMessage(TOO_DEEP, line=line_no) from None
         try:
             out.extend((line_no, m) for m in parse(obj, fmt))
         except InvalidMessage as exc:

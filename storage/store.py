@@ -44,6 +44,7 @@ from storage.messages import (
     ToolLinks,
     from_payload,
     referenced_call_ids,
+    without_reserved,
 )
 from storage.records import (
     AppendResult,
@@ -575,7 +576,7 @@ def _signal_due(info: SessionInfo, now: dt.datetime, ttl_s: float) -> bool:
 def _message_of(seq: int, kind: str | None, payload: Any) -> dict[str, Any]:
     if payload is None:
         raise StorageError(f"surface row seq {seq} has no event")
-    return payload["message"] if kind in REPLACE_KINDS else payload
+    return payload["message"] if kind in REPLACE_KINDS else without_reserved(payload)
 
 
 def _first_difference(replayed: list[tuple[int, int]], stored: list[tuple[int, int]]) -> str:

@@ -50,3 +50,16 @@ def test_durable_context_comes_with_the_authority_contract():
     # its token count includes the contract, so pressure is what the model will be sent
     assert checkpoint_tokens(node.message, None) > checkpoint_tokens(
         ckpt("summary text", [SKILL], form="langchain"), None)
+
+
+def test_a_checkpoint_in_its_own_form_sends_the_stored_text_its_tokens_were_counted_on():
+    message = ckpt("earlier work", [SKILL])
+    # As a checkpoint written by an earlier renderer would be: the stored text differs from
+    # what rendering its parts gives today.
+    older = message.model_copy(update={"content": message.content + "\n(older layout)"})
+    [node] = nodes(older)
+    rendered = render_node(node)
+    assert rendered[-1]["content"] == older.content
+    assert rendered[-1]["tokens"] == node.tokens == checkpoint_tokens(older, None)
+    assert render_node(node, "langchain")[-1]["content"] == render_text(
+        "earlier work", [SKILL], "langchain")

@@ -194,7 +194,7 @@ def message_body(message: Message) -> str:
             if kind == "text":
                 lines.append(str(block.get("text", "")))
             elif kind in ("image", "image_url", "input_image"):
-                lines.append("[image]")
+                lines.append(image_reference(block))
             else:
                 lines.append(f"[{kind} block]")
     lines.extend(f"-> call {call.name}: {call.arguments}" for call in message.tool_calls)
@@ -560,3 +560,54 @@ def fit_one_call(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]],
         if used > room:
             return max(1, count)
     return len(units)
+
+
+# ------------------------------------------------------------------------------------------
+# image parts
+
+# An image costs IMAGE_TOKENS (765) where it was appended; a longer reference is cut so the
+# transcript piece stays within what the plan estimated for it.
+IMAGE_REFERENCE_CHARS = 1000
+IMAGE_MEDIA_TYPE_CHARS = 100
+
+
+def image_reference(block: dict[str, Any]) -> str:
+    """How an image part reads to the summarizer: its URL or file id, so the summary can keep
+    the reference (the image itself is not sent); an inline image (a ``data:`` URL, base64
+    bytes) only as its media type and size, never its bytes. Understands OpenAI's
+    ``image_url`` / ``input_image``, Anthropic's ``source`` and LangChain's image blocks."""
+    inner = block.get("source")
+    source: dict[str, Any] = inner if isinstance(inner, dict) else block
+    url = block.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        url = source.get("url")
+    if isinstance(url, str) and url:
+        if url[:5].lower() != "data:":
+            return f"[image: {_cut(url, IMAGE_REFERENCE_CHARS)}]"
+        header, _, data = url[5:].partition(",")
+        return _inline_image(header.split(";")[0], data,
+                             base64=header.lower().endswith(";base64"))
+    data = source.get("data", source.get("base64"))
+    if isinstance(data, str) and data:
+        media = source.get("media_type") or source.get("mime_type") or block.get("mime_type")
+        return _inline_image(media, data, base64=True)
+    file_id = source.get("file_id") or block.get("file_id")
+    if isinstance(file_id, str) and file_id:
+        return f"[image: file {_cut(file_id, IMAGE_REFERENCE_CHARS)}]"
+    return "[image]"
+
+
+def _inline_image(media: Any, data: str, *, base64: bool) -> str:
+    if base64:
+        size = len(data) * 3 // 4 - (len(data) - len(data.rstrip("=")))
+    else:  # percent-encoded: each %XX is one byte
+        size = len(data) - 2 * data.count("%")
+    kind = _cut(media, IMAGE_MEDIA_TYPE_CHARS) if isinstance(media, str) and media else \
+        "unknown type"
+    return f"[image: {kind}, {size} bytes inline]"
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

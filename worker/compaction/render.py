@@ -129,12 +129,15 @@ def render_node(node: SurfaceNode, form: str | None = None) -> list[dict[str, An
     if node.kind != "checkpoint" and not message.meta.get(META_CHECKPOINT):
         return [_with_seq(message.to_openai(), node)]
     summary, skills = checkpoint_parts(message)
-    form = form or message.meta.get(META_RENDER) or "durable_context"
+    stored = message.meta.get(META_RENDER)
+    form = form or stored or "durable_context"
     out: list[dict[str, Any]] = []
     if form == "durable_context":
         out.append({"seq": node.seq, "role": "system", "content": AUTHORITY_CONTRACT,
                     "meta": {META_AUTHORITY: True, META_CHECKPOINT: True}})
-    rendered = message.model_copy(update={"content": render_text(summary, skills, form)})
+    # In its own form the stored content is sent: the text its tokens were counted on.
+    rendered = message if form == stored else message.model_copy(
+        update={"content": render_text(summary, skills, form)})
     meta = {k: v for k, v in rendered.meta.items() if k not in (META_SUMMARY, META_SKILLS)}
     out.append(_with_seq({**rendered.to_openai(), "meta": {**meta, META_RENDER: form}}, node))
     return out
