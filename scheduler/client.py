@@ -192,14 +192,14 @@ class CompactdClient:
         if context_window is not None and (not isinstance(context_window, int)
                                            or context_window <= 0):
             raise InvalidMessage("must be a positive integer", field="context_window")
-        info = await self.store.create_session(
+        info, created = await self.store.open_session(
             session_id, tenant=tenant, run_model=run_model,
             context_window=context_window or self.config.context_window(run_model),
             envelope=dict(envelope) if envelope is not None else None,
             policy=dict(policy) if policy is not None else None)
         await _warm_counter(info.run_model)
         await self.store.prepare_steps()
-        return SessionHandle(self, info)
+        return SessionHandle(self, info, created=created)
 
     async def get_session(self, session_id: str) -> SessionHandle:
         await self._ensure_schema()
@@ -218,9 +218,12 @@ async def _warm_counter(run_model: str | None) -> None:
 class SessionHandle:
     """One session, as a runtime drives it."""
 
-    def __init__(self, client: CompactdClient, info: SessionInfo) -> None:
+    def __init__(self, client: CompactdClient, info: SessionInfo, *,
+                 created: bool = False) -> None:
         self.client = client
         self.info = info
+        # Whether create_session created it (False when it opened an existing one).
+        self.created = created
         self.version = info.surface_version
 
     @property

@@ -562,9 +562,9 @@ def add_routes(app: FastAPI) -> None:
             await api.owned(session_id, tenant, fresh=True)
             raise
         api.remember(handle.info)
-        if existing is None:
+        if handle.created:
             response.status_code = 201
-        return _session_out(handle.info, created=existing is None)
+        return _session_out(handle.info, created=handle.created)
 
     @app.get(API_PREFIX + "/sessions/{session_id}", response_model=StatusOut,
              operation_id="sessionStatus",

@@ -1,0 +1,108 @@
+"""Session creation and session ids at every door: the HTTP API (in process, lifespan included)
+and the runtime client, on real SQLite and PostgreSQL.
+
+Creating a session is idempotent: callers racing to create one new session all succeed (one of
+them created it) unless their settings conflict, which answers 409 naming the setting. An id is
+printable text, valid UTF-8, at most 255 characters, on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from scheduler.client import CompactdClient
+from scheduler.enqueue import RecordingEnqueuer
+from storage.errors import SessionExists
+from storage.store import Store
+from tests.integration.test_http_api import A, B, Served, api_config, serve_app
+from worker.settings import Config, Settings, build_config
+
+RACERS = 8
+
+
+@pytest.fixture
+async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
+    async for served in serve_app(api_config(db_url, tmp_path)):
+        yield served
+
+
+@pytest.fixture
+def config(db_url: str) -> Config:
+    return build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
+
+
+@pytest.fixture
+async def client(config: Config, store: Store) -> AsyncIterator[CompactdClient]:
+    async with CompactdClient(config, store=store, enqueuer=RecordingEnqueuer()) as c:
+        yield c
+
+
+# ------------------------------------------------------------------------------------------
+# creating one new session concurrently
+
+
+async def test_concurrent_puts_of_one_new_session_all_succeed_and_one_created_it(
+        api: Served) -> None:
+    body = {"run_model": "gpt-4o", "context_window": 128_000,
+            "envelope": {"system": "You are terse."}}
+    responses = await asyncio.gather(*[
+        api.http.put("/v1/sessions/race", headers=A, json=body) for _ in range(RACERS)])
+    assert all(r.status_code in (200, 201) for r in responses), [r.text for r in responses]
+    assert sorted(r.status_code for r in responses) == [200] * (RACERS - 1) + [201]
+    assert [r.json()["created"] for r in responses].count(True) == 1
+    assert {r.json()["run_model"] for r in responses} == {"gpt-4o"}
+    status = await api.http.get("/v1/sessions/race", headers=A)
+    assert status.status_code == 200 and status.json()["tenant"] == "tenant-a"
+
+
+async def test_concurrent_puts_with_another_run_model_answer_409_naming_it(
+        api: Served) -> None:
+    models = ["gpt-4o", "claude-x"] * (RACERS // 2)
+    responses = await asyncio.gather(*[
+        api.http.put("/v1/sessions/race", headers=A, json={"run_model": model})
+        for model in models])
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 201, 409} and codes.count(201) == 1, [r.text for r in responses]
+    winner = responses[codes.index(201)].json()["run_model"]
+    for model, response in zip(models, responses, strict=True):
+        if model == winner:
+            assert response.status_code in (200, 201), response.text
+        else:
+            assert response.status_code == 409, response.text
+            body = response.json()
+            assert body["error"] == "conflict" and "run_model" in body["message"]
+            assert winner in body["message"] and model in body["message"]
+
+
+async def test_concurrent_puts_from_two_tenants_give_the_id_to_one(api: Served) -> None:
+    tenants = [A, B] * (RACERS // 2)
+    responses = await asyncio.gather(*[
+        api.http.put("/v1/sessions/race", headers=headers, json={}) for headers in tenants])
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 201, 404} and codes.count(201) == 1, [r.text for r in responses]
+    owner = responses[codes.index(201)].json()["tenant"]
+    for response in responses:
+        if response.status_code == 404:
+            assert response.json()["error"] == "not_found"
+        else:
+            assert response.json()["tenant"] == owner
+
+
+async def test_client_create_session_racing_is_idempotent(client: CompactdClient,
+                                                          store: Store) -> None:
+    handles = await asyncio.gather(*[
+        client.create_session("race", run_model="gpt-4o", context_window=128_000)
+        for _ in range(RACERS)])
+    assert {h.info.run_model for h in handles} == {"gpt-4o"}
+    assert {h.info.created_at for h in handles} == {handles[0].info.created_at}
+    results = await asyncio.gather(*[
+        client.create_session("race2", run_model=model)
+        for model in ["gpt-4o", "claude-x"] * (RACERS // 2)], return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors and all(isinstance(e, SessionExists) for e in errors), errors
+    assert all("run_model" in str(e) for e in errors)
+    assert len(errors) == RACERS // 2
