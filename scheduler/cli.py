@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
+from storage.ids import check_session_id, check_tenant
 from storage.messages import FORMATS, ToolLinks, read_jsonl
 from storage.store import Store
 from worker import logs
@@ -235,6 +236,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _check_ids(args: argparse.Namespace) -> None:
+    """Refuse a session id or tenant the HTTP API would refuse, before anything is opened (an
+    argument that is not UTF-8 arrives here as lone surrogates)."""
+    if getattr(args, "session", None) is not None:
+        check_session_id(args.session, field="session")
+    if getattr(args, "tenant", None) is not None:
+        check_tenant(args.tenant, field="--tenant")
+
+
 def _redact(url: str) -> str:
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
@@ -248,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_ids(args)
         config = load_config(path=args.config)
     except CompactdError as exc:
         sys.stderr.write(f"compactd: {exc}\n")

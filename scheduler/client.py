@@ -31,6 +31,7 @@ from typing import Any
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
+from storage.ids import check_session_id, check_tenant
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
@@ -187,6 +188,8 @@ class CompactdClient:
                              tenant: str = "default",
                              policy: Mapping[str, Any] | None = None) -> SessionHandle:
         """Create the session, or open it when it exists with the same tenant and run model."""
+        check_session_id(session_id)
+        check_tenant(tenant)
         await self._ensure_schema()
         check_policy(policy, self.config)
         if context_window is not None and (not isinstance(context_window, int)
@@ -202,6 +205,7 @@ class CompactdClient:
         return SessionHandle(self, info, created=created)
 
     async def get_session(self, session_id: str) -> SessionHandle:
+        check_session_id(session_id)
         await self._ensure_schema()
         info = await self.store.get_session(session_id)
         await _warm_counter(info.run_model)

@@ -47,7 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -71,6 +71,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
+from storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
 from storage.records import SessionInfo
 from storage.store import Store
 from worker.compaction.render import render_surface
@@ -440,8 +441,19 @@ async def _tenant(request: Request,
     return str(tenant)
 
 
-SessionId = Annotated[str, Path(min_length=1, max_length=255, pattern=_PRINTABLE,
-                                description="the session id (global across tenants)")]
+def _session_id(value: str) -> str:
+    # The rule every door applies (storage.ids); its own messages say what is wrong.
+    problem = id_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+SessionId = Annotated[str, Path(min_length=1, max_length=MAX_ID_LENGTH,
+                                json_schema_extra={"pattern": ID_PATTERN},
+                                description="the session id (global across tenants): printable "
+                                            "text, valid UTF-8"),
+                      AfterValidator(_session_id)]
 Tenant = Annotated[str, Depends(_tenant)]
 ApiDep = Annotated[Api, Depends(_api)]
 
@@ -785,7 +797,9 @@ def add_error_handlers(app: FastAPI) -> None:
             return _error_response(422, "invalid", f"the body is not valid JSON: {error}",
                                    field="body")
         field = _location(first.get("loc", ()))
-        return _error_response(422, "invalid", f"{field}: {first.get('msg')}",
+        # A validator's own ValueError reads "Value error, <its message>".
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        return _error_response(422, "invalid", f"{field}: {message}",
                                field=field or None)
 
     async def storage_failed(request: Request, exc: Exception) -> JSONResponse:

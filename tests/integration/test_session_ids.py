@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.client import CompactdClient
+from scheduler.client import Client, CompactdClient
 from scheduler.enqueue import RecordingEnqueuer
-from storage.errors import SessionExists
+from storage.errors import InvalidMessage, SessionExists
 from storage.store import Store
 from tests.integration.test_http_api import A, B, Served, api_config, serve_app
 from worker.settings import Config, Settings, build_config
@@ -106,3 +106,73 @@ async def test_client_create_session_racing_is_idempotent(client: CompactdClient
     assert errors and all(isinstance(e, SessionExists) for e in errors), errors
     assert all("run_model" in str(e) for e in errors)
     assert len(errors) == RACERS // 2
+
+
+# ------------------------------------------------------------------------------------------
+# what an id may be
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    ("x%FFy", "UTF-8"),  # both become x\ufffdy once decoded: one session for two ids
+    ("x%FEy", "UTF-8"),
+    ("x%EF%BF%BDy", "U+FFFD"),
+    ("x%00y", "control character"),
+    ("x%1By", "control character"),
+    ("x%7Fy", "control character"),
+    ("x%C2%85y", "control character"),  # NEL, a C1 control character
+    ("%20%20", "blank"),
+])
+async def test_an_id_that_is_not_printable_utf8_is_422_on_every_route_and_stores_nothing(
+        api: Served, store: Store, raw: str, problem: str) -> None:
+    for method, path in (("PUT", ""), ("GET", ""), ("GET", "/surface"),
+                         ("POST", "/messages")):
+        body = {"messages": [{"role": "user", "content": "x"}]} if path else {}
+        response = await api.http.request(method, f"/v1/sessions/{raw}{path}", headers=A,
+                                          **({} if method == "GET" else {"json": body}))
+        assert response.status_code == 422, (method, path, response.text)
+        assert response.json()["field"] == "path.session_id"
+        assert problem in response.json()["message"], response.text
+        assert "Value error" not in response.json()["message"]
+    assert await store.list_sessions() == []
+
+
+async def test_two_ids_that_differ_only_in_undecodable_bytes_never_share_a_session(
+        api: Served, store: Store) -> None:
+    first = await api.http.put("/v1/sessions/x%FFy", headers=B, json={})
+    second = await api.http.put("/v1/sessions/x%FEy", headers=A, json={})
+    assert (first.status_code, second.status_code) == (422, 422), (first.text, second.text)
+    assert await store.list_sessions() == []
+
+
+@pytest.mark.parametrize(("kwargs", "field", "problem"), [
+    ({"session_id": "a\0b"}, "session", "control character"),
+    ({"session_id": "a\x85b"}, "session", "control character"),
+    ({"session_id": "a\udcffb"}, "session", "UTF-8"),
+    ({"session_id": "a\ufffdb"}, "session", "U+FFFD"),
+    ({"session_id": " "}, "session", "blank"),
+    ({"session_id": "x" * 256}, "session", "255"),
+    ({"session_id": 7}, "session", "string"),
+    ({"session_id": "ok", "tenant": "t\0"}, "tenant", "control character"),
+    ({"session_id": "ok", "tenant": ""}, "tenant", "blank"),
+])
+async def test_the_client_refuses_a_bad_id_or_tenant_naming_it_and_stores_nothing(
+        client: CompactdClient, store: Store, kwargs: dict[str, object], field: str,
+        problem: str) -> None:
+    kwargs = dict(kwargs)
+    session_id = kwargs.pop("session_id")
+    with pytest.raises(InvalidMessage) as raised:
+        await client.create_session(session_id, **kwargs)  # type: ignore[arg-type]
+    assert raised.value.field == field and problem in raised.value.reason
+    if field == "session":
+        with pytest.raises(InvalidMessage):
+            await client.get_session(session_id)  # type: ignore[arg-type]
+    with pytest.raises(InvalidMessage):
+        await store.create_session(session_id, **kwargs)  # type: ignore[arg-type]
+    assert await store.list_sessions() == []
+
+
+def test_the_sync_client_refuses_a_nul_in_a_session_id(config: Config, db_url: str) -> None:
+    with Client(config) as client:
+        with pytest.raises(InvalidMessage, match="control character"):
+            client.create_session("a\0b")
+        client.create_session("a-b")

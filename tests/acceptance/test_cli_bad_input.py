@@ -1,0 +1,120 @@
+"""The CLI refuses bad input before it writes anything: exit 2 and one line naming the problem
+(the argument or flag), never a traceback, a driver's message or SQL. Run through ``main()``
+(fast, many cases) and as a subprocess where the process boundary matters (arguments that are
+not UTF-8), on the embedded SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from scheduler.cli import main
+from storage.database import embedded_url
+from storage.store import Store
+from tests.conftest import run_cli
+
+Cli = Callable[..., tuple[int, str, str]]
+LINE = json.dumps({"role": "user", "content": "hello"}) + "\n"
+
+
+class Run:
+    def __init__(self, url: str, capsys: pytest.CaptureFixture[str]) -> None:
+        self.url = url
+        self._capsys = capsys
+
+    def __call__(self, *args: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own usage errors
+            code = int(exc.code or 0)
+        out = self._capsys.readouterr()
+        return code, out.out, out.err
+
+    def session_ids(self) -> list[str]:
+        async def read() -> list[str]:
+            store = Store.from_url(self.url)
+            try:
+                return [s.id for s in await store.list_sessions()]
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def cli(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> Run:
+    for name in list(os.environ):
+        if name.startswith("COMPACTD_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("COMPACTD_HOME", str(tmp_path))
+    url = embedded_url(tmp_path)
+    if request.param == "postgres":
+        url = request.getfixturevalue("clean_pg")
+        monkeypatch.setenv("COMPACTD_DATABASE_URL", url)
+    run = Run(url, capsys)
+    code, _, err = run("migrate")
+    assert code == 0, err
+    return run
+
+
+@pytest.fixture
+def transcript(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text(LINE)
+    return path
+
+
+def assert_refused(result: tuple[int, str, str], *names: str) -> None:
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert err.startswith("compactd: ") or err.startswith("usage: "), err
+    assert "Traceback" not in err and out == "", (out, err)
+    for name in names:
+        assert name in err, (name, err)
+
+
+# ------------------------------------------------------------------------------------------
+# session ids and tenants
+
+
+@pytest.mark.parametrize(("session", "problem"), [
+    ("a\x01b", "control character"),
+    ("a\0b", "control character"),
+    ("a\x85b", "control character"),
+    ("a\udcffb", "UTF-8"),  # what Python makes of a byte that is not UTF-8 in argv
+    ("a\ufffdb", "U+FFFD"),
+    ("  ", "blank"),
+    ("x" * 256, "255"),
+])
+def test_a_session_id_http_would_refuse_exits_2_on_every_command_and_stores_nothing(
+        cli: Run, transcript: Path, session: str, problem: str) -> None:
+    assert_refused(cli("ingest", str(transcript), "--session", session), "session", problem)
+    for command in (["surface", session], ["status", session], ["verify", session],
+                    ["plan", session], ["compact", session, "--inline"],
+                    ["lease", "release", session]):
+        assert_refused(cli(*command), "session", problem)
+    assert cli.session_ids() == []
+
+
+@pytest.mark.parametrize(("tenant", "problem"), [
+    ("t\0", "control character"), ("t\x1b[2J", "control character"), ("", "blank")])
+def test_a_tenant_http_would_refuse_exits_2_and_stores_nothing(
+        cli: Run, transcript: Path, tenant: str, problem: str) -> None:
+    assert_refused(cli("ingest", str(transcript), "--session", "s1", "--tenant", tenant),
+                   "--tenant", problem)
+    assert cli.session_ids() == []
+
+
+def test_an_argument_that_is_not_utf8_exits_2_as_a_process(
+        cli_env: dict[str, str], transcript: Path) -> None:
+    # subprocess encodes the lone surrogate back to the byte 0xFF in the child's argv.
+    out = run_cli(cli_env, "ingest", str(transcript), "--session", "x\udcffy", check=False)
+    assert out.returncode == 2, out.stderr
+    assert "UTF-8" in out.stderr and "Traceback" not in out.stderr
+    assert run_cli(cli_env, "verify", "--all", "--json").stdout.count('"sessions": 0') == 1
