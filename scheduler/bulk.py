@@ -33,6 +33,7 @@ from worker.limits import LocalLimiter
 from worker.settings import Config
 
 PROGRESS_EVERY_S = 0.5
+MAX_DURATION_S = 36_500 * 86_400  # a century
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day)?\s*$")
 _UNITS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
           "day": 86400}
@@ -42,7 +43,11 @@ def parse_duration(text: str) -> float:
     match = _DURATION.match(text.lower())
     if not match:
         raise InvalidMessage(f"not a duration: {text!r} (e.g. 90s, 30m, 1h, 2d)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    if value > MAX_DURATION_S:
+        # Further back than any session, and far enough to leave the calendar (year 1).
+        raise InvalidMessage(f"a duration is at most {MAX_DURATION_S // 86_400:g}d, not {text!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

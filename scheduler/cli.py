@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler.args import positive_int
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
 from storage.ids import check_session_id, check_tenant
 from storage.messages import FORMATS, ToolLinks, read_jsonl
@@ -195,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", required=True)
     p.add_argument("--format", choices=FORMATS, default="openai")
     p.add_argument("--run-model", help="the model the agent talks to (its tokenizer counts)")
-    p.add_argument("--context-window", type=_positive_int,
+    p.add_argument("--context-window", type=positive_int,
                    help="the run model's context window in tokens")
     p.add_argument("--tenant")
     p.add_argument("--json", action="store_true")
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_verify)
 
     p = sub.add_parser("demo", help="the embedded default, end to end")
-    p.add_argument("--steps", type=_positive_int, default=60)
+    p.add_argument("--steps", type=positive_int, default=60)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_demo)
 
@@ -224,16 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
     commands.register(sub)
     leases.register(sub)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _check_ids(args: argparse.Namespace) -> None:

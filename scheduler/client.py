@@ -31,7 +31,7 @@ from typing import Any
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
-from storage.ids import check_session_id, check_tenant
+from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
@@ -192,9 +192,8 @@ class CompactdClient:
         check_tenant(tenant)
         await self._ensure_schema()
         check_policy(policy, self.config)
-        if context_window is not None and (not isinstance(context_window, int)
-                                           or context_window <= 0):
-            raise InvalidMessage("must be a positive integer", field="context_window")
+        if context_window is not None:
+            check_count(context_window, "context_window", minimum=1)
         info, created = await self.store.open_session(
             session_id, tenant=tenant, run_model=run_model,
             context_window=context_window or self.config.context_window(run_model),
@@ -292,6 +291,7 @@ class SessionHandle:
     async def compact(self, *, force: bool = False, keep: str | None = None, wait: bool = True,
                       timeout_s: float = 120.0) -> dict[str, Any]:
         """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result."""
+        check_seconds(timeout_s, "timeout_s")
         task_id = await self.client.enqueuer.asend(
             RunRequest(self.id, "manual", force=force, keep=keep))
         if not wait:
@@ -306,6 +306,7 @@ class SessionHandle:
         The forced plan is computed here first (pure, milliseconds); when even a forced run could
         not shrink the surface (one indivisible tool group), the answer comes at once.
         """
+        check_seconds(timeout_s, "timeout_s")
         store = self.client.store
         info = await store.get_session(self.id)
         surface = await store.read_surface(self.id)

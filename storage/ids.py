@@ -1,4 +1,5 @@
-"""What a session id or a tenant name may be: one rule for every door (HTTP, client, CLI, store).
+"""What a session id or a tenant name may be: one rule for every door (HTTP, client, CLI, store);
+and the numbers callers pass that end in an INTEGER column or bound a wait.
 
 Printable text of at most 255 characters that is not only blanks. Control characters (NUL
 included) are refused because PostgreSQL cannot store a NUL and a terminal or log line should not
@@ -9,6 +10,7 @@ would both become ``x\ufffdy``) are refused so two different inputs never name o
 
 from __future__ import annotations
 
+import math
 import unicodedata
 from typing import Any
 
@@ -55,3 +57,24 @@ def check_session_id(value: Any, field: str = "session") -> str:
 
 def check_tenant(value: Any, field: str = "tenant") -> str:
     return check_id(value, field=field, what="a tenant name")
+
+
+def check_count(value: Any, field: str, *, minimum: int = 0, maximum: int = MAX_INT32) -> int:
+    """``value`` when it is a whole number (not a bool) from ``minimum`` to ``maximum``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidMessage(f"must be a whole number, not {type(value).__name__}", field=field)
+    if not minimum <= value <= maximum:
+        raise InvalidMessage(f"must be a whole number from {minimum} to {maximum}, not {value}",
+                             field=field)
+    return value
+
+
+def check_seconds(value: Any, field: str) -> float:
+    """``value`` when it is a finite number of seconds above 0 (NaN would wait forever)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidMessage(f"must be a number of seconds, not {type(value).__name__}",
+                             field=field)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidMessage(f"must be a finite number of seconds above 0, not {value}",
+                             field=field)
+    return float(value)

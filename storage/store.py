@@ -33,7 +33,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
-from storage.ids import MAX_INT32, check_session_id, check_tenant
+from storage.ids import check_count, check_session_id, check_tenant
 from storage.jobs import JobsMixin
 from storage.leases import LeasesMixin
 from storage.messages import (
@@ -133,11 +133,8 @@ class Store(LeasesMixin, JobsMixin):
         """
         check_session_id(session_id)
         check_tenant(tenant)
-        if context_window is not None and (
-                not isinstance(context_window, int) or isinstance(context_window, bool)
-                or not 0 < context_window <= MAX_INT32):
-            raise InvalidMessage(f"must be a whole number from 1 to {MAX_INT32}",
-                                 field="context_window")
+        if context_window is not None:
+            check_count(context_window, "context_window", minimum=1)
         now = now or utcnow()
         env_tokens = envelope_tokens(envelope, run_model)
         created = False
@@ -232,8 +229,7 @@ class Store(LeasesMixin, JobsMixin):
 
     async def report_usage(self, session_id: str, input_tokens: int) -> SessionInfo:
         """Record the provider's own input token count for the runtime's last call."""
-        if not isinstance(input_tokens, int) or isinstance(input_tokens, bool) or input_tokens < 0:
-            raise InvalidMessage("must be a non-negative integer", field="input_tokens")
+        check_count(input_tokens, "input_tokens")
         async with transaction(self.engine) as conn:
             result = await conn.execute(
                 t.sessions.update().where(t.sessions.c.id == session_id)

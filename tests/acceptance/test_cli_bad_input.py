@@ -118,3 +118,47 @@ def test_an_argument_that_is_not_utf8_exits_2_as_a_process(
     assert out.returncode == 2, out.stderr
     assert "UTF-8" in out.stderr and "Traceback" not in out.stderr
     assert run_cli(cli_env, "verify", "--all", "--json").stdout.count('"sessions": 0') == 1
+
+
+# ------------------------------------------------------------------------------------------
+# numbers and durations
+
+
+@pytest.mark.timeout(60)  # on the code before the fix --timeout nan waited forever
+@pytest.mark.parametrize(("args", "flag"), [
+    (["ingest", "{file}", "--session", "s1", "--context-window", "3000000000"],
+     "--context-window"),
+    (["ingest", "{file}", "--session", "s1", "--context-window", "0"], "--context-window"),
+    (["ingest", "{file}", "--session", "s1", "--context-window", "-5"], "--context-window"),
+    (["status", "s1", "--limit", "-1"], "--limit"),
+    (["status", "s1", "--limit", "0"], "--limit"),
+    (["status", "s1", "--limit", "99999999999"], "--limit"),
+    (["status", "--since", "99999999999999d"], "--since"),
+    (["status", "--since", "soon"], "--since"),
+    (["recompact", "--dry-run", "--idle-for", "99999999999999d"], "--idle-for"),
+    (["recompact", "--dry-run", "--min-tokens", "-1"], "--min-tokens"),
+    (["recompact", "--dry-run", "--min-tokens", "100000000000000000000"], "--min-tokens"),
+    (["recompact", "--dry-run", "--chunk", "0"], "--chunk"),
+    (["compact", "s1", "--wait", "--timeout", "nan"], "--timeout"),
+    (["compact", "s1", "--wait", "--timeout", "inf"], "--timeout"),
+    (["compact", "s1", "--wait", "--timeout", "-1"], "--timeout"),
+    (["compact", "s1", "--wait", "--timeout", "0"], "--timeout"),
+    (["serve", "--port", "70000"], "--port"),
+])
+def test_a_number_a_flag_cannot_use_exits_2_naming_the_flag_and_writes_nothing(
+        cli: Run, transcript: Path, args: list[str], flag: str) -> None:
+    argv = [a.replace("{file}", str(transcript)) for a in args]
+    assert_refused(cli(*argv), f"argument {flag}")
+    assert cli.session_ids() == []
+
+
+def test_the_largest_context_window_the_column_holds_is_accepted(cli: Run,
+                                                                 transcript: Path) -> None:
+    code, _, err = cli("ingest", str(transcript), "--session", "s1", "--context-window",
+                       "2147483647", "--json")
+    assert code == 0, err
+    assert cli.session_ids() == ["s1"]
+    code, out, err = cli("status", "s1", "--limit", "1", "--json")
+    assert code == 0 and json.loads(out)["session"] == "s1", err
+    code, out, err = cli("status", "--since", "36500d", "--json")
+    assert code == 0 and "recent" in json.loads(out), err

@@ -3,7 +3,8 @@ and the runtime client, on real SQLite and PostgreSQL.
 
 Creating a session is idempotent: callers racing to create one new session all succeed (one of
 them created it) unless their settings conflict, which answers 409 naming the setting. An id is
-printable text, valid UTF-8, at most 255 characters, on every path.
+printable text, valid UTF-8, at most 255 characters, on every path. A number that ends in an
+INTEGER column or bounds a wait is checked before anything is written or sent.
 """
 
 from __future__ import annotations
@@ -176,3 +177,64 @@ def test_the_sync_client_refuses_a_nul_in_a_session_id(config: Config, db_url: s
         with pytest.raises(InvalidMessage, match="control character"):
             client.create_session("a\0b")
         client.create_session("a-b")
+
+
+# ------------------------------------------------------------------------------------------
+# numbers
+
+
+@pytest.mark.parametrize("value", [2**31, 2**63, -1, True, 5.0, "5", None])
+async def test_report_usage_refuses_what_the_column_cannot_hold_naming_input_tokens(
+        client: CompactdClient, store: Store, value: object) -> None:
+    handle = await client.create_session("s1")
+    with pytest.raises(InvalidMessage) as raised:
+        await handle.report_usage(value)  # type: ignore[arg-type]
+    assert raised.value.field == "input_tokens"
+    assert (await store.get_session("s1")).reported_input_tokens is None
+    assert (await handle.report_usage(2**31 - 1)).reported_input_tokens == 2**31 - 1
+
+
+def test_the_sync_client_refuses_usage_over_the_column(config: Config) -> None:
+    with Client(config) as client:
+        session = client.create_session("s1")
+        with pytest.raises(InvalidMessage, match="input_tokens"):
+            session.report_usage(2**31)
+
+
+@pytest.mark.parametrize("value", [2**31, 0, -3, True, 1.5])
+async def test_create_session_refuses_a_context_window_the_column_cannot_hold(
+        client: CompactdClient, store: Store, value: object) -> None:
+    with pytest.raises(InvalidMessage) as raised:
+        await client.create_session("s1", context_window=value)  # type: ignore[arg-type]
+    assert raised.value.field == "context_window"
+    assert await store.list_sessions() == []
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), 0, -1.0, True])
+async def test_a_wait_that_would_never_end_is_refused_before_anything_is_sent(
+        client: CompactdClient, timeout_s: float) -> None:
+    handle = await client.create_session("s1")
+    with pytest.raises(InvalidMessage) as raised:
+        await handle.compact(timeout_s=timeout_s)
+    assert raised.value.field == "timeout_s"
+    with pytest.raises(InvalidMessage, match="seconds"):
+        await handle.report_overflow(timeout_s=timeout_s)
+    assert client.enqueuer.sent == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/usage", {"input_tokens": 2**31}, "body.input_tokens"),
+    ("/usage", {"input_tokens": 2**63}, "body.input_tokens"),
+    ("/usage", {"input_tokens": True}, "body.input_tokens"),
+    ("/usage", {"input_tokens": 1.5}, "body.input_tokens"),
+    ("", {"context_window": 2**31}, "body.context_window"),
+])
+async def test_numbers_the_columns_cannot_hold_are_422_over_http(
+        api: Served, store: Store, path: str, body: dict[str, object], field: str) -> None:
+    await api.create("s1", A)
+    method = "POST" if path else "PUT"
+    response = await api.http.request(method, f"/v1/sessions/s1{path}", headers=A, json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["field"] == field
+    info = await store.get_session("s1")
+    assert info.reported_input_tokens is None and info.context_window is None
