@@ -1,7 +1,7 @@
 """``compactd``: the operator's and the tests' way in.
 
 Exit codes: 0 success (including nothing_to_do), 1 a failed compaction or an operational error
-(a database that cannot be reached), 2 bad input or usage.
+(a database or a broker that cannot be reached), 2 bad input or usage.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.args import positive_int
+from scheduler.enqueue import broker_errors
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
 from storage.ids import check_session_id, check_tenant
 from storage.messages import FORMATS, ToolLinks, read_jsonl
@@ -267,6 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except CompactdError as exc:
         sys.stderr.write(f"compactd: {exc}\n")
+        return EXIT_FAILED
+    except broker_errors() as exc:
+        # An operational error, like a database that cannot be reached: one line naming the
+        # broker (without its password), never kombu's traceback.
+        sys.stderr.write(f"compactd: the broker cannot be reached at "
+                         f"{_redact(config.broker_url)}: {exc}\n")
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

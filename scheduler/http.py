@@ -60,6 +60,7 @@ from scheduler.client import (
     run_result,
 )
 from scheduler.commands import parse_keep
+from scheduler.enqueue import broker_errors
 from scheduler.status import session_status
 from storage.database import ping
 from storage.errors import (
@@ -756,15 +757,6 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
-def _broker_errors() -> tuple[type[Exception], ...]:
-    """What enqueueing raises when the broker cannot be reached."""
-    import kombu.exceptions
-    import redis.exceptions
-
-    return (kombu.exceptions.OperationalError, redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError, ConnectionError)
-
-
 def add_error_handlers(app: FastAPI) -> None:
     async def unauthorized(request: Request, exc: Exception) -> JSONResponse:
         return _error_response(401, "unauthorized", str(exc),
@@ -825,7 +817,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BadInput, bad_input)
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(StorageError, storage_failed)
-    for cls in _broker_errors():
+    for cls in broker_errors():
         app.add_exception_handler(cls, broker_failed)
     app.add_exception_handler(StarletteHTTPException, http_error)
 

@@ -162,3 +162,22 @@ def test_the_largest_context_window_the_column_holds_is_accepted(cli: Run,
     assert code == 0 and json.loads(out)["session"] == "s1", err
     code, out, err = cli("status", "--since", "36500d", "--json")
     assert code == 0 and "recent" in json.loads(out), err
+
+
+# ------------------------------------------------------------------------------------------
+# a broker that cannot be reached
+
+
+@pytest.mark.parametrize("command", [["compact", "s1"], ["compact", "s1", "--wait"],
+                                     ["recompact", "--force", "--no-wait"]])
+def test_a_broker_that_cannot_be_reached_is_one_line_naming_it_without_its_password(
+        cli_env: dict[str, str], transcript: Path, command: list[str]) -> None:
+    run_cli(cli_env, "ingest", str(transcript), "--session", "s1")
+    cli_env["COMPACTD_BROKER_URL"] = "redis://compactd:hunter2@127.0.0.1:1/0"  # a closed port
+    out = run_cli(cli_env, *command, check=False)
+    # Exit 1: an operational error, like a database that cannot be reached (DESIGN.md).
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("compactd: the broker cannot be reached at "
+                                 "redis://compactd:***@127.0.0.1:1/0"), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "hunter2" not in out.stderr + out.stdout
