@@ -78,7 +78,7 @@ async def cmd_migrate(args: argparse.Namespace, config: Config) -> int:
     from storage.migrate import upgrade_async
 
     await upgrade_async(config.database_url)
-    say(f"migrated {_redact(config.database_url)} to head")
+    say(f"migrated {redact_url(config.database_url)} to head")
     return EXIT_OK
 
 
@@ -237,7 +237,8 @@ def _check_ids(args: argparse.Namespace) -> None:
         check_tenant(args.tenant, field="--tenant")
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
         creds, host = rest.rsplit("@", 1)
@@ -273,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # An operational error, like a database that cannot be reached: one line naming the
         # broker (without its password), never kombu's traceback.
         sys.stderr.write(f"compactd: the broker cannot be reached at "
-                         f"{_redact(config.broker_url)}: {exc}\n")
+                         f"{redact_url(config.broker_url)}: {exc}\n")
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

@@ -799,8 +799,14 @@ def add_error_handlers(app: FastAPI) -> None:
         return _unavailable(str(exc))
 
     async def broker_failed(request: Request, exc: Exception) -> JSONResponse:
-        logger.warning("broker failed: %s", exc, extra={"action": "api_unavailable"})
-        return _unavailable(f"the broker cannot be reached: {exc}")
+        # The body says only what a caller can act on (retry); the log names the broker,
+        # without its password, for the operator.
+        from scheduler.cli import redact_url
+
+        logger.warning("broker failed: the broker cannot be reached at %s: %s",
+                       redact_url(_api(request).config.broker_url), type(exc).__name__,
+                       extra={"action": "api_unavailable"})
+        return _unavailable("the broker cannot be reached; retry")
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
