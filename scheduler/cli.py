@@ -18,7 +18,7 @@ from typing import Any
 from scheduler.args import positive_int
 from scheduler.enqueue import broker_errors
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
-from storage.ids import check_session_id, check_tenant
+from storage.ids import check_id, check_session_id, check_tenant
 from storage.messages import FORMATS, ToolLinks, read_jsonl
 from storage.store import Store
 from worker import logs
@@ -229,12 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_ids(args: argparse.Namespace) -> None:
-    """Refuse a session id or tenant the HTTP API would refuse, before anything is opened (an
-    argument that is not UTF-8 arrives here as lone surrogates)."""
+    """Refuse a session id, tenant or other name the HTTP API would refuse, before anything is
+    opened (an argument that is not UTF-8 arrives here as lone surrogates)."""
     if getattr(args, "session", None) is not None:
         check_session_id(args.session, field="session")
     if getattr(args, "tenant", None) is not None:
         check_tenant(args.tenant, field="--tenant")
+    for flag, what in (("run_model", "a run model"), ("run", "a run id"), ("by", "who")):
+        if getattr(args, flag, None) is not None:
+            check_id(getattr(args, flag), field="--" + flag.replace("_", "-"), what=what)
 
 
 def redact_url(url: str) -> str:

@@ -84,8 +84,6 @@ API_PREFIX = "/v1"
 POOL_SIZE = 10  # per server process; SQLAlchemy may open as many again under a burst
 RETRY_AFTER_S = 1
 _SESSION_CACHE_MAX = 100_000
-# Printable text: a NUL or control character in an id would reach PostgreSQL as a bad byte.
-_PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
 
 def _whole(value: Any) -> Any:
@@ -127,7 +125,7 @@ class EnvelopeIn(_Body):
 
 class SessionIn(_Body):
     run_model: str | None = Field(default=None, min_length=1, max_length=255,
-                                  pattern=_PRINTABLE)
+                                  pattern=ID_PATTERN)
     context_window: WholeNumber | None = Field(default=None, gt=0, le=2_147_483_647)
     envelope: EnvelopeIn | None = None
     policy: dict[str, Any] | None = Field(

@@ -33,7 +33,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
-from storage.ids import check_count, check_session_id, check_tenant
+from storage.ids import check_count, check_id, check_session_id, check_tenant
 from storage.jobs import JobsMixin
 from storage.leases import LeasesMixin
 from storage.messages import (
@@ -133,6 +133,8 @@ class Store(LeasesMixin, JobsMixin):
         """
         check_session_id(session_id)
         check_tenant(tenant)
+        if run_model is not None:
+            check_id(run_model, field="run_model", what="a run model")
         if context_window is not None:
             check_count(context_window, "context_window", minimum=1)
         now = now or utcnow()

@@ -19,11 +19,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.database import embedded_url
 from storage.errors import ConfigError
+from storage.ids import id_problem
 from worker.compaction.policy import Policy, PolicyError, parse_policy
 
 LOCAL_MODEL = "local"
@@ -111,9 +119,18 @@ class ApiToken(_Strict):
     holds it (read when the server starts), or its SHA-256 hex digest.
     """
 
-    tenant: str = Field(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]+$")
+    tenant: str = Field(min_length=1, max_length=255)
     token_env: str | None = Field(default=None, min_length=1)
     token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str) -> str:
+        # The rule every door applies to tenant names (storage.ids).
+        problem = id_problem(value, "a tenant name")
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiToken:

@@ -111,6 +111,30 @@ def test_a_tenant_http_would_refuse_exits_2_and_stores_nothing(
     assert cli.session_ids() == []
 
 
+@pytest.mark.parametrize(("args", "flag"), [
+    (["ingest", "{file}", "--session", "s1", "--run-model", "gpt\0"], "--run-model"),
+    (["recompact", "--dry-run", "--run-model", "gpt\x1b"], "--run-model"),
+    (["lease", "release", "s1", "--by", "ops\0"], "--by"),
+    (["lease", "release", "s1", "--run", "\udcff"], "--run"),
+])
+def test_other_names_that_reach_a_column_follow_the_same_rule(
+        cli: Run, transcript: Path, args: list[str], flag: str) -> None:
+    assert_refused(cli(*[a.replace("{file}", str(transcript)) for a in args]), flag)
+    assert cli.session_ids() == []
+
+
+@pytest.mark.parametrize(("content", "line", "problem"), [
+    (b"s1\ns\xff2\n", 2, "UTF-8"),
+    (b"s1\n\ns\x002\n", 3, "control character"),
+])
+def test_a_session_file_with_an_id_http_would_refuse_exits_2_naming_its_line(
+        cli: Run, tmp_path: Path, content: bytes, line: int, problem: str) -> None:
+    ids = tmp_path / "ids.txt"
+    ids.write_bytes(content)
+    assert_refused(cli("recompact", "--dry-run", "--session-file", str(ids)),
+                   f"line {line}", "session-file", problem)
+
+
 def test_an_argument_that_is_not_utf8_exits_2_as_a_process(
         cli_env: dict[str, str], transcript: Path) -> None:
     # subprocess encodes the lone surrogate back to the byte 0xFF in the child's argv.

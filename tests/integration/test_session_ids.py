@@ -17,7 +17,7 @@ import pytest
 
 from scheduler.client import Client, CompactdClient
 from scheduler.enqueue import RecordingEnqueuer
-from storage.errors import InvalidMessage, SessionExists
+from storage.errors import ConfigError, InvalidMessage, SessionExists
 from storage.store import Store
 from tests.integration.test_http_api import A, B, Served, api_config, serve_app
 from worker.settings import Config, Settings, build_config
@@ -170,6 +170,24 @@ async def test_the_client_refuses_a_bad_id_or_tenant_naming_it_and_stores_nothin
     with pytest.raises(InvalidMessage):
         await store.create_session(session_id, **kwargs)  # type: ignore[arg-type]
     assert await store.list_sessions() == []
+
+
+async def test_a_run_model_follows_the_same_rule_in_the_client_and_over_http(
+        client: CompactdClient, api: Served, store: Store) -> None:
+    for model in ("gpt\0", "gpt\ufffd", "gpt\x85"):
+        with pytest.raises(InvalidMessage) as raised:
+            await client.create_session("s1", run_model=model)
+        assert raised.value.field == "run_model"
+        response = await api.http.put("/v1/sessions/s1", headers=A, json={"run_model": model})
+        assert response.status_code == 422 and response.json()["field"] == "body.run_model"
+    assert await store.list_sessions() == []
+
+
+@pytest.mark.parametrize("tenant", ["a\ufffd", "a\x85", "a\0", " "])
+def test_a_configured_tenant_name_follows_the_same_rule(tmp_path: Path, tenant: str) -> None:
+    with pytest.raises(ConfigError, match="tenant"):
+        build_config({"api": {"tokens": [{"tenant": tenant, "token_sha256": "0" * 64}]}},
+                     settings=Settings(database_url="sqlite:///x.db"), home=tmp_path)
 
 
 def test_the_sync_client_refuses_a_nul_in_a_session_id(config: Config, db_url: str) -> None:
