@@ -280,11 +280,30 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         worker = worker.model_copy(update={"metrics_port": settings.metrics_port})
     return Config(
         database_url=settings.database_url or embedded_url(home),
-        broker_url=settings.broker_url or "filesystem://",
+        broker_url=_check_broker_url(settings.broker_url) if settings.broker_url
+        else "filesystem://",
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
         policy=policy, worker=worker, api=file_config.api, log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
+
+
+def _check_broker_url(url: str) -> str:
+    """Refuse a broker URL kombu cannot use when the configuration loads, not with kombu's
+    traceback at the first send. The message never repeats the URL (it may hold a password)."""
+    from kombu.transport import TRANSPORT_ALIASES
+    from kombu.utils.url import parse_url
+
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in TRANSPORT_ALIASES:
+        named = f" {scheme!r}" if sep else ""
+        raise ConfigError(f"COMPACTD_BROKER_URL: unknown broker transport{named} (expected "
+                          "e.g. redis://host:6379/0, amqp://host//, filesystem://)")
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"COMPACTD_BROKER_URL: {exc}") from None
+    return url
 
 
 def _redis_from_broker(broker_url: str | None) -> str | None:

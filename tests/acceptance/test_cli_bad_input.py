@@ -205,3 +205,19 @@ def test_a_broker_that_cannot_be_reached_is_one_line_naming_it_without_its_passw
                                  "redis://compactd:***@127.0.0.1:1/0"), out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
     assert "hunter2" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(("broker", "problem"), [
+    ("foo://compactd:hunter2@host/0", "unknown broker transport 'foo'"),
+    ("redis://compactd:hunter2@127.0.0.1:notaport/0", "Port could not be cast"),
+    ("compactd:hunter2@127.0.0.1", "unknown broker transport"),
+])
+def test_a_broker_url_kombu_cannot_use_exits_2_without_a_traceback(
+        cli: Run, transcript: Path, monkeypatch: pytest.MonkeyPatch, broker: str,
+        problem: str) -> None:
+    assert cli("ingest", str(transcript), "--session", "s1")[0] == 0
+    monkeypatch.setenv("COMPACTD_BROKER_URL", broker)
+    for command in (["compact", "s1"], ["signal", "s1"]):
+        code, out, err = cli(*command)
+        assert_refused((code, out, err), "COMPACTD_BROKER_URL", problem)
+        assert "hunter2" not in err
