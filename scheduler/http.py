@@ -559,19 +559,26 @@ def add_routes(app: FastAPI) -> None:
         model (its envelope, policy and context window are updated)."""
         body = body or SessionIn()
         check_policy(body.policy, api.config)
-        try:
-            handle = await api.client.create_session(
-                session_id, tenant=tenant,
-                run_model=body.run_model if body.run_model is not None or existing is None
-                else existing.run_model,
+
+        async def open_with(run_model: str | None) -> SessionHandle:
+            return await api.client.create_session(
+                session_id, tenant=tenant, run_model=run_model,
                 context_window=body.context_window,
                 envelope=body.envelope.model_dump(exclude_none=True)
                 if body.envelope is not None else None,
                 policy=body.policy)
+
+        try:
+            handle = await open_with(body.run_model if body.run_model is not None
+                                     or existing is None else existing.run_model)
         except SessionExists:
             # Created meanwhile by another tenant: as invisible as one that existed before.
-            await api.owned(session_id, tenant, fresh=True)
-            raise
+            created_meanwhile = await api.owned(session_id, tenant, fresh=True)
+            if body.run_model is not None:
+                raise
+            # Created meanwhile by this tenant: a body without a run model opens it, as it
+            # would have had it come a moment later.
+            handle = await open_with(created_meanwhile.run_model)
         api.remember(handle.info)
         if handle.created:
             response.status_code = 201

@@ -79,6 +79,21 @@ async def test_concurrent_puts_with_another_run_model_answer_409_naming_it(
             assert winner in body["message"] and model in body["message"]
 
 
+async def test_concurrent_puts_without_a_run_model_open_the_one_created_with_it(
+        api: Served) -> None:
+    bodies = [{"run_model": "gpt-4o"}, {}] * (RACERS // 2)
+    responses = await asyncio.gather(*[
+        api.http.put("/v1/sessions/race", headers=A, json=body) for body in bodies])
+    codes = sorted(r.status_code for r in responses)
+    # Whoever wins, a body without a run model opens the session as it would a moment later;
+    # only a body created without one can make a later gpt-4o body conflict.
+    assert codes.count(201) == 1 and set(codes) <= {200, 201, 409}, [r.text for r in responses]
+    winner = next(r for r in responses if r.status_code == 201).json()["run_model"]
+    for body, response in zip(bodies, responses, strict=True):
+        if "run_model" not in body or winner == "gpt-4o":
+            assert response.status_code in (200, 201), response.text
+
+
 async def test_concurrent_puts_from_two_tenants_give_the_id_to_one(api: Served) -> None:
     tenants = [A, B] * (RACERS // 2)
     responses = await asyncio.gather(*[
