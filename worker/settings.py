@@ -19,19 +19,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.database import embedded_url
 from storage.errors import ConfigError
-from storage.ids import id_problem
+from storage.ids import ID_PATTERN, MAX_INT32
 from worker.compaction.policy import Policy, PolicyError, parse_policy
 
 LOCAL_MODEL = "local"
@@ -51,7 +44,8 @@ class ModelSpec(_Strict):
     model: str | None = None  # the provider's model id; defaults to ``name``
     base_url: str | None = None
     api_key_env: str | None = None
-    context_window: int | None = Field(default=None, gt=0)
+    # Sessions store it in an INTEGER column.
+    context_window: int | None = Field(default=None, gt=0, le=MAX_INT32)
     max_output_tokens: int | None = Field(default=None, gt=0)
     timeout_s: float = Field(default=60.0, gt=0)
 
@@ -119,18 +113,10 @@ class ApiToken(_Strict):
     holds it (read when the server starts), or its SHA-256 hex digest.
     """
 
-    tenant: str = Field(min_length=1, max_length=255)
+    # The rule every door applies to tenant names (storage.ids), as a pattern.
+    tenant: str = Field(min_length=1, max_length=255, pattern=ID_PATTERN)
     token_env: str | None = Field(default=None, min_length=1)
     token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-
-    @field_validator("tenant")
-    @classmethod
-    def _tenant_name(cls, value: str) -> str:
-        # The rule every door applies to tenant names (storage.ids).
-        problem = id_problem(value, "a tenant name")
-        if problem is not None:
-            raise ValueError(problem)
-        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiToken:
