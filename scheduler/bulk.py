@@ -24,6 +24,7 @@ from typing import Any
 
 from scheduler.enqueue import Enqueuer, RunRequest
 from storage.errors import InvalidMessage
+from storage.ids import id_problem
 from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING, JOB_DONE
 from storage.records import BulkJob, utcnow
 from storage.store import Store
@@ -33,6 +34,7 @@ from worker.limits import LocalLimiter
 from worker.settings import Config
 
 PROGRESS_EVERY_S = 0.5
+MAX_DURATION_S = 36_500 * 86_400  # a century
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day)?\s*$")
 _UNITS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
           "day": 86400}
@@ -42,7 +44,11 @@ def parse_duration(text: str) -> float:
     match = _DURATION.match(text.lower())
     if not match:
         raise InvalidMessage(f"not a duration: {text!r} (e.g. 90s, 30m, 1h, 2d)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    if value > MAX_DURATION_S:
+        # Further back than any session, and far enough to leave the calendar (year 1).
+        raise InvalidMessage(f"a duration is at most {MAX_DURATION_S // 86_400:g}d, not {text!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +71,32 @@ class BulkFilter:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+def _session_ids(raw: bytes) -> list[str]:
+    """The ids of a session file, one a line, each checked as every door checks an id."""
+    ids = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise InvalidMessage(f"not valid UTF-8 (byte {exc.start})", field="session-file",
+                                 line=number) from None
+        if text:
+            problem = id_problem(text)
+            if problem is not None:
+                raise InvalidMessage(problem, field="session-file", line=number)
+            ids.append(text)
+    return ids
+
+
 async def matching_sessions(store: Store, bulk_filter: BulkFilter) -> list[str]:
     ids: list[str] | None = None
     if bulk_filter.session_file:
         try:
-            text = await asyncio.to_thread(Path(bulk_filter.session_file).read_text)
+            raw = await asyncio.to_thread(Path(bulk_filter.session_file).read_bytes)
         except OSError as exc:
             raise InvalidMessage(f"cannot read {bulk_filter.session_file}: {exc.strerror}",
                                  field="session-file") from None
-        ids = sorted({line.strip() for line in text.splitlines() if line.strip()})
+        ids = sorted(set(_session_ids(raw)))
     idle_before = None
     if bulk_filter.idle_for_s is not None:
         import datetime as dt

@@ -1,7 +1,7 @@
 """``compactd``: the operator's and the tests' way in.
 
 Exit codes: 0 success (including nothing_to_do), 1 a failed compaction or an operational error
-(a database that cannot be reached), 2 bad input or usage.
+(a database or a broker that cannot be reached), 2 bad input or usage.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler.args import positive_int
+from scheduler.enqueue import broker_errors
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
+from storage.ids import check_id, check_session_id, check_tenant
 from storage.messages import FORMATS, ToolLinks, read_jsonl
 from storage.store import Store
 from worker import logs
@@ -75,7 +78,7 @@ async def cmd_migrate(args: argparse.Namespace, config: Config) -> int:
     from storage.migrate import upgrade_async
 
     await upgrade_async(config.database_url)
-    say(f"migrated {_redact(config.database_url)} to head")
+    say(f"migrated {redact_url(config.database_url)} to head")
     return EXIT_OK
 
 
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", required=True)
     p.add_argument("--format", choices=FORMATS, default="openai")
     p.add_argument("--run-model", help="the model the agent talks to (its tokenizer counts)")
-    p.add_argument("--context-window", type=_positive_int,
+    p.add_argument("--context-window", type=positive_int,
                    help="the run model's context window in tokens")
     p.add_argument("--tenant")
     p.add_argument("--json", action="store_true")
@@ -214,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_verify)
 
     p = sub.add_parser("demo", help="the embedded default, end to end")
-    p.add_argument("--steps", type=_positive_int, default=60)
+    p.add_argument("--steps", type=positive_int, default=60)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_demo)
 
@@ -225,17 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _check_ids(args: argparse.Namespace) -> None:
+    """Refuse a session id, tenant or other name the HTTP API would refuse, before anything is
+    opened (an argument that is not UTF-8 arrives here as lone surrogates)."""
+    if getattr(args, "session", None) is not None:
+        check_session_id(args.session, field="session")
+    if getattr(args, "tenant", None) is not None:
+        check_tenant(args.tenant, field="--tenant")
+    for flag, what in (("run_model", "a run model"), ("run", "a run id"), ("by", "who")):
+        if getattr(args, flag, None) is not None:
+            check_id(getattr(args, flag), field="--" + flag.replace("_", "-"), what=what)
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
         creds, host = rest.rsplit("@", 1)
@@ -248,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_ids(args)
         config = load_config(path=args.config)
     except CompactdError as exc:
         sys.stderr.write(f"compactd: {exc}\n")
@@ -265,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except CompactdError as exc:
         sys.stderr.write(f"compactd: {exc}\n")
+        return EXIT_FAILED
+    except broker_errors() as exc:
+        # An operational error, like a database that cannot be reached: one line naming the
+        # broker (without its password), never kombu's traceback.
+        sys.stderr.write(f"compactd: the broker cannot be reached at "
+                         f"{redact_url(config.broker_url)}: {exc}\n")
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

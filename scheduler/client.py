@@ -31,6 +31,7 @@ from typing import Any
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
+from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, check_json, check_message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
@@ -187,23 +188,25 @@ class CompactdClient:
                              tenant: str = "default",
                              policy: Mapping[str, Any] | None = None) -> SessionHandle:
         """Create the session, or open it when it exists with the same tenant and run model."""
+        check_session_id(session_id)
+        check_tenant(tenant)
         await self._ensure_schema()
         check_policy(policy, self.config)
         check_json(envelope, "envelope")
         check_json(policy, "policy")
-        if context_window is not None and (not isinstance(context_window, int)
-                                           or context_window <= 0):
-            raise InvalidMessage("must be a positive integer", field="context_window")
-        info = await self.store.create_session(
+        if context_window is not None:
+            check_count(context_window, "context_window", minimum=1)
+        info, created = await self.store.open_session(
             session_id, tenant=tenant, run_model=run_model,
             context_window=context_window or self.config.context_window(run_model),
             envelope=dict(envelope) if envelope is not None else None,
             policy=dict(policy) if policy is not None else None)
         await _warm_counter(info.run_model)
         await self.store.prepare_steps()
-        return SessionHandle(self, info)
+        return SessionHandle(self, info, created=created)
 
     async def get_session(self, session_id: str) -> SessionHandle:
+        check_session_id(session_id)
         await self._ensure_schema()
         info = await self.store.get_session(session_id)
         await _warm_counter(info.run_model)
@@ -220,9 +223,12 @@ async def _warm_counter(run_model: str | None) -> None:
 class SessionHandle:
     """One session, as a runtime drives it."""
 
-    def __init__(self, client: CompactdClient, info: SessionInfo) -> None:
+    def __init__(self, client: CompactdClient, info: SessionInfo, *,
+                 created: bool = False) -> None:
         self.client = client
         self.info = info
+        # Whether create_session created it (False when it opened an existing one).
+        self.created = created
         self.version = info.surface_version
 
     @property
@@ -287,6 +293,7 @@ class SessionHandle:
     async def compact(self, *, force: bool = False, keep: str | None = None, wait: bool = True,
                       timeout_s: float = 120.0) -> dict[str, Any]:
         """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result."""
+        check_seconds(timeout_s, "timeout_s")
         task_id = await self.client.enqueuer.asend(
             RunRequest(self.id, "manual", force=force, keep=keep))
         if not wait:
@@ -301,6 +308,7 @@ class SessionHandle:
         The forced plan is computed here first (pure, milliseconds); when even a forced run could
         not shrink the surface (one indivisible tool group), the answer comes at once.
         """
+        check_seconds(timeout_s, "timeout_s")
         store = self.client.store
         info = await store.get_session(self.id)
         surface = await store.read_surface(self.id)

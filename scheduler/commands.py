@@ -8,6 +8,7 @@ import sys
 import uuid
 from typing import Any
 
+from scheduler.args import count, duration, port, positive_int, seconds
 from storage.errors import InvalidMessage
 from storage.records import utcnow
 from worker.compaction.planner import plan
@@ -222,7 +223,7 @@ def register(sub: Any) -> None:
                      help="run the pipeline in this process (same lease protocol)")
     how.add_argument("--wait", action="store_true",
                      help="enqueue on compaction.urgent and wait for the run's result")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds --wait waits")
+    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds --wait waits")
     p.set_defaults(handler=cmd_compact)
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")
@@ -234,21 +235,22 @@ def register(sub: Any) -> None:
     p = sub.add_parser("status", help="runs, failures, leases, loop-guard flags, bulk jobs")
     p.add_argument("session", nargs="?")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--since", help="only runs newer than this (e.g. 1h, 30m)")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--since", type=duration, help="only runs newer than this (e.g. 1h, 30m)")
+    p.add_argument("--limit", type=positive_int, default=20)
     p.set_defaults(handler=cmd_status)
 
     p = sub.add_parser("recompact", help="bulk recompaction of many sessions")
     p.add_argument("--tenant")
     p.add_argument("--run-model")
-    p.add_argument("--min-tokens", type=int)
-    p.add_argument("--idle-for", help="only sessions without appends for this long (e.g. 1h)")
+    p.add_argument("--min-tokens", type=count)
+    p.add_argument("--idle-for", type=duration,
+                   help="only sessions without appends for this long (e.g. 1h)")
     p.add_argument("--session-file", help="a file of session ids, one per line")
     p.add_argument("--force", action="store_true")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--rate", help="model calls per second across all workers, e.g. 20/s")
     p.add_argument("--resume", metavar="JOB", help="continue a bulk job")
-    p.add_argument("--chunk", type=int, default=100, help="sessions enqueued per chunk")
+    p.add_argument("--chunk", type=positive_int, default=100, help="sessions enqueued per chunk")
     p.add_argument("--no-wait", action="store_true",
                    help="return once every session is enqueued")
     p.add_argument("--json", action="store_true")
@@ -256,6 +258,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="the HTTP API for runtimes in any language")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=port, default=8080)
     p.set_defaults(handler=cmd_serve)
 

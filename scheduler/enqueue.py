@@ -38,6 +38,16 @@ class RunRequest:
                 "rate_per_s": self.rate_per_s}
 
 
+def broker_errors() -> tuple[type[Exception], ...]:
+    """What sending raises when the broker cannot be reached (kombu and redis are imported only
+    when one is being handled)."""
+    import kombu.exceptions
+    import redis.exceptions
+
+    return (kombu.exceptions.OperationalError, redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError, ConnectionError)
+
+
 class Enqueuer:
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -47,7 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -60,6 +60,7 @@ from scheduler.client import (
     run_result,
 )
 from scheduler.commands import parse_keep
+from scheduler.enqueue import broker_errors
 from scheduler.status import session_status
 from storage.database import ping
 from storage.errors import (
@@ -71,6 +72,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
+from storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
 from storage.messages import TOO_DEEP
 from storage.records import SessionInfo
 from storage.store import Store
@@ -83,8 +85,6 @@ API_PREFIX = "/v1"
 POOL_SIZE = 10  # per server process; SQLAlchemy may open as many again under a burst
 RETRY_AFTER_S = 1
 _SESSION_CACHE_MAX = 100_000
-# Printable text: a NUL or control character in an id would reach PostgreSQL as a bad byte.
-_PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
 
 def _whole(value: Any) -> Any:
@@ -126,7 +126,7 @@ class EnvelopeIn(_Body):
 
 class SessionIn(_Body):
     run_model: str | None = Field(default=None, min_length=1, max_length=255,
-                                  pattern=_PRINTABLE)
+                                  pattern=ID_PATTERN)
     context_window: WholeNumber | None = Field(default=None, gt=0, le=2_147_483_647)
     envelope: EnvelopeIn | None = None
     policy: dict[str, Any] | None = Field(
@@ -441,8 +441,19 @@ async def _tenant(request: Request,
     return str(tenant)
 
 
-SessionId = Annotated[str, Path(min_length=1, max_length=255, pattern=_PRINTABLE,
-                                description="the session id (global across tenants)")]
+def _session_id(value: str) -> str:
+    # The rule every door applies (storage.ids); its own messages say what is wrong.
+    problem = id_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+SessionId = Annotated[str, Path(min_length=1, max_length=MAX_ID_LENGTH,
+                                json_schema_extra={"pattern": ID_PATTERN},
+                                description="the session id (global across tenants): printable "
+                                            "text, valid UTF-8"),
+                      AfterValidator(_session_id)]
 Tenant = Annotated[str, Depends(_tenant)]
 ApiDep = Annotated[Api, Depends(_api)]
 
@@ -549,25 +560,32 @@ def add_routes(app: FastAPI) -> None:
         model (its envelope, policy and context window are updated)."""
         body = body or SessionIn()
         check_policy(body.policy, api.config)
-        try:
-            handle = await api.client.create_session(
-                session_id, tenant=tenant,
-                run_model=body.run_model if body.run_model is not None or existing is None
-                else existing.run_model,
+
+        async def open_with(run_model: str | None) -> SessionHandle:
+            return await api.client.create_session(
+                session_id, tenant=tenant, run_model=run_model,
                 context_window=body.context_window,
                 envelope=body.envelope.model_dump(exclude_none=True)
                 if body.envelope is not None else None,
                 policy=body.policy)
+
+        try:
+            handle = await open_with(body.run_model if body.run_model is not None
+                                     or existing is None else existing.run_model)
         except SessionExists:
             # Created meanwhile by another tenant: as invisible as one that existed before.
-            await api.owned(session_id, tenant, fresh=True)
-            raise
+            created_meanwhile = await api.owned(session_id, tenant, fresh=True)
+            if body.run_model is not None:
+                raise
+            # Created meanwhile by this tenant: a body without a run model opens it, as it
+            # would have had it come a moment later.
+            handle = await open_with(created_meanwhile.run_model)
         except InvalidMessage as exc:
             raise _in_body(exc) from None
         api.remember(handle.info)
-        if existing is None:
+        if handle.created:
             response.status_code = 201
-        return _session_out(handle.info, created=existing is None)
+        return _session_out(handle.info, created=handle.created)
 
     @app.get(API_PREFIX + "/sessions/{session_id}", response_model=StatusOut,
              operation_id="sessionStatus",
@@ -751,15 +769,6 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
-def _broker_errors() -> tuple[type[Exception], ...]:
-    """What enqueueing raises when the broker cannot be reached."""
-    import kombu.exceptions
-    import redis.exceptions
-
-    return (kombu.exceptions.OperationalError, redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError, ConnectionError)
-
-
 def add_error_handlers(app: FastAPI) -> None:
     async def unauthorized(request: Request, exc: Exception) -> JSONResponse:
         return _error_response(401, "unauthorized", str(exc),
@@ -792,7 +801,9 @@ def add_error_handlers(app: FastAPI) -> None:
             return _error_response(422, "invalid", f"the body is not valid JSON: {error}",
                                    field="body")
         field = _location(first.get("loc", ()))
-        return _error_response(422, "invalid", f"{field}: {first.get('msg')}",
+        # A validator's own ValueError reads "Value error, <its message>".
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        return _error_response(422, "invalid", f"{field}: {message}",
                                field=field or None)
 
     async def storage_failed(request: Request, exc: Exception) -> JSONResponse:
@@ -800,8 +811,14 @@ def add_error_handlers(app: FastAPI) -> None:
         return _unavailable(str(exc))
 
     async def broker_failed(request: Request, exc: Exception) -> JSONResponse:
-        logger.warning("broker failed: %s", exc, extra={"action": "api_unavailable"})
-        return _unavailable(f"the broker cannot be reached: {exc}")
+        # The body says only what a caller can act on (retry); the log names the broker,
+        # without its password, for the operator.
+        from scheduler.cli import redact_url
+
+        logger.warning("broker failed: the broker cannot be reached at %s: %s",
+                       redact_url(_api(request).config.broker_url), type(exc).__name__,
+                       extra={"action": "api_unavailable"})
+        return _unavailable("the broker cannot be reached; retry")
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -822,7 +839,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BadInput, bad_input)
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(StorageError, storage_failed)
-    for cls in _broker_errors():
+    for cls in broker_errors():
         app.add_exception_handler(cls, broker_failed)
     app.add_exception_handler(StarletteHTTPException, http_error)
 

@@ -141,10 +141,16 @@ def driver_error(exc: BaseException) -> BaseException:
 
 
 def translate(exc: BaseException) -> CompactdError:
-    """Storage's own exception for a driver error."""
+    """Storage's own exception for a driver error.
+
+    Its message never carries the driver's text: that can quote the SQL, the values bound to it
+    (message content) and server internals, and the message reaches HTTP bodies, CLI output and
+    logs. It names the error's class and SQLSTATE, or the operating system's reason.
+    """
     orig = getattr(exc, "orig", None) or exc
     code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     text = str(orig)
+    reason = _reason(orig, code)
     if code == _CD_NO_SESSION:
         # compactd's SQL functions raise this with the session id as DETAIL.
         return SessionNotFound(str(getattr(driver_error(exc), "detail", None) or ""))
@@ -152,20 +158,29 @@ def translate(exc: BaseException) -> CompactdError:
         return SchemaMissing()
     if code == _PG_UNDEFINED_FUNCTION and "compactd_" in text:
         # The code is newer than the schema: one of compactd's SQL functions is missing.
-        return SchemaMissing(f"the database schema is older than this compactd ({text.strip()}):"
-                             " run `compactd migrate`")
+        return SchemaMissing("the database schema is older than this compactd (one of its SQL "
+                             "functions is missing): run `compactd migrate`")
     if code == _PG_NO_DATABASE:
-        return DatabaseUnavailable(f"{text}: create it (createdb) before `compactd migrate`")
+        return DatabaseUnavailable("the database does not exist: create it (createdb) before "
+                                   "`compactd migrate`")
     if code == _PG_LOCK_NOT_AVAILABLE or "could not obtain lock" in text:
         return LockNotAvailable()
     if isinstance(orig, sqlite3.OperationalError) and "locked" in text:
-        return LockNotAvailable(f"the database is locked: {text}")
+        return LockNotAvailable("the database is locked")
     if (code and code.startswith(_PG_UNAVAILABLE_PREFIXES)) or isinstance(
             orig, ConnectionError | OSError) or "Connection refused" in text:
-        return DatabaseUnavailable(f"the database cannot be reached: {text}")
+        return DatabaseUnavailable(f"the database cannot be reached: {reason}")
     if isinstance(exc, InterfaceError):
-        return DatabaseUnavailable(f"the database connection failed: {text}")
-    return StorageError(f"database error: {type(orig).__name__}: {text}")
+        return DatabaseUnavailable(f"the database connection failed: {reason}")
+    return StorageError(f"database error: {reason}")
+
+
+def _reason(orig: BaseException, code: str | None) -> str:
+    """What may be said of a driver error: the OS's reason for a failed connection, else the
+    error's class and SQLSTATE."""
+    if isinstance(orig, OSError) and orig.strerror:
+        return orig.strerror
+    return type(orig).__name__ + (f" (SQLSTATE {code})" if code else "")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
+from storage.ids import check_count, check_id, check_session_id, check_tenant
 from storage.jobs import JobsMixin
 from storage.leases import LeasesMixin
 from storage.messages import (
@@ -116,21 +117,49 @@ class Store(LeasesMixin, JobsMixin):
         Settings given here that differ from the stored ones raise :class:`SessionExists`,
         except ``envelope`` and ``policy``, which a runtime may update (its tools can change).
         """
-        _check_session_id(session_id)
+        info, _ = await self.open_session(
+            session_id, tenant=tenant, run_model=run_model, context_window=context_window,
+            envelope=envelope, policy=policy, now=now)
+        return info
+
+    async def open_session(
+        self, session_id: str, *, tenant: str = "default", run_model: str | None = None,
+        context_window: int | None = None, envelope: dict[str, Any] | None = None,
+        policy: dict[str, Any] | None = None, now: dt.datetime | None = None,
+    ) -> tuple[SessionInfo, bool]:
+        """:meth:`create_session`, and whether this call created the session.
+
+        Idempotent under concurrency: callers racing to create one new session all get it (one
+        of them created it), as if they had come one after the other.
+        """
+        check_session_id(session_id)
+        check_tenant(tenant)
+        if run_model is not None:
+            check_id(run_model, field="run_model", what="a run model")
+        if context_window is not None:
+            check_count(context_window, "context_window", minimum=1)
         now = now or utcnow()
         env_tokens = envelope_tokens(envelope, run_model)
+        created = False
         async with transaction(self.engine) as conn:
             row = (await conn.execute(
                 sa.select(*SESSION_COLUMNS).where(t.sessions.c.id == session_id)
                 .with_for_update())).first()
             if row is None:
-                await conn.execute(t.sessions.insert().values(
+                # ON CONFLICT: a racing caller's insert of the same id commits first and this
+                # one reads its row below, instead of failing on the primary key.
+                created = (await conn.execute(_insert_ignoring_conflict(self.engine).values(
                     id=session_id, tenant=tenant, run_model=run_model,
                     context_window=context_window, envelope=envelope,
                     envelope_tokens=env_tokens, policy=policy, surface_version=0,
                     surface_tokens=0, surface_messages=0, last_seq=0, last_position=0,
-                    lease_fence=0, created_at=now))
-            else:
+                    lease_fence=0, created_at=now).returning(t.sessions.c.id))).first() \
+                    is not None
+                if not created:
+                    row = (await conn.execute(
+                        sa.select(*SESSION_COLUMNS).where(t.sessions.c.id == session_id)
+                        .with_for_update())).first()
+            if row is not None:
                 existing = session_from_row(row)
                 for name, given, stored in (("tenant", tenant, existing.tenant),
                                             ("run_model", run_model, existing.run_model)):
@@ -150,7 +179,7 @@ class Store(LeasesMixin, JobsMixin):
                                        .where(t.sessions.c.id == session_id).values(**updates))
             info = await self._session(conn, session_id)
         self._remember_model(session_id, info.run_model)
-        return info
+        return info, created
 
     async def get_session(self, session_id: str) -> SessionInfo:
         async with connection(self.engine) as conn:
@@ -203,8 +232,7 @@ class Store(LeasesMixin, JobsMixin):
 
     async def report_usage(self, session_id: str, input_tokens: int) -> SessionInfo:
         """Record the provider's own input token count for the runtime's last call."""
-        if not isinstance(input_tokens, int) or isinstance(input_tokens, bool) or input_tokens < 0:
-            raise InvalidMessage("must be a non-negative integer", field="input_tokens")
+        check_count(input_tokens, "input_tokens")
         async with transaction(self.engine) as conn:
             result = await conn.execute(
                 t.sessions.update().where(t.sessions.c.id == session_id)
@@ -587,7 +615,12 @@ def _first_difference(replayed: list[tuple[int, int]], stored: list[tuple[int, i
     return (f"replay gives {len(replayed)} nodes, the stored surface has {len(stored)}")
 
 
-def _check_session_id(session_id: Any) -> None:
-    if not isinstance(session_id, str) or not session_id.strip() or len(session_id) > 255:
-        raise InvalidMessage("a session id is a non-empty string of at most 255 characters",
-                             field="session")
+def _insert_ignoring_conflict(engine: AsyncEngine) -> Any:
+    """``INSERT INTO sessions ... ON CONFLICT DO NOTHING`` in the engine's dialect."""
+    if is_sqlite(engine):
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(t.sessions).on_conflict_do_nothing()
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+    return pg_insert(t.sessions).on_conflict_do_nothing()

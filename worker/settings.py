@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.database import embedded_url
 from storage.errors import ConfigError
+from storage.ids import ID_PATTERN, MAX_INT32
 from worker.compaction.policy import Policy, PolicyError, parse_policy
 
 LOCAL_MODEL = "local"
@@ -43,7 +44,8 @@ class ModelSpec(_Strict):
     model: str | None = None  # the provider's model id; defaults to ``name``
     base_url: str | None = None
     api_key_env: str | None = None
-    context_window: int | None = Field(default=None, gt=0)
+    # Sessions store it in an INTEGER column.
+    context_window: int | None = Field(default=None, gt=0, le=MAX_INT32)
     max_output_tokens: int | None = Field(default=None, gt=0)
     timeout_s: float = Field(default=60.0, gt=0)
 
@@ -111,7 +113,8 @@ class ApiToken(_Strict):
     holds it (read when the server starts), or its SHA-256 hex digest.
     """
 
-    tenant: str = Field(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]+$")
+    # The rule every door applies to tenant names (storage.ids), as a pattern.
+    tenant: str = Field(min_length=1, max_length=255, pattern=ID_PATTERN)
     token_env: str | None = Field(default=None, min_length=1)
     token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
@@ -263,11 +266,30 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         worker = worker.model_copy(update={"metrics_port": settings.metrics_port})
     return Config(
         database_url=settings.database_url or embedded_url(home),
-        broker_url=settings.broker_url or "filesystem://",
+        broker_url=_check_broker_url(settings.broker_url) if settings.broker_url
+        else "filesystem://",
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
         policy=policy, worker=worker, api=file_config.api, log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
+
+
+def _check_broker_url(url: str) -> str:
+    """Refuse a broker URL kombu cannot use when the configuration loads, not with kombu's
+    traceback at the first send. The message never repeats the URL (it may hold a password)."""
+    from kombu.transport import TRANSPORT_ALIASES
+    from kombu.utils.url import parse_url
+
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in TRANSPORT_ALIASES:
+        named = f" {scheme!r}" if sep else ""
+        raise ConfigError(f"COMPACTD_BROKER_URL: unknown broker transport{named} (expected "
+                          "e.g. redis://host:6379/0, amqp://host//, filesystem://)")
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"COMPACTD_BROKER_URL: {exc}") from None
+    return url
 
 
 def _redis_from_broker(broker_url: str | None) -> str | None:

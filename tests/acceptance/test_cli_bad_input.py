@@ -1,0 +1,223 @@
+"""The CLI refuses bad input before it writes anything: exit 2 and one line naming the problem
+(the argument or flag), never a traceback, a driver's message or SQL. Run through ``main()``
+(fast, many cases) and as a subprocess where the process boundary matters (arguments that are
+not UTF-8), on the embedded SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from scheduler.cli import main
+from storage.database import embedded_url
+from storage.store import Store
+from tests.conftest import run_cli
+
+Cli = Callable[..., tuple[int, str, str]]
+LINE = json.dumps({"role": "user", "content": "hello"}) + "\n"
+
+
+class Run:
+    def __init__(self, url: str, capsys: pytest.CaptureFixture[str]) -> None:
+        self.url = url
+        self._capsys = capsys
+
+    def __call__(self, *args: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own usage errors
+            code = int(exc.code or 0)
+        out = self._capsys.readouterr()
+        return code, out.out, out.err
+
+    def session_ids(self) -> list[str]:
+        async def read() -> list[str]:
+            store = Store.from_url(self.url)
+            try:
+                return [s.id for s in await store.list_sessions()]
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def cli(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> Run:
+    for name in list(os.environ):
+        if name.startswith("COMPACTD_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("COMPACTD_HOME", str(tmp_path))
+    url = embedded_url(tmp_path)
+    if request.param == "postgres":
+        url = request.getfixturevalue("clean_pg")
+        monkeypatch.setenv("COMPACTD_DATABASE_URL", url)
+    run = Run(url, capsys)
+    code, _, err = run("migrate")
+    assert code == 0, err
+    return run
+
+
+@pytest.fixture
+def transcript(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text(LINE)
+    return path
+
+
+def assert_refused(result: tuple[int, str, str], *names: str) -> None:
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert err.startswith("compactd: ") or err.startswith("usage: "), err
+    assert "Traceback" not in err and out == "", (out, err)
+    for name in names:
+        assert name in err, (name, err)
+
+
+# ------------------------------------------------------------------------------------------
+# session ids and tenants
+
+
+@pytest.mark.parametrize(("session", "problem"), [
+    ("a\x01b", "control character"),
+    ("a\0b", "control character"),
+    ("a\x85b", "control character"),
+    ("a\udcffb", "UTF-8"),  # what Python makes of a byte that is not UTF-8 in argv
+    ("a\ufffdb", "U+FFFD"),
+    ("  ", "blank"),
+    ("x" * 256, "255"),
+])
+def test_a_session_id_http_would_refuse_exits_2_on_every_command_and_stores_nothing(
+        cli: Run, transcript: Path, session: str, problem: str) -> None:
+    assert_refused(cli("ingest", str(transcript), "--session", session), "session", problem)
+    for command in (["surface", session], ["status", session], ["verify", session],
+                    ["plan", session], ["compact", session, "--inline"],
+                    ["lease", "release", session]):
+        assert_refused(cli(*command), "session", problem)
+    assert cli.session_ids() == []
+
+
+@pytest.mark.parametrize(("tenant", "problem"), [
+    ("t\0", "control character"), ("t\x1b[2J", "control character"), ("", "blank")])
+def test_a_tenant_http_would_refuse_exits_2_and_stores_nothing(
+        cli: Run, transcript: Path, tenant: str, problem: str) -> None:
+    assert_refused(cli("ingest", str(transcript), "--session", "s1", "--tenant", tenant),
+                   "--tenant", problem)
+    assert cli.session_ids() == []
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["ingest", "{file}", "--session", "s1", "--run-model", "gpt\0"], "--run-model"),
+    (["recompact", "--dry-run", "--run-model", "gpt\x1b"], "--run-model"),
+    (["lease", "release", "s1", "--by", "ops\0"], "--by"),
+    (["lease", "release", "s1", "--run", "\udcff"], "--run"),
+])
+def test_other_names_that_reach_a_column_follow_the_same_rule(
+        cli: Run, transcript: Path, args: list[str], flag: str) -> None:
+    assert_refused(cli(*[a.replace("{file}", str(transcript)) for a in args]), flag)
+    assert cli.session_ids() == []
+
+
+@pytest.mark.parametrize(("content", "line", "problem"), [
+    (b"s1\ns\xff2\n", 2, "UTF-8"),
+    (b"s1\n\ns\x002\n", 3, "control character"),
+])
+def test_a_session_file_with_an_id_http_would_refuse_exits_2_naming_its_line(
+        cli: Run, tmp_path: Path, content: bytes, line: int, problem: str) -> None:
+    ids = tmp_path / "ids.txt"
+    ids.write_bytes(content)
+    assert_refused(cli("recompact", "--dry-run", "--session-file", str(ids)),
+                   f"line {line}", "session-file", problem)
+
+
+def test_an_argument_that_is_not_utf8_exits_2_as_a_process(
+        cli_env: dict[str, str], transcript: Path) -> None:
+    # subprocess encodes the lone surrogate back to the byte 0xFF in the child's argv.
+    out = run_cli(cli_env, "ingest", str(transcript), "--session", "x\udcffy", check=False)
+    assert out.returncode == 2, out.stderr
+    assert "UTF-8" in out.stderr and "Traceback" not in out.stderr
+    assert run_cli(cli_env, "verify", "--all", "--json").stdout.count('"sessions": 0') == 1
+
+
+# ------------------------------------------------------------------------------------------
+# numbers and durations
+
+
+@pytest.mark.timeout(60)  # on the code before the fix --timeout nan waited forever
+@pytest.mark.parametrize(("args", "flag"), [
+    (["ingest", "{file}", "--session", "s1", "--context-window", "3000000000"],
+     "--context-window"),
+    (["ingest", "{file}", "--session", "s1", "--context-window", "0"], "--context-window"),
+    (["ingest", "{file}", "--session", "s1", "--context-window", "-5"], "--context-window"),
+    (["status", "s1", "--limit", "-1"], "--limit"),
+    (["status", "s1", "--limit", "0"], "--limit"),
+    (["status", "s1", "--limit", "99999999999"], "--limit"),
+    (["status", "--since", "99999999999999d"], "--since"),
+    (["status", "--since", "soon"], "--since"),
+    (["recompact", "--dry-run", "--idle-for", "99999999999999d"], "--idle-for"),
+    (["recompact", "--dry-run", "--min-tokens", "-1"], "--min-tokens"),
+    (["recompact", "--dry-run", "--min-tokens", "100000000000000000000"], "--min-tokens"),
+    (["recompact", "--dry-run", "--chunk", "0"], "--chunk"),
+    (["compact", "s1", "--wait", "--timeout", "nan"], "--timeout"),
+    (["compact", "s1", "--wait", "--timeout", "inf"], "--timeout"),
+    (["compact", "s1", "--wait", "--timeout", "-1"], "--timeout"),
+    (["compact", "s1", "--wait", "--timeout", "0"], "--timeout"),
+    (["serve", "--port", "70000"], "--port"),
+])
+def test_a_number_a_flag_cannot_use_exits_2_naming_the_flag_and_writes_nothing(
+        cli: Run, transcript: Path, args: list[str], flag: str) -> None:
+    argv = [a.replace("{file}", str(transcript)) for a in args]
+    assert_refused(cli(*argv), f"argument {flag}")
+    assert cli.session_ids() == []
+
+
+def test_the_largest_context_window_the_column_holds_is_accepted(cli: Run,
+                                                                 transcript: Path) -> None:
+    code, _, err = cli("ingest", str(transcript), "--session", "s1", "--context-window",
+                       "2147483647", "--json")
+    assert code == 0, err
+    assert cli.session_ids() == ["s1"]
+    code, out, err = cli("status", "s1", "--limit", "1", "--json")
+    assert code == 0 and json.loads(out)["session"] == "s1", err
+    code, out, err = cli("status", "--since", "36500d", "--json")
+    assert code == 0 and "recent" in json.loads(out), err
+
+
+# ------------------------------------------------------------------------------------------
+# a broker that cannot be reached
+
+
+@pytest.mark.parametrize("command", [["compact", "s1"], ["compact", "s1", "--wait"],
+                                     ["recompact", "--force", "--no-wait"]])
+def test_a_broker_that_cannot_be_reached_is_one_line_naming_it_without_its_password(
+        cli_env: dict[str, str], transcript: Path, command: list[str]) -> None:
+    run_cli(cli_env, "ingest", str(transcript), "--session", "s1")
+    cli_env["COMPACTD_BROKER_URL"] = "redis://compactd:hunter2@127.0.0.1:1/0"  # a closed port
+    out = run_cli(cli_env, *command, check=False)
+    # Exit 1: an operational error, like a database that cannot be reached (DESIGN.md).
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("compactd: the broker cannot be reached at "
+                                 "redis://compactd:***@127.0.0.1:1/0"), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "hunter2" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(("broker", "problem"), [
+    ("foo://compactd:hunter2@host/0", "unknown broker transport 'foo'"),
+    ("redis://compactd:hunter2@127.0.0.1:notaport/0", "Port could not be cast"),
+    ("compactd:hunter2@127.0.0.1", "unknown broker transport"),
+])
+def test_a_broker_url_kombu_cannot_use_exits_2_without_a_traceback(
+        cli: Run, transcript: Path, monkeypatch: pytest.MonkeyPatch, broker: str,
+        problem: str) -> None:
+    assert cli("ingest", str(transcript), "--session", "s1")[0] == 0
+    monkeypatch.setenv("COMPACTD_BROKER_URL", broker)
+    for command in (["compact", "s1"], ["signal", "s1"]):
+        code, out, err = cli(*command)
+        assert_refused((code, out, err), "COMPACTD_BROKER_URL", problem)
+        assert "hunter2" not in err
