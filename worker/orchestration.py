@@ -130,12 +130,12 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     metrics().in_flight.inc()
     with logs.bind(session_id=session_id, run_id=claim.run_id):
         try:
-            async with _kept_lease(deps, claim, lease_s) as lost:
+            async with _kept_lease(deps, claim, lease_s) as lease:
                 try:
-                    await _rounds(deps, claim, out, force=force, keep=keep_clause,
+                    await _rounds(deps, claim, lease, out, force=force, keep=keep_clause,
                                   rate_per_s=rate_per_s, bulk_job_id=bulk_job_id)
                 except asyncio.CancelledError:
-                    if not lost.is_set():
+                    if not lease.lost.is_set():
                         raise
                     current = asyncio.current_task()
                     if current is not None:
@@ -172,8 +172,9 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     return _counted(out)
 
 
-async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: Clause | None,
-                  rate_per_s: float | None, bulk_job_id: str | None) -> None:
+async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome, *, force: bool,
+                  keep: Clause | None, rate_per_s: float | None, bulk_job_id: str | None
+                  ) -> None:
     store = deps.store
     info = claim.session
     manual = out.trigger in MANUAL_TRIGGERS
@@ -208,8 +209,9 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
         summary, current = await _summarize(deps, current, policy, info, out, rate_per_s,
                                             bulk_job_id)
         last_round = round_no + 1 >= policy.max_rounds
-        info, relieved = await _commit_checkpoint(deps, claim, out, current, surface, summary,
-                                                  policy, info, final_if_relieved=not last_round)
+        info, relieved = await _commit_checkpoint(deps, claim, lease, out, current, surface,
+                                                  summary, policy, info,
+                                                  final_if_relieved=not last_round)
         out.outcome = "committed"
         if relieved or last_round:
             return
@@ -219,6 +221,7 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
         out.outcome = "committed"
     final = await store.get_session(info.id)
     out.tokens_after = session_pressure(final, policy).tokens
+    await lease.stop()
     if not await store.finish(info.id, run_id=claim.run_id, fence=claim.fence,
                               end=out.run_end(), now=deps.clock()):
         raise LeaseLost("the lease was lost before the run ended")
@@ -346,9 +349,10 @@ def _observe_attempts(attempts: Sequence[Any]) -> None:
             m.model_failures.labels(a.candidate, a.kind).inc()
 
 
-async def _commit_checkpoint(deps: Deps, claim: Claim, out: Outcome, current: Plan,
-                             surface: Surface, summary: str, policy: Policy, info: SessionInfo,
-                             *, final_if_relieved: bool) -> tuple[SessionInfo, bool]:
+async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
+                             current: Plan, surface: Surface, summary: str, policy: Policy,
+                             info: SessionInfo, *, final_if_relieved: bool
+                             ) -> tuple[SessionInfo, bool]:
     step = current.summarize
     assert step is not None
     message = checkpoint_for(step, summary, policy, run_id=claim.run_id)
@@ -381,6 +385,7 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, out: Outcome, current: Pl
         out.outcome = "committed"
         out.tokens_after = predicted.tokens
         end = out.run_end()
+        await lease.stop()
     try:
         info = await deps.store.commit(info.id, run_id=claim.run_id, fence=claim.fence,
                                        replacements=[rep], expected=expected, end=end,
@@ -430,34 +435,61 @@ async def _loop_guard(deps: Deps, out: Outcome, info: SessionInfo, policy: Polic
                                                                    "reason": reason})
 
 
-@contextlib.asynccontextmanager
-async def _kept_lease(deps: Deps, claim: Claim, lease_s: float) -> AsyncIterator[asyncio.Event]:
-    """Renew the lease every third of its length while the body runs; if a renewal finds the
-    fence moved, cancel the body (its model calls are wasted work now) and set the event."""
-    lost = asyncio.Event()
-    body = asyncio.current_task()
+class _KeptLease:
+    """The renewer of one run's lease. :meth:`stop` ends it before the run's ending commit:
+    that commit clears the lease, and a renewal after it would find the fence gone and cancel
+    a run that has already committed."""
 
-    async def renew() -> None:
-        while True:
+    def __init__(self, deps: Deps, claim: Claim, lease_s: float) -> None:
+        self.lost = asyncio.Event()
+        self._stopped = False
+        self._renewing = False
+        self._body = asyncio.current_task()
+        self._task = asyncio.create_task(self._renew(deps, claim, lease_s))
+
+    async def _renew(self, deps: Deps, claim: Claim, lease_s: float) -> None:
+        while not self._stopped:
             await asyncio.sleep(lease_s / 3)
+            if self._stopped:
+                return
+            self._renewing = True
             try:
                 ok = await deps.store.renew(claim.session.id, run_id=claim.run_id,
                                             fence=claim.fence, lease_s=lease_s, now=deps.clock())
             except StorageError:
                 continue  # transient; the next renewal, or the expiry, decides
-            if not ok:
-                lost.set()
-                if body is not None:
-                    body.cancel()
+            finally:
+                self._renewing = False
+            if not ok and not self._stopped:
+                # Lost to someone else: the body's model calls are wasted work now.
+                self.lost.set()
+                if self._body is not None:
+                    self._body.cancel()
                 return
 
-    renewer = asyncio.create_task(renew())
+    async def stop(self) -> None:
+        """No renewal after this returns. One in flight is let finish (cancelling it would
+        break its transaction's connection); its answer no longer cancels the body, and the
+        commit that follows checks the fence itself."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if not self._renewing:
+            self._task.cancel()
+        # wait(), not await: the renewer's own end is no error here, and a cancellation of
+        # the body while it waits must still reach the body.
+        await asyncio.wait([self._task])
+
+
+@contextlib.asynccontextmanager
+async def _kept_lease(deps: Deps, claim: Claim, lease_s: float) -> AsyncIterator[_KeptLease]:
+    """Renew the lease every third of its length while the body runs; if a renewal finds the
+    fence moved, cancel the body and set ``lost``."""
+    lease = _KeptLease(deps, claim, lease_s)
     try:
-        yield lost
+        yield lease
     finally:
-        renewer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await renewer
+        await lease.stop()
 
 
 def _fail(out: Outcome, failure_class: str, error: str) -> None:
