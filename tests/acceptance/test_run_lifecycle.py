@@ -7,17 +7,24 @@ and Redis, the fake provider over HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from scheduler.client import CompactdClient
 from scheduler.enqueue import RunRequest
 from scheduler.samples import coding_session
+from storage.errors import ConfigError, SessionNotFound
 from tests.acceptance.test_worker import db, enqueuer
+from tests.conftest import REPO, run_cli
 from tests.support.db import Db
 from tests.support.stack import Stack, wait_until
+from worker.settings import load_config
 
 pytestmark = pytest.mark.slow
 __all__ = ["db"]  # the fixture, shared with test_worker
@@ -70,3 +77,33 @@ def test_a_committed_run_is_reported_committed_while_renewals_race_it(
         out = stack.cli("compact", f"cli{i}", "--inline", "--json", check=False)
         result = json.loads(out.stdout)
         assert (out.returncode, result["outcome"]) == (0, "committed"), result
+
+
+# ------------------------------------------------------------------------------------------
+# item 16: summarization.lease_s is refused, naming where the lease is configured
+
+
+def test_summarization_lease_s_is_refused_naming_worker_lease_s(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    config = tmp_path / "compactd.yaml"
+    config.write_text(yaml.safe_dump({"summarization": {"lease_s": 120}}))
+    out = run_cli({**cli_env, "COMPACTD_CONFIG": str(config)}, "status", check=False)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "summarization.lease_s" in out.stderr and "worker.lease_s" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+    # A session's own policy cannot set it either (the same parser), and nothing is created.
+    async def create() -> None:
+        config = load_config({"COMPACTD_HOME": str(tmp_path)})
+        async with CompactdClient(config) as client:
+            with pytest.raises(ConfigError, match=r"policy\.lease_s.*worker\.lease_s"):
+                await client.create_session("s1", policy={"lease_s": 5})
+            with pytest.raises(SessionNotFound):
+                await client.get_session("s1")
+
+    asyncio.run(create())
+
+    # The example configuration sets the lease where it is read, and only there.
+    example = yaml.safe_load((REPO / "ops" / "compactd.example.yaml").read_text())
+    assert "lease_s" not in example["summarization"]
+    assert example["worker"]["lease_s"] == 60
