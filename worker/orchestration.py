@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.errors import LeaseLost, StorageError, SurfaceChanged
+from storage.database import deadline
+from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from storage.surface import (
     JOURNAL_PRUNE,
@@ -51,6 +52,13 @@ logger = logging.getLogger(__name__)
 
 AUTOMATIC_TRIGGERS = ("pressure", "sweep", "reap")
 MANUAL_TRIGGERS = ("manual",)
+# How long after its deadline the loop cancels a run still waiting on something the deadline
+# does not reach by itself (the statements it does end on the server, cleanly, first).
+DEADLINE_OVERRUN_S = 1.0
+# A run that ends failed (past its deadline too) still writes its end and releases its lease,
+# within this long; at most half of what is left between the deadline and the task's limit.
+FINISH_GRACE_S = 10.0
+COMMIT_RESERVE_S = 10.0
 
 
 @dataclass
@@ -71,6 +79,7 @@ class Outcome:
     summary: str | None = None
     rounds: int = 0
     rate_wait_s: float = 0.0  # how long the model calls waited on the shared rate meters
+    ended: bool = False  # the run's end is committed (run row and compaction/end written)
 
     @property
     def failed(self) -> bool:
@@ -105,6 +114,29 @@ class Outcome:
                       range_seqs=self.replaced_seqs or None)
 
 
+def _failure(exc: BaseException, *, past_deadline: bool, deadline_s: float
+             ) -> tuple[str, str]:
+    """The failure class and error of a run that ended with ``exc``. Once the deadline has
+    passed, a failed write (a lock wait or a statement the deadline ended) is the deadline's
+    doing: ``cancelled``."""
+    passed = f"the run passed its deadline ({deadline_s:g} s)"
+    if isinstance(exc, TimeoutError | DeadlinePassed):
+        return "cancelled", passed
+    if isinstance(exc, LeaseLost):
+        return "abandoned", str(exc)
+    if isinstance(exc, SurfaceChanged):
+        return "changed", str(exc)
+    if isinstance(exc, RunFailed):
+        if past_deadline and exc.failure_class == "commit":
+            return "cancelled", f"{passed}: {exc.error}"
+        return exc.failure_class, exc.error
+    # A storage error before anything was committed is a persistence failure; the commit
+    # steps raise their own (RunFailed "commit").
+    if past_deadline:
+        return "cancelled", f"{passed}: {exc}"
+    return "persistence", str(exc)
+
+
 class RunFailed(Exception):
     def __init__(self, failure_class: str, error: str) -> None:
         super().__init__(error)
@@ -118,8 +150,13 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     """Run one compaction of ``session_id`` to its end; never raises for a failed run."""
     keep_clause = parse_clause(keep.split(":", 1), "keep") if isinstance(keep, str) else keep
     lease_s = deps.config.worker.lease_s
-    claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger, lease_s=lease_s,
-                                   now=deps.clock(), task_id=task_id, bulk_job_id=bulk_job_id)
+    deadline_s = deps.config.worker.deadline_s
+    loop = asyncio.get_running_loop()
+    deadline_at = loop.time() + deadline_s
+    with deadline(deadline_at):
+        claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger,
+                                       lease_s=lease_s, now=deps.clock(), task_id=task_id,
+                                       bulk_job_id=bulk_job_id)
     if isinstance(claim, Skipped):
         return _counted(Outcome(session_id, None, "nothing_to_do", trigger=trigger,
                                 error=claim.reason))
@@ -130,37 +167,40 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     metrics().in_flight.inc()
     with logs.bind(session_id=session_id, run_id=claim.run_id):
         try:
-            async with _kept_lease(deps, claim, lease_s) as lease:
-                try:
-                    await _rounds(deps, claim, lease, out, force=force, keep=keep_clause,
-                                  rate_per_s=rate_per_s, bulk_job_id=bulk_job_id)
-                except asyncio.CancelledError:
-                    if not lease.lost.is_set():
-                        raise
-                    current = asyncio.current_task()
-                    if current is not None:
-                        current.uncancel()
-                    raise LeaseLost("the lease could not be renewed") from None
+            # Statements end at the deadline on the server (storage.database.deadline); the
+            # loop's own timeout, a moment later, ends whatever else still waits.
+            with deadline(deadline_at):
+                async with asyncio.timeout_at(deadline_at + DEADLINE_OVERRUN_S), \
+                        _kept_lease(deps, claim, lease_s) as lease:
+                    try:
+                        await _rounds(deps, claim, lease, out, deadline_at, force=force,
+                                      keep=keep_clause, rate_per_s=rate_per_s,
+                                      bulk_job_id=bulk_job_id)
+                    except asyncio.CancelledError:
+                        if not lease.lost.is_set():
+                            raise
+                        current = asyncio.current_task()
+                        if current is not None:
+                            current.uncancel()
+                        raise LeaseLost("the lease could not be renewed") from None
         except asyncio.CancelledError:
-            # Worker shutdown or a revoked task: record it, then let the cancellation through.
-            _fail(out, "cancelled", "the run was cancelled before it committed")
-            with contextlib.suppress(Exception):
-                await asyncio.shield(_finish(deps, claim, out))
+            # Worker shutdown, a revoked task or the task's time limit: record it, then let
+            # the cancellation through.
+            if not out.ended:
+                _fail(out, "cancelled", "the run was cancelled before it committed")
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(_finish(deps, claim, out))
             raise
-        except LeaseLost as exc:
-            _fail(out, "abandoned", str(exc))
-            await _finish_quietly(deps, claim, out)
-        except SurfaceChanged as exc:
-            _fail(out, "changed", str(exc))
-            await _finish_quietly(deps, claim, out)
-        except RunFailed as exc:
-            _fail(out, exc.failure_class, exc.error)
-            await _finish_quietly(deps, claim, out)
-        except StorageError as exc:
-            # A storage error before anything was committed is a persistence failure; the
-            # commit step raises its own (RunFailed "commit").
-            _fail(out, "persistence", str(exc))
-            await _finish_quietly(deps, claim, out)
+        except (TimeoutError, StorageError, RunFailed) as exc:
+            if out.ended:
+                # The run's end is committed: what failed after it (the loop guard's
+                # bookkeeping) does not make it a failed run.
+                logger.warning("after the run ended: %s", type(exc).__name__,
+                               extra={"action": "compaction.after_end"})
+            else:
+                _fail(out, *_failure(exc, past_deadline=loop.time() >= deadline_at,
+                                     deadline_s=deadline_s))
+                await _finish_quietly(deps, claim, out)
         finally:
             metrics().in_flight.dec()
         logger.info("compaction %s%s", out.outcome,
@@ -172,9 +212,9 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     return _counted(out)
 
 
-async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome, *, force: bool,
-                  keep: Clause | None, rate_per_s: float | None, bulk_job_id: str | None
-                  ) -> None:
+async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
+                  deadline_at: float, *, force: bool, keep: Clause | None,
+                  rate_per_s: float | None, bulk_job_id: str | None) -> None:
     store = deps.store
     info = claim.session
     manual = out.trigger in MANUAL_TRIGGERS
@@ -206,8 +246,8 @@ async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome, *, 
             if round_no == 0 and not out.pruned:
                 out.error = current.nothing_to_do or current.why_no_summary
             break
-        summary, current = await _summarize(deps, current, policy, info, out, rate_per_s,
-                                            bulk_job_id)
+        summary, current = await _summarize(deps, current, policy, info, out, deadline_at,
+                                            rate_per_s, bulk_job_id)
         last_round = round_no + 1 >= policy.max_rounds
         info, relieved = await _commit_checkpoint(deps, claim, lease, out, current, surface,
                                                   summary, policy, info,
@@ -225,6 +265,7 @@ async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome, *, 
     if not await store.finish(info.id, run_id=claim.run_id, fence=claim.fence,
                               end=out.run_end(), now=deps.clock()):
         raise LeaseLost("the lease was lost before the run ended")
+    out.ended = True
     if "summary" in out.stages:
         # A summary committed in an earlier round, and a later round found nothing left to
         # do: exactly the session that is never relieved, which the guard is for.
@@ -254,7 +295,7 @@ async def _commit_prunes(deps: Deps, claim: Claim, current: Plan) -> SessionInfo
     try:
         info = await deps.store.commit(claim.session.id, run_id=claim.run_id, fence=claim.fence,
                                        replacements=reps, now=deps.clock())
-    except (LeaseLost, SurfaceChanged):
+    except (LeaseLost, SurfaceChanged, DeadlinePassed):
         raise
     except StorageError as exc:
         raise RunFailed("commit", f"committing the prunes failed: {exc}") from exc
@@ -309,7 +350,8 @@ class _Calls:
 
 
 async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInfo, out: Outcome,
-                     rate_per_s: float | None, bulk_job_id: str | None) -> tuple[str, Plan]:
+                     run_deadline_at: float, rate_per_s: float | None, bulk_job_id: str | None
+                     ) -> tuple[str, Plan]:
     config = deps.config
     candidates = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
                                  models=config.models, default_model=config.default_model,
@@ -317,7 +359,9 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
     retry = RetryPolicy.from_config(config.worker)
     providers = _providers(deps, rate_per_s, bulk_job_id, out)
     loop = asyncio.get_running_loop()
-    deadline_at = loop.time() + config.worker.deadline_s
+    # The models get the run's deadline less a reserve, in which the local fallback can still
+    # write its summary and the checkpoint be committed.
+    deadline_at = run_deadline_at - min(COMMIT_RESERVE_S, config.worker.deadline_s / 10)
     calls = _Calls(current, policy, info)
     running: str | None = calls.step.existing_summary or None
     while calls.index < len(calls.step.calls):
@@ -390,7 +434,7 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: O
         info = await deps.store.commit(info.id, run_id=claim.run_id, fence=claim.fence,
                                        replacements=[rep], expected=expected, end=end,
                                        now=deps.clock())
-    except (LeaseLost, SurfaceChanged):
+    except (LeaseLost, SurfaceChanged, DeadlinePassed):
         out.replaced_seqs = out.replaced_seqs[:-len(step.replace_seqs)]
         out.stages.pop()
         raise
@@ -398,6 +442,7 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: O
         raise RunFailed("commit", f"committing the checkpoint failed: {exc}") from exc
     metrics().tokens_saved.labels("summary").inc(max(0, saved))
     if final:
+        out.ended = True
         out.tokens_after = session_pressure(info, policy).tokens
         await _loop_guard(deps, out, info, policy)
     return info, final
@@ -499,8 +544,20 @@ def _fail(out: Outcome, failure_class: str, error: str) -> None:
 
 
 async def _finish(deps: Deps, claim: Claim, out: Outcome) -> None:
-    await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
-                            end=out.run_end(), now=deps.clock())
+    """Write the end of a failed run and release its lease, within its own grace (the run's
+    deadline may be what ended it). If the lease is gone, the run row says what became of the
+    run: a commit that landed although its answer did not arrive (a deadline cancelled the
+    wait) makes the outcome committed after all."""
+    worker = deps.config.worker
+    grace_s = min(FINISH_GRACE_S, (worker.task_time_limit_s - worker.deadline_s) / 2)
+    with deadline(asyncio.get_running_loop().time() + grace_s):
+        if await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
+                                   end=out.run_end(), now=deps.clock()):
+            return
+        run = await deps.store.get_run(claim.run_id)
+    if run is not None and run.status == "committed":
+        out.outcome, out.failure_class, out.error, out.ended = "committed", None, None, True
+        out.tokens_after = run.tokens_after
 
 
 async def _finish_quietly(deps: Deps, claim: Claim, out: Outcome) -> None:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import yaml
 
@@ -20,10 +24,12 @@ from scheduler.client import CompactdClient
 from scheduler.enqueue import RunRequest
 from scheduler.samples import coding_session
 from storage.errors import ConfigError, SessionNotFound
+from storage.store import Store
 from tests.acceptance.test_worker import db, enqueuer
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, compactd_cmd, run_cli
 from tests.support.db import Db
-from tests.support.stack import Stack, wait_until
+from tests.support.fake_provider import FakeProvider
+from tests.support.stack import FAKE_KEY_ENV, Stack, fake_models, wait_until
 from worker.settings import load_config
 
 pytestmark = pytest.mark.slow
@@ -107,3 +113,105 @@ def test_summarization_lease_s_is_refused_naming_worker_lease_s(
     example = yaml.safe_load((REPO / "ops" / "compactd.example.yaml").read_text())
     assert "lease_s" not in example["summarization"]
     assert example["worker"]["lease_s"] == 60
+
+
+# ------------------------------------------------------------------------------------------
+# item 17: a run ends by its deadline, cleanly, even when the database makes it wait
+
+DEADLINE_S = 3.0
+TIME_LIMIT_S = 12.0  # the finish after a cancelled run gets half of what lies beyond the deadline
+LOCK_HELD_S = 4.5
+
+
+def assert_cancelled_cleanly(run: Any, journal_ends: list[Any], *, lease: str | None,
+                             deadline_s: float = DEADLINE_S, limit_s: float = TIME_LIMIT_S
+                             ) -> None:
+    assert (run.status, run.failure_class) == ("failed", "cancelled"), run
+    assert "deadline" in (run.error or ""), run.error
+    took = (run.finished_at - run.started_at).total_seconds()
+    assert took < deadline_s + min(10, (limit_s - deadline_s) / 2) + 2, took
+    assert lease is None, "the lease is released"
+    [end] = [e for e in journal_ends if e.run_id == run.id]
+    assert (end.payload["outcome"], end.payload["failure_class"]) == ("failed", "cancelled")
+
+
+def test_a_run_held_past_its_deadline_by_a_lock_ends_cancelled(
+        make_stack: MakeStack, fake: FakeProvider, db: Db, clean_pg: str) -> None:
+    stack = make_stack(summarization=POLICY,
+                       worker={"deadline_s": DEADLINE_S, "task_time_limit_s": TIME_LIMIT_S})
+    db.ingest("d1", coding_session(steps=20, big_output_lines=30, seed=500).messages)
+    before = db.surface("d1")
+    fake.latency_s = 1.0
+    stack.start_worker("w1", concurrency=2)
+
+    async def hold_the_row() -> None:
+        conn = await asyncpg.connect(clean_pg)
+        try:
+            async with conn.transaction():
+                await conn.execute("SELECT 1 FROM sessions WHERE id = 'd1' FOR UPDATE")
+                await asyncio.sleep(LOCK_HELD_S)
+        finally:
+            await conn.close()
+
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("d1", "pressure"))
+        wait_until(lambda: fake.requests, timeout=30, what="the run's model call")
+        # The summary comes back in a second; its commit then waits on this lock, past the
+        # run's deadline. Without a bound it would wait for the lock and commit.
+        asyncio.run(hold_the_row())
+        run = wait_until(lambda: next((r for r in db.runs("d1") if r.finished), None),
+                         timeout=30, what="the run to end")
+    assert_cancelled_cleanly(run, db.events("d1", ["compaction/end"]),
+                             lease=db.session("d1").lease_run_id)
+    after = db.surface("d1")
+    assert (after.version, [n.seq for n in after.nodes]) == (
+        before.version, [n.seq for n in before.nodes]), "the session is as it was"
+    assert db.verify("d1").ok
+    reported = [(e["outcome"], e["failure_class"]) for e in run_ends(stack, "w1")]
+    assert reported == [("failed", "cancelled")], reported
+
+
+def test_an_inline_run_on_sqlite_held_past_its_deadline_ends_cancelled(
+        fake: FakeProvider, cli_env: dict[str, str], tmp_path: Path) -> None:
+    # Longer than the worker's: the CLI imports the SDK on its first model call.
+    deadline_s, limit_s = 8.0, 30.0
+    config = tmp_path / "compactd.yaml"
+    config.write_text(yaml.safe_dump({
+        "models": fake_models(fake.url), "summarization": POLICY,
+        "worker": {"deadline_s": deadline_s, "task_time_limit_s": limit_s,
+                   "metrics_port": 0}}))
+    env = {**cli_env, "COMPACTD_CONFIG": str(config), FAKE_KEY_ENV: "sk-fake-test-key"}
+    path = tmp_path / "d2.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in coding_session(
+        steps=20, big_output_lines=30, seed=501).messages))
+    run_cli(env, "ingest", str(path), "--session", "d2", "--run-model", "fake-gpt")
+    before = json.loads(run_cli(env, "surface", "d2", "--json").stdout)
+    fake.latency_s = 1.0
+    proc = subprocess.Popen([*compactd_cmd(), "compact", "d2", "--inline", "--json"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: fake.requests, timeout=30, what="the run's model call")
+        lock = sqlite3.connect(tmp_path / "compactd.sqlite3", isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")  # the write lock, as another writer holds it
+        time.sleep(deadline_s + 1.5)
+        lock.execute("ROLLBACK")
+        lock.close()
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    result = json.loads(stdout)
+    assert proc.returncode == 1, stdout + stderr
+    assert (result["outcome"], result["failure_class"]) == ("failed", "cancelled"), result
+    assert json.loads(run_cli(env, "surface", "d2", "--json").stdout) == before
+
+    async def inspect() -> tuple[Any, list[Any], str | None]:
+        store = Store.from_url(f"sqlite:///{tmp_path / 'compactd.sqlite3'}")
+        try:
+            [run] = await store.session_runs("d2")
+            ends = await store.read_events("d2", kinds=["compaction/end"])
+            return run, ends, (await store.get_session("d2")).lease_run_id
+        finally:
+            await store.close()
+
+    run, ends, lease = asyncio.run(inspect())
+    assert_cancelled_cleanly(run, ends, lease=lease, deadline_s=deadline_s, limit_s=limit_s)
