@@ -305,6 +305,10 @@ class OverflowOut(BaseModel):
     messages: list[SurfaceMessage] | None = Field(
         description="the smaller surface, when the forced compaction committed")
     run: dict[str, Any] | None
+    pruned: int = Field(default=0, description="tool results the run pruned (committed even "
+                                               "when its summary then failed)")
+    tokens_after: int | None = Field(default=None,
+                                     description="the session's pressure after the run")
 
 
 class StatusOut(BaseModel):

@@ -231,6 +231,8 @@ async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
             info = await _commit_prunes(deps, claim, current)
             out.pruned += len(current.prune)
             out.stages.append("prune")
+            # Durable whatever comes next: a run that fails later reports the surface it left.
+            out.tokens_after = session_pressure(info, policy).tokens
             if current.summary_deferred:
                 # The pruned surface is known without a read, unless an append came in between.
                 surface = surface_after_commit(
@@ -425,6 +427,7 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: O
                       payload=message.to_payload(), tokens=tokens,
                       journal_kind=JOURNAL_SUMMARY, journal=journal)
     end = None
+    durable_tokens = out.tokens_after
     if final:
         out.outcome = "committed"
         out.tokens_after = predicted.tokens
@@ -434,16 +437,19 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: O
         info = await deps.store.commit(info.id, run_id=claim.run_id, fence=claim.fence,
                                        replacements=[rep], expected=expected, end=end,
                                        now=deps.clock())
-    except (LeaseLost, SurfaceChanged, DeadlinePassed):
+    except BaseException as exc:
+        # Not committed: the outcome keeps only what was.
         out.replaced_seqs = out.replaced_seqs[:-len(step.replace_seqs)]
         out.stages.pop()
+        out.tokens_after = durable_tokens
+        if isinstance(exc, StorageError) and not isinstance(
+                exc, LeaseLost | SurfaceChanged | DeadlinePassed):
+            raise RunFailed("commit", f"committing the checkpoint failed: {exc}") from exc
         raise
-    except StorageError as exc:
-        raise RunFailed("commit", f"committing the checkpoint failed: {exc}") from exc
     metrics().tokens_saved.labels("summary").inc(max(0, saved))
+    out.tokens_after = session_pressure(info, policy).tokens
     if final:
         out.ended = True
-        out.tokens_after = session_pressure(info, policy).tokens
         await _loop_guard(deps, out, info, policy)
     return info, final
 

@@ -28,7 +28,7 @@ from storage.store import Store
 from tests.acceptance.test_worker import db, enqueuer
 from tests.conftest import REPO, compactd_cmd, run_cli
 from tests.support.db import Db
-from tests.support.fake_provider import FakeProvider
+from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import FAKE_KEY_ENV, Stack, fake_models, wait_until
 from worker.settings import load_config
 
@@ -215,3 +215,34 @@ def test_an_inline_run_on_sqlite_held_past_its_deadline_ends_cancelled(
 
     run, ends, lease = asyncio.run(inspect())
     assert_cancelled_cleanly(run, ends, lease=lease, deadline_s=deadline_s, limit_s=limit_s)
+
+
+# ------------------------------------------------------------------------------------------
+# item 12: overflow reports the prunes a failed run committed
+
+
+async def test_overflow_after_a_durable_prune_reports_the_smaller_surface(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # A trigger nothing reaches: only the overflow report compacts. Every summary is refused
+    # and there is no local fallback, so the run fails after its prunes committed.
+    stack = make_stack(summarization={**POLICY, "trigger": [{"type": "tokens",
+                                                             "value": 1_000_000}]},
+                       worker={"local_fallback": False})
+    fake.script(Behaviour(output="whitespace", times=-1))
+    db.ingest("o1", coding_session(steps=10, big_output_lines=200, seed=600).messages)
+    before = db.session("o1")
+    stack.start_worker("w1", concurrency=2)
+    async with CompactdClient(load_config(env=stack.env)) as client:
+        handle = await client.get_session("o1")
+        result = await handle.report_overflow(timeout_s=60)
+    after = db.session("o1")
+    assert result.run is not None
+    assert (result.run["outcome"], result.run["failure_class"]) == ("failed", "summary")
+    assert result.run["stages"] == ["prune"], result.run
+    assert after.surface_tokens < before.surface_tokens, "the prunes are durable"
+    assert result.compacted, result.reason
+    assert "summary" in result.reason, result.reason
+    assert result.version == after.surface_version > before.surface_version
+    assert result.pruned == result.run["pruned"] > 0
+    assert result.tokens_after == after.surface_tokens + after.envelope_tokens
+    assert result.messages is not None and len(result.messages) == after.surface_messages
