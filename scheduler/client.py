@@ -368,7 +368,8 @@ def run_result(run: RunRecord) -> dict[str, Any]:
     return {"session": run.session_id, "run_id": run.id, "outcome": run.status,
             "failure_class": run.failure_class, "tokens_before": run.tokens_before,
             "tokens_after": run.tokens_after, "pruned": (run.stages or {}).get("pruned", 0),
-            "replaced_seqs": run.range_seqs or [], "model": run.model, "stages": stages,
+            "replaced_seqs": run.range_seqs or [], "model": run.model, "usage": run.usage,
+            "stages": stages,
             "error": run.error, "candidates": run.candidates or [],
             "started_at": run.started_at.isoformat(),
             "finished_at": run.finished_at.isoformat() if run.finished_at else None}

@@ -278,6 +278,9 @@ class RunOut(BaseModel):
     pruned: int
     replaced_seqs: list[int]
     model: str | None
+    usage: dict[str, Any] | None = Field(
+        default=None, description="tokens the providers billed: input (cached included), "
+                                  "cached and output, in total and by candidate")
     stages: list[str]
     error: str | None
     candidates: list[dict[str, Any]]

@@ -80,6 +80,8 @@ class Outcome:
     rounds: int = 0
     rate_wait_s: float = 0.0  # how long the model calls waited on the shared rate meters
     ended: bool = False  # the run's end is committed (run row and compaction/end written)
+    # Tokens the providers billed for the run's accepted summaries: totals and per candidate.
+    usage: dict[str, Any] | None = None
 
     @property
     def failed(self) -> bool:
@@ -91,7 +93,7 @@ class Outcome:
                 "tokens_after": self.tokens_after, "pruned": self.pruned,
                 "replaced_seqs": self.replaced_seqs, "model": self.model,
                 "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
-                "rate_wait_s": round(self.rate_wait_s, 3),
+                "rate_wait_s": round(self.rate_wait_s, 3), "usage": self.usage,
                 "error": self.error, "candidates": self.candidates}
 
     def brief(self) -> dict[str, Any]:
@@ -107,7 +109,7 @@ class Outcome:
     def run_end(self) -> RunEnd:
         return RunEnd(outcome=self.outcome, failure_class=self.failure_class, error=self.error,
                       tokens_before=self.tokens_before, tokens_after=self.tokens_after,
-                      model=self.model, candidates=self.candidates or None,
+                      model=self.model, usage=self.usage, candidates=self.candidates or None,
                       stages={"stages": self.stages, "pruned": self.pruned,
                               "rounds": self.rounds,
                               "rate_wait_s": round(self.rate_wait_s, 3)},
@@ -248,11 +250,11 @@ async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
             if round_no == 0 and not out.pruned:
                 out.error = current.nothing_to_do or current.why_no_summary
             break
-        summary, current = await _summarize(deps, current, policy, info, out, deadline_at,
-                                            rate_per_s, bulk_job_id)
+        summary, current, usage = await _summarize(deps, current, policy, info, out,
+                                                   deadline_at, rate_per_s, bulk_job_id)
         last_round = round_no + 1 >= policy.max_rounds
         info, relieved = await _commit_checkpoint(deps, claim, lease, out, current, surface,
-                                                  summary, policy, info,
+                                                  summary, usage, policy, info,
                                                   final_if_relieved=not last_round)
         out.outcome = "committed"
         if relieved or last_round:
@@ -353,7 +355,7 @@ class _Calls:
 
 async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInfo, out: Outcome,
                      run_deadline_at: float, rate_per_s: float | None, bulk_job_id: str | None
-                     ) -> tuple[str, Plan]:
+                     ) -> tuple[str, Plan, dict[str, Any] | None]:
     config = deps.config
     candidates = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
                                  models=config.models, default_model=config.default_model,
@@ -366,6 +368,7 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
     deadline_at = run_deadline_at - min(COMMIT_RESERVE_S, config.worker.deadline_s / 10)
     calls = _Calls(current, policy, info)
     running: str | None = calls.step.existing_summary or None
+    step_usage: dict[str, Any] | None = None
     while calls.index < len(calls.step.calls):
         try:
             outcome = await summarize(
@@ -380,11 +383,43 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
         out.candidates.extend(a.to_json() for a in outcome.attempts)
         _observe_attempts(outcome.attempts)
         metrics().fallback_depth.observe(max(0, len(outcome.attempts) - 1))
+        tokens = _billed(outcome)
+        if tokens is not None:
+            name = outcome.candidate.name
+            step_usage = _add_usage(step_usage, name, tokens)
+            out.usage = _add_usage(out.usage, name, tokens)
+            for kind, value in tokens.items():
+                metrics().model_tokens.labels(name, kind.removesuffix("_tokens")).inc(value)
         out.model = outcome.model
         running = outcome.text
         calls.index += 1
     assert running is not None
-    return running, calls.plan
+    return running, calls.plan, step_usage
+
+
+USAGE_KINDS = ("input_tokens", "cached_tokens", "output_tokens")
+
+
+def _billed(outcome: Any) -> dict[str, int] | None:
+    """The tokens a provider reported for an accepted summary; None when it reported none (the
+    local summarizer makes no call)."""
+    reported = outcome.usage.to_json()
+    if all(reported.get(kind) is None for kind in USAGE_KINDS):
+        return None
+    return {kind: int(reported.get(kind) or 0) for kind in USAGE_KINDS}
+
+
+def _add_usage(total: dict[str, Any] | None, candidate: str, tokens: dict[str, int]
+               ) -> dict[str, Any]:
+    """``total`` with one more call's tokens, overall and under its candidate."""
+    total = total or {"calls": 0, **dict.fromkeys(USAGE_KINDS, 0), "by_candidate": {}}
+    mine = total["by_candidate"].setdefault(candidate,
+                                            {"calls": 0, **dict.fromkeys(USAGE_KINDS, 0)})
+    for counts in (total, mine):
+        counts["calls"] += 1
+        for kind, value in tokens.items():
+            counts[kind] += value
+    return total
 
 
 def _observe_attempts(attempts: Sequence[Any]) -> None:
@@ -396,8 +431,9 @@ def _observe_attempts(attempts: Sequence[Any]) -> None:
 
 
 async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
-                             current: Plan, surface: Surface, summary: str, policy: Policy,
-                             info: SessionInfo, *, final_if_relieved: bool
+                             current: Plan, surface: Surface, summary: str,
+                             usage: dict[str, Any] | None, policy: Policy, info: SessionInfo,
+                             *, final_if_relieved: bool
                              ) -> tuple[SessionInfo, bool]:
     step = current.summarize
     assert step is not None
@@ -421,7 +457,7 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: O
     out.stages.append("summary")
     out.summary = summary
     journal = {"text": summary, "replaced_tokens": step.replaced_tokens, "tokens": tokens,
-               "model": out.model, "calls": len(step.calls),
+               "model": out.model, "calls": len(step.calls), "usage": usage,
                "skills": [s.to_json() for s in step.skills]}
     rep = Replacement(seqs=step.replace_seqs, kind=KIND_CHECKPOINT,
                       payload=message.to_payload(), tokens=tokens,

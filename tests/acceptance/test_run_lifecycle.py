@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sqlite3
 import subprocess
 import time
@@ -25,7 +26,8 @@ from scheduler.enqueue import RunRequest
 from scheduler.samples import coding_session
 from storage.errors import ConfigError, SessionNotFound
 from storage.store import Store
-from tests.acceptance.test_worker import db, enqueuer
+from tests.acceptance.test_metrics_logs import scrape, value
+from tests.acceptance.test_worker import db, enqueuer, free_port
 from tests.conftest import REPO, compactd_cmd, run_cli
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
@@ -246,3 +248,44 @@ async def test_overflow_after_a_durable_prune_reports_the_smaller_surface(
     assert result.pruned == result.run["pruned"] > 0
     assert result.tokens_after == after.surface_tokens + after.envelope_tokens
     assert result.messages is not None and len(result.messages) == after.surface_messages
+
+
+# ------------------------------------------------------------------------------------------
+# item 11: provider usage is recorded per run, per summary, in status and in metrics
+
+
+def test_provider_usage_is_stored_shown_and_exported_for_both_sdks(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    cached = {"fake-gpt": 64, "fake-claude": 32}
+    fake.script(*(Behaviour(model=m, cached_tokens=n, times=-1) for m, n in cached.items()))
+    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    port = free_port()
+    sessions = {"u-gpt": "fake-gpt", "u-claude": "fake-claude"}  # openai, anthropic SDK
+    for i, (sid, model) in enumerate(sessions.items()):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=700 + i).messages,
+                  run_model=model, policy={"model_name": model})
+    stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
+    samples = {}
+    for sid, model in sessions.items():
+        result = stack.cli_json("compact", sid, "--wait")
+        assert result["outcome"] == "committed" and result["model"] == model, result
+        calls = [r for r in fake.requests if r.model == model]
+        expected = {"calls": len(calls),
+                    "input_tokens": sum(math.ceil(r.body_bytes / 4) for r in calls),
+                    "cached_tokens": cached[model] * len(calls)}
+        usage = result["usage"]
+        assert {k: usage[k] for k in expected} == expected, usage
+        assert usage["output_tokens"] > 0
+        assert usage["by_candidate"] == {model: {k: usage[k] for k in (
+            "calls", "input_tokens", "cached_tokens", "output_tokens")}}, usage
+
+        [run] = stack.cli_json("status", sid)["runs"]
+        assert run["usage"] == usage
+        [summary] = db.events(sid, ["compaction/summary"])
+        assert {k: summary.payload["usage"][k] for k in expected} == expected
+        samples[model] = usage
+    scraped = scrape(port)
+    for model, usage in samples.items():
+        for kind in ("input", "cached", "output"):
+            assert value(scraped, "compactd_model_tokens_total", candidate=model,
+                         kind=kind) == usage[f"{kind}_tokens"], (model, kind)
