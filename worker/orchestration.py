@@ -58,6 +58,8 @@ DEADLINE_OVERRUN_S = 1.0
 # A run that ends failed (past its deadline too) still writes its end and releases its lease,
 # within this long; at most half of what is left between the deadline and the task's limit.
 FINISH_GRACE_S = 10.0
+# The part of a run's deadline the remote models never get (at most a tenth of it): the local
+# fallback writes its summary and the checkpoint is committed in it.
 COMMIT_RESERVE_S = 10.0
 
 
@@ -363,8 +365,6 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
     retry = RetryPolicy.from_config(config.worker)
     providers = _providers(deps, rate_per_s, bulk_job_id, out)
     loop = asyncio.get_running_loop()
-    # The models get the run's deadline less a reserve, in which the local fallback can still
-    # write its summary and the checkpoint be committed.
     deadline_at = run_deadline_at - min(COMMIT_RESERVE_S, config.worker.deadline_s / 10)
     calls = _Calls(current, policy, info)
     running: str | None = calls.step.existing_summary or None
