@@ -72,7 +72,7 @@ class Metrics:
             buckets=(1, 2, 3, 5, 10, 20, 50, 100), registry=registry)
         self.model_tokens = Counter(
             "compactd_model_tokens",
-            "Tokens the providers billed for accepted summaries, by candidate and kind "
+            "Tokens the providers billed for summary calls, by candidate and kind "
             "(input includes cached; cached is the part of input read from the prompt cache).",
             ["candidate", "kind"], registry=registry)
         self.in_flight = Gauge(

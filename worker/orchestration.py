@@ -82,7 +82,7 @@ class Outcome:
     rounds: int = 0
     rate_wait_s: float = 0.0  # how long the model calls waited on the shared rate meters
     ended: bool = False  # the run's end is committed (run row and compaction/end written)
-    # Tokens the providers billed for the run's accepted summaries: totals and per candidate.
+    # Tokens the providers billed for the run's model calls: totals and per candidate.
     usage: dict[str, Any] | None = None
 
     @property
@@ -378,18 +378,13 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
         except SummaryFailed as exc:
             out.candidates.extend(a.to_json() for a in exc.attempts)
             _observe_attempts(exc.attempts)
+            _bill(out, None, exc.attempts)
             raise RunFailed("summary", f"every candidate failed on call {calls.index + 1} of "
                             f"{len(calls.step.calls)}") from exc
         out.candidates.extend(a.to_json() for a in outcome.attempts)
         _observe_attempts(outcome.attempts)
         metrics().fallback_depth.observe(max(0, len(outcome.attempts) - 1))
-        tokens = _billed(outcome)
-        if tokens is not None:
-            name = outcome.candidate.name
-            step_usage = _add_usage(step_usage, name, tokens)
-            out.usage = _add_usage(out.usage, name, tokens)
-            for kind, value in tokens.items():
-                metrics().model_tokens.labels(name, kind.removesuffix("_tokens")).inc(value)
+        step_usage = _bill(out, step_usage, outcome.attempts)
         out.model = outcome.model
         running = outcome.text
         calls.index += 1
@@ -400,13 +395,21 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
 USAGE_KINDS = ("input_tokens", "cached_tokens", "output_tokens")
 
 
-def _billed(outcome: Any) -> dict[str, int] | None:
-    """The tokens a provider reported for an accepted summary; None when it reported none (the
-    local summarizer makes no call)."""
-    reported = outcome.usage.to_json()
-    if all(reported.get(kind) is None for kind in USAGE_KINDS):
-        return None
-    return {kind: int(reported.get(kind) or 0) for kind in USAGE_KINDS}
+def _bill(out: Outcome, step_usage: dict[str, Any] | None, attempts: Sequence[Any]
+          ) -> dict[str, Any] | None:
+    """Add what the providers billed for ``attempts`` (every call that got an answer, refused
+    ones too) to the run's usage, the step's (returned) and the metrics."""
+    for attempt in attempts:
+        reported = attempt.usage.to_json() if attempt.usage is not None else {}
+        if all(reported.get(kind) is None for kind in USAGE_KINDS):
+            continue  # no answer, or the local summarizer (no call)
+        tokens = {kind: int(reported.get(kind) or 0) for kind in USAGE_KINDS}
+        step_usage = _add_usage(step_usage, attempt.candidate, tokens)
+        out.usage = _add_usage(out.usage, attempt.candidate, tokens)
+        for kind, value in tokens.items():
+            metrics().model_tokens.labels(attempt.candidate,
+                                          kind.removesuffix("_tokens")).inc(value)
+    return step_usage
 
 
 def _add_usage(total: dict[str, Any] | None, candidate: str, tokens: dict[str, int]

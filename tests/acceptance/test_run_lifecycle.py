@@ -257,35 +257,50 @@ async def test_overflow_after_a_durable_prune_reports_the_smaller_surface(
 def test_provider_usage_is_stored_shown_and_exported_for_both_sdks(
         make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
     cached = {"fake-gpt": 64, "fake-claude": 32}
-    fake.script(*(Behaviour(model=m, cached_tokens=n, times=-1) for m, n in cached.items()))
+    # u-refused: fake-claude's whitespace answer is refused (and billed), fake-gpt writes it.
+    fake.script(Behaviour(model="fake-claude", output="whitespace", cached_tokens=32),
+                *(Behaviour(model=m, cached_tokens=n, times=-1) for m, n in cached.items()))
     stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
     port = free_port()
-    sessions = {"u-gpt": "fake-gpt", "u-claude": "fake-claude"}  # openai, anthropic SDK
-    for i, (sid, model) in enumerate(sessions.items()):
+    # session: (run model, summary model); fake-gpt speaks OpenAI, fake-claude Anthropic.
+    sessions = {"u-refused": ("fake-gpt", "fake-claude"), "u-gpt": ("fake-gpt", "fake-gpt"),
+                "u-claude": ("fake-claude", "fake-claude")}
+    for i, (sid, (run_model, summary_model)) in enumerate(sessions.items()):
         db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=700 + i).messages,
-                  run_model=model, policy={"model_name": model})
+                  run_model=run_model, policy={"model_name": summary_model})
     stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
-    samples = {}
-    for sid, model in sessions.items():
+    totals: dict[tuple[str, str], int] = {}
+    usages: dict[str, dict[str, Any]] = {}
+    for sid in sessions:
+        seen = len(fake.requests)
         result = stack.cli_json("compact", sid, "--wait")
-        assert result["outcome"] == "committed" and result["model"] == model, result
-        calls = [r for r in fake.requests if r.model == model]
-        expected = {"calls": len(calls),
-                    "input_tokens": sum(math.ceil(r.body_bytes / 4) for r in calls),
-                    "cached_tokens": cached[model] * len(calls)}
+        assert result["outcome"] == "committed", result
+        calls = fake.requests[seen:]
+        expected: dict[str, dict[str, int]] = {}
+        for r in calls:
+            mine = expected.setdefault(r.model or "", {"calls": 0, "input_tokens": 0,
+                                                       "cached_tokens": 0})
+            mine["calls"] += 1
+            mine["input_tokens"] += math.ceil(r.body_bytes / 4)
+            mine["cached_tokens"] += cached[r.model or ""]
         usage = result["usage"]
-        assert {k: usage[k] for k in expected} == expected, usage
-        assert usage["output_tokens"] > 0
-        assert usage["by_candidate"] == {model: {k: usage[k] for k in (
-            "calls", "input_tokens", "cached_tokens", "output_tokens")}}, usage
+        by = usage["by_candidate"]
+        assert {m: {k: by[m][k] for k in e} for m, e in expected.items()} == expected, usage
+        for kind in ("calls", "input_tokens", "cached_tokens", "output_tokens"):
+            assert usage[kind] == sum(c[kind] for c in by.values()), (kind, usage)
+            for model, counts in by.items():
+                totals[model, kind] = totals.get((model, kind), 0) + counts[kind]
+        assert all(c["output_tokens"] > 0 for c in by.values()), usage
 
         [run] = stack.cli_json("status", sid)["runs"]
         assert run["usage"] == usage
         [summary] = db.events(sid, ["compaction/summary"])
-        assert {k: summary.payload["usage"][k] for k in expected} == expected
-        samples[model] = usage
+        assert summary.payload["usage"] == usage, "one step: the summary's calls are the run's"
+        usages[sid] = usage
+    # The refused answer was billed too, and counts under its candidate.
+    assert set(usages["u-refused"]["by_candidate"]) == {"fake-gpt", "fake-claude"}
     scraped = scrape(port)
-    for model, usage in samples.items():
+    for model in cached:
         for kind in ("input", "cached", "output"):
             assert value(scraped, "compactd_model_tokens_total", candidate=model,
-                         kind=kind) == usage[f"{kind}_tokens"], (model, kind)
+                         kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)
