@@ -258,7 +258,8 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
         async with engine.connect() as conn:
             sqlite = engine.dialect.name == "sqlite"
             if sqlite:
-                await conn.execution_options(**{BUSY_TIMEOUT_OPTION: left_ms})
+                await conn.execution_options(
+                    **{BUSY_TIMEOUT_OPTION: min(left_ms, SQLITE_BUSY_TIMEOUT_MS)})
             async with conn.begin():
                 if not sqlite:
                     await conn.execute(_SET_TIMEOUTS, {"ms": f"{left_ms}ms"})
