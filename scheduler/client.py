@@ -86,10 +86,13 @@ class OverflowResult:
     version: int
     messages: list[dict[str, Any]] | None = None
     run: dict[str, Any] | None = None
+    pruned: int = 0  # tool results pruned by the run, committed even when it failed after
+    tokens_after: int | None = None  # the session's pressure after what the run committed
 
     def to_json(self) -> dict[str, Any]:
         return {"compacted": self.compacted, "reason": self.reason, "version": self.version,
-                "messages": self.messages, "run": self.run}
+                "messages": self.messages, "run": self.run, "pruned": self.pruned,
+                "tokens_after": self.tokens_after}
 
 
 def parse_messages(raw: Iterable[Mapping[str, Any] | Message], fmt: str = "openai"
@@ -326,13 +329,19 @@ class SessionHandle:
             return OverflowResult(False, "queued", start_version, run={"task_id": task_id})
         run = await self._wait_for_run(task_id, timeout_s, retry_busy=True)
         result = run_result(run)
-        if result["outcome"] == "committed":
-            return OverflowResult(True, "compacted", (await store.poll(self.id, None)) or 0,
-                                  messages=await self.surface(), run=result)
-        return OverflowResult(False, f"{result['outcome']}"
-                              + (f" ({result['failure_class']})" if result["failure_class"]
-                                 else "") + f": {result.get('error') or ''}".rstrip(": "),
-                              start_version, run=result)
+        failed = f"{result['outcome']}" + (
+            f" ({result['failure_class']})" if result["failure_class"] else "") + (
+            f": {result.get('error') or ''}".rstrip(": "))
+        if result["outcome"] == "committed" or result["stages"]:
+            # A failed run may still have committed (its prunes, an earlier round's summary):
+            # that smaller surface is the answer, and the runtime retries with it.
+            reason = "compacted" if result["outcome"] == "committed" else (
+                f"compacted in part ({', '.join(result['stages'])}); then {failed}")
+            return OverflowResult(True, reason, (await store.poll(self.id, None)) or 0,
+                                  messages=await self.surface(), run=result,
+                                  pruned=result["pruned"],
+                                  tokens_after=result["tokens_after"])
+        return OverflowResult(False, failed, start_version, run=result)
 
     async def _wait_for_run(self, task_id: str, timeout_s: float, *,
                             retry_busy: bool = False) -> RunRecord:
@@ -369,7 +378,8 @@ def run_result(run: RunRecord) -> dict[str, Any]:
     return {"session": run.session_id, "run_id": run.id, "outcome": run.status,
             "failure_class": run.failure_class, "tokens_before": run.tokens_before,
             "tokens_after": run.tokens_after, "pruned": (run.stages or {}).get("pruned", 0),
-            "replaced_seqs": run.range_seqs or [], "model": run.model, "stages": stages,
+            "replaced_seqs": run.range_seqs or [], "model": run.model, "usage": run.usage,
+            "stages": stages,
             "error": run.error, "candidates": run.candidates or [],
             "started_at": run.started_at.isoformat(),
             "finished_at": run.finished_at.isoformat() if run.finished_at else None}

@@ -279,6 +279,9 @@ class RunOut(BaseModel):
     pruned: int
     replaced_seqs: list[int]
     model: str | None
+    usage: dict[str, Any] | None = Field(
+        default=None, description="tokens the providers billed: input (cached included), "
+                                  "cached and output, in total and by candidate")
     stages: list[str]
     error: str | None
     candidates: list[dict[str, Any]]
@@ -306,6 +309,10 @@ class OverflowOut(BaseModel):
     messages: list[SurfaceMessage] | None = Field(
         description="the smaller surface, when the forced compaction committed")
     run: dict[str, Any] | None
+    pruned: int = Field(default=0, description="tool results the run pruned (committed even "
+                                               "when its summary then failed)")
+    tokens_after: int | None = Field(default=None,
+                                     description="the session's pressure after the run")
 
 
 class StatusOut(BaseModel):

@@ -87,7 +87,7 @@ def _run_brief(run: RunRecord) -> dict[str, Any]:
 def _run_full(run: RunRecord) -> dict[str, Any]:
     failures = [c for c in run.candidates or () if c.get("kind")]
     return {**_run_brief(run), "tokens_before": run.tokens_before,
-            "tokens_after": run.tokens_after, "model": run.model,
+            "tokens_after": run.tokens_after, "model": run.model, "usage": run.usage,
             "finished_at": run.finished_at.isoformat() if run.finished_at else None,
             "candidates": failures,
             "stages": (run.stages or {}).get("stages", []) if run.stages else []}

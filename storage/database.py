@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import sqlite3
 import time
@@ -25,6 +26,7 @@ from storage.errors import (
     BadInput,
     CompactdError,
     DatabaseUnavailable,
+    DeadlinePassed,
     LockNotAvailable,
     SchemaMissing,
     SessionNotFound,
@@ -35,7 +37,53 @@ from storage.schema import dumps
 SQLITE_FILENAME = "compactd.sqlite3"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 READ_ONLY_OPTION = "compactd_read_only"
+BUSY_TIMEOUT_OPTION = "compactd_busy_timeout_ms"
 POOL_RECYCLE_S = 1800
+
+# The end of the work this task is doing (a compaction run), in its event loop's time, or None.
+# Statements run under it wait no longer: lock waits and statements of a transaction get the
+# time left as PostgreSQL's lock_timeout and statement_timeout (SQLite: its busy timeout), and
+# the single statements on kept connections are cancelled when it passes.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "compactd_deadline", default=None)
+
+
+@contextlib.contextmanager
+def deadline(at: float | None) -> Any:
+    """Bound the statements run inside the block (and in tasks it starts) by ``at``."""
+    token = _DEADLINE.set(at)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _time_left_ms() -> int | None:
+    """Milliseconds left before the deadline, None without one; DeadlinePassed once it passed
+    (never 0: PostgreSQL and SQLite read a zero timeout as none at all)."""
+    at = _DEADLINE.get()
+    if at is None:
+        return None
+    left = at - asyncio.get_running_loop().time()
+    if left <= 0:
+        raise DeadlinePassed()
+    return max(1, int(left * 1000))
+
+
+@contextlib.asynccontextmanager
+async def _bounded() -> AsyncIterator[None]:
+    """Cancel the block when the deadline passes (asyncpg then cancels its statement on the
+    server, and the connection stays usable)."""
+    at = _DEADLINE.get()
+    if at is None:
+        yield
+        return
+    _time_left_ms()
+    try:
+        async with asyncio.timeout_at(at):
+            yield
+    except TimeoutError:
+        raise DeadlinePassed() from None
 
 
 def embedded_url(home: str | os.PathLike[str] | None = None) -> str:
@@ -111,9 +159,16 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
 
     @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
+        options = conn.get_execution_options()
+        # A transaction under a deadline waits for the write lock no longer than it has left;
+        # the next one on this connection gets the default back.
+        busy_ms = options.get(BUSY_TIMEOUT_OPTION) or SQLITE_BUSY_TIMEOUT_MS
+        if conn.info.get(BUSY_TIMEOUT_OPTION, SQLITE_BUSY_TIMEOUT_MS) != busy_ms:
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={int(busy_ms)}")
+            conn.info[BUSY_TIMEOUT_OPTION] = busy_ms
         # Reads take a plain deferred BEGIN so they never queue behind a writer (WAL lets
         # them read the last committed state).
-        read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
+        read_only = options.get(READ_ONLY_OPTION, False)
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
@@ -122,6 +177,7 @@ _PG_UNDEFINED_TABLE = "42P01"
 _PG_UNDEFINED_FUNCTION = "42883"
 _PG_NO_DATABASE = "3D000"
 _PG_LOCK_NOT_AVAILABLE = "55P03"
+_PG_QUERY_CANCELED = "57014"  # statement_timeout, or a cancel request
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
 
 
@@ -163,6 +219,9 @@ def translate(exc: BaseException) -> CompactdError:
     if code == _PG_NO_DATABASE:
         return DatabaseUnavailable("the database does not exist: create it (createdb) before "
                                    "`compactd migrate`")
+    if _DEADLINE.get() is not None and (code == _PG_QUERY_CANCELED or (
+            code == _PG_LOCK_NOT_AVAILABLE and "lock timeout" in text)):
+        return DeadlinePassed()
     if code == _PG_LOCK_NOT_AVAILABLE or "could not obtain lock" in text:
         return LockNotAvailable()
     if isinstance(orig, sqlite3.OperationalError) and "locked" in text:
@@ -203,10 +262,28 @@ def translated() -> Any:
 
 @contextlib.asynccontextmanager
 async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """One short transaction, with driver errors translated."""
+    """One short transaction, with driver errors translated; under a :func:`deadline`, its
+    lock waits and statements end when the deadline does."""
     with translated():
-        async with engine.begin() as conn:
-            yield conn
+        left_ms = _time_left_ms()
+        if left_ms is None:
+            async with engine.begin() as conn:
+                yield conn
+            return
+        async with engine.connect() as conn:
+            sqlite = engine.dialect.name == "sqlite"
+            if sqlite:
+                await conn.execution_options(
+                    **{BUSY_TIMEOUT_OPTION: min(left_ms, SQLITE_BUSY_TIMEOUT_MS)})
+            async with conn.begin():
+                if not sqlite:
+                    await conn.execute(_SET_TIMEOUTS, {"ms": f"{left_ms}ms"})
+                yield conn
+
+
+# Both end with the transaction (is_local): the pooled connection keeps the server's defaults.
+_SET_TIMEOUTS = sa.text("SELECT set_config('lock_timeout', :ms, true), "
+                        "set_config('statement_timeout', :ms, true)")
 
 
 @contextlib.asynccontextmanager
@@ -247,7 +324,8 @@ async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
         async with engine.connect() as conn:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             fairy = await conn.get_raw_connection()
-            yield fairy.driver_connection
+            async with _bounded():
+                yield fairy.driver_connection
 
 
 class KeptConnections:
@@ -294,7 +372,8 @@ class KeptConnections:
         try:
             with translated():
                 try:
-                    yield kept.raw
+                    async with _bounded():
+                        yield kept.raw
                 except BaseException as exc:
                     if kept.raw.is_closed() or not _connection_survives(exc):
                         dropped, kept = kept, None
@@ -379,11 +458,11 @@ class _Kept:
 
 def _connection_survives(exc: BaseException) -> bool:
     """Whether the connection is as good as before after ``exc`` left a statement on it: the
-    caller refused the input, the statement was cancelled (asyncpg cancels it on the server and
-    the next statement waits for that), or the server refused the statement itself (any SQLSTATE
-    but the connection and shutdown classes, 08 and 57P), also when the caller has translated
-    the driver's error already."""
-    if isinstance(exc, BadInput | asyncio.CancelledError):
+    caller refused the input, the statement was cancelled, by the task or by its deadline
+    (asyncpg cancels it on the server and the next statement waits for that), or the server
+    refused the statement itself (any SQLSTATE but the connection and shutdown classes, 08 and
+    57P), also when the caller has translated the driver's error already."""
+    if isinstance(exc, BadInput | DeadlinePassed | asyncio.CancelledError):
         return True
     from asyncpg import PostgresError  # imported here: only a failing statement needs it
 

@@ -78,6 +78,10 @@ class LockNotAvailable(StorageError):
     """The session row is locked by another transaction."""
 
 
+class DeadlinePassed(StorageError):
+    """The run's deadline passed before the database answered."""
+
+
 class LeaseLost(StorageError):
     """The lease fence moved: another worker owns this session now."""
 

@@ -70,6 +70,11 @@ class Metrics:
             "Committed automatic compactions of the session within the loop guard's window "
             "(counted up to max_compactions + 1), observed at each commit.",
             buckets=(1, 2, 3, 5, 10, 20, 50, 100), registry=registry)
+        self.model_tokens = Counter(
+            "compactd_model_tokens",
+            "Tokens the providers billed for summary calls, by candidate and kind "
+            "(input includes cached; cached is the part of input read from the prompt cache).",
+            ["candidate", "kind"], registry=registry)
         self.in_flight = Gauge(
             "compactd_runs_in_flight", "Compaction runs in progress in this worker.",
             registry=registry)

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.errors import LeaseLost, StorageError, SurfaceChanged
+from storage.database import deadline
+from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from storage.surface import (
     JOURNAL_PRUNE,
@@ -51,6 +52,15 @@ logger = logging.getLogger(__name__)
 
 AUTOMATIC_TRIGGERS = ("pressure", "sweep", "reap")
 MANUAL_TRIGGERS = ("manual",)
+# How long after its deadline the loop cancels a run still waiting on something the deadline
+# does not reach by itself (the statements it does end on the server, cleanly, first).
+DEADLINE_OVERRUN_S = 1.0
+# A run that ends failed (past its deadline too) still writes its end and releases its lease,
+# within this long; at most half of what is left between the deadline and the task's limit.
+FINISH_GRACE_S = 10.0
+# The part of a run's deadline the remote models never get (at most a tenth of it): the local
+# fallback writes its summary and the checkpoint is committed in it.
+COMMIT_RESERVE_S = 10.0
 
 
 @dataclass
@@ -71,6 +81,9 @@ class Outcome:
     summary: str | None = None
     rounds: int = 0
     rate_wait_s: float = 0.0  # how long the model calls waited on the shared rate meters
+    ended: bool = False  # the run's end is committed (run row and compaction/end written)
+    # Tokens the providers billed for the run's model calls: totals and per candidate.
+    usage: dict[str, Any] | None = None
 
     @property
     def failed(self) -> bool:
@@ -82,7 +95,7 @@ class Outcome:
                 "tokens_after": self.tokens_after, "pruned": self.pruned,
                 "replaced_seqs": self.replaced_seqs, "model": self.model,
                 "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
-                "rate_wait_s": round(self.rate_wait_s, 3),
+                "rate_wait_s": round(self.rate_wait_s, 3), "usage": self.usage,
                 "error": self.error, "candidates": self.candidates}
 
     def brief(self) -> dict[str, Any]:
@@ -98,11 +111,34 @@ class Outcome:
     def run_end(self) -> RunEnd:
         return RunEnd(outcome=self.outcome, failure_class=self.failure_class, error=self.error,
                       tokens_before=self.tokens_before, tokens_after=self.tokens_after,
-                      model=self.model, candidates=self.candidates or None,
+                      model=self.model, usage=self.usage, candidates=self.candidates or None,
                       stages={"stages": self.stages, "pruned": self.pruned,
                               "rounds": self.rounds,
                               "rate_wait_s": round(self.rate_wait_s, 3)},
                       range_seqs=self.replaced_seqs or None)
+
+
+def _failure(exc: BaseException, *, past_deadline: bool, deadline_s: float
+             ) -> tuple[str, str]:
+    """The failure class and error of a run that ended with ``exc``. Once the deadline has
+    passed, a failed write (a lock wait or a statement the deadline ended) is the deadline's
+    doing: ``cancelled``."""
+    passed = f"the run passed its deadline ({deadline_s:g} s)"
+    if isinstance(exc, TimeoutError | DeadlinePassed):
+        return "cancelled", passed
+    if isinstance(exc, LeaseLost):
+        return "abandoned", str(exc)
+    if isinstance(exc, SurfaceChanged):
+        return "changed", str(exc)
+    if isinstance(exc, RunFailed):
+        if past_deadline and exc.failure_class == "commit":
+            return "cancelled", f"{passed}: {exc.error}"
+        return exc.failure_class, exc.error
+    # A storage error before anything was committed is a persistence failure; the commit
+    # steps raise their own (RunFailed "commit").
+    if past_deadline:
+        return "cancelled", f"{passed}: {exc}"
+    return "persistence", str(exc)
 
 
 class RunFailed(Exception):
@@ -118,8 +154,13 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     """Run one compaction of ``session_id`` to its end; never raises for a failed run."""
     keep_clause = parse_clause(keep.split(":", 1), "keep") if isinstance(keep, str) else keep
     lease_s = deps.config.worker.lease_s
-    claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger, lease_s=lease_s,
-                                   now=deps.clock(), task_id=task_id, bulk_job_id=bulk_job_id)
+    deadline_s = deps.config.worker.deadline_s
+    loop = asyncio.get_running_loop()
+    deadline_at = loop.time() + deadline_s
+    with deadline(deadline_at):
+        claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger,
+                                       lease_s=lease_s, now=deps.clock(), task_id=task_id,
+                                       bulk_job_id=bulk_job_id)
     if isinstance(claim, Skipped):
         return _counted(Outcome(session_id, None, "nothing_to_do", trigger=trigger,
                                 error=claim.reason))
@@ -130,37 +171,40 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     metrics().in_flight.inc()
     with logs.bind(session_id=session_id, run_id=claim.run_id):
         try:
-            async with _kept_lease(deps, claim, lease_s) as lost:
-                try:
-                    await _rounds(deps, claim, out, force=force, keep=keep_clause,
-                                  rate_per_s=rate_per_s, bulk_job_id=bulk_job_id)
-                except asyncio.CancelledError:
-                    if not lost.is_set():
-                        raise
-                    current = asyncio.current_task()
-                    if current is not None:
-                        current.uncancel()
-                    raise LeaseLost("the lease could not be renewed") from None
+            # Statements end at the deadline on the server (storage.database.deadline); the
+            # loop's own timeout, a moment later, ends whatever else still waits.
+            with deadline(deadline_at):
+                async with asyncio.timeout_at(deadline_at + DEADLINE_OVERRUN_S), \
+                        _kept_lease(deps, claim, lease_s) as lease:
+                    try:
+                        await _rounds(deps, claim, lease, out, deadline_at, force=force,
+                                      keep=keep_clause, rate_per_s=rate_per_s,
+                                      bulk_job_id=bulk_job_id)
+                    except asyncio.CancelledError:
+                        if not lease.lost.is_set():
+                            raise
+                        current = asyncio.current_task()
+                        if current is not None:
+                            current.uncancel()
+                        raise LeaseLost("the lease could not be renewed") from None
         except asyncio.CancelledError:
-            # Worker shutdown or a revoked task: record it, then let the cancellation through.
-            _fail(out, "cancelled", "the run was cancelled before it committed")
-            with contextlib.suppress(Exception):
-                await asyncio.shield(_finish(deps, claim, out))
+            # Worker shutdown, a revoked task or the task's time limit: record it, then let
+            # the cancellation through.
+            if not out.ended:
+                _fail(out, "cancelled", "the run was cancelled before it committed")
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(_finish(deps, claim, out))
             raise
-        except LeaseLost as exc:
-            _fail(out, "abandoned", str(exc))
-            await _finish_quietly(deps, claim, out)
-        except SurfaceChanged as exc:
-            _fail(out, "changed", str(exc))
-            await _finish_quietly(deps, claim, out)
-        except RunFailed as exc:
-            _fail(out, exc.failure_class, exc.error)
-            await _finish_quietly(deps, claim, out)
-        except StorageError as exc:
-            # A storage error before anything was committed is a persistence failure; the
-            # commit step raises its own (RunFailed "commit").
-            _fail(out, "persistence", str(exc))
-            await _finish_quietly(deps, claim, out)
+        except (TimeoutError, StorageError, RunFailed) as exc:
+            if out.ended:
+                # The run's end is committed: what failed after it (the loop guard's
+                # bookkeeping) does not make it a failed run.
+                logger.warning("after the run ended: %s", type(exc).__name__,
+                               extra={"action": "compaction.after_end"})
+            else:
+                _fail(out, *_failure(exc, past_deadline=loop.time() >= deadline_at,
+                                     deadline_s=deadline_s))
+                await _finish_quietly(deps, claim, out)
         finally:
             metrics().in_flight.dec()
         logger.info("compaction %s%s", out.outcome,
@@ -172,7 +216,8 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
     return _counted(out)
 
 
-async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: Clause | None,
+async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
+                  deadline_at: float, *, force: bool, keep: Clause | None,
                   rate_per_s: float | None, bulk_job_id: str | None) -> None:
     store = deps.store
     info = claim.session
@@ -190,6 +235,8 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
             info = await _commit_prunes(deps, claim, current)
             out.pruned += len(current.prune)
             out.stages.append("prune")
+            # Durable whatever comes next: a run that fails later reports the surface it left.
+            out.tokens_after = session_pressure(info, policy).tokens
             if current.summary_deferred:
                 # The pruned surface is known without a read, unless an append came in between.
                 surface = surface_after_commit(
@@ -205,11 +252,12 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
             if round_no == 0 and not out.pruned:
                 out.error = current.nothing_to_do or current.why_no_summary
             break
-        summary, current = await _summarize(deps, current, policy, info, out, rate_per_s,
-                                            bulk_job_id)
+        summary, current, usage = await _summarize(deps, current, policy, info, out,
+                                                   deadline_at, rate_per_s, bulk_job_id)
         last_round = round_no + 1 >= policy.max_rounds
-        info, relieved = await _commit_checkpoint(deps, claim, out, current, surface, summary,
-                                                  policy, info, final_if_relieved=not last_round)
+        info, relieved = await _commit_checkpoint(deps, claim, lease, out, current, surface,
+                                                  summary, usage, policy, info,
+                                                  final_if_relieved=not last_round)
         out.outcome = "committed"
         if relieved or last_round:
             return
@@ -219,9 +267,11 @@ async def _rounds(deps: Deps, claim: Claim, out: Outcome, *, force: bool, keep: 
         out.outcome = "committed"
     final = await store.get_session(info.id)
     out.tokens_after = session_pressure(final, policy).tokens
+    await lease.stop()
     if not await store.finish(info.id, run_id=claim.run_id, fence=claim.fence,
                               end=out.run_end(), now=deps.clock()):
         raise LeaseLost("the lease was lost before the run ended")
+    out.ended = True
     if "summary" in out.stages:
         # A summary committed in an earlier round, and a later round found nothing left to
         # do: exactly the session that is never relieved, which the guard is for.
@@ -251,7 +301,7 @@ async def _commit_prunes(deps: Deps, claim: Claim, current: Plan) -> SessionInfo
     try:
         info = await deps.store.commit(claim.session.id, run_id=claim.run_id, fence=claim.fence,
                                        replacements=reps, now=deps.clock())
-    except (LeaseLost, SurfaceChanged):
+    except (LeaseLost, SurfaceChanged, DeadlinePassed):
         raise
     except StorageError as exc:
         raise RunFailed("commit", f"committing the prunes failed: {exc}") from exc
@@ -306,7 +356,8 @@ class _Calls:
 
 
 async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInfo, out: Outcome,
-                     rate_per_s: float | None, bulk_job_id: str | None) -> tuple[str, Plan]:
+                     run_deadline_at: float, rate_per_s: float | None, bulk_job_id: str | None
+                     ) -> tuple[str, Plan, dict[str, Any] | None]:
     config = deps.config
     candidates = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
                                  models=config.models, default_model=config.default_model,
@@ -314,9 +365,10 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
     retry = RetryPolicy.from_config(config.worker)
     providers = _providers(deps, rate_per_s, bulk_job_id, out)
     loop = asyncio.get_running_loop()
-    deadline_at = loop.time() + config.worker.deadline_s
+    deadline_at = run_deadline_at - min(COMMIT_RESERVE_S, config.worker.deadline_s / 10)
     calls = _Calls(current, policy, info)
     running: str | None = calls.step.existing_summary or None
+    step_usage: dict[str, Any] | None = None
     while calls.index < len(calls.step.calls):
         try:
             outcome = await summarize(
@@ -326,16 +378,51 @@ async def _summarize(deps: Deps, current: Plan, policy: Policy, info: SessionInf
         except SummaryFailed as exc:
             out.candidates.extend(a.to_json() for a in exc.attempts)
             _observe_attempts(exc.attempts)
+            _bill(out, None, exc.attempts)
             raise RunFailed("summary", f"every candidate failed on call {calls.index + 1} of "
                             f"{len(calls.step.calls)}") from exc
         out.candidates.extend(a.to_json() for a in outcome.attempts)
         _observe_attempts(outcome.attempts)
         metrics().fallback_depth.observe(max(0, len(outcome.attempts) - 1))
+        step_usage = _bill(out, step_usage, outcome.attempts)
         out.model = outcome.model
         running = outcome.text
         calls.index += 1
     assert running is not None
-    return running, calls.plan
+    return running, calls.plan, step_usage
+
+
+USAGE_KINDS = ("input_tokens", "cached_tokens", "output_tokens")
+
+
+def _bill(out: Outcome, step_usage: dict[str, Any] | None, attempts: Sequence[Any]
+          ) -> dict[str, Any] | None:
+    """Add what the providers billed for ``attempts`` (every call that got an answer, refused
+    ones too) to the run's usage, the step's (returned) and the metrics."""
+    for attempt in attempts:
+        reported = attempt.usage.to_json() if attempt.usage is not None else {}
+        if all(reported.get(kind) is None for kind in USAGE_KINDS):
+            continue  # no answer, or the local summarizer (no call)
+        tokens = {kind: int(reported.get(kind) or 0) for kind in USAGE_KINDS}
+        step_usage = _add_usage(step_usage, attempt.candidate, tokens)
+        out.usage = _add_usage(out.usage, attempt.candidate, tokens)
+        for kind, value in tokens.items():
+            metrics().model_tokens.labels(attempt.candidate,
+                                          kind.removesuffix("_tokens")).inc(value)
+    return step_usage
+
+
+def _add_usage(total: dict[str, Any] | None, candidate: str, tokens: dict[str, int]
+               ) -> dict[str, Any]:
+    """``total`` with one more call's tokens, overall and under its candidate."""
+    total = total or {"calls": 0, **dict.fromkeys(USAGE_KINDS, 0), "by_candidate": {}}
+    mine = total["by_candidate"].setdefault(candidate,
+                                            {"calls": 0, **dict.fromkeys(USAGE_KINDS, 0)})
+    for counts in (total, mine):
+        counts["calls"] += 1
+        for kind, value in tokens.items():
+            counts[kind] += value
+    return total
 
 
 def _observe_attempts(attempts: Sequence[Any]) -> None:
@@ -346,9 +433,11 @@ def _observe_attempts(attempts: Sequence[Any]) -> None:
             m.model_failures.labels(a.candidate, a.kind).inc()
 
 
-async def _commit_checkpoint(deps: Deps, claim: Claim, out: Outcome, current: Plan,
-                             surface: Surface, summary: str, policy: Policy, info: SessionInfo,
-                             *, final_if_relieved: bool) -> tuple[SessionInfo, bool]:
+async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
+                             current: Plan, surface: Surface, summary: str,
+                             usage: dict[str, Any] | None, policy: Policy, info: SessionInfo,
+                             *, final_if_relieved: bool
+                             ) -> tuple[SessionInfo, bool]:
     step = current.summarize
     assert step is not None
     message = checkpoint_for(step, summary, policy, run_id=claim.run_id)
@@ -371,29 +460,35 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, out: Outcome, current: Pl
     out.stages.append("summary")
     out.summary = summary
     journal = {"text": summary, "replaced_tokens": step.replaced_tokens, "tokens": tokens,
-               "model": out.model, "calls": len(step.calls),
+               "model": out.model, "calls": len(step.calls), "usage": usage,
                "skills": [s.to_json() for s in step.skills]}
     rep = Replacement(seqs=step.replace_seqs, kind=KIND_CHECKPOINT,
                       payload=message.to_payload(), tokens=tokens,
                       journal_kind=JOURNAL_SUMMARY, journal=journal)
     end = None
+    durable_tokens = out.tokens_after
     if final:
         out.outcome = "committed"
         out.tokens_after = predicted.tokens
         end = out.run_end()
+        await lease.stop()
     try:
         info = await deps.store.commit(info.id, run_id=claim.run_id, fence=claim.fence,
                                        replacements=[rep], expected=expected, end=end,
                                        now=deps.clock())
-    except (LeaseLost, SurfaceChanged):
+    except BaseException as exc:
+        # Not committed: the outcome keeps only what was.
         out.replaced_seqs = out.replaced_seqs[:-len(step.replace_seqs)]
         out.stages.pop()
+        out.tokens_after = durable_tokens
+        if isinstance(exc, StorageError) and not isinstance(
+                exc, LeaseLost | SurfaceChanged | DeadlinePassed):
+            raise RunFailed("commit", f"committing the checkpoint failed: {exc}") from exc
         raise
-    except StorageError as exc:
-        raise RunFailed("commit", f"committing the checkpoint failed: {exc}") from exc
     metrics().tokens_saved.labels("summary").inc(max(0, saved))
+    out.tokens_after = session_pressure(info, policy).tokens
     if final:
-        out.tokens_after = session_pressure(info, policy).tokens
+        out.ended = True
         await _loop_guard(deps, out, info, policy)
     return info, final
 
@@ -430,34 +525,61 @@ async def _loop_guard(deps: Deps, out: Outcome, info: SessionInfo, policy: Polic
                                                                    "reason": reason})
 
 
-@contextlib.asynccontextmanager
-async def _kept_lease(deps: Deps, claim: Claim, lease_s: float) -> AsyncIterator[asyncio.Event]:
-    """Renew the lease every third of its length while the body runs; if a renewal finds the
-    fence moved, cancel the body (its model calls are wasted work now) and set the event."""
-    lost = asyncio.Event()
-    body = asyncio.current_task()
+class _KeptLease:
+    """The renewer of one run's lease. :meth:`stop` ends it before the run's ending commit:
+    that commit clears the lease, and a renewal after it would find the fence gone and cancel
+    a run that has already committed."""
 
-    async def renew() -> None:
-        while True:
+    def __init__(self, deps: Deps, claim: Claim, lease_s: float) -> None:
+        self.lost = asyncio.Event()
+        self._stopped = False
+        self._renewing = False
+        self._body = asyncio.current_task()
+        self._task = asyncio.create_task(self._renew(deps, claim, lease_s))
+
+    async def _renew(self, deps: Deps, claim: Claim, lease_s: float) -> None:
+        while not self._stopped:
             await asyncio.sleep(lease_s / 3)
+            if self._stopped:
+                return
+            self._renewing = True
             try:
                 ok = await deps.store.renew(claim.session.id, run_id=claim.run_id,
                                             fence=claim.fence, lease_s=lease_s, now=deps.clock())
             except StorageError:
                 continue  # transient; the next renewal, or the expiry, decides
-            if not ok:
-                lost.set()
-                if body is not None:
-                    body.cancel()
+            finally:
+                self._renewing = False
+            if not ok and not self._stopped:
+                # Lost to someone else: the body's model calls are wasted work now.
+                self.lost.set()
+                if self._body is not None:
+                    self._body.cancel()
                 return
 
-    renewer = asyncio.create_task(renew())
+    async def stop(self) -> None:
+        """No renewal after this returns. One in flight is let finish (cancelling it would
+        break its transaction's connection); its answer no longer cancels the body, and the
+        commit that follows checks the fence itself."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if not self._renewing:
+            self._task.cancel()
+        # wait(), not await: the renewer's own end is no error here, and a cancellation of
+        # the body while it waits must still reach the body.
+        await asyncio.wait([self._task])
+
+
+@contextlib.asynccontextmanager
+async def _kept_lease(deps: Deps, claim: Claim, lease_s: float) -> AsyncIterator[_KeptLease]:
+    """Renew the lease every third of its length while the body runs; if a renewal finds the
+    fence moved, cancel the body and set ``lost``."""
+    lease = _KeptLease(deps, claim, lease_s)
     try:
-        yield lost
+        yield lease
     finally:
-        renewer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await renewer
+        await lease.stop()
 
 
 def _fail(out: Outcome, failure_class: str, error: str) -> None:
@@ -467,8 +589,20 @@ def _fail(out: Outcome, failure_class: str, error: str) -> None:
 
 
 async def _finish(deps: Deps, claim: Claim, out: Outcome) -> None:
-    await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
-                            end=out.run_end(), now=deps.clock())
+    """Write the end of a failed run and release its lease, within its own grace (the run's
+    deadline may be what ended it). If the lease is gone, the run row says what became of the
+    run: a commit that landed although its answer did not arrive (a deadline cancelled the
+    wait) makes the outcome committed after all."""
+    worker = deps.config.worker
+    grace_s = min(FINISH_GRACE_S, (worker.task_time_limit_s - worker.deadline_s) / 2)
+    with deadline(asyncio.get_running_loop().time() + grace_s):
+        if await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
+                                   end=out.run_end(), now=deps.clock()):
+            return
+        run = await deps.store.get_run(claim.run_id)
+    if run is not None and run.status == "committed":
+        out.outcome, out.failure_class, out.error, out.ended = "committed", None, None, True
+        out.tokens_after = run.tokens_after
 
 
 async def _finish_quietly(deps: Deps, claim: Claim, out: Outcome) -> None:

@@ -91,7 +91,9 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
                                        extra={"action": "follow_up_failed",
                                               "session_id": session_id})
 
-    outcome = process_loop(config).run(go)
+    # The threads pool does not enforce task_time_limit: this wait does. Past it, the run is
+    # cancelled on the loop (recorded as cancelled, its lease released) and the task fails.
+    outcome = process_loop(config).run(go, timeout=config.worker.task_time_limit_s)
     if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)

@@ -100,7 +100,6 @@ class Policy:
     prune: PruneConfig = field(default_factory=PruneConfig)
     clear_tool_uses: ClearToolUsesConfig = field(default_factory=ClearToolUsesConfig)
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
-    lease_s: float = 60.0
     max_rounds: int = 3
     render: str = "durable_context"
     replay_mode: bool = False
@@ -173,9 +172,8 @@ class Policy:
                 "clear_tool_inputs": self.clear_tool_uses.clear_tool_inputs,
                 "clear_at_least": self.clear_tool_uses.clear_at_least,
                 "placeholder": self.clear_tool_uses.placeholder},
-            "max_summary_tokens": self.max_summary_tokens, "lease_s": self.lease_s,
-            "max_rounds": self.max_rounds, "render": self.render,
-            "replay_mode": self.replay_mode, "strategy": self.strategy,
+            "max_summary_tokens": self.max_summary_tokens, "max_rounds": self.max_rounds,
+            "render": self.render, "replay_mode": self.replay_mode, "strategy": self.strategy,
         }
         if self.keep is not None:
             out["keep"] = {"type": self.keep.kind, "value": self.keep.value}
@@ -188,7 +186,7 @@ class Policy:
 _TOP_KEYS = {
     "enabled", "model_name", "trigger", "keep", "trim_tokens_to_summarize", "summary_prompt",
     "skill_file_read_tool_names", "skills_path", "prune", "clear_tool_uses", "retain_ratio",
-    "max_summary_tokens", "lease_s", "max_rounds", "render", "replay_mode", "strategy",
+    "max_summary_tokens", "max_rounds", "render", "replay_mode", "strategy",
 }
 _PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
 _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs",
@@ -203,6 +201,11 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
         return policy
     if not isinstance(raw, Mapping):
         raise PolicyError(path, f"must be a mapping, got {type(raw).__name__}")
+    if "lease_s" in raw:
+        # It was accepted once and never used: refused by name, so a config that sets it
+        # learns where the lease is configured instead of a bare "unknown key".
+        raise PolicyError(f"{path}.lease_s", "no longer supported: a lease belongs to the "
+                          "worker that holds it; set worker.lease_s")
     _no_unknown(raw, _TOP_KEYS, path)
     changes: dict[str, Any] = {}
     if "enabled" in raw:
@@ -240,8 +243,6 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
     if "max_summary_tokens" in raw:
         changes["max_summary_tokens"] = _count(raw["max_summary_tokens"],
                                                f"{path}.max_summary_tokens")
-    if "lease_s" in raw:
-        changes["lease_s"] = _positive(raw["lease_s"], f"{path}.lease_s")
     if "max_rounds" in raw:
         changes["max_rounds"] = _count(raw["max_rounds"], f"{path}.max_rounds")
     if "render" in raw:
@@ -397,13 +398,6 @@ def _count(value: Any, path: str, *, allow_zero: bool = False) -> int:
         raise PolicyError(path, f"must be {'non-negative' if allow_zero else 'positive'}, "
                                 f"got {value!r}")
     return int(v)
-
-
-def _positive(value: Any, path: str) -> float:
-    v = _number(value, path)
-    if v <= 0:
-        raise PolicyError(path, f"must be positive, got {value!r}")
-    return v
 
 
 def _bool(value: Any, path: str) -> bool:

@@ -139,6 +139,7 @@ class Attempt:
     http_attempts: int = 0
     status: int | None = None
     request_id: str | None = None
+    usage: Usage | None = None  # what the provider billed, when it answered (refused or not)
 
     @property
     def ok(self) -> bool:
@@ -379,18 +380,20 @@ class _Run:
         text = completion.text.strip()
         if not text:
             self.fail(candidate, "empty", "the output is empty or whitespace only", started,
-                      http_attempts=http_attempts, request_id=completion.request_id)
+                      http_attempts=http_attempts, request_id=completion.request_id,
+                      usage=completion.usage)
             return None
         reason = (self.request.validate or self.validate)(text)
         if reason is not None:
             self.fail(candidate, "refused", reason, started, http_attempts=http_attempts,
-                      request_id=completion.request_id)
+                      request_id=completion.request_id, usage=completion.usage)
             return None
         loop = asyncio.get_running_loop()
         attempt = Attempt(candidate=candidate.name, provider=candidate.provider,
                           model=completion.model or candidate.model_id, kind=None,
                           reason="accepted", latency_s=loop.time() - started,
-                          http_attempts=http_attempts, request_id=completion.request_id)
+                          http_attempts=http_attempts, request_id=completion.request_id,
+                          usage=completion.usage)
         self.attempts.append(attempt)
         logger.info("summary written by %s", candidate.name,
                     extra={"action": "llm.summary", "candidate": candidate.name,
@@ -404,12 +407,13 @@ class _Run:
 
     def fail(self, candidate: Candidate, kind: ErrorKind, reason: str, started: float, *,
              http_attempts: int = 0, status: int | None = None,
-             request_id: str | None = None) -> None:
+             request_id: str | None = None, usage: Usage | None = None) -> None:
         loop = asyncio.get_running_loop()
         attempt = Attempt(candidate=candidate.name, provider=candidate.provider,
                           model=candidate.model_id, kind=kind, reason=reason,
                           latency_s=max(0.0, loop.time() - started),
-                          http_attempts=http_attempts, status=status, request_id=request_id)
+                          http_attempts=http_attempts, status=status, request_id=request_id,
+                          usage=usage)
         self.attempts.append(attempt)
         # A candidate remembered as unavailable was already warned about once.
         level = logging.DEBUG if kind == "unavailable" else logging.INFO

@@ -1,0 +1,306 @@
+"""A run's lifecycle tells the truth: what a worker, the CLI and the client report about a run is
+what it committed, and every run ends within its deadline.
+
+Real processes: ``celery -A worker.app worker`` subprocesses and the CLI against real PostgreSQL
+and Redis, the fake provider over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sqlite3
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+import yaml
+
+from scheduler.client import CompactdClient
+from scheduler.enqueue import RunRequest
+from scheduler.samples import coding_session
+from storage.errors import ConfigError, SessionNotFound
+from storage.store import Store
+from tests.acceptance.test_metrics_logs import scrape, value
+from tests.acceptance.test_worker import db, enqueuer, free_port
+from tests.conftest import REPO, compactd_cmd, run_cli
+from tests.support.db import Db
+from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.stack import FAKE_KEY_ENV, Stack, fake_models, wait_until
+from worker.settings import load_config
+
+pytestmark = pytest.mark.slow
+__all__ = ["db"]  # the fixture, shared with test_worker
+
+MakeStack = Callable[..., Stack]
+
+POLICY = {"trigger": [{"type": "tokens", "value": 3000}],
+          "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
+          "trim_tokens_to_summarize": 16000}
+# Renewals back to back: one is in flight whenever the run commits, and every await after the
+# commit (the loop guard's read) gives the next one a turn. Nothing else claims these sessions.
+TINY_LEASE_S = 0.003
+
+
+def run_ends(stack: Stack, worker: str) -> list[dict[str, Any]]:
+    """The worker's ``compaction.end`` log lines: what it reported for each run."""
+    lines = [json.loads(line) for line in stack.log(worker).splitlines()
+             if line.startswith("{")]
+    return [line for line in lines if line.get("action") == "compaction.end"]
+
+
+# ------------------------------------------------------------------------------------------
+# item 8: the renewer stops before the run's ending commit
+
+
+def test_a_committed_run_is_reported_committed_while_renewals_race_it(
+        make_stack: MakeStack, db: Db) -> None:
+    sessions = [f"r{i}" for i in range(12)]
+    stack = make_stack(summarization=POLICY, worker={"lease_s": TINY_LEASE_S})
+    for i, sid in enumerate(sessions):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=300 + i).messages)
+    stack.start_worker("w1", concurrency=2)
+    with enqueuer(stack) as enq:
+        for sid in sessions:
+            enq.send(RunRequest(sid, "pressure"))
+        wait_until(lambda: len(run_ends(stack, "w1")) >= len(sessions), timeout=90,
+                   what="every run to end")
+    for sid in sessions:
+        [run] = db.runs(sid)
+        assert run.status == "committed", run
+        assert db.session(sid).lease_run_id is None
+    reported = [(e["outcome"], e["failure_class"]) for e in run_ends(stack, "w1")]
+    assert reported == [("committed", None)] * len(sessions), reported
+    assert "CompactionFailed" not in stack.log("w1")
+
+    # The CLI's own runs (inline: its exit status is the outcome it saw).
+    for i in range(3):
+        db.ingest(f"cli{i}", coding_session(steps=20, big_output_lines=30,
+                                            seed=390 + i).messages)
+        out = stack.cli("compact", f"cli{i}", "--inline", "--json", check=False)
+        result = json.loads(out.stdout)
+        assert (out.returncode, result["outcome"]) == (0, "committed"), result
+
+
+# ------------------------------------------------------------------------------------------
+# item 16: summarization.lease_s is refused, naming where the lease is configured
+
+
+def test_summarization_lease_s_is_refused_naming_worker_lease_s(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    config = tmp_path / "compactd.yaml"
+    config.write_text(yaml.safe_dump({"summarization": {"lease_s": 120}}))
+    out = run_cli({**cli_env, "COMPACTD_CONFIG": str(config)}, "status", check=False)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "summarization.lease_s" in out.stderr and "worker.lease_s" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+    # A session's own policy cannot set it either (the same parser), and nothing is created.
+    async def create() -> None:
+        config = load_config({"COMPACTD_HOME": str(tmp_path)})
+        async with CompactdClient(config) as client:
+            with pytest.raises(ConfigError, match=r"policy\.lease_s.*worker\.lease_s"):
+                await client.create_session("s1", policy={"lease_s": 5})
+            with pytest.raises(SessionNotFound):
+                await client.get_session("s1")
+
+    asyncio.run(create())
+
+    # The example configuration sets the lease where it is read, and only there.
+    example = yaml.safe_load((REPO / "ops" / "compactd.example.yaml").read_text())
+    assert "lease_s" not in example["summarization"]
+    assert example["worker"]["lease_s"] == 60
+
+
+# ------------------------------------------------------------------------------------------
+# item 17: a run ends by its deadline, cleanly, even when the database makes it wait
+
+DEADLINE_S = 3.0
+TIME_LIMIT_S = 12.0  # the finish after a cancelled run gets half of what lies beyond the deadline
+LOCK_HELD_S = 4.5
+
+
+def assert_cancelled_cleanly(run: Any, journal_ends: list[Any], *, lease: str | None,
+                             deadline_s: float = DEADLINE_S, limit_s: float = TIME_LIMIT_S
+                             ) -> None:
+    assert (run.status, run.failure_class) == ("failed", "cancelled"), run
+    assert "deadline" in (run.error or ""), run.error
+    took = (run.finished_at - run.started_at).total_seconds()
+    assert took < deadline_s + min(10, (limit_s - deadline_s) / 2) + 2, took
+    assert lease is None, "the lease is released"
+    [end] = [e for e in journal_ends if e.run_id == run.id]
+    assert (end.payload["outcome"], end.payload["failure_class"]) == ("failed", "cancelled")
+
+
+def test_a_run_held_past_its_deadline_by_a_lock_ends_cancelled(
+        make_stack: MakeStack, fake: FakeProvider, db: Db, clean_pg: str) -> None:
+    stack = make_stack(summarization=POLICY,
+                       worker={"deadline_s": DEADLINE_S, "task_time_limit_s": TIME_LIMIT_S})
+    db.ingest("d1", coding_session(steps=20, big_output_lines=30, seed=500).messages)
+    before = db.surface("d1")
+    fake.latency_s = 1.0
+    stack.start_worker("w1", concurrency=2)
+
+    async def hold_the_row() -> None:
+        conn = await asyncpg.connect(clean_pg)
+        try:
+            async with conn.transaction():
+                await conn.execute("SELECT 1 FROM sessions WHERE id = 'd1' FOR UPDATE")
+                await asyncio.sleep(LOCK_HELD_S)
+        finally:
+            await conn.close()
+
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("d1", "pressure"))
+        wait_until(lambda: fake.requests, timeout=30, what="the run's model call")
+        # The summary comes back in a second; its commit then waits on this lock, past the
+        # run's deadline. Without a bound it would wait for the lock and commit.
+        asyncio.run(hold_the_row())
+        run = wait_until(lambda: next((r for r in db.runs("d1") if r.finished), None),
+                         timeout=30, what="the run to end")
+    assert_cancelled_cleanly(run, db.events("d1", ["compaction/end"]),
+                             lease=db.session("d1").lease_run_id)
+    after = db.surface("d1")
+    assert (after.version, [n.seq for n in after.nodes]) == (
+        before.version, [n.seq for n in before.nodes]), "the session is as it was"
+    assert db.verify("d1").ok
+    reported = [(e["outcome"], e["failure_class"]) for e in run_ends(stack, "w1")]
+    assert reported == [("failed", "cancelled")], reported
+
+
+def test_an_inline_run_on_sqlite_held_past_its_deadline_ends_cancelled(
+        fake: FakeProvider, cli_env: dict[str, str], tmp_path: Path) -> None:
+    # Longer than the worker's: the CLI imports the SDK on its first model call.
+    deadline_s, limit_s = 8.0, 30.0
+    config = tmp_path / "compactd.yaml"
+    config.write_text(yaml.safe_dump({
+        "models": fake_models(fake.url), "summarization": POLICY,
+        "worker": {"deadline_s": deadline_s, "task_time_limit_s": limit_s,
+                   "metrics_port": 0}}))
+    env = {**cli_env, "COMPACTD_CONFIG": str(config), FAKE_KEY_ENV: "sk-fake-test-key"}
+    path = tmp_path / "d2.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in coding_session(
+        steps=20, big_output_lines=30, seed=501).messages))
+    run_cli(env, "ingest", str(path), "--session", "d2", "--run-model", "fake-gpt")
+    before = json.loads(run_cli(env, "surface", "d2", "--json").stdout)
+    fake.latency_s = 1.0
+    proc = subprocess.Popen([*compactd_cmd(), "compact", "d2", "--inline", "--json"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: fake.requests, timeout=30, what="the run's model call")
+        lock = sqlite3.connect(tmp_path / "compactd.sqlite3", isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")  # the write lock, as another writer holds it
+        time.sleep(deadline_s + 1.5)
+        lock.execute("ROLLBACK")
+        lock.close()
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    result = json.loads(stdout)
+    assert proc.returncode == 1, stdout + stderr
+    assert (result["outcome"], result["failure_class"]) == ("failed", "cancelled"), result
+    assert json.loads(run_cli(env, "surface", "d2", "--json").stdout) == before
+
+    async def inspect() -> tuple[Any, list[Any], str | None]:
+        store = Store.from_url(f"sqlite:///{tmp_path / 'compactd.sqlite3'}")
+        try:
+            [run] = await store.session_runs("d2")
+            ends = await store.read_events("d2", kinds=["compaction/end"])
+            return run, ends, (await store.get_session("d2")).lease_run_id
+        finally:
+            await store.close()
+
+    run, ends, lease = asyncio.run(inspect())
+    assert_cancelled_cleanly(run, ends, lease=lease, deadline_s=deadline_s, limit_s=limit_s)
+
+
+# ------------------------------------------------------------------------------------------
+# item 12: overflow reports the prunes a failed run committed
+
+
+async def test_overflow_after_a_durable_prune_reports_the_smaller_surface(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # A trigger nothing reaches: only the overflow report compacts. Every summary is refused
+    # and there is no local fallback, so the run fails after its prunes committed.
+    stack = make_stack(summarization={**POLICY, "trigger": [{"type": "tokens",
+                                                             "value": 1_000_000}]},
+                       worker={"local_fallback": False})
+    fake.script(Behaviour(output="whitespace", times=-1))
+    db.ingest("o1", coding_session(steps=10, big_output_lines=200, seed=600).messages)
+    before = db.session("o1")
+    stack.start_worker("w1", concurrency=2)
+    async with CompactdClient(load_config(env=stack.env)) as client:
+        handle = await client.get_session("o1")
+        result = await handle.report_overflow(timeout_s=60)
+    after = db.session("o1")
+    assert result.run is not None
+    assert (result.run["outcome"], result.run["failure_class"]) == ("failed", "summary")
+    assert result.run["stages"] == ["prune"], result.run
+    assert after.surface_tokens < before.surface_tokens, "the prunes are durable"
+    assert result.compacted, result.reason
+    assert "summary" in result.reason, result.reason
+    assert result.version == after.surface_version > before.surface_version
+    assert result.pruned == result.run["pruned"] > 0
+    assert result.tokens_after == after.surface_tokens + after.envelope_tokens
+    assert result.messages is not None and len(result.messages) == after.surface_messages
+
+
+# ------------------------------------------------------------------------------------------
+# item 11: provider usage is recorded per run, per summary, in status and in metrics
+
+
+def test_provider_usage_is_stored_shown_and_exported_for_both_sdks(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    cached = {"fake-gpt": 64, "fake-claude": 32}
+    # u-refused: fake-claude's whitespace answer is refused (and billed), fake-gpt writes it.
+    fake.script(Behaviour(model="fake-claude", output="whitespace", cached_tokens=32),
+                *(Behaviour(model=m, cached_tokens=n, times=-1) for m, n in cached.items()))
+    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    port = free_port()
+    # session: (run model, summary model); fake-gpt speaks OpenAI, fake-claude Anthropic.
+    sessions = {"u-refused": ("fake-gpt", "fake-claude"), "u-gpt": ("fake-gpt", "fake-gpt"),
+                "u-claude": ("fake-claude", "fake-claude")}
+    for i, (sid, (run_model, summary_model)) in enumerate(sessions.items()):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=700 + i).messages,
+                  run_model=run_model, policy={"model_name": summary_model})
+    stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
+    totals: dict[tuple[str, str], int] = {}
+    usages: dict[str, dict[str, Any]] = {}
+    for sid in sessions:
+        seen = len(fake.requests)
+        result = stack.cli_json("compact", sid, "--wait")
+        assert result["outcome"] == "committed", result
+        calls = fake.requests[seen:]
+        expected: dict[str, dict[str, int]] = {}
+        for r in calls:
+            mine = expected.setdefault(r.model or "", {"calls": 0, "input_tokens": 0,
+                                                       "cached_tokens": 0})
+            mine["calls"] += 1
+            mine["input_tokens"] += math.ceil(r.body_bytes / 4)
+            mine["cached_tokens"] += cached[r.model or ""]
+        usage = result["usage"]
+        by = usage["by_candidate"]
+        assert {m: {k: by[m][k] for k in e} for m, e in expected.items()} == expected, usage
+        for kind in ("calls", "input_tokens", "cached_tokens", "output_tokens"):
+            assert usage[kind] == sum(c[kind] for c in by.values()), (kind, usage)
+            for model, counts in by.items():
+                totals[model, kind] = totals.get((model, kind), 0) + counts[kind]
+        assert all(c["output_tokens"] > 0 for c in by.values()), usage
+
+        [run] = stack.cli_json("status", sid)["runs"]
+        assert run["usage"] == usage
+        [summary] = db.events(sid, ["compaction/summary"])
+        assert summary.payload["usage"] == usage, "one step: the summary's calls are the run's"
+        usages[sid] = usage
+    # The refused answer was billed too, and counts under its candidate.
+    assert set(usages["u-refused"]["by_candidate"]) == {"fake-gpt", "fake-claude"}
+    scraped = scrape(port)
+    for model in cached:
+        for kind in ("input", "cached", "output"):
+            assert value(scraped, "compactd_model_tokens_total", candidate=model,
+                         kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)
