@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from scheduler.commands import parse_keep
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
@@ -37,7 +38,7 @@ from storage.store import Store
 from storage.tokens import counter_for
 from worker.app import client_app
 from worker.compaction.planner import plan
-from worker.compaction.policy import PolicyError, parse_policy
+from worker.compaction.policy import Clause, PolicyError, parse_policy
 from worker.compaction.render import render_surface
 from worker.pressure import over_trigger, session_policy
 from worker.runtime import EventLoopThread
@@ -282,11 +283,14 @@ class SessionHandle:
         self.version = surface.version
         return render_surface(surface.nodes, render)
 
-    async def compact(self, *, force: bool = False, keep: str | None = None, wait: bool = True,
-                      timeout_s: float = 120.0) -> dict[str, Any]:
-        """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result."""
+    async def compact(self, *, force: bool = False, keep: str | Clause | None = None,
+                      wait: bool = True, timeout_s: float = 120.0) -> dict[str, Any]:
+        """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result.
+        ``keep`` (``messages:12`` or a clause) is checked here, before anything is queued."""
+        clause = parse_keep(keep, "keep")
         task_id = await self.client.enqueuer.asend(
-            RunRequest(self.id, "manual", force=force, keep=keep))
+            RunRequest(self.id, "manual", force=force,
+                       keep=None if clause is None else clause.to_text()))
         if not wait:
             return {"session": self.id, "outcome": "queued", "task_id": task_id}
         run = await self._wait_for_run(task_id, timeout_s)

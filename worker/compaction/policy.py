@@ -59,6 +59,12 @@ class Clause:
         v = self.value if self.kind == "fraction" else int(self.value)
         return f"{self.kind}>={v}"
 
+    def to_text(self) -> str:
+        """``KIND:N``, the form :func:`parse_keep_text` reads back to an equal clause (a count
+        is written whole, never in the exponent form ``:g`` gives a million)."""
+        v = repr(self.value) if self.kind == "fraction" else str(int(self.value))
+        return f"{self.kind}:{v}"
+
 
 # A trigger is OR over groups; a group is AND over clauses. ``()`` means automatic compaction is
 # off (forced compaction still works).
@@ -303,6 +309,22 @@ def parse_clause(raw: Any, path: str) -> Clause:
         raise PolicyError(f"{path}.type" if isinstance(raw, Mapping) else f"{path}[0]",
                           f"unknown kind {kind!r} (expected {', '.join(KINDS)})")
     return _clause(kind, value, value_path)
+
+
+def parse_keep_text(text: str, path: str = "keep") -> Clause:
+    """A keep override as ``KIND:N`` (``messages:12``, ``tokens:3000``, ``fraction:0.2``): the one
+    reader of the form the CLI, the HTTP API, the client and the queued task pass along."""
+    kind, sep, value = text.partition(":")
+    if not sep:
+        raise PolicyError(path, f"expected KIND:N (messages, tokens or fraction), got {text!r}")
+    if kind not in KINDS:
+        raise PolicyError(path, f"unknown kind {kind!r} (expected {', '.join(KINDS)})")
+    try:
+        number = float(value)
+    except ValueError:
+        raise PolicyError(path, f"expected KIND:N with a number after the colon, "
+                                f"got {text!r}") from None
+    return _clause(kind, int(number) if number.is_integer() else number, path)
 
 
 def _clause(kind: str, value: Any, path: str) -> Clause:

@@ -1,0 +1,68 @@
+"""Policy settings on the paths users take: a keep override through a real Celery worker (the CLI
+without ``--inline``, and ``compactd serve``), and configuration refused by the CLI at load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from scheduler.samples import coding_session
+from tests.support.api import TOKEN_A, bearer, start_api
+from tests.support.stack import Stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+
+MakeStack = Callable[..., Stack]
+
+# No automatic runs (a pressure run holding the lease would make a manual one busy), and a
+# policy keep far longer than the override, so the kept tail says which one the worker used.
+MANUAL_ONLY = {"model_name": "fake-gpt", "trigger": [{"type": "tokens", "value": 10_000_000}],
+               "keep": {"type": "messages", "value": 20}}
+
+
+def _tail_after_checkpoint(messages: list[dict[str, Any]]) -> int:
+    last = max(i for i, m in enumerate(messages) if (m.get("meta") or {}).get("checkpoint"))
+    return len(messages) - last - 1
+
+
+def test_queued_keep_override_reaches_the_worker_from_the_cli_and_the_api(
+        make_stack: MakeStack) -> None:
+    stack = make_stack(summarization=MANUAL_ONLY)
+    messages = coding_session(steps=12, big_output_lines=30).messages
+    stack.ingest("s1", messages)
+    stack.start_worker("w1", concurrency=2)
+
+    result = stack.cli_json("compact", "s1", "--keep", "messages:4", "--wait", "--timeout", "60")
+    assert result["outcome"] == "committed", result
+    tail = _tail_after_checkpoint(stack.cli_json("surface", "s1")["messages"])
+    # Four kept, moved toward the head only as far as a whole tool-call group needs.
+    assert 4 <= tail < 8, tail
+
+    url = start_api(stack)
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=120) as http:
+        assert http.put("/v1/sessions/s2", json={"run_model": "fake-gpt"}).status_code == 201
+        assert http.post("/v1/sessions/s2/messages",
+                         json={"messages": messages}).status_code == 200
+        run = http.post("/v1/sessions/s2/compact",
+                        json={"keep": "tokens:1000000", "wait": True, "timeout_s": 60})
+        # A keep over the whole surface: the worker parsed it and kept everything.
+        assert run.status_code == 200, run.text
+        assert run.json()["outcome"] == "nothing_to_do", run.json()
+        run = http.post("/v1/sessions/s2/compact",
+                        json={"keep": "messages:4", "wait": True, "timeout_s": 60})
+        assert run.status_code == 200, run.text
+        assert run.json()["outcome"] == "committed", run.json()
+        surface = http.get("/v1/sessions/s2/surface").json()["messages"]
+        assert 4 <= _tail_after_checkpoint(surface) < 8
+        bad = http.post("/v1/sessions/s2/compact", json={"keep": "messages:2.5"})
+        assert bad.status_code == 422 and "must be an integer" in bad.text, bad.text
+
+
+def test_bad_keep_override_is_refused_before_anything_is_queued(make_stack: MakeStack) -> None:
+    stack = make_stack(summarization=MANUAL_ONLY)
+    stack.ingest("s1", coding_session(steps=4).messages)
+    out = stack.cli("compact", "s1", "--keep", "messages:0", check=False)
+    assert out.returncode == 2 and "--keep: must be positive" in out.stderr, out.stderr
