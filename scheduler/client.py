@@ -31,16 +31,16 @@ from typing import Any
 from scheduler.commands import parse_keep
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
-from storage.errors import CompactdError, ConfigError, InvalidMessage
+from storage.errors import CompactdError, InvalidMessage
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from storage.tokens import counter_for
 from worker.app import client_app
 from worker.compaction.planner import plan
-from worker.compaction.policy import Clause, PolicyError, parse_policy
+from worker.compaction.policy import Clause
 from worker.compaction.render import render_surface
-from worker.pressure import over_trigger, session_policy
+from worker.pressure import check_session_policy, over_trigger, session_policy
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
@@ -107,14 +107,12 @@ def parse_messages(raw: Iterable[Mapping[str, Any] | Message], fmt: str = "opena
     return out
 
 
-def check_policy(overrides: Mapping[str, Any] | None, config: Config) -> None:
-    """Refuse bad per-session overrides when the session is created, not at its first run."""
-    if overrides is None:
-        return
-    try:
-        parse_policy(overrides, path="policy", base=config.policy)
-    except PolicyError as exc:
-        raise ConfigError(str(exc)) from None
+def check_policy(overrides: Mapping[str, Any] | None, config: Config, *,
+                 run_model: str | None = None, context_window: int | None = None) -> None:
+    """Refuse bad per-session overrides when the session is created, not at its first run,
+    and a keep that the session's window would make fire the trigger again."""
+    check_session_policy(dict(overrides) if overrides is not None else None, config,
+                         run_model=run_model, context_window=context_window)
 
 
 class CompactdClient:
@@ -189,10 +187,10 @@ class CompactdClient:
                              policy: Mapping[str, Any] | None = None) -> SessionHandle:
         """Create the session, or open it when it exists with the same tenant and run model."""
         await self._ensure_schema()
-        check_policy(policy, self.config)
         if context_window is not None and (not isinstance(context_window, int)
                                            or context_window <= 0):
             raise InvalidMessage("must be a positive integer", field="context_window")
+        check_policy(policy, self.config, run_model=run_model, context_window=context_window)
         info = await self.store.create_session(
             session_id, tenant=tenant, run_model=run_model,
             context_window=context_window or self.config.context_window(run_model),

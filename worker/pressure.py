@@ -11,8 +11,9 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from storage.errors import ConfigError
 from storage.records import SessionInfo
-from worker.compaction.policy import Policy, parse_policy
+from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
 from worker.compaction.triggers import Pressure, should_compact
 from worker.settings import Config
 
@@ -38,6 +39,22 @@ def known_window(run_model: str | None) -> int | None:
 def context_window(info: SessionInfo, config: Config) -> int | None:
     return info.context_window or config.context_window(info.run_model) or known_window(
         info.run_model)
+
+
+def check_session_policy(overrides: dict[str, Any] | None, config: Config, *,
+                         run_model: str | None, context_window: int | None) -> Policy:
+    """The policy a new or updated session would run under, refused (a ``ConfigError`` naming
+    its path under ``policy``) when it is bad or when its kept tail alone would fire its trigger
+    under the window the session will have: what only the window decides is checked here, not
+    at load."""
+    window = context_window or config.context_window(run_model) or known_window(run_model)
+    try:
+        policy = parse_policy(overrides, path="policy", base=config.policy)
+        if window:
+            check_keep_below_trigger(policy, "policy", [("this session's window", window)])
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    return policy
 
 
 @lru_cache(maxsize=4096)

@@ -60,6 +60,17 @@ def test_queued_keep_override_reaches_the_worker_from_the_cli_and_the_api(
         bad = http.post("/v1/sessions/s2/compact", json={"keep": "messages:2.5"})
         assert bad.status_code == 422 and "must be an integer" in bad.text, bad.text
 
+        # A per-session keep that the session's window makes fire the trigger again.
+        override = {"trigger": {"type": "fraction", "value": 0.5},
+                    "keep": {"type": "tokens", "value": 600}}
+        refused = http.put("/v1/sessions/s3", json={"context_window": 1000, "policy": override})
+        assert refused.status_code == 422, refused.text
+        assert "policy.keep: keep tokens>=600 is not below trigger fraction>=0.5 of a " \
+               "1000-token window" in refused.json()["message"], refused.text
+        assert http.get("/v1/sessions/s3").status_code == 404
+        assert http.put("/v1/sessions/s3", json={"context_window": 2000,
+                                                 "policy": override}).status_code == 201
+
 
 def test_bad_keep_override_is_refused_before_anything_is_queued(make_stack: MakeStack) -> None:
     stack = make_stack(summarization=MANUAL_ONLY)

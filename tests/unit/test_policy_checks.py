@@ -3,9 +3,21 @@ trigger, prune settings, clearing's own trigger and fractions without a window (
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 
-from worker.compaction.policy import Clause, PolicyError, parse_keep_text
+from worker.compaction.policy import (
+    ANY_WINDOW,
+    Clause,
+    Policy,
+    PolicyError,
+    keep_refires,
+    parse_clause,
+    parse_keep_text,
+    parse_trigger,
+)
 
 
 @pytest.mark.parametrize(("text", "clause"), [
@@ -42,3 +54,42 @@ def test_keep_text_refuses(text: str, says: str) -> None:
 def test_large_counts_survive_the_text_form() -> None:
     # ``:g`` wrote 1234567 as 1.23457e+06, a different keep than the one asked for.
     assert Clause("tokens", 1_234_567).to_text() == "tokens:1234567"
+
+
+@pytest.mark.parametrize(("raw", "window", "refused"), [
+    # defaults: fraction 0.8 against retain_ratio 0.16, or the last 20 messages without a window
+    ({}, None, False),
+    ({}, ANY_WINDOW, False),
+    ({"retain_ratio": 0.9}, ANY_WINDOW, True),
+    ({"retain_ratio": 0.9}, None, False),  # without a window the fraction trigger is dropped
+    ({"trigger": ["fraction", 0.1]}, ANY_WINDOW, True),
+    ({"trigger": ["messages", 15]}, None, True),
+    ({"trigger": ["messages", 15]}, 128_000, False),  # retain_ratio is tokens, not messages
+    # explicit keep against a fraction, only decidable with the window
+    ({"trigger": ["fraction", 0.5], "keep": ["tokens", 600]}, ANY_WINDOW, False),
+    ({"trigger": ["fraction", 0.5], "keep": ["tokens", 600]}, 1000, True),
+    ({"trigger": ["fraction", 0.5], "keep": ["tokens", 600]}, 2000, False),
+    ({"trigger": ["tokens", 30_000]}, 128_000, False),  # 0.16 x 128k = 20480 is below
+    ({"trigger": ["tokens", 20_000]}, 128_000, True),
+    ({"trigger": ["tokens", 5000], "keep": ["fraction", 0.3]}, 10_000, False),
+    ({"trigger": ["tokens", 5000], "keep": ["fraction", 0.5]}, 10_000, True),
+    # an AND group fires again only when the tail meets every clause
+    ({"trigger": {"tokens": 100_000_000, "messages": 2}, "keep": ["messages", 2]}, None, False),
+    ({"trigger": {"tokens": 500, "fraction": 0.5}, "keep": ["tokens", 600]}, 1000, True),
+    ({"trigger": {"tokens": 500, "fraction": 0.5}, "keep": ["tokens", 600]}, 2000, False),
+    ({"trigger": {"tokens": 1000, "fraction": 0.5}, "keep": ["tokens", 600]}, 1000, False),
+    # OR: one group met is enough
+    ({"trigger": [["tokens", 100_000], ["messages", 10]], "keep": ["messages", 12]}, None, True),
+])
+def test_keep_refires(raw: dict[str, Any], window: int | None, refused: bool) -> None:
+    assert (keep_refires(_unchecked(raw), window) is not None) is refused
+
+
+def _unchecked(raw: dict[str, Any]) -> Policy:
+    """The policy ``raw`` says, without the load check (which would refuse some of them)."""
+    policy = Policy()
+    if "trigger" in raw:
+        policy = replace(policy, trigger=parse_trigger(raw["trigger"], "trigger"))
+    if "keep" in raw:
+        policy = replace(policy, keep=parse_clause(raw["keep"], "keep"))
+    return replace(policy, retain_ratio=raw.get("retain_ratio", policy.retain_ratio))

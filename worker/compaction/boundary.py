@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
 from storage.surface import KIND_CHECKPOINT, SurfaceNode
-from worker.compaction.policy import DEFAULT_KEEP_MESSAGES, Clause, Policy
+from worker.compaction.policy import Clause, Policy, effective_keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +136,7 @@ def unsafe_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
 
 def resolve_keep(policy: Policy, override: Clause | None = None) -> Clause:
     """The effective keep clause; a ``fraction`` needs the run model's window."""
-    keep = override or policy.keep
-    window = policy.context_window
-    if keep is None:
-        if window:
-            return Clause("fraction", policy.retain_ratio)
-        return Clause("messages", DEFAULT_KEEP_MESSAGES)
-    if keep.kind == "fraction" and not window:
-        return Clause("messages", DEFAULT_KEEP_MESSAGES)
-    return keep
+    return effective_keep(override or policy.keep, policy.retain_ratio, policy.context_window)
 
 
 def keep_cut(nodes: Sequence[SurfaceNode], keep: Clause, context_window: int | None) -> int:

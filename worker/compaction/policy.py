@@ -257,7 +257,7 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
     if "strategy" in raw:
         changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
     out = replace(policy, **changes)
-    check_keep_below_trigger(out.keep, out.trigger, path)
+    check_keep_below_trigger(out, path)
     return out
 
 
@@ -333,16 +333,69 @@ def _clause(kind: str, value: Any, path: str) -> Clause:
     return Clause(kind, _count(value, path))  # type: ignore[arg-type]
 
 
-def check_keep_below_trigger(keep: Clause | None, trigger: Trigger, path: str) -> None:
+def effective_keep(keep: Clause | None, retain_ratio: float, context_window: int | None
+                   ) -> Clause:
+    """The keep a run uses: ``keep``, else ``retain_ratio`` of the run model's window; a
+    ``fraction`` without a window falls back to the last 20 messages."""
     if keep is None:
-        return
-    for g, group in enumerate(trigger):
-        for clause in group:
-            if clause.kind == keep.kind and keep.value >= clause.value:
-                raise PolicyError(
-                    f"{path}.keep",
-                    f"keep {keep.describe()} is not below trigger {clause.describe()} "
+        return (Clause("fraction", retain_ratio) if context_window
+                else Clause("messages", DEFAULT_KEEP_MESSAGES))
+    if keep.kind == "fraction" and not context_window:
+        return Clause("messages", DEFAULT_KEEP_MESSAGES)
+    return keep
+
+
+# A window of unknown size, for the load-time check: fraction against fraction can be judged
+# whatever the window is, tokens against fraction only once a session knows its window.
+ANY_WINDOW = -1
+
+
+def keep_refires(policy: Policy, context_window: int | None) -> str | None:
+    """Why the kept tail alone would fire the trigger again, or None.
+
+    ``context_window``: the run model's window, None for a session without one (its fraction
+    clauses never fire, its fraction keep is the last 20 messages), or :data:`ANY_WINDOW`. A
+    group fires again when the tail meets every one of its clauses (AND); a clause of another
+    kind than the keep (messages against tokens) is not met by the tail as far as anyone can
+    know, so a group holding one is not refused.
+    """
+    windowed = context_window is not None
+    window = context_window if windowed and context_window != ANY_WINDOW else None
+    keep = effective_keep(policy.keep, policy.retain_ratio, context_window)
+    for g, group in enumerate(policy.trigger):
+        if not windowed and any(c.kind == "fraction" for c in group):
+            continue
+        if all(_tail_meets(keep, clause, window) for clause in group):
+            what = " and ".join(c.describe() for c in group)
+            source = " (retain_ratio)" if policy.keep is None and keep.kind == "fraction" else (
+                " (the default keep)" if policy.keep is None else "")
+            of = f" of a {window}-token window" if window else ""
+            return (f"keep {keep.describe()}{source} is not below trigger {what}{of} "
                     f"(group {g}): the kept tail alone would fire the trigger again")
+    return None
+
+
+def _tail_meets(keep: Clause, clause: Clause, window: int | None) -> bool:
+    if keep.kind == clause.kind:
+        return keep.value >= clause.value
+    if window is None or "messages" in (keep.kind, clause.kind):
+        return False
+    return _tokens(keep, window) >= _tokens(clause, window)
+
+
+def _tokens(clause: Clause, window: int) -> float:
+    return clause.value * window if clause.kind == "fraction" else clause.value
+
+
+def check_keep_below_trigger(policy: Policy, path: str,
+                             windows: Sequence[tuple[str, int | None]] = ()) -> None:
+    """Refuse a policy whose kept tail would fire its trigger again: for a session without a
+    window, for one with any window, and for each ``(name, window)`` given."""
+    for name, window in (("", None), ("", ANY_WINDOW), *windows):
+        why = keep_refires(policy, window)
+        if why is not None:
+            key = "retain_ratio" if policy.keep is None and "(retain_ratio)" in why else "keep"
+            raise PolicyError(f"{path}.{key}", why + (f" for {name}" if name else ""))
 
 
 def _parse_prune(raw: Any, path: str, base: PruneConfig) -> PruneConfig:
