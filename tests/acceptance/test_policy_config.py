@@ -71,3 +71,35 @@ def test_a_session_window_that_makes_keep_refire_is_refused_at_creation(
            "window" in out.stderr, out.stderr
     assert run(env, "surface", "s1", check=False).returncode == 2  # nothing was created
     run(env, "ingest", str(path), "--session", "s1", "--context-window", "2000")
+
+
+def test_prune_settings_count_the_marker(cli_env: dict[str, str], tmp_path: Path) -> None:
+    env = _configured(cli_env, tmp_path, "summarization: {prune: {threshold_chars: 100, "
+                                         "head_chars: 60, tail_chars: 39}}")
+    out = run(env, "migrate", check=False)
+    assert out.returncode == 2, out.stderr
+    assert "summarization.prune: head_chars + tail_chars + the 39-character marker (138) must " \
+           "be below threshold_chars (100)" in out.stderr, out.stderr
+
+
+def test_tail_only_pruning_keeps_the_end_of_a_build_log(cli_env: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    env = _configured(cli_env, tmp_path, "summarization: {trigger: [[tokens, 50]], "
+                                         "keep: [messages, 3], prune: {threshold_chars: 200, "
+                                         "head_chars: 0, tail_chars: 30}}")
+    log = "".join(f"compiling module {i}\n" for i in range(40)) + "BUILD FAILED: 3 errors"
+    call = {"id": "c1", "type": "function", "function": {"name": "make", "arguments": "{}"}}
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in [
+        {"role": "user", "content": "build it"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": log},
+        {"role": "assistant", "content": "The build failed."}]))
+    run(env, "migrate")
+    run(env, "ingest", str(path), "--session", "s1")
+    result = json.loads(run(env, "compact", "s1", "--inline", "--json").stdout)
+    assert result["outcome"] == "committed" and result["stages"] == ["prune"], result
+    surface = json.loads(run(env, "surface", "s1", "--json").stdout)["messages"]
+    pruned = next(m for m in surface if m["role"] == "tool")["content"]
+    assert pruned.startswith("\n\n[... tool result middle pruned ...]\n\n"), pruned
+    assert pruned.endswith(log[-30:]) and len(pruned) == 39 + 30, pruned

@@ -8,16 +8,20 @@ from typing import Any
 
 import pytest
 
+from storage.messages import Message
 from worker.compaction.policy import (
     ANY_WINDOW,
+    PRUNE_MARKER,
     Clause,
     Policy,
     PolicyError,
     keep_refires,
     parse_clause,
     parse_keep_text,
+    parse_policy,
     parse_trigger,
 )
+from worker.compaction.pruning import cut_middle, prune_message
 
 
 @pytest.mark.parametrize(("text", "clause"), [
@@ -93,3 +97,45 @@ def _unchecked(raw: dict[str, Any]) -> Policy:
     if "keep" in raw:
         policy = replace(policy, keep=parse_clause(raw["keep"], "keep"))
     return replace(policy, retain_ratio=raw.get("retain_ratio", policy.retain_ratio))
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    # 60 + 39 + the 39-character marker is 138 code points: longer than the threshold.
+    ({"threshold_chars": 100, "head_chars": 60, "tail_chars": 39},
+     "the 39-character marker (138) must be below threshold_chars (100)"),
+    ({"threshold_chars": 100, "head_chars": 30, "tail_chars": 31},
+     "the 39-character marker (100) must be below threshold_chars (100)"),
+    ({"head_chars": 0, "tail_chars": 0}, "cannot both be 0"),
+    ({"head_chars": -1}, "must be non-negative"),
+    ({"threshold_chars": 0}, "must be positive"),
+])
+def test_prune_settings_refused(raw: dict[str, Any], says: str) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy({"prune": raw})
+    assert err.value.path.startswith("summarization.prune") and says in str(err.value), err.value
+
+
+@pytest.mark.parametrize(("raw", "content", "pruned"), [
+    ({"threshold_chars": 100, "head_chars": 0, "tail_chars": 20},
+     "x" * 100 + "END OF THE BUILD LOG", PRUNE_MARKER + "END OF THE BUILD LOG"),
+    ({"threshold_chars": 100, "head_chars": 12, "tail_chars": 0},
+     "HEAD OF FILE" + "x" * 100, "HEAD OF FILE" + PRUNE_MARKER),
+    ({"threshold_chars": 100, "head_chars": 30, "tail_chars": 30},
+     "a" * 30 + "x" * 41 + "b" * 30, "a" * 30 + PRUNE_MARKER + "b" * 30),
+    # At the threshold nothing is pruned.
+    ({"threshold_chars": 100, "head_chars": 30, "tail_chars": 30}, "a" * 100, None),
+])
+def test_prune_keeps_what_it_says(raw: dict[str, Any], content: str, pruned: str | None) -> None:
+    config = parse_policy({"prune": raw}).prune
+    out = prune_message(Message(role="tool", content=content, tool_call_id="c1"), config)
+    assert (out.content if out else None) == pruned
+    if out is not None:
+        assert isinstance(out.content, str) and len(out.content) < config.threshold_chars
+
+
+def test_tail_only_pruning_of_blocks_keeps_the_image_and_the_end() -> None:
+    blocks = [{"type": "image", "source": "i1"}, {"type": "text", "text": "x" * 200},
+              {"type": "text", "text": "the end"}]
+    assert cut_middle(blocks, 0, 10) == [
+        {"type": "image", "source": "i1"}, {"type": "text", "text": PRUNE_MARKER + "xxx"},
+        {"type": "text", "text": "the end"}]

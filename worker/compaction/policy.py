@@ -38,6 +38,8 @@ DEFAULT_SKILLS_PATH = "/mnt/skills"
 PRUNE_THRESHOLD_CHARS = 8192
 PRUNE_HEAD_CHARS = 4096
 PRUNE_TAIL_CHARS = 1024
+# What a pruned tool result holds in place of its middle; it counts toward the pruned length.
+PRUNE_MARKER = "\n\n[... tool result middle pruned ...]\n\n"
 CLEARED_PLACEHOLDER = "[cleared]"
 
 
@@ -404,12 +406,20 @@ def _parse_prune(raw: Any, path: str, base: PruneConfig) -> PruneConfig:
     if not isinstance(raw, Mapping):
         raise PolicyError(path, "must be a mapping or a boolean")
     _no_unknown(raw, _PRUNE_KEYS, path)
+    # Either end may be 0: the end of a build log alone (head 0) is what is often wanted.
     changes: dict[str, Any] = {k: (_bool(v, f"{path}.{k}") if k == "enabled"
-                                   else _count(v, f"{path}.{k}")) for k, v in raw.items()}
+                                   else _count(v, f"{path}.{k}",
+                                               allow_zero=k in ("head_chars", "tail_chars")))
+                               for k, v in raw.items()}
     out = replace(base, **changes)
-    if out.head_chars + out.tail_chars >= out.threshold_chars:
-        raise PolicyError(path, "head_chars + tail_chars must be below threshold_chars, "
-                                "or pruning would not shrink anything")
+    if out.head_chars == 0 and out.tail_chars == 0:
+        raise PolicyError(path, "head_chars and tail_chars cannot both be 0: a pruned result "
+                                "keeps its head, its tail or both")
+    kept = out.head_chars + len(PRUNE_MARKER) + out.tail_chars
+    if kept >= out.threshold_chars:
+        raise PolicyError(path, f"head_chars + tail_chars + the {len(PRUNE_MARKER)}-character "
+                                f"marker ({kept}) must be below threshold_chars "
+                                f"({out.threshold_chars}), or pruning would not shrink anything")
     return out
 
 
