@@ -77,3 +77,28 @@ def test_bad_keep_override_is_refused_before_anything_is_queued(make_stack: Make
     stack.ingest("s1", coding_session(steps=4).messages)
     out = stack.cli("compact", "s1", "--keep", "messages:0", check=False)
     assert out.returncode == 2 and "--keep: must be positive" in out.stderr, out.stderr
+
+
+def test_a_call_never_answered_does_not_pin_the_session(make_stack: MakeStack) -> None:
+    stack = make_stack(summarization=MANUAL_ONLY)
+    call = {"id": "lost", "type": "function", "function": {"name": "read_file",
+                                                           "arguments": "{}"}}
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent."}, {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for i in range(15):
+        messages += [{"role": "user", "content": f"question {i} " * 30},
+                     {"role": "assistant", "content": f"answer {i} " * 30}]
+    stack.ingest("s1", messages)
+    stack.start_worker("w1", concurrency=2)
+
+    result = stack.cli_json("compact", "s1", "--force", "--wait", "--timeout", "60")
+    assert result["outcome"] == "committed", result
+    assert 3 not in result["replaced_seqs"] and len(result["replaced_seqs"]) >= 20, result
+    surface = stack.cli_json("surface", "s1")["messages"]
+    assert [m["seq"] for m in surface][:3] == [1, 2, 3]  # the open call stays on the surface
+    # Its result may still come, and finds its call.
+    late = stack.home / "late.jsonl"
+    late.write_text('{"role": "tool", "tool_call_id": "lost", "content": "file body"}\n')
+    stack.cli("ingest", str(late), "--session", "s1")
+    assert "ok   s1" in stack.cli("verify", "s1").stdout

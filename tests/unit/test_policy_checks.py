@@ -139,3 +139,47 @@ def test_tail_only_pruning_of_blocks_keeps_the_image_and_the_end() -> None:
     assert cut_middle(blocks, 0, 10) == [
         {"type": "image", "source": "i1"}, {"type": "text", "text": PRUNE_MARKER + "xxx"},
         {"type": "text", "text": "the end"}]
+
+
+def _abandoned_call() -> list[Any]:
+    """A call the runtime never answered, then 30 messages of later turns."""
+    from tests.unit.compaction_helpers import ai, nodes, sys, user
+
+    messages = [sys(), user("fix it"), ai(None, ("lost", "read_file"))]
+    for i in range(15):
+        messages += [user(f"question {i} " * 30), ai(f"answer {i} " * 30)]
+    return nodes(*messages)
+
+
+@pytest.mark.parametrize(("force", "keep"), [(True, None), (False, None),
+                                             (True, Clause("messages", 4))])
+def test_an_open_call_pins_only_itself(force: bool, keep: Clause | None) -> None:
+    from tests.unit.compaction_helpers import NOW
+    from worker.compaction.planner import plan
+
+    surface = _abandoned_call()
+    policy = Policy(trigger=((Clause("tokens", 500),),), keep=Clause("messages", 6))
+    step = plan(surface, policy=policy, now=NOW, force=force, keep_override=keep).summarize
+    assert step is not None
+    # The call stays (its result may still come, after everything); the later turns go.
+    assert 3 not in step.replace_seqs and step.replace_seqs[0] == 4
+    assert len(step.replace_seqs) >= 20
+
+
+def test_an_open_call_answered_in_part_keeps_its_results() -> None:
+    from tests.unit.compaction_helpers import NOW, ai, nodes, sys, tool, user
+    from worker.compaction.planner import plan
+
+    messages = [sys(), user("go"), ai(None, ("a", "bash"), ("b", "bash")), user("x " * 50),
+                tool("a", "result " * 50)]
+    messages += [ai(f"later {i} " * 40) for i in range(8)]
+    surface = nodes(*messages)
+    policy = Policy(trigger=((Clause("tokens", 100),),), keep=Clause("messages", 2))
+    step = plan(surface, policy=policy, now=NOW).summarize
+    assert step is not None and step.replace_seqs[0] == 6  # after the group's result (seq 5)
+    # The step still waiting for its last result, with nothing else after it, is the newest
+    # step: forced mode keeps it whole and takes what came before.
+    waiting = nodes(sys(), user("old task " * 60), ai("ok " * 40), user("go"),
+                    ai(None, ("a", "bash"), ("b", "bash")), tool("a", "result " * 50))
+    step = plan(waiting, policy=policy, now=NOW, force=True).summarize
+    assert step is not None and step.replace_seqs == (2, 3)
