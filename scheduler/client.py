@@ -40,7 +40,7 @@ from worker.app import client_app
 from worker.compaction.planner import plan
 from worker.compaction.policy import Clause
 from worker.compaction.render import render_surface
-from worker.pressure import check_session_policy, over_trigger, session_policy
+from worker.pressure import check_session_policy, session_policy, wants_run
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
@@ -232,7 +232,7 @@ class SessionHandle:
 
     def _wants_signal(self, info: SessionInfo) -> bool:
         cooling = info.cooldown_until is not None and info.cooldown_until > utcnow()
-        return not cooling and over_trigger(info, self._config)
+        return not cooling and wants_run(info, self._config)
 
     async def append(self, messages: Sequence[Mapping[str, Any] | Message], *,
                      format: str = "openai") -> StepResult:
@@ -249,7 +249,7 @@ class SessionHandle:
             self.version = result.version
         if result.signalled:
             self.client.send_in_background(RunRequest(self.id, "pressure"))
-        fired = result.signalled or over_trigger(result.session, self._config)
+        fired = result.signalled or wants_run(result.session, self._config)
         return StepResult(version=result.version, first_seq=result.first_seq,
                           last_seq=result.last_seq, tokens=result.session.surface_tokens,
                           messages=result.session.surface_messages, fired=fired,

@@ -14,7 +14,7 @@ from typing import Any
 from storage.errors import ConfigError
 from storage.records import SessionInfo
 from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
-from worker.compaction.triggers import Pressure, should_compact
+from worker.compaction.triggers import Pressure, should_compact, should_run
 from worker.settings import Config
 
 # Published context windows of common run models, used only when neither the session nor the
@@ -81,12 +81,21 @@ def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
 
 
 def over_trigger(info: SessionInfo, config: Config) -> bool:
+    """Over the summary trigger: what sweeps and the reaper look for."""
     policy = session_policy(info, config)
     return should_compact(session_pressure(info, policy), policy)[0]
+
+
+def wants_run(info: SessionInfo, config: Config) -> bool:
+    """Over the summary trigger or clearing's own: what an append or a signal wakes a run for.
+    Sweeps do not look for clearing: the next append signals again, and a session whose old
+    results are all cleared would otherwise be read by a run every sweep interval."""
+    policy = session_policy(info, config)
+    return should_run(session_pressure(info, policy), policy)[0]
 
 
 def explain(info: SessionInfo, config: Config) -> tuple[bool, str, Pressure]:
     policy = session_policy(info, config)
     pressure = session_pressure(info, policy)
-    fired, reason = should_compact(pressure, policy)
+    fired, reason = should_run(pressure, policy)
     return fired, reason, pressure

@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.samples import coding_session
 from tests.support.api import TOKEN_A, bearer, start_api
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -102,3 +102,30 @@ def test_a_call_never_answered_does_not_pin_the_session(make_stack: MakeStack) -
     late.write_text('{"role": "tool", "tool_call_id": "lost", "content": "file body"}\n')
     stack.cli("ingest", str(late), "--session", "s1")
     assert "ok   s1" in stack.cli("verify", "s1").stdout
+
+
+def test_clearing_old_tool_results_runs_on_its_own_trigger(make_stack: MakeStack,
+                                                           fake: Any) -> None:
+    stack = make_stack(summarization={**MANUAL_ONLY, "clear_tool_uses": {
+        "enabled": True, "trigger": 2000, "keep": 1}})
+    stack.ingest("s1", coding_session(steps=12, big_output_lines=30).messages)
+    before = stack.cli_json("surface", "s1")
+    assert before["tokens"] > 2000
+    stack.start_worker("w1", concurrency=2)
+
+    signal = stack.cli_json("signal", "s1")
+    assert signal["enqueued"] is True and "clear_tool_uses" in signal["reason"], signal
+
+    def cleared() -> list[dict[str, Any]] | None:
+        messages = stack.cli_json("surface", "s1")["messages"]
+        done = any(m["role"] == "tool" and m["content"] == "[cleared]" for m in messages)
+        return messages if done else None
+
+    messages = wait_until(cleared, timeout=60, what="old tool results to be cleared")
+    results = [m for m in messages if m["role"] == "tool"]
+    assert all(m["content"] == "[cleared]" for m in results[:-1]), results
+    assert results[-1]["content"] != "[cleared]"
+    # No summary: clearing is model-free and commits on its own.
+    assert not any((m.get("meta") or {}).get("checkpoint") for m in messages)
+    assert fake.requests == []
+    assert "1/1 sessions verified" in stack.cli("verify", "--all").stdout

@@ -183,3 +183,32 @@ def test_an_open_call_answered_in_part_keeps_its_results() -> None:
                     ai(None, ("a", "bash"), ("b", "bash")), tool("a", "result " * 50))
     step = plan(waiting, policy=policy, now=NOW, force=True).summarize
     assert step is not None and step.replace_seqs == (2, 3)
+
+
+def _tool_steps(count: int, size: int) -> list[Any]:
+    from tests.unit.compaction_helpers import ai, nodes, sys, tool, user
+
+    messages = [sys(), user("go")]
+    for i in range(count):
+        messages += [ai(None, (f"c{i}", "bash")), tool(f"c{i}", f"output {i} " * size)]
+    return nodes(*messages)
+
+
+@pytest.mark.parametrize(("clear_trigger", "cleared"), [(100, 3), (100_000, 0)])
+def test_clearing_fires_on_its_own_trigger(clear_trigger: int, cleared: int) -> None:
+    from tests.unit.compaction_helpers import NOW
+    from worker.compaction.planner import plan
+    from worker.compaction.triggers import should_run
+
+    policy = parse_policy({"trigger": ["tokens", 1_000_000], "keep": ["messages", 6],
+                           "prune": {"threshold_chars": 300, "head_chars": 100,
+                                     "tail_chars": 100},
+                           "clear_tool_uses": {"enabled": True, "trigger": clear_trigger,
+                                               "keep": 1}})
+    result = plan(_tool_steps(4, 60), policy=policy, now=NOW)
+    assert not result.fired and result.summarize is None
+    # Clearing only: no size pruning (the summary trigger's layer) and no summary.
+    assert [a.edits for a in result.prune] == [("clear",)] * cleared
+    assert should_run(result.pressure, policy)[0] is bool(cleared)
+    off = parse_policy({**policy.to_config(), "enabled": False})
+    assert plan(_tool_steps(4, 60), policy=off, now=NOW).prune == ()

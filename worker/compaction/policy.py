@@ -83,7 +83,8 @@ class PruneConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClearToolUsesConfig:
-    """LangChain's ClearToolUsesEdit: above ``trigger`` tokens, clear all but ``keep`` results."""
+    """LangChain's ClearToolUsesEdit: above ``trigger`` tokens, clear all but ``keep`` results.
+    Its trigger is its own: it fires a model-free run whether or not the summary trigger has."""
 
     enabled: bool = False
     trigger: int = 100_000
