@@ -152,7 +152,7 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
 
     async with open_store(config) as store:
         if args.session:
-            body = await session_status(store, args.session, limit=args.limit)
+            body = await session_status(store, args.session, limit=args.limit, config=config)
         else:
             body = await status(store, since=_since(args.since))
     if args.json:

@@ -103,3 +103,22 @@ def test_tail_only_pruning_keeps_the_end_of_a_build_log(cli_env: dict[str, str],
     pruned = next(m for m in surface if m["role"] == "tool")["content"]
     assert pruned.startswith("\n\n[... tool result middle pruned ...]\n\n"), pruned
     assert pruned.endswith(log[-30:]) and len(pruned) == 39 + 30, pruned
+
+
+def test_status_says_when_a_fraction_trigger_leaves_a_session_without_compaction(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    # The default trigger is fraction 0.8 alone: a session without a window never compacts.
+    path = tmp_path / "s.jsonl"
+    path.write_text(coding_session(steps=3).jsonl())
+    run(cli_env, "migrate")
+    run(cli_env, "ingest", str(path), "--session", "blind")
+    run(cli_env, "ingest", str(path), "--session", "known", "--run-model", "gpt-4o")
+    text = run(cli_env, "status", "blind").stdout
+    assert "WARNING: the run model has no known context window: dropped fraction>=0.8; " \
+           "automatic compaction is OFF for this session" in text, text
+    body = json.loads(run(cli_env, "status", "blind", "--json").stdout)
+    assert body["policy"]["auto"] is False and body["policy"]["trigger"] == []
+    known = json.loads(run(cli_env, "status", "known", "--json").stdout)["policy"]
+    assert known == {"auto": True, "context_window": 128_000, "trigger": ["fraction>=0.8"],
+                     "warnings": []}
+    assert "WARNING" not in run(cli_env, "status", "known").stdout

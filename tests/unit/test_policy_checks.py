@@ -212,3 +212,19 @@ def test_clearing_fires_on_its_own_trigger(clear_trigger: int, cleared: int) -> 
     assert should_run(result.pressure, policy)[0] is bool(cleared)
     off = parse_policy({**policy.to_config(), "enabled": False})
     assert plan(_tool_steps(4, 60), policy=off, now=NOW).prune == ()
+
+
+@pytest.mark.parametrize(("raw", "window", "says"), [
+    ({}, None, "dropped fraction>=0.8; automatic compaction is OFF"),
+    ({"trigger": [["fraction", 0.5], ["tokens", 9000]]}, None, "dropped fraction>=0.5"),
+    ({}, 128_000, None),
+    ({"trigger": ["tokens", 9000]}, None, None),
+])
+def test_fraction_without_a_window_warns(raw: dict[str, Any], window: int | None,
+                                         says: str | None) -> None:
+    warnings = parse_policy(raw).resolve(window).warnings()
+    if says is None:
+        assert warnings == ()
+    else:
+        assert len(warnings) == 1 and says in warnings[0]
+        assert ("OFF" in warnings[0]) is ("tokens" not in str(raw))

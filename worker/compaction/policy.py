@@ -151,6 +151,18 @@ class Policy:
         return replace(self, trigger=tuple(groups), keep=keep, context_window=None,
                        dropped=tuple(dropped))
 
+    def warnings(self) -> tuple[str, ...]:
+        """What a resolved policy had to drop, said the way ``compactd status`` shows it."""
+        if not self.dropped:
+            return ()
+        text = ("the run model has no known context window: dropped "
+                + "; ".join(self.dropped))
+        if self.enabled and not self.trigger:
+            text += ("; automatic compaction is OFF for this session (give it a context_window, "
+                     "give its run model a context_window under models:, or add a tokens or "
+                     "messages trigger)")
+        return (text,)
+
     def threshold_tokens(self) -> float | None:
         """The lowest token count at which some trigger group could fire (for sweeps/metrics)."""
         lows = []
