@@ -9,9 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
+from scheduler.client import Client
 from scheduler.samples import coding_session
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.stack import Stack, wait_until
+from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -127,5 +129,23 @@ def test_clearing_old_tool_results_runs_on_its_own_trigger(make_stack: MakeStack
     assert results[-1]["content"] != "[cleared]"
     # No summary: clearing is model-free and commits on its own.
     assert not any((m.get("meta") or {}).get("checkpoint") for m in messages)
+    assert fake.requests == []
+
+    # The runtime's next step, through the client, puts the session over 2000 tokens again: its
+    # append alone wakes the clearing run.
+    kept = results[-1]["tool_call_id"]
+    call = {"id": "next", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+    with Client(load_config(env=stack.env)) as client:
+        session = client.create_session("s1", run_model="fake-gpt")
+        step = session.append([{"role": "assistant", "content": None, "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "next", "content": "ok " * 1500}])
+    assert step.fired and step.signalled, step
+
+    def kept_cleared() -> bool:
+        messages = stack.cli_json("surface", "s1")["messages"]
+        return any(m.get("tool_call_id") == kept and m["role"] == "tool"
+                   and m["content"] == "[cleared]" for m in messages)
+
+    wait_until(kept_cleared, timeout=60, what="the older result to be cleared after the append")
     assert fake.requests == []
     assert "1/1 sessions verified" in stack.cli("verify", "--all").stdout
