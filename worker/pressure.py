@@ -44,14 +44,15 @@ def context_window(info: SessionInfo, config: Config) -> int | None:
 def check_session_policy(overrides: dict[str, Any] | None, config: Config, *,
                          run_model: str | None, context_window: int | None) -> Policy:
     """The policy a new or updated session would run under, refused (a ``ConfigError`` naming
-    its path under ``policy``) when it is bad or when its kept tail alone would fire its trigger
-    under the window the session will have: what only the window decides is checked here, not
-    at load."""
+    its path under ``policy``, or under ``summarization`` when the session has no overrides)
+    when it is bad or when its kept tail alone would fire its trigger under the window the
+    session will have: what only the window decides is checked here, not at load."""
     window = context_window or config.context_window(run_model) or known_window(run_model)
+    path = "policy" if overrides else "summarization"
     try:
         policy = parse_policy(overrides, path="policy", base=config.policy)
         if window:
-            check_keep_below_trigger(policy, "policy", [("this session's window", window)])
+            check_keep_below_trigger(policy, path, [("this session's window", window)])
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
     return policy

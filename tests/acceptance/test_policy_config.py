@@ -67,8 +67,8 @@ def test_a_session_window_that_makes_keep_refire_is_refused_at_creation(
     out = run(env, "ingest", str(path), "--session", "s1", "--context-window", "1000",
               check=False)
     assert out.returncode == 2, out.stderr
-    assert "policy.keep: keep tokens>=600 is not below trigger fraction>=0.5 of a 1000-token " \
-           "window" in out.stderr, out.stderr
+    assert "compactd: summarization.keep: keep tokens>=600 is not below trigger " \
+           "fraction>=0.5 of a 1000-token window" in out.stderr, out.stderr
     assert run(env, "surface", "s1", check=False).returncode == 2  # nothing was created
     run(env, "ingest", str(path), "--session", "s1", "--context-window", "2000")
 
