@@ -90,12 +90,13 @@ def protected(nodes: Sequence[SurfaceNode]) -> list[bool]:
     """Per node: never replaced (system, pinned, an open call) or rescued (reminder, latest user
     request)."""
     latest = latest_user_request(nodes)
-    waiting = open_calls(nodes)
     out = []
     for i, node in enumerate(nodes):
         meta = node.message.meta
         out.append(node.message.role == "system" or bool(meta.get(META_PINNED))
-                   or bool(meta.get(META_REMINDER)) or i == latest or i in waiting)
+                   or bool(meta.get(META_REMINDER)) or i == latest)
+    for i in open_calls(nodes):
+        out[i] = True
     return out
 
 
@@ -119,31 +120,34 @@ def pair_results(nodes: Sequence[SurfaceNode]) -> dict[int, int]:
     return out
 
 
-def _groups(nodes: Sequence[SurfaceNode]) -> tuple[dict[int, set[str]], dict[int, int]]:
-    """Per assistant message with tool calls: the call ids still waiting for a result, and the
-    index of its last result on the surface (absent when it has none)."""
-    waiting = {i: {call.id for call in node.message.tool_calls}
-               for i, node in enumerate(nodes) if node.message.tool_calls}
-    last: dict[int, int] = {}
-    for r, a in pair_results(nodes).items():
-        waiting[a].discard(nodes[r].message.tool_call_id or "")
-        last[a] = r
-    return waiting, last
-
-
 def open_calls(nodes: Sequence[SurfaceNode]) -> set[int]:
-    """Indexes of the assistant messages with a call still waiting for its result."""
-    return {a for a, missing in _groups(nodes)[0].items() if missing}
+    """Indexes of the assistant messages with a call still waiting for its result (a result
+    answers the nearest earlier call with its id, as in :func:`pair_results`)."""
+    pending: dict[str, int] = {}
+    shadowed: set[int] = set()  # open calls whose id a later call reused
+    for i, node in enumerate(nodes):
+        message = node.message
+        if message.tool_calls:
+            for call in message.tool_calls:
+                earlier = pending.get(call.id)
+                if earlier is not None:
+                    shadowed.add(earlier)
+                pending[call.id] = i
+        elif pending and message.tool_call_id is not None and message.role == "tool":
+            pending.pop(message.tool_call_id, None)
+    return shadowed | set(pending.values())
 
 
 def unsafe_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
     """``unsafe[b]`` for every boundary ``b`` in ``0..len(nodes)`` (see the module docstring)."""
     n = len(nodes)
-    waiting, last = _groups(nodes)
+    last: dict[int, int] = {}
+    for r, a in pair_results(nodes).items():
+        last[a] = r
     diff = [0] * (n + 2)
-    for a in waiting:
-        # An open group spans its results so far; its call message is protected instead.
-        e = last.get(a, a)
+    # A group spans its call and the results present so far; a call still waiting for more is
+    # protected instead (see :func:`protected`), since its result can only come after the end.
+    for a, e in last.items():
         if e > a:
             diff[a + 1] += 1
             diff[e + 1] -= 1
@@ -178,11 +182,17 @@ def forced_cut(nodes: Sequence[SurfaceNode]) -> int:
     last node) and lets everything before it go. A group with an open call is not that group
     unless nothing follows it: its call message stays anyway (protected), and a runtime that
     moved on past it is in a later step."""
-    waiting = open_calls(nodes)
-    paired = pair_results(nodes)
+    waiting: set[int] | None = None
     for i in range(len(nodes) - 1, -1, -1):
-        if nodes[i].message.tool_calls and (
-                i not in waiting or all(paired.get(j) == i for j in range(i + 1, len(nodes)))):
+        calls = nodes[i].message.tool_calls
+        if not calls:
+            continue
+        ids = {call.id for call in calls}
+        if all(node.message.role == "tool" and node.message.tool_call_id in ids
+               for node in nodes[i + 1:]):
+            return i  # nothing but its own results after it: the step in progress
+        waiting = open_calls(nodes) if waiting is None else waiting
+        if i not in waiting:
             return i
     for i in range(len(nodes) - 1, -1, -1):
         if nodes[i].message.role == "assistant":
