@@ -23,6 +23,7 @@ from storage.messages import FORMATS, ToolLinks, read_jsonl
 from storage.store import Store
 from worker import logs
 from worker.compaction.render import render_surface
+from worker.pressure import check_session_policy
 from worker.settings import Config, load_config
 
 EXIT_OK = 0
@@ -104,6 +105,8 @@ async def cmd_ingest(args: argparse.Namespace, config: Config) -> int:
                 ToolLinks().check(messages)
             except InvalidMessage as exc:
                 raise exc.at_line(lines[exc.index or 0]) from None
+            check_session_policy(None, config, run_model=args.run_model,
+                                 context_window=args.context_window)
         info = await store.create_session(
             args.session, tenant=args.tenant or (existing.tenant if existing else "default"),
             run_model=args.run_model if args.run_model is not None else (

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from scheduler.commands import parse_keep
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
-from storage.errors import CompactdError, ConfigError, InvalidMessage
+from storage.errors import CompactdError, InvalidMessage
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, check_json, check_message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
@@ -38,9 +39,9 @@ from storage.store import Store
 from storage.tokens import counter_for
 from worker.app import client_app
 from worker.compaction.planner import plan
-from worker.compaction.policy import PolicyError, parse_policy
+from worker.compaction.policy import Clause
 from worker.compaction.render import render_surface
-from worker.pressure import over_trigger, session_policy
+from worker.pressure import check_session_policy, session_policy, wants_run
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
@@ -110,14 +111,12 @@ def parse_messages(raw: Iterable[Mapping[str, Any] | Message], fmt: str = "opena
     return out
 
 
-def check_policy(overrides: Mapping[str, Any] | None, config: Config) -> None:
-    """Refuse bad per-session overrides when the session is created, not at its first run."""
-    if overrides is None:
-        return
-    try:
-        parse_policy(overrides, path="policy", base=config.policy)
-    except PolicyError as exc:
-        raise ConfigError(str(exc)) from None
+def check_policy(overrides: Mapping[str, Any] | None, config: Config, *,
+                 run_model: str | None = None, context_window: int | None = None) -> None:
+    """Refuse bad per-session overrides when the session is created, not at its first run,
+    and a keep that the session's window would make fire the trigger again."""
+    check_session_policy(dict(overrides) if overrides is not None else None, config,
+                         run_model=run_model, context_window=context_window)
 
 
 class CompactdClient:
@@ -194,11 +193,11 @@ class CompactdClient:
         check_session_id(session_id)
         check_tenant(tenant)
         await self._ensure_schema()
-        check_policy(policy, self.config)
         check_json(envelope, "envelope")
         check_json(policy, "policy")
         if context_window is not None:
             check_count(context_window, "context_window", minimum=1)
+        check_policy(policy, self.config, run_model=run_model, context_window=context_window)
         info, created = await self.store.open_session(
             session_id, tenant=tenant, run_model=run_model,
             context_window=context_window or self.config.context_window(run_model),
@@ -244,7 +243,7 @@ class SessionHandle:
 
     def _wants_signal(self, info: SessionInfo) -> bool:
         cooling = info.cooldown_until is not None and info.cooldown_until > utcnow()
-        return not cooling and over_trigger(info, self._config)
+        return not cooling and wants_run(info, self._config)
 
     async def append(self, messages: Sequence[Mapping[str, Any] | Message], *,
                      format: str = "openai") -> StepResult:
@@ -261,7 +260,7 @@ class SessionHandle:
             self.version = result.version
         if result.signalled:
             self.client.send_in_background(RunRequest(self.id, "pressure"))
-        fired = result.signalled or over_trigger(result.session, self._config)
+        fired = result.signalled or wants_run(result.session, self._config)
         return StepResult(version=result.version, first_seq=result.first_seq,
                           last_seq=result.last_seq, tokens=result.session.surface_tokens,
                           messages=result.session.surface_messages, fired=fired,
@@ -293,12 +292,15 @@ class SessionHandle:
         self.version = surface.version
         return render_surface(surface.nodes, render)
 
-    async def compact(self, *, force: bool = False, keep: str | None = None, wait: bool = True,
-                      timeout_s: float = 120.0) -> dict[str, Any]:
-        """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result."""
+    async def compact(self, *, force: bool = False, keep: str | Clause | None = None,
+                      wait: bool = True, timeout_s: float = 120.0) -> dict[str, Any]:
+        """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result.
+        ``keep`` (``messages:12`` or a clause) is checked here, before anything is queued."""
         check_seconds(timeout_s, "timeout_s")
+        clause = parse_keep(keep, "keep")
         task_id = await self.client.enqueuer.asend(
-            RunRequest(self.id, "manual", force=force, keep=keep))
+            RunRequest(self.id, "manual", force=force,
+                       keep=None if clause is None else clause.to_text()))
         if not wait:
             return {"session": self.id, "outcome": "queued", "task_id": task_id}
         run = await self._wait_for_run(task_id, timeout_s)

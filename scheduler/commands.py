@@ -12,23 +12,19 @@ from scheduler.args import count, duration, port, positive_int, seconds
 from storage.errors import InvalidMessage
 from storage.records import utcnow
 from worker.compaction.planner import plan
-from worker.compaction.policy import Clause, PolicyError, parse_clause
+from worker.compaction.policy import Clause, PolicyError, parse_keep_text
 from worker.settings import Config
 
 KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
 
 
-def parse_keep(text: str | None) -> Clause | None:
-    if text is None:
-        return None
-    kind, _, value = text.partition(":")
+def parse_keep(text: str | Clause | None, path: str = "--keep") -> Clause | None:
+    """A keep override from the CLI, the HTTP body or the client, refused as bad input when it
+    does not parse (the worker reads the same text with the same parser)."""
+    if text is None or isinstance(text, Clause):
+        return text
     try:
-        number: float = float(value)
-    except ValueError:
-        raise InvalidMessage(f"--keep expects KIND:N, got {text!r}", field="keep") from None
-    try:
-        return parse_clause([kind, int(number) if number.is_integer() and kind != "fraction"
-                             else number], "--keep")
+        return parse_keep_text(text, path)
     except PolicyError as exc:
         raise InvalidMessage(str(exc), field="keep") from None
 
@@ -82,7 +78,7 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
     from scheduler.cli import EXIT_FAILED, emit, say
 
     keep = parse_keep(args.keep)
-    keep_text = None if keep is None else f"{keep.kind}:{keep.value:g}"
+    keep_text = None if keep is None else keep.to_text()
     if args.inline:
         from worker.orchestration import compact
         from worker.runtime import open_deps
@@ -157,7 +153,7 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
 
     async with open_store(config) as store:
         if args.session:
-            body = await session_status(store, args.session, limit=args.limit)
+            body = await session_status(store, args.session, limit=args.limit, config=config)
         else:
             body = await status(store, since=_since(args.since))
     if args.json:

@@ -678,10 +678,10 @@ def add_routes(app: FastAPI) -> None:
         shape of ``compactd compact --json``); else, or when it has not finished in time, 202."""
         body = body or CompactIn()
         try:
-            keep = parse_keep(body.keep)
+            keep = parse_keep(body.keep, "keep")
         except InvalidMessage as exc:
             raise _in_body(exc) from None
-        keep_text = None if keep is None else f"{keep.kind}:{keep.value:g}"
+        keep_text = None if keep is None else keep.to_text()
         handle = api.handle(info)
         queued = await handle.compact(force=body.force, keep=keep_text, wait=False)
         task_id = str(queued["task_id"])

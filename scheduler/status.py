@@ -8,6 +8,8 @@ from typing import Any
 
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
+from worker.pressure import session_policy
+from worker.settings import Config
 
 
 async def status(store: Store, *, since: dt.datetime | None = None) -> dict[str, Any]:
@@ -31,10 +33,11 @@ async def status(store: Store, *, since: dt.datetime | None = None) -> dict[str,
     }
 
 
-async def session_status(store: Store, session_id: str, *, limit: int = 20) -> dict[str, Any]:
+async def session_status(store: Store, session_id: str, *, limit: int = 20,
+                         config: Config | None = None) -> dict[str, Any]:
     info = await store.get_session(session_id)
     now = utcnow()
-    return {
+    body = {
         "session": info.id, "tenant": info.tenant, "run_model": info.run_model,
         "version": info.surface_version, "tokens": info.surface_tokens,
         "envelope_tokens": info.envelope_tokens, "messages": info.surface_messages,
@@ -42,6 +45,18 @@ async def session_status(store: Store, session_id: str, *, limit: int = 20) -> d
         "flagged": _flag(info) if info.flagged_reason else None,
         "runs": [_run_full(r) for r in await store.session_runs(session_id, limit=limit)],
     }
+    if config is not None:
+        body["policy"] = _policy_of(info, config)
+    return body
+
+
+def _policy_of(info: SessionInfo, config: Config) -> dict[str, Any]:
+    """The trigger this session runs under, with what its window made the policy drop (a
+    fraction-only trigger without a window means no automatic compaction at all)."""
+    policy = session_policy(info, config)
+    return {"auto": policy.auto, "context_window": policy.context_window,
+            "trigger": [" and ".join(c.describe() for c in group) for group in policy.trigger],
+            "warnings": list(policy.warnings())}
 
 
 async def _lease_of(store: Store, info: SessionInfo, now: dt.datetime) -> dict[str, Any]:
@@ -102,6 +117,8 @@ def render_status(body: dict[str, Any]) -> str:
             lines.append(f"  leased: {_render_lease(body['lease'])}")
         if body["flagged"]:
             lines.append(f"  FLAGGED: {body['flagged']['reason']}")
+        for warning in (body.get("policy") or {}).get("warnings", ()):
+            lines.append(f"  WARNING: {warning}")
         for run in body["runs"]:
             what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")
             lines.append(f"  {run['started_at'][:19]}  {run['trigger']:<8} {what:<24} "

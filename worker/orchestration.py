@@ -35,7 +35,7 @@ from storage.surface import (
 from worker import logs
 from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
-from worker.compaction.policy import Clause, Policy, parse_clause
+from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import build_prompt, request_tools
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
@@ -152,7 +152,7 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
                   keep: str | Clause | None = None, task_id: str | None = None,
                   bulk_job_id: str | None = None, rate_per_s: float | None = None) -> Outcome:
     """Run one compaction of ``session_id`` to its end; never raises for a failed run."""
-    keep_clause = parse_clause(keep.split(":", 1), "keep") if isinstance(keep, str) else keep
+    keep_clause = parse_keep_text(keep) if isinstance(keep, str) else keep
     lease_s = deps.config.worker.lease_s
     deadline_s = deps.config.worker.deadline_s
     loop = asyncio.get_running_loop()

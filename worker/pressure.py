@@ -11,9 +11,10 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from storage.errors import ConfigError
 from storage.records import SessionInfo
-from worker.compaction.policy import Policy, parse_policy
-from worker.compaction.triggers import Pressure, should_compact
+from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
+from worker.compaction.triggers import Pressure, should_compact, should_run
 from worker.settings import Config
 
 # Published context windows of common run models, used only when neither the session nor the
@@ -40,6 +41,23 @@ def context_window(info: SessionInfo, config: Config) -> int | None:
         info.run_model)
 
 
+def check_session_policy(overrides: dict[str, Any] | None, config: Config, *,
+                         run_model: str | None, context_window: int | None) -> Policy:
+    """The policy a new or updated session would run under, refused (a ``ConfigError`` naming
+    its path under ``policy``, or under ``summarization`` when the session has no overrides)
+    when it is bad or when its kept tail alone would fire its trigger under the window the
+    session will have: what only the window decides is checked here, not at load."""
+    window = context_window or config.context_window(run_model) or known_window(run_model)
+    path = "policy" if overrides else "summarization"
+    try:
+        policy = parse_policy(overrides, path="policy", base=config.policy)
+        if window:
+            check_keep_below_trigger(policy, path, [("this session's window", window)])
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    return policy
+
+
 @lru_cache(maxsize=4096)
 def _resolved(base: Policy, overrides_json: str, window: int | None) -> Policy:
     overrides: dict[str, Any] | None = json.loads(overrides_json) if overrides_json else None
@@ -64,12 +82,21 @@ def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
 
 
 def over_trigger(info: SessionInfo, config: Config) -> bool:
+    """Over the summary trigger: what sweeps and the reaper look for."""
     policy = session_policy(info, config)
     return should_compact(session_pressure(info, policy), policy)[0]
+
+
+def wants_run(info: SessionInfo, config: Config) -> bool:
+    """Over the summary trigger or clearing's own: what an append or a signal wakes a run for.
+    Sweeps do not look for clearing: the next append signals again, and a session whose old
+    results are all cleared would otherwise be read by a run every sweep interval."""
+    policy = session_policy(info, config)
+    return should_run(session_pressure(info, policy), policy)[0]
 
 
 def explain(info: SessionInfo, config: Config) -> tuple[bool, str, Pressure]:
     policy = session_policy(info, config)
     pressure = session_pressure(info, policy)
-    fired, reason = should_compact(pressure, policy)
+    fired, reason = should_run(pressure, policy)
     return fired, reason, pressure

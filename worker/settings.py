@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from storage.database import embedded_url
 from storage.errors import ConfigError
 from storage.ids import ID_PATTERN, MAX_INT32
-from worker.compaction.policy import Policy, PolicyError, parse_policy
+from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
 
 LOCAL_MODEL = "local"
 
@@ -257,6 +257,11 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         raise ConfigError(f"default_model: {file_config.default_model!r} is not in models")
     try:
         policy = parse_policy(raw.get("summarization"))
+        # Sessions of a configured run model take its window: their keep is judged against
+        # it now, not found re-firing the trigger in production.
+        check_keep_below_trigger(policy, "summarization", [
+            (f"models[{i}] ({m.name})", m.context_window)
+            for i, m in enumerate(file_config.models) if m.context_window])
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
     if policy.model_name and policy.model_name not in [*names, LOCAL_MODEL]:

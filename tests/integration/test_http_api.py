@@ -292,7 +292,8 @@ async def test_an_append_whose_signal_cannot_be_enqueued_still_succeeds_once(
         db_url: str, tmp_path: Path) -> None:
     # The broker is a closed port; the trigger fires on the first append.
     config = api_config(db_url, tmp_path, broker_url="redis://127.0.0.1:1/0",
-                        summarization={"trigger": [{"type": "messages", "value": 1}]})
+                        summarization={"trigger": [{"type": "messages", "value": 1}],
+                                       "keep": {"type": "tokens", "value": 100}})
     async for served in serve_app(config):
         await served.create("s1", A)
         step = await served.append("s1", A, {"role": "user", "content": "a"},

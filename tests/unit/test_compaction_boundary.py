@@ -156,7 +156,10 @@ def test_min_tokens_refuses_runs_no_larger_than_an_empty_checkpoint():
         (_flat(user(), ai("", ("a", "t")), tool("a"), ai()), [0, 0, 1, 0, 0]),
         (_flat(ai("", ("a", "t"), ("b", "t")), tool("b"), tool("a")), [0, 1, 1, 0]),
         (_flat(ai("", ("a", "t")), ai("x"), tool("a")), [0, 1, 1, 0]),
-        (_flat(ai("", ("a", "t")), user()), [0, 1, 1]),  # still waiting for its result
+        # Still waiting for its result: the call message is protected instead, and a result
+        # can only come after everything on the surface, so nothing around it is unsafe.
+        (_flat(ai("", ("a", "t")), user()), [0, 0, 0]),
+        (_flat(ai("", ("a", "t"), ("b", "t")), user(), tool("a"), user()), [0, 1, 1, 0, 0]),
         (_flat(tool("orphan"), user()), [0, 0, 0]),
         # a reused id pairs with the nearest earlier call: two groups, not one long span
         (_flat(ai("", ("r", "t")), tool("r"), user(), ai("", ("r", "t")), tool("r")),

@@ -55,7 +55,8 @@ def cfg(text: str):  # type: ignore[no-untyped-def]
     ("summarization: {render: html}", "summarization.render: must be one of"),
     ("summarization: {enabled: 'yes'}", "summarization.enabled: must be true or false"),
     ("summarization: {prune: {head_chars: 6000, tail_chars: 3000}}",
-     "summarization.prune: head_chars + tail_chars must be below threshold_chars"),
+     "summarization.prune: head_chars + tail_chars + the 39-character marker (9039) must be "
+     "below threshold_chars (8192)"),
     ("summarization: {model_name: mini}", "summarization.model_name: 'mini' is not in models"),
     ("models: [{name: a, provider: openai, timeout_s: .nan}]",
      "models[0].timeout_s: Input should be a finite number"),

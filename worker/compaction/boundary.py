@@ -3,11 +3,16 @@
 Vocabulary. ``nodes[i]`` is the i-th surface node; *boundary* ``b`` is the gap before
 ``nodes[b]`` (0 is before everything, ``len(nodes)`` after everything). A boundary is *unsafe*
 when a tool-call group straddles it: an assistant message with tool calls at index ``a`` whose
-last result is at ``e`` makes every boundary in ``(a, e]`` unsafe; a group still waiting for a
-result makes ``(a, len(nodes)]`` unsafe, since the result will be appended later and must find its
-call. Parallel calls are one group (all results of one assistant message), and results that
-interleave with other messages widen the group. Cutting only at safe boundaries means no side of a
-cut ever holds a result without its call or a call without all its results.
+last result is at ``e`` makes every boundary in ``(a, e]`` unsafe. Parallel calls are one group
+(all results of one assistant message), and results that interleave with other messages widen the
+group. Cutting only at safe boundaries means no side of a cut ever holds a result without its call
+or a call without all its results.
+
+An *open* call (no result yet) can only be answered by a result appended after everything on the
+surface, and that result must find its call. So the assistant message holding an open call is
+protected (never replaced), with the results of its group already present, and nothing else: what
+follows it can be compacted, since no result can land inside what is already there. A call left
+open by a runtime that moved on (followed by 30 messages) then pins one node, not the session.
 
 Selection:
 
@@ -18,7 +23,8 @@ Selection:
    compaction) ignores ``keep`` unless an explicit override is given: its cut is at the newest
    assistant message with tool calls (else the last assistant message, else the last node), so
    the newest whole tool-call group stays verbatim and the head is reduced as far as it can be.
-2. **Protected nodes.** Never replaced: system messages and ``pinned`` nodes (the contract), plus
+2. **Protected nodes.** Never replaced: system messages, ``pinned`` nodes (the contract) and
+   assistant messages with an open call, plus
    nodes rescued from the range: ``dynamic_context_reminder`` messages and the latest real user
    request (a user message that is not a checkpoint, reminder or hidden message). Earlier user
    messages are compacted normally; that is what stops an old request from contaminating later
@@ -50,7 +56,7 @@ from dataclasses import dataclass
 
 from storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
 from storage.surface import KIND_CHECKPOINT, SurfaceNode
-from worker.compaction.policy import DEFAULT_KEEP_MESSAGES, Clause, Policy
+from worker.compaction.policy import Clause, Policy, effective_keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +87,16 @@ def latest_user_request(nodes: Sequence[SurfaceNode]) -> int | None:
 
 
 def protected(nodes: Sequence[SurfaceNode]) -> list[bool]:
-    """Per node: never replaced (system, pinned) or rescued (reminder, latest user request)."""
+    """Per node: never replaced (system, pinned, an open call) or rescued (reminder, latest user
+    request)."""
     latest = latest_user_request(nodes)
     out = []
     for i, node in enumerate(nodes):
         meta = node.message.meta
         out.append(node.message.role == "system" or bool(meta.get(META_PINNED))
                    or bool(meta.get(META_REMINDER)) or i == latest)
+    for i in open_calls(nodes):
+        out[i] = True
     return out
 
 
@@ -111,18 +120,34 @@ def pair_results(nodes: Sequence[SurfaceNode]) -> dict[int, int]:
     return out
 
 
+def open_calls(nodes: Sequence[SurfaceNode]) -> set[int]:
+    """Indexes of the assistant messages with a call still waiting for its result (a result
+    answers the nearest earlier call with its id, as in :func:`pair_results`)."""
+    pending: dict[str, int] = {}
+    shadowed: set[int] = set()  # open calls whose id a later call reused
+    for i, node in enumerate(nodes):
+        message = node.message
+        if message.tool_calls:
+            for call in message.tool_calls:
+                earlier = pending.get(call.id)
+                if earlier is not None:
+                    shadowed.add(earlier)
+                pending[call.id] = i
+        elif pending and message.tool_call_id is not None and message.role == "tool":
+            pending.pop(message.tool_call_id, None)
+    return shadowed | set(pending.values())
+
+
 def unsafe_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
     """``unsafe[b]`` for every boundary ``b`` in ``0..len(nodes)`` (see the module docstring)."""
     n = len(nodes)
-    waiting = {i: {call.id for call in node.message.tool_calls}
-               for i, node in enumerate(nodes) if node.message.tool_calls}
     last: dict[int, int] = {}
     for r, a in pair_results(nodes).items():
-        waiting[a].discard(nodes[r].message.tool_call_id or "")
         last[a] = r
     diff = [0] * (n + 2)
-    for a, missing in waiting.items():
-        e = n if missing else last[a]
+    # A group spans its call and the results present so far; a call still waiting for more is
+    # protected instead (see :func:`protected`), since its result can only come after the end.
+    for a, e in last.items():
         if e > a:
             diff[a + 1] += 1
             diff[e + 1] -= 1
@@ -136,15 +161,7 @@ def unsafe_boundaries(nodes: Sequence[SurfaceNode]) -> list[bool]:
 
 def resolve_keep(policy: Policy, override: Clause | None = None) -> Clause:
     """The effective keep clause; a ``fraction`` needs the run model's window."""
-    keep = override or policy.keep
-    window = policy.context_window
-    if keep is None:
-        if window:
-            return Clause("fraction", policy.retain_ratio)
-        return Clause("messages", DEFAULT_KEEP_MESSAGES)
-    if keep.kind == "fraction" and not window:
-        return Clause("messages", DEFAULT_KEEP_MESSAGES)
-    return keep
+    return effective_keep(override or policy.keep, policy.retain_ratio, policy.context_window)
 
 
 def keep_cut(nodes: Sequence[SurfaceNode], keep: Clause, context_window: int | None) -> int:
@@ -162,9 +179,20 @@ def keep_cut(nodes: Sequence[SurfaceNode], keep: Clause, context_window: int | N
 
 def forced_cut(nodes: Sequence[SurfaceNode]) -> int:
     """Forced mode keeps the newest tool-call group whole (or the last assistant message, or the
-    last node) and lets everything before it go."""
+    last node) and lets everything before it go. A group with an open call is not that group
+    unless nothing follows it: its call message stays anyway (protected), and a runtime that
+    moved on past it is in a later step."""
+    waiting: set[int] | None = None
     for i in range(len(nodes) - 1, -1, -1):
-        if nodes[i].message.tool_calls:
+        calls = nodes[i].message.tool_calls
+        if not calls:
+            continue
+        ids = {call.id for call in calls}
+        if all(node.message.role == "tool" and node.message.tool_call_id in ids
+               for node in nodes[i + 1:]):
+            return i  # nothing but its own results after it: the step in progress
+        waiting = open_calls(nodes) if waiting is None else waiting
+        if i not in waiting:
             return i
     for i in range(len(nodes) - 1, -1, -1):
         if nodes[i].message.role == "assistant":

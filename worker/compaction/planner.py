@@ -6,11 +6,12 @@ orchestration commits the prune actions, runs the calls (each through :func:`bui
 validates the summary and commits the checkpoint. ``compactd plan --json`` prints
 :meth:`Plan.to_json`.
 
-Gating. Nothing happens unless the trigger fired or the run is forced: compactd is only woken by
-the trigger (signals and sweeps compare against it), so the clearing edit's own trigger is
-evaluated inside a run, not instead of it. After pruning, an automatic run summarizes only if the
-trigger still fires; a forced run (overflow, manual) always goes on to a maximal head reduction,
-as DeepSeek Harness does after a provider confirmed the overflow.
+Gating. Nothing happens unless a trigger fired or the run is forced. The clearing edit has its
+own trigger (LangChain's ``ClearToolUsesEdit``): over it, old tool results are cleared even when
+the summary trigger has not fired, and such a run stops at the clearing (model-free, committed
+like a prune). Size pruning belongs to the summary trigger. After pruning, an automatic run
+summarizes only if the summary trigger still fires; a forced run (overflow, manual) always goes
+on to a maximal head reduction, as DeepSeek Harness does after a provider confirmed the overflow.
 
 Determinism. The plan depends only on its arguments (``now`` is recorded, never read from a
 clock), so equal inputs give equal plans, and :func:`replan_smaller` can re-plan the same inputs
@@ -58,7 +59,7 @@ from worker.compaction.pruning import (
 )
 from worker.compaction.render import Skill, checkpoint_message, checkpoint_parts
 from worker.compaction.skills import capture_skills
-from worker.compaction.triggers import Pressure, measure, should_compact
+from worker.compaction.triggers import Pressure, measure, should_clear, should_compact
 from worker.compaction.validation import framed_tokens
 
 
@@ -191,16 +192,20 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
                     nothing_to_do=nothing, why_no_summary=why if step is None else None,
                     planned_at=inputs.now, inputs=inputs, summary_deferred=deferred)
 
-    if not fired and not inputs.force:
+    summary_due = fired or inputs.force
+    if not summary_due and not should_clear(pressure, policy):
         return done((), pressure.tokens, None, f"trigger did not fire: {reason}")
 
-    sized = prune_tool_results(nodes, policy.prune, counter)
+    sized = prune_tool_results(nodes, policy.prune, counter) if summary_due else []
     saved = sum(a.saved for a in sized)
     cleared = clear_tool_uses(apply_actions(nodes, sized), policy.clear_tool_uses, counter,
                               pressure_tokens=pressure.tokens - saved)
     actions = tuple(merge_actions(sized, cleared))
     saved = sum(a.saved for a in actions)
     after = pressure.reduced_by(saved, window)
+    if not summary_due:
+        return done(actions, after.tokens, None,
+                    f"only clear_tool_uses fired; the summary trigger did not: {reason}")
     if not inputs.force and not should_compact(after, policy)[0]:
         return done(actions, after.tokens, None,
                     "pruning alone brought pressure under the trigger")

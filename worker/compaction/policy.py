@@ -38,6 +38,8 @@ DEFAULT_SKILLS_PATH = "/mnt/skills"
 PRUNE_THRESHOLD_CHARS = 8192
 PRUNE_HEAD_CHARS = 4096
 PRUNE_TAIL_CHARS = 1024
+# What a pruned tool result holds in place of its middle; it counts toward the pruned length.
+PRUNE_MARKER = "\n\n[... tool result middle pruned ...]\n\n"
 CLEARED_PLACEHOLDER = "[cleared]"
 
 
@@ -59,6 +61,12 @@ class Clause:
         v = self.value if self.kind == "fraction" else int(self.value)
         return f"{self.kind}>={v}"
 
+    def to_text(self) -> str:
+        """``KIND:N``, the form :func:`parse_keep_text` reads back to an equal clause (a count
+        is written whole, never in the exponent form ``:g`` gives a million)."""
+        v = repr(self.value) if self.kind == "fraction" else str(int(self.value))
+        return f"{self.kind}:{v}"
+
 
 # A trigger is OR over groups; a group is AND over clauses. ``()`` means automatic compaction is
 # off (forced compaction still works).
@@ -75,7 +83,8 @@ class PruneConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClearToolUsesConfig:
-    """LangChain's ClearToolUsesEdit: above ``trigger`` tokens, clear all but ``keep`` results."""
+    """LangChain's ClearToolUsesEdit: above ``trigger`` tokens, clear all but ``keep`` results.
+    Its trigger is its own: it fires a model-free run whether or not the summary trigger has."""
 
     enabled: bool = False
     trigger: int = 100_000
@@ -140,6 +149,18 @@ class Policy:
                        "auto_off": not groups})
         return replace(self, trigger=tuple(groups), keep=keep, context_window=None,
                        dropped=tuple(dropped))
+
+    def warnings(self) -> tuple[str, ...]:
+        """What a resolved policy had to drop, said the way ``compactd status`` shows it."""
+        if not self.dropped:
+            return ()
+        text = ("the run model has no known context window: dropped "
+                + "; ".join(self.dropped))
+        if self.enabled and not self.trigger:
+            text += ("; automatic compaction is OFF for this session (give it a context_window, "
+                     "give its run model a context_window under models:, or add a tokens or "
+                     "messages trigger)")
+        return (text,)
 
     def threshold_tokens(self) -> float | None:
         """The lowest token count at which some trigger group could fire (for sweeps/metrics)."""
@@ -252,7 +273,7 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
     if "strategy" in raw:
         changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
     out = replace(policy, **changes)
-    check_keep_below_trigger(out.keep, out.trigger, path)
+    check_keep_below_trigger(out, path)
     return out
 
 
@@ -306,22 +327,91 @@ def parse_clause(raw: Any, path: str) -> Clause:
     return _clause(kind, value, value_path)
 
 
+def parse_keep_text(text: str, path: str = "keep") -> Clause:
+    """A keep override as ``KIND:N`` (``messages:12``, ``tokens:3000``, ``fraction:0.2``): the one
+    reader of the form the CLI, the HTTP API, the client and the queued task pass along."""
+    kind, sep, value = text.partition(":")
+    if not sep:
+        raise PolicyError(path, f"expected KIND:N (messages, tokens or fraction), got {text!r}")
+    if kind not in KINDS:
+        raise PolicyError(path, f"unknown kind {kind!r} (expected {', '.join(KINDS)})")
+    try:
+        number = float(value)
+    except ValueError:
+        raise PolicyError(path, f"expected KIND:N with a number after the colon, "
+                                f"got {text!r}") from None
+    return _clause(kind, int(number) if number.is_integer() else number, path)
+
+
 def _clause(kind: str, value: Any, path: str) -> Clause:
     if kind == "fraction":
         return Clause("fraction", _fraction(value, path))
     return Clause(kind, _count(value, path))  # type: ignore[arg-type]
 
 
-def check_keep_below_trigger(keep: Clause | None, trigger: Trigger, path: str) -> None:
+def effective_keep(keep: Clause | None, retain_ratio: float, context_window: int | None
+                   ) -> Clause:
+    """The keep a run uses: ``keep``, else ``retain_ratio`` of the run model's window; a
+    ``fraction`` without a window falls back to the last 20 messages."""
     if keep is None:
-        return
-    for g, group in enumerate(trigger):
-        for clause in group:
-            if clause.kind == keep.kind and keep.value >= clause.value:
-                raise PolicyError(
-                    f"{path}.keep",
-                    f"keep {keep.describe()} is not below trigger {clause.describe()} "
+        return (Clause("fraction", retain_ratio) if context_window
+                else Clause("messages", DEFAULT_KEEP_MESSAGES))
+    if keep.kind == "fraction" and not context_window:
+        return Clause("messages", DEFAULT_KEEP_MESSAGES)
+    return keep
+
+
+# A window of unknown size, for the load-time check: fraction against fraction can be judged
+# whatever the window is, tokens against fraction only once a session knows its window.
+ANY_WINDOW = -1
+
+
+def keep_refires(policy: Policy, context_window: int | None) -> str | None:
+    """Why the kept tail alone would fire the trigger again, or None.
+
+    ``context_window``: the run model's window, None for a session without one (its fraction
+    clauses never fire, its fraction keep is the last 20 messages), or :data:`ANY_WINDOW`. A
+    group fires again when the tail meets every one of its clauses (AND); a clause of another
+    kind than the keep (messages against tokens) is not met by the tail as far as anyone can
+    know, so a group holding one is not refused.
+    """
+    windowed = context_window is not None
+    window = context_window if windowed and context_window != ANY_WINDOW else None
+    keep = effective_keep(policy.keep, policy.retain_ratio, context_window)
+    for g, group in enumerate(policy.trigger):
+        if not windowed and any(c.kind == "fraction" for c in group):
+            continue
+        if all(_tail_meets(keep, clause, window) for clause in group):
+            what = " and ".join(c.describe() for c in group)
+            source = " (retain_ratio)" if policy.keep is None and keep.kind == "fraction" else (
+                " (the default keep)" if policy.keep is None else "")
+            of = f" of a {window}-token window" if window else ""
+            return (f"keep {keep.describe()}{source} is not below trigger {what}{of} "
                     f"(group {g}): the kept tail alone would fire the trigger again")
+    return None
+
+
+def _tail_meets(keep: Clause, clause: Clause, window: int | None) -> bool:
+    if keep.kind == clause.kind:
+        return keep.value >= clause.value
+    if window is None or "messages" in (keep.kind, clause.kind):
+        return False
+    return _tokens(keep, window) >= _tokens(clause, window)
+
+
+def _tokens(clause: Clause, window: int) -> float:
+    return clause.value * window if clause.kind == "fraction" else clause.value
+
+
+def check_keep_below_trigger(policy: Policy, path: str,
+                             windows: Sequence[tuple[str, int | None]] = ()) -> None:
+    """Refuse a policy whose kept tail would fire its trigger again: for a session without a
+    window, for one with any window, and for each ``(name, window)`` given."""
+    for name, window in (("", None), ("", ANY_WINDOW), *windows):
+        why = keep_refires(policy, window)
+        if why is not None:
+            key = "retain_ratio" if policy.keep is None and "(retain_ratio)" in why else "keep"
+            raise PolicyError(f"{path}.{key}", why + (f" for {name}" if name else ""))
 
 
 def _parse_prune(raw: Any, path: str, base: PruneConfig) -> PruneConfig:
@@ -330,12 +420,20 @@ def _parse_prune(raw: Any, path: str, base: PruneConfig) -> PruneConfig:
     if not isinstance(raw, Mapping):
         raise PolicyError(path, "must be a mapping or a boolean")
     _no_unknown(raw, _PRUNE_KEYS, path)
+    # Either end may be 0: the end of a build log alone (head 0) is what is often wanted.
     changes: dict[str, Any] = {k: (_bool(v, f"{path}.{k}") if k == "enabled"
-                                   else _count(v, f"{path}.{k}")) for k, v in raw.items()}
+                                   else _count(v, f"{path}.{k}",
+                                               allow_zero=k in ("head_chars", "tail_chars")))
+                               for k, v in raw.items()}
     out = replace(base, **changes)
-    if out.head_chars + out.tail_chars >= out.threshold_chars:
-        raise PolicyError(path, "head_chars + tail_chars must be below threshold_chars, "
-                                "or pruning would not shrink anything")
+    if out.head_chars == 0 and out.tail_chars == 0:
+        raise PolicyError(path, "head_chars and tail_chars cannot both be 0: a pruned result "
+                                "keeps its head, its tail or both")
+    kept = out.head_chars + len(PRUNE_MARKER) + out.tail_chars
+    if kept >= out.threshold_chars:
+        raise PolicyError(path, f"head_chars + tail_chars + the {len(PRUNE_MARKER)}-character "
+                                f"marker ({kept}) must be below threshold_chars "
+                                f"({out.threshold_chars}), or pruning would not shrink anything")
     return out
 
 

@@ -3,7 +3,8 @@
 Two edits, each a *replace* of one surface node by a copy that differs only where it must:
 
 * **Oversized tool results** (DeepSeek Harness's pruner): a result whose text is over
-  ``threshold_chars`` code points keeps its first ``head_chars`` and last ``tail_chars`` with a
+  ``threshold_chars`` code points keeps its first ``head_chars`` and last ``tail_chars`` (either,
+  not both, may be 0: the end of a build log alone) with a
   fixed marker between. Python strings index by code point, so a cut never splits a surrogate pair
   and the result stays valid UTF-8. Non-text blocks are kept, in order; the marker goes where the
   head ends. ``meta.pruned`` is set, and a pruned node is never pruned again (cutting a cut would
@@ -30,9 +31,8 @@ from storage.messages import META_PRUNED, Message
 from storage.surface import KIND_PRUNED, SurfaceNode
 from storage.tokens import TokenCounter
 from worker.compaction.boundary import pair_results
-from worker.compaction.policy import ClearToolUsesConfig, PruneConfig
+from worker.compaction.policy import PRUNE_MARKER, ClearToolUsesConfig, PruneConfig
 
-PRUNE_MARKER = "\n\n[... tool result middle pruned ...]\n\n"
 META_CLEARED = "cleared"
 META_CLEARED_INPUTS = "cleared_tool_inputs"
 CLEARED_ARGUMENTS = "{}"

@@ -80,6 +80,24 @@ def should_compact(pressure: Pressure, policy: Policy) -> tuple[bool, str]:
     return False, f"under every trigger (pressure {_describe(pressure)})"
 
 
+def should_clear(pressure: Pressure, policy: Policy) -> bool:
+    """Whether clearing old tool results fires on its own trigger (LangChain's
+    ``ClearToolUsesEdit``: strictly above it), whatever the summary trigger says. Clearing is
+    model-free and committed like a prune; ``enabled: false`` turns it off with the rest of
+    automatic compaction."""
+    clear = policy.clear_tool_uses
+    return policy.enabled and clear.enabled and pressure.tokens > clear.trigger
+
+
+def should_run(pressure: Pressure, policy: Policy) -> tuple[bool, str]:
+    """Whether an automatic run is worth waking for: the summary trigger, or clearing's own."""
+    fired, reason = should_compact(pressure, policy)
+    if fired or not should_clear(pressure, policy):
+        return fired, reason
+    return True, (f"clear_tool_uses tokens>{policy.clear_tool_uses.trigger} "
+                  f"(pressure {_describe(pressure)}); the summary trigger: {reason}")
+
+
 def _describe(pressure: Pressure) -> str:
     out = f"{pressure.tokens} tokens, {pressure.messages} messages"
     if pressure.fraction is not None:
