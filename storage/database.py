@@ -120,6 +120,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
 _CD_NO_SESSION = "CD404"
 _PG_UNDEFINED_TABLE = "42P01"
 _PG_UNDEFINED_FUNCTION = "42883"
+_PG_UNDEFINED_COLUMN = "42703"
 _PG_NO_DATABASE = "3D000"
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
@@ -154,6 +155,10 @@ def translate(exc: BaseException) -> CompactdError:
         # The code is newer than the schema: one of compactd's SQL functions is missing.
         return SchemaMissing(f"the database schema is older than this compactd ({text.strip()}):"
                              " run `compactd migrate`")
+    if code == _PG_UNDEFINED_COLUMN or "no such column" in text:
+        # compactd's own statements name only columns its migrations create: the schema is older.
+        return SchemaMissing("the database schema is older than this compactd (a column is"
+                             " missing): run `compactd migrate`")
     if code == _PG_NO_DATABASE:
         return DatabaseUnavailable(f"{text}: create it (createdb) before `compactd migrate`")
     if code == _PG_LOCK_NOT_AVAILABLE or "could not obtain lock" in text:

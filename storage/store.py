@@ -144,6 +144,8 @@ class Store(LeasesMixin, JobsMixin):
                     updates.update(envelope=envelope, envelope_tokens=env_tokens)
                 if policy is not None and policy != existing.policy:
                     updates["policy"] = policy
+                if "context_window" in updates or "policy" in updates:
+                    updates["sweep_key"] = None  # its trigger thresholds are resolved again
                 if updates:
                     await conn.execute(t.sessions.update()
                                        .where(t.sessions.c.id == session_id).values(**updates))
