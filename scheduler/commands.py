@@ -189,7 +189,8 @@ async def cmd_recompact(args: argparse.Namespace, config: Config) -> int:
     bulk_filter = BulkFilter.from_args(args)
     return await run_recompact(config, bulk_filter, force=args.force, dry_run=args.dry_run,
                                rate_per_s=rate, resume=args.resume, as_json=args.json,
-                               chunk=args.chunk, wait=not args.no_wait)
+                               chunk=args.chunk, wait=not args.no_wait,
+                               timeout_s=args.timeout)
 
 
 # ------------------------------------------------------------------------------------------
@@ -251,6 +252,9 @@ def register(sub: Any) -> None:
     p.add_argument("--chunk", type=int, default=100, help="sessions enqueued per chunk")
     p.add_argument("--no-wait", action="store_true",
                    help="return once every session is enqueued")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="give up waiting when no session of the job finished for S seconds "
+                        "(default 300; the job stays and --resume continues it)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_recompact)
 

@@ -99,15 +99,22 @@ class JobsMixin:
             return list((await conn.execute(stmt)).scalars().all())
 
     async def mark_bulk_items(self, job_id: str, session_ids: Sequence[str], state: str,
-                              *, now: dt.datetime | None = None) -> None:
-        """Move items to ``state``; an item already done is never moved back."""
+                              *, from_states: Sequence[str], now: dt.datetime | None = None
+                              ) -> None:
+        """Move the items still in one of ``from_states`` to ``state``.
+
+        The condition is in the statement, so a state only moves the way the caller meant: an
+        item a worker has ended meanwhile (done or failed) keeps its ending unless the caller
+        names that state (a resume sending failed items again does, before it sends them)."""
+        if ITEM_DONE in from_states:
+            raise ValueError(f"a bulk item does not move from {list(from_states)} to {state}")
         now = now or utcnow()
         i = t.bulk_items.c
         async with transaction(self.engine) as conn:
             await conn.execute(
                 t.bulk_items.update()
                 .where(i.job_id == job_id, i.session_id.in_(list(session_ids)),
-                       i.state != ITEM_DONE)
+                       i.state.in_(list(from_states)))
                 .values(state=state, updated_at=now))
             await conn.execute(t.bulk_jobs.update().where(t.bulk_jobs.c.id == job_id)
                                .values(updated_at=now))

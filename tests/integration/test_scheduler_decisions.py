@@ -510,8 +510,12 @@ async def test_bulk_items_move_pending_enqueued_done_and_resume_skips_done(
     runs = [r for r in await store.session_runs("b0") if r.bulk_job_id == job.id]
     assert [r.status for r in runs] == ["committed"]
 
-    await store.mark_bulk_items(job.id, ["b1"], ITEM_FAILED)
-    await store.mark_bulk_items(job.id, ["b0"], ITEM_ENQUEUED)  # never moves done back
+    await store.mark_bulk_items(job.id, ["b1"], ITEM_FAILED, from_states=[ITEM_ENQUEUED])
+    # A state moves only from the states named: b0 is done, b1 failed meanwhile.
+    await store.mark_bulk_items(job.id, ["b0", "b1"], ITEM_ENQUEUED,
+                                from_states=[ITEM_PENDING])
+    with pytest.raises(ValueError, match="does not move"):
+        await store.mark_bulk_items(job.id, ["b0"], ITEM_ENQUEUED, from_states=[ITEM_DONE])
     job = await store.get_bulk_job(job.id)
     assert job is not None and (job.done, job.failed, job.enqueued) == (1, 1, 4)
     resumed = RecordingEnqueuer()
