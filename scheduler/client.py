@@ -35,7 +35,6 @@ from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from storage.tokens import counter_for
-from worker.app import client_app
 from worker.compaction.planner import plan
 from worker.compaction.policy import PolicyError, parse_policy
 from worker.compaction.render import render_surface
@@ -124,7 +123,12 @@ class CompactdClient:
         self.config = config or load_config()
         self.store = store or Store.from_url(self.config.database_url, pool_size=5)
         self._own_store = store is None
-        self.enqueuer = enqueuer or Enqueuer(client_app(self.config))
+        if enqueuer is None:
+            # Imported here: a runtime that passes its own enqueuer never loads Celery.
+            from worker.app import client_app
+
+            enqueuer = Enqueuer(client_app(self.config))
+        self.enqueuer = enqueuer
         self._schema_checked = not self.config.embedded
         self._sending: set[asyncio.Task[None]] = set()
 
