@@ -265,9 +265,13 @@ class SessionHandle:
         return await accept_signal(self.client.store, self._config, self.client.enqueuer,
                                    payload)
 
-    async def report_usage(self, input_tokens: int) -> SessionInfo:
-        """The provider's own input token count for the runtime's last call."""
-        self.info = await self.client.store.report_usage(self.id, input_tokens)
+    async def report_usage(self, input_tokens: int, output_tokens: int = 0, *,
+                           response_appended: bool = True) -> SessionInfo:
+        """The provider's own usage for the runtime's last call. Pressure then counts its input,
+        its output and what is appended after the response; pass ``response_appended=False``
+        when reporting before appending the response, so that it is not counted twice."""
+        self.info = await self.client.store.report_usage(
+            self.id, input_tokens, output_tokens, response_appended=response_appended)
         if self._wants_signal(self.info) and await self.client.store.mark_signal(
                 self.id, ttl_s=self._config.worker.signal_ttl_s):
             self.client.send_in_background(RunRequest(self.id, "pressure"))
@@ -416,8 +420,10 @@ class SyncSession:
     def signal(self, reason: str = "pressure") -> SignalResult:
         return self._loop.submit(lambda: self.handle.signal(reason))
 
-    def report_usage(self, input_tokens: int) -> SessionInfo:
-        return self._loop.submit(lambda: self.handle.report_usage(input_tokens))
+    def report_usage(self, input_tokens: int, output_tokens: int = 0, *,
+                     response_appended: bool = True) -> SessionInfo:
+        return self._loop.submit(lambda: self.handle.report_usage(
+            input_tokens, output_tokens, response_appended=response_appended))
 
     def poll(self, since_version: int | None = None) -> int | None:
         return self._loop.submit(lambda: self.handle.poll(since_version))

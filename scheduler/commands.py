@@ -46,7 +46,7 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         surface = await store.read_surface(args.session)
     policy = session_policy(info, config)
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
-                  reported_input_tokens=info.reported_input_tokens, run_model=info.run_model,
+                  reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                   now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope)
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
     if args.json:

@@ -14,7 +14,9 @@ compactd also decides pressure and enqueues a background compaction when the tri
 and sends the model compactd's newest surface instead of the whole history: the checkpoint a
 worker committed, then the messages after it. It never waits for a compaction: a summary still
 being written shows up at a later step. After the call it reports the provider's own
-``usage_metadata.input_tokens``.
+``usage_metadata`` (input and output tokens: the response is part of the next request, as
+LangChain's own token count has it; the response, appended at the next step, is not counted
+twice).
 
 **How state messages map to compactd seqs.** The agent state keeps every original message: only
 the model request is compacted (the history stays whole for the checkpointer, the UI and human
@@ -155,7 +157,8 @@ def to_langchain(message: Mapping[str, Any]) -> BaseMessage:
     return converted
 
 
-def _input_tokens(response: Any) -> int | None:
+def _usage(response: Any) -> tuple[int, int] | None:
+    """The provider's input and output tokens of the call, when it said them."""
     model_response = response.model_response if isinstance(
         response, ExtendedModelResponse) else response
     messages = model_response.result if isinstance(model_response, ModelResponse) else [
@@ -163,7 +166,7 @@ def _input_tokens(response: Any) -> int | None:
     for message in messages:
         usage = getattr(message, "usage_metadata", None)
         if isinstance(message, AIMessage) and usage and usage.get("input_tokens") is not None:
-            return int(usage["input_tokens"])
+            return int(usage["input_tokens"]), int(usage.get("output_tokens") or 0)
     return None
 
 
@@ -222,9 +225,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         outcome = self._call(lambda: self._mirror(step))
         messages, mirrored = self._request_messages(request, step, outcome)
         response = handler(request.override(messages=messages))
-        tokens = _input_tokens(response)
-        if tokens is not None:
-            self._logged(self._call(lambda: self._report(step.session_id, tokens)), step)
+        usage = _usage(response)
+        if usage is not None:
+            self._logged(self._call(lambda: self._report(step.session_id, usage)), step)
         return self._with_update(response, request, mirrored)
 
     async def awrap_model_call(
@@ -234,9 +237,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         outcome = await self._acall(lambda: self._mirror(step))
         messages, mirrored = self._request_messages(request, step, outcome)
         response = await handler(request.override(messages=messages))
-        tokens = _input_tokens(response)
-        if tokens is not None:
-            self._logged(await self._acall(lambda: self._report(step.session_id, tokens)), step)
+        usage = _usage(response)
+        if usage is not None:
+            self._logged(await self._acall(lambda: self._report(step.session_id, usage)), step)
         return self._with_update(response, request, mirrored)
 
     def after_agent(self, state: CompactdState, runtime: Runtime[Any]) -> dict[str, Any] | None:
@@ -435,10 +438,11 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         self._last_seqs[sid] = appended.last_seq
         return appended
 
-    async def _report(self, session_id: str, input_tokens: int) -> None:
+    async def _report(self, session_id: str, usage: tuple[int, int]) -> None:
         handle = self._handles.get(session_id)
         if handle is not None:
-            await handle.report_usage(input_tokens)
+            # The response is mirrored with the next step's messages, after this report.
+            await handle.report_usage(*usage, response_appended=False)
 
     async def _bridge_client(self) -> CompactdClient:
         bridge = self._bridge

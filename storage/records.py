@@ -49,13 +49,15 @@ class SessionInfo:
     @property
     def reported_tokens(self) -> int | None:
         """The provider's measure of the runtime's next request: the reported call's input and
-        output, plus whatever the surface and envelope gained since the report. None when no
-        report stands (a compaction that replaced part of the surface clears it)."""
+        output (the response is part of the next request), plus whatever the surface and
+        envelope gained after the response. None when no report stands (a compaction that
+        replaced part of the surface clears it)."""
         if self.reported_input_tokens is None:
             return None
         measured = self.surface_tokens + self.envelope_tokens
         base = measured if self.reported_base_tokens is None else self.reported_base_tokens
-        return self.reported_input_tokens + (self.reported_output_tokens or 0) + measured - base
+        return (self.reported_input_tokens + (self.reported_output_tokens or 0)
+                + max(0, measured - base))
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,9 @@ def envelope_tokens(envelope: dict[str, Any] | None, run_model: str | None) -> i
     return total
 
 
+# The reported counts are 32-bit columns; no context window comes near.
+_MAX_REPORTED_TOKENS = 2**31 - 1
+
 class Store(LeasesMixin, JobsMixin):
     """Sessions, the event log and the surface."""
 
@@ -202,15 +205,26 @@ class Store(LeasesMixin, JobsMixin):
             self._remember_model(session_id, model[0])
         return self._run_models[session_id]
 
-    async def report_usage(self, session_id: str, input_tokens: int) -> SessionInfo:
-        """Record the provider's own input token count for the runtime's last call."""
-        if not isinstance(input_tokens, int) or isinstance(input_tokens, bool) or input_tokens < 0:
-            raise InvalidMessage("must be a non-negative integer", field="input_tokens")
+    async def report_usage(self, session_id: str, input_tokens: int, output_tokens: int = 0, *,
+                           response_appended: bool = True) -> SessionInfo:
+        """Record the provider's own usage for the runtime's last call: the next request holds
+        its input and its output, and pressure counts both plus what is appended after the
+        response. ``response_appended=False``: the response is not appended yet (the report
+        came first), so when it is, ``output_tokens`` already stands for it."""
+        for name, value in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or not (
+                    0 <= value <= _MAX_REPORTED_TOKENS):
+                raise InvalidMessage(f"must be an integer from 0 to {_MAX_REPORTED_TOKENS}",
+                                     field=name)
+        c = t.sessions.c
+        base = c.surface_tokens + c.envelope_tokens
         async with transaction(self.engine) as conn:
             result = await conn.execute(
-                t.sessions.update().where(t.sessions.c.id == session_id)
+                t.sessions.update().where(c.id == session_id)
                 .values(reported_input_tokens=input_tokens,
-                        reported_version=t.sessions.c.surface_version)
+                        reported_output_tokens=output_tokens,
+                        reported_base_tokens=base if response_appended else base + output_tokens,
+                        reported_version=c.surface_version)
                 .returning(*SESSION_COLUMNS))
             row = result.first()
             if row is None:

@@ -85,6 +85,14 @@ def middleware(db_url: str, tmp_path: Path) -> Iterator[CompactdMiddleware]:
         mw.close()
 
 
+async def read_events(db_url: str, session: str) -> list[Any]:
+    store = Store.from_url(db_url)
+    try:
+        return await store.read_events(session, kinds=["message"])
+    finally:
+        await store.close()
+
+
 async def stored(db_url: str, session: str) -> tuple[list[dict[str, Any]], Any, bool]:
     store = Store.from_url(db_url)
     try:
@@ -116,6 +124,12 @@ async def test_every_state_message_is_mirrored_once_in_order_and_usage_reported(
     # The provider's own count for the last call (the fake's prompt_tokens) was reported.
     last = fake.requests_for(model=AGENT_MODEL)[-1]
     assert info.reported_input_tokens == -(-last.body_bytes // 4)
+    # And its output (the answer "done"): the response, mirrored after the report, is counted
+    # by it once, not again as an appended message.
+    assert info.reported_output_tokens == 1
+    answer = (await read_events(db_url, "s1"))[-1]
+    assert answer.payload["content"] == "done"
+    assert info.reported_tokens == info.reported_input_tokens + max(1, answer.tokens)
     # Without a checkpoint, the model saw exactly what it would have seen without compactd.
     for request, n in zip(sent_messages(fake), range(1, 7), strict=True):
         assert [m["role"] for m in request][:2] == ["system", "user"]

@@ -28,6 +28,7 @@ depends_on: str | Sequence[str] | None = None
 
 OVER = sa.text(
     "sweep_tokens <= surface_tokens + envelope_tokens"
+    " OR sweep_tokens <= reported_input_tokens + reported_output_tokens"
     " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + surface_tokens"
     " + envelope_tokens - reported_base_tokens"
     " OR sweep_messages <= surface_messages")
