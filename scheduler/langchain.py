@@ -174,13 +174,25 @@ def _usage(response: Any) -> tuple[int, int] | None:
 # the middleware
 
 
+class _FromConfig:
+    def __repr__(self) -> str:
+        return "FROM_CONFIG"
+
+
+# ``CompactdMiddleware(trigger=...)``'s default: the configuration's trigger (None means off).
+FROM_CONFIG: Any = _FromConfig()
+
+
 class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     """Mirror the agent's messages into compactd and send the model its compacted surface.
 
     ``trigger``, ``keep``, ``trim_tokens_to_summarize`` and ``summary_prompt`` take what
     SummarizationMiddleware takes (``("tokens", 4000)``, a list of them for OR, a mapping for AND)
     and become the session's policy overrides, which the workers apply; the summary model is
-    compactd's (``summarization.model_name`` in its configuration).
+    compactd's (``summarization.model_name`` in its configuration). ``trigger=None`` turns
+    automatic compaction off, as in SummarizationMiddleware (the session's policy gets
+    ``trigger: []``, which is how compactd's configuration says it; a manual or overflow
+    compaction still runs); leaving ``trigger`` out uses the configuration's trigger.
 
     ``session_id``: the compactd session (default: the LangGraph ``thread_id``). ``config``:
     compactd's configuration (default: the ``COMPACTD_*`` environment). ``run_model`` and
@@ -192,7 +204,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     state_schema = CompactdState
 
     def __init__(self, session_id: str | None = None, *,
-                 trigger: Any = None, keep: Any = None,
+                 trigger: Any = FROM_CONFIG, keep: Any = None,
                  trim_tokens_to_summarize: int | None = None, summary_prompt: str | None = None,
                  config: Config | None = None, tenant: str = "default",
                  run_model: str | None = None, context_window: int | None = None,
@@ -205,6 +217,10 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         self.tenant = tenant
         self.run_model = run_model
         self.context_window = context_window
+        if trigger is FROM_CONFIG:
+            trigger = None  # no override: the configuration's (or ``policy``'s) trigger
+        elif trigger is None:
+            trigger = []  # off, as SummarizationMiddleware(trigger=None) is
         self.policy = _session_policy(policy, trigger=trigger, keep=keep,
                                       trim_tokens_to_summarize=trim_tokens_to_summarize,
                                       summary_prompt=summary_prompt)

@@ -341,3 +341,27 @@ async def test_summarization_middleware_arguments_become_the_session_policy(
                            "keep": ["messages", 20]}
     with pytest.raises(ValueError, match="trigger"):
         CompactdMiddleware(trigger=("tokens", -5))
+
+
+async def test_trigger_none_turns_automatic_compaction_off(fake: FakeProvider, db_url: str,
+                                                           tmp_path: Path) -> None:
+    """As SummarizationMiddleware(trigger=None) never summarizes: a configured trigger the
+    session is far over enqueues nothing; leaving ``trigger`` out keeps the configured one."""
+    config = build_config({"summarization": {"trigger": [{"type": "tokens", "value": 100}]}},
+                          settings=Settings(database_url=db_url, home=str(tmp_path)),
+                          home=tmp_path)
+    for thread, kwargs in (("off", {"trigger": None}), ("configured", {})):
+        middleware = CompactdMiddleware(config=config, **kwargs)
+        script_steps(fake, 2)
+        try:
+            await agent_for(fake, middleware).ainvoke(
+                {"messages": [{"role": "user", "content": "go"}]},
+                {"configurable": {"thread_id": thread}})
+        finally:
+            middleware.close()
+    _, off, _ = await stored(db_url, "off")
+    _, configured, _ = await stored(db_url, "configured")
+    assert off.surface_tokens > 100 and configured.surface_tokens > 100
+    assert off.policy == {"trigger": []} and off.signal_at is None
+    assert configured.policy is None and configured.signal_at is not None
+    assert repr(CompactdMiddleware.__init__.__kwdefaults__["trigger"]) == "FROM_CONFIG"
