@@ -79,11 +79,12 @@ def explain(info: SessionInfo, config: Config) -> tuple[bool, str, Pressure]:
 
 
 def sweep_key(config: Config) -> str:
-    """Names what a session's sweep thresholds were resolved from: the configured policy and
-    the windows a session's run model can take. A changed configuration gives a new key, and
-    the sweep resolves every session again."""
+    """Names what a session's sweep thresholds were resolved from: the configured trigger and
+    the windows a session's run model can take. A change to either gives a new key, and the
+    sweep resolves every session again; other settings leave the thresholds as they are."""
     windows = [(m.name, m.context_window) for m in config.models]
-    basis = repr((config.policy, windows, sorted(KNOWN_WINDOWS.items())))
+    p = config.policy
+    basis = repr((p.enabled, p.trigger, windows, sorted(KNOWN_WINDOWS.items())))
     return hashlib.sha256(basis.encode()).hexdigest()[:32]
 
 

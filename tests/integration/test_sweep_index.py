@@ -106,6 +106,9 @@ async def test_the_sweep_follows_a_changed_trigger_and_a_changed_session_policy(
     result = await sweep_pressure(store, lower, enqueuer)
     assert result.enqueued == ("b",) and result.resolved == 2
     assert (await sweep_pressure(store, lower, enqueuer)).resolved == 0
+    # A change that does not touch the trigger keeps the stored thresholds.
+    other_keep = make_config(db_url, trigger=200, keep=7)
+    assert (await sweep_pressure(store, other_keep, enqueuer)).resolved == 0
 
 
 async def test_a_message_trigger_is_swept_on_the_message_count(db_url: str,
