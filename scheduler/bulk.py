@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduler.client import WaitTimeout
 from scheduler.enqueue import Enqueuer, RunRequest
 from storage.errors import InvalidMessage
 from storage.ids import id_problem
@@ -29,12 +31,14 @@ from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING, JOB_DONE
 from storage.records import BulkJob, utcnow
 from storage.store import Store
 from worker.app import client_app
-from worker.keys import bulk_meter
+from worker.keys import QUEUE_BULK, bulk_meter
 from worker.limits import LocalLimiter
 from worker.settings import Config
 
 PROGRESS_EVERY_S = 0.5
 MAX_DURATION_S = 36_500 * 86_400  # a century
+# How long ``recompact`` waits without any item of its job ending before it gives up waiting.
+WAIT_TIMEOUT_S = 300.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day)?\s*$")
 _UNITS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
           "day": 86400}
@@ -118,11 +122,16 @@ async def matching_sessions(store: Store, bulk_filter: BulkFilter) -> list[str]:
 async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool, dry_run: bool,
                         rate_per_s: float | None, resume: str | None, as_json: bool,
                         chunk: int = 100, wait: bool = True,
-                        enqueuer: Enqueuer | None = None) -> int:
+                        enqueuer: Enqueuer | None = None,
+                        timeout_s: float | None = None) -> int:
     from scheduler.cli import emit, open_store, say
 
     if chunk <= 0:
         raise InvalidMessage("must be positive", field="chunk")
+    timeout_s = WAIT_TIMEOUT_S if timeout_s is None else timeout_s
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise InvalidMessage(f"must be a positive number of seconds, got {timeout_s!r}",
+                             field="timeout")
     async with open_store(config) as store:
         if resume:
             job = await store.get_bulk_job(resume)
@@ -148,7 +157,7 @@ async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool,
         await fan_out(store, enqueuer, job, states=states, force=force, rate_per_s=rate_per_s,
                       chunk=chunk, progress=progress)
         if wait:
-            job = await wait_for_job(store, job.id, progress)
+            job = await wait_for_job(store, job.id, progress, timeout_s=timeout_s)
             await store.set_bulk_job_state(job.id, JOB_DONE)
             job = await store.get_bulk_job(job.id) or job
         progress.close()
@@ -171,25 +180,42 @@ async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: lis
         ids = await store.bulk_items(job.id, states=states, limit=chunk, after_session=after)
         if not ids:
             return sent
+        # Marked before they are sent: a worker that ends an item (done or failed) always writes
+        # after this, so its ending is never overwritten. A fan-out that dies mid-chunk leaves
+        # items enqueued but unsent, and ``--resume`` sends enqueued items again.
+        await store.mark_bulk_items(job.id, ids, ITEM_ENQUEUED, from_states=states)
         for sid in ids:
             if rate_per_s:
                 await pacer.acquire(bulk_meter(job.id), rate_per_s)
             await enqueuer.asend(RunRequest(sid, "bulk", force=force, bulk_job_id=job.id,
                                             rate_per_s=rate_per_s))
-        await store.mark_bulk_items(job.id, ids, ITEM_ENQUEUED)
         sent += len(ids)
         after = ids[-1]
         if progress is not None:
             await progress.update(store)
 
 
-async def wait_for_job(store: Store, job_id: str, progress: Progress) -> BulkJob:
+async def wait_for_job(store: Store, job_id: str, progress: Progress, *,
+                       timeout_s: float = WAIT_TIMEOUT_S) -> BulkJob:
+    """Wait until every item has ended; raise :class:`WaitTimeout` when none ended for
+    ``timeout_s`` (a job of many sessions at a low rate takes long but keeps moving, while a
+    job no worker consumes never does)."""
+    loop = asyncio.get_running_loop()
+    ended, deadline = -1, 0.0
     while True:
         job = await store.get_bulk_job(job_id)
         assert job is not None
         progress.show(job)
         if job.done + job.failed >= job.matched:
             return job
+        if job.done + job.failed > ended:
+            ended, deadline = job.done + job.failed, loop.time() + timeout_s
+        elif loop.time() >= deadline:
+            raise WaitTimeout(
+                f"bulk job {job_id}: no session finished within {timeout_s:g} s ({job.done} "
+                f"done, {job.failed} failed, {job.matched - job.done - job.failed} not yet); is "
+                f"a worker consuming {QUEUE_BULK}? The job stays: `compactd status` shows it, "
+                f"`compactd recompact --resume {job_id}` sends what is not done again")
         await asyncio.sleep(PROGRESS_EVERY_S)
 
 

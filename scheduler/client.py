@@ -37,7 +37,6 @@ from storage.messages import Message, check_json, check_message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from storage.tokens import counter_for
-from worker.app import client_app
 from worker.compaction.planner import plan
 from worker.compaction.policy import Clause
 from worker.compaction.render import render_surface
@@ -127,7 +126,12 @@ class CompactdClient:
         self.config = config or load_config()
         self.store = store or Store.from_url(self.config.database_url, pool_size=5)
         self._own_store = store is None
-        self.enqueuer = enqueuer or Enqueuer(client_app(self.config))
+        if enqueuer is None:
+            # Imported here: a runtime that passes its own enqueuer never loads Celery.
+            from worker.app import client_app
+
+            enqueuer = Enqueuer(client_app(self.config))
+        self.enqueuer = enqueuer
         self._schema_checked = not self.config.embedded
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -271,9 +275,13 @@ class SessionHandle:
         return await accept_signal(self.client.store, self._config, self.client.enqueuer,
                                    payload)
 
-    async def report_usage(self, input_tokens: int) -> SessionInfo:
-        """The provider's own input token count for the runtime's last call."""
-        self.info = await self.client.store.report_usage(self.id, input_tokens)
+    async def report_usage(self, input_tokens: int, output_tokens: int = 0, *,
+                           response_appended: bool = True) -> SessionInfo:
+        """The provider's own usage for the runtime's last call. Pressure then counts its input,
+        its output and what is appended after the response; pass ``response_appended=False``
+        when reporting before appending the response, so that it is not counted twice."""
+        self.info = await self.client.store.report_usage(
+            self.id, input_tokens, output_tokens, response_appended=response_appended)
         if self._wants_signal(self.info) and await self.client.store.mark_signal(
                 self.id, ttl_s=self._config.worker.signal_ttl_s):
             self.client.send_in_background(RunRequest(self.id, "pressure"))
@@ -434,8 +442,10 @@ class SyncSession:
     def signal(self, reason: str = "pressure") -> SignalResult:
         return self._loop.submit(lambda: self.handle.signal(reason))
 
-    def report_usage(self, input_tokens: int) -> SessionInfo:
-        return self._loop.submit(lambda: self.handle.report_usage(input_tokens))
+    def report_usage(self, input_tokens: int, output_tokens: int = 0, *,
+                     response_appended: bool = True) -> SessionInfo:
+        return self._loop.submit(lambda: self.handle.report_usage(
+            input_tokens, output_tokens, response_appended=response_appended))
 
     def poll(self, since_version: int | None = None) -> int | None:
         return self._loop.submit(lambda: self.handle.poll(since_version))

@@ -43,7 +43,7 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         surface = await store.read_surface(args.session)
     policy = session_policy(info, config)
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
-                  reported_input_tokens=info.reported_input_tokens, run_model=info.run_model,
+                  reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                   now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope)
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
     if args.json:
@@ -186,7 +186,8 @@ async def cmd_recompact(args: argparse.Namespace, config: Config) -> int:
     bulk_filter = BulkFilter.from_args(args)
     return await run_recompact(config, bulk_filter, force=args.force, dry_run=args.dry_run,
                                rate_per_s=rate, resume=args.resume, as_json=args.json,
-                               chunk=args.chunk, wait=not args.no_wait)
+                               chunk=args.chunk, wait=not args.no_wait,
+                               timeout_s=args.timeout)
 
 
 # ------------------------------------------------------------------------------------------
@@ -249,6 +250,9 @@ def register(sub: Any) -> None:
     p.add_argument("--chunk", type=positive_int, default=100, help="sessions enqueued per chunk")
     p.add_argument("--no-wait", action="store_true",
                    help="return once every session is enqueued")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="give up waiting when no session of the job finished for S seconds "
+                        "(default 300; the job stays and --resume continues it)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_recompact)
 

@@ -7,7 +7,7 @@ Every route under ``/v1`` is the Python client's call of the same name (``schedu
     POST /v1/sessions/{id}/messages    append one step's messages (pressure is decided here)
     GET  /v1/sessions/{id}/surface     what the model should see now; ETag = surface version
     POST /v1/sessions/{id}/signal      a pressure signal (de-duplicated)
-    POST /v1/sessions/{id}/usage       the provider's own input_tokens for the last call
+    POST /v1/sessions/{id}/usage       the provider's own input/output tokens for the last call
     POST /v1/sessions/{id}/compact     a manual compaction, optionally waiting for its result
     POST /v1/sessions/{id}/overflow    the provider said the context overflowed
 
@@ -248,12 +248,17 @@ class SignalOut(BaseModel):
 
 class UsageIn(_Body):
     input_tokens: WholeNumber = Field(ge=0, le=2_147_483_647)
+    output_tokens: WholeNumber = Field(default=0, ge=0, le=2_147_483_647)
+    response_appended: bool = Field(
+        default=True, description="false when the call's response is appended after this "
+        "report: output_tokens then stands for it and it is not counted twice")
 
 
 class UsageOut(BaseModel):
     session: str
     version: int
     reported_input_tokens: int | None
+    reported_output_tokens: int | None
     tokens: int
 
 
@@ -656,14 +661,16 @@ def add_routes(app: FastAPI) -> None:
               operation_id="reportUsage",
               responses=_WITH_BODY, tags=["sessions"])
     async def usage(info: Owned, api: ApiDep, body: UsageIn) -> UsageOut:
-        """The provider's own ``input_tokens`` for the runtime's last call; pressure uses the
-        larger of it and compactd's count."""
+        """The provider's own usage for the runtime's last call; pressure uses the larger of
+        compactd's count and its input plus output plus what is appended after the response."""
         try:
-            updated = await api.handle(info).report_usage(body.input_tokens)
+            updated = await api.handle(info).report_usage(
+                body.input_tokens, body.output_tokens, response_appended=body.response_appended)
         except InvalidMessage as exc:
             raise _in_body(exc) from None
         return UsageOut(session=updated.id, version=updated.surface_version,
                         reported_input_tokens=updated.reported_input_tokens,
+                        reported_output_tokens=updated.reported_output_tokens,
                         tokens=updated.surface_tokens)
 
     @app.post(API_PREFIX + "/sessions/{session_id}/compact", response_model=RunOut,

@@ -14,7 +14,9 @@ compactd also decides pressure and enqueues a background compaction when the tri
 and sends the model compactd's newest surface instead of the whole history: the checkpoint a
 worker committed, then the messages after it. It never waits for a compaction: a summary still
 being written shows up at a later step. After the call it reports the provider's own
-``usage_metadata.input_tokens``.
+``usage_metadata`` (input and output tokens: the response is part of the next request, as
+LangChain's own token count has it; the response, appended at the next step, is not counted
+twice).
 
 **How state messages map to compactd seqs.** The agent state keeps every original message: only
 the model request is compacted (the history stays whole for the checkpointer, the UI and human
@@ -155,7 +157,8 @@ def to_langchain(message: Mapping[str, Any]) -> BaseMessage:
     return converted
 
 
-def _input_tokens(response: Any) -> int | None:
+def _usage(response: Any) -> tuple[int, int] | None:
+    """The provider's input and output tokens of the call, when it said them."""
     model_response = response.model_response if isinstance(
         response, ExtendedModelResponse) else response
     messages = model_response.result if isinstance(model_response, ModelResponse) else [
@@ -163,12 +166,21 @@ def _input_tokens(response: Any) -> int | None:
     for message in messages:
         usage = getattr(message, "usage_metadata", None)
         if isinstance(message, AIMessage) and usage and usage.get("input_tokens") is not None:
-            return int(usage["input_tokens"])
+            return int(usage["input_tokens"]), int(usage.get("output_tokens") or 0)
     return None
 
 
 # ------------------------------------------------------------------------------------------
 # the middleware
+
+
+class _FromConfig:
+    def __repr__(self) -> str:
+        return "FROM_CONFIG"
+
+
+# ``CompactdMiddleware(trigger=...)``'s default: the configuration's trigger (None means off).
+FROM_CONFIG: Any = _FromConfig()
 
 
 class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
@@ -177,7 +189,10 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     ``trigger``, ``keep``, ``trim_tokens_to_summarize`` and ``summary_prompt`` take what
     SummarizationMiddleware takes (``("tokens", 4000)``, a list of them for OR, a mapping for AND)
     and become the session's policy overrides, which the workers apply; the summary model is
-    compactd's (``summarization.model_name`` in its configuration).
+    compactd's (``summarization.model_name`` in its configuration). ``trigger=None`` turns
+    automatic compaction off, as in SummarizationMiddleware (the session's policy gets
+    ``trigger: []``, which is how compactd's configuration says it; a manual or overflow
+    compaction still runs); leaving ``trigger`` out uses the configuration's trigger.
 
     ``session_id``: the compactd session (default: the LangGraph ``thread_id``). ``config``:
     compactd's configuration (default: the ``COMPACTD_*`` environment). ``run_model`` and
@@ -189,7 +204,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     state_schema = CompactdState
 
     def __init__(self, session_id: str | None = None, *,
-                 trigger: Any = None, keep: Any = None,
+                 trigger: Any = FROM_CONFIG, keep: Any = None,
                  trim_tokens_to_summarize: int | None = None, summary_prompt: str | None = None,
                  config: Config | None = None, tenant: str = "default",
                  run_model: str | None = None, context_window: int | None = None,
@@ -202,6 +217,10 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         self.tenant = tenant
         self.run_model = run_model
         self.context_window = context_window
+        if trigger is FROM_CONFIG:
+            trigger = None  # no override: the configuration's (or ``policy``'s) trigger
+        elif trigger is None:
+            trigger = []  # off, as SummarizationMiddleware(trigger=None) is
         self.policy = _session_policy(policy, trigger=trigger, keep=keep,
                                       trim_tokens_to_summarize=trim_tokens_to_summarize,
                                       summary_prompt=summary_prompt)
@@ -222,9 +241,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         outcome = self._call(lambda: self._mirror(step))
         messages, mirrored = self._request_messages(request, step, outcome)
         response = handler(request.override(messages=messages))
-        tokens = _input_tokens(response)
-        if tokens is not None:
-            self._logged(self._call(lambda: self._report(step.session_id, tokens)), step)
+        usage = _usage(response)
+        if usage is not None:
+            self._logged(self._call(lambda: self._report(step.session_id, usage)), step)
         return self._with_update(response, request, mirrored)
 
     async def awrap_model_call(
@@ -234,9 +253,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         outcome = await self._acall(lambda: self._mirror(step))
         messages, mirrored = self._request_messages(request, step, outcome)
         response = await handler(request.override(messages=messages))
-        tokens = _input_tokens(response)
-        if tokens is not None:
-            self._logged(await self._acall(lambda: self._report(step.session_id, tokens)), step)
+        usage = _usage(response)
+        if usage is not None:
+            self._logged(await self._acall(lambda: self._report(step.session_id, usage)), step)
         return self._with_update(response, request, mirrored)
 
     def after_agent(self, state: CompactdState, runtime: Runtime[Any]) -> dict[str, Any] | None:
@@ -435,10 +454,11 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         self._last_seqs[sid] = appended.last_seq
         return appended
 
-    async def _report(self, session_id: str, input_tokens: int) -> None:
+    async def _report(self, session_id: str, usage: tuple[int, int]) -> None:
         handle = self._handles.get(session_id)
         if handle is not None:
-            await handle.report_usage(input_tokens)
+            # The response is mirrored with the next step's messages, after this report.
+            await handle.report_usage(*usage, response_appended=False)
 
     async def _bridge_client(self) -> CompactdClient:
         bridge = self._bridge

@@ -1,8 +1,9 @@
 """Beat sweeps: Postgres is the truth, signals are hints.
 
-* :func:`sweep_pressure` walks every session in bounded ``SKIP LOCKED`` batches and enqueues those
-  over their trigger with no live lease, no cool-down and no fresh signal, so a lost signal or a
-  flushed Redis costs at most two sweep intervals.
+* :func:`sweep_pressure` enqueues the sessions over their trigger with no live lease, no cool-down
+  and no fresh signal, so a lost signal or a flushed Redis costs at most two sweep intervals. It
+  reads only the sessions an index holds as over their stored thresholds (``SKIP LOCKED``, in
+  bounded batches), after storing the thresholds of sessions new or changed since the last sweep.
 * :func:`reap_leases` closes expired leases (the run becomes ``abandoned`` and its orphan
   ``compaction/start`` is ended) and re-enqueues the sessions still over their trigger, unless
   the loop guard is cooling them down.
@@ -11,29 +12,52 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from dataclasses import dataclass
 
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import enqueue_marked
-from storage.records import ReapedLease, utcnow
+from storage.records import ReapedLease, SessionInfo, utcnow
 from storage.store import Store
-from worker.pressure import over_trigger
+from worker.pressure import over_trigger, sweep_key, sweep_thresholds
 from worker.settings import Config
 
 logger = logging.getLogger(__name__)
+
+# Sessions whose thresholds one transaction stores: after a configuration change every session
+# is resolved once, and a larger batch spends fewer round trips on it.
+RESOLVE_BATCH = 1000
 
 
 @dataclass(frozen=True, slots=True)
 class SweepResult:
     scanned_batches: int
     enqueued: tuple[str, ...]
+    resolved: int = 0
 
 
 async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
                          now: dt.datetime | None = None) -> SweepResult:
     now = now or utcnow()
     w = config.worker
+    key = sweep_key(config)
+    resolved = 0
+    batch = max(w.sweep_batch, RESOLVE_BATCH)
+    # Most sessions share a few policies: resolve each (policy, model, window) once per sweep.
+    seen: dict[tuple[str, str | None, int | None], tuple[int | None, int | None]] = {}
+
+    def resolve(info: SessionInfo) -> tuple[int | None, int | None]:
+        basis = (json.dumps(info.policy, sort_keys=True), info.run_model, info.context_window)
+        if basis not in seen:
+            seen[basis] = sweep_thresholds(info, config)
+        return seen[basis]
+
+    while True:
+        n = await store.resolve_sweep_thresholds(key=key, resolve=resolve, limit=batch)
+        resolved += n
+        if n < batch:
+            break
     after: str | None = None
     batches = 0
     enqueued: list[str] = []
@@ -50,7 +74,7 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
     if enqueued:
         logger.info("sweep enqueued sessions over their trigger",
                     extra={"action": "sweep", "enqueued": len(enqueued), "batches": batches})
-    return SweepResult(batches, tuple(enqueued))
+    return SweepResult(batches, tuple(enqueued), resolved)
 
 
 async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,

@@ -175,6 +175,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
 _CD_NO_SESSION = "CD404"
 _PG_UNDEFINED_TABLE = "42P01"
 _PG_UNDEFINED_FUNCTION = "42883"
+_PG_UNDEFINED_COLUMN = "42703"
 _PG_NO_DATABASE = "3D000"
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_QUERY_CANCELED = "57014"  # statement_timeout, or a cancel request
@@ -216,6 +217,10 @@ def translate(exc: BaseException) -> CompactdError:
         # The code is newer than the schema: one of compactd's SQL functions is missing.
         return SchemaMissing("the database schema is older than this compactd (one of its SQL "
                              "functions is missing): run `compactd migrate`")
+    if code == _PG_UNDEFINED_COLUMN or "no such column" in text:
+        # compactd's own statements name only columns its migrations create: the schema is older.
+        return SchemaMissing("the database schema is older than this compactd (a column is"
+                             " missing): run `compactd migrate`")
     if code == _PG_NO_DATABASE:
         return DatabaseUnavailable("the database does not exist: create it (createdb) before "
                                    "`compactd migrate`")

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from storage import schema as t
 from storage.database import connection, transaction
 from storage.records import BulkJob, SessionInfo, utcnow
-from storage.schema import SESSION_COLUMNS, session_from_row
+from storage.schema import OVER_SWEEP_THRESHOLD, SESSION_COLUMNS, session_from_row
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -99,15 +99,22 @@ class JobsMixin:
             return list((await conn.execute(stmt)).scalars().all())
 
     async def mark_bulk_items(self, job_id: str, session_ids: Sequence[str], state: str,
-                              *, now: dt.datetime | None = None) -> None:
-        """Move items to ``state``; an item already done is never moved back."""
+                              *, from_states: Sequence[str], now: dt.datetime | None = None
+                              ) -> None:
+        """Move the items still in one of ``from_states`` to ``state``.
+
+        The condition is in the statement, so a state only moves the way the caller meant: an
+        item a worker has ended meanwhile (done or failed) keeps its ending unless the caller
+        names that state (a resume sending failed items again does, before it sends them)."""
+        if ITEM_DONE in from_states:
+            raise ValueError(f"a bulk item does not move from {list(from_states)} to {state}")
         now = now or utcnow()
         i = t.bulk_items.c
         async with transaction(self.engine) as conn:
             await conn.execute(
                 t.bulk_items.update()
                 .where(i.job_id == job_id, i.session_id.in_(list(session_ids)),
-                       i.state != ITEM_DONE)
+                       i.state.in_(list(from_states)))
                 .values(state=state, updated_at=now))
             await conn.execute(t.bulk_jobs.update().where(t.bulk_jobs.c.id == job_id)
                                .values(updated_at=now))
@@ -139,42 +146,61 @@ class JobsMixin:
     # ---------------------------------------------------------------------------------------
     # sweeps
 
+    async def resolve_sweep_thresholds(
+            self, *, key: str, resolve: Callable[[SessionInfo], tuple[int | None, int | None]],
+            limit: int = 1000) -> int:
+        """Store the thresholds of up to ``limit`` sessions not yet resolved under ``key`` (new
+        sessions, changed policies, a changed configuration); how many it resolved.
+
+        Rows other transactions hold are skipped: the next sweep resolves them. In steady state
+        no row differs and this is one index probe."""
+        c = t.sessions.c
+        async with transaction(self.engine) as conn:
+            rows = (await conn.execute(
+                sa.select(*SESSION_COLUMNS)
+                .where(sa.or_(c.sweep_key.is_(None), c.sweep_key < key, c.sweep_key > key))
+                .limit(limit).with_for_update(skip_locked=True))).all()
+            groups: dict[tuple[int | None, int | None], list[str]] = {}
+            for row in rows:
+                groups.setdefault(resolve(session_from_row(row)), []).append(row.id)
+            # Sessions share a few policies: one statement per distinct pair of thresholds.
+            for (tokens, messages), ids in groups.items():
+                await conn.execute(t.sessions.update().where(c.id.in_(ids)).values(
+                    sweep_key=key, sweep_tokens=tokens, sweep_messages=messages))
+        return len(rows)
+
     async def select_for_sweep(self, *, decide: Callable[[SessionInfo], bool],
                                now: dt.datetime | None = None, limit: int = 100,
                                after_id: str | None = None, fresh_signal_s: float = 30.0
                                ) -> tuple[list[SessionInfo], str | None]:
         """One bounded batch of the sweep, in id order from ``after_id``.
 
-        Rows other transactions hold are skipped (``SKIP LOCKED``). Sessions with a live lease,
-        a live cool-down or a signal younger than ``fresh_signal_s`` (its task is probably still
-        queued) are passed over; of the rest, those ``decide`` accepts get a new signal mark and
-        are returned for enqueueing. The second value is
-        the id to continue from, None when the table is exhausted.
+        Reads only sessions whose cached totals reach their stored thresholds (the partial index
+        ``ix_sessions_over_trigger``), so its cost follows the sessions under pressure, not the
+        table. Of those, sessions with a live lease, a live cool-down or a signal younger than
+        ``fresh_signal_s`` (its task is probably still queued) are passed over in SQL, and rows
+        other transactions hold are skipped (``SKIP LOCKED``); of the rest, those ``decide``
+        accepts get a new signal mark and are returned for enqueueing. The second value is the
+        id to continue from, None when no candidate is left.
         """
         now = now or utcnow()
-        fresh = dt.timedelta(seconds=fresh_signal_s)
+        fresh = now - dt.timedelta(seconds=fresh_signal_s)
         c = t.sessions.c
         chosen: list[SessionInfo] = []
         async with transaction(self.engine) as conn:
             rows = (await conn.execute(
                 sa.select(*SESSION_COLUMNS)
-                .where(c.id > (after_id or ""))
+                .where(OVER_SWEEP_THRESHOLD, c.id > (after_id or ""),
+                       sa.or_(c.lease_expires_at.is_(None), c.lease_expires_at <= now),
+                       sa.or_(c.cooldown_until.is_(None), c.cooldown_until <= now),
+                       sa.or_(c.signal_at.is_(None), c.signal_at <= fresh))
                 .order_by(c.id).limit(limit).with_for_update(skip_locked=True))).all()
-            for row in rows:
-                info = session_from_row(row)
-                if info.lease_live(now):
-                    continue
-                if info.cooldown_until is not None and info.cooldown_until > now:
-                    continue
-                if info.signal_at is not None and info.signal_at > now - fresh:
-                    continue
-                if decide(info):
-                    chosen.append(info)
+            chosen = [info for info in map(session_from_row, rows) if decide(info)]
             if chosen:
                 await conn.execute(
                     t.sessions.update().where(c.id.in_([s.id for s in chosen]))
                     .values(signal_at=now))
-        next_after = session_from_row(rows[-1]).id if len(rows) == limit else None
+        next_after = rows[-1].id if len(rows) == limit else None
         return chosen, next_after
 
     # ---------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ class SessionInfo:
     last_position: int
     reported_input_tokens: int | None
     reported_version: int | None
+    reported_output_tokens: int | None
+    reported_base_tokens: int | None
     signal_at: dt.datetime | None
     lease_owner: str | None
     lease_run_id: str | None
@@ -37,9 +39,25 @@ class SessionInfo:
     flagged_at: dt.datetime | None
     created_at: dt.datetime
     last_append_at: dt.datetime | None
+    sweep_key: str | None = None
+    sweep_tokens: int | None = None
+    sweep_messages: int | None = None
 
     def lease_live(self, now: dt.datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now
+
+    @property
+    def reported_tokens(self) -> int | None:
+        """The provider's measure of the runtime's next request: the reported call's input and
+        output (the response is part of the next request), plus whatever the surface and
+        envelope gained after the response. None when no report stands (a compaction that
+        replaced part of the surface clears it)."""
+        if self.reported_input_tokens is None:
+            return None
+        measured = self.surface_tokens + self.envelope_tokens
+        base = measured if self.reported_base_tokens is None else self.reported_base_tokens
+        return (self.reported_input_tokens + (self.reported_output_tokens or 0)
+                + max(0, measured - base))
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,10 @@ sessions = sa.Table(
     # was measured on; stale once a compaction replaced part of that surface.
     sa.Column("reported_input_tokens", sa.Integer, nullable=True),
     sa.Column("reported_version", sa.BigInteger, nullable=True),
+    # The same call's output tokens (the next request holds the response too), and the surface
+    # plus envelope tokens when it was reported: what was appended since is counted on top.
+    sa.Column("reported_output_tokens", sa.Integer, nullable=True),
+    sa.Column("reported_base_tokens", sa.BigInteger, nullable=True),
     # Signal de-duplication: when the pending task was enqueued (cleared when its run ends). A
     # signal enqueues only when no mark is younger than the signal TTL; the sweep passes over a
     # session only while its mark is younger than one sweep interval, so a lost message delays
@@ -90,9 +94,38 @@ sessions = sa.Table(
     sa.Column("flagged_at", UTCDateTime, nullable=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("last_append_at", UTCDateTime, nullable=True),
+    # The pressure sweep's thresholds, so it decides in SQL on an index instead of reading every
+    # row: the lowest pressure (tokens) and the lowest message count at which the session's
+    # trigger can fire, resolved from its policy and window by the sweep under the
+    # configuration named by ``sweep_key`` (NULL: not resolved yet, or its policy changed).
+    sa.Column("sweep_key", sa.String(32), nullable=True),
+    sa.Column("sweep_tokens", sa.BigInteger, nullable=True),
+    sa.Column("sweep_messages", sa.Integer, nullable=True),
     sa.Index(None, "tenant"),
     sa.Index(None, "lease_expires_at"),
+    sa.Index(None, "sweep_key"),
 )
+
+
+def _over_sweep_threshold() -> sa.ColumnElement[bool]:
+    """Whether a session may be over its trigger, from its columns alone (the pressure of
+    ``worker.pressure.session_pressure``); NULL thresholds never match. The partial index below
+    holds exactly the rows this is true of, so the sweep reads those and no others."""
+    c = sessions.c
+    measured = c.surface_tokens + c.envelope_tokens
+    reported = c.reported_input_tokens + c.reported_output_tokens
+    # Thresholds on the left: SQLite turns ``expr >= column`` around before it matches a query
+    # against a partial index, and then the index no longer matches. The report's growth is
+    # never negative (``SessionInfo.reported_tokens``): both of its cases are listed instead of
+    # a GREATEST the two backends spell differently.
+    return sa.or_(c.sweep_tokens <= measured, c.sweep_tokens <= reported,
+                  c.sweep_tokens <= reported + measured - c.reported_base_tokens,
+                  c.sweep_messages <= c.surface_messages)
+
+
+OVER_SWEEP_THRESHOLD = _over_sweep_threshold()
+sa.Index("ix_sessions_over_trigger", sessions.c.id, postgresql_where=OVER_SWEEP_THRESHOLD,
+         sqlite_where=OVER_SWEEP_THRESHOLD)
 
 events = sa.Table(
     "events", metadata,

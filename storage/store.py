@@ -174,6 +174,8 @@ class Store(LeasesMixin, JobsMixin):
                     updates.update(envelope=envelope, envelope_tokens=env_tokens)
                 if policy is not None and policy != existing.policy:
                     updates["policy"] = policy
+                if "context_window" in updates or "policy" in updates:
+                    updates["sweep_key"] = None  # its trigger thresholds are resolved again
                 if updates:
                     await conn.execute(t.sessions.update()
                                        .where(t.sessions.c.id == session_id).values(**updates))
@@ -230,14 +232,23 @@ class Store(LeasesMixin, JobsMixin):
             self._remember_model(session_id, model[0])
         return self._run_models[session_id]
 
-    async def report_usage(self, session_id: str, input_tokens: int) -> SessionInfo:
-        """Record the provider's own input token count for the runtime's last call."""
+    async def report_usage(self, session_id: str, input_tokens: int, output_tokens: int = 0, *,
+                           response_appended: bool = True) -> SessionInfo:
+        """Record the provider's own usage for the runtime's last call: the next request holds
+        its input and its output, and pressure counts both plus what is appended after the
+        response. ``response_appended=False``: the response is not appended yet (the report
+        came first), so when it is, ``output_tokens`` already stands for it."""
         check_count(input_tokens, "input_tokens")
+        check_count(output_tokens, "output_tokens")
+        c = t.sessions.c
+        base = c.surface_tokens + c.envelope_tokens
         async with transaction(self.engine) as conn:
             result = await conn.execute(
-                t.sessions.update().where(t.sessions.c.id == session_id)
+                t.sessions.update().where(c.id == session_id)
                 .values(reported_input_tokens=input_tokens,
-                        reported_version=t.sessions.c.surface_version)
+                        reported_output_tokens=output_tokens,
+                        reported_base_tokens=base if response_appended else base + output_tokens,
+                        reported_version=c.surface_version)
                 .returning(*SESSION_COLUMNS))
             row = result.first()
             if row is None:

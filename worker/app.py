@@ -1,8 +1,9 @@
 """The Celery app: ``celery -A worker.app worker | beat | flower``.
 
-Built from the process's configuration (``COMPACTD_*`` environment and the YAML file). Clients that
-only enqueue (the CLI, ``scheduler.client``) build their own with :func:`make_app` and never import
-the tasks.
+Built from the process's configuration (``COMPACTD_*`` environment and the YAML file) when Celery
+asks for ``worker.app.app``, not when this module is imported. Clients that only enqueue (the CLI,
+``scheduler.client`` in a runtime's process) build their own with :func:`client_app`, which
+changes nothing global: no tasks, no logging or Flower hooks, no kombu transport aliases.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from celery.signals import setup_logging
 from kombu import Exchange, Queue
 
 from worker import broker, logs
-from worker import flower as _flower  # noqa: F401  (connects Flower's defaults)
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.settings import Config, broker_dirs, load_config
 
@@ -109,11 +109,16 @@ def celery_settings(config: Config) -> dict[str, Any]:
     }
 
 
-def make_app(config: Config, *, with_tasks: bool = False) -> Celery:
+def make_app(config: Config, *, with_tasks: bool = False, private: bool = False) -> Celery:
+    """A Celery app for ``config``; ``private`` keeps it from touching anything process-wide
+    (an enqueueing app inside a runtime's process, which may use kombu for itself)."""
     # One Redis client per channel instead of one per operation (see worker.broker).
-    broker.install()
+    if not private:
+        broker.install()
     app = Celery("compactd", set_as_current=with_tasks)
     app.conf.update(celery_settings(config))
+    if private and (transport := broker.transport_setting(config.broker_url)):
+        app.conf.broker_transport = transport
     app.conf.compactd_config = config
     if with_tasks:
         app.conf.imports = ("worker.tasks",)
@@ -123,14 +128,26 @@ def make_app(config: Config, *, with_tasks: bool = False) -> Celery:
 @cache
 def client_app(config: Config) -> Celery:
     """An app for enqueueing only (one per configuration, shared by the process)."""
-    return make_app(config)
+    return make_app(config, private=True)
 
 
-@setup_logging.connect
 def _logging(**_: Any) -> None:
     # Connected: Celery leaves logging to us instead of installing its own handlers.
     config = load_config()
     logs.configure(config.log_format, config.log_level)
 
 
-app = make_app(load_config(), with_tasks=True)
+@cache
+def _worker_app() -> Celery:
+    from worker import flower  # noqa: F401  (connects Flower's defaults)
+
+    setup_logging.connect(_logging)
+    return make_app(load_config(), with_tasks=True)
+
+
+def __getattr__(name: str) -> Any:
+    # ``celery -A worker.app`` reads ``worker.app.app``: the worker's app, with its hooks, is
+    # built then, and never in a process that imports this module for the functions above.
+    if name == "app":
+        return _worker_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,10 +43,20 @@ class Transport(kombu_redis.Transport):
 
 
 def install() -> None:
-    """Resolve the redis schemes to :class:`Transport` in this process (idempotent)."""
+    """Resolve the redis schemes to :class:`Transport` in this process (idempotent). Only for
+    compactd's own processes (worker, beat, Flower, the CLI): it changes kombu for everyone."""
     cache = getattr(kombu.transport, "_transport_cache", {})
     for scheme in SCHEMES:
         kombu.transport.TRANSPORT_ALIASES[scheme] = TRANSPORT
         # kombu caches a resolved alias; one resolved before this call is resolved again.
         if cache.get(scheme) is not Transport:
             cache.pop(scheme, None)
+
+
+def transport_setting(broker_url: str) -> str | None:
+    """The ``broker_transport`` setting that gives one app :class:`Transport` for a Redis URL
+    without touching kombu's aliases (a runtime's process may use kombu for itself); None for
+    other brokers. Such an app's connection URIs name the class instead of the scheme, which
+    only logs of enqueueing clients show."""
+    scheme = broker_url.split("://", 1)[0].lower()
+    return TRANSPORT if scheme in SCHEMES else None

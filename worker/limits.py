@@ -14,6 +14,11 @@ A caller that wakes a whole interval or more after its slot (its process was des
 event loop busy) gives the slot up and reserves again: otherwise every caller due during the stall
 would send at the same instant, and the provider would see a burst over the rate.
 
+A caller cancelled while it waits (its run hit its deadline, its bulk fan-out was stopped) gives
+its slot back, so the meter does not keep callers that are gone: a freed slot is remembered, and
+the schedule's end moves back over freed slots only while they are the last ones reserved (moving
+it back over a slot someone still holds would send two calls in one slot).
+
 Without Redis (the embedded default) the same meter runs in process.
 """
 
@@ -26,7 +31,8 @@ from typing import Any, Protocol
 
 from worker.keys import RATE_PREFIX
 
-# KEYS[1] = meter key; ARGV = now_s, interval_s, burst_s. Returns the wait in seconds (string).
+# KEYS[1] = meter key; ARGV = now_s, interval_s, burst_s. Returns the wait in seconds and the
+# slot reserved (the schedule time it was given), as strings.
 _GCRA = """
 local now = tonumber(ARGV[1])
 local interval = tonumber(ARGV[2])
@@ -37,7 +43,33 @@ local wait = tat - now - burst
 if wait < 0 then wait = 0 end
 local new_tat = tat + interval
 redis.call('SET', KEYS[1], tostring(new_tat), 'PX', math.ceil((new_tat - now + 1) * 1000))
-return tostring(wait)
+return {tostring(wait), tostring(tat)}
+"""
+
+# KEYS[1] = meter key, KEYS[2] = its freed slots (a sorted set); ARGV = now_s, interval_s,
+# slot. Frees the slot, then moves the schedule's end back over the freed slots at its end.
+_RELEASE = """
+local now = tonumber(ARGV[1])
+local interval = tonumber(ARGV[2])
+local slot = tonumber(ARGV[3])
+local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
+if slot < now or tat <= now then return 0 end
+redis.call('ZADD', KEYS[2], slot, ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. tostring(now))
+local eps = interval / 1000
+local moved = 0
+while tat - interval >= now - eps do
+  local last = redis.call('ZRANGEBYSCORE', KEYS[2], tat - interval - eps, tat - interval + eps,
+                          'LIMIT', 0, 1)
+  if #last == 0 then break end
+  redis.call('ZREM', KEYS[2], last[1])
+  tat = tonumber(last[1])
+  moved = moved + 1
+end
+local ttl = math.ceil((math.max(tat, slot) - now + 1) * 1000)
+if moved > 0 then redis.call('SET', KEYS[1], tostring(tat), 'PX', ttl) end
+redis.call('PEXPIRE', KEYS[2], ttl)
+return moved
 """
 
 
@@ -47,6 +79,8 @@ class Limiter(Protocol):
         ...
 
 
+# The sorted set of a meter's freed slots is its key plus this.
+FREED_SUFFIX = ":freed"
 # How much wider than 1/rate the slots are (see the module's docstring).
 JITTER_MARGIN = 0.05
 
@@ -61,18 +95,26 @@ def _check_rate(rate_per_s: float) -> float:
 MAX_RESERVATIONS = 3
 
 
-async def _wait_for_slot(reserve: Callable[[], Awaitable[float]], interval: float) -> float:
+async def _wait_for_slot(reserve: Callable[[], Awaitable[tuple[float, float]]],
+                         release: Callable[[float], Awaitable[None]], interval: float) -> float:
     """Reserve a slot and sleep until it, reserving again when woken a slot late; returns the
-    seconds the meter asked for (lateness not included)."""
+    seconds the meter asked for (lateness not included). Cancelled while it waits, it gives the
+    slot back before the cancellation goes on."""
     loop = asyncio.get_running_loop()
     asked = 0.0
     for _ in range(MAX_RESERVATIONS):
-        wait = await reserve()
+        wait, slot = await reserve()
         asked += wait
         if wait <= 0:
             break
         due = loop.time() + wait
-        await asyncio.sleep(wait)
+        try:
+            await asyncio.sleep(wait)
+        except asyncio.CancelledError:
+            if loop.time() < due:
+                # Shielded: a second cancellation must not leave the slot half given back.
+                await asyncio.shield(release(slot))
+            raise
         if loop.time() - due < interval:
             break
     return asked
@@ -85,6 +127,7 @@ class RedisLimiter:
         self.burst = burst
         self.clock = clock
         self._script = redis.register_script(_GCRA)
+        self._release = redis.register_script(_RELEASE)
 
     async def acquire(self, name: str, rate_per_s: float) -> float:
         interval = _check_rate(rate_per_s)
@@ -92,12 +135,18 @@ class RedisLimiter:
         # TIME before a write on older servers; workers run NTP, and the meter tolerates skew
         # of a few milliseconds as a slightly uneven spacing, never as a burst.
 
-        async def reserve() -> float:
-            return float(await self._script(keys=[RATE_PREFIX + name],
-                                            args=[repr(self.clock()), repr(interval),
-                                                  repr(interval * (self.burst - 1))]))
+        key = RATE_PREFIX + name
 
-        return await _wait_for_slot(reserve, interval)
+        async def reserve() -> tuple[float, float]:
+            wait, slot = await self._script(keys=[key], args=[
+                repr(self.clock()), repr(interval), repr(interval * (self.burst - 1))])
+            return float(wait), float(slot)
+
+        async def release(slot: float) -> None:
+            await self._release(keys=[key, key + FREED_SUFFIX],
+                                args=[repr(self.clock()), repr(interval), repr(slot)])
+
+        return await _wait_for_slot(reserve, release, interval)
 
 
 class LocalLimiter:
@@ -107,17 +156,34 @@ class LocalLimiter:
         self.burst = burst
         self.clock = clock
         self._tat: dict[str, float] = {}
+        self._freed: dict[str, set[float]] = {}
 
     async def acquire(self, name: str, rate_per_s: float) -> float:
         interval = _check_rate(rate_per_s)
 
-        async def reserve() -> float:
+        async def reserve() -> tuple[float, float]:
             now = self.clock()
             tat = max(self._tat.get(name, now), now)
             self._tat[name] = tat + interval
-            return max(0.0, tat - now - interval * (self.burst - 1))
+            return max(0.0, tat - now - interval * (self.burst - 1)), tat
 
-        return await _wait_for_slot(reserve, interval)
+        async def release(slot: float) -> None:
+            now = self.clock()
+            tat = self._tat.get(name, now)
+            if slot < now or tat <= now:
+                return
+            freed = self._freed.setdefault(name, set())
+            freed.difference_update([s for s in freed if s < now])
+            freed.add(slot)
+            # Sums of floats drift: the freed slot at the end is found within a tolerance.
+            eps = interval / 1000
+            while (last := next((s for s in freed if abs(s - (tat - interval)) <= eps),
+                                None)) is not None:
+                freed.discard(last)
+                tat = last
+            self._tat[name] = tat
+
+        return await _wait_for_slot(reserve, release, interval)
 
 
 def parse_rate(text: str) -> float:

@@ -286,7 +286,7 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
     if manual and not force:
         force, keep = True, keep or resolve_keep(policy)
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
-                reported_input_tokens=info.reported_input_tokens, run_model=info.run_model,
+                reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope,
                 defer_summary=defer_summary)
 

@@ -7,6 +7,7 @@ context window (the session's own, else the configured model's, else a known pub
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import lru_cache
 from typing import Any
@@ -72,10 +73,12 @@ def session_policy(info: SessionInfo, config: Config) -> Policy:
 
 def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
     """Pressure from the cached totals: surface (checkpoints included) plus envelope, or the
-    provider's own count when it reported a larger one."""
+    provider's own count when it reported a larger one (``storage.schema``'s
+    ``OVER_SWEEP_THRESHOLD`` is the same measure in SQL)."""
     tokens = info.surface_tokens + info.envelope_tokens
-    if info.reported_input_tokens is not None and info.reported_input_tokens > tokens:
-        tokens = info.reported_input_tokens
+    reported = info.reported_tokens
+    if reported is not None and reported > tokens:
+        tokens = reported
     window = policy.context_window
     return Pressure(tokens=tokens, messages=info.surface_messages,
                     fraction=tokens / window if window else None)
@@ -100,3 +103,18 @@ def explain(info: SessionInfo, config: Config) -> tuple[bool, str, Pressure]:
     pressure = session_pressure(info, policy)
     fired, reason = should_run(pressure, policy)
     return fired, reason, pressure
+
+
+def sweep_key(config: Config) -> str:
+    """Names what a session's sweep thresholds were resolved from: the configured trigger and
+    the windows a session's run model can take. A change to either gives a new key, and the
+    sweep resolves every session again; other settings leave the thresholds as they are."""
+    windows = [(m.name, m.context_window) for m in config.models]
+    p = config.policy
+    basis = repr((p.enabled, p.trigger, windows, sorted(KNOWN_WINDOWS.items())))
+    return hashlib.sha256(basis.encode()).hexdigest()[:32]
+
+
+def sweep_thresholds(info: SessionInfo, config: Config) -> tuple[int | None, int | None]:
+    """The stored thresholds the sweep selects on (see ``Policy.trigger_floors``)."""
+    return session_policy(info, config).trigger_floors()

@@ -26,7 +26,7 @@ from scheduler.enqueue import Enqueuer
 from scheduler.intake import follow_up
 from scheduler.sweeps import reap_leases, sweep_pressure
 from storage.errors import ConfigError
-from storage.jobs import ITEM_FAILED
+from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
 from storage.records import utcnow
 from worker import logs
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
@@ -103,7 +103,7 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
         if self.request.retries < BULK_BUSY_RETRIES:
             raise self.retry(countdown=config.worker.lease_s / 3, max_retries=BULK_BUSY_RETRIES)
         process_loop(config).run(lambda deps: deps.store.mark_bulk_items(
-            bulk_job_id, [session_id], ITEM_FAILED))
+            bulk_job_id, [session_id], ITEM_FAILED, from_states=[ITEM_PENDING, ITEM_ENQUEUED]))
     if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
         raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
     return outcome.brief()

@@ -30,6 +30,8 @@ echo "surface version $ETAG"
 # Before each model call: 304 while nothing changed (one primary-key read), else the new surface.
 curl -sS -o /dev/null -w '%{http_code}\n' "$API/surface" -H "$AUTH" -H "If-None-Match: $ETAG"
 
-# After each model call: the provider's own input token count.
-curl -sS --fail-with-body -X POST "$API/usage" -H "$AUTH" -H "$JSON" -d '{"input_tokens": 1830}'
+# After each model call: the provider's own input and output token counts (before the reply is
+# appended, say so: it is then counted once, by output_tokens).
+curl -sS --fail-with-body -X POST "$API/usage" -H "$AUTH" -H "$JSON" \
+  -d '{"input_tokens": 1830, "output_tokens": 212, "response_appended": false}'
 echo

@@ -85,6 +85,14 @@ def middleware(db_url: str, tmp_path: Path) -> Iterator[CompactdMiddleware]:
         mw.close()
 
 
+async def read_events(db_url: str, session: str) -> list[Any]:
+    store = Store.from_url(db_url)
+    try:
+        return await store.read_events(session, kinds=["message"])
+    finally:
+        await store.close()
+
+
 async def stored(db_url: str, session: str) -> tuple[list[dict[str, Any]], Any, bool]:
     store = Store.from_url(db_url)
     try:
@@ -116,6 +124,12 @@ async def test_every_state_message_is_mirrored_once_in_order_and_usage_reported(
     # The provider's own count for the last call (the fake's prompt_tokens) was reported.
     last = fake.requests_for(model=AGENT_MODEL)[-1]
     assert info.reported_input_tokens == -(-last.body_bytes // 4)
+    # And its output (the answer "done"): the response, mirrored after the report, is counted
+    # by it once, not again as an appended message.
+    assert info.reported_output_tokens == 1
+    answer = (await read_events(db_url, "s1"))[-1]
+    assert answer.payload["content"] == "done"
+    assert info.reported_tokens == info.reported_input_tokens + max(1, answer.tokens)
     # Without a checkpoint, the model saw exactly what it would have seen without compactd.
     for request, n in zip(sent_messages(fake), range(1, 7), strict=True):
         assert [m["role"] for m in request][:2] == ["system", "user"]
@@ -327,3 +341,27 @@ async def test_summarization_middleware_arguments_become_the_session_policy(
                            "keep": ["messages", 20]}
     with pytest.raises(ValueError, match="trigger"):
         CompactdMiddleware(trigger=("tokens", -5))
+
+
+async def test_trigger_none_turns_automatic_compaction_off(fake: FakeProvider, db_url: str,
+                                                           tmp_path: Path) -> None:
+    """As SummarizationMiddleware(trigger=None) never summarizes: a configured trigger the
+    session is far over enqueues nothing; leaving ``trigger`` out keeps the configured one."""
+    config = build_config({"summarization": {"trigger": [{"type": "tokens", "value": 100}]}},
+                          settings=Settings(database_url=db_url, home=str(tmp_path)),
+                          home=tmp_path)
+    for thread, kwargs in (("off", {"trigger": None}), ("configured", {})):
+        middleware = CompactdMiddleware(config=config, **kwargs)
+        script_steps(fake, 2)
+        try:
+            await agent_for(fake, middleware).ainvoke(
+                {"messages": [{"role": "user", "content": "go"}]},
+                {"configurable": {"thread_id": thread}})
+        finally:
+            middleware.close()
+    _, off, _ = await stored(db_url, "off")
+    _, configured, _ = await stored(db_url, "configured")
+    assert off.surface_tokens > 100 and configured.surface_tokens > 100
+    assert off.policy == {"trigger": []} and off.signal_at is None
+    assert configured.policy is None and configured.signal_at is not None
+    assert repr(CompactdMiddleware.__init__.__kwdefaults__["trigger"]) == "FROM_CONFIG"

@@ -328,7 +328,9 @@ async def test_sweep_enqueues_only_idle_sessions_over_their_trigger(
     assert await store.mark_signal("f-stale", ttl_s=120, now=now - dt.timedelta(seconds=31))
     result = await sweep_pressure(store, config, enqueuer, now=now)
     assert sorted(result.enqueued) == ["a-over", "f-stale"]
-    assert result.scanned_batches >= 3  # six sessions, two per batch
+    # Only the two idle sessions over their trigger are read (leased, cooling and freshly
+    # signalled ones are passed over in SQL): one full batch of two, then an empty one.
+    assert result.scanned_batches == 2 and result.resolved == 6
     assert {r.trigger for r in enqueuer.sent} == {"sweep"}
     # The sweep marked what it enqueued: the next sweep does not enqueue them twice.
     again = await sweep_pressure(store, config, enqueuer, now=now + dt.timedelta(seconds=1))
@@ -508,8 +510,12 @@ async def test_bulk_items_move_pending_enqueued_done_and_resume_skips_done(
     runs = [r for r in await store.session_runs("b0") if r.bulk_job_id == job.id]
     assert [r.status for r in runs] == ["committed"]
 
-    await store.mark_bulk_items(job.id, ["b1"], ITEM_FAILED)
-    await store.mark_bulk_items(job.id, ["b0"], ITEM_ENQUEUED)  # never moves done back
+    await store.mark_bulk_items(job.id, ["b1"], ITEM_FAILED, from_states=[ITEM_ENQUEUED])
+    # A state moves only from the states named: b0 is done, b1 failed meanwhile.
+    await store.mark_bulk_items(job.id, ["b0", "b1"], ITEM_ENQUEUED,
+                                from_states=[ITEM_PENDING])
+    with pytest.raises(ValueError, match="does not move"):
+        await store.mark_bulk_items(job.id, ["b0"], ITEM_ENQUEUED, from_states=[ITEM_DONE])
     job = await store.get_bulk_job(job.id)
     assert job is not None and (job.done, job.failed, job.enqueued) == (1, 1, 4)
     resumed = RecordingEnqueuer()

@@ -59,7 +59,10 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
     from storage.records import Claim
     from storage.store import Store
 
-    upgrade(empty_pg, "0002")
+    # Every revision adds to the sessions row the code reads, so the function is dropped from a
+    # current schema rather than the schema being left at the revision before it.
+    upgrade(empty_pg)
+    _execute(empty_pg, "DROP FUNCTION compactd_claim")
 
     async def claim() -> object:
         store = Store.from_url(empty_pg)
@@ -71,11 +74,17 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
 
     with pytest.raises(SchemaMissing, match="compactd migrate"):
         asyncio.run(claim())
+    from alembic import command
+
+    from storage.migrate import alembic_config
+
+    command.downgrade(alembic_config(empty_pg), "0002")
     upgrade(empty_pg)
 
     async def claim_again() -> object:
         store = Store.from_url(empty_pg)
         try:
+            await store.create_session("s1")
             return await store.claim("s1", owner="w1", trigger="manual", lease_s=30)
         finally:
             await store.close()
@@ -93,7 +102,8 @@ def test_a_commit_on_a_schema_without_the_commit_function_says_run_migrate(empty
     from storage.records import Claim, Replacement, RunEnd
     from storage.store import Store
 
-    upgrade(empty_pg, "0003")
+    upgrade(empty_pg)
+    _execute(empty_pg, "DROP FUNCTION compactd_commit")
 
     async def attempt() -> None:
         store = Store.from_url(empty_pg)
@@ -113,3 +123,40 @@ def test_a_commit_on_a_schema_without_the_commit_function_says_run_migrate(empty
             await store.close()
 
     asyncio.run(attempt())
+
+
+def test_a_schema_missing_a_column_says_run_migrate(empty_pg: str, tmp_path: Path) -> None:
+    """A database one revision behind (no sweep thresholds yet): reading a session names the fix
+    instead of quoting the driver's error, on both backends."""
+    import asyncio
+
+    from storage.errors import SchemaMissing
+    from storage.store import Store
+
+    async def create(url: str) -> None:
+        store = Store.from_url(url)
+        try:
+            await store.get_session("s1")
+        finally:
+            await store.close()
+
+    for url in (empty_pg, f"sqlite:///{tmp_path / 'old.sqlite3'}"):
+        upgrade(url, "0004")
+        with pytest.raises(SchemaMissing, match="compactd migrate") as caught:
+            asyncio.run(create(url))
+        assert "sweep" not in str(caught.value) and "SELECT" not in str(caught.value)
+
+
+def _execute(url: str, sql: str) -> None:
+    import asyncio
+
+    import asyncpg
+
+    async def run() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())

@@ -173,6 +173,25 @@ class Policy:
                     lows.append(c.value * self.context_window)
         return min(lows) if lows else None
 
+    def trigger_floors(self) -> tuple[int | None, int | None]:
+        """The lowest pressure tokens and the lowest message count at which the trigger can
+        fire, for a sweep that selects on stored columns: it fires only if tokens reach the
+        first or messages the second (None: never by that measure). Exact for OR lists of
+        single clauses and for one group; for an AND group that mixes tokens and messages only
+        its tokens count, so the floors select a superset that ``should_compact`` narrows."""
+        if not self.auto:
+            return None, None
+        tokens: list[int] = []
+        messages: list[int] = []
+        for group in self.trigger:
+            needs = [math.ceil(c.value * (self.context_window or 0) if c.kind == "fraction"
+                               else c.value) for c in group if c.kind != "messages"]
+            if needs:
+                tokens.append(max(needs))
+            else:
+                messages.append(max(math.ceil(c.value) for c in group))
+        return min(tokens, default=None), min(messages, default=None)
+
     def to_config(self) -> dict[str, Any]:
         """A ``summarization:`` mapping that parses back to this policy."""
         out: dict[str, Any] = {

@@ -1,0 +1,67 @@
+"""``compactd recompact`` with a real Celery worker: a job whose runs fail while the fan-out is
+still sending ends (nothing set back to enqueued), and waiting for a job no worker consumes gives
+up with a message that names the job and how to continue it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from storage.jobs import ITEM_ENQUEUED
+from storage.store import Store
+from tests.acceptance.test_scheduler import POLICY, _many_sessions
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+
+
+@pytest.mark.timeout(180)
+async def test_items_that_fail_while_the_fan_out_sends_end_the_job(make_stack, fake) -> None:  # type: ignore[no-untyped-def]
+    # Every model call is refused (401) and the local summarizer is off: each run fails within
+    # a moment, long before the paced fan-out has sent the rest of its chunk.
+    fake.script(status=401, times=-1)
+    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    store = Store.from_url(stack.database_url)
+    try:
+        await _many_sessions(store, 4, steps=2)
+        stack.start_worker("w1", concurrency=4)
+        started = time.monotonic()
+        out = stack.cli("recompact", "--force", "--rate", "1/s", "--chunk", "10", "--json",
+                        "--timeout", "60", check=False, timeout=120)
+        took = time.monotonic() - started
+        assert out.returncode == 1, out.stderr  # failed items: exit 1, not a hang
+        job = json.loads(out.stdout)["job"]
+        assert (job["matched"], job["done"], job["failed"], job["pending"]) == (4, 0, 4, 0)
+        assert took < 50, f"the job took {took:.1f} s to end"
+        runs = [r for sid in (f"bulk-{i:04d}" for i in range(4))
+                for r in await store.session_runs(sid)]
+        assert len(runs) == 4 and {r.failure_class for r in runs} == {"summary"}
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(120)
+async def test_waiting_for_a_job_no_worker_consumes_gives_up(make_stack) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack(summarization=POLICY)
+    store = Store.from_url(stack.database_url)
+    try:
+        await _many_sessions(store, 3, steps=0)
+        started = time.monotonic()
+        out = stack.cli("recompact", "--force", "--timeout", "2", check=False, timeout=60)
+        assert out.returncode == 1 and time.monotonic() - started < 30
+        [job] = await store.list_bulk_jobs()
+        assert f"bulk job {job.id}: no session finished within 2 s" in out.stderr
+        assert "compaction.bulk" in out.stderr
+        assert f"compactd recompact --resume {job.id}" in out.stderr
+        assert "Traceback" not in out.stderr
+        # Nothing is lost: the items stay enqueued for a worker or a resume.
+        assert (job.matched, job.enqueued, job.done, job.failed) == (3, 3, 0, 0)
+        assert len(await store.bulk_items(job.id, states=[ITEM_ENQUEUED], limit=10)) == 3
+        for bad in ("nan", "-1", "0", "inf"):
+            refused = stack.cli("recompact", "--force", "--timeout", bad, check=False)
+            assert refused.returncode == 2, (bad, refused.stderr)
+            assert "timeout" in refused.stderr
+        assert len(await store.list_bulk_jobs()) == 1  # a refused command wrote nothing
+    finally:
+        await store.close()

@@ -1,0 +1,140 @@
+"""Provider usage feeds pressure with what the next request holds: the reported call's input, its
+output, and what was appended after the response (PostgreSQL and the embedded SQLite; the async
+and sync clients, the sweep, and HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from scheduler.client import Client, CompactdClient
+from scheduler.enqueue import RecordingEnqueuer
+from scheduler.sweeps import sweep_pressure
+from storage.errors import InvalidMessage
+from storage.store import Store
+from tests.integration.test_http_api import A, api_config, serve_app
+from tests.integration.test_scheduler_decisions import make_config, text, user
+
+TRIGGER = 10_000
+
+
+def assistant(tokens: int) -> dict[str, Any]:
+    return {"role": "assistant", "content": text(tokens)}
+
+
+async def test_input_plus_output_fires_the_trigger(db_url: str, store: Store) -> None:
+    """7500 input + 2501 output is over a 10,000-token trigger (LangChain counts the same)."""
+    enqueuer = RecordingEnqueuer()
+    async with CompactdClient(make_config(db_url, trigger=TRIGGER), store=store,
+                              enqueuer=enqueuer) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.append([user(50)])
+        info = await handle.report_usage(7500, 2499)
+        await client.drain()
+        assert info.reported_tokens == 9999 and enqueuer.sent == []
+        info = await handle.report_usage(7500, 2501)
+        await client.drain()
+        assert (info.reported_input_tokens, info.reported_output_tokens) == (7500, 2501)
+        assert [r.session_id for r in enqueuer.sent] == ["s1"]
+
+
+async def test_what_is_appended_after_the_response_counts_on_top(db_url: str,
+                                                                 store: Store) -> None:
+    enqueuer = RecordingEnqueuer()
+    async with CompactdClient(make_config(db_url, trigger=TRIGGER), store=store,
+                              enqueuer=enqueuer) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.append([user(50)])
+        # Reported before the response is appended (the LangChain middleware's order): the
+        # response, once appended, is already counted by the output tokens.
+        await handle.report_usage(7500, 2000, response_appended=False)
+        step = await handle.append([assistant(2000)])
+        assert not step.fired and enqueuer.sent == []
+        # Counted once: only compactd's few framing tokens of the message exceed the output.
+        assert 9500 <= (await store.get_session("s1")).reported_tokens < 9510
+        step = await handle.append([user(600)])  # a tool result after the response
+        await client.drain()
+        assert step.fired and [r.session_id for r in enqueuer.sent] == ["s1"]
+
+        # Reported after the response is appended: everything appended later counts.
+        other = await client.create_session("s2", run_model="gpt-4o")
+        await other.append([user(50), assistant(2000)])
+        await other.report_usage(7500, 2000)
+        step = await other.append([user(600)])
+        assert step.fired
+
+
+async def test_the_sweep_counts_the_reported_output(db_url: str, store: Store) -> None:
+    config = make_config(db_url, trigger=TRIGGER)
+    async with CompactdClient(config, store=store, enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.append([user(50)])
+        await handle.report_usage(7500, 2501)
+        grown = await client.create_session("s2", run_model="gpt-4o")
+        await grown.append([user(50)])
+        await grown.report_usage(7500, 2000)
+        await grown.append([user(600)])
+        quiet = await client.create_session("s3", run_model="gpt-4o")
+        await quiet.append([user(50)])
+        await quiet.report_usage(7500, 2000)
+    for sid in ("s1", "s2"):
+        await store.clear_signal(sid)  # as if the signals were lost
+    result = await sweep_pressure(store, config, RecordingEnqueuer())
+    assert sorted(result.enqueued) == ["s1", "s2"]
+
+
+async def test_bad_usage_is_refused_and_changes_nothing(db_url: str, store: Store) -> None:
+    async with CompactdClient(make_config(db_url), store=store,
+                              enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.report_usage(100, 10)
+        for args, field in [((-1,), "input_tokens"), ((1, -1), "output_tokens"),
+                            ((2**31,), "input_tokens"), ((1, 2**31), "output_tokens"),
+                            ((1, True), "output_tokens")]:
+            with pytest.raises(InvalidMessage) as err:
+                await handle.report_usage(*args)
+            assert err.value.field == field
+        info = await store.get_session("s1")
+        assert (info.reported_input_tokens, info.reported_output_tokens) == (100, 10)
+
+
+def test_the_sync_client_reports_output_tokens(db_url: str) -> None:
+    with Client(make_config(db_url, trigger=TRIGGER)) as client:
+        session = client.create_session("s1", run_model="gpt-4o")
+        session.append([user(50)])
+        info = session.report_usage(7500, 2501)
+    assert info.reported_tokens == 10_001
+
+    async def mark() -> Any:
+        store = Store.from_url(db_url)
+        try:
+            return (await store.get_session("s1")).signal_at
+        finally:
+            await store.close()
+
+    assert asyncio.run(mark()) is not None  # the report signalled a compaction
+
+
+async def test_http_usage_takes_output_tokens(db_url: str, tmp_path: Any) -> None:
+    config = api_config(db_url, tmp_path, summarization={
+        "trigger": {"type": "tokens", "value": TRIGGER}})
+    async for api in serve_app(config):
+        await api.create("s1", A, run_model="gpt-4o")
+        await api.append("s1", A, {"role": "user", "content": "hello"})
+        for body in ({"input_tokens": 1, "output_tokens": -1},
+                     {"input_tokens": 1, "output_tokens": 2**31},
+                     {"input_tokens": 1, "output_tokens": "many"},
+                     {"input_tokens": 1, "response_appended": "perhaps"}):
+            refused = await api.http.post("/v1/sessions/s1/usage", headers=A, json=body)
+            assert refused.status_code == 422, (body, refused.text)
+        usage = await api.http.post("/v1/sessions/s1/usage", headers=A,
+                                    json={"input_tokens": 7500, "output_tokens": 2501})
+        assert usage.status_code == 200, usage.text
+        assert (usage.json()["reported_input_tokens"],
+                usage.json()["reported_output_tokens"]) == (7500, 2501)
+        signal = await api.http.post("/v1/sessions/s1/signal", headers=A)
+        # The report itself signalled: a compaction is already queued.
+        assert signal.json()["enqueued"] is False
+        assert "already queued" in signal.json()["reason"]
