@@ -33,7 +33,7 @@ from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_
 from storage.errors import CompactdError, ConfigError, InvalidMessage
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
-from storage.store import Store
+from storage.store import PreparedAppend, Store
 from storage.tokens import counter_for
 from worker.app import client_app
 from worker.compaction.planner import plan
@@ -235,11 +235,13 @@ class SessionHandle:
         cooling = info.cooldown_until is not None and info.cooldown_until > utcnow()
         return not cooling and over_trigger(info, self._config)
 
-    async def append(self, messages: Sequence[Mapping[str, Any] | Message], *,
+    async def append(self, messages: Sequence[Mapping[str, Any] | Message] | PreparedAppend, *,
                      format: str = "openai") -> StepResult:
         """Append one step's messages; when the trigger fires, one compaction is enqueued
-        (the first append of a burst does it, the others see it pending)."""
-        parsed = parse_messages(messages, format)
+        (the first append of a burst does it, the others see it pending). A batch already
+        parsed and prepared (``storage.store.prepare_append``) is stored as it is."""
+        parsed = messages if isinstance(messages, PreparedAppend) else \
+            parse_messages(messages, format)
         result = await self.client.store.append(
             self.id, parsed, signal_if=self._wants_signal,
             signal_ttl_s=self._config.worker.signal_ttl_s)
