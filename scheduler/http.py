@@ -22,9 +22,10 @@ give sessions unguessable ids. Tokens are compared as SHA-256 digests in constan
 logged.
 
 **Errors** share one body, ``{"error", "message", "field", "index"}``: 401 no or unknown token,
-404 no such session (for this tenant), 409 the session exists with another run model, 413 the body
-is over ``api.max_body_bytes``, 422 a field is not valid (``field`` names it, e.g.
-``body.messages[3].tool_call_id``), 503 the database or the broker cannot be reached (retry).
+404 no such session (for this tenant), 408 the body did not arrive within ``api.body_timeout_s``,
+409 the session exists with another run model, 413 the body is over ``api.max_body_bytes``, 422
+a field is not valid (``field`` names it, e.g. ``body.messages[3].tool_call_id``), 503 the
+database or the broker cannot be reached (retry).
 
 One engine and connection pool per server process, opened by the lifespan.
 """
@@ -127,7 +128,7 @@ class _Body(BaseModel):
 
 class ErrorOut(BaseModel):
     error: str = Field(description="unauthorized, not_found, conflict, too_large, invalid, "
-                                   "bad_request, method_not_allowed, unavailable")
+                                   "bad_request, method_not_allowed, timeout, unavailable")
     message: str
     field: str | None = Field(default=None, description="the offending field, as a path")
     index: int | None = Field(default=None, description="the offending message of a batch")
@@ -534,6 +535,7 @@ _COMMON: dict[int | str, dict[str, Any]] = {
 _WITH_BODY: dict[int | str, dict[str, Any]] = {
     **_COMMON,
     400: _error("the body is not JSON"),
+    408: _error("the body did not arrive within api.body_timeout_s"),
     413: _error("the body is over api.max_body_bytes"),
 }
 # What a created or opened session leads to (OpenAPI links: generated clients and stateful
@@ -807,7 +809,7 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 _HTTP_ERRORS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
-                405: "method_not_allowed", 413: "too_large"}
+                405: "method_not_allowed", 408: "timeout", 413: "too_large"}
 
 
 def _location(loc: Sequence[Any]) -> str:
@@ -912,13 +914,21 @@ class BodyTooLarge(HTTPException):
                               "(api.max_body_bytes)")
 
 
+class BodyTimeout(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s "
+                              "(api.body_timeout_s)", headers={"Connection": "close"})
+
+
 class BodyLimit:
     """Refuse a request body over ``max_bytes``: by its Content-Length before reading it, else
-    as it streams in (a chunked body has no length to check)."""
+    as it streams in (a chunked body has no length to check). The whole body must arrive within
+    ``timeout_s`` of the first read: a client that announces more than it sends gets 408."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -931,10 +941,19 @@ class BodyLimit:
                 await response(scope, receive, send)
                 return
         received = 0
+        deadline: float | None = None
 
         async def limited() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + self.timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                # An HTTPException, as below; the connection is closed after the answer (the
+                # rest of the body may still come, and would be read as the next request).
+                raise BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
@@ -975,7 +994,8 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
     app.state.tokens = tokens
     add_routes(app)
     add_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes,
+                       timeout_s=config.api.body_timeout_s)
     return app
 
 

@@ -129,6 +129,9 @@ class ApiConfig(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     # A request that waits for a compaction holds a connection; this caps what a caller may ask.
     max_wait_s: float = Field(default=120.0, gt=0)
+    # A body must arrive whole within this (408 after it): a client that announces more than it
+    # sends would otherwise hold its connection and its request for ever.
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
 
 
 class FileConfig(_Strict):

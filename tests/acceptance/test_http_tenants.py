@@ -84,3 +84,33 @@ def test_another_tenant_is_answered_while_a_4_mb_append_is_counted(
     assert len(during) >= 3, f"B got {len(during)} answers during A's {took_s:.1f} s append"
     assert max(during) < took_s / 3, (
         f"B waited up to {max(during):.2f} s during A's {took_s:.1f} s append")
+
+
+def test_a_body_shorter_than_its_content_length_is_408_after_the_body_timeout(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    import socket
+    from urllib.parse import urlparse
+
+    stack = make_stack()
+    url = start_api(stack, api={"body_timeout_s": 1})
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=30) as http:
+        assert http.put("/v1/sessions/s1", json={}).status_code == 201
+    address = urlparse(url)
+    head = (f"POST /v1/sessions/s1/messages HTTP/1.1\r\nHost: {address.netloc}\r\n"
+            f"Authorization: Bearer {TOKEN_A}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n").encode()
+    with socket.create_connection((address.hostname, address.port), timeout=30) as raw:
+        raw.sendall(head + b'{"messages": [{"role": "user", "content": "hel')
+        answer = b""
+        while chunk := raw.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 408 Request Timeout", answer[:500]
+    body = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert body["error"] == "timeout" and "api.body_timeout_s" in body["message"], body
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=30) as http:
+        assert http.get("/v1/sessions/s1").json()["messages"] == 0
+        # A body that arrives in time is served as before.
+        step = http.post("/v1/sessions/s1/messages",
+                         json={"messages": [{"role": "user", "content": "hello"}]})
+        assert step.status_code == 200, step.text
