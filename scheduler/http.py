@@ -990,7 +990,9 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
     app = FastAPI(
         title="compactd", version="1",
         summary="Out-of-band context compaction for LLM agent runtimes",
-        description=__doc__, lifespan=lifespan)
+        description=__doc__, lifespan=lifespan,
+        docs_url="/docs" if config.api.docs else None,
+        redoc_url="/redoc" if config.api.docs else None)
     app.state.tokens = tokens
     add_routes(app)
     add_error_handlers(app)

@@ -132,6 +132,9 @@ class ApiConfig(_Strict):
     # A body must arrive whole within this (408 after it): a client that announces more than it
     # sends would otherwise hold its connection and its request for ever.
     body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # Swagger UI and ReDoc load their JavaScript from a CDN: a browser that opens them runs code
+    # the server does not ship. Off unless asked for; /openapi.json is always served.
+    docs: bool = False
 
 
 class FileConfig(_Strict):

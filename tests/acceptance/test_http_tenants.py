@@ -114,3 +114,12 @@ def test_a_body_shorter_than_its_content_length_is_408_after_the_body_timeout(
         step = http.post("/v1/sessions/s1/messages",
                          json={"messages": [{"role": "user", "content": "hello"}]})
         assert step.status_code == 200, step.text
+
+
+def test_the_served_api_has_no_interactive_docs_unless_asked_and_serves_openapi_json(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack()
+    url = start_api(stack)
+    assert httpx.get(f"{url}/docs", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/redoc", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/openapi.json", timeout=30).json()["info"]["title"] == "compactd"

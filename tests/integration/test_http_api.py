@@ -450,3 +450,18 @@ async def test_a_large_body_that_is_not_json_is_422_naming_the_body(api: Served)
     assert plain.status_code == 422 and plain.json()["field"] == "body", plain.text
     empty = await api.http.post("/v1/sessions/s1/messages", headers=A)
     assert empty.status_code == 422 and empty.json()["field"] == "body", empty.text
+
+
+async def test_the_interactive_docs_are_off_by_default_and_the_openapi_document_is_served(
+        api: Served, tmp_path: Path) -> None:
+    # Swagger UI and ReDoc pull their JavaScript from a CDN.
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        response = await api.http.get(path)
+        assert response.status_code == 404, (path, response.text[:200])
+        assert "cdn" not in response.text.lower()
+    document = await api.http.get("/openapi.json")
+    assert document.status_code == 200 and document.json()["info"]["title"] == "compactd"
+    config = api_config(f"sqlite:///{tmp_path}/docs.sqlite3", tmp_path, api={"docs": True})
+    async for served in serve_app(config):
+        assert (await served.http.get("/docs")).status_code == 200
+        assert (await served.http.get("/redoc")).status_code == 200
