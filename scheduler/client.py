@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from scheduler.enqueue import Enqueuer, RunRequest
+from scheduler.enqueue import Enqueuer, RunRequest, enqueue_manual
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, ConfigError, InvalidMessage
 from storage.messages import Message, parse
@@ -286,12 +286,16 @@ class SessionHandle:
 
     async def compact(self, *, force: bool = False, keep: str | None = None, wait: bool = True,
                       timeout_s: float = 120.0) -> dict[str, Any]:
-        """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result."""
-        task_id = await self.client.enqueuer.asend(
-            RunRequest(self.id, "manual", force=force, keep=keep))
+        """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result. While
+        one for the session is queued and not started, this is that one (``coalesced``)."""
+        queued = await enqueue_manual(
+            self.client.store, self.client.enqueuer,
+            RunRequest(self.id, "manual", force=force, keep=keep),
+            ttl_s=self._config.worker.signal_ttl_s)
         if not wait:
-            return {"session": self.id, "outcome": "queued", "task_id": task_id}
-        run = await self._wait_for_run(task_id, timeout_s)
+            return {"session": self.id, "outcome": "queued", "task_id": queued.task_id,
+                    "coalesced": queued.coalesced}
+        run = await self._wait_for_run(queued.task_id, timeout_s)
         return run_result(run)
 
     async def report_overflow(self, *, wait: bool = True, timeout_s: float = 60.0

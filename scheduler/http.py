@@ -303,6 +303,10 @@ class RunOut(BaseModel):
     finished_at: str | None
 
 
+MANUAL_COALESCED = ("a manual compaction of this session is already queued and not started; "
+                    "this is its task")
+
+
 class QueuedOut(BaseModel):
     session: str
     outcome: Literal["queued"]
@@ -700,7 +704,9 @@ def add_routes(app: FastAPI) -> None:
     async def compact(info: Owned, api: ApiDep,
                       body: Annotated[CompactIn | None, Body()] = None) -> Any:
         """A manual compaction on ``compaction.urgent``. With ``wait``, the run's result (the
-        shape of ``compactd compact --json``); else, or when it has not finished in time, 202."""
+        shape of ``compactd compact --json``); else, or when it has not finished in time, 202.
+        While one for the session is queued and not started, this request is that one: the
+        same task id, and its options."""
         body = body or CompactIn()
         try:
             keep = parse_keep(body.keep)
@@ -718,7 +724,8 @@ def add_routes(app: FastAPI) -> None:
                 return _queued(info.id, task_id,
                                f"not finished within {timeout_s:g} s; it may still run")
             return run_result(run)
-        return _queued(info.id, task_id, "queued on compaction.urgent")
+        return _queued(info.id, task_id, MANUAL_COALESCED if queued["coalesced"]
+                       else "queued on compaction.urgent")
 
     @app.post(API_PREFIX + "/sessions/{session_id}/overflow", response_model=OverflowOut,
               operation_id="reportOverflow",

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
@@ -415,6 +417,35 @@ class Store(LeasesMixin, JobsMixin):
         async with transaction(self.engine) as conn:
             row = (await conn.execute(_CLEAR_SIGNAL, {"b_id": session_id})).first()
         return None if row is None else session_from_row(row)
+
+    async def mark_manual(self, session_id: str, task_id: str, *, ttl_s: float,
+                          now: dt.datetime | None = None) -> str:
+        """Record ``task_id`` as the session's queued manual run unless one younger than
+        ``ttl_s`` is recorded; the task id that holds the mark (``task_id`` when this call
+        took it). A missing session raises SessionNotFound."""
+        now = now or utcnow()
+        m = t.manual_requests
+        dialect: Any = sqlite_insert if self.sqlite else pg_insert
+        taken = dialect(m).values(session_id=session_id, task_id=task_id, queued_at=now)
+        taken = taken.on_conflict_do_update(
+            index_elements=[m.c.session_id], set_={"task_id": task_id, "queued_at": now},
+            where=m.c.queued_at <= now - dt.timedelta(seconds=ttl_s)).returning(m.c.task_id)
+        async with transaction(self.engine) as conn:
+            await self._session(conn, session_id)
+            row = (await conn.execute(taken)).first()
+            if row is None:
+                # A live mark: on PostgreSQL the conflict locked its row, so it is still there.
+                row = (await conn.execute(sa.select(m.c.task_id)
+                                          .where(m.c.session_id == session_id))).first()
+        assert row is not None
+        return str(row[0])
+
+    async def clear_manual(self, session_id: str, task_id: str) -> None:
+        """The manual run of ``task_id`` started (or was never sent): the next request queues."""
+        m = t.manual_requests
+        async with transaction(self.engine) as conn:
+            await conn.execute(m.delete().where(m.c.session_id == session_id,
+                                                m.c.task_id == task_id))
 
     # ---------------------------------------------------------------------------------------
     # reads

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
+from tests.support.stack import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -123,3 +124,63 @@ def test_the_served_api_has_no_interactive_docs_unless_asked_and_serves_openapi_
     assert httpx.get(f"{url}/docs", timeout=30).status_code == 404
     assert httpx.get(f"{url}/redoc", timeout=30).status_code == 404
     assert httpx.get(f"{url}/openapi.json", timeout=30).json()["info"]["title"] == "compactd"
+
+
+def urgent_messages(redis_url: str) -> int:
+    import redis
+
+    from worker.keys import QUEUE_URGENT
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.llen(QUEUE_URGENT))
+    finally:
+        client.close()
+
+
+def test_forty_manual_compactions_of_one_session_queue_one_task_until_it_starts(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scheduler.samples import coding_session
+
+    stack = make_stack(summarization={"model_name": "fake-gpt",
+                                      "trigger": [{"type": "tokens", "value": 10_000_000}],
+                                      "keep": {"type": "messages", "value": 6}})
+    url = start_api(stack)
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=60) as http:
+        for session in ("s1", "s2"):
+            assert http.put(f"/v1/sessions/{session}",
+                            json={"run_model": "fake-gpt"}).status_code == 201
+            messages = coding_session(steps=12, big_output_lines=30).messages
+            assert http.post(f"/v1/sessions/{session}/messages",
+                             json={"messages": messages}).status_code == 200
+
+        def compact(_: int) -> httpx.Response:
+            return http.post("/v1/sessions/s1/compact", json={})
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(compact, range(40)))
+        assert {a.status_code for a in answers} == {202}, [a.text for a in answers[:3]]
+        task_ids = {a.json()["task_id"] for a in answers}
+        assert len(task_ids) == 1, task_ids
+        reasons = [a.json()["reason"] for a in answers]
+        assert reasons.count("queued on compaction.urgent") == 1, reasons
+        assert urgent_messages(stack.redis_url) == 1
+        # The CLI's queued compact is the same request; another session queues its own.
+        again = stack.cli_json("compact", "s1")
+        assert again["task_id"] in task_ids and again["coalesced"] is True
+        assert "already queued" in stack.cli("compact", "s1").stdout
+        other = http.post("/v1/sessions/s2/compact", json={}).json()
+        assert other["task_id"] not in task_ids
+        assert urgent_messages(stack.redis_url) == 2
+
+        # Once the run has started, a request queues a run of its own.
+        stack.start_worker("w1", concurrency=2)
+        first = wait_until(lambda: [r for r in http.get("/v1/sessions/s1").json()["runs"]
+                                    if r["finished_at"]], timeout=90,
+                           what="the coalesced run to end")
+        run = http.post("/v1/sessions/s1/compact", json={"wait": True, "timeout_s": 90})
+        assert run.status_code == 200, run.text
+        runs = http.get("/v1/sessions/s1").json()["runs"]
+        assert len(runs) == 2 and run.json()["run_id"] != first[0]["run_id"], runs
