@@ -435,7 +435,7 @@ async def test_a_large_append_with_one_bad_message_is_422_naming_it_and_writes_n
     assert status["messages"] == 0 and status["version"] == 0
 
 
-async def test_a_large_body_that_is_not_json_is_422_naming_the_body(api: Served) -> None:
+async def test_a_body_that_is_not_json_is_422_or_400_as_fastapi_answers_it(api: Served) -> None:
     import scheduler.http
 
     await api.create("s1", A)
@@ -450,6 +450,11 @@ async def test_a_large_body_that_is_not_json_is_422_naming_the_body(api: Served)
     assert plain.status_code == 422 and plain.json()["field"] == "body", plain.text
     empty = await api.http.post("/v1/sessions/s1/messages", headers=A)
     assert empty.status_code == 422 and empty.json()["field"] == "body", empty.text
+    for raw in (b"dD\xff h\x04", b"[" * 50_000):  # not UTF-8; nested past the parser's limit
+        response = await api.http.post("/v1/sessions/s1/messages", content=raw,
+                                       headers={**A, "content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"] == "bad_request"
 
 
 async def test_the_interactive_docs_are_off_by_default_and_the_openapi_document_is_served(
