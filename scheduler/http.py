@@ -100,6 +100,9 @@ _SESSION_CACHE_MAX = 100_000
 # An append body over this is decoded, parsed and counted on the API's CPU thread (see
 # Api.offload); under it the hop costs more than the work it moves.
 OFFLOAD_BYTES = 32 * 1024
+# While the CPU thread works, the event loop waits up to one switch interval for the GIL each
+# time it wakes; a small request wakes it several times. Python's default is 5 ms.
+SWITCH_INTERVAL_S = 0.001
 # Printable text: a NUL or control character in an id would reach PostgreSQL as a bad byte.
 _PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
@@ -1027,6 +1030,7 @@ class _Server(uvicorn.Server):
 async def serve(config: Config, *, host: str, port: int) -> None:
     """Run the API until SIGINT/SIGTERM; prints the address it listens on (port 0: any free)."""
     app = create_app(config)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = _Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_config=None, server_header=False,
         proxy_headers=False))
