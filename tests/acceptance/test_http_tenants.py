@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -21,7 +22,7 @@ WORDS = ("the", "build", "failed", "in", "module", "billing", "because", "the", 
          "test", "expected", "42", "cents")
 
 
-def big_step() -> list[dict[str, object]]:
+def big_step() -> list[dict[str, Any]]:
     """One agent step of large tool results: a body near the 4 MiB default limit, about 0.7M
     tokens to count, few rows to write."""
     text = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(RESULT_CHARS // 6))

@@ -395,7 +395,7 @@ async def test_a_large_append_is_decoded_and_counted_on_the_cpu_thread_with_the_
 
     monkeypatch.setattr(scheduler.http, "prepare_append", spied)
     await api.create("big", A, run_model="gpt-4o")
-    messages = [{"role": "assistant", "content": None, "tool_calls": [
+    messages: list[dict[str, Any]] = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "log line é\n" * 2000},
         *({"role": "user", "content": f"m{i}"} for i in range(500))]
