@@ -29,13 +29,13 @@ from types import TracebackType
 from typing import Any
 
 from scheduler.commands import parse_keep
-from scheduler.enqueue import Enqueuer, RunRequest
+from scheduler.enqueue import Enqueuer, RunRequest, enqueue_manual
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, InvalidMessage
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, check_json, check_message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
-from storage.store import Store
+from storage.store import PreparedAppend, Store
 from storage.tokens import counter_for
 from worker.compaction.planner import plan
 from worker.compaction.policy import Clause
@@ -249,11 +249,13 @@ class SessionHandle:
         cooling = info.cooldown_until is not None and info.cooldown_until > utcnow()
         return not cooling and wants_run(info, self._config)
 
-    async def append(self, messages: Sequence[Mapping[str, Any] | Message], *,
+    async def append(self, messages: Sequence[Mapping[str, Any] | Message] | PreparedAppend, *,
                      format: str = "openai") -> StepResult:
         """Append one step's messages; when the trigger fires, one compaction is enqueued
-        (the first append of a burst does it, the others see it pending)."""
-        parsed = parse_messages(messages, format)
+        (the first append of a burst does it, the others see it pending). A batch already
+        parsed and prepared (``storage.store.prepare_append``) is stored as it is."""
+        parsed = messages if isinstance(messages, PreparedAppend) else \
+            parse_messages(messages, format)
         result = await self.client.store.append(
             self.id, parsed, signal_if=self._wants_signal,
             signal_ttl_s=self._config.worker.signal_ttl_s)
@@ -303,15 +305,20 @@ class SessionHandle:
     async def compact(self, *, force: bool = False, keep: str | Clause | None = None,
                       wait: bool = True, timeout_s: float = 120.0) -> dict[str, Any]:
         """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result.
-        ``keep`` (``messages:12`` or a clause) is checked here, before anything is queued."""
+        ``keep`` (``messages:12`` or a clause) is checked here, before anything is queued.
+        While one for the session is queued and not started, this is that one
+        (``coalesced``)."""
         check_seconds(timeout_s, "timeout_s")
         clause = parse_keep(keep, "keep")
-        task_id = await self.client.enqueuer.asend(
+        queued = await enqueue_manual(
+            self.client.store, self.client.enqueuer,
             RunRequest(self.id, "manual", force=force,
-                       keep=None if clause is None else clause.to_text()))
+                       keep=None if clause is None else clause.to_text()),
+            ttl_s=self._config.worker.signal_ttl_s)
         if not wait:
-            return {"session": self.id, "outcome": "queued", "task_id": task_id}
-        run = await self._wait_for_run(task_id, timeout_s)
+            return {"session": self.id, "outcome": "queued", "task_id": queued.task_id,
+                    "coalesced": queued.coalesced}
+        run = await self._wait_for_run(queued.task_id, timeout_s)
         return run_result(run)
 
     async def report_overflow(self, *, wait: bool = True, timeout_s: float = 60.0

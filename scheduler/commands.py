@@ -98,8 +98,9 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         emit(result)
     elif result.get("outcome") == "queued":
-        say(f"queued on compaction.urgent as task {result['task_id']} "
-            f"(compactd status {args.session} shows its run)")
+        say(("already queued (not started yet) as task " if result.get("coalesced")
+             else "queued on compaction.urgent as task ")
+            + f"{result['task_id']} (compactd status {args.session} shows its run)")
     else:
         _say_outcome(result)
     return EXIT_FAILED if result.get("outcome") == "failed" else 0

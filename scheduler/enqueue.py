@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_RUN
+
+if TYPE_CHECKING:
+    from storage.store import Store
 
 TRIGGER_QUEUES = {
     "overflow": QUEUE_URGENT, "manual": QUEUE_URGENT,
@@ -61,6 +64,30 @@ class Enqueuer:
 
     async def asend(self, request: RunRequest) -> str:
         return await asyncio.to_thread(self.send, request)
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    task_id: str
+    coalesced: bool  # True: an earlier request's task, queued and not started, stands for this
+
+
+async def enqueue_manual(store: Store, enqueuer: Enqueuer, request: RunRequest, *,
+                         ttl_s: float) -> Queued:
+    """A manual run, coalesced as pressure signals are: while one for the session is queued and
+    not started (its worker clears the mark when the run starts), a request gets that task's id
+    instead of a second task on ``compaction.urgent``, the queue every tenant's overflow runs
+    use. A mark older than ``ttl_s`` (a lost message) is taken over."""
+    task_id = request.task_id or uuid.uuid4().hex
+    held = await store.mark_manual(request.session_id, task_id, ttl_s=ttl_s)
+    if held != task_id:
+        return Queued(held, coalesced=True)
+    try:
+        await enqueuer.asend(replace(request, task_id=task_id))
+    except BaseException:
+        await store.clear_manual(request.session_id, task_id)
+        raise
+    return Queued(task_id, coalesced=False)
 
 
 class RecordingEnqueuer(Enqueuer):

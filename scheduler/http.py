@@ -22,9 +22,10 @@ give sessions unguessable ids. Tokens are compared as SHA-256 digests in constan
 logged.
 
 **Errors** share one body, ``{"error", "message", "field", "index"}``: 401 no or unknown token,
-404 no such session (for this tenant), 409 the session exists with another run model, 413 the body
-is over ``api.max_body_bytes``, 422 a field is not valid (``field`` names it, e.g.
-``body.messages[3].tool_call_id``), 503 the database or the broker cannot be reached (retry).
+404 no such session (for this tenant), 408 the body did not arrive within ``api.body_timeout_s``,
+409 the session exists with another run model, 413 the body is over ``api.max_body_bytes``, 422
+a field is not valid (``field`` names it, e.g. ``body.messages[3].tool_call_id``), 503 the
+database or the broker cannot be reached (retry).
 
 One engine and connection pool per server process, opened by the lifespan.
 """
@@ -33,13 +34,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.message
+import functools
+import gc
 import hashlib
 import hmac
+import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, Literal, TypeVar
 
 import uvicorn
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
@@ -47,7 +53,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -57,6 +71,7 @@ from scheduler.client import (
     SessionHandle,
     WaitTimeout,
     check_policy,
+    parse_messages,
     run_result,
 )
 from scheduler.commands import parse_keep
@@ -75,16 +90,23 @@ from storage.errors import (
 from storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
 from storage.messages import TOO_DEEP
 from storage.records import SessionInfo
-from storage.store import Store
+from storage.store import PreparedAppend, Store, prepare_append
 from worker.compaction.render import render_surface
 from worker.settings import ApiConfig, Config
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 API_PREFIX = "/v1"
 POOL_SIZE = 10  # per server process; SQLAlchemy may open as many again under a burst
 RETRY_AFTER_S = 1
 _SESSION_CACHE_MAX = 100_000
+# An append body over this is decoded, parsed and counted on the API's CPU thread (see
+# Api.offload); under it the hop costs more than the work it moves.
+OFFLOAD_BYTES = 32 * 1024
+# While the CPU thread works, the event loop waits up to one switch interval for the GIL each
+# time it wakes; a small request wakes it several times. Python's default is 5 ms.
+SWITCH_INTERVAL_S = 0.001
 
 
 def _whole(value: Any) -> Any:
@@ -111,7 +133,7 @@ class _Body(BaseModel):
 
 class ErrorOut(BaseModel):
     error: str = Field(description="unauthorized, not_found, conflict, too_large, invalid, "
-                                   "bad_request, method_not_allowed, unavailable")
+                                   "bad_request, method_not_allowed, timeout, unavailable")
     message: str
     field: str | None = Field(default=None, description="the offending field, as a path")
     index: int | None = Field(default=None, description="the offending message of a batch")
@@ -294,6 +316,10 @@ class RunOut(BaseModel):
     finished_at: str | None
 
 
+MANUAL_COALESCED = ("a manual compaction of this session is already queued and not started; "
+                    "this is its task")
+
+
 class QueuedOut(BaseModel):
     session: str
     outcome: Literal["queued"]
@@ -402,6 +428,21 @@ class Api:
         # A session's tenant never changes, so the check on the hot path (append, poll) reads
         # the database only the first time a process sees a session.
         self._sessions: dict[str, SessionInfo] = {}
+        # The event loop answers every tenant: a 4 MB append decoded and counted on it held
+        # every other request for seconds. On this thread a large request still competes for
+        # the GIL, but Python hands the GIL back to the loop every switch interval (5 ms), so
+        # a small request waits a few of those at most. One thread, not a pool: large
+        # requests take turns, as each more CPU-bound thread would add its own interval to
+        # the loop's wait.
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, work: Callable[[], _T]) -> _T:
+        """``work`` (CPU-bound, no I/O) on the API's CPU thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._cpu, functools.partial(_without_gc, work))
 
     @property
     def store(self) -> Store:
@@ -428,6 +469,21 @@ class Api:
 
     def handle(self, info: SessionInfo) -> SessionHandle:
         return SessionHandle(self.client, info)
+
+
+def _without_gc(work: Callable[[], _T]) -> _T:
+    """``work`` with the cyclic garbage collector paused. Building a large batch allocates
+    hundreds of thousands of objects that survive, which sets off full collections that each
+    walk all of them holding the GIL, the event loop's turn included (stalls of 0.2-1 s measured
+    during a 110,000-message append). Those objects hold no cycles: reference counting frees
+    them. The pause lasts as long as the work, seconds at most."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return work()
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _api(request: Request) -> Api:
@@ -511,6 +567,7 @@ _COMMON: dict[int | str, dict[str, Any]] = {
 _WITH_BODY: dict[int | str, dict[str, Any]] = {
     **_COMMON,
     400: _error("the body is not JSON"),
+    408: _error("the body did not arrive within api.body_timeout_s"),
     413: _error("the body is over api.max_body_bytes"),
 }
 # What a created or opened session leads to (OpenAPI links: generated clients and stateful
@@ -608,12 +665,20 @@ def add_routes(app: FastAPI) -> None:
 
     @app.post(API_PREFIX + "/sessions/{session_id}/messages", response_model=StepOut,
               operation_id="appendMessages",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": AppendIn.model_json_schema()}}}},
               responses=_WITH_BODY, tags=["sessions"])
-    async def append(info: Owned, api: ApiDep, body: AppendIn) -> StepOut:
+    async def append(info: Owned, api: ApiDep, request: Request) -> StepOut:
         """Append one step's messages in one transaction. When the trigger fires, one compaction
         is enqueued (the first append of a burst does it); the step never waits for it."""
+        # The body is read here rather than by FastAPI so that a large one is decoded,
+        # validated and counted off the event loop (AppendIn is still what it must match).
+        raw = await request.body()
+        decode = functools.partial(_decode_append, raw, request.headers.get("content-type"),
+                                   info.run_model, encoded=not api.store.sqlite)
+        batch = await api.offload(decode) if len(raw) > OFFLOAD_BYTES else decode()
         try:
-            step = await api.handle(info).append(body.messages, format=body.format)
+            step = await api.handle(info).append(batch)
         except InvalidMessage as exc:
             raise _in_body(exc, "messages") from None
         return StepOut(**step.to_json())
@@ -682,7 +747,9 @@ def add_routes(app: FastAPI) -> None:
     async def compact(info: Owned, api: ApiDep,
                       body: Annotated[CompactIn | None, Body()] = None) -> Any:
         """A manual compaction on ``compaction.urgent``. With ``wait``, the run's result (the
-        shape of ``compactd compact --json``); else, or when it has not finished in time, 202."""
+        shape of ``compactd compact --json``); else, or when it has not finished in time, 202.
+        While one for the session is queued and not started, this request is that one: the
+        same task id, and its options."""
         body = body or CompactIn()
         try:
             keep = parse_keep(body.keep, "keep")
@@ -700,7 +767,8 @@ def add_routes(app: FastAPI) -> None:
                 return _queued(info.id, task_id,
                                f"not finished within {timeout_s:g} s; it may still run")
             return run_result(run)
-        return _queued(info.id, task_id, "queued on compaction.urgent")
+        return _queued(info.id, task_id, MANUAL_COALESCED if queued["coalesced"]
+                       else "queued on compaction.urgent")
 
     @app.post(API_PREFIX + "/sessions/{session_id}/overflow", response_model=OverflowOut,
               operation_id="reportOverflow",
@@ -726,6 +794,40 @@ def add_routes(app: FastAPI) -> None:
         if result.reason == "queued":
             response.status_code = 202
         return OverflowOut(**result.to_json())
+
+
+def _decode_append(raw: bytes, content_type: str | None, run_model: str | None, *,
+                   encoded: bool) -> PreparedAppend:
+    """An append body, validated as FastAPI validates a body (JSON only under a JSON content
+    type, errors located under ``body``), parsed and counted for ``run_model``. No I/O."""
+    body: Any = raw
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",),
+                                       "msg": "Field required", "input": None}])
+    header = email.message.Message()
+    header["content-type"] = content_type or ""
+    subtype = header.get_content_subtype()
+    if content_type and header.get_content_maintype() == "application" and \
+            (subtype == "json" or subtype.endswith("+json")):
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
+                                           "msg": "JSON decode error", "input": {},
+                                           "ctx": {"error": exc.msg}}]) from None
+        except (ValueError, RecursionError):
+            # Not UTF-8, or nested past the parser's limit: FastAPI's answer for such bodies.
+            raise StarletteHTTPException(400, "There was an error parsing the body") from None
+    try:
+        valid = AppendIn.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
+                                      for error in exc.errors(include_url=False)]) from None
+    try:
+        return prepare_append(parse_messages(valid.messages, valid.format), run_model,
+                              encoded=encoded)
+    except InvalidMessage as exc:
+        raise _in_body(exc, "messages") from None
 
 
 def _queued(session_id: str, task_id: str, reason: str) -> JSONResponse:
@@ -760,7 +862,7 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 _HTTP_ERRORS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
-                405: "method_not_allowed", 413: "too_large"}
+                405: "method_not_allowed", 408: "timeout", 413: "too_large"}
 
 
 def _location(loc: Sequence[Any]) -> str:
@@ -868,13 +970,21 @@ class BodyTooLarge(HTTPException):
                               "(api.max_body_bytes)")
 
 
+class BodyTimeout(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s "
+                              "(api.body_timeout_s)", headers={"Connection": "close"})
+
+
 class BodyLimit:
     """Refuse a request body over ``max_bytes``: by its Content-Length before reading it, else
-    as it streams in (a chunked body has no length to check)."""
+    as it streams in (a chunked body has no length to check). The whole body must arrive within
+    ``timeout_s`` of the first read: a client that announces more than it sends gets 408."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -887,10 +997,19 @@ class BodyLimit:
                 await response(scope, receive, send)
                 return
         received = 0
+        deadline: float | None = None
 
         async def limited() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + self.timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                # An HTTPException, as below; the connection is closed after the answer (the
+                # rest of the body may still come, and would be read as the next request).
+                raise BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
@@ -917,18 +1036,24 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
         try:
             async with CompactdClient(config, store=store) as client:
                 app.state.api = Api(config, client)
-                yield
+                try:
+                    yield
+                finally:
+                    app.state.api.close()
         finally:
             await store.close()
 
     app = FastAPI(
         title="compactd", version="1",
         summary="Out-of-band context compaction for LLM agent runtimes",
-        description=__doc__, lifespan=lifespan)
+        description=__doc__, lifespan=lifespan,
+        docs_url="/docs" if config.api.docs else None,
+        redoc_url="/redoc" if config.api.docs else None)
     app.state.tokens = tokens
     add_routes(app)
     add_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes,
+                       timeout_s=config.api.body_timeout_s)
     return app
 
 
@@ -948,6 +1073,7 @@ class _Server(uvicorn.Server):
 async def serve(config: Config, *, host: str, port: int) -> None:
     """Run the API until SIGINT/SIGTERM; prints the address it listens on (port 0: any free)."""
     app = create_app(config)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = _Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_config=None, server_header=False,
         proxy_headers=False))

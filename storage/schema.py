@@ -213,6 +213,18 @@ bulk_items = sa.Table(
     sa.Index(None, "job_id", "state"),
 )
 
+# Manual-run de-duplication: the task of the manual compaction queued for a session and not yet
+# started (its worker deletes the row when the run starts). While a row is younger than the
+# signal TTL, another manual request gets its task id instead of a second task; an older row
+# (a lost message) is taken over.
+manual_requests = sa.Table(
+    "manual_requests", metadata,
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("task_id", sa.String(64), nullable=False),
+    sa.Column("queued_at", UTCDateTime, nullable=False),
+)
+
 
 SESSION_COLUMNS = list(sessions.c)
 RUN_COLUMNS = list(compaction_runs.c)

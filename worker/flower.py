@@ -9,7 +9,10 @@ application imports the app's task modules, and Celery's ``import_modules`` sign
 
 * refuses to start without authentication (basic auth or Flower's OAuth ``--auth``): Flower's
   pages can revoke and terminate tasks and show every task's arguments. Only
-  ``COMPACTD_FLOWER_UNAUTHENTICATED=1`` (Flower behind a proxy that authenticates) lifts that;
+  ``COMPACTD_FLOWER_UNAUTHENTICATED=1`` (Flower behind a proxy that authenticates) lifts that.
+  A basic-auth entry with an empty user or password (``FLOWER_BASIC_AUTH=":"`` is what
+  ``$USER:$PASS`` gives when both are unset, and ``curl -u :`` then gets in) is no
+  authentication: it is refused, always;
 * shows the exception and kwargs columns on the tasks page unless ``tasks_columns`` was set, so a
   failed ``compaction.run`` shows its failure class and session without a click;
 * replaces Tornado's log handler with compactd's (``worker.logs``), one style in every process.
@@ -39,6 +42,12 @@ REFUSAL = (
     f"{ENV_UNAUTHENTICATED}=1 if a proxy in front of Flower authenticates every request.\n")
 
 
+BLANK_REFUSAL = (
+    "compactd: Flower refuses to start: basic-auth entry {n} (FLOWER_BASIC_AUTH, --basic-auth or "
+    "flowerconfig.py) has an empty user or password, which lets anyone in. Give every entry "
+    "as user:password with both set.\n")
+
+
 class FlowerUnauthenticated(SystemExit):
     """Flower was asked to start with no authentication configured."""
 
@@ -55,6 +64,16 @@ def authenticated(options: Any) -> bool:
     return bool(options.basic_auth or options.auth)
 
 
+def blank_entry(basic_auth: Any) -> int | None:
+    """The 1-based position of the first basic-auth entry without both a user and a password
+    (Flower compares ``user:password`` as a whole, so ``:`` admits ``curl -u :``)."""
+    for n, entry in enumerate(basic_auth or (), start=1):
+        user, colon, password = str(entry).partition(":")
+        if not (user and colon and password):
+            return n
+    return None
+
+
 def opted_out(env: Any = None) -> bool:
     value = (os.environ if env is None else env).get(ENV_UNAUTHENTICATED, "")
     return value.strip().lower() in ("1", "true", "yes", "on")
@@ -62,6 +81,10 @@ def opted_out(env: Any = None) -> bool:
 
 def apply_defaults(options: Any, *, env: Any = None) -> None:
     """compactd's defaults on Flower's final options; raises :class:`FlowerUnauthenticated`."""
+    blank = blank_entry(options.basic_auth)
+    if blank is not None:
+        sys.stderr.write(BLANK_REFUSAL.format(n=blank))
+        raise FlowerUnauthenticated(2)
     if not authenticated(options):
         if not opted_out(env):
             sys.stderr.write(REFUSAL)

@@ -132,6 +132,12 @@ class ApiConfig(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     # A request that waits for a compaction holds a connection; this caps what a caller may ask.
     max_wait_s: float = Field(default=120.0, gt=0)
+    # A body must arrive whole within this (408 after it): a client that announces more than it
+    # sends would otherwise hold its connection and its request for ever.
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # Swagger UI and ReDoc load their JavaScript from a CDN: a browser that opens them runs code
+    # the server does not ship. Off unless asked for; /openapi.json is always served.
+    docs: bool = False
 
 
 class FileConfig(_Strict):

@@ -70,6 +70,9 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
     async def go(deps: Deps) -> Outcome:
         started_at = utcnow()
         outcome: Outcome | None = None
+        if trigger == "manual" and task_id:
+            # Started: a manual request from now on queues a run of its own.
+            await deps.store.clear_manual(session_id, task_id)
         try:
             # The loop thread has its own context: bind here too (compact adds the run id).
             with logs.bind(session_id=session_id, task_id=task_id):

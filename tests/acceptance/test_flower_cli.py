@@ -33,6 +33,23 @@ def test_flower_refuses_to_start_without_authentication(tmp_path: Path) -> None:
     assert "FLOWER_BASIC_AUTH" in out.stderr
 
 
+@pytest.mark.parametrize("argv, env", [
+    ((), {"FLOWER_BASIC_AUTH": ":"}),  # what "$USER:$PASS" gives with both unset
+    ((), {"FLOWER_BASIC_AUTH": "ops:"}),
+    (("--basic-auth=ops:pw,:admin",), {}),
+    ((), {"FLOWER_BASIC_AUTH": ":", "COMPACTD_FLOWER_UNAUTHENTICATED": "1"}),
+])
+def test_flower_refuses_an_empty_user_or_password(
+        argv: tuple[str, ...], env: dict[str, str], tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "flower",
+                          "--port=0", "--address=127.0.0.1", *argv],
+                         env={**_env(tmp_path, "redis://127.0.0.1:9/0"), **env}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "has an empty user or password" in out.stderr, out.stderr[-2000:]
+    assert "admin" not in out.stderr
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("source", ["environment", "command line", "flowerconfig.py"])
 def test_flower_takes_credentials_from_where_flower_reads_options(

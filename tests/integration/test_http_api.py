@@ -7,6 +7,7 @@ compactd's exceptions to statuses. The served API under load and under schemathe
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -373,3 +374,100 @@ def test_serve_refuses_to_start_without_a_token(cli_env: dict[str, str], tmp_pat
                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "api.tokens: no bearer token is configured" in out.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# large bodies: decoded and counted off the event loop
+
+
+async def test_a_large_append_is_decoded_and_counted_on_the_cpu_thread_with_the_same_result(
+        api: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import scheduler.http
+    from scheduler.client import parse_messages
+    from storage.store import prepare_append
+
+    threads: list[str] = []
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return prepare_append(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler.http, "prepare_append", spied)
+    await api.create("big", A, run_model="gpt-4o")
+    messages: list[dict[str, Any]] = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "log line é\n" * 2000},
+        *({"role": "user", "content": f"m{i}"} for i in range(500))]
+    body = {"messages": messages}
+    assert scheduler.http.OFFLOAD_BYTES < len(json.dumps(body)) < MAX_BODY
+    step = await api.append("big", A, *messages)
+    assert step.status_code == 200, step.text
+    small = await api.append("big", A, {"role": "user", "content": "after"})
+    assert small.status_code == 200, small.text
+    assert threads[0].startswith("compactd-api-cpu") and threads[1] == "MainThread", threads
+
+    counted = prepare_append(parse_messages(messages), "gpt-4o").tokens
+    surface = (await api.http.get("/v1/sessions/big/surface", headers=A)).json()
+    assert [m["tokens"] for m in surface["messages"][:-1]] == list(counted)
+    assert step.json()["tokens"] == sum(counted) and step.json()["messages"] == len(messages)
+    assert [m.get("content") for m in surface["messages"][1:3]] == [messages[1]["content"],
+                                                                    "m0"]
+
+
+@pytest.mark.parametrize(("bad", "field"), [
+    ({"role": "wizard", "content": "x"}, "body.messages[400].role"),
+    ({"role": "tool", "tool_call_id": "nobody", "content": "x"},
+     "body.messages[400].tool_call_id"),
+    ({"role": "user", "content": 5}, "body.messages[400].content"),
+])
+async def test_a_large_append_with_one_bad_message_is_422_naming_it_and_writes_nothing(
+        api: Served, bad: dict[str, Any], field: str) -> None:
+    import scheduler.http
+
+    await api.create("big", A)
+    messages = [{"role": "user", "content": "filler " * 12} for _ in range(400)] + [bad]
+    assert len(json.dumps({"messages": messages})) > scheduler.http.OFFLOAD_BYTES
+    response = await api.append("big", A, *messages)
+    assert response.status_code == 422, response.text
+    assert response.json()["field"] == field and response.json()["index"] == 400
+    status = (await api.http.get("/v1/sessions/big", headers=A)).json()
+    assert status["messages"] == 0 and status["version"] == 0
+
+
+async def test_a_body_that_is_not_json_is_422_or_400_as_fastapi_answers_it(api: Served) -> None:
+    import scheduler.http
+
+    await api.create("s1", A)
+    raw = b'{"messages": [' + b'{"role": "user", "content": "x"},' * 1200
+    assert len(raw) > scheduler.http.OFFLOAD_BYTES
+    response = await api.http.post("/v1/sessions/s1/messages", content=raw,
+                                   headers={**A, "content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["field"] == "body"
+    assert "not valid JSON" in response.json()["message"]
+    plain = await api.http.post("/v1/sessions/s1/messages", content=b"hello",
+                                headers={**A, "content-type": "text/plain"})
+    assert plain.status_code == 422 and plain.json()["field"] == "body", plain.text
+    empty = await api.http.post("/v1/sessions/s1/messages", headers=A)
+    assert empty.status_code == 422 and empty.json()["field"] == "body", empty.text
+    for raw in (b"dD\xff h\x04", b"[" * 50_000):  # not UTF-8; nested past the parser's limit
+        response = await api.http.post("/v1/sessions/s1/messages", content=raw,
+                                       headers={**A, "content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"] == "bad_request"
+
+
+async def test_the_interactive_docs_are_off_by_default_and_the_openapi_document_is_served(
+        api: Served, tmp_path: Path) -> None:
+    # Swagger UI and ReDoc pull their JavaScript from a CDN.
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        response = await api.http.get(path)
+        assert response.status_code == 404, (path, response.text[:200])
+        assert "cdn" not in response.text.lower()
+    document = await api.http.get("/openapi.json")
+    assert document.status_code == 200 and document.json()["info"]["title"] == "compactd"
+    config = api_config(f"sqlite:///{tmp_path}/docs.sqlite3", tmp_path, api={"docs": True})
+    async for served in serve_app(config):
+        assert (await served.http.get("/docs")).status_code == 200
+        assert (await served.http.get("/redoc")).status_code == 200

@@ -166,5 +166,6 @@ def test_example_config_loads_and_shows_every_key() -> None:
                 "trim_tokens_to_summarize", "summary_prompt", "skill_file_read_tool_names",
                 "clear_tool_uses", "exclude_tools", "clear_tool_inputs", "clear_at_least",
                 "retain_ratio", "max_summary_tokens", "lease_s", "max_rounds", "render",
-                "replay_mode", "strategy", "loop_guard", "metrics_port", "sweep_interval_s"):
+                "replay_mode", "strategy", "loop_guard", "metrics_port", "sweep_interval_s",
+                "body_timeout_s", "max_body_bytes"):
         assert f"{key}:" in text, key

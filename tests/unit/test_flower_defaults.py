@@ -71,3 +71,16 @@ def test_the_app_sends_the_events_flower_needs() -> None:
     assert settings["worker_send_task_events"] is True  # received, started, failed, ...
     assert settings["task_send_sent_event"] is True  # sent, by whoever enqueues
     assert settings["event_serializer"] == "json"
+
+
+@pytest.mark.parametrize("entry", [":", "ops:", ":pw", "ops", "ops:pw,:"])
+def test_an_entry_with_an_empty_user_or_password_is_refused_even_with_the_opt_out(
+        entry: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for env in ({}, {ENV_UNAUTHENTICATED: "1"}):
+        with pytest.raises(FlowerUnauthenticated) as caught:
+            apply_defaults(flower_options(f"--basic_auth={entry}"), env=env)
+        assert caught.value.code == 2
+        err = capsys.readouterr().err
+        assert "empty user or password" in err
+        assert f"entry {2 if entry.startswith('ops:pw,') else 1}" in err
+        assert "pw" not in err.replace("password", "")
