@@ -1,7 +1,7 @@
 """manual requests: at most one queued manual compaction per session
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-01
 
 Forty ``POST /compact`` for one session queued forty tasks on ``compaction.urgent``, the queue
@@ -18,8 +18,8 @@ from alembic import op
 
 import storage.schema
 
-revision: str = "0005"
-down_revision: str | None = "0004"
+revision: str = "0006"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
