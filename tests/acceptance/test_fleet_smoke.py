@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.samples import coding_session
+from tests.bench import fleet as bench
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = REPO / "tests" / "bench" / "fleet.py"
@@ -73,13 +74,20 @@ def test_a_short_fleet_run_never_overflows_and_checkpoints_every_signalled_sessi
     ("--latency", "soon", "expected a positive number of seconds, got 'soon'"),
 ])
 def test_bad_fleet_sizes_durations_and_latencies_are_refused_by_name(
-        flag: str, value: str, says: str, tmp_path: Path) -> None:
-    run = fleet(flag, value, "--transcripts", str(transcripts(tmp_path / "corpus")))
+        flag: str, value: str, says: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The script's own argument parsing, in process (the subprocess case is below).
+    with pytest.raises(SystemExit) as exit_:
+        bench.main([flag, value, "--transcripts", str(transcripts(tmp_path / "corpus"))])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+def test_the_script_exits_2_naming_a_bad_fleet_size_or_a_missing_transcript_folder(
+        tmp_path: Path) -> None:
+    run = fleet("--agents", "-1", "--transcripts", str(transcripts(tmp_path / "corpus")))
     assert run.returncode == 2
-    assert f"argument {flag}: {says}" in run.stderr
-
-
-def test_a_missing_transcript_folder_is_named(tmp_path: Path) -> None:
+    assert "argument --agents: expected a positive integer, got '-1'" in run.stderr
     run = fleet("--transcripts", str(tmp_path / "absent"))
     assert run.returncode == 2
     assert f"no *.jsonl transcripts under {tmp_path / 'absent'}" in run.stderr
