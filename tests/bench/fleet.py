@@ -109,6 +109,7 @@ DRAIN_S = 90.0
 OVERFLOW_WAIT_S = 120.0
 SAMPLE_AGENTS = 4
 SEARCH_TRIALS = 8
+WARM_UP_STEPS = 16
 
 
 # ------------------------------------------------------------------------------------ input
@@ -356,7 +357,9 @@ async def warm_up(client: CompactdClient, transcripts: list[Transcript], slots: 
     """One forced compaction per worker slot before the agents start, not measured: a worker's
     first runs pay for its SDK clients and connections (seconds on a loaded machine), which a
     fleet's long-running workers paid long ago."""
-    steps = [m for step in transcripts[0].steps[:4] for m in step]
+    # Enough history that a summary is shorter than what it replaces (else it is refused).
+    replayed = replay(transcripts[0])
+    steps = [m for _ in range(WARM_UP_STEPS) for m in next(replayed)]
 
     async def one(n: int) -> None:
         session = await client.create_session(f"warmup-{n:03d}", run_model=RUN_MODEL)
