@@ -1,0 +1,170 @@
+"""The Kubernetes manifests in ops/k8s/: valid against the Kubernetes API schemas (offline, the
+``kubernetes-validate`` package's bundled schemas, strict: an unknown field is an error), the
+KEDA ScaledObject by its structure (a custom resource: no bundled schema), and the same processes
+as ops/compose.yaml and the systemd units, started the same way."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT
+from worker.settings import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "ops" / "k8s"
+COMPOSE = REPO / "ops" / "compose.yaml"
+SYSTEMD = REPO / "ops" / "systemd"
+PROCESSES = ("migrate", "worker", "beat", "flower")
+# Where a process listens and what it calls itself differ by host kind on purpose (systemd binds
+# Flower to localhost and names workers by instance); every other argument is the same.
+HOST_FLAGS = ("--hostname", "--address")
+
+
+def _docs() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _kind(kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in _docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def _pod(component: str) -> dict[str, Any]:
+    kind = "Job" if component == "migrate" else "Deployment"
+    spec: dict[str, Any] = _kind(kind, f"compactd-{component}")["spec"]["template"]["spec"]
+    return spec
+
+
+def _container(component: str) -> dict[str, Any]:
+    containers = _pod(component)["containers"]
+    assert len(containers) == 1, component
+    container: dict[str, Any] = containers[0]
+    return container
+
+
+def _env(component: str) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in _container(component)["env"]}
+
+
+def _normal(argv: list[str]) -> tuple[str, ...]:
+    """The program's base name and its arguments, host-specific flag values left out."""
+    out = [Path(argv[0]).name]
+    for arg in argv[1:]:
+        flag = arg.split("=", 1)[0]
+        out.append(flag if flag in HOST_FLAGS else arg)
+    return tuple(out)
+
+
+def test_every_manifest_is_valid_against_the_kubernetes_schemas() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version()
+    checked = 0
+    for doc in _docs():
+        if doc["apiVersion"].startswith("keda.sh/"):
+            continue  # a custom resource: checked by structure below
+        kubernetes_validate.validate(doc, version, strict=True)
+        checked += 1
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in _docs()}
+    assert {("Deployment", "compactd-worker"), ("Deployment", "compactd-beat"),
+            ("Deployment", "compactd-flower"), ("Job", "compactd-migrate"),
+            ("ConfigMap", "compactd-config"), ("ScaledObject", "compactd-worker")} <= kinds
+    assert checked == len(kinds) - 1
+
+
+def test_a_manifest_the_schema_refuses_is_reported() -> None:
+    # The validator is live: a misspelt field in a copy of the worker Deployment fails it.
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    broken = _kind("Deployment", "compactd-worker")
+    broken["spec"]["replica"] = broken["spec"].pop("replicas")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_processes_run_the_same_commands_as_compose_and_systemd() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())["services"]
+    for component in PROCESSES:
+        command = _container(component)["command"]
+        assert command == compose[component]["command"], component
+        if component == "migrate":
+            continue  # systemd has no migrate unit: the RUNBOOK runs `compactd migrate` by hand
+        unit_name = "compactd-worker@.service" if component == "worker" else \
+            f"compactd-{component}.service"
+        unit = configparser.RawConfigParser(strict=False, interpolation=None)
+        unit.read_string((SYSTEMD / unit_name).read_text())
+        assert _normal(command) == _normal(unit["Service"]["ExecStart"].split()), component
+
+
+def test_every_process_gets_the_settings_compose_gives_it() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())["services"]
+    for component in PROCESSES:
+        env = _env(component)
+        wanted = {k for k in compose[component]["environment"] if k.startswith("COMPACTD_")}
+        assert wanted <= set(env), component
+        # The database URL holds a password: from the Secret, never a literal.
+        assert env["COMPACTD_DATABASE_URL"] == {
+            "secretKeyRef": {"name": "compactd", "key": "database-url"}}, component
+        assert env["COMPACTD_BROKER_URL"] == compose["worker"]["environment"][
+            "COMPACTD_BROKER_URL"], component
+        mounts = {m["mountPath"]: m for m in _container(component)["volumeMounts"]}
+        config = env["COMPACTD_CONFIG"]
+        assert mounts[str(Path(config).parent)]["readOnly"] is True, component
+        assert env["COMPACTD_HOME"] in mounts, f"{component}: COMPACTD_HOME is not writable"
+        # Only workers call models, so only they get provider keys.
+        keys = [k for k in env if k.endswith("_API_KEY")]
+        assert bool(keys) == (component == "worker"), component
+
+
+def test_the_config_map_is_a_config_that_loads(tmp_path: Path) -> None:
+    data = _kind("ConfigMap", "compactd-config")["data"]
+    path = tmp_path / "compactd.yaml"
+    path.write_text(data[Path(_env("worker")["COMPACTD_CONFIG"]).name])
+    config = load_config({}, path=str(path))
+    assert config.models
+    # The worker's probes and metrics port are the configured endpoint.
+    ports = {p["name"]: p["containerPort"] for p in _container("worker")["ports"]}
+    assert ports["metrics"] == config.worker.metrics_port
+    grace = _pod("worker")["terminationGracePeriodSeconds"]
+    assert grace >= config.worker.deadline_s, "a warm shutdown must outlast the longest run"
+
+
+def test_beat_is_one_replica_replaced_never_rolled() -> None:
+    beat = _kind("Deployment", "compactd-beat")["spec"]
+    assert beat["replicas"] == 1
+    assert beat["strategy"] == {"type": "Recreate"}
+
+
+def test_flower_takes_its_basic_auth_from_a_secret_and_is_not_exposed() -> None:
+    assert _env("flower")["FLOWER_BASIC_AUTH"] == {
+        "secretKeyRef": {"name": "compactd", "key": "flower-basic-auth"}}
+    service = _kind("Service", "compactd-flower")["spec"]
+    assert service["type"] == "ClusterIP"
+
+
+def test_keda_scales_the_workers_on_the_live_queues() -> None:
+    scaled = _kind("ScaledObject", "compactd-worker")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"]["name"] == "compactd-worker"
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    # Scaling in must wait at least one warm shutdown.
+    assert spec["cooldownPeriod"] >= _pod("worker")["terminationGracePeriodSeconds"]
+    broker = _env("worker")["COMPACTD_BROKER_URL"]
+    host_port, db = broker.removeprefix("redis://").split("/")
+    lists = set()
+    for trigger in spec["triggers"]:
+        assert trigger["type"] == "redis"
+        meta = trigger["metadata"]
+        assert (meta["address"], meta["databaseIndex"]) == (host_port, db)
+        assert int(meta["listLength"]) >= 1
+        lists.add(meta["listName"])
+    assert lists == {QUEUE_URGENT, QUEUE_PRESSURE}
+    assert QUEUE_BULK not in lists
