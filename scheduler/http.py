@@ -82,6 +82,7 @@ from storage.errors import (
     BadInput,
     CompactdError,
     ConfigError,
+    DatabaseUnavailable,
     InvalidMessage,
     SessionExists,
     SessionNotFound,
@@ -924,7 +925,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def storage_failed(request: Request, exc: Exception) -> JSONResponse:
         logger.warning("storage failed: %s", exc, extra={"action": "api_unavailable"})
-        return _unavailable(str(exc))
+        # Where the database lives is the operator's business (the log), not the caller's.
+        return _unavailable("the database cannot be reached; retry"
+                            if isinstance(exc, DatabaseUnavailable) else str(exc))
 
     async def broker_failed(request: Request, exc: Exception) -> JSONResponse:
         # The body says only what a caller can act on (retry); the log names the broker,
