@@ -5,7 +5,8 @@ open; the lease renewed meanwhile) -> validate -> commit the checkpoint (short t
 ours, range unchanged; ``compaction/end`` last) -> measure again -> further rounds, bounded.
 
 Every way a run can end is an :class:`Outcome`: committed, nothing_to_do, or failed with one class
-(busy, cancelled, changed, summary, commit, persistence, abandoned). After a failure the surface
+(busy, cancelled, changed, summary, commit, persistence, abandoned). A run is bounded by
+``worker.deadline_s`` from its claim: past it, it ends ``cancelled``. After a failure the surface
 is what it was, except for prunes already committed, which are kept on purpose: they are valid on
 their own and a retry starts from them.
 """
