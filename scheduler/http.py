@@ -431,10 +431,10 @@ class Api:
         self._sessions: dict[str, SessionInfo] = {}
         # The event loop answers every tenant: a 4 MB append decoded and counted on it held
         # every other request for seconds. On this thread a large request still competes for
-        # the GIL, but Python hands the GIL back to the loop every switch interval (5 ms), so
-        # a small request waits a few of those at most. One thread, not a pool: large
-        # requests take turns, as each more CPU-bound thread would add its own interval to
-        # the loop's wait.
+        # the GIL, but Python hands the GIL back to the loop every switch interval (1 ms under
+        # serve), so a small request waits a few of those at most. One thread, not a pool:
+        # large requests take turns, as each more CPU-bound thread would add its own interval
+        # to the loop's wait.
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
 
     def close(self) -> None:

@@ -122,10 +122,16 @@ def test_two_workers_one_session_exactly_one_commits(
     stack.start_worker("w2", concurrency=1)
     # Started without -P: the configured threads pool is what runs.
     assert "concurrency: 1 (thread)" in stack.log("w1")
-    procs = [subprocess.Popen([sys.executable, "-m", "scheduler.cli", "compact", "s1",
-                               "--wait", "--json"], env=stack.env, cwd=stack.home,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    def compact() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "scheduler.cli", "compact", "s1",
+                                 "--wait", "--json"], env=stack.env, cwd=stack.home,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # The second request comes once the first run has started: while it is queued, a second
+    # manual request would be the same task (coalesced), not a second run.
+    procs = [compact()]
+    wait_until(lambda: db.runs("s1"), timeout=60, what="the first run to start")
+    procs.append(compact())
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     outcomes = sorted((r["outcome"], r["failure_class"]) for r in results)
     assert outcomes.count(("committed", None)) == 1, outcomes
