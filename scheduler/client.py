@@ -31,7 +31,7 @@ from typing import Any
 from scheduler.commands import parse_keep
 from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
-from storage.errors import CompactdError, InvalidMessage
+from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.messages import Message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
@@ -190,7 +190,14 @@ class CompactdClient:
         if context_window is not None and (not isinstance(context_window, int)
                                            or context_window <= 0):
             raise InvalidMessage("must be a positive integer", field="context_window")
-        check_policy(policy, self.config, run_model=run_model, context_window=context_window)
+        # Reopening keeps the stored overrides and window unless new ones are given: judge those.
+        stored: SessionInfo | None = None
+        if policy is None or context_window is None:
+            with contextlib.suppress(SessionNotFound):
+                stored = await self.store.get_session(session_id)
+        check_policy(policy if policy is not None or stored is None else stored.policy,
+                     self.config, run_model=run_model,
+                     context_window=context_window or (stored.context_window if stored else None))
         info = await self.store.create_session(
             session_id, tenant=tenant, run_model=run_model,
             context_window=context_window or self.config.context_window(run_model),
