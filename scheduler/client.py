@@ -31,7 +31,7 @@ from typing import Any
 from scheduler.commands import parse_keep
 from scheduler.enqueue import Enqueuer, RunRequest, enqueue_manual
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
-from storage.errors import CompactdError, InvalidMessage
+from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, check_json, check_message, parse
 from storage.records import RunRecord, SessionInfo, utcnow
@@ -201,7 +201,14 @@ class CompactdClient:
         check_json(policy, "policy")
         if context_window is not None:
             check_count(context_window, "context_window", minimum=1)
-        check_policy(policy, self.config, run_model=run_model, context_window=context_window)
+        # Reopening keeps the stored overrides and window unless new ones are given: judge those.
+        stored: SessionInfo | None = None
+        if policy is None or context_window is None:
+            with contextlib.suppress(SessionNotFound):
+                stored = await self.store.get_session(session_id)
+        check_policy(policy if policy is not None or stored is None else stored.policy,
+                     self.config, run_model=run_model,
+                     context_window=context_window or (stored.context_window if stored else None))
         info, created = await self.store.open_session(
             session_id, tenant=tenant, run_model=run_model,
             context_window=context_window or self.config.context_window(run_model),

@@ -62,7 +62,8 @@ def check_session_policy(overrides: dict[str, Any] | None, config: Config, *,
 @lru_cache(maxsize=4096)
 def _resolved(base: Policy, overrides_json: str, window: int | None) -> Policy:
     overrides: dict[str, Any] | None = json.loads(overrides_json) if overrides_json else None
-    return parse_policy(overrides, path="session.policy", base=base).resolve(window)
+    return parse_policy(overrides, path="session.policy", base=base,
+                        check_keep=False).resolve(window)
 
 
 def session_policy(info: SessionInfo, config: Config) -> Policy:

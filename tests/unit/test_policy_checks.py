@@ -4,11 +4,13 @@ trigger, prune settings, clearing's own trigger and fractions without a window (
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
 from storage.messages import Message
+from storage.records import SessionInfo
 from worker.compaction.policy import (
     ANY_WINDOW,
     PRUNE_MARKER,
@@ -22,6 +24,8 @@ from worker.compaction.policy import (
     parse_trigger,
 )
 from worker.compaction.pruning import cut_middle, prune_message
+
+NOW_UTC = datetime(2026, 12, 1, tzinfo=UTC)
 
 
 @pytest.mark.parametrize(("text", "clause"), [
@@ -228,3 +232,21 @@ def test_fraction_without_a_window_warns(raw: dict[str, Any], window: int | None
     else:
         assert len(warnings) == 1 and says in warnings[0]
         assert ("OFF" in warnings[0]) is ("tokens" not in str(raw))
+
+
+def test_a_stored_override_stays_readable_when_the_configuration_changes() -> None:
+    from worker.pressure import session_policy
+    from worker.settings import build_config
+
+    # Checked and stored when the configuration triggered at 20000 tokens; the operator then
+    # lowered the trigger below the session's keep. Sweeps and runs still read the session.
+    config = build_config({"summarization": {"trigger": ["tokens", 2000],
+                                             "keep": ["messages", 6]}})
+    info = SessionInfo(
+        id="s1", tenant="default", run_model=None, context_window=None, envelope=None,
+        envelope_tokens=0, policy={"keep": ["tokens", 5000]}, surface_version=1,
+        surface_tokens=0, surface_messages=0, last_seq=0, last_position=0,
+        reported_input_tokens=None, reported_version=None, signal_at=None, lease_owner=None,
+        lease_run_id=None, lease_expires_at=None, lease_fence=0, cooldown_until=None,
+        flagged_reason=None, flagged_at=None, created_at=NOW_UTC, last_append_at=None)
+    assert session_policy(info, config).keep == Clause("tokens", 5000)

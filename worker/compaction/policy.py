@@ -234,8 +234,13 @@ _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs
 
 
 def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
-                 base: Policy | None = None) -> Policy:
-    """A policy from a ``summarization:`` mapping; keys not given keep ``base``'s values."""
+                 base: Policy | None = None, check_keep: bool = True) -> Policy:
+    """A policy from a ``summarization:`` mapping; keys not given keep ``base``'s values.
+
+    ``check_keep=False`` skips :func:`check_keep_below_trigger`, for a session's stored overrides
+    read back at run time: they were checked when the session was created, and a configuration
+    changed since must not make a stored session unreadable to sweeps and runs (the loop guard
+    deals with a keep that refires)."""
     policy = base or Policy()
     if raw is None:
         return policy
@@ -292,7 +297,8 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
     if "strategy" in raw:
         changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
     out = replace(policy, **changes)
-    check_keep_below_trigger(out, path)
+    if check_keep:
+        check_keep_below_trigger(out, path)
     return out
 
 
