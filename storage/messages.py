@@ -190,25 +190,29 @@ def check_json(value: Any, field: str, depth: int = 1, top: str | None = None) -
     too-deep value is reported at)."""
     if isinstance(value, str):
         _check_utf8(value, field)
-    elif isinstance(value, Mapping | list | tuple):
-        if depth > MAX_NESTING_DEPTH:
-            raise InvalidMessage(f"is nested more than {MAX_NESTING_DEPTH} levels deep",
-                                 field=top or field)
-        if isinstance(value, Mapping):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise InvalidMessage("object keys must be strings", field=field)
-                _check_utf8(key, field)
-                check_json(item, f"{field}.{key}", depth + 1, top or field)
-        else:
-            for i, item in enumerate(value):
-                check_json(item, f"{field}[{i}]", depth + 1, top or field)
-    elif isinstance(value, float):
+        return
+    if value is None or isinstance(value, int):  # bool is an int
+        return
+    if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidMessage("must be a finite number (JSON has no NaN or Infinity)",
                                  field=field)
-    elif value is not None and not isinstance(value, int):
+        return
+    is_list = isinstance(value, list | tuple)
+    if not is_list and not isinstance(value, dict | Mapping):
         raise InvalidMessage(f"must be a JSON value, got {type(value).__name__}", field=field)
+    if depth > MAX_NESTING_DEPTH:
+        raise InvalidMessage(f"is nested more than {MAX_NESTING_DEPTH} levels deep",
+                             field=top or field)
+    if is_list:
+        for i, item in enumerate(value):
+            check_json(item, f"{field}[{i}]", depth + 1, top or field)
+        return
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise InvalidMessage("object keys must be strings", field=field)
+        _check_utf8(key, field)
+        check_json(item, f"{field}.{key}", depth + 1, top or field)
 
 
 def _check_id(value: Any, field: str, missing: str) -> str:
