@@ -2,11 +2,13 @@
 
 A :class:`Message` is what an agent runtime appends: OpenAI chat roles, content as text or a list
 of blocks (text and image blocks understood, others kept opaque), assistant tool calls, tool results
-with the id of their call, and a free ``meta`` mapping for flags such as ``pinned``.
+with the id of their call, and a free ``meta`` mapping for flags such as ``pinned`` (but for the
+keys only compactd writes, :data:`RESERVED_META`).
 
 Importers turn OpenAI chat dicts (the default and the shape of ``compactd ingest`` files),
 Anthropic Messages dicts (``tool_use`` / ``tool_result`` blocks) and LangChain message dicts into
-messages. Every rejection is an :class:`InvalidMessage` naming the field; file readers add the line.
+messages; :func:`check_message` holds a runtime's own :class:`Message` to the same rules. Every
+rejection is an :class:`InvalidMessage` naming the field; file readers add the line.
 """
 
 from __future__ import annotations
@@ -32,11 +34,6 @@ META_SKILL = "skill_context_entry"
 META_CHECKPOINT = "checkpoint"
 META_PRUNED = "pruned"
 
-# Keys only compactd writes, on the nodes a compaction commits: the checkpoint flag, its summary,
-# skills and render form, the authority contract's flag, the run that wrote it, the pruning
-# marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
-# or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
-# holds this set to the keys the worker writes.
 # The deepest an array or object may sit inside one message field (content, meta, tool
 # arguments given as an object). Real content is a few levels deep; the bound keeps every read
 # of a stored message (the HTTP API's encoder stops near 255 levels, Python's json near 1000)
@@ -48,6 +45,11 @@ MAX_ID_CHARS = 255  # a tool-call id, as the tool_calls table holds it
 TOO_DEEP = (f"JSON nested too deep to read (a message may nest at most {MAX_NESTING_DEPTH} "
             "levels)")
 
+# Keys only compactd writes, on the nodes a compaction commits: the checkpoint flag, its summary,
+# skills and render form, the authority contract's flag, the run that wrote it, the pruning
+# marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
+# or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
+# holds this set to the keys the worker writes.
 RESERVED_META = frozenset({META_CHECKPOINT, "summary", "skills", "render", "authority_contract",
                            "run_id", META_PRUNED, "cleared", "cleared_tool_inputs"})
 
