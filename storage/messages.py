@@ -364,11 +364,11 @@ def parse_openai(obj: Any) -> Message:
         calls.append(ToolCall(id=call_id, name=name,
                               arguments=_arguments_text(fn.get("arguments"),
                                                         f"{where}.function.arguments")))
-    call_id = obj.get("tool_call_id")
-    if call_id is not None:
-        _check_text(call_id, "tool_call_id")
+    result_id = obj.get("tool_call_id")
+    if result_id is not None:
+        _check_text(result_id, "tool_call_id")
     return _make(obj.get("role"), content=_check_content(obj.get("content")),
-                 tool_calls=tuple(calls), tool_call_id=call_id, name=obj.get("name"), meta=meta)
+                 tool_calls=tuple(calls), tool_call_id=result_id, name=obj.get("name"), meta=meta)
 
 
 # --------------------------------------------------------------------------------------------
