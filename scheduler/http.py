@@ -180,7 +180,8 @@ _OPENAI_MESSAGE = {
         "content": _CONTENT,
         "tool_calls": {"type": ["array", "null"], "items": {
             "type": "object", "required": ["id", "function"],
-            "properties": {"id": {"type": "string", "minLength": 1},
+            "properties": {"id": {"type": "string", "minLength": 1, "maxLength": 255,
+                                  "description": "no NUL character"},
                            "type": {"const": "function"},
                            "function": {"type": "object", "required": ["name"],
                                         "properties": {"name": {"type": "string"},
@@ -188,7 +189,9 @@ _OPENAI_MESSAGE = {
         "tool_call_id": {"type": ["string", "null"]},
         "name": {"type": ["string", "null"]},
         "meta": {"type": ["object", "null"],
-                 "description": "compactd flags (pinned, dynamic_context_reminder, ...)"},
+                 "description": "flags for compactd (pinned, dynamic_context_reminder, ...); "
+                                "the keys a compaction writes (checkpoint, summary, render, "
+                                "run_id, pruned, ...) are refused"},
     },
 }
 _ANTHROPIC_MESSAGE = {

@@ -2,11 +2,13 @@
 
 A :class:`Message` is what an agent runtime appends: OpenAI chat roles, content as text or a list
 of blocks (text and image blocks understood, others kept opaque), assistant tool calls, tool results
-with the id of their call, and a free ``meta`` mapping for flags such as ``pinned``.
+with the id of their call, and a free ``meta`` mapping for flags such as ``pinned`` (but for the
+keys only compactd writes, :data:`RESERVED_META`).
 
 Importers turn OpenAI chat dicts (the default and the shape of ``compactd ingest`` files),
 Anthropic Messages dicts (``tool_use`` / ``tool_result`` blocks) and LangChain message dicts into
-messages. Every rejection is an :class:`InvalidMessage` naming the field; file readers add the line.
+messages; :func:`check_message` holds a runtime's own :class:`Message` to the same rules. Every
+rejection is an :class:`InvalidMessage` naming the field; file readers add the line.
 """
 
 from __future__ import annotations
@@ -32,11 +34,6 @@ META_SKILL = "skill_context_entry"
 META_CHECKPOINT = "checkpoint"
 META_PRUNED = "pruned"
 
-# Keys only compactd writes, on the nodes a compaction commits: the checkpoint flag, its summary,
-# skills and render form, the authority contract's flag, the run that wrote it, the pruning
-# marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
-# or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
-# holds this set to the keys the worker writes.
 # The deepest an array or object may sit inside one message field (content, meta, tool
 # arguments given as an object). Real content is a few levels deep; the bound keeps every read
 # of a stored message (the HTTP API's encoder stops near 255 levels, Python's json near 1000)
@@ -48,6 +45,11 @@ MAX_ID_CHARS = 255  # a tool-call id, as the tool_calls table holds it
 TOO_DEEP = (f"JSON nested too deep to read (a message may nest at most {MAX_NESTING_DEPTH} "
             "levels)")
 
+# Keys only compactd writes, on the nodes a compaction commits: the checkpoint flag, its summary,
+# skills and render form, the authority contract's flag, the run that wrote it, the pruning
+# marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
+# or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
+# holds this set to the keys the worker writes.
 RESERVED_META = frozenset({META_CHECKPOINT, "summary", "skills", "render", "authority_contract",
                            "run_id", META_PRUNED, "cleared", "cleared_tool_inputs"})
 
@@ -190,25 +192,29 @@ def check_json(value: Any, field: str, depth: int = 1, top: str | None = None) -
     too-deep value is reported at)."""
     if isinstance(value, str):
         _check_utf8(value, field)
-    elif isinstance(value, Mapping | list | tuple):
-        if depth > MAX_NESTING_DEPTH:
-            raise InvalidMessage(f"is nested more than {MAX_NESTING_DEPTH} levels deep",
-                                 field=top or field)
-        if isinstance(value, Mapping):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise InvalidMessage("object keys must be strings", field=field)
-                _check_utf8(key, field)
-                check_json(item, f"{field}.{key}", depth + 1, top or field)
-        else:
-            for i, item in enumerate(value):
-                check_json(item, f"{field}[{i}]", depth + 1, top or field)
-    elif isinstance(value, float):
+        return
+    if value is None or isinstance(value, int):  # bool is an int
+        return
+    if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidMessage("must be a finite number (JSON has no NaN or Infinity)",
                                  field=field)
-    elif value is not None and not isinstance(value, int):
+        return
+    is_list = isinstance(value, list | tuple)
+    if not is_list and not isinstance(value, dict | Mapping):
         raise InvalidMessage(f"must be a JSON value, got {type(value).__name__}", field=field)
+    if depth > MAX_NESTING_DEPTH:
+        raise InvalidMessage(f"is nested more than {MAX_NESTING_DEPTH} levels deep",
+                             field=top or field)
+    if is_list:
+        for i, item in enumerate(value):
+            check_json(item, f"{field}[{i}]", depth + 1, top or field)
+        return
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise InvalidMessage("object keys must be strings", field=field)
+        _check_utf8(key, field)
+        check_json(item, f"{field}.{key}", depth + 1, top or field)
 
 
 def _check_id(value: Any, field: str, missing: str) -> str:
@@ -358,11 +364,11 @@ def parse_openai(obj: Any) -> Message:
         calls.append(ToolCall(id=call_id, name=name,
                               arguments=_arguments_text(fn.get("arguments"),
                                                         f"{where}.function.arguments")))
-    call_id = obj.get("tool_call_id")
-    if call_id is not None:
-        _check_text(call_id, "tool_call_id")
+    result_id = obj.get("tool_call_id")
+    if result_id is not None:
+        _check_text(result_id, "tool_call_id")
     return _make(obj.get("role"), content=_check_content(obj.get("content")),
-                 tool_calls=tuple(calls), tool_call_id=call_id, name=obj.get("name"), meta=meta)
+                 tool_calls=tuple(calls), tool_call_id=result_id, name=obj.get("name"), meta=meta)
 
 
 # --------------------------------------------------------------------------------------------

@@ -382,3 +382,29 @@ async def test_the_langchain_middleware_raises_bad_input_instead_of_degrading(
         middleware.close()
     assert fake.requests_for(model=AGENT_MODEL) == []
     assert (await counts(db_url))["events"] == 0
+
+
+async def test_the_client_refuses_values_json_cannot_hold_in_its_own_messages(
+        db_url: str) -> None:
+    """A datetime in meta raised a TypeError from the store's encoder; NaN was stored on SQLite
+    and a driver error on PostgreSQL; an integer key was stored as a string."""
+    import datetime as dt
+
+    cases = [(Message(role="user", content="x", meta={"at": dt.datetime(2026, 1, 1)}),
+              "meta.at", "must be a JSON value, got datetime"),
+             (Message(role="user", content="x", meta={"scores": [1.0, float("nan")]}),
+              "meta.scores[1]", "finite number"),
+             (Message(role="user", content="x", meta={"ids": {1: "one"}}),
+              "meta.ids", "keys must be strings"),
+             (Message(role="user", content=[{"type": "data", "blob": b"\x00"}]),
+              "content[0].blob", "got bytes")]
+    async with CompactdClient(client_config(db_url), enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1")
+        for message, field, reason in cases:
+            with pytest.raises(InvalidMessage) as caught:
+                await handle.append([message])
+            assert caught.value.field == field and reason in caught.value.reason
+        # Tuples are JSON arrays.
+        await handle.append([Message(role="user", content="x", meta={"pair": (1, 2)})])
+        [node] = (await client.store.read_surface("s1")).nodes
+        assert node.message.meta == {"pair": [1, 2]}

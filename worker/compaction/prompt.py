@@ -586,8 +586,8 @@ def image_reference(block: dict[str, Any]) -> str:
     if isinstance(url, str) and url:
         if url[:5].lower() != "data:":
             return f"[image: {_cut(url, IMAGE_REFERENCE_CHARS)}]"
-        header, _, data = url[5:].partition(",")
-        return _inline_image(header.split(";")[0], data,
+        header, _, payload = url[5:].partition(",")
+        return _inline_image(header.split(";")[0], payload,
                              base64=header.lower().endswith(";base64"))
     data = source.get("data", source.get("base64"))
     if isinstance(data, str) and data:
