@@ -216,6 +216,10 @@ class Store(LeasesMixin, JobsMixin):
                     0 <= value <= _MAX_REPORTED_TOKENS):
                 raise InvalidMessage(f"must be an integer from 0 to {_MAX_REPORTED_TOKENS}",
                                      field=name)
+        if input_tokens + output_tokens > _MAX_REPORTED_TOKENS:
+            # Their sum is what pressure counts, in the same 32-bit arithmetic.
+            raise InvalidMessage(f"input_tokens + output_tokens must be at most "
+                                 f"{_MAX_REPORTED_TOKENS}", field="output_tokens")
         c = t.sessions.c
         base = c.surface_tokens + c.envelope_tokens
         async with transaction(self.engine) as conn:
