@@ -42,6 +42,7 @@ class SessionInfo:
     sweep_key: str | None = None
     sweep_tokens: int | None = None
     sweep_messages: int | None = None
+    over_sweep: bool | None = None
 
     def lease_live(self, now: dt.datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now

@@ -55,6 +55,18 @@ class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
 
 JSONText = sa.JSON(none_as_null=True)
 
+# Whether a session may be over its trigger, from its columns alone (the pressure of
+# ``worker.pressure.session_pressure``); NULL thresholds never match. Thresholds on the left:
+# SQLite turns ``expr >= column`` around when it matches a query to an index. The report's
+# growth is never negative (``SessionInfo.reported_tokens``): both of its cases are listed
+# instead of a GREATEST the two backends spell differently.
+OVER_SWEEP_SQL = (
+    "sweep_tokens <= surface_tokens + envelope_tokens"
+    " OR sweep_tokens <= reported_input_tokens + reported_output_tokens"
+    " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + surface_tokens"
+    " + envelope_tokens - reported_base_tokens"
+    " OR sweep_messages <= surface_messages")
+
 sessions = sa.Table(
     "sessions", metadata,
     sa.Column("id", sa.String(255), primary_key=True),
@@ -101,29 +113,19 @@ sessions = sa.Table(
     sa.Column("sweep_key", sa.String(32), nullable=True),
     sa.Column("sweep_tokens", sa.BigInteger, nullable=True),
     sa.Column("sweep_messages", sa.Integer, nullable=True),
+    # Whether the cached totals reach those thresholds, computed by the database on every
+    # write of the row. A partial index on the derived flag rather than on the totals
+    # themselves: an append changes the totals but rarely the flag, so on PostgreSQL it stays
+    # a heap-only (HOT) update that touches no index.
+    sa.Column("over_sweep", sa.Boolean, sa.Computed(OVER_SWEEP_SQL, persisted=True)),
     sa.Index(None, "tenant"),
     sa.Index(None, "lease_expires_at"),
     sa.Index(None, "sweep_key"),
 )
 
 
-def _over_sweep_threshold() -> sa.ColumnElement[bool]:
-    """Whether a session may be over its trigger, from its columns alone (the pressure of
-    ``worker.pressure.session_pressure``); NULL thresholds never match. The partial index below
-    holds exactly the rows this is true of, so the sweep reads those and no others."""
-    c = sessions.c
-    measured = c.surface_tokens + c.envelope_tokens
-    reported = c.reported_input_tokens + c.reported_output_tokens
-    # Thresholds on the left: SQLite turns ``expr >= column`` around before it matches a query
-    # against a partial index, and then the index no longer matches. The report's growth is
-    # never negative (``SessionInfo.reported_tokens``): both of its cases are listed instead of
-    # a GREATEST the two backends spell differently.
-    return sa.or_(c.sweep_tokens <= measured, c.sweep_tokens <= reported,
-                  c.sweep_tokens <= reported + measured - c.reported_base_tokens,
-                  c.sweep_messages <= c.surface_messages)
-
-
-OVER_SWEEP_THRESHOLD = _over_sweep_threshold()
+# The index the sweep reads: the sessions whose stored column ``over_sweep`` is true.
+OVER_SWEEP_THRESHOLD = sessions.c.over_sweep == sa.true()
 sa.Index("ix_sessions_over_trigger", sessions.c.id, postgresql_where=OVER_SWEEP_THRESHOLD,
          sqlite_where=OVER_SWEEP_THRESHOLD)
 

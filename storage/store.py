@@ -36,7 +36,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
-from storage.ids import check_count, check_id, check_session_id, check_tenant
+from storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
 from storage.jobs import JobsMixin
 from storage.leases import LeasesMixin
 from storage.messages import (
@@ -278,6 +278,10 @@ class Store(LeasesMixin, JobsMixin):
         came first), so when it is, ``output_tokens`` already stands for it."""
         check_count(input_tokens, "input_tokens")
         check_count(output_tokens, "output_tokens")
+        if input_tokens + output_tokens > MAX_INT32:
+            # Their sum is what pressure counts, in the same 32-bit arithmetic.
+            raise InvalidMessage(f"input_tokens + output_tokens must be at most {MAX_INT32}",
+                                 field="output_tokens")
         c = t.sessions.c
         base = c.surface_tokens + c.envelope_tokens
         async with transaction(self.engine) as conn:

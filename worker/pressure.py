@@ -75,7 +75,7 @@ def session_policy(info: SessionInfo, config: Config) -> Policy:
 def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
     """Pressure from the cached totals: surface (checkpoints included) plus envelope, or the
     provider's own count when it reported a larger one (``storage.schema``'s
-    ``OVER_SWEEP_THRESHOLD`` is the same measure in SQL)."""
+    ``OVER_SWEEP_SQL`` is the same measure in SQL)."""
     tokens = info.surface_tokens + info.envelope_tokens
     reported = info.reported_tokens
     if reported is not None and reported > tokens:
