@@ -819,8 +819,11 @@ def _decode_append(raw: bytes, content_type: str | None, run_model: str | None, 
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
                                            "msg": "JSON decode error", "input": {},
                                            "ctx": {"error": exc.msg}}]) from None
-        except (ValueError, RecursionError):
-            # Not UTF-8, or nested past the parser's limit: FastAPI's answer for such bodies.
+        except RecursionError as exc:
+            # Nested past the parser's limit: the error handler answers 422 for this cause.
+            raise StarletteHTTPException(400, "There was an error parsing the body") from exc
+        except ValueError:
+            # Not UTF-8: FastAPI's answer for such bodies.
             raise StarletteHTTPException(400, "There was an error parsing the body") from None
     try:
         valid = AppendIn.model_validate(body)

@@ -19,7 +19,12 @@ from urllib.parse import urlparse
 import pytest
 from hypothesis import settings
 
-from tests.support.services import create_database_sync, empty_database, flush_redis
+from tests.support.services import (
+    create_database_sync,
+    drop_database_sync,
+    empty_database,
+    flush_redis,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -73,7 +78,9 @@ def _migrate(url: str) -> None:
 
 @pytest.fixture(scope="session")
 def pg_schema(pg_url: str) -> str:
-    """The test database, created if absent and migrated to head once per test run."""
+    """The test database, made anew and migrated to head once per test run: a database left by
+    a run of other code (a migration edited since, a branch's revision) must not decide this one."""
+    drop_database_sync(pg_url)
     create_database_sync(pg_url)
     _migrate(pg_url)
     return pg_url

@@ -141,7 +141,8 @@ async def test_a_broker_error_over_http_says_retry_and_logs_the_broker_without_i
         db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     config = api_config(db_url, tmp_path, broker_url="redis://compactd:hunter2@127.0.0.1:1/0",
-                        summarization={"trigger": [{"type": "messages", "value": 1}]})
+                        summarization={"trigger": [{"type": "messages", "value": 1}],
+                                       "keep": {"type": "tokens", "value": 1}})
     async for served in serve_app(config):
         await served.create("s1", A)
         await served.append("s1", A, {"role": "user", "content": "a"},

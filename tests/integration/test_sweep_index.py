@@ -114,7 +114,9 @@ async def test_the_sweep_follows_a_changed_trigger_and_a_changed_session_policy(
 async def test_a_message_trigger_is_swept_on_the_message_count(db_url: str,
                                                                 store: Store) -> None:
     trigger = [{"type": "messages", "value": 3}, {"type": "tokens", "value": 10_000}]
-    config = build_config({"summarization": {"trigger": trigger}, "worker": {"metrics_port": 0}},
+    config = build_config({"summarization": {"trigger": trigger,
+                                              "keep": {"type": "messages", "value": 1}},
+                           "worker": {"metrics_port": 0}},
                           settings=Settings(database_url=db_url, broker_url="memory://"))
     async with CompactdClient(config, store=store, enqueuer=RecordingEnqueuer()) as client:
         many = await client.create_session("many", run_model="gpt-4o")

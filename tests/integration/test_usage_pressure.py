@@ -119,7 +119,7 @@ def test_the_sync_client_reports_output_tokens(db_url: str) -> None:
 
 async def test_http_usage_takes_output_tokens(db_url: str, tmp_path: Any) -> None:
     config = api_config(db_url, tmp_path, summarization={
-        "trigger": {"type": "tokens", "value": TRIGGER}})
+        "trigger": {"type": "tokens", "value": TRIGGER}, "keep": {"type": "messages", "value": 2}})
     async for api in serve_app(config):
         await api.create("s1", A, run_model="gpt-4o")
         await api.append("s1", A, {"role": "user", "content": "hello"})
