@@ -58,13 +58,19 @@ def deadline(at: float | None) -> Any:
         _DEADLINE.reset(token)
 
 
+def deadline_left_s() -> float | None:
+    """Seconds left before the current :func:`deadline` (0 or less once it passed), None
+    without one."""
+    at = _DEADLINE.get()
+    return None if at is None else at - asyncio.get_running_loop().time()
+
+
 def _time_left_ms() -> int | None:
     """Milliseconds left before the deadline, None without one; DeadlinePassed once it passed
     (never 0: PostgreSQL and SQLite read a zero timeout as none at all)."""
-    at = _DEADLINE.get()
-    if at is None:
+    left = deadline_left_s()
+    if left is None:
         return None
-    left = at - asyncio.get_running_loop().time()
     if left <= 0:
         raise DeadlinePassed()
     return max(1, int(left * 1000))

@@ -1,15 +1,15 @@
 """The lease protocol's storage half: claim, renew, commit, finish, reap; and run records.
 
 A transaction is never held across a model call. A claim locks the session row for one short
-transaction (``FOR UPDATE NOWAIT``), writes the lease (owner, expiry, a new fence), the run row and
-``compaction/start``, and commits. The commit locks the row again, checks the fence is still ours
-and the surface is still what the plan read, applies the replace, journals, and writes
-``compaction/end`` last, so a crash leaves a detectable orphan start, never a false end.
+transaction (``FOR UPDATE``, waiting briefly for another short one to end), writes the lease
+(owner, expiry, a new fence), the run row and ``compaction/start``, and commits. The commit
+locks the row again, checks the fence is still ours and the surface is still what the plan
+read, applies the replace, journals, and writes ``compaction/end`` last, so a crash leaves a
+detectable orphan start, never a false end.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import functools
 import itertools
@@ -21,9 +21,16 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
-from storage.database import KeptConnections, connection, driver_error, transaction
+from storage.database import (
+    KeptConnections,
+    connection,
+    deadline_left_s,
+    driver_error,
+    transaction,
+)
 from storage.errors import (
     CompactdError,
+    DeadlinePassed,
     LeaseLost,
     LockNotAvailable,
     SurfaceChanged,
@@ -54,10 +61,10 @@ from storage.surface import JOURNAL_END, JOURNAL_START, commit_seqs
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-# A targeted claim meets the row lock of an in-flight append now and then; those last a few
-# milliseconds, so NOWAIT is retried briefly before the attempt is called busy.
-CLAIM_LOCK_RETRY_S = 0.5
-CLAIM_LOCK_RETRY_STEP_S = 0.01
+# How long a targeted claim waits for the session row another transaction holds (an append, a
+# usage report, another claim, a commit: each for milliseconds), in the row's lock queue; the
+# run's deadline ends the wait sooner. compactd_claim has the same wait (migration 0008).
+CLAIM_LOCK_WAIT_S = 5.0
 
 RUN_RUNNING = "running"
 RUN_FAILED = "failed"
@@ -86,24 +93,28 @@ class LeasesMixin:
                     now: dt.datetime | None = None, task_id: str | None = None,
                     bulk_job_id: str | None = None, skip_locked: bool = False
                     ) -> Claim | Busy | Skipped:
-        """Take the lease on a session, or record a ``busy`` attempt.
+        """Take the lease on a session, or record a ``busy`` attempt when another run's lease
+        is live.
 
-        ``skip_locked`` is for sweeps: a row another transaction holds is skipped at once.
+        A session row another transaction holds is waited for (``CLAIM_LOCK_WAIT_S``, less when
+        the run's deadline comes first): such transactions are short, and the claim goes on
+        when the row is free. :class:`LockNotAvailable` when it stays locked for the whole
+        wait. ``skip_locked`` is for sweeps: a row another transaction holds is skipped at once.
         """
-        deadline = asyncio.get_running_loop().time() + (0 if skip_locked else CLAIM_LOCK_RETRY_S)
-        while True:
-            try:
-                return await self._claim_once(session_id, owner=owner, trigger=trigger,
-                                              lease_s=lease_s, now=now or utcnow(),
-                                              task_id=task_id, bulk_job_id=bulk_job_id,
-                                              skip_locked=skip_locked)
-            except LockNotAvailable:
-                if asyncio.get_running_loop().time() >= deadline:
-                    return await self._record_busy(session_id, owner=owner, trigger=trigger,
-                                                   now=now or utcnow(), task_id=task_id,
-                                                   bulk_job_id=bulk_job_id, holder=None,
-                                                   expires_at=None)
-                await asyncio.sleep(CLAIM_LOCK_RETRY_STEP_S)
+        try:
+            return await self._claim_once(session_id, owner=owner, trigger=trigger,
+                                          lease_s=lease_s, now=now or utcnow(), task_id=task_id,
+                                          bulk_job_id=bulk_job_id, skip_locked=skip_locked)
+        except DeadlinePassed:
+            left = deadline_left_s()
+            if left is None or left <= 0:
+                raise
+            # A lock wait ended, but by the claim's own bound, not the run's deadline.
+            raise _row_stayed_locked(session_id) from None
+        except LockNotAvailable:
+            if self.sqlite:
+                raise  # the database's write lock, waited for as every write waits for it
+            raise _row_stayed_locked(session_id) from None
 
     async def _claim_once(self, session_id: str, *, owner: str, trigger: str, lease_s: float,
                           now: dt.datetime, task_id: str | None, bulk_job_id: str | None,
@@ -116,8 +127,11 @@ class LeasesMixin:
             if claimed is not None:
                 return claimed
         async with transaction(self.engine) as conn:
-            info = await self._session(conn, session_id, lock=True, nowait=not skip_locked,
-                                       skip_locked=skip_locked)
+            if not self.sqlite and not skip_locked:
+                left = deadline_left_s()
+                wait_s = CLAIM_LOCK_WAIT_S if left is None else min(CLAIM_LOCK_WAIT_S, left)
+                await conn.execute(_LOCK_WAIT, {"ms": f"{max(1, int(wait_s * 1000))}ms"})
+            info = await self._session(conn, session_id, lock=True, skip_locked=skip_locked)
             if bulk_job_id is not None and await self._bulk_item_done(conn, bulk_job_id,
                                                                       session_id):
                 # Checked under the row lock that the committing run also takes, so a bulk
@@ -168,19 +182,6 @@ class LeasesMixin:
             return None
         return Claim(session=info, run_id=run_id, fence=info.lease_fence, owner=owner,
                      expires_at=expires)
-
-    async def _record_busy(self, session_id: str, *, owner: str, trigger: str, now: dt.datetime,
-                           task_id: str | None, bulk_job_id: str | None, holder: str | None,
-                           expires_at: dt.datetime | None) -> Busy:
-        run_id = uuid.uuid4().hex
-        async with transaction(self.engine) as conn:
-            info = await self._session(conn, session_id)
-            await self._insert_run(conn, run_id, session_id, trigger=trigger, owner=owner,
-                                   fence=None, task_id=task_id, bulk_job_id=bulk_job_id,
-                                   version=info.surface_version, now=now, status=RUN_FAILED,
-                                   failure_class="busy",
-                                   error="the session row was locked by another claim")
-        return Busy(run_id=run_id, holder=holder, expires_at=expires_at)
 
     async def _insert_run(self, conn: AsyncConnection, run_id: str, session_id: str, *,
                           trigger: str, owner: str, fence: int | None, task_id: str | None,
@@ -530,6 +531,8 @@ class LeasesMixin:
 # much CPU as executing it, and a worker runs dozens of compactions a second.
 _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
 _CLAIM_SQL = "SELECT * FROM compactd_claim($1, $2, $3, $4, $5, $6, $7, $8)"
+# The general claim's wait for the row, to the end of its transaction (is_local).
+_LOCK_WAIT = sa.text("SELECT set_config('lock_timeout', :ms, true)")
 _COMMIT_SQL = ("SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, "
                "$13, $14)")
 # The run row's result, column by column, as every way of ending a run writes it.
@@ -661,6 +664,11 @@ def _json_or_none(value: Any) -> str | None:
 def _lease_lost(session_id: str, run_id: str, fence: int, current: object) -> LeaseLost:
     return LeaseLost(f"run {run_id} lost its lease on {session_id!r} "
                      f"(fence {fence}, now {current})")
+
+
+def _row_stayed_locked(session_id: str) -> LockNotAvailable:
+    return LockNotAvailable(f"the row of session {session_id!r} stayed locked by another "
+                            f"transaction for {CLAIM_LOCK_WAIT_S:g} s")
 
 
 def _prefix_changed(session_id: str, run_id: str) -> SurfaceChanged:

@@ -46,7 +46,7 @@ from worker.llm.candidates import candidate_order
 from worker.llm.errors import SummaryFailed
 from worker.llm.fallback import RetryPolicy, SummaryRequest, summarize
 from worker.metrics import metrics
-from worker.pressure import session_policy, session_pressure
+from worker.pressure import read_pressure, session_policy, session_pressure
 from worker.runtime import Deps
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,9 @@ async def _rounds(deps: Deps, claim: Claim, lease: _KeptLease, out: Outcome,
         out.rounds = round_no + 1
         surface = await store.read_surface(info.id, reuse=surface)
         first = round_no == 0
+        if first:
+            # What the run starts from is what it read: appends may have come after the claim.
+            out.tokens_before = read_pressure(info, surface, policy).tokens
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                         manual=manual and first, defer_summary=True)
         if current.prune:
@@ -453,7 +456,10 @@ async def _commit_checkpoint(deps: Deps, claim: Claim, lease: _KeptLease, out: O
     # the same transaction as the checkpoint (a crash then never leaves a committed checkpoint
     # behind an open start).
     saved = step.replaced_tokens - tokens
-    now_pressure = session_pressure(info, policy)
+    # Measured on the surface the plan replaced nodes of, not on ``info``: the claim's row (or
+    # the last commit's) does not count what was appended before the read, and the prediction
+    # would fall below what the checkpoint leaves, even below zero.
+    now_pressure = read_pressure(info, surface, policy)
     predicted = now_pressure.reduced_by(saved, policy.context_window)
     relieved = not should_compact(predicted, policy)[0]
     final = relieved or not final_if_relieved

@@ -7,6 +7,7 @@ context window (the session's own, else the configured model's, else a known pub
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from functools import lru_cache
@@ -14,6 +15,7 @@ from typing import Any
 
 from storage.errors import ConfigError
 from storage.records import SessionInfo
+from storage.surface import Surface
 from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
 from worker.compaction.triggers import Pressure, should_compact, should_run
 from worker.settings import Config
@@ -83,6 +85,16 @@ def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
     window = policy.context_window
     return Pressure(tokens=tokens, messages=info.surface_messages,
                     fraction=tokens / window if window else None)
+
+
+def read_pressure(info: SessionInfo, surface: Surface, policy: Policy) -> Pressure:
+    """Pressure of the surface a run read, with the session's envelope and usage report: what
+    a plan made on that read replaces tokens from. ``info`` may be older than the read (the
+    claim's row, while appends went on), and its cached totals then undercount what the plan
+    replaces; the read itself never does."""
+    read = dataclasses.replace(info, surface_tokens=surface.tokens,
+                               surface_messages=len(surface.nodes))
+    return session_pressure(read, policy)
 
 
 def over_trigger(info: SessionInfo, config: Config) -> bool:
