@@ -631,9 +631,14 @@ class Store(LeasesMixin, JobsMixin):
             return [session_from_row(r) for r in rows]
 
     async def oldest_signal(self) -> dt.datetime | None:
-        """The oldest pending-signal mark (a run asked for and not yet ended), None if none."""
+        """The oldest pending-signal mark (a run asked for and not yet ended) of a session still
+        over its sweep threshold, None if none. A mark whose message was lost on a session that
+        an overflow or manual run has since relieved is cleared by no run; it is no work
+        waiting, and would otherwise age for ever. Read on the sweep's partial index."""
+        c = t.sessions.c
         async with connection(self.engine) as conn:
-            return (await conn.execute(sa.select(sa.func.min(t.sessions.c.signal_at)))).scalar()
+            return (await conn.execute(sa.select(sa.func.min(c.signal_at)).where(
+                t.OVER_SWEEP_THRESHOLD, c.signal_at.is_not(None)))).scalar()
 
     async def counts(self) -> dict[str, int]:
         """Row counts per table (tests use it to prove a rejected batch wrote nothing)."""

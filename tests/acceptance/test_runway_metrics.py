@@ -2,8 +2,8 @@
 
 One worker (metrics on a free port) takes the pressure and bulk queues, not urgent. A session
 over its trigger is signalled and compacted (pressure-to-checkpoint observed once); a manual
-request waits on compaction.urgent; another session carries a pending-signal mark no run has
-taken yet. Then beat's sweep task runs on the worker, and its scrape must agree with
+request waits on compaction.urgent; another session over its trigger carries a pending-signal
+mark no run has taken yet. Then beat's sweep task runs on the worker, and its scrape must agree with
 PostgreSQL.
 """
 
@@ -42,9 +42,10 @@ def test_a_sweep_exports_runway_queue_depth_and_signal_age(
     with FakeProvider() as fake, Stack(pg_schema, redis_url, tmp_path, fake_url=fake.url,
                                        summarization=POLICY) as stack:
         stack.ingest("over", coding_session(steps=20, big_output_lines=30, seed=1).messages)
-        # Under the trigger: the sweep leaves them alone.
+        # Under the trigger: the sweep leaves it alone.
         stack.ingest("queued", coding_session(steps=2, seed=2).messages)
-        stack.ingest("pending", coding_session(steps=2, seed=3).messages)
+        # Over it, with a mark younger than a sweep interval: the sweep passes it over.
+        stack.ingest("pending", coding_session(steps=20, big_output_lines=30, seed=3).messages)
         stack.start_worker("w1", concurrency=2, queues=("compaction.pressure", "compaction.bulk"),
                            env={"COMPACTD_METRICS_PORT": str(port)})
         signalled = utcnow()

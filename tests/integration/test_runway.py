@@ -53,7 +53,7 @@ async def test_a_steady_session_converges_to_its_real_rate(store: Store) -> None
     assert r.session.growth_rate == pytest.approx(per_step / 10, rel=0.02)
 
 
-async def test_growing_sessions_leave_out_idle_ones_and_the_oldest_signal_is_found(
+async def test_growing_sessions_leave_out_idle_ones_and_the_oldest_live_signal_is_found(
         store: Store) -> None:
     now = utcnow()
     for sid in ("busy", "idle", "new"):
@@ -62,10 +62,16 @@ async def test_growing_sessions_leave_out_idle_ones_and_the_oldest_signal_is_fou
     await store.append("idle", [words(30)], now=now - dt.timedelta(hours=1))
     assert [s.id for s in await store.growing_sessions(now=now)] == ["busy"]
 
+    # "busy" and "idle" are over their sweep thresholds, "new" (no append) is not.
+    await store.resolve_sweep_thresholds(key="k", resolve=lambda info: (10, None))
     assert await store.oldest_signal() is None
     first = now - dt.timedelta(seconds=40)
     assert await store.mark_signal("idle", ttl_s=60, now=first)
     assert await store.mark_signal("busy", ttl_s=60, now=now - dt.timedelta(seconds=3))
+    assert await store.oldest_signal() == first
+    # An older mark on a session under its threshold is no work waiting (a lost message on a
+    # session another run relieved): no run will clear it, and it is not counted.
+    assert await store.mark_signal("new", ttl_s=60, now=now - dt.timedelta(hours=1))
     assert await store.oldest_signal() == first
 
 
