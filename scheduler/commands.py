@@ -156,7 +156,7 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
         if args.session:
             body = await session_status(store, args.session, limit=args.limit, config=config)
         else:
-            body = await status(store, since=_since(args.since))
+            body = await status(store, since=_since(args.since), config=config)
     if args.json:
         emit(body)
     else:

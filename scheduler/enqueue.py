@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_RUN
+from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_RUN
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -64,6 +64,22 @@ class Enqueuer:
 
     async def asend(self, request: RunRequest) -> str:
         return await asyncio.to_thread(self.send, request)
+
+    def queue_depths(self) -> dict[str, int]:
+        """Messages waiting in each of compactd's queues (unacked ones a worker holds are not
+        waiting). Blocking broker I/O, like :meth:`send`."""
+        from kombu.exceptions import ChannelError
+
+        depths: dict[str, int] = {}
+        with self.app.connection_for_read() as conn:
+            channel = conn.default_channel
+            for queue in QUEUES:
+                try:
+                    depths[queue] = channel.queue_declare(queue, passive=True).message_count
+                except ChannelError:
+                    # kombu's Redis transport knows a queue only while it holds a message.
+                    depths[queue] = 0
+        return depths
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,22 @@ from typing import Any
 
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
-from worker.pressure import session_policy
+from worker.pressure import Runway, session_policy, sorted_runways
 from worker.settings import Config
 
+# Sessions ``compactd status`` lists by least runway.
+RUNWAY_SHOWN = 10
 
-async def status(store: Store, *, since: dt.datetime | None = None) -> dict[str, Any]:
+
+async def least_runways(store: Store, config: Config, *, now: dt.datetime | None = None
+                        ) -> list[Runway]:
+    """Every growing session's runway, least first (the sweep exports them as metrics)."""
+    now = now or utcnow()
+    return sorted_runways(await store.growing_sessions(now=now), config, now)
+
+
+async def status(store: Store, *, since: dt.datetime | None = None,
+                 config: Config | None = None) -> dict[str, Any]:
     now = utcnow()
     counts = await store.run_counts(since=since)
     runs: dict[str, Any] = {"committed": 0, "nothing_to_do": 0, "running": 0, "failed": {}}
@@ -30,6 +41,9 @@ async def status(store: Store, *, since: dt.datetime | None = None) -> dict[str,
         "flagged": [_flag(info) for info in await store.flagged_sessions()],
         "bulk_jobs": [job.to_json() for job in await store.list_bulk_jobs()],
         "recent": [_run_brief(r) for r in await store.recent_runs(since=since, limit=10)],
+        # Without a configuration no session's window is known (the CLI always has one).
+        "runway": [r.to_json() for r in (await least_runways(store, config, now=now)
+                                         )[:RUNWAY_SHOWN]] if config is not None else [],
     }
 
 
@@ -143,6 +157,11 @@ def render_status(body: dict[str, Any]) -> str:
     for job in body["bulk_jobs"]:
         lines.append(f"  {job['id']} {job['state']}: {job['done']}/{job['matched']} done, "
                      f"{job['failed']} failed")
+    lines.append(f"least runway (seconds before the window at the current growth): "
+                 f"{len(body.get('runway', ()))}")
+    for r in body.get("runway", ()):
+        lines.append(f"  {r['session']}: {r['runway_s']:g} s, {r['tokens']}/{r['window']} "
+                     f"tokens, growing {r['rate_per_s']:g} tokens/s")
     lines.append(f"recent runs: {len(body['recent'])}")
     for run in body["recent"]:
         what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")

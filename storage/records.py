@@ -11,6 +11,26 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+# The seconds a session's growth rate is weighted over: each append moves the stored rate to
+# ``(rate * W + added) / (W + dt)`` (``dt``: seconds since the previous append), which is exactly
+# ``added / dt`` for a session that appends the same every ``dt``, forgets a burst within a few
+# W, and needs neither a division by ``dt`` (appends in the same instant) nor a history read.
+# Long enough to smooth an agent's step-to-step jitter, short enough to follow a new task.
+GROWTH_WINDOW_S = 120.0
+
+
+def decayed_growth_rate(rate: float, seconds_since: float) -> float:
+    """The stored rate as it stands ``seconds_since`` the last append: as if an empty append had
+    been made now, so an idle session's rate falls off instead of keeping its last value."""
+    return rate * GROWTH_WINDOW_S / (GROWTH_WINDOW_S + max(0.0, seconds_since))
+
+
+def next_growth_rate(rate: float, added: int, seconds_since: float) -> float:
+    """The rate after an append of ``added`` tokens ``seconds_since`` the previous one (what the
+    append's UPDATE computes in SQL on both backends)."""
+    return (rate * GROWTH_WINDOW_S + added) / (GROWTH_WINDOW_S + max(0.0, seconds_since))
+
+
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
     id: str
@@ -43,6 +63,12 @@ class SessionInfo:
     sweep_tokens: int | None = None
     sweep_messages: int | None = None
     over_sweep: bool | None = None
+    growth_rate: float = 0.0
+
+    def growth_rate_at(self, now: dt.datetime) -> float:
+        """Tokens per second the session is growing by (see :data:`GROWTH_WINDOW_S`)."""
+        since = self.last_append_at or self.created_at
+        return decayed_growth_rate(self.growth_rate, (now - since).total_seconds())
 
     def lease_live(self, now: dt.datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now

@@ -106,6 +106,9 @@ sessions = sa.Table(
     sa.Column("flagged_at", UTCDateTime, nullable=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("last_append_at", UTCDateTime, nullable=True),
+    # Tokens per second the appends added, weighted toward the last GROWTH_WINDOW_S
+    # (storage.records): what a session's runway is measured with. Kept by the append itself.
+    sa.Column("growth_rate", sa.Float, nullable=False, server_default=sa.text("0")),
     # The pressure sweep's thresholds, so it decides in SQL on an index instead of reading every
     # row: the lowest pressure (tokens) and the lowest message count at which the session's
     # trigger can fire, resolved from its policy and window by the sweep under the

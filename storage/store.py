@@ -51,6 +51,7 @@ from storage.messages import (
     without_reserved,
 )
 from storage.records import (
+    GROWTH_WINDOW_S,
     AppendResult,
     EventRecord,
     SessionInfo,
@@ -345,7 +346,8 @@ class Store(LeasesMixin, JobsMixin):
                 .values(last_seq=c.last_seq + n, last_position=c.last_position + n,
                         surface_version=c.surface_version + 1,
                         surface_tokens=c.surface_tokens + total,
-                        surface_messages=c.surface_messages + n, last_append_at=now)
+                        surface_messages=c.surface_messages + n, last_append_at=now,
+                        growth_rate=_next_growth_rate_sqlite(total, now))
                 .returning(*SESSION_COLUMNS))).first()
             if row is None:
                 raise SessionNotFound(session_id)
@@ -619,6 +621,29 @@ class Store(LeasesMixin, JobsMixin):
             return [r[0] for r in await conn.execute(
                 sa.select(t.sessions.c.id).order_by(t.sessions.c.id))]
 
+    async def growing_sessions(self, *, now: dt.datetime | None = None,
+                               idle_windows: float = 10.0) -> list[SessionInfo]:
+        """Sessions that appended within ``idle_windows`` growth windows and are growing: the
+        ones with a runway to measure (an older session's rate has decayed to under a tenth
+        and its runway is long). One scan of the sessions table, without an index on the
+        append time, which every append would then have to update."""
+        since = (now or utcnow()) - dt.timedelta(seconds=GROWTH_WINDOW_S * idle_windows)
+        c = t.sessions.c
+        async with connection(self.engine) as conn:
+            rows = await conn.execute(sa.select(*SESSION_COLUMNS).where(
+                c.growth_rate > 0, c.last_append_at >= since))
+            return [session_from_row(r) for r in rows]
+
+    async def oldest_signal(self) -> dt.datetime | None:
+        """The oldest pending-signal mark (a run asked for and not yet ended) of a session still
+        over its sweep threshold, None if none. A mark whose message was lost on a session that
+        an overflow or manual run has since relieved is cleared by no run; it is no work
+        waiting, and would otherwise age for ever. Read on the sweep's partial index."""
+        c = t.sessions.c
+        async with connection(self.engine) as conn:
+            return (await conn.execute(sa.select(sa.func.min(c.signal_at)).where(
+                t.OVER_SWEEP_THRESHOLD, c.signal_at.is_not(None)))).scalar()
+
     async def counts(self) -> dict[str, int]:
         """Row counts per table (tests use it to prove a rejected batch wrote nothing)."""
         out = {}
@@ -674,6 +699,17 @@ _LINK_ERRORS = {
     "CD002": (ORPHAN, "tool_call_id"),
     "CD003": (ANSWERED, "tool_call_id"),
 }
+
+
+def _next_growth_rate_sqlite(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
+    """``records.next_growth_rate`` on the row being updated, in SQLite's SQL (PostgreSQL's is
+    in ``compactd_append``, migration 0007). SQLite stores naive UTC text, which julianday
+    reads; columns on the right of SET are the row before the update."""
+    c = t.sessions.c
+    since = (sa.func.julianday(sa.literal(now, t.UTCDateTime))
+             - sa.func.julianday(sa.func.coalesce(c.last_append_at, c.created_at))) * 86400.0
+    return ((c.growth_rate * GROWTH_WINDOW_S + added)
+            / (GROWTH_WINDOW_S + sa.func.max(0.0, since)))
 
 
 def _append_error(exc: Exception) -> Exception:

@@ -33,6 +33,8 @@ def celery_settings(config: Config) -> dict[str, Any]:
         # longest a task can run, or a slow compaction is handed to a second worker mid-run
         # (harmless thanks to the lease, but wasted model calls).
         transport["visibility_timeout"] = int(w.task_time_limit_s + VISIBILITY_MARGIN_S)
+        # Urgent first, then pressure, then bulk, at every free slot (see worker.broker).
+        transport["queue_order_strategy"] = broker.QUEUE_ORDER
     exchange = Exchange("compactd", type="direct")
     return {
         "broker_url": config.broker_url,

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,81 @@ class Metrics:
         self.in_flight = Gauge(
             "compactd_runs_in_flight", "Compaction runs in progress in this worker.",
             registry=registry)
+        self.pressure_to_checkpoint = Histogram(
+            "compactd_pressure_to_checkpoint_seconds",
+            "From a session's pending-signal mark to the end of the automatic run that "
+            "committed its checkpoint.",
+            ["trigger"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.fleet = FleetCollector()
+        registry.register(self.fleet)
+
+
+# Runway buckets (seconds) of compactd_sessions_runway: how many growing sessions would reach
+# their window within each.
+RUNWAY_BUCKETS = (10, 30, 60, 120, 300, 600, 1800, 3600)
+# A fleet snapshot older than this many sweep intervals is not served: another worker now runs
+# the sweeps, and its numbers are the current ones.
+FLEET_STALE_INTERVALS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """What the sweep measured of the whole fleet (from PostgreSQL and the broker), not of this
+    worker: the least runways, the queue depths, the oldest pending signal."""
+
+    taken_at: float  # time.monotonic()
+    interval_s: float
+    runways: tuple[float, ...]  # seconds, every growing session's
+    queue_depths: dict[str, int]  # None-free: a queue the broker could not count is left out
+    oldest_signal_age_s: float | None
+
+
+class FleetCollector(Collector):
+    """Serves the last :class:`FleetSnapshot` while it is fresh. Whichever worker ran the
+    latest sweep serves current numbers; a worker whose last sweep is old serves none, so a
+    ``min()`` over workers never picks up a stale runway."""
+
+    def __init__(self) -> None:
+        self._snapshot: FleetSnapshot | None = None
+
+    def update(self, snapshot: FleetSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterator[Metric]:
+        # The families without samples: the registry checks their names against the others'.
+        return iter(fleet_families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot
+        if snap is None or (time.monotonic() - snap.taken_at
+                            > FLEET_STALE_INTERVALS * snap.interval_s):
+            return iter(())
+        return iter(fleet_families(snap))
+
+
+def fleet_families(snap: FleetSnapshot | None) -> list[Metric]:
+    least = GaugeMetricFamily(
+        "compactd_runway_min_seconds",
+        "The least runway of any growing session: seconds before its run model's window at its "
+        "current token growth (absent: no session is growing).")
+    within = GaugeMetricFamily(
+        "compactd_sessions_runway", "Growing sessions whose runway is at most le seconds.",
+        labels=["le"])
+    depth = GaugeMetricFamily("compactd_queue_depth", "Messages waiting in each queue.",
+                              labels=["queue"])
+    oldest = GaugeMetricFamily(
+        "compactd_oldest_signal_age_seconds",
+        "Age of the oldest pending-signal mark (a run asked for and not ended; 0: none).")
+    if snap is not None:
+        if snap.runways:
+            least.add_metric([], min(snap.runways))
+        for bound in RUNWAY_BUCKETS:
+            within.add_metric([str(bound)], sum(1 for r in snap.runways if r <= bound))
+        within.add_metric(["+Inf"], len(snap.runways))
+        for queue, n in sorted(snap.queue_depths.items()):
+            depth.add_metric([queue], n)
+        oldest.add_metric([], snap.oldest_signal_age_s or 0.0)
+    return [least, within, depth, oldest]
 
 
 _metrics: Metrics | None = None

@@ -208,6 +208,12 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", for
                 await _finish_quietly(deps, claim, out)
         finally:
             metrics().in_flight.dec()
+        signalled_at = claim.session.signal_at
+        if out.outcome == "committed" and trigger in AUTOMATIC_TRIGGERS and signalled_at:
+            # The wait an agent under pressure has for its checkpoint: the alert on the runway
+            # (ops/prometheus/alerts.yaml) compares its p99 with the least runway.
+            metrics().pressure_to_checkpoint.labels(trigger).observe(
+                max(0.0, (deps.clock() - signalled_at).total_seconds()))
         logger.info("compaction %s%s", out.outcome,
                     f" ({out.failure_class})" if out.failure_class else "",
                     extra={"action": "compaction.end", "outcome": out.outcome,

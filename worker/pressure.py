@@ -8,8 +8,11 @@ context window (the session's own, else the configured model's, else a known pub
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import hashlib
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -95,6 +98,39 @@ def read_pressure(info: SessionInfo, surface: Surface, policy: Policy) -> Pressu
     read = dataclasses.replace(info, surface_tokens=surface.tokens,
                                surface_messages=len(surface.nodes))
     return session_pressure(read, policy)
+@dataclass(frozen=True, slots=True)
+class Runway:
+    """How long a session has before its run model's window at its current growth."""
+
+    session: str
+    seconds: float  # 0 when already at or past the window
+    tokens: int
+    window: int
+    rate_per_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"session": self.session, "runway_s": round(self.seconds, 1),
+                "tokens": self.tokens, "window": self.window,
+                "rate_per_s": round(self.rate_per_s, 2)}
+
+
+def runway(info: SessionInfo, config: Config, now: dt.datetime) -> Runway | None:
+    """The session's runway, None when it is not growing or has no known window (no window to
+    reach, or never reached)."""
+    policy = session_policy(info, config)
+    window = policy.context_window
+    rate = info.growth_rate_at(now)
+    if not window or rate <= 0:
+        return None
+    tokens = session_pressure(info, policy).tokens
+    return Runway(info.id, max(0.0, (window - tokens) / rate), tokens, window, rate)
+
+
+def sorted_runways(infos: Iterable[SessionInfo], config: Config, now: dt.datetime
+                  ) -> list[Runway]:
+    """The measurable runways of ``infos``, least first."""
+    found = (runway(info, config, now) for info in infos)
+    return sorted((r for r in found if r is not None), key=lambda r: (r.seconds, r.session))
 
 
 def over_trigger(info: SessionInfo, config: Config) -> bool:

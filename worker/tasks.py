@@ -8,6 +8,7 @@ result. Either way the run row in PostgreSQL is the record.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -22,8 +23,9 @@ from celery.signals import (
     worker_ready,
 )
 
-from scheduler.enqueue import Enqueuer
+from scheduler.enqueue import Enqueuer, broker_errors
 from scheduler.intake import follow_up
+from scheduler.status import least_runways
 from scheduler.sweeps import reap_leases, sweep_pressure
 from storage.errors import ConfigError
 from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
@@ -31,8 +33,9 @@ from storage.records import utcnow
 from worker import logs
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.llm.providers import import_sdks
-from worker.metrics import metrics, serve
+from worker.metrics import FleetSnapshot, metrics, serve
 from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
+from worker.pressure import Runway
 from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
 
@@ -117,13 +120,26 @@ def sweep(self: Task) -> int:
     config = _config(self.app)
     enqueuer = Enqueuer(self.app)
 
-    async def go(deps: Deps) -> int:
+    async def go(deps: Deps) -> tuple[int, list[Runway], dt.datetime | None]:
         result = await sweep_pressure(deps.store, config, enqueuer)
         flagged = await deps.store.flagged_sessions()
         metrics().flagged_sessions.set(len(flagged))
-        return len(result.enqueued)
+        runways = await least_runways(deps.store, config)
+        return len(result.enqueued), runways, await deps.store.oldest_signal()
 
-    return process_loop(config).run(go)
+    enqueued, runways, oldest = process_loop(config).run(go)
+    try:
+        depths = enqueuer.queue_depths()
+    except broker_errors() as exc:
+        # The sweep's work is done; the fleet's numbers go without the queues this time.
+        logger.warning("queue depths not read: %s", type(exc).__name__,
+                       extra={"action": "metrics.queue_depths_failed"})
+        depths = {}
+    metrics().fleet.update(FleetSnapshot(
+        taken_at=time.monotonic(), interval_s=config.worker.sweep_interval_s,
+        runways=tuple(r.seconds for r in runways), queue_depths=depths,
+        oldest_signal_age_s=(utcnow() - oldest).total_seconds() if oldest else None))
+    return enqueued
 
 
 @shared_task(name=TASK_REAP, bind=True, ignore_result=True)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from worker.metrics import Metrics
+from worker.metrics import FleetSnapshot, Metrics, fleet_families
 from worker.settings import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,6 +234,10 @@ def _exported() -> dict[str, tuple[str, set[str]]]:
                     "histogram": ["_bucket", "_count", "_sum"]}[kind]
         for suffix in suffixes:
             out[name + suffix] = (kind, labels | ({"le"} if suffix == "_bucket" else set()))
+    # The fleet's gauges, served by a collector (its families' label names are fixed).
+    fleet = FleetSnapshot(0.0, 1.0, (1.0,), {"q": 1}, 1.0)
+    for family in fleet_families(fleet):
+        out[family.name] = (family.type, {k for s in family.samples for k in s.labels})
     return out
 
 
@@ -282,9 +286,20 @@ def test_alert_rules_cover_the_issue_and_use_only_exported_metrics() -> None:
             names = re.findall(r"\b(compactd_[a-z_]+)", expr)
             allowed = set().union(*(exported[n][1] for n in names)) if names else set()
             assert {b.strip() for b in by.split(",")} <= allowed | {"instance", "job"}
-    # The issue's four: failure ratio, abandoned leases, loop guard, queue lag.
+    # The issue's four: failure ratio, abandoned leases, loop guard, queue lag; and the
+    # runway's (issue 18).
     assert {"compactd_compactions_total", "compactd_lease_reaps_total",
-            "compactd_loop_guard_flags_total", "compactd_queue_wait_seconds_bucket"} <= used
+            "compactd_loop_guard_flags_total", "compactd_queue_wait_seconds_bucket",
+            "compactd_pressure_to_checkpoint_seconds_bucket",
+            "compactd_runway_min_seconds"} <= used
+
+
+def test_the_runway_alert_compares_the_checkpoint_p99_with_the_least_runway() -> None:
+    rule = next(r for r in _rules() if r["alert"] == "CompactdRunwayShort")
+    expr = " ".join(rule["expr"].split())
+    assert expr == ("histogram_quantile(0.99, sum by (le) "
+                    "(rate(compactd_pressure_to_checkpoint_seconds_bucket[10m]))) "
+                    "> 0.5 * min(compactd_runway_min_seconds)")
 
 
 def _runbook_anchors() -> set[str]:

@@ -1,7 +1,7 @@
 """claim waits: a claim queues briefly for the session row instead of failing at once
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-01
 
 A claim locked the session row with NOWAIT, so an append or a usage report holding the row for a
@@ -26,7 +26,7 @@ from pathlib import Path
 from alembic import op
 
 revision: str = "0008"
-down_revision: str | None = "0006"
+down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
