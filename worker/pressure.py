@@ -98,6 +98,8 @@ def read_pressure(info: SessionInfo, surface: Surface, policy: Policy) -> Pressu
     read = dataclasses.replace(info, surface_tokens=surface.tokens,
                                surface_messages=len(surface.nodes))
     return session_pressure(read, policy)
+
+
 @dataclass(frozen=True, slots=True)
 class Runway:
     """How long a session has before its run model's window at its current growth."""
