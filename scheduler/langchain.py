@@ -181,6 +181,8 @@ class _FromConfig:
 
 # ``CompactdMiddleware(trigger=...)``'s default: the configuration's trigger (None means off).
 FROM_CONFIG: Any = _FromConfig()
+# SummarizationMiddleware's keep when none is given.
+LANGCHAIN_KEEP = ("messages", 20)
 
 
 class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
@@ -192,7 +194,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     compactd's (``summarization.model_name`` in its configuration). ``trigger=None`` turns
     automatic compaction off, as in SummarizationMiddleware (the session's policy gets
     ``trigger: []``, which is how compactd's configuration says it; a manual or overflow
-    compaction still runs); leaving ``trigger`` out uses the configuration's trigger.
+    compaction still runs); leaving ``trigger`` out uses the configuration's trigger. A
+    ``trigger`` given without ``keep`` keeps the last 20 messages, as SummarizationMiddleware
+    does.
 
     ``session_id``: the compactd session (default: the LangGraph ``thread_id``). ``config``:
     compactd's configuration (default: the ``COMPACTD_*`` environment). ``run_model`` and
@@ -221,6 +225,10 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             trigger = None  # no override: the configuration's (or ``policy``'s) trigger
         elif trigger is None:
             trigger = []  # off, as SummarizationMiddleware(trigger=None) is
+        if keep is None and trigger and not (policy or {}).get("keep"):
+            # A trigger given here comes with SummarizationMiddleware's keep, not compactd's
+            # share of the window, which a small token trigger on a large window would be under.
+            keep = LANGCHAIN_KEEP
         self.policy = _session_policy(policy, trigger=trigger, keep=keep,
                                       trim_tokens_to_summarize=trim_tokens_to_summarize,
                                       summary_prompt=summary_prompt)

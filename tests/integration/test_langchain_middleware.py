@@ -365,3 +365,24 @@ async def test_trigger_none_turns_automatic_compaction_off(fake: FakeProvider, d
     assert off.policy == {"trigger": []} and off.signal_at is None
     assert configured.policy is None and configured.signal_at is not None
     assert repr(CompactdMiddleware.__init__.__kwdefaults__["trigger"]) == "FROM_CONFIG"
+
+
+async def test_a_trigger_without_keep_keeps_what_summarization_middleware_keeps(
+        fake: FakeProvider, db_url: str, tmp_path: Path) -> None:
+    """``trigger=("tokens", 4000)`` on a 128k window: compactd's default keep (a share of the
+    window, 20,480 tokens) would refire that trigger and be refused at the first step;
+    SummarizationMiddleware keeps the last 20 messages, and so does the middleware."""
+    config = build_config({}, settings=Settings(database_url=db_url, home=str(tmp_path)),
+                          home=tmp_path)
+    middleware = CompactdMiddleware(config=config, trigger=("tokens", 4000),
+                                    context_window=128_000)
+    script_steps(fake, 2)
+    try:
+        await agent_for(fake, middleware).ainvoke(
+            {"messages": [{"role": "user", "content": "go"}]},
+            {"configurable": {"thread_id": "t"}})
+    finally:
+        middleware.close()
+    _, info, _ = await stored(db_url, "t")
+    assert info.policy == {"trigger": ["tokens", 4000], "keep": ["messages", 20]}
+    assert info.surface_messages > 1

@@ -54,9 +54,10 @@ def _append_function_0002() -> str:
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("sessions") as batch:
-        batch.add_column(sa.Column("growth_rate", sa.Float(), nullable=False,
-                                   server_default=sa.text("0")))
+    # A plain ADD COLUMN on both backends: SQLite's batch mode would copy the table, which it
+    # cannot do past revision 0005's generated column.
+    op.add_column("sessions", sa.Column("growth_rate", sa.Float(), nullable=False,
+                                        server_default=sa.text("0")))
     if op.get_bind().dialect.name == "postgresql":
         op.execute(_append_function_0002().replace(_OLD_SET, _NEW_SET))
 
@@ -64,5 +65,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(_append_function_0002())
-    with op.batch_alter_table("sessions") as batch:
-        batch.drop_column("growth_rate")
+    # SQLite (3.35 and later) drops a column in place; batch mode would copy the table.
+    op.drop_column("sessions", "growth_rate")
