@@ -27,7 +27,8 @@ logged.
 a field is not valid (``field`` names it, e.g. ``body.messages[3].tool_call_id``), 503 the
 database or the broker cannot be reached (retry).
 
-One engine and connection pool per server process, opened by the lifespan.
+One engine and connection pool per server process, and its CPU processes (``api.cpu_processes``),
+opened by the lifespan.
 """
 
 from __future__ import annotations
@@ -925,7 +926,7 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 _HTTP_ERRORS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
-                405: "method_not_allowed", 408: "timeout", 413: "too_large"}
+                405: "method_not_allowed", 408: "timeout", 413: "too_large", 503: "unavailable"}
 
 
 def _location(loc: Sequence[Any]) -> str:

@@ -218,3 +218,32 @@ def test_api_cpu_processes_start_with_the_server_and_count_the_large_appends(
     assert {child.pid for child in pool()} == set(started)
     if processes:
         assert max(child.cpu_times().user - started[child.pid] for child in pool()) > 0.2
+
+
+def test_a_cpu_process_that_dies_costs_one_large_append_a_503_and_the_next_is_served(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    import psutil
+
+    stack = make_stack(summarization={"trigger": [{"type": "tokens", "value": 1_000_000_000}]})
+    url = start_api(stack, api={"cpu_processes": 1})
+    server = psutil.Process(stack.procs["api"].pid)
+
+    def pool() -> list[psutil.Process]:
+        return [child for child in server.children()
+                if "spawn_main" in " ".join(child.cmdline())]
+
+    wait_until(lambda: len(pool()) == 1, timeout=60, what="the CPU process")
+    pool()[0].kill()  # as the kernel's OOM killer would
+    messages = [{"role": "user", "content": f"step {i} " * 20} for i in range(300)]
+    assert len(json.dumps({"messages": messages})) > 32 * 1024
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=600) as http:
+        assert http.put("/v1/sessions/big", json={"run_model": "gpt-4o"}).status_code == 201
+        lost = http.post("/v1/sessions/big/messages", json={"messages": messages})
+        assert lost.status_code == 503 and lost.headers["retry-after"] == "1", lost.text
+        assert lost.json()["error"] == "unavailable"
+        assert "retry" in lost.json()["message"]
+        assert http.get("/v1/sessions/big").json()["messages"] == 0
+        again = http.post("/v1/sessions/big/messages", json={"messages": messages})
+        assert again.status_code == 200, again.text
+        assert http.get("/v1/sessions/big").json()["messages"] == len(messages)
+    assert "an API CPU process died" in stack.log("api")
