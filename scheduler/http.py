@@ -27,7 +27,8 @@ logged.
 a field is not valid (``field`` names it, e.g. ``body.messages[3].tool_call_id``), 503 the
 database or the broker cannot be reached (retry).
 
-One engine and connection pool per server process, opened by the lifespan.
+One engine and connection pool per server process, and its CPU processes (``api.cpu_processes``),
+opened by the lifespan.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ import asyncio
 import contextlib
 import email.message
 import functools
-import gc
 import hashlib
 import hmac
 import json
 import logging
+import multiprocessing
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Annotated, Any, Literal
 
 import uvicorn
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
@@ -96,18 +98,15 @@ from worker.compaction.render import render_surface
 from worker.settings import ApiConfig, Config
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 API_PREFIX = "/v1"
 POOL_SIZE = 10  # per server process; SQLAlchemy may open as many again under a burst
 RETRY_AFTER_S = 1
 _SESSION_CACHE_MAX = 100_000
-# An append body over this is decoded, parsed and counted on the API's CPU thread (see
+# An append body over this is decoded, parsed and counted in the API's CPU processes (see
 # Api.offload); under it the hop costs more than the work it moves.
 OFFLOAD_BYTES = 32 * 1024
-# While the CPU thread works, the event loop waits up to one switch interval for the GIL each
-# time it wakes; a small request wakes it several times. Python's default is 5 ms.
-SWITCH_INTERVAL_S = 0.001
+_WARM_BODY = b'{"messages": [{"role": "user", "content": "warm"}]}'
 
 
 def _whole(value: Any) -> Any:
@@ -433,20 +432,63 @@ class Api:
         # the database only the first time a process sees a session.
         self._sessions: dict[str, SessionInfo] = {}
         # The event loop answers every tenant: a 4 MB append decoded and counted on it held
-        # every other request for seconds. On this thread a large request still competes for
-        # the GIL, but Python hands the GIL back to the loop every switch interval (1 ms under
-        # serve), so a small request waits a few of those at most. One thread, not a pool:
-        # large requests take turns, as each more CPU-bound thread would add its own interval
-        # to the loop's wait.
-        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
+        # every other request for seconds, and on a thread of this process it still shared the
+        # GIL with the loop (another tenant's p99 near 80 ms). In a process of its own it takes
+        # nothing from the loop but the bytes sent and the strings and numbers sent back.
+        # 'spawn': a child inherits no event loop, connection or lock of this process.
+        processes = config.api.cpu_processes
+        self._processes: ProcessPoolExecutor | None = None
+        if processes and not client.store.sqlite:
+            self._processes = _process_pool(processes)
+        # SQLite's append stores the parsed messages themselves, which cost the loop more to
+        # unpickle than to build; with cpu_processes 0 the PostgreSQL batches come here too.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
+        self._warming: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the CPU processes now, so that the first large append does not wait for
+        them to start and import compactd (seconds)."""
+        if self._processes is not None:
+            self._warming = asyncio.get_running_loop().create_task(self._warm(self._processes))
+
+    async def _warm(self, pool: ProcessPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        # One task each: the pool starts a process for each task no idle process takes.
+        warm = functools.partial(_decode_plain, _WARM_BODY, "application/json", None)
+        with contextlib.suppress(BrokenProcessPool, RuntimeError):
+            await asyncio.gather(*(loop.run_in_executor(pool, warm)
+                                   for _ in range(self.config.api.cpu_processes)))
 
     def close(self) -> None:
-        self._cpu.shutdown(wait=False, cancel_futures=True)
+        if self._warming is not None:
+            self._warming.cancel()
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
-    async def offload(self, work: Callable[[], _T]) -> _T:
-        """``work`` (CPU-bound, no I/O) on the API's CPU thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._cpu, functools.partial(_without_gc, work))
+    async def offload(self, raw: bytes, content_type: str | None,
+                      run_model: str | None) -> PreparedAppend:
+        """An append body decoded, validated, parsed and counted (see ``_decode_append``) off
+        the event loop."""
+        loop = asyncio.get_running_loop()
+        pool = self._processes
+        if pool is None:
+            return await loop.run_in_executor(self._thread, functools.partial(
+                _decode_append, raw, content_type, run_model, encoded=not self.store.sqlite))
+        try:
+            outcome = await loop.run_in_executor(
+                pool, functools.partial(_decode_plain, raw, content_type, run_model))
+        except BrokenProcessPool:
+            # A CPU process died (killed, out of memory): the next request gets a new pool.
+            if self._processes is pool:
+                logger.warning("an API CPU process died; starting new ones",
+                               extra={"action": "api_cpu_restart"})
+                self._processes = _process_pool(self.config.api.cpu_processes)
+                self.start()
+            raise StarletteHTTPException(
+                503, "the body could not be processed; retry",
+                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        return _raise_plain(outcome)
 
     @property
     def store(self) -> Store:
@@ -475,19 +517,8 @@ class Api:
         return SessionHandle(self.client, info)
 
 
-def _without_gc(work: Callable[[], _T]) -> _T:
-    """``work`` with the cyclic garbage collector paused. Building a large batch allocates
-    hundreds of thousands of objects that survive, which sets off full collections that each
-    walk all of them holding the GIL, the event loop's turn included (stalls of 0.2-1 s measured
-    during a 110,000-message append). Those objects hold no cycles: reference counting frees
-    them. The pause lasts as long as the work, seconds at most."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        return work()
-    finally:
-        if paused:
-            gc.enable()
+def _process_pool(processes: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
 
 
 def _api(request: Request) -> Api:
@@ -678,9 +709,10 @@ def add_routes(app: FastAPI) -> None:
         # The body is read here rather than by FastAPI so that a large one is decoded,
         # validated and counted off the event loop (AppendIn is still what it must match).
         raw = await request.body()
-        decode = functools.partial(_decode_append, raw, request.headers.get("content-type"),
-                                   info.run_model, encoded=not api.store.sqlite)
-        batch = await api.offload(decode) if len(raw) > OFFLOAD_BYTES else decode()
+        content_type = request.headers.get("content-type")
+        batch = await api.offload(raw, content_type, info.run_model) \
+            if len(raw) > OFFLOAD_BYTES else \
+            _decode_append(raw, content_type, info.run_model, encoded=not api.store.sqlite)
         try:
             step = await api.handle(info).append(batch)
         except InvalidMessage as exc:
@@ -837,6 +869,39 @@ def _decode_append(raw: bytes, content_type: str | None, run_model: str | None, 
         raise _in_body(exc, "messages") from None
 
 
+def _decode_plain(raw: bytes, content_type: str | None, run_model: str | None
+                  ) -> tuple[Any, ...]:
+    """``_decode_append`` for PostgreSQL in a CPU process: the batch (strings, numbers and
+    tool links), or its error as plain data, for ``_raise_plain`` to raise in the server."""
+    try:
+        return ("batch", _decode_append(raw, content_type, run_model, encoded=True))
+    except RequestValidationError as exc:
+        # Only what the error handler reads: an error's input and context may hold the
+        # message's content and objects that do not pickle.
+        return ("request", [{"type": error.get("type"), "loc": tuple(error.get("loc", ())),
+                             "msg": error.get("msg"), "input": None,
+                             "ctx": {"error": str((error.get("ctx") or {}).get("error", ""))}}
+                            for error in exc.errors()])
+    except StarletteHTTPException as exc:
+        # The cause does not cross the process boundary: whether it was the parser's depth
+        # limit (a 422 in the error handler) goes back as a flag.
+        return ("http", exc.status_code, exc.detail, isinstance(exc.__cause__, RecursionError))
+    except InvalidMessage as exc:
+        return ("message", exc.reason, exc.index, exc.field)
+
+
+def _raise_plain(outcome: tuple[Any, ...]) -> PreparedAppend:
+    kind, *rest = outcome
+    if kind == "request":
+        raise RequestValidationError(rest[0])
+    if kind == "http":
+        raise StarletteHTTPException(rest[0], rest[1]) from (RecursionError() if rest[2] else None)
+    if kind == "message":
+        raise InvalidMessage(rest[0], index=rest[1], field=rest[2])
+    batch: PreparedAppend = rest[0]
+    return batch
+
+
 def _queued(session_id: str, task_id: str, reason: str) -> JSONResponse:
     # Returned as a response, not a model: the route's response_model is the 200 body.
     body = QueuedOut(session=session_id, outcome="queued", task_id=task_id, reason=reason)
@@ -869,7 +934,7 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 _HTTP_ERRORS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
-                405: "method_not_allowed", 408: "timeout", 413: "too_large"}
+                405: "method_not_allowed", 408: "timeout", 413: "too_large", 503: "unavailable"}
 
 
 def _location(loc: Sequence[Any]) -> str:
@@ -1045,6 +1110,7 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
         try:
             async with CompactdClient(config, store=store) as client:
                 app.state.api = Api(config, client)
+                app.state.api.start()
                 try:
                     yield
                 finally:
@@ -1082,7 +1148,6 @@ class _Server(uvicorn.Server):
 async def serve(config: Config, *, host: str, port: int) -> None:
     """Run the API until SIGINT/SIGTERM; prints the address it listens on (port 0: any free)."""
     app = create_app(config)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = _Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_config=None, server_header=False,
         proxy_headers=False))

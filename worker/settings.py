@@ -138,6 +138,10 @@ class ApiConfig(_Strict):
     # Swagger UI and ReDoc load their JavaScript from a CDN: a browser that opens them runs code
     # the server does not ship. Off unless asked for; /openapi.json is always served.
     docs: bool = False
+    # Append bodies over 32 KiB are decoded and counted in this many worker processes of the
+    # server (PostgreSQL), so a 4 MB append does not hold the event loop other tenants share;
+    # large appends beyond this many wait their turn. 0: on one thread of the server process.
+    cpu_processes: int = Field(default=1, ge=0, le=64)
 
 
 class FileConfig(_Strict):

@@ -185,3 +185,65 @@ def test_forty_manual_compactions_of_one_session_queue_one_task_until_it_starts(
         assert run.status_code == 200, run.text
         runs = http.get("/v1/sessions/s1").json()["runs"]
         assert len(runs) == 2 and run.json()["run_id"] != first[0]["run_id"], runs
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_api_cpu_processes_start_with_the_server_and_count_the_large_appends(
+        make_stack, processes: int) -> None:  # type: ignore[no-untyped-def]
+    import psutil
+
+    from scheduler.client import parse_messages
+    from storage.store import prepare_append
+
+    stack = make_stack(summarization={"trigger": [{"type": "tokens", "value": 1_000_000_000}]})
+    url = start_api(stack, api={"cpu_processes": processes})
+    server = psutil.Process(stack.procs["api"].pid)
+
+    def pool() -> list[psutil.Process]:
+        # The pool's processes, not multiprocessing's resource tracker.
+        return [child for child in server.children()
+                if "spawn_main" in " ".join(child.cmdline())]
+
+    # Started with the server, before any large append asks for them.
+    wait_until(lambda: len(pool()) == processes, timeout=60, what=f"{processes} CPU processes")
+    started = {child.pid: child.cpu_times().user for child in pool()}
+    messages = big_step()
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=600) as http:
+        assert http.put("/v1/sessions/big", json={"run_model": "gpt-4o"}).status_code == 201
+        answer = http.post("/v1/sessions/big/messages", json={"messages": messages})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["tokens"] == sum(prepare_append(parse_messages(messages),
+                                                         "gpt-4o").tokens)
+    # The same processes, and one of them did the counting (seconds of CPU for 4 MB).
+    assert {child.pid for child in pool()} == set(started)
+    if processes:
+        assert max(child.cpu_times().user - started[child.pid] for child in pool()) > 0.2
+
+
+def test_a_cpu_process_that_dies_costs_one_large_append_a_503_and_the_next_is_served(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    import psutil
+
+    stack = make_stack(summarization={"trigger": [{"type": "tokens", "value": 1_000_000_000}]})
+    url = start_api(stack, api={"cpu_processes": 1})
+    server = psutil.Process(stack.procs["api"].pid)
+
+    def pool() -> list[psutil.Process]:
+        return [child for child in server.children()
+                if "spawn_main" in " ".join(child.cmdline())]
+
+    wait_until(lambda: len(pool()) == 1, timeout=60, what="the CPU process")
+    pool()[0].kill()  # as the kernel's OOM killer would
+    messages = [{"role": "user", "content": f"step {i} " * 20} for i in range(300)]
+    assert len(json.dumps({"messages": messages})) > 32 * 1024
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=600) as http:
+        assert http.put("/v1/sessions/big", json={"run_model": "gpt-4o"}).status_code == 201
+        lost = http.post("/v1/sessions/big/messages", json={"messages": messages})
+        assert lost.status_code == 503 and lost.headers["retry-after"] == "1", lost.text
+        assert lost.json()["error"] == "unavailable"
+        assert "retry" in lost.json()["message"]
+        assert http.get("/v1/sessions/big").json()["messages"] == 0
+        again = http.post("/v1/sessions/big/messages", json={"messages": messages})
+        assert again.status_code == 200, again.text
+        assert http.get("/v1/sessions/big").json()["messages"] == len(messages)
+    assert "an API CPU process died" in stack.log("api")
