@@ -246,7 +246,8 @@ def test_a_stored_override_stays_readable_when_the_configuration_changes() -> No
         id="s1", tenant="default", run_model=None, context_window=None, envelope=None,
         envelope_tokens=0, policy={"keep": ["tokens", 5000]}, surface_version=1,
         surface_tokens=0, surface_messages=0, last_seq=0, last_position=0,
-        reported_input_tokens=None, reported_version=None, signal_at=None, lease_owner=None,
+        reported_input_tokens=None, reported_output_tokens=None, reported_base_tokens=None,
+        reported_version=None, signal_at=None, lease_owner=None,
         lease_run_id=None, lease_expires_at=None, lease_fence=0, cooldown_until=None,
         flagged_reason=None, flagged_at=None, created_at=NOW_UTC, last_append_at=None)
     assert session_policy(info, config).keep == Clause("tokens", 5000)
