@@ -102,6 +102,7 @@ logger = logging.getLogger(__name__)
 API_PREFIX = "/v1"
 POOL_SIZE = 10  # per server process; SQLAlchemy may open as many again under a burst
 RETRY_AFTER_S = 1
+_BODY_TOO_DEEP = f"the body is not valid: {TOO_DEEP}"
 _SESSION_CACHE_MAX = 100_000
 # An append body over this is decoded, parsed and counted in the API's CPU processes (see
 # Api.offload); under it the hop costs more than the work it moves.
@@ -851,9 +852,9 @@ def _decode_append(raw: bytes, content_type: str | None, run_model: str | None, 
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
                                            "msg": "JSON decode error", "input": {},
                                            "ctx": {"error": exc.msg}}]) from None
-        except RecursionError as exc:
-            # Nested past the parser's limit: the error handler answers 422 for this cause.
-            raise StarletteHTTPException(400, "There was an error parsing the body") from exc
+        except RecursionError:
+            # Nested past the parser's limit: input nested too deep, as FastAPI's reader's is.
+            raise InvalidMessage(_BODY_TOO_DEEP, field="body") from None
         except ValueError:
             # Not UTF-8: FastAPI's answer for such bodies.
             raise StarletteHTTPException(400, "There was an error parsing the body") from None
@@ -883,9 +884,7 @@ def _decode_plain(raw: bytes, content_type: str | None, run_model: str | None
                              "ctx": {"error": str((error.get("ctx") or {}).get("error", ""))}}
                             for error in exc.errors()])
     except StarletteHTTPException as exc:
-        # The cause does not cross the process boundary: whether it was the parser's depth
-        # limit (a 422 in the error handler) goes back as a flag.
-        return ("http", exc.status_code, exc.detail, isinstance(exc.__cause__, RecursionError))
+        return ("http", exc.status_code, exc.detail)
     except InvalidMessage as exc:
         return ("message", exc.reason, exc.index, exc.field)
 
@@ -895,7 +894,7 @@ def _raise_plain(outcome: tuple[Any, ...]) -> PreparedAppend:
     if kind == "request":
         raise RequestValidationError(rest[0])
     if kind == "http":
-        raise StarletteHTTPException(rest[0], rest[1]) from (RecursionError() if rest[2] else None)
+        raise StarletteHTTPException(rest[0], rest[1])
     if kind == "message":
         raise InvalidMessage(rest[0], index=rest[1], field=rest[2])
     batch: PreparedAppend = rest[0]
@@ -1014,8 +1013,7 @@ def add_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
             # FastAPI's body reader hit Python's JSON depth limit: invalid input, said so.
-            return _error_response(422, "invalid", f"the body is not valid: {TOO_DEEP}",
-                                   field="body")
+            return _error_response(422, "invalid", _BODY_TOO_DEEP, field="body")
         headers = dict(exc.headers) if exc.headers else {}
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(_allowed_methods(request))
