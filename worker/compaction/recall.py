@@ -50,7 +50,8 @@ HISTORY_READ = "history_read"
 # Where a checkpoint or a pruned node keeps its reference and span (``Ref.to_json``).
 META_RECALL = "recall"
 
-# A footer or note is at most this many tokens with every shipped counter, for seqs up to 10^12.
+# A footer is at most this many tokens with every shipped counter while seqs are under 10^9
+# (about 30 for seqs under 10^5).
 FOOTER_MAX_TOKENS = 48
 
 MAX_ANCHORS = 24
@@ -144,8 +145,8 @@ def span_of(nodes: Sequence[SurfaceNode]) -> tuple[int, int]:
 
 def checkpoint_footer(ref: Ref) -> str:
     """The line a checkpoint ends with: its name, its span, how to read and search it."""
-    return (f'[{ref}: seqs {ref.first}-{ref.last} replaced here. Originals: '
-            f'{HISTORY_READ}(checkpoint="{ref}"); exact text: {HISTORY_SEARCH}(query)]')
+    return (f'[{ref} replaced seqs {ref.first}-{ref.last}. Originals: '
+            f'{HISTORY_READ}(checkpoint="{ref}"); search: {HISTORY_SEARCH}(query)]')
 
 
 def pruned_note(ref: Ref) -> str:
