@@ -21,7 +21,7 @@ from tests.support.fake_provider import (
 )
 
 MODEL = "gpt-4o"
-TOOLS = [{"type": "function", "function": {
+TOOLS: Any = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
 
@@ -143,12 +143,12 @@ def test_a_change_near_the_head_invalidates_what_follows(caching: FakeProvider) 
 def test_anthropic_reports_cache_reads_apart_from_input(caching: FakeProvider) -> None:
     sdk = anthropic.Anthropic(api_key="key-a", base_url=caching.anthropic_base_url,
                               max_retries=0)
-    system = [{"type": "text", "text": filler(4000), "cache_control": {"type": "ephemeral"}}]
-    first = [{"role": "user", "content": "step one"}]
+    system: Any = [{"type": "text", "text": filler(4000), "cache_control": {"type": "ephemeral"}}]
+    first: Any = [{"role": "user", "content": "step one"}]
     try:
-        a = sdk.messages.create(model="claude-sonnet-4-5", max_tokens=100, system=system,  # type: ignore[arg-type]
-                                messages=first)  # type: ignore[arg-type]
-        b = sdk.messages.create(model="claude-sonnet-4-5", max_tokens=100, system=system,  # type: ignore[arg-type]
+        a = sdk.messages.create(model="claude-sonnet-4-5", max_tokens=100, system=system,
+                                messages=first)
+        b = sdk.messages.create(model="claude-sonnet-4-5", max_tokens=100, system=system,
                                 messages=[*first, {"role": "assistant", "content": "done"},
                                           {"role": "user", "content": "step two"}])
     finally:
