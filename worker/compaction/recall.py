@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from storage.messages import Message
@@ -379,24 +379,18 @@ def _tally(messages: int, tokens: int, roles: Counter[str], calls: Counter[str])
 
 
 def tally(nodes: Iterable[SurfaceNode]) -> Tally:
-    """Counts of a run of surface nodes (a checkpoint among them adds its stored tally)."""
-    messages = tokens = 0
-    roles: Counter[str] = Counter()
-    calls: Counter[str] = Counter()
-    for node in nodes:
-        tokens += node.tokens
-        stored = node.message.meta.get(META_RECALL)
-        inner = stored.get("tally") if isinstance(stored, Mapping) else None
-        if isinstance(inner, Mapping):
-            part = Tally.from_json(inner)
-            messages += part.messages
-            roles.update(dict(part.roles))
-            calls.update(dict(part.tool_calls))
-            continue
-        messages += 1
-        roles[node.message.role] += 1
-        calls.update(call.name for call in node.message.tool_calls)
-    return _tally(messages, tokens, roles, calls)
+    """Counts of a run of surface nodes; a checkpoint among them adds the messages of its stored
+    tally, and every node adds its surface tokens."""
+    return merge_tallies(_node_tally(node) for node in nodes)
+
+
+def _node_tally(node: SurfaceNode) -> Tally:
+    stored = node.message.meta.get(META_RECALL)
+    inner = stored.get("tally") if isinstance(stored, Mapping) else None
+    if isinstance(inner, Mapping):
+        return replace(Tally.from_json(inner), tokens=node.tokens)
+    return _tally(1, node.tokens, Counter([node.message.role]),
+                  Counter(call.name for call in node.message.tool_calls))
 
 
 def merge_tallies(parts: Iterable[Tally]) -> Tally:
