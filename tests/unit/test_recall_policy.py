@@ -147,6 +147,9 @@ def test_anchors_are_bounded_keeping_errors_first_in_order() -> None:
     assert kept == ("0 ms", "1 ms", "2 ms", "3 ms", "OSError: disk full")
     long = extract_anchors(["RuntimeError: " + "x" * 1000], max_chars=40)
     assert long == ("RuntimeError: " + "x" * 26,)
+    minified = '{"log":"' + "x" * 5000 + '","err":"ValueError: bad thing","n":1}'
+    (window,) = extract_anchors([minified], max_chars=60)
+    assert "ValueError: bad thing" in window and len(window) <= 60 and window in minified
 
 
 def test_message_anchors_read_tool_calls_too() -> None:

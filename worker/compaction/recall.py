@@ -169,8 +169,8 @@ _UNIT = (r"(?:ms|µs|us|ns|s|sec|secs|min|mins|h|hrs|d|B|KB|kB|KiB|MB|MiB|GB|GiB
          r"tokens|req/s|rps|qps|ops/s|MHz|GHz|°C|px|x)")
 _PATTERNS = (
     _Pattern("error", re.compile(
-        r"^[ \t]*(?:\S[^\n]*?)?(?:\b\w*(?:Error|Exception)\b|\b(?:error|ERROR|fatal|FATAL|panic)"
-        r"(?:\[\w+\])?:)[^\n]*", re.MULTILINE), 0),
+        r"^[ \t]*(?:\S[^\n]*?)?(?P<kw>\b\w*(?:Error|Exception)\b|\b(?:error|ERROR|fatal|FATAL|"
+        r"panic)(?:\[\w+\])?:)[^\n]*", re.MULTILINE), 0),
     _Pattern("url", re.compile(r"\bhttps?://[^\s<>\"'`)\]}]+"), 3),
     _Pattern("uuid", re.compile(r"\b[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}\b"), 1),
     _Pattern("hash", re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,64}\b"), 1),
@@ -216,11 +216,12 @@ def _matches(index: int, text: str, max_chars: int) -> list[_Found]:
             found = m.group(0)
             if pattern.kind == "url":
                 found = found.rstrip(_URL_TRAILING)
-            elif pattern.kind == "error":
-                found = found.strip()
-                if found == _TRACEBACK:
-                    continue
-            start = text.find(found, m.start())
+            start = m.start()
+            if pattern.kind == "error":
+                # A long line (minified JSON, a log) is cut to a window that shows the keyword.
+                lead = max(0, m.start("kw") - start - max_chars // 4)
+                lead += len(found[lead:]) - len(found[lead:].lstrip())
+                found, start = found[lead:].rstrip(), start + lead
             raw.append((start, start + len(found), pattern.priority, found))
     raw.sort(key=lambda r: (r[0], -(r[1] - r[0])))
     out: list[_Found] = []
