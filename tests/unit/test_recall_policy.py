@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -150,6 +151,18 @@ def test_anchors_are_bounded_keeping_errors_first_in_order() -> None:
     minified = '{"log":"' + "x" * 5000 + '","err":"ValueError: bad thing","n":1}'
     (window,) = extract_anchors([minified], max_chars=60)
     assert "ValueError: bad thing" in window and len(window) <= 60 and window in minified
+
+
+@pytest.mark.parametrize("unit", ["@", "+", "a@b+", "/@", "./", "A-", "1 ", "ab12", "Error ",
+                                  "error:", "a/", " "])
+def test_anchor_patterns_stay_linear_on_long_repetitive_text(unit: str) -> None:
+    # A tool result can be a megabyte of one character class; a pattern that backtracks over
+    # it stalls the worker (the path pattern did on a run of "@" until its look-behind covered
+    # its whole class).
+    text = unit * (60_000 // len(unit))
+    started = time.perf_counter()
+    extract_anchors([text])
+    assert time.perf_counter() - started < 2.0
 
 
 def test_message_anchors_read_tool_calls_too() -> None:
