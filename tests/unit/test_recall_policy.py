@@ -208,7 +208,7 @@ def test_chunks_close_before_the_unit_that_would_overflow() -> None:
                     tokens=[40, 40, 40, 40, 40])
     chunks = chunk_history(surface, 0, 5, 100)
     assert [(c.start, c.end, c.tokens) for c in chunks] == [(0, 2, 80), (2, 5, 120)]
-    assert [(c.first_seq, c.last_seq) for c in chunks] == [(1, 2), (3, 5)]
+    assert [str(c.ref) for c in chunks] == ["c1-2", "c3-5"]
 
 
 def test_a_tool_group_is_never_split_and_may_be_a_chunk_alone() -> None:
@@ -217,6 +217,17 @@ def test_a_tool_group_is_never_split_and_may_be_a_chunk_alone() -> None:
                     tokens=[50, 50, 200, 10, 200, 50])
     chunks = chunk_history(surface, 0, 6, 100)
     assert [(c.start, c.end, c.tokens) for c in chunks] == [(0, 1, 50), (1, 5, 460), (5, 6, 50)]
+
+
+def test_a_chunk_is_named_by_the_originals_it_covers() -> None:
+    earlier = Message(role="user", content="s", meta={
+        "checkpoint": True, META_RECALL: {"ref": "c1-40", "first": 1, "last": 40}})
+    pruned = tool("c1", "cut", recall={"ref": "r43", "first": 43, "last": 43})
+    surface = nodes(earlier, ai(None, ("c1", "bash")), pruned, user("next"), start=41,
+                    tokens=[50, 20, 20, 20])
+    surface[2] = SurfaceNode(90, "pruned", pruned, 20)  # the prune of seq 43 took seq 90
+    (chunk,) = chunk_history(surface, 0, 4, 1000)
+    assert (chunk.first, chunk.last, str(chunk.ref)) == (1, 44, "c1-44")
 
 
 def test_a_small_last_chunk_joins_the_one_before() -> None:

@@ -19,6 +19,7 @@ from worker.compaction.recall_tools import (
     check_search,
     check_tool_call,
     tool_schemas,
+    tools_document,
 )
 
 
@@ -38,7 +39,8 @@ def test_both_forms_define_the_same_two_tools() -> None:
         "type": "integer", "minimum": 1, "maximum": 100, "default": 5,
         "description": "Most hits to return."}
     assert anthropic[1]["input_schema"]["required"] == ["checkpoint"]
-    assert json.loads(json.dumps(openai)) == openai  # plain JSON, as `tools --json` prints it
+    assert tools_document() == {"openai": openai, "anthropic": anthropic}
+    assert json.loads(json.dumps(tools_document())) == tools_document()  # plain JSON
 
 
 def test_the_schemas_are_fresh_copies() -> None:

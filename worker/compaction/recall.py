@@ -299,13 +299,17 @@ def render_anchors(anchors: Sequence[str]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """``nodes[start:end]``: one future index checkpoint."""
+    """``nodes[start:end]``: one future index checkpoint, and the originals it covers."""
 
     start: int
     end: int
     tokens: int
-    first_seq: int
-    last_seq: int
+    first: int  # the span of original seqs (:func:`span_of`), which names its checkpoint
+    last: int
+
+    @property
+    def ref(self) -> Ref:
+        return checkpoint_ref(self.first, self.last)
 
 
 def chunk_history(nodes: Sequence[SurfaceNode], start: int, end: int, chunk_tokens: int, *,
@@ -341,7 +345,7 @@ def chunk_history(nodes: Sequence[SurfaceNode], start: int, end: int, chunk_toke
         (a, _, prev), (_, b, last) = bounds[-2], bounds[-1]
         if last * 2 < chunk_tokens and (prev + last) * 2 <= chunk_tokens * 3:
             bounds[-2:] = [(a, b, prev + last)]
-    return [Chunk(a, b, tokens, nodes[a].seq, nodes[b - 1].seq) for a, b, tokens in bounds]
+    return [Chunk(a, b, tokens, *span_of(nodes[a:b])) for a, b, tokens in bounds]
 
 
 # ------------------------------------------------------------------------------------------

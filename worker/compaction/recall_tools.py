@@ -89,6 +89,11 @@ def tool_schemas(form: str = "openai") -> list[dict[str, Any]]:
     raise ValueError(f"unknown tool form {form!r} (have {', '.join(FORMS)})")
 
 
+def tools_document() -> dict[str, list[dict[str, Any]]]:
+    """What ``compactd tools --json`` and ``GET /v1/tools`` print: both forms, one source."""
+    return {form: tool_schemas(form) for form in FORMS}
+
+
 @dataclass(frozen=True, slots=True)
 class SearchArgs:
     query: str
