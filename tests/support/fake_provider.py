@@ -16,6 +16,17 @@ off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"
 can also require the request to begin with a given system prompt, tools and messages (replay
 mode), and answers 400 when it does not.
 
+A prefix cache, off unless asked for (``FakeProvider(prefix_cache=True)``, ``--prefix-cache``,
+``POST /_fake/config {"prefix_cache": true}``), reports cached input tokens as the providers do:
+a request's longest prefix shared with an earlier answered request of the same key (the model
+plus OpenAI's ``prompt_cache_key``, else the API key), counted with compactd's own token counter
+and billed in 128-token blocks past the first 1,024 (nothing below 1,024). OpenAI reports it as
+``usage.prompt_tokens_details.cached_tokens``, Anthropic as ``usage.cache_read_input_tokens``
+(``input_tokens`` then counts only the rest, as Anthropic's does); with the cache on,
+``prompt_tokens`` / ``input_tokens`` are counted with the same counter, so cached never exceeds
+input. With it off, the numbers are what they always were (a quarter of the body's bytes, and
+a scripted ``cached_tokens``).
+
 It is one aiohttp server on one event loop: hundreds of requests in flight cost a coroutine each.
 
 In-process::
@@ -32,7 +43,8 @@ As a process another process can be pointed at (a Celery worker, a benchmark)::
 
 Control endpoints (JSON), used by :class:`RemoteFake` with the same methods as the in-process API:
 ``POST /_fake/script`` ``{"behaviours": [...]}``, ``POST /_fake/reset``, ``GET /_fake/requests``
-(``?bodies=1`` to include bodies), ``POST /_fake/config`` ``{"latency_s": ...}``,
+(``?bodies=1`` to include bodies), ``POST /_fake/config`` ``{"latency_s": ...,
+"prefix_cache": ...}``,
 ``GET /_fake/health``.
 """
 
@@ -50,11 +62,14 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from storage.tokens import MESSAGE_FRAMING_TOKENS, counter_for
 
 HANG_S = 3600.0
 OUTPUTS = ("summary", "whitespace", "echo", "malformed", "tool_calls", "reasoning_only",
@@ -65,6 +80,12 @@ SECTIONS = ("Primary Request and Intent", "Key Technical Concepts", "Files and C
 _PATH = re.compile(r"(?<![\w/.])(?:/?[\w.-]+/)+[\w.-]+\.[A-Za-z]\w{0,7}")
 _EXC = re.compile(r"\b[A-Z][A-Za-z0-9]*(?:Error|Exception)\b")
 _TICKET = re.compile(r"\b[A-Z][A-Z0-9]{1,9}-\d{2,}\b")
+
+# The providers' prompt caching: nothing under the first 1,024 tokens, then 128-token blocks.
+CACHE_MIN_TOKENS = 1024
+CACHE_BLOCK_TOKENS = 128
+# Earlier requests remembered per cache key (a provider's cache forgets too).
+CACHE_ENTRIES_PER_KEY = 64
 
 
 @dataclass
@@ -129,6 +150,8 @@ class RequestRecord:
     answered_t: float | None = None
     body: dict[str, Any] | None = None
     prefix_ok: bool | None = None  # whether it began with the behaviour's expect_prefix
+    input_tokens: int | None = None   # as reported in the answer's usage (cached included)
+    cached_tokens: int | None = None
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -146,10 +169,11 @@ DEFAULT = Behaviour(times=-1)
 class _State:
     """Script queue and request log, shared by the server thread and the test thread."""
 
-    def __init__(self, latency_s: float, keep_bodies: bool) -> None:
+    def __init__(self, latency_s: float, keep_bodies: bool, prefix_cache: bool = False) -> None:
         self.lock = threading.Lock()
         self.latency_s = latency_s
         self.keep_bodies = keep_bodies
+        self.cache = PrefixCache() if prefix_cache else None
         self.queue: list[Behaviour] = []
         self.log: list[RequestRecord] = []
         self.started = time.monotonic()
@@ -173,6 +197,148 @@ class _State:
         with self.lock:
             self.queue.clear()
             self.log.clear()
+            if self.cache is not None:
+                self.cache = PrefixCache()
+
+    def set_prefix_cache(self, on: bool) -> None:
+        with self.lock:
+            if on and self.cache is None:
+                self.cache = PrefixCache()
+            elif not on:
+                self.cache = None
+
+    def prompt_usage(self, api: str, body: dict[str, Any], headers: Any
+                     ) -> tuple[int, int] | None:
+        """(input tokens, cached tokens) of an answered request, remembered for the next; None
+        with the cache off."""
+        with self.lock:
+            cache = self.cache
+        if cache is None:
+            return None
+        segments = request_segments(api, body)
+        key = cache_key(api, body, headers)
+        counter = counter_for(key[1] or None)
+        with self.lock:
+            return cache.lookup_and_store(key, segments, counter)
+
+
+# --------------------------------------------------------------------------------------------
+# the prefix cache
+
+
+def cached_blocks(shared_tokens: int) -> int:
+    """Tokens billed as cached for a shared prefix: whole 128-token blocks past 1,024."""
+    if shared_tokens < CACHE_MIN_TOKENS:
+        return 0
+    blocks = (shared_tokens - CACHE_MIN_TOKENS) // CACHE_BLOCK_TOKENS
+    return CACHE_MIN_TOKENS + blocks * CACHE_BLOCK_TOKENS
+
+
+def cache_key(api: str, body: dict[str, Any], headers: Any) -> tuple[str, str, str]:
+    """Whose cache a request reads: per model, and per OpenAI ``prompt_cache_key`` when the
+    request names one, else per API key."""
+    raw_model = body.get("model")
+    model = raw_model if isinstance(raw_model, str) else ""
+    named = body.get("prompt_cache_key")
+    if api == "openai" and isinstance(named, str) and named:
+        return api, model, f"cache:{named}"
+    auth = headers.get("authorization") or ""
+    secret = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key") or ""
+    return api, model, f"key:{secret}"
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(b["text"] if isinstance(b, dict) and b.get("type") == "text"
+                         and isinstance(b.get("text"), str) else _compact(b) for b in content)
+    return "" if content is None else _compact(content)
+
+
+def request_segments(api: str, body: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+    """The prompt in the order a provider reads it (tools, system, messages), one text per
+    tool and per message; the flag marks a message (it costs framing tokens)."""
+    out: list[tuple[str, bool]] = []
+    for tool in body.get("tools") or ():
+        out.append((_compact(tool), False))
+    system = body.get("system")
+    if system:
+        out.append(("system\n" + _content_text(system), True))
+    for message in body.get("messages") or ():
+        if not isinstance(message, dict):
+            out.append((_compact(message), True))
+            continue
+        parts = [str(message.get("role")), _content_text(message.get("content"))]
+        parts += [_compact(c) for c in message.get("tool_calls") or ()]
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                parts.append(f"{key}={message[key]}")
+        out.append(("\n".join(parts), True))
+    return tuple(out)
+
+
+class PrefixCache:
+    """Earlier prompts by cache key, and token counts by segment text (counting a 150k-token
+    prompt once per request would dominate a benchmark's run time)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str, str], deque[tuple[tuple[str, bool], ...]]] = {}
+        self.tokens: dict[tuple[str, str], int] = {}
+
+    def _tokens(self, text: str, message: bool, counter: Any) -> int:
+        key = (counter.name, text)
+        count = self.tokens.get(key)
+        if count is None:
+            if len(self.tokens) > 100_000:
+                self.tokens.clear()
+            count = self.tokens[key] = counter.count_text(text) + (
+                MESSAGE_FRAMING_TOKENS if message else 0)
+        return count
+
+    def lookup_and_store(self, key: tuple[str, str, str],
+                         segments: tuple[tuple[str, bool], ...], counter: Any
+                         ) -> tuple[int, int]:
+        sizes = [self._tokens(text, message, counter) for text, message in segments]
+        total = sum(sizes)
+        earlier = self.entries.setdefault(key, deque(maxlen=CACHE_ENTRIES_PER_KEY))
+        shared = 0
+        for previous in earlier:
+            shared = max(shared, _shared_tokens(segments, previous, sizes, counter))
+        earlier.append(segments)
+        return total, min(total, cached_blocks(shared))
+
+
+def _shared_tokens(segments: tuple[tuple[str, bool], ...],
+                   previous: tuple[tuple[str, bool], ...], sizes: list[int],
+                   counter: Any) -> int:
+    """Tokens of the longest common prefix: whole equal segments, then the common text of the
+    first that differs."""
+    shared = 0
+    for i, (segment, other) in enumerate(zip(segments, previous, strict=False)):
+        if segment == other:
+            shared += sizes[i]
+            continue
+        text, theirs = segment[0], other[0]
+        n = _common_prefix(text, theirs)
+        return shared + (counter.count_text(text[:n]) if n else 0)
+    return shared
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix of two strings (binary search over C-speed compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,14 +415,17 @@ async def _model_call(state: _State, request: web.Request, api: str) -> web.Stre
         await asyncio.sleep(HANG_S)
     elif latency > 0:
         await asyncio.sleep(latency)
-    response = _answer(api, behaviour, body, raw, model, n)
+    usage = (state.prompt_usage(api, body, request.headers)
+             if behaviour.status == 200 else None)
+    response = _answer(api, behaviour, body, raw, model, n, usage, record)
     record.status = response.status
     record.answered_t = time.monotonic() - state.started
     return response
 
 
 def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
-            model: str | None, n: int) -> web.Response:
+            model: str | None, n: int, usage: tuple[int, int] | None = None,
+            record: RequestRecord | None = None) -> web.Response:
     request_id = f"req_fake_{n:06d}"
     id_header = {"x-request-id" if api == "openai" else "request-id": request_id}
     if behaviour.status != 200:
@@ -282,8 +451,12 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
     cut = behaviour.output == "truncated"
     if cut:
         text = text[:len(text) // 2]
-    usage_in = math.ceil(len(raw) / 4)
+    usage_in, cached = usage if usage is not None else (math.ceil(len(raw) / 4), 0)
+    if behaviour.cached_tokens:
+        cached = behaviour.cached_tokens
     usage_out = math.ceil(len(text) / 4)
+    if record is not None:
+        record.input_tokens, record.cached_tokens = usage_in, cached
     if api == "openai":
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         finish = "length" if cut else "stop"
@@ -303,7 +476,7 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
                                          "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
                       "total_tokens": usage_in + usage_out,
-                      "prompt_tokens_details": {"cached_tokens": behaviour.cached_tokens}}}
+                      "prompt_tokens_details": {"cached_tokens": cached}}}
     else:
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
         stop = "max_tokens" if cut else "end_turn"
@@ -319,9 +492,9 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         payload = {"id": f"msg_fake_{n}", "type": "message", "role": "assistant",
                    "model": model, "content": content, "stop_reason": stop,
                    "stop_sequence": None,
-                   "usage": {"input_tokens": usage_in - behaviour.cached_tokens,
+                   "usage": {"input_tokens": usage_in - cached,
                              "output_tokens": usage_out,
-                             "cache_read_input_tokens": behaviour.cached_tokens,
+                             "cache_read_input_tokens": cached,
                              "cache_creation_input_tokens": 0}}
     return _json(payload, headers=id_header)
 
@@ -427,7 +600,9 @@ async def _control_config(state: _State, request: web.Request) -> web.Response:
     data = await request.json()
     if "latency_s" in data:
         state.latency_s = float(data["latency_s"])
-    return _json({"latency_s": state.latency_s})
+    if "prefix_cache" in data:
+        state.set_prefix_cache(bool(data["prefix_cache"]))
+    return _json({"latency_s": state.latency_s, "prefix_cache": state.cache is not None})
 
 
 async def _control_requests(state: _State, request: web.Request) -> web.Response:
@@ -445,10 +620,10 @@ class FakeProvider:
     """The fake, served from a background thread with its own event loop."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, latency_s: float = 0.0,
-                 keep_bodies: bool = True) -> None:
+                 keep_bodies: bool = True, prefix_cache: bool = False) -> None:
         self.host = host
         self.port = port
-        self._state = _State(latency_s, keep_bodies)
+        self._state = _State(latency_s, keep_bodies, prefix_cache)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -520,6 +695,14 @@ class FakeProvider:
     def latency_s(self, value: float) -> None:
         self._state.latency_s = value
 
+    @property
+    def prefix_cache(self) -> bool:
+        return self._state.cache is not None
+
+    @prefix_cache.setter
+    def prefix_cache(self, on: bool) -> None:
+        self._state.set_prefix_cache(on)
+
     def script(self, *behaviours: Behaviour, **one: Any) -> None:
         """Queue behaviours (or one built from keyword arguments)."""
         queued = list(behaviours) + ([Behaviour(**one)] if one else [])
@@ -588,8 +771,14 @@ class RemoteFake:
         self._call("POST", "/_fake/script",
                    {"behaviours": [dataclasses.asdict(b) for b in queued]})
 
-    def configure(self, *, latency_s: float) -> None:
-        self._call("POST", "/_fake/config", {"latency_s": latency_s})
+    def configure(self, *, latency_s: float | None = None,
+                  prefix_cache: bool | None = None) -> None:
+        settings: dict[str, Any] = {}
+        if latency_s is not None:
+            settings["latency_s"] = latency_s
+        if prefix_cache is not None:
+            settings["prefix_cache"] = prefix_cache
+        self._call("POST", "/_fake/config", settings)
 
     def requests(self, *, bodies: bool = False) -> list[dict[str, Any]]:
         path = "/_fake/requests" + ("?bodies=1" if bodies else "")
@@ -600,7 +789,8 @@ class RemoteFake:
 
 
 @contextlib.contextmanager
-def fake_provider_process(latency_s: float = 0.0) -> Iterator[str]:
+def fake_provider_process(latency_s: float = 0.0, *, prefix_cache: bool = False
+                          ) -> Iterator[str]:
     """A fake provider in a subprocess, so a benchmark's measurements do not share its CPU; its
     URL (drive it with :class:`RemoteFake`). Stopped on exit."""
     import subprocess
@@ -608,7 +798,8 @@ def fake_provider_process(latency_s: float = 0.0) -> Iterator[str]:
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
-         "--latency", str(latency_s)], cwd=Path(__file__).resolve().parents[2],
+         "--latency", str(latency_s), *(["--prefix-cache"] if prefix_cache else [])],
+        cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout is not None
@@ -635,8 +826,9 @@ def summaries_of(records: Iterable[RequestRecord]) -> Iterator[str]:
 # --------------------------------------------------------------------------------------------
 
 
-async def _run_cli(host: str, port: int, latency_s: float, keep_bodies: bool) -> None:
-    state = _State(latency_s, keep_bodies)
+async def _run_cli(host: str, port: int, latency_s: float, keep_bodies: bool,
+                   prefix_cache: bool) -> None:
+    state = _State(latency_s, keep_bodies, prefix_cache)
     runner = await serve(state, host, port)
     print(json.dumps({"url": f"http://{host}:{runner_port(runner)}"}), flush=True)
     stop = asyncio.Event()
@@ -657,9 +849,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", type=float, default=0.0, help="seconds per answer")
     parser.add_argument("--keep-bodies", action="store_true",
                         help="keep request bodies in the log (memory grows with traffic)")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="report cached input tokens as the providers' prefix caches do")
     args = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_run_cli(args.host, args.port, args.latency, args.keep_bodies))
+        asyncio.run(_run_cli(args.host, args.port, args.latency, args.keep_bodies,
+                             args.prefix_cache))
     return 0
 
 
