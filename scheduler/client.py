@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from scheduler.commands import parse_keep
+from scheduler.args import parse_keep
 from scheduler.enqueue import Enqueuer, RunRequest, enqueue_manual
 from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
 from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, check_json, check_message, parse
+from storage.migrate import ensure_schema
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import PreparedAppend, Store
 from storage.tokens import counter_for
@@ -183,8 +184,6 @@ class CompactdClient:
 
     async def _ensure_schema(self) -> None:
         if not self._schema_checked:
-            from storage.migrate import ensure_schema
-
             await ensure_schema(self.store.engine, self.config.database_url)
             self._schema_checked = True
 
