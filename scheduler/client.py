@@ -409,7 +409,11 @@ def run_result(run: RunRecord) -> dict[str, Any]:
 
 
 class Client:
-    """The synchronous client: the same calls, served by a private event loop thread."""
+    """The synchronous client: the same calls, served by a private event loop thread.
+
+    The loop thread is compactd's own (``worker.runtime.EventLoopThread``), not anyio's blocking
+    portal: the portal hands every call between the two threads twice, and was measured slower
+    per call (``tests/bench/sync_dispatch.py``; figures in the README's results)."""
 
     def __init__(self, config: Config | None = None) -> None:
         self._loop = EventLoopThread(name="compactd-client")
