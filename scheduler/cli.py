@@ -35,7 +35,7 @@ class UsageError(BadInput):
 
 
 # ------------------------------------------------------------------------------------------
-# plumbing
+# printing
 
 
 def _preview(content: Any, width: int = 80) -> str:
