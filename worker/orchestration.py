@@ -43,8 +43,7 @@ from worker.compaction.triggers import should_compact
 from worker.compaction.validation import validate_summary
 from worker.keys import RATE_PROVIDER, bulk_meter
 from worker.llm.candidates import candidate_order
-from worker.llm.errors import SummaryFailed
-from worker.llm.fallback import RetryPolicy, SummaryRequest, summarize
+from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
 from worker.metrics import metrics
 from worker.pressure import read_pressure, session_policy, session_pressure
 from worker.runtime import Deps
