@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.client import WaitTimeout
-from scheduler.enqueue import Enqueuer, RunRequest
 from storage.errors import InvalidMessage
 from storage.ids import id_problem
 from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING, JOB_DONE
 from storage.records import BulkJob, utcnow
 from storage.store import Store
 from worker.app import client_app
+from worker.enqueue import Enqueuer, RunRequest
 from worker.keys import QUEUE_BULK, bulk_meter
 from worker.limits import LocalLimiter
 from worker.settings import Config

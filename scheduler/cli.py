@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.args import positive_int
-from scheduler.enqueue import broker_errors
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
 from storage.ids import check_id, check_session_id, check_tenant
 from storage.messages import FORMATS, ToolLinks, read_jsonl
 from storage.store import Store
 from worker import logs
 from worker.compaction.render import render_surface
+from worker.enqueue import broker_errors
 from worker.pressure import check_session_policy
 from worker.settings import Config, load_config
 

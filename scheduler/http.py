@@ -77,7 +77,6 @@ from scheduler.client import (
     run_result,
 )
 from scheduler.commands import parse_keep
-from scheduler.enqueue import broker_errors
 from scheduler.status import session_status
 from storage.database import ping
 from storage.errors import (
@@ -95,6 +94,7 @@ from storage.messages import TOO_DEEP
 from storage.records import SessionInfo
 from storage.store import PreparedAppend, Store, prepare_append
 from worker.compaction.render import render_surface
+from worker.enqueue import broker_errors
 from worker.settings import ApiConfig, Config
 
 logger = logging.getLogger(__name__)

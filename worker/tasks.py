@@ -23,14 +23,11 @@ from celery.signals import (
     worker_ready,
 )
 
-from scheduler.enqueue import Enqueuer, broker_errors
-from scheduler.intake import follow_up
-from scheduler.status import least_runways
-from scheduler.sweeps import reap_leases, sweep_pressure
 from storage.errors import ConfigError
 from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
 from storage.records import utcnow
 from worker import logs
+from worker.enqueue import Enqueuer, broker_errors, follow_up
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.llm.providers import import_sdks
 from worker.metrics import FleetSnapshot, metrics, serve
@@ -38,6 +35,7 @@ from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
 from worker.pressure import Runway
 from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
+from worker.sweeps import least_runways, reap_leases, sweep_pressure
 
 logger = logging.getLogger(__name__)
 
