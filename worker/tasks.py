@@ -177,8 +177,8 @@ def _unbind_task_logs(**_: Any) -> None:
 @worker_init.connect
 def _prepare_process(sender: Any = None, **_: Any) -> None:
     config = _config(sender.app)
-    # Before the worker consumes anything: the first compaction must not wait for them (~2 s
-    # for both SDKs), and no import may ever run on the event loop (see worker.llm.providers).
+    # Before the worker consumes anything: the first compaction must not wait for them, and no
+    # import may ever run on the event loop (see worker.llm.providers).
     import_sdks(config.models)
     # Now, so a worker configured for a loop it cannot have does not start. Celery logs a
     # handler's exception and goes on (every task would then fail); SystemExit it lets through.
