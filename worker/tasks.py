@@ -31,8 +31,9 @@ from worker.enqueue import Enqueuer, broker_errors, follow_up
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.llm.providers import import_sdks
 from worker.metrics import FleetSnapshot, metrics, serve
-from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
+from worker.orchestration import compact
 from worker.pressure import Runway
+from worker.run import AUTOMATIC_TRIGGERS, Outcome
 from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
 from worker.sweeps import least_runways, reap_leases, sweep_pressure
