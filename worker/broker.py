@@ -23,7 +23,9 @@ from typing import Any
 
 import kombu
 from celery.app.amqp import AMQP as CeleryAMQP
+from kombu.connection import ConnectionPool, PooledConnection
 from kombu.transport import redis as kombu_redis
+from kombu.utils.collections import HashedSeq
 from kombu.utils.scheduling import priority_cycle
 
 from worker.keys import QUEUES
@@ -67,13 +69,31 @@ class Transport(kombu_redis.Transport):
 
 class Connection(kombu.Connection):
     """kombu's connection, whose redis schemes get :class:`Transport`. The connection keeps the
-    scheme as its transport name, so everything kombu keys on it stays kombu's: the URI, the
-    default TLS options of ``rediss://``, and clones and pools (which copy the class)."""
+    scheme as its transport name, so what kombu derives from it stays kombu's: the URI and the
+    default TLS options of ``rediss://``. Its clones and pooled connections are of its kind."""
 
     def get_transport_cls(self) -> Any:
         if self.transport_cls in SCHEMES:
             return Transport
         return super().get_transport_cls()
+
+    def __eqhash__(self) -> Any:
+        # kombu's registry of connection and producer pools (kombu.pools) is process-wide and
+        # keyed by this: without the mark, a runtime's own connection to the same URL would
+        # share a pool with compactd's, and one of them would get the other's transport.
+        return HashedSeq(Connection, super().__eqhash__())
+
+    def Pool(self, limit: int | None = None, **kwargs: Any) -> Any:
+        return _ConnectionPool(self, limit=limit, **kwargs)
+
+
+class _PooledConnection(PooledConnection, Connection):
+    pass
+
+
+class _ConnectionPool(ConnectionPool):
+    def new(self) -> _PooledConnection:
+        return _PooledConnection(self, **dict(self.connection._info(resolve=False)))
 
 
 class AMQP(CeleryAMQP):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import kombu
+import kombu.pools
 import kombu.transport
 from celery import Celery
 from kombu import Queue
@@ -74,14 +75,20 @@ def test_other_connections_in_the_process_keep_kombus_transport(clean_redis: str
     aliases = dict(kombu.transport.TRANSPORT_ALIASES)
     app = app_for(clean_redis, tmp_path)
     try:
-        with app.connection_for_write() as conn:
-            assert isinstance(conn.default_channel, Channel)
-            with conn.clone() as clone:
+        with kombu.Connection(clean_redis) as theirs, \
+                kombu.pools.connections[theirs].acquire(block=True) as pooled_theirs:
+            # The app's connections: its own, their clones, the pooled ones tasks are sent on.
+            with app.connection_for_write() as conn, conn.clone() as clone:
+                assert isinstance(conn.default_channel, Channel)
                 assert isinstance(clone.default_channel, Channel)
-        assert dict(kombu.transport.TRANSPORT_ALIASES) == aliases
-        with kombu.Connection(clean_redis) as theirs:
-            channel = theirs.default_channel
-            assert type(channel) is kombu_redis.Channel
+            with app.pool.acquire(block=True) as pooled:
+                assert isinstance(pooled.default_channel, Channel)
+            with app.producer_or_acquire() as producer:
+                assert isinstance(producer.channel, Channel)
+            assert dict(kombu.transport.TRANSPORT_ALIASES) == aliases
+            # Theirs, opened first and pooled in kombu's process-wide registry, stay kombu's.
+            assert type(theirs.default_channel) is kombu_redis.Channel
+            assert type(pooled_theirs.default_channel) is kombu_redis.Channel
             assert theirs.as_uri().startswith("redis://")
     finally:
         app.close()
