@@ -16,15 +16,13 @@ import datetime as dt
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from storage.records import SessionInfo, utcnow
+from storage.store import Store
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_RUN
 from worker.pressure import over_trigger
-
-if TYPE_CHECKING:
-    from storage.store import Store
-    from worker.settings import Config
+from worker.settings import Config
 
 TRIGGER_QUEUES = {
     "overflow": QUEUE_URGENT, "manual": QUEUE_URGENT,
