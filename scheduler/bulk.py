@@ -25,7 +25,6 @@ from typing import Any
 
 from scheduler.args import parse_duration
 from scheduler.client import WaitTimeout
-from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.output import emit, open_store, say
 from storage.errors import InvalidMessage
 from storage.ids import id_problem
@@ -33,6 +32,7 @@ from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING, JOB_DONE
 from storage.records import BulkJob, utcnow
 from storage.store import Store
 from worker.app import client_app
+from worker.enqueue import Enqueuer, RunRequest
 from worker.keys import QUEUE_BULK, bulk_meter
 from worker.limits import LocalLimiter
 from worker.settings import Config

@@ -16,7 +16,6 @@ from typing import Any
 
 from scheduler import commands, leases
 from scheduler.args import positive_int
-from scheduler.enqueue import broker_errors
 from scheduler.output import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, emit, open_store, redact_url, say
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
 from storage.ids import check_id, check_session_id, check_tenant
@@ -24,6 +23,7 @@ from storage.messages import FORMATS, ToolLinks, read_jsonl
 from storage.migrate import upgrade_async
 from worker import logs
 from worker.compaction.render import render_surface
+from worker.enqueue import broker_errors
 from worker.pressure import check_session_policy
 from worker.settings import Config, load_config
 

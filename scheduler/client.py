@@ -29,8 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from scheduler.args import parse_keep
-from scheduler.enqueue import Enqueuer, RunRequest, enqueue_manual
-from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
+from scheduler.intake import SignalResult, accept_signal, parse_signal
 from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, check_json, check_message, parse
@@ -41,6 +40,7 @@ from storage.tokens import counter_for
 from worker.compaction.planner import plan
 from worker.compaction.policy import Clause
 from worker.compaction.render import render_surface
+from worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
 from worker.pressure import check_session_policy, session_policy, wants_run
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config

@@ -14,7 +14,6 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from scheduler.enqueue import broker_errors
 from scheduler.http.auth import Unauthorized
 from scheduler.http.bodies import BODY_TOO_DEEP
 from scheduler.http.schemas import ErrorOut
@@ -27,6 +26,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
+from worker.enqueue import broker_errors
 from worker.settings import Config
 
 logger = logging.getLogger(__name__)
