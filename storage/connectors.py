@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
-import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -162,7 +161,7 @@ class SQLiteConnector(Connector):
                           ) -> AsyncIterator[AsyncConnection]:
         if conn is not None:
             yield conn
-        elif _WRITES.match(sql.sqlite_text(name)):
+        elif sql.writes(name):
             async with transaction(self.engine) as c:
                 yield c
         else:
@@ -177,8 +176,6 @@ def connector_for(engine: AsyncEngine) -> Connector:
 def open_connector(url: str, **kwargs: Any) -> Connector:
     return connector_for(create_engine(url, **kwargs))
 
-
-_WRITES = re.compile(r"\s*(INSERT|UPDATE|DELETE)\b", re.I)
 
 # Result columns typed by name, from the tables: SQLite returns datetimes and JSON as text.
 _RESULT_TYPES: dict[str, Any] = {
@@ -195,11 +192,7 @@ def _typed(params: Mapping[str, Any]) -> tuple[str, ...]:
 def _sqlite_text(name: str, *datetimes: str) -> Any:
     text = sa.text(sql.sqlite_text(name)).bindparams(
         *(sa.bindparam(p, type_=t.UTCDateTime) for p in datetimes))
-    return text.columns(**_RESULT_TYPES) if _returns_rows(name) else text
-
-
-def _returns_rows(name: str) -> bool:
-    return bool(re.search(r"\b(SELECT|RETURNING)\b", sql.sqlite_text(name), re.I))
+    return text.columns(**_RESULT_TYPES) if sql.returns_rows(name) else text
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from importlib import resources
 from typing import Any
 
 import aiosql
+from aiosql.types import SQLOperationType
 
 FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit")
 
@@ -30,6 +31,7 @@ NAMES: tuple[str, ...] = tuple(sorted(re.findall(r"^-- name: (\w+)", _QUERIES_TE
 _NAMED: Any = aiosql.from_str(_QUERIES_TEXT, "aiosqlite")
 NAMED_TEXT: dict[str, str] = {name: str(getattr(_NAMED, name).sql) for name in NAMES}
 
+_WRITES = re.compile(r"\s*(INSERT|UPDATE|DELETE)\b", re.I)
 _POSTGRES_ONLY = re.compile(r"^postgres-only:\s*(.+?)(?=\n\S+:|\Z)", re.M | re.S)
 
 
@@ -37,6 +39,18 @@ def postgres_only(name: str) -> str | None:
     """Why query ``name`` runs on PostgreSQL alone, or None when it runs on both backends."""
     match = _POSTGRES_ONLY.search(getattr(POSTGRES, name).__doc__ or "")
     return None if match is None else " ".join(match.group(1).split())
+
+
+def returns_rows(name: str) -> bool:
+    """Whether query ``name`` returns rows (a select, or a write with RETURNING)."""
+    return getattr(POSTGRES, name).operation not in (
+        SQLOperationType.INSERT_UPDATE_DELETE, SQLOperationType.INSERT_UPDATE_DELETE_MANY,
+        SQLOperationType.SCRIPT)
+
+
+def writes(name: str) -> bool:
+    """Whether query ``name`` changes rows (its own transaction on SQLite)."""
+    return _WRITES.match(NAMED_TEXT[name]) is not None
 
 
 def sqlite_text(name: str) -> str:

@@ -7,6 +7,10 @@
 -- The health check's round trip.
 SELECT 1;
 
+-- name: schema_revision()$
+-- The schema's Alembic revision: the embedded database is migrated when it is behind.
+SELECT version_num FROM alembic_version;
+
 -- name: read_surface(session_id)
 -- The surface in position order with the version it was read at: the worker's read of every
 -- compaction. A session without nodes gives one row whose node columns are NULL.
