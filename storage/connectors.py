@@ -1,12 +1,12 @@
 """The two backends behind one interface: where PostgreSQL and SQLite differ, and nowhere else.
 
 A connector runs the named queries of ``storage/sql`` and owns what one backend can do that the
-other cannot. :class:`PostgresConnector` runs them on a connection of the engine's pool (asyncpg,
-autocommit, one statement each) and does the append, the free claim and the commit in one call
-of compactd's SQL functions. :class:`SQLiteConnector` runs the portable queries through
-SQLAlchemy on the embedded file, and has no SQL functions: its ``*_call`` methods return None,
-and the store does that work with the general statements in its own transaction, which are the
-same on both backends.
+other cannot. :class:`PostgresConnector` runs them on asyncpg connections of the engine's pool
+(autocommit, one statement each, on a :class:`KeptConnections` connection when one is free) and
+does the append, the free claim and the commit in one call of compactd's SQL functions.
+:class:`SQLiteConnector` runs the portable queries through SQLAlchemy on the embedded file, and
+has no SQL functions: its ``*_call`` methods return None, and the store does that work with the
+general statements in its own transaction, which are the same on both backends.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage import sql
-from storage.database import connection, create_engine, is_sqlite, raw_connection, transaction
+from storage.database import (
+    KeptConnections,
+    connection,
+    is_sqlite,
+    transaction,
+)
 
 Row = Mapping[Any, Any]
 
@@ -64,6 +69,9 @@ class Connector:
         """``INSERT`` with the dialect's ``ON CONFLICT`` clauses."""
         raise NotImplementedError
 
+    async def close(self) -> None:
+        """Give back what the connector holds (the engine is its owner's to dispose of)."""
+
     async def wait_for_row_lock(self, conn: AsyncConnection, wait_s: float) -> None:
         """Bound the wait for row locks for the rest of ``conn``'s transaction."""
 
@@ -82,40 +90,52 @@ class Connector:
 
 
 class PostgresConnector(Connector):
+    """Named queries on asyncpg connections: aiosql loaded their text and parameter order once,
+    and asyncpg runs them directly (its statement cache prepares each once per connection)."""
+
     encodes_appends = True
     locks_rows = True
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, kept: int = 1) -> None:
         self.engine = engine
+        self._kept = KeptConnections(engine, kept)
+
+    async def close(self) -> None:
+        await self._kept.close()
 
     async def fetch(self, name: str, *, conn: AsyncConnection | None = None,
                     **params: Any) -> list[Row]:
         if conn is not None:
             return [r._mapping for r in await conn.execute(_named_text(name), params)]
-        async with raw_connection(self.engine) as raw:
-            return [r async for r in getattr(sql.POSTGRES, name)(raw, **params)]
+        text, args = _positional(name, params)
+        async with self._kept.use() as raw:
+            rows: list[Row] = await raw.fetch(text, *args)
+            return rows
 
     async def fetchrow(self, name: str, *, conn: AsyncConnection | None = None,
                        **params: Any) -> Row | None:
         if conn is not None:
             return await super().fetchrow(name, conn=conn, **params)
-        async with raw_connection(self.engine) as raw:
-            record: Row | None = await getattr(sql.POSTGRES, name)(raw, **params)
-            return record
+        text, args = _positional(name, params)
+        async with self._kept.use() as raw:
+            row: Row | None = await raw.fetchrow(text, *args)
+            return row
 
     async def fetchval(self, name: str, *, conn: AsyncConnection | None = None,
                        **params: Any) -> Any:
         if conn is not None:
             return await super().fetchval(name, conn=conn, **params)
-        async with raw_connection(self.engine) as raw:
-            return await getattr(sql.POSTGRES, name)(raw, **params)
+        text, args = _positional(name, params)
+        async with self._kept.use() as raw:
+            return await raw.fetchval(text, *args)
 
     async def execute(self, name: str, *, conn: AsyncConnection | None = None,
                       **params: Any) -> int:
         if conn is not None:
             return int((await conn.execute(_named_text(name), params)).rowcount)
-        async with raw_connection(self.engine) as raw:
-            status: str = await getattr(sql.POSTGRES, name)(raw, **params)
+        text, args = _positional(name, params)
+        async with self._kept.use() as raw:
+            status: str = await raw.execute(text, *args)
         return int(status.rsplit(" ", 1)[-1])
 
     def insert(self, table: sa.Table) -> Any:
@@ -169,12 +189,17 @@ class SQLiteConnector(Connector):
                 yield c
 
 
-def connector_for(engine: AsyncEngine) -> Connector:
-    return SQLiteConnector(engine) if is_sqlite(engine) else PostgresConnector(engine)
+def connector_for(engine: AsyncEngine, *, kept: int = 1) -> Connector:
+    """The engine's connector; on PostgreSQL it keeps up to ``kept`` connections for the named
+    queries (see :class:`KeptConnections`)."""
+    return SQLiteConnector(engine) if is_sqlite(engine) else PostgresConnector(engine, kept=kept)
 
 
-def open_connector(url: str, **kwargs: Any) -> Connector:
-    return connector_for(create_engine(url, **kwargs))
+
+def _positional(name: str, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
+    """Query ``name`` for asyncpg: its ``$n`` text and ``params`` in its parameters' order."""
+    text, order = sql.positional(name)
+    return text, [params[p] for p in order]
 
 
 # Result columns typed by name, from the tables: SQLite returns datetimes and JSON as text.

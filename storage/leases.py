@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 
 # How long a targeted claim waits for the session row another transaction holds (an append, a
 # usage report, another claim, a commit: each for milliseconds), in the row's lock queue; the
-# run's deadline ends the wait sooner. compactd_claim has the same wait (migration 0008).
+# run's deadline ends the wait sooner. compactd_claim has the same wait (its SET lock_timeout,
+# storage/sql/functions/compactd_claim.sql).
 CLAIM_LOCK_WAIT_S = 5.0
 
 

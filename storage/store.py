@@ -127,17 +127,16 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
 class Store(LeasesMixin, RunsMixin, JobsMixin):
     """Sessions, the event log and the surface."""
 
-    def __init__(self, engine: AsyncEngine, *, kept_connections: int = 0) -> None:
-        """``kept_connections`` is accepted for the callers of the earlier signature and not
-        used: every statement takes a connection of the engine's pool."""
+    def __init__(self, engine: AsyncEngine, *, kept_connections: int = 1) -> None:
         self.engine = engine
-        self.db = connector_for(engine)
+        # The runtime keeps one connection (append, poll, signal mark); a worker a few.
+        self.db = connector_for(engine, kept=kept_connections)
         # run_model never changes once a session exists, so appends can count tokens before
         # their transaction without reading the session first.
         self._run_models: dict[str, str | None] = {}
 
     @classmethod
-    def from_url(cls, url: str, *, kept_connections: int = 0, **kwargs: Any) -> Store:
+    def from_url(cls, url: str, *, kept_connections: int = 1, **kwargs: Any) -> Store:
         return cls(create_engine(url, **kwargs), kept_connections=kept_connections)
 
     @property
@@ -147,6 +146,7 @@ class Store(LeasesMixin, RunsMixin, JobsMixin):
         return not self.db.encodes_appends
 
     async def close(self) -> None:
+        await self.db.close()
         await self.engine.dispose()
 
     # ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ tests/migration compares what the database runs with them.
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 from typing import Any
@@ -39,6 +40,15 @@ def postgres_only(name: str) -> str | None:
     """Why query ``name`` runs on PostgreSQL alone, or None when it runs on both backends."""
     match = _POSTGRES_ONLY.search(getattr(POSTGRES, name).__doc__ or "")
     return None if match is None else " ".join(match.group(1).split())
+
+
+@functools.cache
+def positional(name: str) -> tuple[str, tuple[str, ...]]:
+    """Query ``name`` with asyncpg's ``$n`` placeholders, and the parameter names in their
+    order, for a connector that runs it on an asyncpg connection itself (aiosql's own call
+    costs about as much CPU as the statement's round trip)."""
+    query = getattr(POSTGRES, name)
+    return str(query.sql), tuple(POSTGRES.driver_adapter.var_sorted[name])
 
 
 def returns_rows(name: str) -> bool:
