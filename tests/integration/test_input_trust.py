@@ -21,6 +21,7 @@ from storage.tokens import counter_for
 from tests.integration.test_http_api import A, Served, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import FakeProvider
+from tests.support.tables import row_counts
 from worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
 from worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
 from worker.settings import Config, Settings, build_config
@@ -50,7 +51,7 @@ def client_config(db_url: str) -> Config:
 async def counts(db_url: str) -> dict[str, int]:
     store = Store.from_url(db_url)
     try:
-        return await store.counts()
+        return await row_counts(store)
     finally:
         await store.close()
 

@@ -162,7 +162,7 @@ def test_a_worker_keeps_db_pool_size_connections_and_opens_no_more(
         deps = await build_deps(config)
         try:
             pool: Any = deps.store.engine.sync_engine.pool
-            return pool.size(), pool._max_overflow, deps.store._kept.capacity
+            return pool.size(), pool._max_overflow, deps.store.db._kept.capacity
         finally:
             await deps.aclose()
 
