@@ -214,7 +214,6 @@ class CompactdClient:
             envelope=dict(envelope) if envelope is not None else None,
             policy=dict(policy) if policy is not None else None)
         await _warm_counter(info.run_model)
-        await self.store.prepare_steps()
         return SessionHandle(self, info, created=created)
 
     async def get_session(self, session_id: str) -> SessionHandle:
@@ -222,7 +221,6 @@ class CompactdClient:
         await self._ensure_schema()
         info = await self.store.get_session(session_id)
         await _warm_counter(info.run_model)
-        await self.store.prepare_steps()
         return SessionHandle(self, info)
 
 

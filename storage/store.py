@@ -139,12 +139,6 @@ class Store(LeasesMixin, RunsMixin, JobsMixin):
     def from_url(cls, url: str, *, kept_connections: int = 1, **kwargs: Any) -> Store:
         return cls(create_engine(url, **kwargs), kept_connections=kept_connections)
 
-    @property
-    def sqlite(self) -> bool:
-        """Whether appends are prepared as messages rather than encoded
-        (``prepare_append(encoded=not store.sqlite)``): the embedded backend's way."""
-        return not self.db.encodes_appends
-
     async def close(self) -> None:
         await self.db.close()
         await self.engine.dispose()
@@ -379,10 +373,6 @@ class Store(LeasesMixin, RunsMixin, JobsMixin):
                 signalled = await self._mark_signal(conn, session_id, now, signal_ttl_s)
         return AppendResult(session=info, first_seq=first_seq, last_seq=info.last_seq,
                             tokens=tokens, signalled=signalled)
-
-    async def prepare_steps(self) -> None:
-        """Kept for the callers of the earlier interface: nothing to ready. asyncpg prepares a
-        statement at its first use on a connection and keeps it in that connection's cache."""
 
     async def _append_call(self, session_id: str, batch: PreparedAppend,
                            now: dt.datetime) -> SessionInfo | None:

@@ -216,7 +216,7 @@ def add_routes(app: FastAPI) -> None:
         content_type = request.headers.get("content-type")
         batch = await api.offload(raw, content_type, info.run_model) \
             if len(raw) > OFFLOAD_BYTES else \
-            decode_append(raw, content_type, info.run_model, encoded=not api.store.sqlite)
+            decode_append(raw, content_type, info.run_model, encoded=api.store.db.encodes_appends)
         try:
             step = await api.handle(info).append(batch)
         except InvalidMessage as exc:

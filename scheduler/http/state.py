@@ -48,7 +48,7 @@ class Api:
         # 'spawn': a child inherits no event loop, connection or lock of this process.
         processes = config.api.cpu_processes
         self._processes: ProcessPoolExecutor | None = None
-        if processes and not client.store.sqlite:
+        if processes and client.store.db.encodes_appends:
             self._processes = _process_pool(processes)
         # SQLite's append stores the parsed messages themselves, which cost the loop more to
         # unpickle than to build; with cpu_processes 0 the PostgreSQL batches come here too.
@@ -84,7 +84,7 @@ class Api:
         pool = self._processes
         if pool is None:
             return await loop.run_in_executor(self._thread, functools.partial(
-                decode_append, raw, content_type, run_model, encoded=not self.store.sqlite))
+                decode_append, raw, content_type, run_model, encoded=self.store.db.encodes_appends))
         try:
             outcome = await loop.run_in_executor(
                 pool, functools.partial(decode_plain, raw, content_type, run_model))

@@ -408,7 +408,7 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
     assert step.status_code == 200, step.text
     small = await api.append("big", A, {"role": "user", "content": "after"})
     assert small.status_code == 200, small.text
-    if api.app.state.api.store.sqlite:
+    if not api.app.state.api.store.db.encodes_appends:
         assert threads == ["compactd-api-cpu_0", "MainThread"], threads
     else:
         assert threads == ["MainThread"], threads
