@@ -93,6 +93,11 @@ class Message(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [call.to_openai() for call in self.tool_calls]
+        return self._with_optional_fields(out)
+
+    def _with_optional_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        """``out`` with the fields a message may leave unset, where set (both forms name them
+        alike)."""
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -108,13 +113,7 @@ class Message(BaseModel):
             out["content"] = self.content
         if self.tool_calls:
             out["tool_calls"] = [[c.id, c.name, c.arguments] for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        if self.meta:
-            out["meta"] = self.meta
-        return out
+        return self._with_optional_fields(out)
 
 
 def without_reserved(payload: dict[str, Any]) -> dict[str, Any]:
