@@ -48,8 +48,7 @@ from worker.settings import Config, load_config
 WAIT_POLL_S = 0.05
 # A signal's send starts this long after the append that set the mark: the publish runs in a
 # thread, and while it holds the GIL the step's poll that follows the append waited for it
-# (poll p50 0.16 ms, 0.7-1.5 ms right after a signalled append). A compaction takes seconds;
-# 20 ms later is the same to it.
+# (the README's hot-path results). A compaction takes seconds; 20 ms later is the same to it.
 SIGNAL_SEND_DELAY_S = 0.02
 
 logger = logging.getLogger(__name__)
@@ -159,8 +158,8 @@ class CompactdClient:
 
     def send_in_background(self, request: RunRequest) -> None:
         """Hand the run for a session whose signal mark was just set to the broker without
-        making the caller wait: a publish costs 1.4 ms (median, after the agent's think time) on
-        the step, and the signal is only a hint. The send starts ``SIGNAL_SEND_DELAY_S`` later,
+        making the caller wait: a publish costs the step more than the append itself, and the
+        signal is only a hint. The send starts ``SIGNAL_SEND_DELAY_S`` later,
         after the step's poll in practice."""
         task = asyncio.get_running_loop().create_task(self._send_marked(request))
         self._sending.add(task)
