@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from storage.messages import Message
+from storage.messages import META_RECALL, Message
 from storage.surface import SurfaceNode
 from worker.compaction.boundary import unsafe_boundaries
 from worker.compaction.prompt import atoms, message_body
@@ -47,8 +47,8 @@ from worker.compaction.prompt import atoms, message_body
 HISTORY_SEARCH = "history_search"
 HISTORY_READ = "history_read"
 
-# Where a checkpoint or a pruned node keeps its reference and span (``Ref.to_json``).
-META_RECALL = "recall"
+# Where a checkpoint or a pruned node keeps its reference and span (``Ref.to_json``) and its
+# footer: storage.messages.META_RECALL, reserved so a runtime cannot forge one.
 
 # A footer is at most this many tokens with every shipped counter while seqs are under 10^9
 # (about 30 for seqs under 10^5).
