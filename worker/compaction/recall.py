@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from storage.errors import RecallArgumentError
 from storage.messages import META_RECALL, Message
 from storage.surface import SurfaceNode
 from worker.compaction.boundary import unsafe_boundaries
@@ -60,15 +61,6 @@ MAX_TOOL_NAMES = 8
 
 RefKind = Literal["checkpoint", "pruned"]
 _REF = re.compile(r"(?:c(\d{1,18})-(\d{1,18})|r(\d{1,18}))")
-
-
-class RecallArgumentError(ValueError):
-    """An argument of a recall operation is not valid; the message starts with its name."""
-
-    def __init__(self, argument: str, reason: str) -> None:
-        self.argument = argument
-        self.reason = reason
-        super().__init__(f"{argument}: {reason}")
 
 
 @dataclass(frozen=True, slots=True, order=True)
