@@ -19,33 +19,37 @@ SELECT count(*) AS messages, coalesce(sum(bytes), 0) AS bytes FROM recall_origin
 WHERE session_id = :session_id AND seq BETWEEN :first_seq AND :last_seq;
 
 -- name: history_search_exact_pg(session_id, first_seq, last_seq, query, pattern, before, width, limit)
--- Substring matches, case-insensitive (the trigram index serves ILIKE); a same-case match
--- ranks first, then the newest. The snippet is cut around the first match.
-SELECT o.seq, n.ref, strpos(o.body, :query) > 0 AS same_case,
+-- Substring matches, case-insensitive, newest first: a rare needle is found through the
+-- trigram index, a common one by walking the session's originals backwards until enough
+-- match. The snippet is cut around the first match.
+SELECT o.seq, n.ref,
        substr(o.body, greatest(1, strpos(lower(o.body), lower(:query)) - :before), :width)
          AS snippet
 FROM recall_originals o
 JOIN recall_nodes n ON n.session_id = o.session_id AND n.seq = o.node_seq
 WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
   AND o.body ILIKE :pattern
-ORDER BY same_case DESC, o.seq DESC
+ORDER BY o.seq DESC
 LIMIT :limit;
 
--- name: history_search_fuzzy_pg(session_id, first_seq, last_seq, words, pattern, limit)
--- Messages sharing words with the query but not holding it whole, by full-text rank.
-SELECT o.seq, n.ref, o.body
-FROM recall_originals o
-JOIN recall_nodes n ON n.session_id = o.session_id AND n.seq = o.node_seq
-WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
-  AND to_tsvector('simple', o.body) @@ to_tsquery('simple', :words)
-  AND NOT o.body ILIKE :pattern
-ORDER BY ts_rank(to_tsvector('simple', o.body), to_tsquery('simple', :words)) DESC, o.seq DESC
+-- name: history_search_fuzzy_pg(session_id, first_seq, last_seq, words, pattern, candidates, limit)
+-- Messages sharing words with the query but not holding it whole: the newest candidates,
+-- ordered by full-text rank (ranking every match of a common word would read them all).
+SELECT c.seq, n.ref, c.body
+FROM (SELECT o.seq, o.node_seq, o.body FROM recall_originals o
+      WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
+        AND to_tsvector('simple', o.body) @@ to_tsquery('simple', :words)
+        AND NOT o.body ILIKE :pattern
+      ORDER BY o.seq DESC
+      LIMIT :candidates) c
+JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
+ORDER BY ts_rank(to_tsvector('simple', c.body), to_tsquery('simple', :words)) DESC, c.seq DESC
 LIMIT :limit;
 
 -- name: history_search_exact_sqlite(session_id, first_seq, last_seq, query, phrase, before, width, limit)
 -- Substring matches through the trigram FTS5 index (a phrase of trigrams is a substring,
--- case-insensitive); queries under three characters are matched by instr() instead.
-SELECT o.seq, n.ref, instr(o.body, :query) > 0 AS same_case,
+-- case-insensitive), newest first; queries under three characters are matched by instr().
+SELECT o.seq, n.ref,
        substr(o.body, max(1, instr(lower(o.body), lower(:query)) - :before), :width)
          AS snippet
 FROM recall_originals o
@@ -56,7 +60,7 @@ WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
                            WHERE recall_fts MATCH :phrase AND session_id = :session_id)
             ELSE 1 END)
   AND instr(lower(o.body), lower(:query)) > 0
-ORDER BY same_case DESC, o.seq DESC
+ORDER BY o.seq DESC
 LIMIT :limit;
 
 -- name: history_search_fuzzy_sqlite(session_id, first_seq, last_seq, query, words, limit)
