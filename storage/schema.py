@@ -234,8 +234,10 @@ manual_requests = sa.Table(
 # insert of every replace event (a checkpoint or a pruned node), never by the append path, so
 # only what was replaced is indexed and an append costs nothing more.
 #
-# One row per replace node: the name its footer gives it (``c12-340``, ``r57``) and the span of
-# original seqs it stands for.
+# One row per replace node: the name its footer gives it (``c12-340``, ``r57``), the span of
+# original seqs it stands for, and how many originals (and their bytes) it was the first to
+# replace: a search's "scanned" sums these over the nodes inside its span instead of reading
+# every original.
 recall_nodes = sa.Table(
     "recall_nodes", metadata,
     sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
@@ -244,6 +246,8 @@ recall_nodes = sa.Table(
     sa.Column("ref", sa.String(64), nullable=False),
     sa.Column("first_seq", sa.BigInteger, nullable=False),
     sa.Column("last_seq", sa.BigInteger, nullable=False),
+    sa.Column("messages", sa.Integer, nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
     sa.Index("ix_recall_nodes_ref", "session_id", "ref"),
 )
 

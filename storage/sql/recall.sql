@@ -14,9 +14,11 @@ WHERE session_id = :session_id AND ref = :ref
 ORDER BY seq LIMIT 1;
 
 -- name: history_scanned(session_id, first_seq, last_seq)
--- What a search covers: the originals in the span, their count and bytes.
-SELECT count(*) AS messages, coalesce(sum(bytes), 0) AS bytes FROM recall_originals
-WHERE session_id = :session_id AND seq BETWEEN :first_seq AND :last_seq;
+-- What a search covers: the originals in the span, their count and bytes, summed over the
+-- nodes inside it (each counts the originals it was the first to replace).
+SELECT coalesce(sum(messages), 0) AS messages, coalesce(sum(bytes), 0) AS bytes
+FROM recall_nodes
+WHERE session_id = :session_id AND first_seq >= :first_seq AND last_seq <= :last_seq;
 
 -- name: history_search_exact_pg(session_id, first_seq, last_seq, query, pattern, before, width, limit)
 -- Substring matches, case-insensitive, newest first: a rare needle is found through the

@@ -54,13 +54,18 @@ RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
   v_first bigint;
   v_last bigint;
+  v_messages integer;
+  v_bytes bigint;
 BEGIN
-  INSERT INTO recall_originals (session_id, seq, node_seq, body, bytes)
-  SELECT e.session_id, e.seq, p_seq, b.body, octet_length(b.body)
-  FROM json_array_elements_text(p_payload->'replaces') r(value)
-  JOIN events e ON e.session_id = p_session AND e.seq = r.value::bigint AND e.kind = 'message'
-  CROSS JOIN LATERAL (SELECT coalesce(compactd_recall_body(e.payload), '') AS body) b
-  ON CONFLICT DO NOTHING;
+  WITH added AS (
+    INSERT INTO recall_originals (session_id, seq, node_seq, body, bytes)
+    SELECT e.session_id, e.seq, p_seq, b.body, octet_length(b.body)
+    FROM json_array_elements_text(p_payload->'replaces') r(value)
+    JOIN events e ON e.session_id = p_session AND e.seq = r.value::bigint AND e.kind = 'message'
+    CROSS JOIN LATERAL (SELECT coalesce(compactd_recall_body(e.payload), '') AS body) b
+    ON CONFLICT DO NOTHING
+    RETURNING bytes)
+  SELECT count(*), coalesce(sum(bytes), 0) INTO v_messages, v_bytes FROM added;
   SELECT min(coalesce(n.first_seq, r.value::bigint)), max(coalesce(n.last_seq, r.value::bigint))
   INTO v_first, v_last
   FROM json_array_elements_text(p_payload->'replaces') r(value)
@@ -68,12 +73,12 @@ BEGIN
   IF v_first IS NULL THEN
     RETURN;
   END IF;
-  INSERT INTO recall_nodes (session_id, seq, ref, first_seq, last_seq)
+  INSERT INTO recall_nodes (session_id, seq, ref, first_seq, last_seq, messages, bytes)
   VALUES (p_session, p_seq,
           coalesce(p_payload->'message'->'meta'->'recall'->>'ref',
                    CASE WHEN p_kind = 'pruned' THEN 'r' || v_first
                         ELSE 'c' || v_first || '-' || v_last END),
-          v_first, v_last)
+          v_first, v_last, v_messages, v_bytes)
   ON CONFLICT DO NOTHING;
 END
 $$
@@ -130,15 +135,18 @@ SELECT session_id, seq, node_seq, body, length(CAST(body AS BLOB)) FROM (
   JOIN events e ON e.session_id = NEW.session_id AND e.seq = r.value AND e.kind = 'message')
 """
 _SQLITE_NODE = """
-INSERT OR IGNORE INTO recall_nodes (session_id, seq, ref, first_seq, last_seq)
+INSERT OR IGNORE INTO recall_nodes (session_id, seq, ref, first_seq, last_seq, messages, bytes)
 SELECT NEW.session_id, NEW.seq,
        coalesce(json_extract(NEW.payload, '$.message.meta.recall.ref'),
                 CASE WHEN NEW.kind = 'pruned' THEN 'r' || min(coalesce(n.first_seq, r.value))
                      ELSE 'c' || min(coalesce(n.first_seq, r.value)) || '-'
                           || max(coalesce(n.last_seq, r.value)) END),
-       min(coalesce(n.first_seq, r.value)), max(coalesce(n.last_seq, r.value))
+       min(coalesce(n.first_seq, r.value)), max(coalesce(n.last_seq, r.value)),
+       count(o.seq), coalesce(sum(o.bytes), 0)
 FROM json_each(NEW.payload, '$.replaces') r
 LEFT JOIN recall_nodes n ON n.session_id = NEW.session_id AND n.seq = r.value
+LEFT JOIN recall_originals o ON o.session_id = NEW.session_id AND o.seq = r.value
+                            AND o.node_seq = NEW.seq
 HAVING count(*) > 0
 """
 _SQLITE_FTS = """
@@ -168,6 +176,8 @@ def _tables() -> None:
         sa.Column("ref", sa.String(64), nullable=False),
         sa.Column("first_seq", sa.BigInteger, nullable=False),
         sa.Column("last_seq", sa.BigInteger, nullable=False),
+        sa.Column("messages", sa.Integer, nullable=False),
+        sa.Column("bytes", sa.BigInteger, nullable=False),
         sa.ForeignKeyConstraint(["session_id"], ["sessions.id"], ondelete="CASCADE",
                                 name="fk_recall_nodes_session_id_sessions"),
         sa.PrimaryKeyConstraint("session_id", "seq", name="pk_recall_nodes"),
