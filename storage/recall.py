@@ -39,8 +39,9 @@ MIN_READ_TOKENS = 64
 MAX_READ_TOKENS = 100_000
 SNIPPET_BEFORE_CHARS = 80
 SNIPPET_CHARS = 240
-# Fuzzy hits are ranked among this many of the newest messages that share a word with the
-# query: a common word matches most of a session, and ranking every match reads them all.
+# Fuzzy hits are ranked (by how many of the query's words they hold) among this many of the
+# newest messages sharing a word with it: a common word matches most of a session, and
+# ranking every match reads them all.
 FUZZY_CANDIDATES = 50
 _READ_BATCH = 64  # originals fetched per statement while a page fills
 _CURSOR_PREFIX = "hr1."
@@ -186,8 +187,8 @@ class RecallMixin:
                              limit: int = DEFAULT_SEARCH_LIMIT, *, tenant: str | None = None
                              ) -> SearchResult:
         """Messages compaction replaced in this session that hold ``query`` (exact, case-
-        insensitive substring; newest first), then those sharing its words (by full-text
-        rank); at most ``limit``."""
+        insensitive substring; newest first), then those sharing its words (most words held
+        first); at most ``limit``."""
         check_query(query)
         check_limit(limit)
         async with snapshot(self.engine) as conn:
@@ -216,7 +217,7 @@ class RecallMixin:
                     fuzzy["words"] = " OR ".join(_fts_phrase(w) for w in words)
                 else:
                     del fuzzy["query"]
-                    fuzzy.update(words=" | ".join(f"'{w}'" for w in words),
+                    fuzzy.update(words=" | ".join(f"'{w}'" for w in words), word_list=words,
                                  pattern=_like_pattern(query), candidates=FUZZY_CANDIDATES)
                 for r in await conn.execute(_sql(f"history_search_fuzzy_{suffix}"), fuzzy):
                     hits.append(SearchHit(r.ref, r.seq, _snippet(r.body, words), False))

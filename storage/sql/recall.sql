@@ -34,9 +34,10 @@ WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
 ORDER BY o.seq DESC
 LIMIT :limit;
 
--- name: history_search_fuzzy_pg(session_id, first_seq, last_seq, words, pattern, candidates, limit)
--- Messages sharing words with the query but not holding it whole: the newest candidates,
--- ordered by full-text rank (ranking every match of a common word would read them all).
+-- name: history_search_fuzzy_pg(session_id, first_seq, last_seq, words, pattern, candidates, word_list, limit)
+-- Messages sharing words with the query but not holding it whole: the newest candidates the
+-- full-text index finds, ordered by how many of the query's words each holds (ranking every
+-- match of a common word would read them all, and ts_rank would parse each body again).
 SELECT c.seq, n.ref, c.body
 FROM (SELECT o.seq, o.node_seq, o.body FROM recall_originals o
       WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
@@ -45,7 +46,8 @@ FROM (SELECT o.seq, o.node_seq, o.body FROM recall_originals o
       ORDER BY o.seq DESC
       LIMIT :candidates) c
 JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
-ORDER BY ts_rank(to_tsvector('simple', c.body), to_tsquery('simple', :words)) DESC, c.seq DESC
+ORDER BY (SELECT count(*) FROM unnest(CAST(:word_list AS text[])) w
+          WHERE strpos(lower(c.body), w) > 0) DESC, c.seq DESC
 LIMIT :limit;
 
 -- name: history_search_exact_sqlite(session_id, first_seq, last_seq, query, phrase, before, width, limit)
