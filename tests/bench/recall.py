@@ -145,26 +145,34 @@ async def measure(store: RecallStore, session_id: str, messages: list[dict[str, 
     dropped = {seq: order for seq, order in facts.items() if order not in surface_text}
     found = 0
     timings: list[float] = []
+    by_kind: dict[str, list[float]] = {"needle": [], "one word": [], "two words": [],
+                                       "scoped": []}
     for seq, order in dropped.items():
         started = time.perf_counter()
         result = await store.history_search(session_id, order)
         timings.append((time.perf_counter() - started) * 1000)
+        by_kind["needle"].append(timings[-1])
         if seq in [h.seq for h in result.hits[:5]]:
             found += 1
     rng = random.Random(len(messages))
     scanned = 0
     while len(timings) < queries:
-        query = " ".join(rng.sample(WORDS, 2)) if len(timings) % 3 else rng.choice(WORDS)
+        two = bool(len(timings) % 3)
+        query = " ".join(rng.sample(WORDS, 2)) if two else rng.choice(WORDS)
         scope = rng.choice(refs) if refs and len(timings) % 2 else None
         started = time.perf_counter()
         result = await store.history_search(session_id, query, checkpoint=scope)
         timings.append((time.perf_counter() - started) * 1000)
+        kind = "scoped" if scope else "two words" if two else "one word"
+        by_kind[kind].append(timings[-1])
         scanned = max(scanned, result.scanned_messages)
     return {"messages": len(messages), "replaced": len(replaced), "nodes_read": len(refs),
             "read_exact_fraction": round(read_exact, 4), "facts_planted": len(facts),
             "facts_dropped": len(dropped),
             "dropped_found_top5": found, "search": summary_ms(timings),
-            "search_p99_ms": round(percentile(timings, 99), 3), "read": summary_ms(read_ms),
+            "search_p99_ms": round(percentile(timings, 99), 3),
+            "search_by_kind": {k: summary_ms(v) for k, v in by_kind.items()},
+            "read": summary_ms(read_ms),
             "most_scanned_messages": scanned}
 
 
