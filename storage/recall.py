@@ -211,6 +211,10 @@ class RecallMixin:
             words = fuzzy_words(query)
             if self.sqlite:
                 words = [w for w in words if len(w) >= 3]
+            # A query of one word has no fuzzy hits: every message holding the word holds
+            # the query, and is an exact hit already.
+            if words == [query.strip().lower()]:
+                words = []
             if len(hits) < limit and words:
                 fuzzy = {**common, "limit": limit - len(hits)}
                 if self.sqlite:
