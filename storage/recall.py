@@ -291,7 +291,7 @@ async def _session(conn: AsyncConnection, session_id: str, tenant: str | None) -
     row = (await conn.execute(_sql("history_session"), {"session_id": session_id})).first()
     if row is None or (tenant is not None and row.tenant != tenant):
         raise SessionNotFound(session_id)
-    return row.run_model  # type: ignore[no-any-return]
+    return row.run_model
 
 
 async def _node(conn: AsyncConnection, session_id: str, ref: str) -> tuple[int, int, int]:
