@@ -1,14 +1,23 @@
-"""Argument types of the CLI: a number or duration a flag cannot use is a usage error (exit 2)
-that names the flag (argparse adds ``argument --limit:``), before anything is opened."""
+"""Values from outside, checked before anything is opened: the CLI's argument types (a number or
+duration a flag cannot use is a usage error, exit 2, that names the flag: argparse adds
+``argument --limit:``), and the texts the CLI, the HTTP API and the client share (a duration, a
+keep override)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
 from storage.errors import InvalidMessage
 from storage.ids import MAX_INT32
+from worker.compaction.policy import Clause, PolicyError, parse_keep_text
+
+MAX_DURATION_S = 36_500 * 86_400  # a century
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day)?\s*$")
+_UNITS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
+          "day": 86400}
 
 
 def whole(minimum: int, maximum: int = MAX_INT32) -> Callable[[str], int]:
@@ -46,10 +55,31 @@ def seconds(text: str) -> float:
 
 def duration(text: str) -> str:
     """A duration such as 90s, 30m, 1h, 2d, checked now and kept as written."""
-    from scheduler.bulk import parse_duration
-
     try:
         parse_duration(text)
     except InvalidMessage as exc:
         raise argparse.ArgumentTypeError(exc.reason) from None
     return text
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as 90s, 30m, 1h, 2d."""
+    match = _DURATION.match(text.lower())
+    if not match:
+        raise InvalidMessage(f"not a duration: {text!r} (e.g. 90s, 30m, 1h, 2d)")
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    if value > MAX_DURATION_S:
+        # Further back than any session, and far enough to leave the calendar (year 1).
+        raise InvalidMessage(f"a duration is at most {MAX_DURATION_S // 86_400:g}d, not {text!r}")
+    return value
+
+
+def parse_keep(text: str | Clause | None, path: str = "--keep") -> Clause | None:
+    """A keep override from the CLI, the HTTP body or the client, refused as bad input when it
+    does not parse (the worker reads the same text with the same parser)."""
+    if text is None or isinstance(text, Clause):
+        return text
+    try:
+        return parse_keep_text(text, path)
+    except PolicyError as exc:
+        raise InvalidMessage(str(exc), field="keep") from None

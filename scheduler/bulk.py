@@ -15,44 +15,31 @@ delivered.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import math
-import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduler.args import parse_duration
 from scheduler.client import WaitTimeout
-from scheduler.enqueue import Enqueuer, RunRequest
+from scheduler.output import emit, open_store, say
 from storage.errors import InvalidMessage
 from storage.ids import id_problem
 from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING, JOB_DONE
 from storage.records import BulkJob, utcnow
 from storage.store import Store
 from worker.app import client_app
+from worker.enqueue import Enqueuer, RunRequest
 from worker.keys import QUEUE_BULK, bulk_meter
 from worker.limits import LocalLimiter
 from worker.settings import Config
 
 PROGRESS_EVERY_S = 0.5
-MAX_DURATION_S = 36_500 * 86_400  # a century
 # How long ``recompact`` waits without any item of its job ending before it gives up waiting.
 WAIT_TIMEOUT_S = 300.0
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day)?\s*$")
-_UNITS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
-          "day": 86400}
-
-
-def parse_duration(text: str) -> float:
-    match = _DURATION.match(text.lower())
-    if not match:
-        raise InvalidMessage(f"not a duration: {text!r} (e.g. 90s, 30m, 1h, 2d)")
-    value = float(match.group(1)) * _UNITS[match.group(2)]
-    if value > MAX_DURATION_S:
-        # Further back than any session, and far enough to leave the calendar (year 1).
-        raise InvalidMessage(f"a duration is at most {MAX_DURATION_S // 86_400:g}d, not {text!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +90,6 @@ async def matching_sessions(store: Store, bulk_filter: BulkFilter) -> list[str]:
         ids = sorted(set(_session_ids(raw)))
     idle_before = None
     if bulk_filter.idle_for_s is not None:
-        import datetime as dt
-
         idle_before = utcnow() - dt.timedelta(seconds=bulk_filter.idle_for_s)
     out: list[str] = []
     after: str | None = None
@@ -124,8 +109,6 @@ async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool,
                         chunk: int = 100, wait: bool = True,
                         enqueuer: Enqueuer | None = None,
                         timeout_s: float | None = None) -> int:
-    from scheduler.cli import emit, open_store, say
-
     if chunk <= 0:
         raise InvalidMessage("must be positive", field="chunk")
     timeout_s = WAIT_TIMEOUT_S if timeout_s is None else timeout_s

@@ -1,7 +1,7 @@
 """``compactd``: the operator's and the tests' way in.
 
-Exit codes: 0 success (including nothing_to_do), 1 a failed compaction or an operational error
-(a database or a broker that cannot be reached), 2 bad input or usage.
+Exit codes (``scheduler.output``): 0 success (including nothing_to_do), 1 a failed compaction or
+an operational error (a database or a broker that cannot be reached), 2 bad input or usage.
 """
 
 from __future__ import annotations
@@ -9,26 +9,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler import commands, leases
 from scheduler.args import positive_int
-from scheduler.enqueue import broker_errors
+from scheduler.output import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, emit, open_store, redact_url, say
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
 from storage.ids import check_id, check_session_id, check_tenant
 from storage.messages import FORMATS, ToolLinks, read_jsonl
-from storage.store import Store
+from storage.migrate import upgrade_async
 from worker import logs
 from worker.compaction.render import render_surface
+from worker.enqueue import broker_errors
 from worker.pressure import check_session_policy
 from worker.settings import Config, load_config
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 
 Handler = Callable[[argparse.Namespace, Config], Coroutine[Any, Any, int]]
 
@@ -38,30 +35,7 @@ class UsageError(BadInput):
 
 
 # ------------------------------------------------------------------------------------------
-# plumbing
-
-
-@contextlib.asynccontextmanager
-async def open_store(config: Config) -> AsyncIterator[Store]:
-    """A store on the configured database; the embedded SQLite file is migrated on first use
-    (it has no operator to run ``compactd migrate``)."""
-    store = Store.from_url(config.database_url, pool_size=5)
-    if config.embedded:
-        from storage.migrate import ensure_schema
-
-        await ensure_schema(store.engine, config.database_url)
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
-def emit(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
-
-
-def say(text: str = "") -> None:
-    sys.stdout.write(text + "\n")
+# printing
 
 
 def _preview(content: Any, width: int = 80) -> str:
@@ -76,8 +50,6 @@ def _preview(content: Any, width: int = 80) -> str:
 
 
 async def cmd_migrate(args: argparse.Namespace, config: Config) -> int:
-    from storage.migrate import upgrade_async
-
     await upgrade_async(config.database_url)
     say(f"migrated {redact_url(config.database_url)} to head")
     return EXIT_OK
@@ -177,6 +149,8 @@ async def cmd_verify(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
+    # Imported here for start-up time: the demo loads the whole worker pipeline, which no other
+    # command of this module needs.
     from scheduler.demo import run_demo
 
     return await run_demo(config, steps=args.steps, as_json=args.json)
@@ -224,8 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_demo)
 
-    from scheduler import commands, leases
-
     commands.register(sub)
     leases.register(sub)
     return parser
@@ -241,16 +213,6 @@ def _check_ids(args: argparse.Namespace) -> None:
     for flag, what in (("run_model", "a run model"), ("run", "a run id"), ("by", "who")):
         if getattr(args, flag, None) is not None:
             check_id(getattr(args, flag), field="--" + flag.replace("_", "-"), what=what)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        user = creds.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
-    return url
 
 
 def main(argv: Sequence[str] | None = None) -> int:

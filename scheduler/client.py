@@ -28,18 +28,19 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from scheduler.commands import parse_keep
-from scheduler.enqueue import Enqueuer, RunRequest, enqueue_manual
-from scheduler.intake import SignalResult, accept_signal, enqueue_marked, parse_signal
+from scheduler.args import parse_keep
+from scheduler.intake import SignalResult, accept_signal, parse_signal
 from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.messages import Message, check_json, check_message, parse
+from storage.migrate import ensure_schema
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import PreparedAppend, Store
 from storage.tokens import counter_for
 from worker.compaction.planner import plan
 from worker.compaction.policy import Clause
 from worker.compaction.render import render_surface
+from worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
 from worker.pressure import check_session_policy, session_policy, wants_run
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
@@ -183,8 +184,6 @@ class CompactdClient:
 
     async def _ensure_schema(self) -> None:
         if not self._schema_checked:
-            from storage.migrate import ensure_schema
-
             await ensure_schema(self.store.engine, self.config.database_url)
             self._schema_checked = True
 
@@ -215,7 +214,6 @@ class CompactdClient:
             envelope=dict(envelope) if envelope is not None else None,
             policy=dict(policy) if policy is not None else None)
         await _warm_counter(info.run_model)
-        await self.store.prepare_steps()
         return SessionHandle(self, info, created=created)
 
     async def get_session(self, session_id: str) -> SessionHandle:
@@ -223,7 +221,6 @@ class CompactdClient:
         await self._ensure_schema()
         info = await self.store.get_session(session_id)
         await _warm_counter(info.run_model)
-        await self.store.prepare_steps()
         return SessionHandle(self, info)
 
 
@@ -410,7 +407,11 @@ def run_result(run: RunRecord) -> dict[str, Any]:
 
 
 class Client:
-    """The synchronous client: the same calls, served by a private event loop thread."""
+    """The synchronous client: the same calls, served by a private event loop thread.
+
+    The loop thread is compactd's own (``worker.runtime.EventLoopThread``), not anyio's blocking
+    portal: the portal hands every call between the two threads twice, and was measured slower
+    per call (``tests/bench/sync_dispatch.py``; figures in the README's results)."""
 
     def __init__(self, config: Config | None = None) -> None:
         self._loop = EventLoopThread(name="compactd-client")

@@ -8,25 +8,19 @@ import sys
 import uuid
 from typing import Any
 
-from scheduler.args import count, duration, port, positive_int, seconds
+from scheduler.args import count, duration, parse_duration, parse_keep, port, positive_int, seconds
+from scheduler.client import CompactdClient
+from scheduler.intake import parse_signal
+from scheduler.output import EXIT_FAILED, emit, open_store, say
+from scheduler.status import render_status, session_status, status
 from storage.errors import InvalidMessage
 from storage.records import utcnow
 from worker.compaction.planner import plan
-from worker.compaction.policy import Clause, PolicyError, parse_keep_text
+from worker.limits import parse_rate
+from worker.pressure import session_policy
 from worker.settings import Config
 
 KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
-
-
-def parse_keep(text: str | Clause | None, path: str = "--keep") -> Clause | None:
-    """A keep override from the CLI, the HTTP body or the client, refused as bad input when it
-    does not parse (the worker reads the same text with the same parser)."""
-    if text is None or isinstance(text, Clause):
-        return text
-    try:
-        return parse_keep_text(text, path)
-    except PolicyError as exc:
-        raise InvalidMessage(str(exc), field="keep") from None
 
 
 # ------------------------------------------------------------------------------------------
@@ -34,9 +28,6 @@ def parse_keep(text: str | Clause | None, path: str = "--keep") -> Clause | None
 
 
 async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
-    from scheduler.cli import emit, open_store, say
-    from worker.pressure import session_policy
-
     keep = parse_keep(args.keep)
     async with open_store(config) as store:
         info = await store.get_session(args.session)
@@ -75,11 +66,10 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
-    from scheduler.cli import EXIT_FAILED, emit, say
-
     keep = parse_keep(args.keep)
     keep_text = None if keep is None else keep.to_text()
     if args.inline:
+        # Imported here for start-up time: only --inline runs the worker's pipeline.
         from worker.orchestration import compact
         from worker.runtime import open_deps
 
@@ -89,8 +79,6 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
                                     keep=keep)
         result = outcome.to_json()
     else:
-        from scheduler.client import CompactdClient
-
         async with CompactdClient(config) as client:
             handle = await client.get_session(args.session)
             result = await handle.compact(force=args.force, keep=keep_text, wait=args.wait,
@@ -107,8 +95,6 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
 
 
 def _say_outcome(result: dict[str, Any]) -> None:
-    from scheduler.cli import say
-
     outcome = result["outcome"]
     if outcome == "failed":
         say(f"failed ({result['failure_class']}): {result.get('error')}")
@@ -128,10 +114,6 @@ def _say_outcome(result: dict[str, Any]) -> None:
 
 
 async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
-    from scheduler.cli import emit, say
-    from scheduler.client import CompactdClient
-    from scheduler.intake import parse_signal
-
     # Validated before anything is opened: a bad field is bad input whatever the database says.
     payload = parse_signal({"session": args.session, "reason": args.reason})
     async with CompactdClient(config) as client:
@@ -149,9 +131,6 @@ async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:
-    from scheduler.cli import emit, open_store
-    from scheduler.status import render_status, session_status, status
-
     async with open_store(config) as store:
         if args.session:
             body = await session_status(store, args.session, limit=args.limit, config=config)
@@ -167,8 +146,6 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
 def _since(text: str | None) -> dt.datetime | None:
     if not text:
         return None
-    from scheduler.bulk import parse_duration
-
     return utcnow() - dt.timedelta(seconds=parse_duration(text))
 
 
@@ -177,8 +154,9 @@ def _since(text: str | None) -> dt.datetime | None:
 
 
 async def cmd_recompact(args: argparse.Namespace, config: Config) -> int:
+    # Imported here for start-up time: the bulk fan-out loads Celery's app.
     from scheduler.bulk import BulkFilter, run_recompact
-    from worker.limits import parse_rate
+
 
     try:
         rate = parse_rate(args.rate) if args.rate else None
@@ -196,6 +174,7 @@ async def cmd_recompact(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    # Imported here for start-up time: FastAPI and uvicorn load only for the server.
     from scheduler.http import serve
 
     await serve(config, host=args.host, port=args.port)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from scheduler.cli import emit, say
+from scheduler.output import emit, say
 from scheduler.samples import coding_session
 from storage.messages import parse_openai
 from worker.compaction.render import render_surface

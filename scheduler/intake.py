@@ -14,11 +14,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from scheduler.enqueue import Enqueuer, RunRequest
 from storage.errors import InvalidMessage
-from storage.records import SessionInfo, utcnow
+from storage.records import utcnow
 from storage.store import Store
-from worker.pressure import explain, over_trigger
+from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
+from worker.pressure import explain
 from worker.settings import Config
 
 QUEUED = "a compaction is already queued or running"
@@ -71,37 +71,3 @@ async def accept_signal(store: Store, config: Config, enqueuer: Enqueuer,
     task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))
     return SignalResult(info.id, True, why, task_id)
 
-
-async def enqueue_marked(store: Store, enqueuer: Enqueuer, request: RunRequest) -> str:
-    """Enqueue for a session whose signal mark we just set; if the broker refuses, clear the mark
-    so the next signal tries again instead of waiting out the TTL."""
-    try:
-        return await enqueuer.asend(request)
-    except Exception:
-        await store.clear_signal(request.session_id)
-        raise
-
-
-async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, info: SessionInfo, *,
-                    run_started_at: dt.datetime) -> str | None:
-    """Signal again for a session whose automatic run just ended, when appends made while it ran
-    put the session over its trigger again.
-
-    Those appends found the run's signal mark set and did not enqueue; without this the session
-    would wait for the runtime's next append or the pressure sweep. Only appends newer than the
-    run count, so a run that could not bring relief on its own does not re-enqueue itself (the
-    loop guard deals with that).
-
-    ``info`` is the session as read after the run's signal mark was cleared (an append after
-    that enqueues on its own).
-    """
-    now = utcnow()
-    if info.last_append_at is None or info.last_append_at <= run_started_at:
-        return None
-    if info.cooldown_until is not None and info.cooldown_until > now:
-        return None
-    if not over_trigger(info, config):
-        return None
-    if not await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
-        return None
-    return await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from scheduler.output import emit, open_store, say
 from worker.settings import Config
 
 
 async def cmd_lease_release(args: argparse.Namespace, config: Config) -> int:
-    from scheduler.cli import emit, open_store, say
-
     async with open_store(config) as store:
         released = await store.release_lease(args.session, run_id=args.run, by=args.by)
         if released is not None:

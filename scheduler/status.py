@@ -8,18 +8,12 @@ from typing import Any
 
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
-from worker.pressure import Runway, session_policy, sorted_runways
+from worker.pressure import session_policy
 from worker.settings import Config
+from worker.sweeps import least_runways
 
 # Sessions ``compactd status`` lists by least runway.
 RUNWAY_SHOWN = 10
-
-
-async def least_runways(store: Store, config: Config, *, now: dt.datetime | None = None
-                        ) -> list[Runway]:
-    """Every growing session's runway, least first (the sweep exports them as metrics)."""
-    now = now or utcnow()
-    return sorted_runways(await store.growing_sessions(now=now), config, now)
 
 
 async def status(store: Store, *, since: dt.datetime | None = None,

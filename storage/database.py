@@ -12,7 +12,7 @@ import contextvars
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from storage import sql
 from storage.errors import (
     BadInput,
     CompactdError,
@@ -43,7 +44,7 @@ POOL_RECYCLE_S = 1800
 # The end of the work this task is doing (a compaction run), in its event loop's time, or None.
 # Statements run under it wait no longer: lock waits and statements of a transaction get the
 # time left as PostgreSQL's lock_timeout and statement_timeout (SQLite: its busy timeout), and
-# the single statements on kept connections are cancelled when it passes.
+# the single statements of raw_connection are cancelled when it passes.
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "compactd_deadline", default=None)
 
@@ -138,7 +139,7 @@ def create_engine(url: str, *, pool_size: int = 10, max_overflow: int | None = N
         _configure_sqlite(engine)
         return engine
     return create_async_engine(
-        # No pool_pre_ping: it costs a round trip on every checkout, which is most of a poll.
+        # No pool_pre_ping: it costs a round trip on every checkout, as much as a poll itself.
         # A connection that died is invalidated by SQLAlchemy when its error surfaces (as
         # DatabaseUnavailable) and the caller's retry gets a fresh one.
         url, echo=echo, json_serializer=dumps, pool_size=pool_size,
@@ -292,11 +293,6 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
                 yield conn
 
 
-# Both end with the transaction (is_local): the pooled connection keeps the server's defaults.
-_SET_TIMEOUTS = sa.text("SELECT set_config('lock_timeout', :ms, true), "
-                        "set_config('statement_timeout', :ms, true)")
-
-
 @contextlib.asynccontextmanager
 async def connection(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     """A connection for reads of one statement each: no BEGIN/ROLLBACK round trips on
@@ -325,38 +321,39 @@ async def snapshot(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
 
 @contextlib.asynccontextmanager
 async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
-    """The asyncpg connection under a pooled SQLAlchemy connection, in autocommit mode.
+    """The asyncpg connection under a pooled SQLAlchemy connection, in autocommit mode, for one
+    named query without SQLAlchemy's statement layer (asyncpg's own statement cache serves it).
 
-    For single statements where SQLAlchemy's statement layer costs as much as the round trip,
-    when every :class:`KeptConnections` connection is busy. Errors are translated like
-    everywhere else; callers that raise compactd's own SQLSTATEs inspect them first.
+    Errors are translated like everywhere else; a connection the error leaves in an unknown
+    state is invalidated, so the pool opens a new one instead of handing it out again. Callers
+    that raise compactd's own SQLSTATEs inspect them first.
     """
     with translated():
-        async with engine.connect() as conn:
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-            fairy = await conn.get_raw_connection()
-            async with _bounded():
-                yield fairy.driver_connection
+        async with _open_raw(engine) as (conn, driver):
+            try:
+                async with _bounded():
+                    yield driver
+            except BaseException as exc:
+                if driver.is_closed() or not _connection_survives(exc):
+                    with contextlib.suppress(Exception):
+                        await conn.invalidate()
+                raise
 
 
 class KeptConnections:
-    """Up to ``capacity`` pooled PostgreSQL connections kept checked out for the statements a
-    process runs over and over, instead of a pool checkout and return around each.
+    """Up to ``capacity`` pooled PostgreSQL connections kept checked out for the named queries
+    a process runs over and over, instead of a pool checkout and return around each.
 
-    A checkout and its return cost more than the statement they serve: the runtime after the
-    agent's think time runs cold (on the benchmark VM 0.4 ms of an append's ~2.5 ms, against
-    0.08 ms warm), and a worker runs five kinds of statement per compaction (0.07 ms of CPU per
-    checkout). The connections are the pool's own (no extra server connections) and are
-    taken at first use, so a process that never runs these statements holds none. A
-    statement that finds every kept connection busy goes through the pool as before, so the
-    pool always has ``pool_size - capacity`` connections for everything else. A connection
-    that fails is dropped and taken afresh by a later statement; refused and cancelled
-    statements leave it in place. Each goes back to the pool as often as the pool recycles its
-    own connections (``pool_recycle``), so they are renewed as those are.
-
-    The runtime keeps one (its append, poll and signal mark); a worker keeps half its pool
-    (claim, surface read, commits, the loop guard's read, the signal clear). With a capacity of
-    0 every statement goes through the pool.
+    A checkout and its return through SQLAlchemy cost several times the CPU of the statement
+    they serve (measured in alternating pairs; the figures are in the README's results). The
+    connections are the pool's own (no extra server connections) and are taken at first use,
+    so a process that never runs these statements holds none. A statement that finds every
+    kept connection busy goes through the pool as before, so the pool always has
+    ``pool_size - capacity`` connections for everything else. A connection that fails is
+    dropped and taken afresh by a later statement; refused and cancelled statements leave it
+    in place. Each goes back to the pool as often as the pool recycles its own connections
+    (``pool_recycle``), so they are renewed as those are. With a capacity of 0 every statement
+    goes through the pool.
     """
 
     def __init__(self, engine: AsyncEngine, capacity: int = 1) -> None:
@@ -367,11 +364,6 @@ class KeptConnections:
         self._idle: list[_Kept] = []
         self._held = 0  # kept connections, idle or in use
         self._generation = 0  # close() drops those in use when they come back
-
-    @property
-    def prepared(self) -> bool:
-        """Whether prepare() ran on every idle kept connection (and there is one)."""
-        return bool(self._idle) and all(k.prepared for k in self._idle)
 
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[Any]:
@@ -393,22 +385,6 @@ class KeptConnections:
         finally:
             if kept is not None:
                 await self._give_back(kept)
-
-    async def prepare(self, statements: Sequence[str]) -> None:
-        """Prepare ``statements`` on a kept connection, once per connection."""
-        kept = await self._checkout()
-        if kept is None:
-            return  # all busy: a pool connection would serve, and preparing it is no use
-        try:
-            if not kept.prepared:
-                with translated():
-                    for statement in statements:
-                        await kept.raw.prepare(statement)
-                kept.prepared = True
-        except BaseException:
-            await self._drop(kept, broken=True)
-            raise
-        await self._give_back(kept)
 
     async def close(self) -> None:
         self._generation += 1
@@ -464,7 +440,23 @@ class _Kept:
     raw: Any
     taken_at: float
     generation: int
-    prepared: bool = False  # KeptConnections.prepare() ran on it
+
+
+@contextlib.asynccontextmanager
+async def _open_raw(engine: AsyncEngine) -> AsyncIterator[tuple[AsyncConnection, Any]]:
+    """A pooled connection in autocommit and its asyncpg connection, skipping those the client
+    has already seen closed (the server ended them while they sat in the pool)."""
+    while True:
+        async with engine.connect() as conn:
+            fairy = await conn.get_raw_connection()
+            driver = fairy.driver_connection
+            assert driver is not None
+            if driver.is_closed():
+                await conn.invalidate()
+                continue
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            yield conn, driver
+            return
 
 
 def _connection_survives(exc: BaseException) -> bool:
@@ -484,4 +476,9 @@ def _connection_survives(exc: BaseException) -> bool:
 
 async def ping(engine: AsyncEngine) -> None:
     async with connection(engine) as conn:
-        await conn.execute(sa.text("SELECT 1"))
+        await conn.execute(_PING)
+
+
+# Named queries this module runs through SQLAlchemy (the connectors run the others).
+_SET_TIMEOUTS = sa.text(sql.NAMED_TEXT["set_timeouts"])
+_PING = sa.text(sql.NAMED_TEXT["ping"])

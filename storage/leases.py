@@ -1,4 +1,4 @@
-"""The lease protocol's storage half: claim, renew, commit, finish, reap; and run records.
+"""The lease protocol's storage half: claim, renew, commit, finish, reap.
 
 A transaction is never held across a model call. A claim locks the session row for one short
 transaction (``FOR UPDATE``, waiting briefly for another short one to end), writes the lease
@@ -21,13 +21,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
-from storage.database import (
-    KeptConnections,
-    connection,
-    deadline_left_s,
-    driver_error,
-    transaction,
-)
+from storage.connectors import Connector
+from storage.database import deadline_left_s, driver_error, transaction
 from storage.errors import (
     CompactdError,
     DeadlinePassed,
@@ -42,20 +37,12 @@ from storage.records import (
     ReapedLease,
     Replacement,
     RunEnd,
-    RunRecord,
     SessionInfo,
     Skipped,
     utcnow,
 )
-from storage.schema import (
-    RUN_COLUMNS,
-    SESSION_COLUMNS,
-    dumps,
-    run_from_record,
-    run_from_row,
-    session_from_record,
-    session_from_row,
-)
+from storage.runs import RUN_FAILED, RUN_RUNNING
+from storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
 from storage.surface import JOURNAL_END, JOURNAL_START, commit_seqs
 
 if TYPE_CHECKING:
@@ -63,22 +50,18 @@ if TYPE_CHECKING:
 
 # How long a targeted claim waits for the session row another transaction holds (an append, a
 # usage report, another claim, a commit: each for milliseconds), in the row's lock queue; the
-# run's deadline ends the wait sooner. compactd_claim has the same wait (migration 0008).
+# run's deadline ends the wait sooner. compactd_claim has the same wait (its SET lock_timeout,
+# storage/sql/functions/compactd_claim.sql).
 CLAIM_LOCK_WAIT_S = 5.0
-
-RUN_RUNNING = "running"
-RUN_FAILED = "failed"
-
 
 
 class LeasesMixin:
     engine: AsyncEngine
-    sqlite: bool
-    _kept: KeptConnections
+    db: Connector
 
     if TYPE_CHECKING:  # provided by Store and JobsMixin
         async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
-                           nowait: bool = False, skip_locked: bool = False) -> SessionInfo: ...
+                           nowait: bool = False) -> SessionInfo: ...
 
         async def _bulk_item_done(self, conn: AsyncConnection, job_id: str, session_id: str
                                   ) -> bool: ...
@@ -91,20 +74,19 @@ class LeasesMixin:
 
     async def claim(self, session_id: str, *, owner: str, trigger: str, lease_s: float,
                     now: dt.datetime | None = None, task_id: str | None = None,
-                    bulk_job_id: str | None = None, skip_locked: bool = False
-                    ) -> Claim | Busy | Skipped:
+                    bulk_job_id: str | None = None) -> Claim | Busy | Skipped:
         """Take the lease on a session, or record a ``busy`` attempt when another run's lease
         is live.
 
         A session row another transaction holds is waited for (``CLAIM_LOCK_WAIT_S``, less when
         the run's deadline comes first): such transactions are short, and the claim goes on
         when the row is free. :class:`LockNotAvailable` when it stays locked for the whole
-        wait. ``skip_locked`` is for sweeps: a row another transaction holds is skipped at once.
+        wait.
         """
         try:
             return await self._claim_once(session_id, owner=owner, trigger=trigger,
                                           lease_s=lease_s, now=now or utcnow(), task_id=task_id,
-                                          bulk_job_id=bulk_job_id, skip_locked=skip_locked)
+                                          bulk_job_id=bulk_job_id)
         except DeadlinePassed:
             left = deadline_left_s()
             if left is None or left <= 0:
@@ -112,26 +94,25 @@ class LeasesMixin:
             # A lock wait ended, but by the claim's own bound, not the run's deadline.
             raise _row_stayed_locked(session_id) from None
         except LockNotAvailable:
-            if self.sqlite:
+            if not self.db.locks_rows:
                 raise  # the database's write lock, waited for as every write waits for it
             raise _row_stayed_locked(session_id) from None
 
     async def _claim_once(self, session_id: str, *, owner: str, trigger: str, lease_s: float,
-                          now: dt.datetime, task_id: str | None, bulk_job_id: str | None,
-                          skip_locked: bool) -> Claim | Busy | Skipped:
+                          now: dt.datetime, task_id: str | None, bulk_job_id: str | None
+                          ) -> Claim | Busy | Skipped:
         run_id = uuid.uuid4().hex
-        if not self.sqlite and bulk_job_id is None:
-            claimed = await self._claim_free_pg(session_id, run_id=run_id, owner=owner,
-                                                trigger=trigger, lease_s=lease_s, now=now,
-                                                task_id=task_id, skip_locked=skip_locked)
+        if bulk_job_id is None:
+            claimed = await self._claim_call(session_id, run_id=run_id, owner=owner,
+                                             trigger=trigger, lease_s=lease_s, now=now,
+                                             task_id=task_id)
             if claimed is not None:
                 return claimed
         async with transaction(self.engine) as conn:
-            if not self.sqlite and not skip_locked:
-                left = deadline_left_s()
-                wait_s = CLAIM_LOCK_WAIT_S if left is None else min(CLAIM_LOCK_WAIT_S, left)
-                await conn.execute(_LOCK_WAIT, {"ms": f"{max(1, int(wait_s * 1000))}ms"})
-            info = await self._session(conn, session_id, lock=True, skip_locked=skip_locked)
+            left = deadline_left_s()
+            await self.db.wait_for_row_lock(
+                conn, CLAIM_LOCK_WAIT_S if left is None else min(CLAIM_LOCK_WAIT_S, left))
+            info = await self._session(conn, session_id, lock=True)
             if bulk_job_id is not None and await self._bulk_item_done(conn, bulk_job_id,
                                                                       session_id):
                 # Checked under the row lock that the committing run also takes, so a bulk
@@ -167,16 +148,19 @@ class LeasesMixin:
             info = session_from_row(row)
         return Claim(session=info, run_id=run_id, fence=fence, owner=owner, expires_at=expires)
 
-    async def _claim_free_pg(self, session_id: str, *, run_id: str, owner: str, trigger: str,
-                             lease_s: float, now: dt.datetime, task_id: str | None,
-                             skip_locked: bool) -> Claim | None:
-        """The claim of a session with no lease, as one call of ``compactd_claim`` (migration
-        0003); None when the session is leased or has an expired lease to close, which the
-        general path handles. A bulk item always takes the general path (it checks the job)."""
+    async def _claim_call(self, session_id: str, *, run_id: str, owner: str, trigger: str,
+                          lease_s: float, now: dt.datetime, task_id: str | None
+                          ) -> Claim | None:
+        """The claim of a session with no lease, as one call of ``compactd_claim``; None when
+        the session is leased or has an expired lease to close, which the general path handles,
+        or where the backend has no such function. A bulk item always takes the general path
+        (it checks the job)."""
         expires = now + dt.timedelta(seconds=lease_s)
-        async with self._kept.use() as raw:
-            row = await raw.fetchrow(_CLAIM_SQL, session_id, run_id, owner, trigger, expires,
-                                     now, task_id, skip_locked)
+        row = await self.db.claim_call(session_id=session_id, run_id=run_id, owner=owner,
+                                       trigger=trigger, expires=expires, now=now,
+                                       task_id=task_id)
+        if row is None:
+            return None
         info = session_from_record(row)
         if info.lease_run_id != run_id:
             return None
@@ -251,10 +235,11 @@ class LeasesMixin:
             raise ValueError("a seq is named by more than one replacement")
         if any(not rep.seqs for rep in replacements):
             raise ValueError("a replacement must name at least one seq")
-        if not self.sqlite:
-            return await self._commit_pg(session_id, run_id=run_id, fence=fence,
-                                         replacements=replacements, wanted=wanted,
-                                         expected=expected, end=end, now=now)
+        committed = await self._commit_call(session_id, run_id=run_id, fence=fence,
+                                            replacements=replacements, wanted=wanted,
+                                            expected=expected, end=end, now=now)
+        if committed is not None:
+            return committed
         async with transaction(self.engine) as conn:
             info = await self._session(conn, session_id, lock=True)
             if info.lease_fence != fence or info.lease_run_id != run_id:
@@ -306,23 +291,26 @@ class LeasesMixin:
                 await self._end_run(conn, session_id, run_id, end, now)
             return session_from_row(row)
 
-    async def _commit_pg(self, session_id: str, *, run_id: str, fence: int,
-                         replacements: Sequence[Replacement], wanted: list[int],
-                         expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
-                         now: dt.datetime) -> SessionInfo:
-        """The commit as one statement, in autocommit: a call of ``compactd_commit`` (migration
-        0004), and with ``end`` the run row's result and its bulk item's in the same statement
-        (``_COMMIT_ENDING_SQL``). As a transaction around the call that was three more round
-        trips (BEGIN, the run row, COMMIT), with appends waiting on the session row meanwhile."""
-        args = (
-            session_id, run_id, fence, now, wanted,
-            [len(rep.seqs) for rep in replacements], [rep.kind for rep in replacements],
-            [dumps(_node_payload(rep, run_id)) for rep in replacements],
-            [rep.tokens for rep in replacements], [rep.journal_kind for rep in replacements],
-            [dumps(_journal_payload(rep, run_id)) for rep in replacements],
-            [pos for pos, _ in expected] if expected else None,
-            [seq for _, seq in expected] if expected else None,
-            dumps(_end_payload(run_id, end)) if end is not None else None)
+    async def _commit_call(self, session_id: str, *, run_id: str, fence: int,
+                           replacements: Sequence[Replacement], wanted: list[int],
+                           expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
+                           now: dt.datetime) -> SessionInfo | None:
+        """The commit as one statement, in autocommit: a call of ``compactd_commit``, and with
+        ``end`` the run row's result and its bulk item's in the same statement
+        (``commit_ending``). As a transaction around the call that was three more round trips
+        (BEGIN, the run row, COMMIT), with appends waiting on the session row meanwhile. None
+        where the backend has no such function."""
+        params: dict[str, Any] = {
+            "session_id": session_id, "run_id": run_id, "fence": fence, "now": now,
+            "seqs": wanted, "counts": [len(rep.seqs) for rep in replacements],
+            "kinds": [rep.kind for rep in replacements],
+            "payloads": [dumps(_node_payload(rep, run_id)) for rep in replacements],
+            "tokens": [rep.tokens for rep in replacements],
+            "journal_kinds": [rep.journal_kind for rep in replacements],
+            "journals": [dumps(_journal_payload(rep, run_id)) for rep in replacements],
+            "expected_pos": [pos for pos, _ in expected] if expected else None,
+            "expected_seq": [seq for _, seq in expected] if expected else None,
+            "end_payload": dumps(_end_payload(run_id, end)) if end is not None else None}
 
         def failed(exc: BaseException) -> CompactdError | None:
             """compactd's own error for the function's SQLSTATEs; None for any other error,
@@ -339,22 +327,20 @@ class LeasesMixin:
                                     contiguous=what == "contiguous")
             return None
 
-        sql = _COMMIT_SQL
-        ending: tuple[Any, ...] = ()
+        name = "commit"
         if end is not None:
-            sql = _COMMIT_ENDING_SQL
-            ending = (*(_json_or_none(value) if column in _RUN_JSON_COLUMNS else value
-                        for column, value in _run_end_values(end).items()),
-                      bulk_item_state(end.outcome))
-        async with self._kept.use() as raw:
-            try:
-                record = await raw.fetchrow(sql, *args, *ending)
-            except Exception as exc:
-                mapped = failed(exc)
-                if mapped is None:
-                    raise  # translated like every driver error (lock timeout, lost connection)
-                raise mapped from None
-        return session_from_record(record)
+            name = "commit_ending"
+            params.update({column: _json_or_none(value) if column in _RUN_JSON_COLUMNS else value
+                           for column, value in _run_end_values(end).items()},
+                          item_state=bulk_item_state(end.outcome), item_done=ITEM_DONE)
+        try:
+            record = await self.db.commit_call(name, **params)
+        except Exception as exc:
+            mapped = failed(exc)
+            if mapped is None:
+                raise  # translated like every driver error (lock timeout, lost connection)
+            raise mapped from None
+        return None if record is None else session_from_record(record)
 
     async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
                              replacements: Sequence[Replacement],
@@ -460,81 +446,10 @@ class LeasesMixin:
         return ReapedLease(session_id=info.id, run_id=info.lease_run_id, owner=info.lease_owner,
                            expired_at=info.lease_expires_at)
 
-    # ---------------------------------------------------------------------------------------
-    # run records
-
-    async def get_run(self, run_id: str) -> RunRecord | None:
-        async with connection(self.engine) as conn:
-            row = (await conn.execute(sa.select(*RUN_COLUMNS)
-                                      .where(t.compaction_runs.c.id == run_id))).first()
-        return run_from_row(row) if row else None
-
-    async def runs_for_task(self, task_id: str) -> list[RunRecord]:
-        r = t.compaction_runs.c
-        async with connection(self.engine) as conn:
-            return [run_from_row(row) for row in await conn.execute(
-                sa.select(*RUN_COLUMNS).where(r.task_id == task_id).order_by(r.started_at))]
-
-    async def session_runs(self, session_id: str, *, limit: int = 50) -> list[RunRecord]:
-        r = t.compaction_runs.c
-        async with connection(self.engine) as conn:
-            return [run_from_row(row) for row in await conn.execute(
-                sa.select(*RUN_COLUMNS).where(r.session_id == session_id)
-                .order_by(r.started_at.desc(), r.id.desc()).limit(limit))]
-
-    async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
-                          session_id: str | None = None, status: str | None = None
-                          ) -> list[RunRecord]:
-        if since is not None and since.tzinfo is None:
-            # The raw statement below would read it as the server's local time.
-            raise ValueError("naive datetime passed to storage; use aware UTC")
-        if not self.sqlite and since is not None and session_id is not None and status:
-            # The loop guard's read after every committed automatic run: on a kept connection,
-            # without SQLAlchemy's statement layer.
-            async with self._kept.use() as raw:
-                records = await raw.fetch(_SESSION_RUNS_SQL, session_id, status, since, limit)
-            return [run_from_record(r) for r in records]
-        stmt = _recent_runs(since is not None, session_id is not None, status is not None,
-                            limit)
-        params = {"b_since": since, "b_session": session_id, "b_status": status}
-        async with connection(self.engine) as conn:
-            return [run_from_row(row) for row in await conn.execute(stmt, params)]
-
-    async def run_counts(self, *, since: dt.datetime | None = None
-                         ) -> dict[tuple[str, str | None], int]:
-        """Runs by (status, failure_class)."""
-        r = t.compaction_runs.c
-        stmt = (sa.select(r.status, r.failure_class, sa.func.count())
-                .group_by(r.status, r.failure_class))
-        if since is not None:
-            stmt = stmt.where(r.started_at >= since)
-        async with connection(self.engine) as conn:
-            return {(row[0], row[1]): int(row[2]) for row in await conn.execute(stmt)}
-
-    async def last_errors(self, *, since: dt.datetime | None = None) -> dict[str, RunRecord]:
-        """The newest failed run of each failure class."""
-        out: dict[str, RunRecord] = {}
-        for run in await self.recent_runs(since=since, status=RUN_FAILED, limit=500):
-            if run.failure_class and run.failure_class not in out:
-                out[run.failure_class] = run
-        return out
-
-    async def live_leases(self, *, now: dt.datetime | None = None) -> list[SessionInfo]:
-        c = t.sessions.c
-        async with connection(self.engine) as conn:
-            return [session_from_row(row) for row in await conn.execute(
-                sa.select(*SESSION_COLUMNS).where(c.lease_run_id.is_not(None))
-                .order_by(c.lease_expires_at))]
-
 
 # The statements of the compaction hot path, built once: constructing a statement costs about as
 # much CPU as executing it, and a worker runs dozens of compactions a second.
 _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
-_CLAIM_SQL = "SELECT * FROM compactd_claim($1, $2, $3, $4, $5, $6, $7, $8)"
-# The general claim's wait for the row, to the end of its transaction (is_local).
-_LOCK_WAIT = sa.text("SELECT set_config('lock_timeout', :ms, true)")
-_COMMIT_SQL = ("SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, "
-               "$13, $14)")
 # The run row's result, column by column, as every way of ending a run writes it.
 _RUN_END_COLUMNS = ("status", "failure_class", "error", "tokens_before", "tokens_after", "model",
                     "usage", "candidates", "stages", "range_seqs")
@@ -550,26 +465,6 @@ def _run_end_values(end: RunEnd) -> dict[str, Any]:
     return {column: values[column] for column in _RUN_END_COLUMNS}
 
 
-# The commit that ends its run: the run row's result and its bulk item's ride on the call.
-# The UPDATE waits for the call (EXISTS on its result), so the session row is locked before the
-# run row, as everywhere else, and a refused call (moved fence, changed surface) changes
-# nothing. The call does not touch compaction_runs; the run row's UPDATE re-reads the row's
-# newest version if a lease renewal changed it meanwhile, as any UPDATE does.
-_COMMIT_ENDING_SQL = f"""
-WITH c AS (SELECT * FROM compactd_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
-                                         $13, $14)),
-     r AS (UPDATE compaction_runs
-              SET {", ".join(f"{c} = ${i}" for i, c in enumerate(_RUN_END_COLUMNS, start=15))},
-                  finished_at = $4, heartbeat_at = $4
-            WHERE id = $2::text AND EXISTS (SELECT FROM c)
-           RETURNING bulk_job_id),
-     b AS (UPDATE bulk_items AS i SET state = ${15 + len(_RUN_END_COLUMNS)}, run_id = $2::text,
-                  updated_at = $4
-             FROM r
-            WHERE i.job_id = r.bulk_job_id AND i.session_id = $1::text
-              AND i.state <> '{ITEM_DONE}')
-SELECT * FROM c
-"""
 _INSERT_EVENTS = t.events.insert()
 _INSERT_RUN = t.compaction_runs.insert()
 _END_LEASE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
@@ -600,26 +495,6 @@ _END_RUN = (t.compaction_runs.update().where(_r.id == sa.bindparam("b_id"))
             .values(**{c: sa.bindparam(f"b_{c}", type_=_r[c].type) for c in _RUN_END_COLUMNS},
                     finished_at=sa.bindparam("b_now"), heartbeat_at=sa.bindparam("b_now"))
             .returning(_r.bulk_job_id))
-
-
-# _recent_runs(True, True, True, limit) as raw SQL, in the same order.
-_SESSION_RUNS_SQL = ("SELECT * FROM compaction_runs WHERE session_id = $1 AND status = $2"
-                     " AND started_at >= $3 ORDER BY started_at DESC, id DESC LIMIT $4")
-
-
-@functools.lru_cache(maxsize=64)
-def _recent_runs(since: bool, session: bool, status: bool, limit: int) -> Any:
-    """The runs query of one filter shape, built once (the loop guard runs it after every
-    committed automatic run)."""
-    r = t.compaction_runs.c
-    stmt = sa.select(*RUN_COLUMNS).order_by(r.started_at.desc(), r.id.desc()).limit(limit)
-    if since:
-        stmt = stmt.where(r.started_at >= sa.bindparam("b_since"))
-    if session:
-        stmt = stmt.where(r.session_id == sa.bindparam("b_session"))
-    if status:
-        stmt = stmt.where(r.status == sa.bindparam("b_status"))
-    return stmt
 
 
 @functools.cache

@@ -57,10 +57,11 @@ async def ensure_schema(engine: AsyncEngine, url: str) -> None:
     """Migrate the embedded SQLite file to head when it is behind (it has no operator)."""
     import sqlalchemy as sa
 
+    from storage import sql
+
     try:
         async with engine.connect() as conn:
-            current = (await conn.execute(sa.text("SELECT version_num FROM alembic_version"))
-                       ).scalar()
+            current = (await conn.execute(sa.text(sql.NAMED_TEXT["schema_revision"]))).scalar()
     except Exception:
         current = None
     if current != HEAD_REVISION:

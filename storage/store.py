@@ -2,7 +2,9 @@
 
 :class:`Store` wraps one async engine. Every method is one short transaction (or one read), takes
 plain values, returns the records of ``storage.records`` and raises only compactd exceptions.
-Lease, run and bulk-job operations live in the mixins of ``storage.leases`` and ``storage.jobs``.
+Lease, run-record and bulk-job operations live in the mixins of ``storage.leases``,
+``storage.runs`` and ``storage.jobs``. What differs between PostgreSQL and SQLite is the
+connector's (``storage.connectors``); the SQL text is in ``storage/sql``.
 """
 
 from __future__ import annotations
@@ -15,16 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
+from storage.connectors import connector_for
 from storage.database import (
-    KeptConnections,
     connection,
     create_engine,
-    is_sqlite,
+    driver_error,
     snapshot,
     transaction,
     translate,
@@ -58,6 +58,7 @@ from storage.records import (
     VerifyResult,
     utcnow,
 )
+from storage.runs import RunsMixin
 from storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
 from storage.surface import (
     KIND_MESSAGE,
@@ -123,24 +124,23 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
                           links=BatchLinks(messages))
 
 
-class Store(LeasesMixin, JobsMixin):
+class Store(LeasesMixin, RunsMixin, JobsMixin):
     """Sessions, the event log and the surface."""
 
     def __init__(self, engine: AsyncEngine, *, kept_connections: int = 1) -> None:
         self.engine = engine
-        self.sqlite = is_sqlite(engine)
+        # The runtime keeps one connection (append, poll, signal mark); a worker a few.
+        self.db = connector_for(engine, kept=kept_connections)
         # run_model never changes once a session exists, so appends can count tokens before
         # their transaction without reading the session first.
         self._run_models: dict[str, str | None] = {}
-        # The runtime keeps one connection (append, poll, signal mark); a worker a few.
-        self._kept = KeptConnections(engine, kept_connections)
 
     @classmethod
     def from_url(cls, url: str, *, kept_connections: int = 1, **kwargs: Any) -> Store:
         return cls(create_engine(url, **kwargs), kept_connections=kept_connections)
 
     async def close(self) -> None:
-        await self._kept.close()
+        await self.db.close()
         await self.engine.dispose()
 
     # ---------------------------------------------------------------------------------------
@@ -187,7 +187,8 @@ class Store(LeasesMixin, JobsMixin):
             if row is None:
                 # ON CONFLICT: a racing caller's insert of the same id commits first and this
                 # one reads its row below, instead of failing on the primary key.
-                created = (await conn.execute(_insert_ignoring_conflict(self.engine).values(
+                insert = self.db.insert(t.sessions).on_conflict_do_nothing()
+                created = (await conn.execute(insert.values(
                     id=session_id, tenant=tenant, run_model=run_model,
                     context_window=context_window, envelope=envelope,
                     envelope_tokens=env_tokens, policy=policy, surface_version=0,
@@ -227,9 +228,8 @@ class Store(LeasesMixin, JobsMixin):
             return await self._session(conn, session_id)
 
     async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
-                       nowait: bool = False, skip_locked: bool = False) -> SessionInfo:
-        row = (await conn.execute(_session_select(lock, nowait, skip_locked),
-                                  {"b_id": session_id})).first()
+                       nowait: bool = False) -> SessionInfo:
+        row = (await conn.execute(_session_select(lock, nowait), {"b_id": session_id})).first()
         if row is None:
             raise SessionNotFound(session_id)
         return session_from_row(row)
@@ -312,10 +312,11 @@ class Store(LeasesMixin, JobsMixin):
         lock, so an append never waits on one. With ``signal_if``, the pressure decision is taken
         on the new totals the append returns, and the pending-signal mark is set at most once per
         ``signal_ttl_s`` (a conditional update, so of appends racing over the trigger one sets
-        it; the caller enqueues only when ``signalled`` is true). On SQLite the mark is part of
-        the append's transaction; on PostgreSQL it is one more statement, made only when the
-        trigger fires and no mark is live. A :class:`PreparedAppend` built for the session's run
-        model is stored as it is (its counts are not taken again).
+        it; the caller enqueues only when ``signalled`` is true). Where the append is one call of
+        ``compactd_append`` (PostgreSQL), the mark is one more statement, made only when the
+        trigger fires and no mark is live; elsewhere it is part of the append's transaction. A
+        :class:`PreparedAppend` built for the session's run model is stored as it is (its counts
+        are not taken again).
         """
         batch = messages if isinstance(messages, PreparedAppend) else None
         if not (batch.tokens if batch is not None else messages):
@@ -324,16 +325,20 @@ class Store(LeasesMixin, JobsMixin):
         run_model = await self._run_model(session_id)
         if batch is None:
             assert not isinstance(messages, PreparedAppend)
-            batch = prepare_append(messages, run_model, encoded=not self.sqlite)
-        elif batch.run_model != run_model or (batch.texts is None) != self.sqlite:
+            batch = prepare_append(messages, run_model, encoded=self.db.encodes_appends)
+        elif batch.run_model != run_model or (batch.texts is not None) != self.db.encodes_appends:
             raise ValueError("the batch was prepared for another run model or backend")
         tokens = batch.tokens
         n, total = len(tokens), sum(tokens)
-        if not self.sqlite:
-            info = await self._append_pg(session_id, batch, now)
+        info = await self._append_call(session_id, batch, now)
+        if info is not None:
             signalled = False
             if signal_if is not None and signal_if(info) and _signal_due(info, now, signal_ttl_s):
-                signalled = await self._mark_signal_pg(session_id, now, signal_ttl_s)
+                # One autocommit statement: BEGIN and COMMIT would be two more round trips on
+                # the runtime's critical path.
+                signalled = bool(await self.db.execute(
+                    "mark_signal", session_id=session_id, now=now,
+                    stale_before=now - dt.timedelta(seconds=signal_ttl_s)))
             return AppendResult(session=info, first_seq=info.last_seq - n + 1,
                                 last_seq=info.last_seq, tokens=tokens, signalled=signalled)
         stored, payloads = batch.messages, batch.payloads
@@ -347,7 +352,7 @@ class Store(LeasesMixin, JobsMixin):
                         surface_version=c.surface_version + 1,
                         surface_tokens=c.surface_tokens + total,
                         surface_messages=c.surface_messages + n, last_append_at=now,
-                        growth_rate=_next_growth_rate_sqlite(total, now))
+                        growth_rate=_next_growth_rate(total, now))
                 .returning(*SESSION_COLUMNS))).first()
             if row is None:
                 raise SessionNotFound(session_id)
@@ -369,29 +374,22 @@ class Store(LeasesMixin, JobsMixin):
         return AppendResult(session=info, first_seq=first_seq, last_seq=info.last_seq,
                             tokens=tokens, signalled=signalled)
 
-    async def prepare_steps(self) -> None:
-        """Ready the per-step statements before a runtime's first step: on PostgreSQL, take a
-        kept connection and prepare the append and signal-mark statements on it, once per
-        connection (asyncpg looks up a statement's array types at first use: the first append
-        took ~9 ms, ~2.7 ms after this). Nothing is executed."""
-        if not self.sqlite:
-            await self._kept.prepare((_APPEND_SQL, _MARK_SIGNAL_SQL))
-
-    async def _append_pg(self, session_id: str, batch: PreparedAppend,
-                         now: dt.datetime) -> SessionInfo:
-        """The append as one call of ``compactd_append`` (migration 0002): one round trip."""
+    async def _append_call(self, session_id: str, batch: PreparedAppend,
+                           now: dt.datetime) -> SessionInfo | None:
+        """The append as one call of ``compactd_append`` (one round trip); None where the
+        backend has no such function."""
         links = batch.links
-        assert links is not None and batch.texts is not None
-        async with self._kept.use() as raw:
-            try:
-                row = await raw.fetchrow(
-                    _APPEND_SQL, session_id, batch.texts, list(batch.tokens), now,
-                    [c[0] for c in links.calls], [c[1] for c in links.calls],
-                    [c[2] for c in links.calls], [e[0] for e in links.external],
-                    [e[1] for e in links.external])
-            except Exception as exc:
-                raise _append_error(exc) from None
-        return session_from_record(row)
+        if links is None or batch.texts is None:
+            return None
+        try:
+            row = await self.db.append_call(
+                session_id=session_id, payloads=batch.texts, tokens=list(batch.tokens), now=now,
+                call_ids=[c[0] for c in links.calls], call_idx=[c[1] for c in links.calls],
+                call_result_idx=[c[2] for c in links.calls],
+                ext_ids=[e[0] for e in links.external], ext_idx=[e[1] for e in links.external])
+        except Exception as exc:
+            raise _append_error(exc) from None
+        return None if row is None else session_from_record(row)
 
     async def _link_tool_calls(self, conn: AsyncConnection, session_id: str,
                                messages: Sequence[Message], linked: list[str],
@@ -430,39 +428,20 @@ class Store(LeasesMixin, JobsMixin):
                 await self._session(conn, session_id)  # SessionNotFound beats "already queued"
             return marked
 
-    async def _mark_signal_pg(self, session_id: str, now: dt.datetime, ttl_s: float) -> bool:
-        """The mark as one autocommit statement: an append over its trigger sets it on the
-        runtime's critical path, where BEGIN and COMMIT would be two more round trips."""
-        async with self._kept.use() as raw:
-            status = await raw.execute(_MARK_SIGNAL_SQL, session_id, now,
-                                       now - dt.timedelta(seconds=ttl_s))
-        return status != "UPDATE 0"
-
     async def _mark_signal(self, conn: AsyncConnection, session_id: str, now: dt.datetime,
                            ttl_s: float) -> bool:
-        c = t.sessions.c
-        result = await conn.execute(
-            t.sessions.update()
-            .where(c.id == session_id,
-                   sa.or_(c.signal_at.is_(None),
-                          c.signal_at <= now - dt.timedelta(seconds=ttl_s)))
-            .values(signal_at=now))
-        return bool(result.rowcount)
+        return bool(await self.db.execute(
+            "mark_signal", conn=conn, session_id=session_id, now=now,
+            stale_before=now - dt.timedelta(seconds=ttl_s)))
 
     async def clear_signal(self, session_id: str) -> SessionInfo | None:
         """Clear the pending-signal mark; the session as it is after that, None when there is
         no such session (callers run this in cleanup, where the original error must win).
 
-        Every automatic run ends with this, so on PostgreSQL it is one autocommit statement
-        (no BEGIN and COMMIT round trips), and it returns the row the worker's follow-up check
-        reads instead of a second query."""
-        if not self.sqlite:
-            async with self._kept.use() as raw:
-                record = await raw.fetchrow(_CLEAR_SIGNAL_SQL, session_id)
-            return None if record is None else session_from_record(record)
-        async with transaction(self.engine) as conn:
-            row = (await conn.execute(_CLEAR_SIGNAL, {"b_id": session_id})).first()
-        return None if row is None else session_from_row(row)
+        Every automatic run ends with this, so it is one statement, and it returns the row the
+        worker's follow-up check reads instead of a second query."""
+        record = await self.db.fetchrow("clear_signal", session_id=session_id)
+        return None if record is None else session_from_record(record)
 
     async def mark_manual(self, session_id: str, task_id: str, *, ttl_s: float,
                           now: dt.datetime | None = None) -> str:
@@ -471,8 +450,7 @@ class Store(LeasesMixin, JobsMixin):
         took it). A missing session raises SessionNotFound."""
         now = now or utcnow()
         m = t.manual_requests
-        dialect: Any = sqlite_insert if self.sqlite else pg_insert
-        taken = dialect(m).values(session_id=session_id, task_id=task_id, queued_at=now)
+        taken = self.db.insert(m).values(session_id=session_id, task_id=task_id, queued_at=now)
         taken = taken.on_conflict_do_update(
             index_elements=[m.c.session_id], set_={"task_id": task_id, "queued_at": now},
             where=m.c.queued_at <= now - dt.timedelta(seconds=ttl_s)).returning(m.c.task_id)
@@ -506,23 +484,15 @@ class Store(LeasesMixin, JobsMixin):
         """
         if reuse is not None and reuse.session_id == session_id and reuse.nodes:
             return await self._reread_surface(session_id, reuse)
-        if self.sqlite:
-            async with connection(self.engine) as conn:
-                rows: Sequence[Any] = (await conn.execute(_READ_SURFACE,
-                                                          {"b_id": session_id})).all()
-        else:
-            # The worker's read of every compaction: on a kept connection, without
-            # SQLAlchemy's statement layer (0.2 ms of CPU against 0.05 on this query's
-            # round trip). The columns are _READ_SURFACE's, in its order.
-            async with self._kept.use() as raw:
-                rows = await raw.fetch(_READ_SURFACE_SQL, session_id)
+        rows = await self.db.fetch("read_surface", session_id=session_id)
         if not rows:
             raise SessionNotFound(session_id)
-        nodes = tuple(SurfaceNode(seq=seq, kind=kind,
-                                  message=from_payload(_message_of(seq, kind, payload)),
-                                  tokens=tokens, position=position)
-                      for _, position, seq, tokens, kind, payload in rows if seq is not None)
-        return Surface(session_id=session_id, version=rows[0][0], nodes=nodes)
+        nodes = tuple(SurfaceNode(seq=r["seq"], kind=r["kind"],
+                                  message=from_payload(_message_of(r["seq"], r["kind"],
+                                                                   r["payload"])),
+                                  tokens=r["tokens"], position=r["position"])
+                      for r in rows if r["seq"] is not None)
+        return Surface(session_id=session_id, version=rows[0]["surface_version"], nodes=nodes)
 
     async def _reread_surface(self, session_id: str, reuse: Surface) -> Surface:
         known = {node.seq: node for node in reuse.nodes}
@@ -552,15 +522,7 @@ class Store(LeasesMixin, JobsMixin):
 
     async def poll(self, session_id: str, since_version: int | None) -> int | None:
         """The surface version if it moved past ``since_version``, else None (one PK read)."""
-        if self.sqlite:
-            async with connection(self.engine) as conn:
-                row = (await conn.execute(sa.select(t.sessions.c.surface_version)
-                                          .where(t.sessions.c.id == session_id))).first()
-            value = None if row is None else row[0]
-        else:
-            # The runtime polls every step: skip SQLAlchemy's statement layer for this one read.
-            async with self._kept.use() as raw:
-                value = await raw.fetchval(_POLL_SQL, session_id)
+        value = await self.db.fetchval("poll", session_id=session_id)
         if value is None:
             raise SessionNotFound(session_id)
         version = int(value)
@@ -644,25 +606,10 @@ class Store(LeasesMixin, JobsMixin):
             return (await conn.execute(sa.select(sa.func.min(c.signal_at)).where(
                 t.OVER_SWEEP_THRESHOLD, c.signal_at.is_not(None)))).scalar()
 
-    async def counts(self) -> dict[str, int]:
-        """Row counts per table (tests use it to prove a rejected batch wrote nothing)."""
-        out = {}
-        async with snapshot(self.engine) as conn:
-            for table in (t.sessions, t.events, t.surface, t.tool_calls, t.compaction_runs):
-                out[table.name] = int((await conn.execute(
-                    sa.select(sa.func.count()).select_from(table))).scalar() or 0)
-        return out
-
 
 # Statements of the compaction hot path, built once (building one costs about as much CPU as
 # running it).
 _ss, _se, _sc = t.surface.c, t.events.c, t.sessions.c
-_READ_SURFACE = (
-    sa.select(_sc.surface_version, _ss.position, _ss.seq, _ss.tokens, _se.kind, _se.payload)
-    .select_from(t.sessions.outerjoin(t.surface, _ss.session_id == _sc.id)
-                 .outerjoin(t.events, sa.and_(_se.session_id == _ss.session_id,
-                                              _se.seq == _ss.seq)))
-    .where(_sc.id == sa.bindparam("b_id")).order_by(_ss.position))
 _SURFACE_ROWS = (
     sa.select(_sc.surface_version, _ss.position, _ss.seq, _ss.tokens)
     .select_from(t.sessions.outerjoin(t.surface, _ss.session_id == _sc.id))
@@ -673,27 +620,15 @@ _EVENTS_BY_SEQ = (sa.select(_se.seq, _se.kind, _se.payload)
 
 
 @functools.cache
-def _session_select(lock: bool, nowait: bool, skip_locked: bool) -> Any:
+def _session_select(lock: bool, nowait: bool) -> Any:
     # Built once per flag combination: constructing a 24-column statement on every call costs
     # more than SQLAlchemy's cached compilation saves.
     stmt = sa.select(*SESSION_COLUMNS).where(_sc.id == sa.bindparam("b_id"))
     if lock:
-        stmt = stmt.with_for_update(nowait=nowait, skip_locked=skip_locked)
+        stmt = stmt.with_for_update(nowait=nowait)
     return stmt
 
 
-_CLEAR_SIGNAL = (t.sessions.update().where(_sc.id == sa.bindparam("b_id"))
-                 .values(signal_at=None).returning(*SESSION_COLUMNS))
-_READ_SURFACE_SQL = (
-    "SELECT s.surface_version, f.position, f.seq, f.tokens, e.kind, e.payload FROM sessions s"
-    " LEFT JOIN surface f ON f.session_id = s.id"
-    " LEFT JOIN events e ON e.session_id = f.session_id AND e.seq = f.seq"
-    " WHERE s.id = $1 ORDER BY f.position")
-_CLEAR_SIGNAL_SQL = "UPDATE sessions SET signal_at = NULL WHERE id = $1 RETURNING *"
-_POLL_SQL = "SELECT surface_version FROM sessions WHERE id = $1"
-_MARK_SIGNAL_SQL = ("UPDATE sessions SET signal_at = $2 WHERE id = $1"
-                    " AND (signal_at IS NULL OR signal_at <= $3)")
-_APPEND_SQL = "SELECT * FROM compactd_append($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 _LINK_ERRORS = {
     "CD001": (REUSED_OPEN, "tool_calls"),
     "CD002": (ORPHAN, "tool_call_id"),
@@ -701,10 +636,10 @@ _LINK_ERRORS = {
 }
 
 
-def _next_growth_rate_sqlite(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
-    """``records.next_growth_rate`` on the row being updated, in SQLite's SQL (PostgreSQL's is
-    in ``compactd_append``, migration 0007). SQLite stores naive UTC text, which julianday
-    reads; columns on the right of SET are the row before the update."""
+def _next_growth_rate(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
+    """``records.next_growth_rate`` on the row being updated, for the append of separate
+    statements (SQLite's: PostgreSQL's is in ``compactd_append``). SQLite stores naive UTC text,
+    which julianday reads; columns on the right of SET are the row before the update."""
     c = t.sessions.c
     since = (sa.func.julianday(sa.literal(now, t.UTCDateTime))
              - sa.func.julianday(sa.func.coalesce(c.last_append_at, c.created_at))) * 86400.0
@@ -713,11 +648,12 @@ def _next_growth_rate_sqlite(added: int, now: dt.datetime) -> sa.ColumnElement[f
 
 
 def _append_error(exc: Exception) -> Exception:
-    code = getattr(exc, "sqlstate", None)
+    pg = driver_error(exc)
+    code = getattr(pg, "sqlstate", None)
     if code in _LINK_ERRORS:
         reason, field = _LINK_ERRORS[code]
-        return InvalidMessage(reason.format(id=exc.detail),  # type: ignore[attr-defined]
-                              index=int(exc.hint), field=field)  # type: ignore[attr-defined]
+        return InvalidMessage(reason.format(id=pg.detail),  # type: ignore[attr-defined]
+                              index=int(pg.hint), field=field)  # type: ignore[attr-defined]
     if isinstance(exc, CompactdError):
         return exc
     return translate(exc)
@@ -741,13 +677,3 @@ def _first_difference(replayed: list[tuple[int, int]], stored: list[tuple[int, i
                     f"stored surface has seq {b[0]} ({b[1]} tokens)")
     return (f"replay gives {len(replayed)} nodes, the stored surface has {len(stored)}")
 
-
-def _insert_ignoring_conflict(engine: AsyncEngine) -> Any:
-    """``INSERT INTO sessions ... ON CONFLICT DO NOTHING`` in the engine's dialect."""
-    if is_sqlite(engine):
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        return sqlite_insert(t.sessions).on_conflict_do_nothing()
-    from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-    return pg_insert(t.sessions).on_conflict_do_nothing()

@@ -3,7 +3,7 @@
 Built from the process's configuration (``COMPACTD_*`` environment and the YAML file) when Celery
 asks for ``worker.app.app``, not when this module is imported. Clients that only enqueue (the CLI,
 ``scheduler.client`` in a runtime's process) build their own with :func:`client_app`, which
-changes nothing global: no tasks, no logging or Flower hooks, no kombu transport aliases.
+changes nothing global: no tasks, no logging or Flower hooks.
 """
 
 from __future__ import annotations
@@ -111,16 +111,12 @@ def celery_settings(config: Config) -> dict[str, Any]:
     }
 
 
-def make_app(config: Config, *, with_tasks: bool = False, private: bool = False) -> Celery:
-    """A Celery app for ``config``; ``private`` keeps it from touching anything process-wide
-    (an enqueueing app inside a runtime's process, which may use kombu for itself)."""
-    # One Redis client per channel instead of one per operation (see worker.broker).
-    if not private:
-        broker.install()
-    app = Celery("compactd", set_as_current=with_tasks)
+def make_app(config: Config, *, with_tasks: bool = False) -> Celery:
+    """A Celery app for ``config``. It changes nothing process-wide: its connections resolve
+    the Redis transport themselves (``worker.broker.AMQP``), so it can live in a runtime's
+    process beside the runtime's own kombu or Celery."""
+    app = Celery("compactd", set_as_current=with_tasks, amqp=broker.AMQP)
     app.conf.update(celery_settings(config))
-    if private and (transport := broker.transport_setting(config.broker_url)):
-        app.conf.broker_transport = transport
     app.conf.compactd_config = config
     if with_tasks:
         app.conf.imports = ("worker.tasks",)
@@ -130,7 +126,7 @@ def make_app(config: Config, *, with_tasks: bool = False, private: bool = False)
 @cache
 def client_app(config: Config) -> Celery:
     """An app for enqueueing only (one per configuration, shared by the process)."""
-    return make_app(config, private=True)
+    return make_app(config)
 
 
 def _logging(**_: Any) -> None:

@@ -2,16 +2,18 @@
 
 kombu's Redis channel builds a new ``redis.Redis`` for every operation that is not given one:
 the unacked-index bookkeeping of each delivered message, its ack, and each task event it
-publishes. Since redis-py 6 a client builds its table of ~200 response callbacks when it is made,
-so a worker spent ~5% of its CPU per compaction making clients it used once (throughput bench,
-three alternating pairs: 11.83 -> 11.25 ms). A client is a stateless handle on the channel's
-connection pool (each command takes a connection from the pool and gives it back), so one per
-channel and pool serves every operation the same way.
+publishes. Since redis-py 6 a client builds its table of response callbacks when it is made, so
+a worker spent a measurable part of its CPU per compaction making clients it used once (README,
+"Results"). A client is a stateless handle on the channel's connection pool (each command takes
+a connection from the pool and gives it back), so one per channel and pool serves every
+operation the same way.
 
-:func:`install` makes it the transport of ``redis://`` and ``rediss://`` URLs in this process,
-through kombu's transport aliases rather than Celery's ``broker_transport`` setting: with the
-setting, connection URIs (the worker's "Connected to" line, Flower's broker page) would show the
-class path instead of the redis scheme, and Flower would not recognise the broker.
+Only compactd's Celery apps use it, through their own connection class (:class:`AMQP`, given to
+``Celery(amqp=...)``): a :class:`Connection` resolves the redis schemes to :class:`Transport`
+for itself. kombu's transport aliases stay as they are, so a runtime that uses kombu or Celery in
+the same process is not affected, and the URI keeps its scheme (the worker's "Connected to"
+line, Flower's broker page, which picks its broker by the scheme). Measured on kombu 5.7, which
+pyproject pins: the channel overrides ``_create_client``, a private method.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import kombu.transport
+import kombu
+from celery.app.amqp import AMQP as CeleryAMQP
+from kombu.connection import ConnectionPool, PooledConnection
 from kombu.transport import redis as kombu_redis
+from kombu.utils.collections import HashedSeq
 from kombu.utils.scheduling import priority_cycle
 
 from worker.keys import QUEUES
 
-TRANSPORT = "worker.broker:Transport"
 SCHEMES = ("redis", "rediss")
 # The Redis channel's ``queue_order_strategy`` (a broker transport option): see UrgentFirst.
 QUEUE_ORDER = "worker.broker:UrgentFirst"
@@ -63,21 +67,36 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-def install() -> None:
-    """Resolve the redis schemes to :class:`Transport` in this process (idempotent). Only for
-    compactd's own processes (worker, beat, Flower, the CLI): it changes kombu for everyone."""
-    cache = getattr(kombu.transport, "_transport_cache", {})
-    for scheme in SCHEMES:
-        kombu.transport.TRANSPORT_ALIASES[scheme] = TRANSPORT
-        # kombu caches a resolved alias; one resolved before this call is resolved again.
-        if cache.get(scheme) is not Transport:
-            cache.pop(scheme, None)
+class Connection(kombu.Connection):
+    """kombu's connection, whose redis schemes get :class:`Transport`. The connection keeps the
+    scheme as its transport name, so what kombu derives from it stays kombu's: the URI and the
+    default TLS options of ``rediss://``. Its clones and pooled connections are of its kind."""
+
+    def get_transport_cls(self) -> Any:
+        if self.transport_cls in SCHEMES:
+            return Transport
+        return super().get_transport_cls()
+
+    def __eqhash__(self) -> Any:
+        # kombu's registry of connection and producer pools (kombu.pools) is process-wide and
+        # keyed by this: without the mark, a runtime's own connection to the same URL would
+        # share a pool with compactd's, and one of them would get the other's transport.
+        return HashedSeq(Connection, super().__eqhash__())
+
+    def Pool(self, limit: int | None = None, **kwargs: Any) -> Any:
+        return _ConnectionPool(self, limit=limit, **kwargs)
 
 
-def transport_setting(broker_url: str) -> str | None:
-    """The ``broker_transport`` setting that gives one app :class:`Transport` for a Redis URL
-    without touching kombu's aliases (a runtime's process may use kombu for itself); None for
-    other brokers. Such an app's connection URIs name the class instead of the scheme, which
-    only logs of enqueueing clients show."""
-    scheme = broker_url.split("://", 1)[0].lower()
-    return TRANSPORT if scheme in SCHEMES else None
+class _PooledConnection(PooledConnection, Connection):
+    pass
+
+
+class _ConnectionPool(ConnectionPool):
+    def new(self) -> _PooledConnection:
+        return _PooledConnection(self, **dict(self.connection._info(resolve=False)))
+
+
+class AMQP(CeleryAMQP):
+    """Celery's messaging part of an app, connecting through :class:`Connection`."""
+
+    Connection = Connection

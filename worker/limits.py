@@ -203,3 +203,38 @@ def parse_rate(text: str) -> float:
     if not value > 0 or value != value or value == float("inf"):
         raise ValueError(f"a rate must be a positive finite number, got {text!r}")
     return value / per
+
+
+class MeteredProviders:
+    """A provider source whose every HTTP call first takes a slot on each of ``meters``
+    (name, rate per second); ``on_wait`` is told how long each slot was waited for."""
+
+    def __init__(self, pool: Any, limiter: Limiter, meters: list[tuple[str, float]], *,
+                 on_wait: Callable[[float], None] | None = None) -> None:
+        self.pool = pool
+        self.limiter = limiter
+        self.meters = meters
+        self.on_wait = on_wait
+
+    def get(self, candidate: Any) -> Any:
+        return _MeteredProvider(self.pool.get(candidate), self)
+
+    def mark_broken(self, candidate: Any, reason: str) -> None:
+        self.pool.mark_broken(candidate, reason)
+
+
+class _MeteredProvider:
+    def __init__(self, provider: Any, source: MeteredProviders) -> None:
+        self.provider = provider
+        self.source = source
+
+    async def complete(self, *args: Any, **kwargs: Any) -> Any:
+        source = self.source
+        for name, rate in source.meters:
+            waited = await source.limiter.acquire(name, rate)
+            if source.on_wait is not None:
+                source.on_wait(waited)
+        return await self.provider.complete(*args, **kwargs)
+
+    async def aclose(self) -> None:
+        await self.provider.aclose()

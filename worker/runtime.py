@@ -39,9 +39,8 @@ def tune_gc(threshold: int) -> None:
     messages, SDK request and response models) and frees nearly all of them by reference
     count. At Python's default first-generation threshold (700 allocations) the collector ran
     many times per compaction, each pass walking the live surfaces of every run in flight, and
-    each full pass also the imported modules and SDKs. Throughput bench, one worker, three
-    alternating pairs (medians): CPU per compaction 12.8 -> 11.6 ms, 50.7 -> 55.5 compactions/s,
-    resident memory 304 -> 337 MB (a 50,000 threshold saved a little more CPU for ~375 MB).
+    each full pass also the imported modules and SDKs. A higher threshold trades resident
+    memory for CPU (the README's results give both, and the command that measures them).
     Called before a prefork pool forks, the collector also no longer writes to the pages of the
     frozen objects in the children (reference counts still do).
     """
@@ -57,8 +56,7 @@ def new_worker_loop(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
     """What makes a worker process's event loop, for ``worker.event_loop``.
 
     uvloop (libuv, in C) runs the loop's own work, its sockets and the cross-thread handoffs
-    of every task with less CPU than asyncio's pure-Python selector loop: throughput bench, one
-    worker, three alternating pairs, CPU per compaction 10.63 -> 10.00 ms. ``auto`` takes it
+    of every task with less CPU than asyncio's pure-Python selector loop. ``auto`` takes it
     when it is installed; ``uvloop`` insists on it (a worker that cannot have it does not
     start); ``asyncio`` is the standard loop.
     """

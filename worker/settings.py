@@ -69,8 +69,8 @@ class WorkerConfig(_Strict):
     # PostgreSQL connections each worker process keeps open, and never more: connections are
     # held only for short transactions, never across a model call, so 20 serve 64 compactions
     # in flight. A pool that opened extra connections under load and closed them on return
-    # cost ~8% more CPU per compaction in an A/B run (TLS probe, type introspection, statements
-    # prepared again on each connect) and a server process fork each time. Workers x this
+    # would pay each connect again (TLS probe, type introspection, statements prepared again)
+    # and a server process fork each time. Workers x this
     # stays under the server's max_connections (100 by default).
     db_pool_size: int = Field(default=20, gt=0)
     # The garbage collector's first-generation threshold in a worker process (see

@@ -23,21 +23,20 @@ from celery.signals import (
     worker_ready,
 )
 
-from scheduler.enqueue import Enqueuer, broker_errors
-from scheduler.intake import follow_up
-from scheduler.status import least_runways
-from scheduler.sweeps import reap_leases, sweep_pressure
 from storage.errors import ConfigError
 from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
 from storage.records import utcnow
 from worker import logs
+from worker.enqueue import Enqueuer, broker_errors, follow_up
 from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
 from worker.llm.providers import import_sdks
 from worker.metrics import FleetSnapshot, metrics, serve
-from worker.orchestration import AUTOMATIC_TRIGGERS, Outcome, compact
+from worker.orchestration import compact
 from worker.pressure import Runway
+from worker.run import AUTOMATIC_TRIGGERS, Outcome
 from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
+from worker.sweeps import least_runways, reap_leases, sweep_pressure
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +178,8 @@ def _unbind_task_logs(**_: Any) -> None:
 @worker_init.connect
 def _prepare_process(sender: Any = None, **_: Any) -> None:
     config = _config(sender.app)
-    # Before the worker consumes anything: the first compaction must not wait for them (~2 s
-    # for both SDKs), and no import may ever run on the event loop (see worker.llm.providers).
+    # Before the worker consumes anything: the first compaction must not wait for them, and no
+    # import may ever run on the event loop (see worker.llm.providers).
     import_sdks(config.models)
     # Now, so a worker configured for a loop it cannot have does not start. Celery logs a
     # handler's exception and goes on (every task would then fail); SystemExit it lets through.

@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from scheduler.client import CompactdClient
-from scheduler.enqueue import RunRequest
 from scheduler.samples import coding_session
 from storage.errors import ConfigError, SessionNotFound
 from storage.store import Store
@@ -32,6 +31,7 @@ from tests.conftest import REPO, compactd_cmd, run_cli
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import FAKE_KEY_ENV, Stack, fake_models, wait_until
+from worker.enqueue import RunRequest
 from worker.settings import load_config
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from scheduler.client import CompactdClient
-from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.samples import coding_session, iter_steps
 from storage.records import RunRecord, utcnow
 from storage.surface import JOURNAL_END, JOURNAL_START
@@ -23,6 +22,7 @@ from tests.support.db import Db
 from tests.support.fake_provider import Behaviour
 from tests.support.stack import Stack, wait_until
 from worker.app import make_app
+from worker.enqueue import Enqueuer, RunRequest
 from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]

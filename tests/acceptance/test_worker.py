@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 
-from scheduler.enqueue import Enqueuer, RunRequest
 from scheduler.samples import coding_session
 from storage.messages import Message
 from storage.records import RunRecord
@@ -35,6 +34,7 @@ from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack, wait_until
 from worker.app import make_app
+from worker.enqueue import Enqueuer, RunRequest
 from worker.settings import load_config
 
 pytestmark = pytest.mark.slow

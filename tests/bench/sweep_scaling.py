@@ -37,8 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import sqlalchemy as sa
 
-from scheduler.enqueue import RecordingEnqueuer
-from scheduler.sweeps import sweep_pressure
 from storage import schema as t
 from storage.records import utcnow
 from storage.store import Store
@@ -53,7 +51,9 @@ from tests.bench.common import (
     print_table,
     write_json,
 )
+from tests.support.enqueuer import RecordingEnqueuer
 from worker.settings import Config, Settings, build_config
+from worker.sweeps import sweep_pressure
 
 SIZES = (1_000, 10_000, 100_000)
 HOT = 100

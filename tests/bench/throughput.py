@@ -49,7 +49,6 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler.enqueue import Enqueuer, RunRequest  # noqa: E402
 from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
 from storage.store import Store  # noqa: E402
@@ -57,6 +56,7 @@ from tests.support.fake_provider import RemoteFake, fake_provider_process  # noq
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack, wait_until  # noqa: E402
 from worker.app import make_app  # noqa: E402
+from worker.enqueue import Enqueuer, RunRequest  # noqa: E402
 from worker.settings import load_config  # noqa: E402
 
 # About 22k tokens: a prune (six large tool results cut) that leaves it over the trigger, then

@@ -1,12 +1,17 @@
 """The Redis broker transport (worker.broker) against a real Redis: a channel reuses one client
-for its operations, takes a new one when kombu replaces its pool, and messages go through."""
+for its operations, takes a new one when kombu replaces its pool, and messages go through; only
+compactd's apps get it, and kombu's own resolution of the redis scheme is left alone."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import kombu
+import kombu.pools
+import kombu.transport
 from celery import Celery
 from kombu import Queue
+from kombu.transport import redis as kombu_redis
 
 from worker.app import make_app
 from worker.broker import Channel
@@ -61,3 +66,29 @@ def test_redis_urls_keep_their_scheme_and_other_brokers_their_transport(
     finally:
         app.close()
         embedded.close()
+
+
+def test_other_connections_in_the_process_keep_kombus_transport(clean_redis: str,
+                                                                tmp_path: Path) -> None:
+    """A runtime's own kombu or Celery in the same process as a compactd app gets kombu's Redis
+    transport: the app resolves its transport for its own connections, never in kombu's tables."""
+    aliases = dict(kombu.transport.TRANSPORT_ALIASES)
+    app = app_for(clean_redis, tmp_path)
+    try:
+        with kombu.Connection(clean_redis) as theirs, \
+                kombu.pools.connections[theirs].acquire(block=True) as pooled_theirs:
+            # The app's connections: its own, their clones, the pooled ones tasks are sent on.
+            with app.connection_for_write() as conn, conn.clone() as clone:
+                assert isinstance(conn.default_channel, Channel)
+                assert isinstance(clone.default_channel, Channel)
+            with app.pool.acquire(block=True) as pooled:
+                assert isinstance(pooled.default_channel, Channel)
+            with app.producer_or_acquire() as producer:
+                assert isinstance(producer.channel, Channel)
+            assert dict(kombu.transport.TRANSPORT_ALIASES) == aliases
+            # Theirs, opened first and pooled in kombu's process-wide registry, stay kombu's.
+            assert type(theirs.default_channel) is kombu_redis.Channel
+            assert type(pooled_theirs.default_channel) is kombu_redis.Channel
+            assert theirs.as_uri().startswith("redis://")
+    finally:
+        app.close()

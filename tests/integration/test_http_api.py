@@ -384,8 +384,9 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
         api: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    import scheduler.http
+    import scheduler.http.bodies
     from scheduler.client import parse_messages
+    from scheduler.http.state import OFFLOAD_BYTES
     from storage.store import prepare_append
 
     threads: list[str] = []
@@ -395,19 +396,19 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
         return prepare_append(*args, **kwargs)
 
     # Seen only in the server's own process: PostgreSQL batches are prepared in a CPU process.
-    monkeypatch.setattr(scheduler.http, "prepare_append", spied)
+    monkeypatch.setattr(scheduler.http.bodies, "prepare_append", spied)
     await api.create("big", A, run_model="gpt-4o")
     messages: list[dict[str, Any]] = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "log line é\n" * 2000},
         *({"role": "user", "content": f"m{i}"} for i in range(500))]
     body = {"messages": messages}
-    assert scheduler.http.OFFLOAD_BYTES < len(json.dumps(body)) < MAX_BODY
+    assert OFFLOAD_BYTES < len(json.dumps(body)) < MAX_BODY
     step = await api.append("big", A, *messages)
     assert step.status_code == 200, step.text
     small = await api.append("big", A, {"role": "user", "content": "after"})
     assert small.status_code == 200, small.text
-    if api.app.state.api.store.sqlite:
+    if not api.app.state.api.store.db.encodes_appends:
         assert threads == ["compactd-api-cpu_0", "MainThread"], threads
     else:
         assert threads == ["MainThread"], threads
@@ -428,11 +429,11 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
 ])
 async def test_a_large_append_with_one_bad_message_is_422_naming_it_and_writes_nothing(
         api: Served, bad: dict[str, Any], field: str) -> None:
-    import scheduler.http
+    from scheduler.http.state import OFFLOAD_BYTES
 
     await api.create("big", A)
     messages = [{"role": "user", "content": "filler " * 12} for _ in range(400)] + [bad]
-    assert len(json.dumps({"messages": messages})) > scheduler.http.OFFLOAD_BYTES
+    assert len(json.dumps({"messages": messages})) > OFFLOAD_BYTES
     response = await api.append("big", A, *messages)
     assert response.status_code == 422, response.text
     assert response.json()["field"] == field and response.json()["index"] == 400
@@ -441,11 +442,11 @@ async def test_a_large_append_with_one_bad_message_is_422_naming_it_and_writes_n
 
 
 async def test_a_body_that_is_not_json_is_422_or_400_as_fastapi_answers_it(api: Served) -> None:
-    import scheduler.http
+    from scheduler.http.state import OFFLOAD_BYTES
 
     await api.create("s1", A)
     raw = b'{"messages": [' + b'{"role": "user", "content": "x"},' * 1200
-    assert len(raw) > scheduler.http.OFFLOAD_BYTES
+    assert len(raw) > OFFLOAD_BYTES
     response = await api.http.post("/v1/sessions/s1/messages", content=raw,
                                    headers={**A, "content-type": "application/json"})
     assert response.status_code == 422 and response.json()["field"] == "body"

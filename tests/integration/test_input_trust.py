@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 
 from scheduler.client import Client, CompactdClient
-from scheduler.enqueue import RecordingEnqueuer
 from storage.errors import InvalidMessage
 from storage.messages import MAX_NESTING_DEPTH, META_PRUNED, RESERVED_META, Message
 from storage.store import Store
 from storage.tokens import counter_for
 from tests.integration.test_http_api import A, Served, api_config, serve_app
+from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import FakeProvider
+from tests.support.tables import row_counts
 from worker.compaction.planner import checkpoint_recall
 from worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
 from worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
@@ -52,7 +53,7 @@ def client_config(db_url: str) -> Config:
 async def counts(db_url: str) -> dict[str, int]:
     store = Store.from_url(db_url)
     try:
-        return await store.counts()
+        return await row_counts(store)
     finally:
         await store.close()
 

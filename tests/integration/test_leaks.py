@@ -99,7 +99,7 @@ aliases = dict(kombu.transport.TRANSPORT_ALIASES)
 import scheduler.client
 imported = {"worker.app": "worker.app" in sys.modules, "celery": "celery" in sys.modules,
             "aliases_kept": dict(kombu.transport.TRANSPORT_ALIASES) == aliases}
-from scheduler.enqueue import RunRequest
+from worker.enqueue import RunRequest
 client = scheduler.client.CompactdClient()
 task_id = client.enqueuer.send(RunRequest("probe", "pressure"))
 from celery import current_app

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from scheduler.client import CompactdClient
-from scheduler.enqueue import RecordingEnqueuer
 from storage.errors import ConfigError, SessionNotFound
 from storage.store import Store
+from tests.support.enqueuer import RecordingEnqueuer
 from worker.settings import Settings, build_config
 
 # Trigger at 4000 tokens with the default keep: 16% of a 128k window (20480 tokens) refires it.

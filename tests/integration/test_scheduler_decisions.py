@@ -20,21 +20,22 @@ import sqlalchemy as sa
 
 from scheduler.bulk import BulkFilter, fan_out, matching_sessions
 from scheduler.client import CompactdClient, SessionHandle
-from scheduler.enqueue import Enqueuer, RecordingEnqueuer, RunRequest
-from scheduler.intake import SignalPayload, accept_signal, follow_up
+from scheduler.intake import SignalPayload, accept_signal
 from scheduler.status import status
-from scheduler.sweeps import reap_leases, sweep_pressure
 from storage.errors import InvalidMessage, SessionNotFound
 from storage.jobs import ITEM_DONE, ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
 from storage.records import Claim, utcnow
 from storage.store import Store
 from storage.surface import JOURNAL_END
+from tests.support.enqueuer import RecordingEnqueuer
 from worker.app import client_app
+from worker.enqueue import Enqueuer, RunRequest, follow_up
 from worker.keys import QUEUE_PRESSURE, TASK_RUN
 from worker.limits import JITTER_MARGIN, LocalLimiter, RedisLimiter
 from worker.orchestration import compact
 from worker.runtime import Deps
 from worker.settings import Config, Settings, build_config
+from worker.sweeps import reap_leases, sweep_pressure
 
 TRIGGER = 400
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from scheduler.client import Client, CompactdClient
-from scheduler.enqueue import RecordingEnqueuer
 from storage.errors import ConfigError, InvalidMessage, SessionExists
 from storage.store import Store
 from tests.integration.test_http_api import A, B, Served, api_config, serve_app
+from tests.support.enqueuer import RecordingEnqueuer
 from worker.settings import Config, Settings, build_config
 
 RACERS = 8

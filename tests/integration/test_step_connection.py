@@ -30,7 +30,7 @@ async def pg_store(clean_pg: str) -> AsyncIterator[Store]:
 
 async def step_backend(store: Store) -> int:
     """The server process behind the store's kept connection."""
-    async with store._kept.use() as raw:
+    async with store.db._kept.use() as raw:  # type: ignore[attr-defined]
         return int(await raw.fetchval("SELECT pg_backend_pid()"))
 
 
@@ -110,27 +110,6 @@ async def test_concurrent_steps_share_the_pool_when_the_kept_connection_is_busy(
         assert (await pg_store.get_session(f"c{i}")).last_seq == 8
 
 
-async def test_preparing_the_steps_writes_nothing_and_is_redone_on_a_new_connection(
-        clean_pg: str, pg_store: Store) -> None:
-    before = await pg_store.get_session("s1")
-    await pg_store.prepare_steps()
-    await pg_store.prepare_steps()  # once per connection: the second call does nothing
-    assert pg_store._kept.prepared
-    assert await pg_store.get_session("s1") == before
-    result = await pg_store.append("s1", [user("a")])
-    assert result.last_seq == 1 and (await pg_store.verify("s1")).ok
-    # A connection that failed is replaced, and the new one is not prepared yet.
-    await terminate(clean_pg, await step_backend(pg_store))
-    await asyncio.sleep(0.1)
-    with contextlib.suppress(DatabaseUnavailable):
-        await pg_store.poll("s1", None)
-    await pg_store.poll("s1", None)
-    assert not pg_store._kept.prepared
-    await pg_store.prepare_steps()
-    assert pg_store._kept.prepared
-    assert (await pg_store.append("s1", [user("b")])).last_seq == 2
-
-
 async def test_a_store_keeps_at_most_its_capacity_and_reuses_those(clean_pg: str) -> None:
     """A worker's store keeps several connections: uses beyond them go through the pool, and
     the kept ones serve the later statements."""
@@ -141,7 +120,7 @@ async def test_a_store_keeps_at_most_its_capacity_and_reuses_those(clean_pg: str
             pids: list[int] = []
 
             async def hold() -> None:
-                async with store._kept.use() as raw:
+                async with store.db._kept.use() as raw:
                     pids.append(int(await raw.fetchval("SELECT pg_backend_pid()")))
                     await gate.wait()
 
@@ -154,13 +133,13 @@ async def test_a_store_keeps_at_most_its_capacity_and_reuses_those(clean_pg: str
 
         first = await burst(5)
         assert len(first) == 5  # three kept, two from the pool at once
-        assert store._kept._held == 3 and len(store._kept._idle) == 3
+        assert store.db._kept._held == 3 and len(store.db._kept._idle) == 3
         again = await burst(3)
         assert len(again) == 3 and again <= first
-        assert store._kept._held == 3
+        assert store.db._kept._held == 3
     finally:
         await store.close()
-    assert store._kept._held == 0
+    assert store.db._kept._held == 0
 
 
 async def test_a_close_while_a_connection_is_being_taken_leaves_none_kept(clean_pg: str) -> None:
@@ -169,15 +148,15 @@ async def test_a_close_while_a_connection_is_being_taken_leaves_none_kept(clean_
     store = Store.from_url(clean_pg, kept_connections=2)
     try:
         async def statement() -> int:
-            async with store._kept.use() as raw:
+            async with store.db._kept.use() as raw:
                 return int(await raw.fetchval("SELECT 1"))
 
         task = asyncio.create_task(statement())
         await asyncio.sleep(0)  # the task is inside the pool's connect now
-        assert store._kept._held == 1 and not store._kept._idle
-        await store._kept.close()
+        assert store.db._kept._held == 1 and not store.db._kept._idle
+        await store.db._kept.close()
         assert await task == 1
-        assert store._kept._held == 0 and not store._kept._idle
+        assert store.db._kept._held == 0 and not store.db._kept._idle
     finally:
         await store.close()
 
@@ -197,6 +176,6 @@ async def test_a_pool_of_one_with_nothing_kept_serves_statements_and_transaction
 
     try:
         await asyncio.wait_for(steps(), 10)  # a starved pool would wait out its 30 s timeout
-        assert store._kept._held == 0
+        assert store.db._kept._held == 0
     finally:
         await store.close()

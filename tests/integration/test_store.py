@@ -20,6 +20,7 @@ from storage.records import Busy, Claim, Replacement, RunEnd
 from storage.store import Store
 from storage.surface import KIND_CHECKPOINT, KIND_PRUNED, NewNode, surface_after_commit
 from storage.tokens import counter_for
+from tests.support.tables import row_counts
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 
@@ -62,13 +63,13 @@ async def test_append_assigns_gapless_seqs_and_counts_tokens_once(store: Store) 
 async def test_rejected_batch_writes_nothing(store: Store) -> None:
     await store.create_session("s1")
     await store.append("s1", [asst_call("c1"), result("c1"), asst_call("c2")])
-    before = await store.counts()
+    before = await row_counts(store)
     info_before = await store.get_session("s1")
     for bad in ([user("fine"), result("nope")], [asst_call("c2")], [result("c1")],
                 [result("c2"), result("c2")], [asst_call("c3"), result("c1")]):
         with pytest.raises(InvalidMessage):
             await store.append("s1", bad)
-    assert await store.counts() == before
+    assert await row_counts(store) == before
     assert await store.get_session("s1") == info_before
 
 

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from scheduler.client import CompactdClient
-from scheduler.enqueue import RecordingEnqueuer
-from scheduler.sweeps import sweep_pressure
 from storage.records import SessionInfo
 from storage.store import Store
 from tests.integration.test_scheduler_decisions import make_config, over, user
+from tests.support.enqueuer import RecordingEnqueuer
 from worker.compaction.policy import parse_policy
 from worker.pressure import over_trigger, sweep_key, sweep_thresholds
 from worker.settings import Settings, build_config
+from worker.sweeps import sweep_pressure
 
 
 async def _sessions(db_url: str, store: Store, *, over_ids: tuple[str, ...],

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from scheduler.client import Client, CompactdClient
-from scheduler.enqueue import RecordingEnqueuer
-from scheduler.sweeps import sweep_pressure
 from storage.errors import InvalidMessage
 from storage.store import Store
 from tests.integration.test_http_api import A, api_config, serve_app
 from tests.integration.test_scheduler_decisions import make_config, text, user
+from tests.support.enqueuer import RecordingEnqueuer
+from worker.sweeps import sweep_pressure
 
 TRIGGER = 10_000
 

@@ -35,4 +35,7 @@ def test_callers_woken_late_by_a_stall_do_not_leave_together(stall_s: float) -> 
 
     sent = asyncio.run(scenario())
     gaps = [b - a for a, b in itertools.pairwise(sent)]
-    assert min(gaps) >= interval * 0.9, gaps
+    # A caller woken less than a slot late goes (by design), so on a loaded machine a gap can
+    # shrink by that caller's lateness; what the test holds is that the stalled callers do not
+    # leave together (without the second reservation their gaps are under a millisecond).
+    assert min(gaps) >= interval * 0.5, gaps

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from worker.llm.candidates import Candidate
-from worker.llm.errors import ProviderError, SummaryFailed
-from worker.llm.fallback import RetryPolicy, SummaryRequest, summarize
+from worker.llm.errors import ProviderError
+from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
 from worker.llm.providers import ChatMessage, Completion, Usage
 from worker.settings import ModelSpec
 

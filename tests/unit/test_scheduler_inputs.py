@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from scheduler.bulk import BulkFilter, parse_duration
+from scheduler.args import parse_duration
+from scheduler.bulk import BulkFilter
 from scheduler.intake import parse_signal
 from storage.errors import ConfigError, InvalidMessage
 from worker.app import celery_settings

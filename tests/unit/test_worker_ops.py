@@ -162,7 +162,7 @@ def test_a_worker_keeps_db_pool_size_connections_and_opens_no_more(
         deps = await build_deps(config)
         try:
             pool: Any = deps.store.engine.sync_engine.pool
-            return pool.size(), pool._max_overflow, deps.store._kept.capacity
+            return pool.size(), pool._max_overflow, deps.store.db._kept.capacity
         finally:
             await deps.aclose()
 
@@ -205,7 +205,7 @@ def test_a_starting_worker_applies_its_configured_gc_threshold(tmp_path: Any) ->
 def test_a_task_returns_the_outcome_at_a_glance_not_the_whole_run() -> None:
     """Celery renders a task's return value for its log line and its event: the replaced seqs
     and the candidates' attempts stay in the run row."""
-    from worker.orchestration import Outcome
+    from worker.run import Outcome
 
     outcome = Outcome("s1", "r1", "failed", "summary", trigger="sweep", tokens_before=9000,
                       replaced_seqs=list(range(200)), error="every candidate failed",

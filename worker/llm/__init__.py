@@ -11,12 +11,12 @@ from worker.llm.errors import (
     LLMError,
     LocalSummaryError,
     ProviderError,
-    SummaryFailed,
     Unavailable,
 )
 from worker.llm.fallback import (
     Attempt,
     RetryPolicy,
+    SummaryFailed,
     SummaryOutcome,
     SummaryRequest,
     compute_backoff,

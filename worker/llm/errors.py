@@ -4,18 +4,15 @@ Every SDK exception is translated into a :class:`ProviderError` at the provider 
 (``worker.llm.providers``), so the fallback and everything above it never catch an ``openai`` or
 ``anthropic`` exception. A failure has a *kind* (one word, stable, safe to store and count) and a
 *reason* (a short sentence built by compactd from status codes and error codes, never the
-provider's response body, which can echo the prompt).
+provider's response body, which can echo the prompt). When every candidate fails, the fallback
+raises its own :class:`worker.llm.fallback.SummaryFailed`, which carries the attempts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from storage.errors import CompactdError
-
-if TYPE_CHECKING:
-    from worker.llm.fallback import Attempt
 
 ErrorKind = Literal[
     "auth",            # 401/403: the key is wrong, expired or lacks the scope
@@ -72,13 +69,3 @@ class Unavailable(LLMError):
 class LocalSummaryError(LLMError):
     """The local summarizer cannot write a summary that is shorter than its input."""
 
-
-class SummaryFailed(LLMError):
-    """Every summary candidate failed or was refused."""
-
-    def __init__(self, attempts: Sequence[Attempt], message: str | None = None) -> None:
-        self.attempts = tuple(attempts)
-        if message is None:
-            tried = ", ".join(f"{a.candidate}={a.kind}" for a in self.attempts) or "none"
-            message = f"every summary candidate failed ({tried})"
-        super().__init__(message)

@@ -18,7 +18,7 @@ Per candidate (DeerFlow's ``_asummarize_with``, with DESIGN's retry rules):
 One overall deadline (``asyncio.timeout_at``) bounds every remote call: a candidate that hangs is
 cancelled when it passes, and the remaining remote candidates are not tried. The ``local``
 candidate still runs after the deadline: it makes no call, takes milliseconds, and is the point of
-having a last resort. All failed: :class:`~worker.llm.errors.SummaryFailed` with every attempt.
+having a last resort. All failed: :class:`SummaryFailed` with every attempt.
 
 Nothing logged at INFO or above carries a key, a prompt or a provider's response body: reasons
 are built from status codes and error codes, and SDK exceptions are never logged.
@@ -50,9 +50,9 @@ from worker.llm.candidates import Candidate
 from worker.llm.errors import (
     BROKEN_KINDS,
     ErrorKind,
+    LLMError,
     LocalSummaryError,
     ProviderError,
-    SummaryFailed,
     Unavailable,
 )
 from worker.llm.local import summarize_local
@@ -150,6 +150,17 @@ class Attempt:
                 "kind": self.kind, "reason": self.reason,
                 "latency_s": round(self.latency_s, 4), "http_attempts": self.http_attempts,
                 "status": self.status, "request_id": self.request_id}
+
+
+class SummaryFailed(LLMError):
+    """Every summary candidate failed or was refused."""
+
+    def __init__(self, attempts: Sequence[Attempt], message: str | None = None) -> None:
+        self.attempts = tuple(attempts)
+        if message is None:
+            tried = ", ".join(f"{a.candidate}={a.kind}" for a in self.attempts) or "none"
+            message = f"every summary candidate failed ({tried})"
+        super().__init__(message)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ process and refuses to be used from another. A worker process keeps one, in its 
 (``worker.runtime``).
 
 Each SDK is imported when the first client of its kind is built, not with this module: importing
-``anthropic`` takes ~1.4 s and ``openai`` ~0.6 s of CPU on a 2 GHz core, paid by every worker
+``anthropic`` or ``openai`` costs a large part of a process's start-up CPU, paid by every worker
 start, CLI ``compact --inline`` and test process, most of which never use both. A worker imports
 the SDKs its configured models need (:func:`import_sdks`) when it starts, before it consumes: an
 import inside the loop would stall every compaction in flight, and calls held back by a rate meter
@@ -188,9 +188,8 @@ def _aiohttp_client(sdk: Any) -> Any:
     default when this SDK version or installation has none.
 
     Same requests, errors and timeouts; aiohttp parses HTTP in C where the default stack
-    (httpcore and h11) does it in Python: throughput bench, three alternating pairs, CPU per
-    compaction 11.32 -> 10.68 ms. The client opens its session at the first request, inside
-    the event loop that makes it.
+    (httpcore and h11) does it in Python, which a worker pays on every call. The client opens
+    its session at the first request, inside the event loop that makes it.
     """
     factory = getattr(sdk, "DefaultAioHttpClient", None)
     if factory is None:

@@ -1,9 +1,11 @@
-"""Beat sweeps: Postgres is the truth, signals are hints.
+"""Beat sweeps: Postgres is the truth, signals are hints. The worker's beat tasks run them.
 
 * :func:`sweep_pressure` enqueues the sessions over their trigger with no live lease, no cool-down
   and no fresh signal, so a lost signal or a flushed Redis costs at most two sweep intervals. It
   reads only the sessions an index holds as over their stored thresholds (``SKIP LOCKED``, in
   bounded batches), after storing the thresholds of sessions new or changed since the last sweep.
+* :func:`least_runways` lists every growing session's runway, which the sweep task exports as
+  metrics and ``compactd status`` shows.
 * :func:`reap_leases` closes expired leases (the run becomes ``abandoned`` and its orphan
   ``compaction/start`` is ended) and re-enqueues the sessions still over their trigger, unless
   the loop guard is cooling them down.
@@ -16,11 +18,10 @@ import json
 import logging
 from dataclasses import dataclass
 
-from scheduler.enqueue import Enqueuer, RunRequest
-from scheduler.intake import enqueue_marked
 from storage.records import ReapedLease, SessionInfo, utcnow
 from storage.store import Store
-from worker.pressure import over_trigger, sweep_key, sweep_thresholds
+from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
+from worker.pressure import Runway, over_trigger, sorted_runways, sweep_key, sweep_thresholds
 from worker.settings import Config
 
 logger = logging.getLogger(__name__)
@@ -93,3 +94,10 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
             if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
                 await enqueue_marked(store, enqueuer, RunRequest(info.id, "reap"))
     return reaped
+
+
+async def least_runways(store: Store, config: Config, *, now: dt.datetime | None = None
+                        ) -> list[Runway]:
+    """Every growing session's runway, least first (the sweep exports them as metrics)."""
+    now = now or utcnow()
+    return sorted_runways(await store.growing_sessions(now=now), config, now)

@@ -2,21 +2,27 @@
 
 Every enqueue goes through :class:`Enqueuer`, which sends ``compaction.run`` by name (the sender
 never imports the tasks) on the queue its trigger belongs to. Sending is blocking kombu I/O, so
-async callers hand it to a thread.
+async callers hand it to a thread. Celery is never imported here: a runtime's process enqueues
+through this module (``scheduler.client``) with an app it builds itself.
+
+The enqueues that follow a signal mark (:func:`enqueue_marked`) and the one after an automatic run
+(:func:`follow_up`) live here, below the scheduler, because the worker's tasks make them too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from storage.records import SessionInfo, utcnow
+from storage.store import Store
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_RUN
-
-if TYPE_CHECKING:
-    from storage.store import Store
+from worker.pressure import over_trigger
+from worker.settings import Config
 
 TRIGGER_QUEUES = {
     "overflow": QUEUE_URGENT, "manual": QUEUE_URGENT,
@@ -106,14 +112,37 @@ async def enqueue_manual(store: Store, enqueuer: Enqueuer, request: RunRequest, 
     return Queued(task_id, coalesced=False)
 
 
-class RecordingEnqueuer(Enqueuer):
-    """An enqueuer that only records (dry runs, and unit tests of the scheduler's decisions)."""
 
-    def __init__(self) -> None:
-        super().__init__(app=None)
-        self.sent: list[RunRequest] = []
+async def enqueue_marked(store: Store, enqueuer: Enqueuer, request: RunRequest) -> str:
+    """Enqueue for a session whose signal mark we just set; if the broker refuses, clear the mark
+    so the next signal tries again instead of waiting out the TTL."""
+    try:
+        return await enqueuer.asend(request)
+    except Exception:
+        await store.clear_signal(request.session_id)
+        raise
 
-    def send(self, request: RunRequest) -> str:
-        task_id = request.task_id or uuid.uuid4().hex
-        self.sent.append(request)
-        return task_id
+
+async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, info: SessionInfo, *,
+                    run_started_at: dt.datetime) -> str | None:
+    """Signal again for a session whose automatic run just ended, when appends made while it ran
+    put the session over its trigger again.
+
+    Those appends found the run's signal mark set and did not enqueue; without this the session
+    would wait for the runtime's next append or the pressure sweep. Only appends newer than the
+    run count, so a run that could not bring relief on its own does not re-enqueue itself (the
+    loop guard deals with that).
+
+    ``info`` is the session as read after the run's signal mark was cleared (an append after
+    that enqueues on its own).
+    """
+    now = utcnow()
+    if info.last_append_at is None or info.last_append_at <= run_started_at:
+        return None
+    if info.cooldown_until is not None and info.cooldown_until > now:
+        return None
+    if not over_trigger(info, config):
+        return None
+    if not await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
+        return None
+    return await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))

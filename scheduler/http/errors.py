@@ -1,0 +1,144 @@
+"""One error body for every answer that is not a success, ``{"error", "message", "field",
+"index"}``: compactd's exceptions, FastAPI's and Starlette's mapped to their status."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
+
+from scheduler.http.auth import Unauthorized
+from scheduler.http.bodies import BODY_TOO_DEEP
+from scheduler.http.schemas import ErrorOut
+from scheduler.output import redact_url
+from storage.errors import (
+    BadInput,
+    DatabaseUnavailable,
+    InvalidMessage,
+    SessionExists,
+    SessionNotFound,
+    StorageError,
+)
+from worker.enqueue import broker_errors
+from worker.settings import Config
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+def error_response(status: int, error: str, message: str, *, field: str | None = None,
+                    index: int | None = None, headers: dict[str, str] | None = None
+                    ) -> JSONResponse:
+    body = ErrorOut(error=error, message=message, field=field, index=index)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _unavailable(message: str) -> JSONResponse:
+    return error_response(503, "unavailable", message,
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+_HTTP_ERRORS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
+                405: "method_not_allowed", 408: "timeout", 413: "too_large", 503: "unavailable"}
+
+
+def _location(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE and isinstance(route, APIRoute | Route):
+            methods |= route.methods or set()
+    return sorted(methods)
+
+
+def add_error_handlers(app: FastAPI, config: Config) -> None:
+    async def unauthorized(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(401, "unauthorized", str(exc),
+                               headers={"WWW-Authenticate": "Bearer"})
+
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(404, "not_found", str(exc))
+
+    async def conflict(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(409, "conflict", str(exc))
+
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, InvalidMessage)
+        return error_response(422, "invalid", exc.reason, field=exc.field, index=exc.index)
+
+    async def bad_input(request: Request, exc: Exception) -> JSONResponse:
+        # ConfigError messages start with the key path (``policy.trigger[0]: ...``).
+        text = str(exc)
+        head, sep, _ = text.partition(": ")
+        field = f"body.{head}" if sep and head.startswith("policy") else None
+        return error_response(422, "invalid", text, field=field)
+
+    async def request_invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid"}
+        if first.get("type") == "json_invalid":
+            # Its loc ends with a character offset, not a field.
+            error = (first.get("ctx") or {}).get("error", "")
+            return error_response(422, "invalid", f"the body is not valid JSON: {error}",
+                                   field="body")
+        field = _location(first.get("loc", ()))
+        # A validator's own ValueError reads "Value error, <its message>".
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        return error_response(422, "invalid", f"{field}: {message}",
+                               field=field or None)
+
+    async def storage_failed(request: Request, exc: Exception) -> JSONResponse:
+        logger.warning("storage failed: %s", exc, extra={"action": "api_unavailable"})
+        # Where the database lives is the operator's business (the log), not the caller's.
+        return _unavailable("the database cannot be reached; retry"
+                            if isinstance(exc, DatabaseUnavailable) else str(exc))
+
+    async def broker_failed(request: Request, exc: Exception) -> JSONResponse:
+        # The body says only what a caller can act on (retry); the log names the broker,
+        # without its password, for the operator.
+        logger.warning("broker failed: the broker cannot be reached at %s: %s",
+                       redact_url(config.broker_url), type(exc).__name__,
+                       extra={"action": "api_unavailable"})
+        return _unavailable("the broker cannot be reached; retry")
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            # FastAPI's body reader hit Python's JSON depth limit: invalid input, said so.
+            return error_response(422, "invalid", BODY_TOO_DEEP, field="body")
+        headers = dict(exc.headers) if exc.headers else {}
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+        return error_response(exc.status_code, _HTTP_ERRORS.get(exc.status_code, "error"),
+                               str(exc.detail), headers=headers or None)
+
+    app.add_exception_handler(Unauthorized, unauthorized)
+    app.add_exception_handler(SessionNotFound, not_found)
+    app.add_exception_handler(SessionExists, conflict)
+    app.add_exception_handler(InvalidMessage, invalid)
+    app.add_exception_handler(BadInput, bad_input)
+    app.add_exception_handler(RequestValidationError, request_invalid)
+    app.add_exception_handler(StorageError, storage_failed)
+    for cls in broker_errors():
+        app.add_exception_handler(cls, broker_failed)
+    app.add_exception_handler(StarletteHTTPException, http_error)

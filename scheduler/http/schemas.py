@@ -1,0 +1,264 @@
+"""The bodies of the HTTP API: what each route accepts and answers, as pydantic models (their
+JSON Schemas are the OpenAPI document's)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+from storage.ids import ID_PATTERN
+
+
+def _whole(value: Any) -> Any:
+    # JSON Schema's integer includes 5.0; strict validation alone would refuse it.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+WholeNumber = Annotated[int, BeforeValidator(_whole)]
+RenderForm = Literal["durable_context", "compacted_summary", "langchain"]
+MessageFormat = Literal["openai", "anthropic", "langchain"]
+
+
+# ------------------------------------------------------------------------------------------
+# bodies
+
+
+class _Body(BaseModel):
+    # Strict: "true" is not a boolean and "5" is not a number; what the schema says is what
+    # is accepted.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+class ErrorOut(BaseModel):
+    error: str = Field(description="unauthorized, not_found, conflict, too_large, invalid, "
+                                   "bad_request, method_not_allowed, timeout, unavailable")
+    message: str
+    field: str | None = Field(default=None, description="the offending field, as a path")
+    index: int | None = Field(default=None, description="the offending message of a batch")
+
+
+class EnvelopeIn(_Body):
+    """What the runtime sends with every call besides the surface: it counts toward pressure."""
+
+    system: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class SessionIn(_Body):
+    run_model: str | None = Field(default=None, min_length=1, max_length=255,
+                                  pattern=ID_PATTERN)
+    context_window: WholeNumber | None = Field(default=None, gt=0, le=2_147_483_647)
+    envelope: EnvelopeIn | None = None
+    policy: dict[str, Any] | None = Field(
+        default=None, description="overrides of the configured summarization policy")
+
+
+class SessionOut(BaseModel):
+    session: str
+    tenant: str
+    run_model: str | None
+    context_window: int | None
+    version: int
+    tokens: int
+    envelope_tokens: int
+    messages: int
+    created: bool
+
+
+# The three wire shapes, documented (and so reachable by schema-driven fuzzers); the importers
+# of ``storage.messages`` validate each message against the shape ``format`` names.
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "null"},
+                      {"type": "array", "items": {"type": ["object", "string"]},
+                       "description": "content blocks; a string block is a text block"}]}
+_OPENAI_MESSAGE = {
+    "title": "OpenAIMessage", "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "user", "assistant", "tool"]},
+        "content": _CONTENT,
+        "tool_calls": {"type": ["array", "null"], "items": {
+            "type": "object", "required": ["id", "function"],
+            "properties": {"id": {"type": "string", "minLength": 1, "maxLength": 255,
+                                  "description": "no NUL character"},
+                           "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"},
+                                                       "arguments": {"type": "string"}}}}}},
+        "tool_call_id": {"type": ["string", "null"]},
+        "name": {"type": ["string", "null"]},
+        "meta": {"type": ["object", "null"],
+                 "description": "flags for compactd (pinned, dynamic_context_reminder, ...); "
+                                "the keys a compaction writes (checkpoint, summary, render, "
+                                "run_id, pruned, ...) are refused"},
+    },
+}
+_ANTHROPIC_MESSAGE = {
+    "title": "AnthropicMessage", "type": "object", "required": ["role"],
+    "description": "format: anthropic (tool_use / tool_result blocks)",
+    "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": _CONTENT,
+                   "meta": {"type": ["object", "null"]}},
+}
+_LANGCHAIN_MESSAGE = {
+    "title": "LangChainMessage", "type": "object", "required": ["type"],
+    "description": "format: langchain (message.model_dump() or messages_to_dict output)",
+    "properties": {"type": {"type": "string"}, "content": _CONTENT,
+                   "data": {"type": "object"}},
+}
+WireMessage = Annotated[dict[str, Any], WithJsonSchema(
+    {"anyOf": [_OPENAI_MESSAGE, _ANTHROPIC_MESSAGE, _LANGCHAIN_MESSAGE]})]
+
+
+class AppendIn(_Body):
+    messages: list[WireMessage] = Field(
+        min_length=1, description="one step's messages in the wire format `format` names "
+                                  "(OpenAI chat dicts by default, plus an optional `meta`)")
+    format: MessageFormat = "openai"
+
+
+class StepOut(BaseModel):
+    version: int
+    first_seq: int
+    last_seq: int
+    tokens: int = Field(description="surface tokens after the append")
+    messages: int = Field(description="surface nodes after the append")
+    fired: bool = Field(description="the trigger fires on the new totals")
+    signalled: bool = Field(description="this append marked the session and sent a compaction "
+                            "to the queue (in the background; a failed send is logged and frees "
+                            "the mark for the next append)")
+
+
+class FunctionOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionOut
+
+
+class SurfaceMessage(BaseModel):
+    """One message of the surface in OpenAI chat shape; a checkpoint has ``meta.checkpoint``."""
+
+    seq: int
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None
+    tool_calls: list[ToolCallOut] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    meta: dict[str, Any] | None = None
+    tokens: int | None = Field(default=None, description="absent on the authority contract a "
+                                                         "durable_context checkpoint adds")
+
+
+class SurfaceOut(BaseModel):
+    session: str
+    version: int
+    tokens: int
+    messages: list[SurfaceMessage]
+
+
+class SignalIn(_Body):
+    reason: Literal["pressure", "step", "append"] = "pressure"
+
+
+class SignalOut(BaseModel):
+    session: str
+    enqueued: bool
+    reason: str
+    task_id: str | None
+
+
+class UsageIn(_Body):
+    input_tokens: WholeNumber = Field(ge=0, le=2_147_483_647)
+    output_tokens: WholeNumber = Field(default=0, ge=0, le=2_147_483_647)
+    response_appended: bool = Field(
+        default=True, description="false when the call's response is appended after this "
+        "report: output_tokens then stands for it and it is not counted twice")
+
+
+class UsageOut(BaseModel):
+    session: str
+    version: int
+    reported_input_tokens: int | None
+    reported_output_tokens: int | None
+    tokens: int
+
+
+class CompactIn(_Body):
+    force: bool = Field(default=False, description="ignore the trigger and the keep policy")
+    keep: str | None = Field(default=None, pattern=r"^(messages|tokens|fraction):[0-9.]+$",
+                             description="messages:N | tokens:N | fraction:F, overriding the "
+                                         "policy's keep for this run")
+    wait: bool = Field(default=False, description="answer with the run's result")
+    timeout_s: float | None = Field(default=None, gt=0, le=3600,
+                                    description="how long to wait (capped by api.max_wait_s)")
+
+
+class RunOut(BaseModel):
+    """A finished run, in the shape of ``compactd compact --json``."""
+
+    session: str
+    run_id: str
+    outcome: str
+    failure_class: str | None
+    tokens_before: int | None
+    tokens_after: int | None
+    pruned: int
+    replaced_seqs: list[int]
+    model: str | None
+    usage: dict[str, Any] | None = Field(
+        default=None, description="tokens the providers billed: input (cached included), "
+                                  "cached and output, in total and by candidate")
+    stages: list[str]
+    error: str | None
+    candidates: list[dict[str, Any]]
+    started_at: str
+    finished_at: str | None
+
+
+class QueuedOut(BaseModel):
+    session: str
+    outcome: Literal["queued"]
+    task_id: str
+    reason: str
+
+
+class OverflowIn(_Body):
+    wait: bool = Field(default=False, description="wait for the forced compaction")
+    timeout_s: float | None = Field(default=None, gt=0, le=3600,
+                                    description="how long to wait (capped by api.max_wait_s)")
+
+
+class OverflowOut(BaseModel):
+    compacted: bool
+    reason: str
+    version: int
+    messages: list[SurfaceMessage] | None = Field(
+        description="the smaller surface, when the forced compaction committed")
+    run: dict[str, Any] | None
+    pruned: int = Field(default=0, description="tool results the run pruned (committed even "
+                                               "when its summary then failed)")
+    tokens_after: int | None = Field(default=None,
+                                     description="the session's pressure after the run")
+
+
+class StatusOut(BaseModel):
+    session: str
+    tenant: str
+    run_model: str | None
+    version: int
+    tokens: int
+    envelope_tokens: int
+    messages: int
+    lease: dict[str, Any] | None
+    flagged: dict[str, Any] | None
+    runs: list[dict[str, Any]]
+
+
+class HealthOut(BaseModel):
+    ok: bool
+

@@ -1,0 +1,139 @@
+"""What the routes of one server process share (``Api``): the client with its engine and pool,
+the tenants of the sessions seen, and the CPU processes that decode large append bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Annotated
+
+from fastapi import Depends, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.client import CompactdClient, SessionHandle
+from scheduler.http.bodies import decode_append, decode_plain, raise_plain
+from scheduler.http.errors import RETRY_AFTER_S
+from storage.errors import SessionNotFound
+from storage.records import SessionInfo
+from storage.store import PreparedAppend, Store
+from worker.settings import Config
+
+logger = logging.getLogger(__name__)
+
+_SESSION_CACHE_MAX = 100_000
+# An append body over this is decoded, parsed and counted in the API's CPU processes (see
+# Api.offload); under it the hop costs more than the work it moves.
+OFFLOAD_BYTES = 32 * 1024
+_WARM_BODY = b'{"messages": [{"role": "user", "content": "warm"}]}'
+
+
+class Api:
+    """What the routes share: one client (one engine and pool) and the tenants of sessions."""
+
+    def __init__(self, config: Config, client: CompactdClient) -> None:
+        self.config = config
+        self.client = client
+        # A session's tenant never changes, so the check on the hot path (append, poll) reads
+        # the database only the first time a process sees a session.
+        self._sessions: dict[str, SessionInfo] = {}
+        # The event loop answers every tenant: a 4 MB append decoded and counted on it held
+        # every other request for seconds, and on a thread of this process it still shared the
+        # GIL with the loop (another tenant's p99 near 80 ms). In a process of its own it takes
+        # nothing from the loop but the bytes sent and the strings and numbers sent back.
+        # 'spawn': a child inherits no event loop, connection or lock of this process.
+        processes = config.api.cpu_processes
+        self._processes: ProcessPoolExecutor | None = None
+        if processes and client.store.db.encodes_appends:
+            self._processes = _process_pool(processes)
+        # SQLite's append stores the parsed messages themselves, which cost the loop more to
+        # unpickle than to build; with cpu_processes 0 the PostgreSQL batches come here too.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
+        self._warming: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the CPU processes now, so that the first large append does not wait for
+        them to start and import compactd (seconds)."""
+        if self._processes is not None:
+            self._warming = asyncio.get_running_loop().create_task(self._warm(self._processes))
+
+    async def _warm(self, pool: ProcessPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        # One task each: the pool starts a process for each task no idle process takes.
+        warm = functools.partial(decode_plain, _WARM_BODY, "application/json", None)
+        with contextlib.suppress(BrokenProcessPool, RuntimeError):
+            await asyncio.gather(*(loop.run_in_executor(pool, warm)
+                                   for _ in range(self.config.api.cpu_processes)))
+
+    def close(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, raw: bytes, content_type: str | None,
+                      run_model: str | None) -> PreparedAppend:
+        """An append body decoded, validated, parsed and counted (see ``decode_append``) off
+        the event loop."""
+        loop = asyncio.get_running_loop()
+        pool = self._processes
+        if pool is None:
+            return await loop.run_in_executor(self._thread, functools.partial(
+                decode_append, raw, content_type, run_model, encoded=self.store.db.encodes_appends))
+        try:
+            outcome = await loop.run_in_executor(
+                pool, functools.partial(decode_plain, raw, content_type, run_model))
+        except BrokenProcessPool:
+            # A CPU process died (killed, out of memory): the next request gets a new pool.
+            if self._processes is pool:
+                logger.warning("an API CPU process died; starting new ones",
+                               extra={"action": "api_cpu_restart"})
+                self._processes = _process_pool(self.config.api.cpu_processes)
+                self.start()
+            raise StarletteHTTPException(
+                503, "the body could not be processed; retry",
+                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        return raise_plain(outcome)
+
+    @property
+    def store(self) -> Store:
+        return self.client.store
+
+    def wait_s(self, asked: float | None) -> float:
+        limit = self.config.api.max_wait_s
+        return limit if asked is None else min(asked, limit)
+
+    async def owned(self, session_id: str, tenant: str, *, fresh: bool = False) -> SessionInfo:
+        """The session, if ``tenant`` owns it; another tenant's is not found, like a missing one."""
+        info = None if fresh else self._sessions.get(session_id)
+        if info is None:
+            info = await self.store.get_session(session_id)
+            self.remember(info)
+        if info.tenant != tenant:
+            raise SessionNotFound(session_id)
+        return info
+
+    def remember(self, info: SessionInfo) -> None:
+        if len(self._sessions) >= _SESSION_CACHE_MAX:
+            self._sessions.clear()
+        self._sessions[info.id] = info
+
+    def handle(self, info: SessionInfo) -> SessionHandle:
+        return SessionHandle(self.client, info)
+
+
+def _process_pool(processes: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+
+
+def api_of(request: Request) -> Api:
+    api: Api = request.app.state.api
+    return api
+
+
+ApiDep = Annotated[Api, Depends(api_of)]

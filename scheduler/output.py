@@ -1,0 +1,53 @@
+"""What every ``compactd`` command shares: its exit codes, how it prints (JSON or lines), the
+store it opens and the URLs it names without their passwords.
+
+Exit codes: 0 success (including nothing_to_do), 1 a failed compaction or an operational error
+(a database or a broker that cannot be reached), 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from storage.migrate import ensure_schema
+from storage.store import Store
+from worker.settings import Config
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+@contextlib.asynccontextmanager
+async def open_store(config: Config) -> AsyncIterator[Store]:
+    """A store on the configured database; the embedded SQLite file is migrated on first use
+    (it has no operator to run ``compactd migrate``)."""
+    store = Store.from_url(config.database_url, pool_size=5)
+    if config.embedded:
+        await ensure_schema(store.engine, config.database_url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def emit(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def say(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
+    return url

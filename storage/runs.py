@@ -1,0 +1,112 @@
+"""Run records: what each compaction run did, for the loop guard, the CLI and the metrics.
+
+A run row is written by the lease protocol (``storage.leases``: the claim starts it, the commit
+or finish ends it, the reaper abandons it); this mixin only reads them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from storage import schema as t
+from storage.connectors import Connector
+from storage.database import connection
+from storage.records import RunRecord, SessionInfo
+from storage.schema import (
+    RUN_COLUMNS,
+    SESSION_COLUMNS,
+    run_from_record,
+    run_from_row,
+    session_from_row,
+)
+
+RUN_RUNNING = "running"
+RUN_FAILED = "failed"
+
+
+class RunsMixin:
+    engine: AsyncEngine
+    db: Connector
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        async with connection(self.engine) as conn:
+            row = (await conn.execute(sa.select(*RUN_COLUMNS)
+                                      .where(t.compaction_runs.c.id == run_id))).first()
+        return run_from_row(row) if row else None
+
+    async def runs_for_task(self, task_id: str) -> list[RunRecord]:
+        r = t.compaction_runs.c
+        async with connection(self.engine) as conn:
+            return [run_from_row(row) for row in await conn.execute(
+                sa.select(*RUN_COLUMNS).where(r.task_id == task_id).order_by(r.started_at))]
+
+    async def session_runs(self, session_id: str, *, limit: int = 50) -> list[RunRecord]:
+        r = t.compaction_runs.c
+        async with connection(self.engine) as conn:
+            return [run_from_row(row) for row in await conn.execute(
+                sa.select(*RUN_COLUMNS).where(r.session_id == session_id)
+                .order_by(r.started_at.desc(), r.id.desc()).limit(limit))]
+
+    async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
+                          session_id: str | None = None, status: str | None = None
+                          ) -> list[RunRecord]:
+        if since is not None and since.tzinfo is None:
+            # The raw statement below would read it as the server's local time.
+            raise ValueError("naive datetime passed to storage; use aware UTC")
+        if since is not None and session_id is not None and status:
+            # The loop guard's read after every committed automatic run: a named query, which
+            # PostgreSQL runs without SQLAlchemy's statement layer.
+            records = await self.db.fetch("session_runs", session_id=session_id, status=status,
+                                          since=since, limit=limit)
+            return [run_from_record(r) for r in records]
+        stmt = _recent_runs(since is not None, session_id is not None, status is not None,
+                            limit)
+        params = {"b_since": since, "b_session": session_id, "b_status": status}
+        async with connection(self.engine) as conn:
+            return [run_from_row(row) for row in await conn.execute(stmt, params)]
+
+    async def run_counts(self, *, since: dt.datetime | None = None
+                         ) -> dict[tuple[str, str | None], int]:
+        """Runs by (status, failure_class)."""
+        r = t.compaction_runs.c
+        stmt = (sa.select(r.status, r.failure_class, sa.func.count())
+                .group_by(r.status, r.failure_class))
+        if since is not None:
+            stmt = stmt.where(r.started_at >= since)
+        async with connection(self.engine) as conn:
+            return {(row[0], row[1]): int(row[2]) for row in await conn.execute(stmt)}
+
+    async def last_errors(self, *, since: dt.datetime | None = None) -> dict[str, RunRecord]:
+        """The newest failed run of each failure class."""
+        out: dict[str, RunRecord] = {}
+        for run in await self.recent_runs(since=since, status=RUN_FAILED, limit=500):
+            if run.failure_class and run.failure_class not in out:
+                out[run.failure_class] = run
+        return out
+
+    async def live_leases(self, *, now: dt.datetime | None = None) -> list[SessionInfo]:
+        c = t.sessions.c
+        async with connection(self.engine) as conn:
+            return [session_from_row(row) for row in await conn.execute(
+                sa.select(*SESSION_COLUMNS).where(c.lease_run_id.is_not(None))
+                .order_by(c.lease_expires_at))]
+
+
+@functools.lru_cache(maxsize=64)
+def _recent_runs(since: bool, session: bool, status: bool, limit: int) -> Any:
+    """The runs query of one filter shape, built once (the loop guard runs it after every
+    committed automatic run)."""
+    r = t.compaction_runs.c
+    stmt = sa.select(*RUN_COLUMNS).order_by(r.started_at.desc(), r.id.desc()).limit(limit)
+    if since:
+        stmt = stmt.where(r.started_at >= sa.bindparam("b_since"))
+    if session:
+        stmt = stmt.where(r.session_id == sa.bindparam("b_session"))
+    if status:
+        stmt = stmt.where(r.status == sa.bindparam("b_status"))
+    return stmt

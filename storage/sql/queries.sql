@@ -1,0 +1,97 @@
+-- compactd's named statements, loaded once by storage.sql (aiosql). Parameters are :name; the
+-- PostgreSQL connector runs them through asyncpg ($1...), the SQLite connector through
+-- SQLAlchemy with the same names. A query that only PostgreSQL can run says why in a
+-- "postgres-only:" line; tests/integration/test_sql_contract.py runs every other one on both.
+
+-- name: ping()$
+-- The health check's round trip.
+SELECT 1;
+
+-- name: schema_revision()$
+-- The schema's Alembic revision: the embedded database is migrated when it is behind.
+SELECT version_num FROM alembic_version;
+
+-- name: read_surface(session_id)
+-- The surface in position order with the version it was read at: the worker's read of every
+-- compaction. A session without nodes gives one row whose node columns are NULL.
+SELECT s.surface_version, f.position, f.seq, f.tokens, e.kind, e.payload
+  FROM sessions s
+  LEFT JOIN surface f ON f.session_id = s.id
+  LEFT JOIN events e ON e.session_id = f.session_id AND e.seq = f.seq
+ WHERE s.id = :session_id
+ ORDER BY f.position;
+
+-- name: poll(session_id)$
+-- The runtime's read after every step: one primary-key read.
+SELECT surface_version FROM sessions WHERE id = :session_id;
+
+-- name: mark_signal(session_id, now, stale_before)!
+-- The pending-signal mark, unless a mark newer than :stale_before is live; of appends racing
+-- over the trigger, one sets it.
+UPDATE sessions SET signal_at = :now
+ WHERE id = :session_id AND (signal_at IS NULL OR signal_at <= :stale_before);
+
+-- name: clear_signal(session_id)^
+-- Every automatic run ends with this; it returns the row the worker's follow-up check reads.
+UPDATE sessions SET signal_at = NULL WHERE id = :session_id RETURNING *;
+
+-- name: session_runs(session_id, status, since, limit)
+-- The loop guard's read after every committed automatic run, on the (session_id, started_at)
+-- index.
+SELECT * FROM compaction_runs
+ WHERE session_id = :session_id AND status = :status AND started_at >= :since
+ ORDER BY started_at DESC, id DESC
+ LIMIT :limit;
+
+-- name: append(session_id, payloads, tokens, now, call_ids, call_idx, call_result_idx, ext_ids, ext_idx)^
+-- postgres-only: calls compactd_append (functions/compactd_append.sql); the SQLite connector
+-- appends with separate statements in its transaction.
+SELECT * FROM compactd_append(:session_id, :payloads, :tokens, :now, :call_ids, :call_idx,
+                              :call_result_idx, :ext_ids, :ext_idx);
+
+-- name: claim_free(session_id, run_id, owner, trigger, expires, now, task_id)^
+-- postgres-only: calls compactd_claim (functions/compactd_claim.sql); on SQLite every claim
+-- takes the general path.
+SELECT * FROM compactd_claim(:session_id, :run_id, :owner, :trigger, :expires, :now, :task_id);
+
+-- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload)^
+-- postgres-only: calls compactd_commit (functions/compactd_commit.sql); the SQLite connector
+-- commits with separate statements in its transaction.
+SELECT * FROM compactd_commit(:session_id, :run_id, :fence, :now, :seqs, :counts, :kinds,
+                              :payloads, :tokens, :journal_kinds, :journals, :expected_pos,
+                              :expected_seq, :end_payload);
+
+-- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, item_state, item_done)^
+-- postgres-only: a data-modifying WITH around compactd_commit. The commit that ends its run: the
+-- run row's result and its bulk item's ride on the call. The run row's UPDATE waits for the call
+-- (EXISTS on its result), so the session row is locked before the run row, as everywhere else,
+-- and a refused call (moved fence, changed surface) changes nothing. The call does not touch
+-- compaction_runs; the run row's UPDATE re-reads the row's newest version if a lease renewal
+-- changed it meanwhile, as any UPDATE does.
+WITH c AS (SELECT * FROM compactd_commit(:session_id, :run_id, :fence, :now, :seqs, :counts,
+                                         :kinds, :payloads, :tokens, :journal_kinds, :journals,
+                                         :expected_pos, :expected_seq, :end_payload)),
+     r AS (UPDATE compaction_runs
+              SET status = :status, failure_class = :failure_class, error = :error,
+                  tokens_before = :tokens_before, tokens_after = :tokens_after, model = :model,
+                  usage = :usage, candidates = :candidates, stages = :stages,
+                  range_seqs = :range_seqs, finished_at = :now, heartbeat_at = :now
+            WHERE id = :run_id::text AND EXISTS (SELECT FROM c)
+           RETURNING bulk_job_id),
+     b AS (UPDATE bulk_items AS i SET state = :item_state, run_id = :run_id::text,
+                  updated_at = :now
+             FROM r
+            WHERE i.job_id = r.bulk_job_id AND i.session_id = :session_id::text
+              AND i.state <> :item_done)
+SELECT * FROM c;
+
+-- name: set_timeouts(ms)
+-- postgres-only: SQLite has no statement timeout (its transactions wait on the busy timeout,
+-- set by the connector). A transaction's lock waits and statements end with the deadline; both
+-- settings end with the transaction (is_local), so the pooled connection keeps the server's.
+SELECT set_config('lock_timeout', :ms, true), set_config('statement_timeout', :ms, true);
+
+-- name: set_lock_wait(ms)
+-- postgres-only: SQLite locks the database, not rows. The general claim's wait for the row, to
+-- the end of its transaction (is_local).
+SELECT set_config('lock_timeout', :ms, true);

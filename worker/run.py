@@ -1,0 +1,425 @@
+"""One run's scope, from its claim to its end.
+
+A :class:`RunScope` owns what every compaction run has, whatever its pipeline does:
+
+* the claim (``compaction/start`` is written first, in the claim's transaction) and the end
+  (``compaction/end`` written last: in the transaction of the final checkpoint, or by
+  :meth:`RunScope.end`, or for a failed run by the scope itself within its own grace);
+* the lease, renewed every third of its length while the run works and stopped before the
+  ending commit (that commit clears the lease; a renewal after it would find the fence gone);
+* the deadline (``worker.deadline_s`` from the claim): statements end at it on the server, the
+  loop's own timeout a moment later ends whatever else still waits, and the remote models stop
+  a reserve earlier so the local fallback and the commit fit;
+* cancellation: a lost lease, the deadline, a worker shutdown or a revoked task each end the run
+  in its failure class (``abandoned``, ``cancelled``), recorded before it propagates;
+* the :class:`Outcome`, with the usage the providers billed, added up per model call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.database import deadline
+from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
+from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
+from worker import logs
+from worker.keys import RATE_PROVIDER, bulk_meter
+from worker.limits import MeteredProviders
+from worker.llm.providers import ProviderPool
+from worker.metrics import metrics
+from worker.runtime import Deps
+
+logger = logging.getLogger(__name__)
+
+AUTOMATIC_TRIGGERS = ("pressure", "sweep", "reap")
+MANUAL_TRIGGERS = ("manual",)
+# How long after its deadline the loop cancels a run still waiting on something the deadline
+# does not reach by itself (the statements it does end on the server, cleanly, first).
+DEADLINE_OVERRUN_S = 1.0
+# A run that ends failed (past its deadline too) still writes its end and releases its lease,
+# within this long; at most half of what is left between the deadline and the task's limit.
+FINISH_GRACE_S = 10.0
+# The part of a run's deadline the remote models never get (at most a tenth of it): the local
+# fallback writes its summary and the checkpoint is committed in it.
+COMMIT_RESERVE_S = 10.0
+USAGE_KINDS = ("input_tokens", "cached_tokens", "output_tokens")
+
+
+@dataclass
+class Outcome:
+    session: str
+    run_id: str | None
+    outcome: str  # committed | nothing_to_do | failed
+    failure_class: str | None = None
+    trigger: str = "pressure"
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    pruned: int = 0
+    replaced_seqs: list[int] = field(default_factory=list)
+    model: str | None = None
+    stages: list[str] = field(default_factory=list)
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    summary: str | None = None
+    rounds: int = 0
+    rate_wait_s: float = 0.0  # how long the model calls waited on the shared rate meters
+    ended: bool = False  # the run's end is committed (run row and compaction/end written)
+    # Tokens the providers billed for the run's model calls: totals and per candidate.
+    usage: dict[str, Any] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome == "failed"
+
+    def fail(self, failure_class: str, error: str) -> None:
+        self.outcome = "failed"
+        self.failure_class = failure_class
+        self.error = error
+
+    def to_json(self) -> dict[str, Any]:
+        return {"session": self.session, "run_id": self.run_id, "outcome": self.outcome,
+                "failure_class": self.failure_class, "tokens_before": self.tokens_before,
+                "tokens_after": self.tokens_after, "pruned": self.pruned,
+                "replaced_seqs": self.replaced_seqs, "model": self.model,
+                "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
+                "rate_wait_s": round(self.rate_wait_s, 3), "usage": self.usage,
+                "error": self.error, "candidates": self.candidates}
+
+    def brief(self) -> dict[str, Any]:
+        """The outcome at a glance, which the Celery task returns (Flower's result column).
+        The replaced seqs and the candidates' attempts stay in the run row: Celery renders
+        a task's return value for its log line and its event, on every compaction."""
+        return {"session": self.session, "run_id": self.run_id, "outcome": self.outcome,
+                "failure_class": self.failure_class, "trigger": self.trigger,
+                "tokens_before": self.tokens_before, "tokens_after": self.tokens_after,
+                "stages": self.stages, "model": self.model, "error": self.error}
+
+    def run_end(self) -> RunEnd:
+        return RunEnd(outcome=self.outcome, failure_class=self.failure_class, error=self.error,
+                      tokens_before=self.tokens_before, tokens_after=self.tokens_after,
+                      model=self.model, usage=self.usage, candidates=self.candidates or None,
+                      stages={"stages": self.stages, "pruned": self.pruned,
+                              "rounds": self.rounds,
+                              "rate_wait_s": round(self.rate_wait_s, 3)},
+                      range_seqs=self.replaced_seqs or None)
+
+
+class RunFailed(Exception):
+    def __init__(self, failure_class: str, error: str) -> None:
+        super().__init__(error)
+        self.failure_class = failure_class
+        self.error = error
+
+
+def failure_of(exc: BaseException, *, past_deadline: bool, deadline_s: float
+               ) -> tuple[str, str]:
+    """The failure class and error of a run that ended with ``exc``. Once the deadline has
+    passed, a failed write (a lock wait or a statement the deadline ended) is the deadline's
+    doing: ``cancelled``."""
+    passed = f"the run passed its deadline ({deadline_s:g} s)"
+    if isinstance(exc, TimeoutError | DeadlinePassed):
+        return "cancelled", passed
+    if isinstance(exc, LeaseLost):
+        return "abandoned", str(exc)
+    if isinstance(exc, SurfaceChanged):
+        return "changed", str(exc)
+    if isinstance(exc, RunFailed):
+        if past_deadline and exc.failure_class == "commit":
+            return "cancelled", f"{passed}: {exc.error}"
+        return exc.failure_class, exc.error
+    # A storage error before anything was committed is a persistence failure; the commit
+    # steps raise their own (RunFailed "commit").
+    if past_deadline:
+        return "cancelled", f"{passed}: {exc}"
+    return "persistence", str(exc)
+
+
+class RunScope:
+    """One claimed run: its lease, deadline, outcome and end. Made by :meth:`open` (the claim); the
+    pipeline runs inside :meth:`run` and writes through :meth:`commit` and :meth:`end`."""
+
+    def __init__(self, deps: Deps, claim: Claim, *, trigger: str, deadline_at: float,
+                 bulk_job_id: str | None = None, rate_per_s: float | None = None) -> None:
+        self.deps = deps
+        self.claim = claim
+        self.deadline_at = deadline_at
+        self.bulk_job_id = bulk_job_id
+        self.rate_per_s = rate_per_s
+        self.out = Outcome(claim.session.id, claim.run_id, "nothing_to_do", trigger=trigger)
+        self._lease: _KeptLease | None = None
+
+    @classmethod
+    async def open(cls, deps: Deps, session_id: str, *, trigger: str,
+                    task_id: str | None = None, bulk_job_id: str | None = None,
+                    rate_per_s: float | None = None) -> RunScope | Outcome:
+        """The scope of a new run of ``session_id``, or the outcome of a run that could not
+        start (nothing to do, or ``busy``: another run holds the lease)."""
+        deadline_at = asyncio.get_running_loop().time() + deps.config.worker.deadline_s
+        with deadline(deadline_at):
+            claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger,
+                                           lease_s=deps.config.worker.lease_s,
+                                           now=deps.clock(), task_id=task_id,
+                                           bulk_job_id=bulk_job_id)
+        if isinstance(claim, Skipped):
+            return _counted(Outcome(session_id, None, "nothing_to_do", trigger=trigger,
+                                    error=claim.reason))
+        if isinstance(claim, Busy):
+            return _counted(Outcome(session_id, claim.run_id, "failed", "busy", trigger=trigger,
+                                    error=f"leased by {claim.holder}"))
+        return cls(deps, claim, trigger=trigger, deadline_at=deadline_at,
+                   bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
+
+    async def run(self, pipeline: Callable[[], Awaitable[None]]) -> Outcome:
+        """Run ``pipeline`` under the lease and the deadline, and end the run: whatever way it
+        ends becomes the outcome; never raises for a failed run (a cancellation is recorded,
+        then let through)."""
+        deps, out = self.deps, self.out
+        loop = asyncio.get_running_loop()
+        metrics().in_flight.inc()
+        with logs.bind(session_id=out.session, run_id=out.run_id):
+            try:
+                # Statements end at the deadline on the server (storage.database.deadline); the
+                # loop's own timeout, a moment later, ends whatever else still waits.
+                with deadline(self.deadline_at):
+                    async with asyncio.timeout_at(self.deadline_at + DEADLINE_OVERRUN_S), \
+                            _kept_lease(deps, self.claim) as lease:
+                        self._lease = lease
+                        try:
+                            await pipeline()
+                        except asyncio.CancelledError:
+                            if not lease.lost.is_set():
+                                raise
+                            current = asyncio.current_task()
+                            if current is not None:
+                                current.uncancel()
+                            raise LeaseLost("the lease could not be renewed") from None
+            except asyncio.CancelledError:
+                # Worker shutdown, a revoked task or the task's time limit: record it, then let
+                # the cancellation through.
+                if not out.ended:
+                    out.fail("cancelled", "the run was cancelled before it committed")
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self._end_failed())
+                raise
+            except (TimeoutError, StorageError, RunFailed) as exc:
+                if out.ended:
+                    # The run's end is committed: what failed after it (the loop guard's
+                    # bookkeeping) does not make it a failed run.
+                    logger.warning("after the run ended: %s", type(exc).__name__,
+                                   extra={"action": "compaction.after_end"})
+                else:
+                    out.fail(*failure_of(exc, past_deadline=loop.time() >= self.deadline_at,
+                                         deadline_s=deps.config.worker.deadline_s))
+                    await self._end_failed_quietly()
+            finally:
+                metrics().in_flight.dec()
+            signalled_at = self.claim.session.signal_at
+            if out.outcome == "committed" and out.trigger in AUTOMATIC_TRIGGERS and signalled_at:
+                # The wait an agent under pressure has for its checkpoint: the alert on the
+                # runway (ops/prometheus/alerts.yaml) compares its p99 with the least runway.
+                metrics().pressure_to_checkpoint.labels(out.trigger).observe(
+                    max(0.0, (deps.clock() - signalled_at).total_seconds()))
+            logger.info("compaction %s%s", out.outcome,
+                        f" ({out.failure_class})" if out.failure_class else "",
+                        extra={"action": "compaction.end", "outcome": out.outcome,
+                               "failure_class": out.failure_class, "trigger": out.trigger,
+                               "tokens_before": out.tokens_before,
+                               "tokens_after": out.tokens_after, "stages": out.stages,
+                               "model": out.model})
+        return _counted(out)
+
+    # ---------------------------------------------------------------------------- writing
+
+    async def commit(self, replacements: Sequence[Replacement], *, what: str,
+                     expected: Sequence[tuple[int, int]] | None = None,
+                     final: bool = False) -> SessionInfo:
+        """Commit ``replacements`` under the lease (the fence must still be ours). ``final``:
+        the run's end (the outcome as it stands) goes in the same transaction, written last,
+        and the lease stops renewing first. A failed commit is ``commit`` failure of ``what``,
+        unless the lease, the surface or the deadline is what refused it."""
+        end = None
+        if final:
+            end = self.out.run_end()
+            await self._kept().stop()
+        try:
+            info = await self.deps.store.commit(
+                self.claim.session.id, run_id=self.claim.run_id, fence=self.claim.fence,
+                replacements=replacements, expected=expected, end=end, now=self.deps.clock())
+        except (LeaseLost, SurfaceChanged, DeadlinePassed):
+            raise
+        except StorageError as exc:
+            raise RunFailed("commit", f"committing {what} failed: {exc}") from exc
+        if final:
+            self.out.ended = True
+        return info
+
+    async def end(self) -> None:
+        """End a run whose last step committed without its end: stop the lease, then write the
+        run row and ``compaction/end``, clearing the lease."""
+        await self._kept().stop()
+        if not await self.deps.store.finish(self.claim.session.id, run_id=self.claim.run_id,
+                                            fence=self.claim.fence, end=self.out.run_end(),
+                                            now=self.deps.clock()):
+            raise LeaseLost("the lease was lost before the run ended")
+        self.out.ended = True
+
+    async def _end_failed(self) -> None:
+        """Write the end of a failed run and release its lease, within its own grace (the run's
+        deadline may be what ended it). If the lease is gone, the run row says what became of
+        the run: a commit that landed although its answer did not arrive (a deadline cancelled
+        the wait) makes the outcome committed after all."""
+        deps, out, claim = self.deps, self.out, self.claim
+        worker = deps.config.worker
+        grace_s = min(FINISH_GRACE_S, (worker.task_time_limit_s - worker.deadline_s) / 2)
+        with deadline(asyncio.get_running_loop().time() + grace_s):
+            if await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
+                                       end=out.run_end(), now=deps.clock()):
+                return
+            run = await deps.store.get_run(claim.run_id)
+        if run is not None and run.status == "committed":
+            out.outcome, out.failure_class, out.error, out.ended = "committed", None, None, True
+            out.tokens_after = run.tokens_after
+
+    async def _end_failed_quietly(self) -> None:
+        """End the run's journal; if even that fails, the lease expires and the reaper ends it."""
+        try:
+            await self._end_failed()
+        except StorageError as exc:
+            logger.warning("could not record the end of a failed run; the reaper will",
+                           extra={"action": "compaction.finish_failed", "error": str(exc)})
+
+    def _kept(self) -> _KeptLease:
+        assert self._lease is not None, "the lease is kept only inside RunScope.run"
+        return self._lease
+
+    # ---------------------------------------------------------------------- model calls
+
+    def models_left_s(self) -> float:
+        """What the remote models have left: the run's deadline less the commit's reserve."""
+        reserve_s = min(COMMIT_RESERVE_S, self.deps.config.worker.deadline_s / 10)
+        return max(0.0, self.deadline_at - reserve_s - asyncio.get_running_loop().time())
+
+    def providers(self) -> Any:
+        """The process's provider pool, behind the global and bulk-job rate meters; the time
+        the calls wait on the meters is added to the outcome."""
+        deps = self.deps
+        worker = deps.config.worker
+        if deps.models is None:
+            deps.models = ProviderPool.from_config(worker)
+        meters: list[tuple[str, float]] = []
+        if worker.provider_rate_per_s:
+            meters.append((RATE_PROVIDER, worker.provider_rate_per_s))
+        if self.rate_per_s:
+            meters.append((bulk_meter(self.bulk_job_id or "adhoc"), self.rate_per_s))
+        if not meters:
+            return deps.models
+        return MeteredProviders(deps.models, deps.limiter, meters, on_wait=self._waited)
+
+    def _waited(self, seconds: float) -> None:
+        self.out.rate_wait_s += seconds
+
+    def record_call(self, attempts: Sequence[Any], step_usage: dict[str, Any] | None = None
+                    ) -> dict[str, Any] | None:
+        """Record one summarizer call's ``attempts``: the candidates tried, their latency and
+        failures, and what the providers billed (every attempt that got an answer, refused ones
+        too) added to the run's usage and to ``step_usage``, which is returned."""
+        self.out.candidates.extend(a.to_json() for a in attempts)
+        m = metrics()
+        for a in attempts:
+            m.model_latency.labels(a.candidate).observe(a.latency_s)
+            if a.kind is not None:
+                m.model_failures.labels(a.candidate, a.kind).inc()
+        for attempt in attempts:
+            reported = attempt.usage.to_json() if attempt.usage is not None else {}
+            if all(reported.get(kind) is None for kind in USAGE_KINDS):
+                continue  # no answer, or the local summarizer (no call)
+            tokens = {kind: int(reported.get(kind) or 0) for kind in USAGE_KINDS}
+            step_usage = _add_usage(step_usage, attempt.candidate, tokens)
+            self.out.usage = _add_usage(self.out.usage, attempt.candidate, tokens)
+            for kind, value in tokens.items():
+                m.model_tokens.labels(attempt.candidate, kind.removesuffix("_tokens")).inc(value)
+        return step_usage
+
+
+def _add_usage(total: dict[str, Any] | None, candidate: str, tokens: dict[str, int]
+               ) -> dict[str, Any]:
+    """``total`` with one more call's tokens, overall and under its candidate."""
+    total = total or {"calls": 0, **dict.fromkeys(USAGE_KINDS, 0), "by_candidate": {}}
+    mine = total["by_candidate"].setdefault(candidate,
+                                            {"calls": 0, **dict.fromkeys(USAGE_KINDS, 0)})
+    for counts in (total, mine):
+        counts["calls"] += 1
+        for kind, value in tokens.items():
+            counts[kind] += value
+    return total
+
+
+def _counted(out: Outcome) -> Outcome:
+    metrics().compactions.labels(out.outcome, out.failure_class or "", out.trigger).inc()
+    if out.tokens_before is not None:
+        metrics().tokens_before.observe(out.tokens_before)
+    if out.outcome == "committed" and out.tokens_after is not None:
+        metrics().tokens_after.observe(out.tokens_after)
+    return out
+
+
+class _KeptLease:
+    """The renewer of one run's lease. :meth:`stop` ends it before the run's ending commit:
+    that commit clears the lease, and a renewal after it would find the fence gone and cancel
+    a run that has already committed."""
+
+    def __init__(self, deps: Deps, claim: Claim) -> None:
+        self.lost = asyncio.Event()
+        self._stopped = False
+        self._renewing = False
+        self._body = asyncio.current_task()
+        self._task = asyncio.create_task(self._renew(deps, claim, deps.config.worker.lease_s))
+
+    async def _renew(self, deps: Deps, claim: Claim, lease_s: float) -> None:
+        while not self._stopped:
+            await asyncio.sleep(lease_s / 3)
+            if self._stopped:
+                return
+            self._renewing = True
+            try:
+                ok = await deps.store.renew(claim.session.id, run_id=claim.run_id,
+                                            fence=claim.fence, lease_s=lease_s, now=deps.clock())
+            except StorageError:
+                continue  # transient; the next renewal, or the expiry, decides
+            finally:
+                self._renewing = False
+            if not ok and not self._stopped:
+                # Lost to someone else: the body's model calls are wasted work now.
+                self.lost.set()
+                if self._body is not None:
+                    self._body.cancel()
+                return
+
+    async def stop(self) -> None:
+        """No renewal after this returns. One in flight is let finish (cancelling it would
+        break its transaction's connection); its answer no longer cancels the body, and the
+        commit that follows checks the fence itself."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if not self._renewing:
+            self._task.cancel()
+        # wait(), not await: the renewer's own end is no error here, and a cancellation of
+        # the body while it waits must still reach the body.
+        await asyncio.wait([self._task])
+
+
+@contextlib.asynccontextmanager
+async def _kept_lease(deps: Deps, claim: Claim) -> AsyncIterator[_KeptLease]:
+    """Renew the lease every third of its length while the body runs; if a renewal finds the
+    fence moved, cancel the body and set ``lost``."""
+    lease = _KeptLease(deps, claim)
+    try:
+        yield lease
+    finally:
+        await lease.stop()
