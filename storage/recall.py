@@ -22,13 +22,11 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
-import aiosql
-import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from storage.connectors import Connector
 from storage.database import snapshot
 from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
 from storage.recall_bounds import DEFAULT_SEARCH_LIMIT, check_limit, check_offset, check_query
@@ -47,15 +45,6 @@ _READ_BATCH = 64  # originals fetched per statement while a page fills
 _CURSOR_PREFIX = "hr1."
 _WORD = re.compile(r"\w+")
 _NO_SPAN = (0, 2**63 - 1)
-
-# ":name" placeholders, as SQLAlchemy's text() takes them (aiosqlite's parameter style).
-_QUERIES: Any = aiosql.from_str(
-    resources.files("storage").joinpath("sql", "recall.sql").read_text(encoding="utf-8"),
-    "aiosqlite")
-
-
-def _sql(name: str) -> sa.TextClause:
-    return sa.text(str(getattr(_QUERIES, name).sql))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +170,7 @@ class RecallMixin:
     """``history_search`` and ``history_read`` for :class:`storage.store.Store`."""
 
     engine: AsyncEngine
-    sqlite: bool
+    db: Connector
 
     async def history_search(self, session_id: str, query: str, checkpoint: str | None = None,
                              limit: int = DEFAULT_SEARCH_LIMIT, *, tenant: str | None = None
@@ -191,41 +180,37 @@ class RecallMixin:
         first); at most ``limit``."""
         check_query(query)
         check_limit(limit)
+        db = self.db
         async with snapshot(self.engine) as conn:
-            await _session(conn, session_id, tenant)
+            await _session(db, conn, session_id, tenant)
             first, last = _NO_SPAN
             if checkpoint is not None:
-                _, first, last = await _node(conn, session_id, checkpoint)
+                _, first, last = await _node(db, conn, session_id, checkpoint)
             span = {"session_id": session_id, "first_seq": first, "last_seq": last}
-            scanned = (await conn.execute(_sql("history_scanned"), span)).one()
+            scanned = await db.fetchrow("history_scanned", conn=conn, **span)
+            assert scanned is not None  # an aggregate has a row
             common = {**span, "query": query, "limit": limit}
-            suffix = "sqlite" if self.sqlite else "pg"
-            exact_params = {**common, "before": SNIPPET_BEFORE_CHARS, "width": SNIPPET_CHARS}
-            if self.sqlite:
-                exact_params["phrase"] = _fts_phrase(query)
-            else:
-                exact_params["pattern"] = _like_pattern(query)
-            rows = (await conn.execute(_sql(f"history_search_exact_{suffix}"),
-                                       exact_params)).all()
-            hits = [SearchHit(r.ref, r.seq, r.snippet, True) for r in rows]
-            words = fuzzy_words(query)
-            if self.sqlite:
-                words = [w for w in words if len(w) >= 3]
+            # Each backend's form takes the parameters it names: a LIKE pattern (PostgreSQL's
+            # trigram index) or an FTS5 phrase (SQLite's).
+            rows = await db.fetch(db.variant("history_search_exact"), conn=conn, **common,
+                                  before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS,
+                                  pattern=_like_pattern(query), phrase=_fts_phrase(query))
+            hits = [SearchHit(r["ref"], r["seq"], r["snippet"], True) for r in rows]
+            words = [w for w in fuzzy_words(query) if len(w) >= db.shortest_indexed_word]
             # A query of one word has no fuzzy hits: every message holding the word holds
             # the query, and is an exact hit already.
             if words == [query.strip().lower()]:
                 words = []
             if len(hits) < limit and words:
-                fuzzy = {**common, "limit": limit - len(hits)}
-                if self.sqlite:
-                    fuzzy["words"] = " OR ".join(_fts_phrase(w) for w in words)
-                else:
-                    del fuzzy["query"]
-                    fuzzy.update(words=" | ".join(f"'{w}'" for w in words), word_list=words,
-                                 pattern=_like_pattern(query), candidates=FUZZY_CANDIDATES)
-                for r in await conn.execute(_sql(f"history_search_fuzzy_{suffix}"), fuzzy):
-                    hits.append(SearchHit(r.ref, r.seq, _snippet(r.body, words), False))
-        return SearchResult(tuple(hits), int(scanned.messages), int(scanned.bytes))
+                rows = await db.fetch(
+                    db.variant("history_search_fuzzy"), conn=conn,
+                    **{**common, "limit": limit - len(hits)},
+                    pattern=_like_pattern(query), candidates=FUZZY_CANDIDATES, word_list=words,
+                    tsquery=" | ".join(f"'{w}'" for w in words),
+                    fts_words=" OR ".join(_fts_phrase(w) for w in words))
+                hits += [SearchHit(r["ref"], r["seq"], _snippet(r["body"], words), False)
+                         for r in rows]
+        return SearchResult(tuple(hits), int(scanned["messages"]), int(scanned["bytes"]))
 
     async def history_read(self, session_id: str, checkpoint: str, offset: int | str = 0, *,
                            budget_tokens: int = DEFAULT_READ_TOKENS,
@@ -245,11 +230,12 @@ class RecallMixin:
         if not MIN_READ_TOKENS <= budget_tokens <= MAX_READ_TOKENS:
             raise RecallArgumentError("budget_tokens", f"must be between {MIN_READ_TOKENS} and "
                                                        f"{MAX_READ_TOKENS}, got {budget_tokens}")
+        db = self.db
         async with snapshot(self.engine) as conn:
-            run_model = await _session(conn, session_id, tenant)
-            _, first, last = await _node(conn, session_id, ref)
+            run_model = await _session(db, conn, session_id, tenant)
+            _, first, last = await _node(db, conn, session_id, ref)
             span = {"session_id": session_id, "first_seq": first, "last_seq": last}
-            total = int((await conn.execute(_sql("history_count"), span)).scalar() or 0)
+            total = int(await db.fetchval("history_count", conn=conn, **span) or 0)
             counter = counter_for(run_model)
             parts: list[str] = []
             seqs: list[int] = []
@@ -257,16 +243,16 @@ class RecallMixin:
             at, within = index, char
             done = False
             while not done and at < total:
-                rows = (await conn.execute(_sql("history_originals"), {
-                    **span, "limit": _READ_BATCH, "offset": at})).all()
+                rows = await db.fetch("history_originals", conn=conn, **span,
+                                      limit=_READ_BATCH, offset=at)
                 if not rows:
                     break
                 for row in rows:
-                    block = render_original(row.seq, _payload(row.payload))[within:]
+                    block = render_original(row["seq"], _payload(row["payload"]))[within:]
                     tokens = counter.count_text(block)
                     if used + tokens <= budget_tokens:
                         parts.append(block)
-                        seqs.append(row.seq)
+                        seqs.append(row["seq"])
                         used += tokens
                         at, within = at + 1, 0
                         continue
@@ -274,7 +260,7 @@ class RecallMixin:
                         # Too large for what is left: as much as fits, the rest next page.
                         cut = _fit(block, budget_tokens - used, counter)
                         parts.append(block[:cut])
-                        seqs.append(row.seq)
+                        seqs.append(row["seq"])
                         used += counter.count_text(block[:cut])
                         within += cut
                     done = True
@@ -286,20 +272,22 @@ class RecallMixin:
                         total_messages=total, tokens=used)
 
 
-async def _session(conn: AsyncConnection, session_id: str, tenant: str | None) -> str | None:
+async def _session(db: Connector, conn: AsyncConnection, session_id: str,
+                   tenant: str | None) -> str | None:
     """The session's run model; another tenant's session is not found, like a missing one."""
-    row = (await conn.execute(_sql("history_session"), {"session_id": session_id})).first()
-    if row is None or (tenant is not None and row.tenant != tenant):
+    row = await db.fetchrow("history_session", conn=conn, session_id=session_id)
+    if row is None or (tenant is not None and row["tenant"] != tenant):
         raise SessionNotFound(session_id)
-    return row.run_model
+    run_model: str | None = row["run_model"]
+    return run_model
 
 
-async def _node(conn: AsyncConnection, session_id: str, ref: str) -> tuple[int, int, int]:
-    row = (await conn.execute(_sql("history_node"),
-                              {"session_id": session_id, "ref": ref.strip()})).first()
+async def _node(db: Connector, conn: AsyncConnection, session_id: str, ref: str
+                ) -> tuple[int, int, int]:
+    row = await db.fetchrow("history_node", conn=conn, session_id=session_id, ref=ref.strip())
     if row is None:
         raise RecallNotFound(session_id, ref)
-    return int(row.seq), int(row.first_seq), int(row.last_seq)
+    return int(row["seq"]), int(row["first_seq"]), int(row["last_seq"])
 
 
 def _payload(raw: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from storage.messages import parse_openai  # noqa: E402
-from storage.recall import RecallMixin, render_original  # noqa: E402
+from storage.recall import render_original  # noqa: E402
 from storage.store import Store  # noqa: E402
 from tests.bench.common import (  # noqa: E402
     machine,
@@ -57,10 +57,6 @@ WORDS = ["ledger", "invoice", "currency", "rounding", "balance", "payload", "ret
          "cursor", "batch", "schema", "column", "index", "record", "warehouse", "shipment"]
 READ_BUDGET = 2000
 MAX_ROUNDS = 200
-
-
-class RecallStore(RecallMixin, Store):
-    pass
 
 
 def session_messages(size: int, seed: int) -> tuple[list[dict[str, Any]], dict[int, str]]:
@@ -112,7 +108,7 @@ async def build(url: str, size: int) -> tuple[str, list[dict[str, Any]], dict[in
     return session_id, messages, facts, rounds
 
 
-async def measure(store: RecallStore, session_id: str, messages: list[dict[str, Any]],
+async def measure(store: Store, session_id: str, messages: list[dict[str, Any]],
                   facts: dict[int, str], queries: int) -> dict[str, Any]:
     surface = await store.read_surface(session_id)
     on_surface = {n.seq for n in surface.nodes if n.kind == "message"}
@@ -203,7 +199,7 @@ async def run(url: str, sizes: list[int], queries: int) -> dict[str, Any]:
         built.append((size, session_id, messages, facts,
                       {"rounds": rounds, "build_s": round(time.perf_counter() - started, 1)}))
     await vacuum(url)
-    store = RecallStore.from_url(url)
+    store = Store.from_url(url)
     try:
         by_size = {}
         for size, session_id, messages, facts, extra in built:

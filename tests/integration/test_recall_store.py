@@ -13,7 +13,7 @@ import pytest
 from scheduler.samples import coding_session
 from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
 from storage.messages import parse_openai
-from storage.recall import RecallMixin, encode_cursor, render_original
+from storage.recall import encode_cursor, render_original
 from storage.recall_bounds import MAX_QUERY_BYTES
 from storage.store import Store
 from worker.orchestration import compact
@@ -23,10 +23,6 @@ from worker.settings import Settings, build_config
 POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
           "keep": {"type": "messages", "value": 12}}
 NEEDLE = "ERR-7f3a9c: checksum mismatch in /srv/data/part-00017.parquet"
-
-
-class RecallStore(RecallMixin, Store):
-    """The store with recall mixed in, as the lead wires it into Store at merge."""
 
 
 def _messages(needle_at: int = 10) -> list[dict[str, Any]]:
@@ -40,7 +36,7 @@ def _messages(needle_at: int = 10) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-async def compacted(db_url: str) -> AsyncIterator[tuple[RecallStore, list[dict[str, Any]]]]:
+async def compacted(db_url: str) -> AsyncIterator[tuple[Store, list[dict[str, Any]]]]:
     config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
     sample = _messages()
     async with open_deps(config, owner="recall-test") as deps:
@@ -51,7 +47,7 @@ async def compacted(db_url: str) -> AsyncIterator[tuple[RecallStore, list[dict[s
             outcome = await compact(deps, session_id, trigger="pressure")
             assert outcome.outcome == "committed", outcome.to_json()
             assert (await deps.store.verify(session_id)).ok
-    store = RecallStore.from_url(db_url)
+    store = Store.from_url(db_url)
     try:
         yield store, sample
     finally:
