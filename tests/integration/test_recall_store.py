@@ -16,6 +16,7 @@ from storage.messages import parse_openai
 from storage.recall import encode_cursor, render_original
 from storage.recall_bounds import MAX_QUERY_BYTES
 from storage.store import Store
+from tests.support.tables import row_counts
 from worker.orchestration import compact
 from worker.runtime import open_deps
 from worker.settings import Settings, build_config
@@ -175,14 +176,14 @@ async def test_bad_input_is_refused_by_name_and_writes_nothing(compacted, call,
                                                                argument) -> None:
     store, _ = compacted
     ref = await _checkpoint_ref(store, "s1")
-    before = await store.counts()
+    before = await row_counts(store)
     expected = RecallNotFound if argument is None else RecallArgumentError
     with pytest.raises(expected) as caught:
         await call(store, ref)
     if argument is not None:
         assert caught.value.argument == argument  # type: ignore[attr-defined]
         assert str(caught.value).startswith(argument)
-    assert await store.counts() == before
+    assert await row_counts(store) == before
 
 
 async def test_a_cursor_of_another_checkpoint_is_refused(compacted) -> None:
