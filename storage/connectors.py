@@ -45,6 +45,15 @@ class Connector:
     encodes_appends: bool
     #: A claim waits for the session's row lock (PostgreSQL), rather than the database's.
     locks_rows: bool
+    #: The shortest word the text index finds (SQLite's FTS5 indexes trigrams).
+    shortest_indexed_word: int
+    #: The suffix of this backend's form of a query the two spell differently.
+    variant_suffix: str
+
+    def variant(self, name: str) -> str:
+        """This backend's form of query ``name`` (``<name>_pg`` or ``<name>_sqlite`` in
+        storage/sql)."""
+        return f"{name}_{self.variant_suffix}"
 
     async def fetch(self, name: str, *, conn: AsyncConnection | None = None,
                     **params: Any) -> list[Row]:
@@ -95,6 +104,8 @@ class PostgresConnector(Connector):
 
     encodes_appends = True
     locks_rows = True
+    shortest_indexed_word = 1
+    variant_suffix = "pg"
 
     def __init__(self, engine: AsyncEngine, *, kept: int = 1) -> None:
         self.engine = engine
@@ -157,6 +168,8 @@ class PostgresConnector(Connector):
 class SQLiteConnector(Connector):
     encodes_appends = False
     locks_rows = False
+    shortest_indexed_word = 3
+    variant_suffix = "sqlite"
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -223,4 +236,4 @@ def _sqlite_text(name: str, *datetimes: str) -> Any:
 @functools.cache
 def _named_text(name: str) -> Any:
     """A query as SQLAlchemy text, for a statement inside a transaction on PostgreSQL."""
-    return sa.text(sql.NAMED_TEXT[name])
+    return sa.text(sql.postgres_text(name))

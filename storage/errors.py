@@ -88,3 +88,21 @@ class LeaseLost(StorageError):
 
 class SurfaceChanged(StorageError):
     """The surface changed since the compaction read it."""
+
+
+class RecallArgumentError(BadInput, ValueError):
+    """An argument of a recall operation is not valid."""
+
+    def __init__(self, argument: str, reason: str) -> None:
+        self.argument = argument
+        self.reason = reason
+        super().__init__(f"{argument}: {reason}")
+
+
+class RecallNotFound(BadInput):
+    """No such checkpoint or pruned result in this session."""
+
+    def __init__(self, session_id: str, ref: str) -> None:
+        self.session_id = session_id
+        self.ref = ref
+        super().__init__(f"session {session_id!r} has no checkpoint or pruned result {ref!r}")

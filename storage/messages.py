@@ -33,6 +33,7 @@ META_HIDDEN = "hide_from_ui"
 META_SKILL = "skill_context_entry"
 META_CHECKPOINT = "checkpoint"
 META_PRUNED = "pruned"
+META_RECALL = "recall"
 
 # The deepest an array or object may sit inside one message field (content, meta, tool
 # arguments given as an object). Real content is a few levels deep; the bound keeps every read
@@ -47,11 +48,13 @@ TOO_DEEP = (f"JSON nested too deep to read (a message may nest at most {MAX_NEST
 
 # Keys only compactd writes, on the nodes a compaction commits: the checkpoint flag, its summary,
 # skills and render form, the authority contract's flag, the run that wrote it, the pruning
-# marks. A runtime that sends one is refused: a message carrying them would be rendered, counted
-# or summarized as compactd's own work (a fake checkpoint, a result never pruned). A unit test
-# holds this set to the keys the worker writes.
+# marks, the recall reference a footer names. A runtime that sends one is refused: a message
+# carrying them would be rendered, counted or summarized as compactd's own work (a fake
+# checkpoint, a result never pruned, a footer pointing elsewhere). A unit test holds this set
+# to the keys the worker writes.
 RESERVED_META = frozenset({META_CHECKPOINT, "summary", "skills", "render", "authority_contract",
-                           "run_id", META_PRUNED, "cleared", "cleared_tool_inputs"})
+                           "run_id", META_PRUNED, "cleared", "cleared_tool_inputs",
+                           META_RECALL})
 
 
 class ToolCall(BaseModel):

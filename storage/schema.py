@@ -230,6 +230,49 @@ manual_requests = sa.Table(
     sa.Column("queued_at", UTCDateTime, nullable=False),
 )
 
+# Recall (migration 0010): what compaction replaced, kept searchable. Filled by a trigger on the
+# insert of every replace event (a checkpoint or a pruned node), never by the append path, so
+# only what was replaced is indexed and an append costs nothing more.
+#
+# One row per replace node: the name its footer gives it (``c12-340``, ``r57``), the span of
+# original seqs it stands for, and how many originals (and their bytes) it was the first to
+# replace: a search's "scanned" sums these over the nodes inside its span instead of reading
+# every original.
+recall_nodes = sa.Table(
+    "recall_nodes", metadata,
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("seq", sa.BigInteger, primary_key=True),
+    sa.Column("ref", sa.String(64), nullable=False),
+    sa.Column("first_seq", sa.BigInteger, nullable=False),
+    sa.Column("last_seq", sa.BigInteger, nullable=False),
+    sa.Column("messages", sa.Integer, nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Index("ix_recall_nodes_ref", "session_id", "ref"),
+)
+
+# One row per original message a replace took off the surface: its searchable text (content,
+# text blocks, tool calls' names and arguments) and the node that first replaced it. The text
+# indexes are not declared here (``UNMANAGED_SCHEMA``): PostgreSQL's are trigram and full-text
+# GIN indexes on this column, SQLite's an FTS5 table beside it.
+recall_originals = sa.Table(
+    "recall_originals", metadata,
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("seq", sa.BigInteger, primary_key=True),
+    sa.Column("node_seq", sa.BigInteger, nullable=False),
+    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("bytes", sa.Integer, nullable=False),
+)
+
+# Objects migrations create that the models cannot describe (an FTS5 table and its shadow
+# tables, GIN indexes with operator classes and expressions): ``alembic check`` leaves them be.
+UNMANAGED_SCHEMA = ("recall_fts", "ix_recall_originals_trgm", "ix_recall_originals_tsv")
+
+
+def unmanaged(name: str | None) -> bool:
+    return name is not None and name.startswith(UNMANAGED_SCHEMA)
+
 
 SESSION_COLUMNS = list(sessions.c)
 RUN_COLUMNS = list(compaction_runs.c)

@@ -168,7 +168,7 @@ class _Calls:
             # strictly smaller than everything it replaces.
             return validate_summary(text, replaced_tokens=step.replaced_tokens if last else None,
                                     policy=policy, run_model=info.run_model, skills=step.skills,
-                                    has_history=step.has_history)
+                                    has_history=step.has_history, recall=step.recall)
 
         chat = build_prompt(step.calls[self.index], running, policy, info.envelope)
         return SummaryRequest.of(chat, messages=step.calls[self.index].messages,

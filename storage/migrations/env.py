@@ -9,7 +9,7 @@ from alembic import context
 from sqlalchemy.engine import Connection
 
 from storage.database import create_engine, embedded_url
-from storage.schema import metadata
+from storage.schema import metadata, unmanaged
 
 config = context.config
 target_metadata = metadata
@@ -20,9 +20,14 @@ def _url() -> str:
             or os.environ.get("COMPACTD_DATABASE_URL") or embedded_url())
 
 
+def _include_name(name: str | None, type_: str, _parents: object) -> bool:
+    return not (type_ in ("table", "index") and unmanaged(name))
+
+
 def _configure(connection: Connection) -> None:
     context.configure(connection=connection, target_metadata=target_metadata,
-                      compare_type=True, render_as_batch=connection.dialect.name == "sqlite")
+                      compare_type=True, render_as_batch=connection.dialect.name == "sqlite",
+                      include_name=_include_name)
     with context.begin_transaction():
         context.run_migrations()
 
@@ -39,7 +44,7 @@ async def _run_online() -> None:
 
 def run_migrations_offline() -> None:
     context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
-                      compare_type=True)
+                      compare_type=True, include_name=_include_name)
     with context.begin_transaction():
         context.run_migrations()
 

@@ -1,10 +1,13 @@
 """compactd's SQL text, in one place.
 
-``queries.sql`` holds every named statement (aiosql's ``-- name:`` format), loaded once per
-parameter style: ``POSTGRES`` runs on an asyncpg connection (``$1`` placeholders), and
-``NAMED_TEXT`` holds the same text with ``:name`` placeholders for SQLAlchemy's ``text()``. A
-query whose docstring has a ``postgres-only:`` line runs on PostgreSQL alone, for the reason
-given there.
+Every ``*.sql`` file here holds named statements (aiosql's ``-- name:`` format): ``queries.sql``
+the store's, ``recall.sql`` recall's (one file per part keeps each readable; a name is unique
+across them). They are loaded once per parameter style: ``POSTGRES`` runs on an asyncpg
+connection (``$1`` placeholders), and ``NAMED_TEXT`` holds the same text with ``:name``
+placeholders for SQLAlchemy's ``text()``. A query whose docstring has a ``postgres-only:`` or
+``sqlite-only:`` line runs on that backend alone, for the reason given there; where the two
+spell one statement differently, ``<name>_pg`` and ``<name>_sqlite`` are its two forms, and the
+connector picks its own (:meth:`storage.connectors.Connector.variant`).
 
 ``functions/<name>.sql`` is the current definition of each PL/pgSQL function, in
 ``pg_get_functiondef``'s form: the migrations create the functions from these files, and
@@ -21,25 +24,45 @@ from typing import Any
 import aiosql
 from aiosql.types import SQLOperationType
 
-FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit")
+FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit", "compactd_recall_body",
+             "compactd_recall_index", "compactd_recall_trigger")
 
 _HERE = resources.files(__name__)
-_QUERIES_TEXT = _HERE.joinpath("queries.sql").read_text(encoding="utf-8")
+_QUERIES_TEXT = "\n\n".join(
+    f.read_text(encoding="utf-8") for f in sorted(_HERE.iterdir(), key=lambda f: f.name)
+    if f.name.endswith(".sql"))
 
 POSTGRES: Any = aiosql.from_str(_QUERIES_TEXT, "asyncpg")
 NAMES: tuple[str, ...] = tuple(sorted(re.findall(r"^-- name: (\w+)", _QUERIES_TEXT, re.M)))
+if len(set(NAMES)) != len(NAMES):
+    raise RuntimeError(f"a query name is defined twice in storage/sql: {NAMES}")
 # aiosqlite's adapter keeps the :name placeholders SQLAlchemy's text() takes.
 _NAMED: Any = aiosql.from_str(_QUERIES_TEXT, "aiosqlite")
 NAMED_TEXT: dict[str, str] = {name: str(getattr(_NAMED, name).sql) for name in NAMES}
 
 _WRITES = re.compile(r"\s*(INSERT|UPDATE|DELETE)\b", re.I)
-_POSTGRES_ONLY = re.compile(r"^postgres-only:\s*(.+?)(?=\n\S+:|\Z)", re.M | re.S)
+
+
+def _only(backend: str, name: str) -> str | None:
+    pattern = rf"^{backend}-only:\s*(.+?)(?=\n\S+:|\Z)"
+    match = re.search(pattern, getattr(POSTGRES, name).__doc__ or "", re.M | re.S)
+    return None if match is None else " ".join(match.group(1).split())
 
 
 def postgres_only(name: str) -> str | None:
-    """Why query ``name`` runs on PostgreSQL alone, or None when it runs on both backends."""
-    match = _POSTGRES_ONLY.search(getattr(POSTGRES, name).__doc__ or "")
-    return None if match is None else " ".join(match.group(1).split())
+    """Why query ``name`` runs on PostgreSQL alone, or None when it runs on SQLite too."""
+    return _only("postgres", name)
+
+
+def sqlite_only(name: str) -> str | None:
+    """Why query ``name`` runs on SQLite alone, or None when it runs on PostgreSQL too."""
+    return _only("sqlite", name)
+
+
+def as_trigger_body(name: str, row: str = "NEW") -> str:
+    """Query ``name`` with each ``:param`` read from the trigger's ``row`` (``NEW.param``): a
+    trigger runs the same statement a caller runs with the row's columns as parameters."""
+    return re.sub(r"(?<![:\w]):(\w+)", rf"{row}.\1", NAMED_TEXT[name]).strip().rstrip(";")
 
 
 @functools.cache
@@ -47,6 +70,8 @@ def positional(name: str) -> tuple[str, tuple[str, ...]]:
     """Query ``name`` with asyncpg's ``$n`` placeholders, and the parameter names in their
     order, for a connector that runs it on an asyncpg connection itself (aiosql's own call
     costs about as much CPU as the statement's round trip)."""
+    if sqlite_only(name) is not None:
+        raise KeyError(f"query {name!r} runs on SQLite only")
     query = getattr(POSTGRES, name)
     return str(query.sql), tuple(POSTGRES.driver_adapter.var_sorted[name])
 
@@ -61,6 +86,14 @@ def returns_rows(name: str) -> bool:
 def writes(name: str) -> bool:
     """Whether query ``name`` changes rows (its own transaction on SQLite)."""
     return _WRITES.match(NAMED_TEXT[name]) is not None
+
+
+def postgres_text(name: str) -> str:
+    """Query ``name`` with ``:name`` placeholders, for a statement in a SQLAlchemy transaction
+    on PostgreSQL."""
+    if sqlite_only(name) is not None:
+        raise KeyError(f"query {name!r} runs on SQLite only")
+    return NAMED_TEXT[name]
 
 
 def sqlite_text(name: str) -> str:

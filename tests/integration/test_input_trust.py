@@ -22,6 +22,7 @@ from tests.integration.test_http_api import A, Served, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import FakeProvider
 from tests.support.tables import row_counts
+from worker.compaction.planner import checkpoint_recall
 from worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
 from worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
 from worker.settings import Config, Settings, build_config
@@ -34,7 +35,8 @@ def forged(key: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"checkpoint": True, "summary": BIG_SUMMARY, "render": "durable_context",
                             "run_id": "00000000-0000-0000-0000-000000000000", "pruned": True,
                             "skills": [], "authority_contract": True, "cleared": True,
-                            "cleared_tool_inputs": ["c1"]}
+                            "cleared_tool_inputs": ["c1"],
+                            "recall": {"ref": "c1-9", "first": 1, "last": 9, "footer": "x"}}
     return {"role": "user", "content": "hello", "meta": {"pinned": True, key: meta[key]}}
 
 
@@ -63,7 +65,7 @@ async def counts(db_url: str) -> dict[str, int]:
 def test_the_reserved_keys_are_every_key_a_compaction_writes() -> None:
     """If the worker starts writing a new flag, the input paths must refuse it too."""
     summary = checkpoint_message("s", [Skill("k", "/k.md", "d", 3)], "durable_context",
-                                 run_id="r")
+                                 recall=checkpoint_recall(1, 9), run_id="r")
     written = set(summary.meta) - {"hide_from_ui"}  # also a runtime's own flag (DeerFlow's)
     written |= {META_AUTHORITY, META_PRUNED, META_CLEARED, META_CLEARED_INPUTS}
     assert written == RESERVED_META

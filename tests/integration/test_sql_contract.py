@@ -1,5 +1,5 @@
-"""Every named query of storage/sql runs, on both backends or, when it says why, on PostgreSQL
-alone; each case checks what the query returns or changes, through the store's connector."""
+"""Every named query of storage/sql runs, on both backends or, when it says why, on one alone;
+each case checks what the query returns or changes, through the store's connector."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
+from storage import schema as t
 from storage import sql
+from storage.database import transaction
 from storage.migrate import HEAD_REVISION
-from storage.records import utcnow
+from storage.records import Replacement, utcnow
 from storage.store import Store
-from storage.surface import JOURNAL_PRUNE, KIND_PRUNED
+from storage.surface import JOURNAL_PRUNE, KIND_CHECKPOINT, KIND_PRUNED
 from tests.unit.compaction_helpers import user
 
 Case = Callable[[Store], Awaitable[None]]
@@ -158,6 +161,184 @@ async def _set_lock_wait(store: Store) -> None:
         ("20ms",)]
 
 
+# Recall (recall.sql): seqs 1 and 2 ("a", "b") replaced by a checkpoint named c1-2.
+SPAN: dict[str, Any] = {"session_id": "s1", "first_seq": 1, "last_seq": 2}
+EVERYWHERE: dict[str, Any] = {"session_id": "s1", "first_seq": 0, "last_seq": 2**63 - 1}
+
+
+async def _checkpointed(store: Store) -> None:
+    claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
+    await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
+                       replacements=[Replacement(
+                           seqs=(1, 2), kind=KIND_CHECKPOINT, tokens=3,
+                           journal_kind="compaction/summary",
+                           payload={"role": "user", "content": "summary",
+                                    "meta": {"checkpoint": True, "recall": {"ref": "c1-2"}}})])
+
+
+async def _search(store: Store, form: str, query: str, **params: Any) -> list[tuple[Any, ...]]:
+    """What ``form`` of a search returns (both forms take the same parameters)."""
+    name = f"{form}_{store.db.variant_suffix}"
+    words = query.lower().split()
+    rows = await store.db.fetch(name, **{
+        **EVERYWHERE, "query": query, "limit": 10, "before": 1, "width": 3,
+        "pattern": f"%{query}%", "phrase": f'"{query}"', "candidates": 10, "word_list": words,
+        "tsquery": " | ".join(words), "fts_words": " OR ".join(f'"{w}"' for w in words),
+        **params})
+    return [tuple(r.values()) for r in rows]
+
+
+@case("history_session")
+async def _history_session(store: Store) -> None:
+    row = await store.db.fetchrow("history_session", session_id="s1")
+    assert row is not None and (row["tenant"], row["run_model"]) == ("default", "gpt-4o")
+    assert await store.db.fetchrow("history_session", session_id="ghost") is None
+
+
+@case("history_node")
+async def _history_node(store: Store) -> None:
+    await _checkpointed(store)
+    [event] = await store.db.fetch("recall_replace_events")
+    row = await store.db.fetchrow("history_node", session_id="s1", ref="c1-2")
+    assert row is not None and tuple(row.values()) == (event["seq"], "c1-2", 1, 2)
+    assert await store.db.fetchrow("history_node", session_id="s1", ref="c9-9") is None
+
+
+@case("history_scanned")
+async def _history_scanned(store: Store) -> None:
+    assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (0, 0)
+    await _checkpointed(store)
+    assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (2, 2)
+
+
+@case("history_count")
+async def _history_count(store: Store) -> None:
+    await _checkpointed(store)
+    assert await store.db.fetchval("history_count", **SPAN) == 2
+    assert await store.db.fetchval("history_count", **{**SPAN, "last_seq": 1}) == 1
+
+
+@case("history_originals")
+async def _history_originals(store: Store) -> None:
+    await _checkpointed(store)
+    rows = await store.db.fetch("history_originals", **SPAN, limit=1, offset=1)
+    assert [r["seq"] for r in rows] == [2]
+    payload = rows[0]["payload"]
+    assert (json.loads(payload) if isinstance(payload, str) else payload)["content"] == "b"
+
+
+async def _exact(store: Store) -> None:
+    await store.append("s1", [user("the Needle here"), user("needle")])
+    claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
+    await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
+                       replacements=[Replacement(
+                           seqs=(3, 4), kind=KIND_CHECKPOINT, tokens=3,
+                           journal_kind="compaction/summary",
+                           payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
+    # newest first, case-insensitive, the snippet cut around the match; the node named from
+    # its span when its footer names none
+    assert await _search(store, "history_search_exact", "NEEDLE") == [
+        (4, "c3-4", "nee"), (3, "c3-4", " Ne")]
+    assert await _search(store, "history_search_exact", "needle", last_seq=3) == [
+        (3, "c3-4", " Ne")]
+
+
+async def _fuzzy(store: Store) -> None:
+    await store.append("s1", [user("alpha beta"), user("beta gamma"), user("alpha beta gamma")])
+    claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
+    await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
+                       replacements=[Replacement(
+                           seqs=(1, 2, 3, 4, 5), kind=KIND_CHECKPOINT, tokens=3,
+                           journal_kind="compaction/summary",
+                           payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
+    # sharing words but not holding the query whole; the message holding it is not a fuzzy hit
+    rows = await _search(store, "history_search_fuzzy", "alpha beta gamma")
+    assert sorted(r[0] for r in rows) == [3, 4]
+    assert all(r[1] == "c1-5" for r in rows)
+    assert await _search(store, "history_search_fuzzy", "zeta omega") == []
+
+
+for _form, _check in (("history_search_exact", _exact), ("history_search_fuzzy", _fuzzy)):
+    for _suffix in ("pg", "sqlite"):
+        case(f"{_form}_{_suffix}")(_check)
+
+
+@case("recall_replace_events")
+async def _recall_replace_events(store: Store) -> None:
+    assert await store.db.fetch("recall_replace_events") == []
+    await _checkpointed(store)
+    rows = await store.db.fetch("recall_replace_events")
+    assert [(r["session_id"], r["kind"]) for r in rows] == [("s1", KIND_CHECKPOINT)]
+    payload = rows[0]["payload"]
+    assert (json.loads(payload) if isinstance(payload, str) else payload)["replaces"] == [1, 2]
+
+
+async def _unindexed(store: Store) -> dict[str, Any]:
+    """The checkpoint's event, its index rows deleted as if written before migration 0010."""
+    await _checkpointed(store)
+    async with transaction(store.engine) as conn:
+        await conn.execute(sa.delete(t.recall_originals))
+        await conn.execute(sa.delete(t.recall_nodes))
+    [event] = await store.db.fetch("recall_replace_events")
+    payload = event["payload"]
+    return {**event, "payload": payload if isinstance(payload, str) else json.dumps(payload)}
+
+
+@case("recall_index")
+async def _recall_index(store: Store) -> None:
+    event = await _unindexed(store)
+    for _ in range(2):  # a second run adds nothing
+        await store.db.fetch("recall_index", **event)
+        assert await store.db.fetchval("history_count", **SPAN) == 2
+        assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (
+            2, 2)
+
+
+@case("recall_index_originals")
+async def _recall_index_originals(store: Store) -> None:
+    event = await _unindexed(store)
+    params = {k: event[k] for k in ("session_id", "seq", "payload")}
+    assert await store.db.execute("recall_index_originals", **params) == 2
+    assert await store.db.execute("recall_index_originals", **params) == 0
+    assert await store.db.fetchval("history_count", **SPAN) == 2
+
+
+@case("recall_index_node")
+async def _recall_index_node(store: Store) -> None:
+    event = await _unindexed(store)
+    await store.db.execute("recall_index_originals",
+                           **{k: event[k] for k in ("session_id", "seq", "payload")})
+    assert await store.db.execute("recall_index_node", **event) == 1
+    assert await store.db.execute("recall_index_node", **event) == 0
+    row = await store.db.fetchrow("history_node", session_id="s1", ref="c1-2")
+    assert row is not None and tuple(row.values()) == (event["seq"], "c1-2", 1, 2)
+
+
+@case("recall_fts_add")
+async def _recall_fts_add(store: Store) -> None:
+    await _checkpointed(store)  # the trigger indexed the originals "a" and "b"
+    found: dict[str, Any] = {"name": "history_search_fuzzy_sqlite", **EVERYWHERE, "query": "x",
+             "fts_words": '"zebra"', "limit": 10}
+    assert await store.db.fetch(**found) == []
+    # the index is what the search reads: an entry added for seq 1 finds the original
+    await store.db.execute("recall_fts_add", session_id="s1", seq=1, body="zebra crossing")
+    assert [tuple(r.values()) for r in await store.db.fetch(**found)] == [(1, "c1-2", "a")]
+
+
+@case("recall_fts_drop")
+async def _recall_fts_drop(store: Store) -> None:
+    await store.append("s1", [user("findable text")])
+    claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
+    await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
+                       replacements=[Replacement(
+                           seqs=(3,), kind=KIND_CHECKPOINT, tokens=3,
+                           journal_kind="compaction/summary",
+                           payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
+    assert len(await _search(store, "history_search_exact", "findable")) == 1
+    assert await store.db.execute("recall_fts_drop", session_id="s1", seq=3) == 1
+    assert await _search(store, "history_search_exact", "findable") == []
+
+
 def test_every_named_query_has_a_case() -> None:
     assert sorted(CASES) == sorted(sql.NAMES)
 
@@ -166,9 +347,12 @@ def test_every_named_query_has_a_case() -> None:
 async def test_the_named_query_runs(store: Store, name: str) -> None:
     await store.create_session("s1", run_model="gpt-4o")
     await store.append("s1", [user("a"), user("b")])
-    if store.db.encodes_appends or sql.postgres_only(name) is None:
+    refused = (sql.sqlite_only(name) if store.db.encodes_appends
+               else sql.postgres_only(name))
+    if refused is None:
         await CASES[name](store)
         return
-    # The embedded backend refuses what it cannot run, by name.
-    with pytest.raises(KeyError, match="PostgreSQL only"):
+    # A backend refuses what it cannot run, by name.
+    only = "SQLite only" if store.db.encodes_appends else "PostgreSQL only"
+    with pytest.raises(KeyError, match=only):
         await store.db.fetch(name)

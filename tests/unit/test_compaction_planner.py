@@ -80,7 +80,7 @@ def test_a_deferred_summary_is_left_for_the_pruned_surface():
 
 
 def test_forced_plan_ignores_trigger_and_keep():
-    surface = _chat(turns=3)
+    surface = _chat(turns=3, size=40)  # room for the checkpoint's footer
     result = plan(surface, policy=_policy(trigger=["tokens", 10**6]), now=NOW, force=True)
     assert not result.fired and result.forced
     assert result.summarize is not None

@@ -35,7 +35,9 @@ def _exact(messages):
 
 
 def test_content_cannot_break_out_of_its_block():
-    surface = nodes(sys(), user(ATTACK), ai("noted " + ATTACK), user("next"), ai("x"))
+    # long enough that a checkpoint with its footer is smaller
+    surface = nodes(sys(), user(ATTACK), ai("noted " + ATTACK + " fine" * 40), user("next"),
+                    ai("x"))
     step = _plan(surface).summarize
     assert step is not None
     [call] = step.calls
@@ -88,7 +90,7 @@ def test_existing_checkpoint_becomes_the_existing_summary():
 
 def test_replay_mode_sends_envelope_range_verbatim_and_instruction_last():
     surface = nodes(sys("runtime system"), user("u1"), ai("", ("c1", "bash", {"cmd": "ls"})),
-                    tool("c1", "a.txt"), user("u2"), ai("z"))
+                    tool("c1", "a.txt " * 40), user("u2"), ai("z"))
     policy = _policy(replay_mode=True)
     step = plan(surface, policy=policy, now=NOW, envelope_tokens=50).summarize
     assert step is not None
@@ -97,7 +99,7 @@ def test_replay_mode_sends_envelope_range_verbatim_and_instruction_last():
     assert messages[0] == {"role": "system", "content": "runtime system"}
     assert messages[1] == {"role": "user", "content": "u1"}
     assert messages[2]["tool_calls"][0]["function"]["name"] == "bash"
-    assert messages[3] == {"role": "tool", "content": "a.txt", "tool_call_id": "c1"}
+    assert messages[3] == {"role": "tool", "content": "a.txt " * 40, "tool_call_id": "c1"}
     assert messages[-1]["role"] == "user"
     assert "<existing_summary>\n(none)\n</existing_summary>" in messages[-1]["content"]
     assert "Primary Request and Intent" in messages[-1]["content"]

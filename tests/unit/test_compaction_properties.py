@@ -185,6 +185,6 @@ def test_plan_properties(surface: list[SurfaceNode], case: Any) -> None:
     for text in ("s", "## Current Work\nfixing the parser", sections):
         if validate_summary(text, replaced_tokens=step.replaced_tokens, policy=policy,
                             run_model=None, skills=step.skills,
-                            has_history=step.has_history) is None:
+                            has_history=step.has_history, recall=step.recall) is None:
             tokens = checkpoint_tokens(checkpoint_for(step, text, policy), None)
             assert kept + tokens < before

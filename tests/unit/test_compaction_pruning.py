@@ -16,6 +16,7 @@ from worker.compaction.pruning import (
     prune_tool_results,
     text_chars,
 )
+from worker.compaction.recall import pruned_note, pruned_ref
 
 CONFIG = PruneConfig()
 SMALL = PruneConfig(threshold_chars=20, head_chars=4, tail_chars=3)
@@ -134,8 +135,11 @@ def test_clear_tool_uses(config, pressure, cleared, inputs_cleared):
     for action in actions:
         assert action.tokens_after < action.tokens_before
         if action.message.role == "tool":
-            assert action.message.content == config.placeholder
+            # the placeholder, then the note naming the original a history_read returns
+            assert action.message.content == (
+                f"{config.placeholder}\n{pruned_note(pruned_ref(action.seq))}")
             assert action.message.meta["cleared"] is True
+            assert action.message.meta["recall"]["ref"] == f"r{action.seq}"
         else:
             assert action.message.tool_calls[0].arguments == "{}"
 
@@ -157,4 +161,6 @@ def test_merged_actions_keep_first_tokens_before():
     [merged] = merge_actions(sized, cleared)
     assert merged.tokens_before == surface[1].tokens
     assert merged.edits == ("prune", "clear")
-    assert merged.message.content == "[cleared]"
+    assert merged.message.content == "[cleared]\n" + pruned_note(pruned_ref(2))
+    assert merged.message.meta["recall"] == {"ref": "r2", "first": 2, "last": 2,
+                                             "footer": pruned_note(pruned_ref(2))}

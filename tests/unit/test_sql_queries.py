@@ -29,8 +29,19 @@ def _python(*packages: str) -> list[Path]:
 def test_every_named_query_is_used_in_storage() -> None:
     source = "\n".join(p.read_text(encoding="utf-8") for p in _python("storage")
                        if p != STORAGE / "sql" / "__init__.py")
-    unused = [name for name in sql.NAMES if f'"{name}"' not in source]
+    # A backend's form of a query is run by its base name (Connector.variant).
+    unused = [name for name in sql.NAMES
+              if f'"{re.sub(r"_(pg|sqlite)$", "", name)}"' not in source]
     assert not unused, f"named queries no storage module runs: {unused}"
+
+
+@pytest.mark.parametrize("name", sorted({re.sub(r"_(pg|sqlite)$", "", n) for n in sql.NAMES
+                                         if re.search(r"_(pg|sqlite)$", n)}))
+def test_a_query_with_backend_forms_has_both_each_for_its_backend(name: str) -> None:
+    assert f"{name}_pg" in sql.NAMES and f"{name}_sqlite" in sql.NAMES
+    assert sql.postgres_only(f"{name}_pg") is not None and sql.sqlite_only(f"{name}_pg") is None
+    assert sql.sqlite_only(f"{name}_sqlite") is not None
+    assert sql.postgres_only(f"{name}_sqlite") is None
 
 
 def test_the_unused_query_check_can_fail() -> None:
@@ -48,6 +59,27 @@ def test_a_postgres_only_query_says_why(name: str) -> None:
     assert len(reason.split()) >= 4, f"{name}: give the reason it runs on PostgreSQL only"
     with pytest.raises(KeyError, match="PostgreSQL only"):
         sql.sqlite_text(name)
+
+
+@pytest.mark.parametrize("name", sql.NAMES)
+def test_a_sqlite_only_query_says_why(name: str) -> None:
+    reason = sql.sqlite_only(name)
+    if reason is None:
+        if sql.postgres_only(name) is None:
+            assert sql.postgres_text(name) == sql.NAMED_TEXT[name]
+            assert sql.positional(name)[0]
+        return
+    assert sql.postgres_only(name) is None, f"{name}: runs on neither backend"
+    assert len(reason.split()) >= 4, f"{name}: give the reason it runs on SQLite only"
+    for refused in (sql.postgres_text, sql.positional):
+        with pytest.raises(KeyError, match="SQLite only"):
+            refused(name)
+
+
+def test_a_trigger_runs_the_named_statement_with_the_row_for_parameters() -> None:
+    body = sql.as_trigger_body("recall_fts_drop", row="OLD")
+    assert body == ("DELETE FROM recall_fts WHERE session_id = OLD.session_id"
+                    " AND seq = OLD.seq")
 
 
 def test_no_python_module_holds_statement_text() -> None:

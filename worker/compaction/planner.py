@@ -57,6 +57,7 @@ from worker.compaction.pruning import (
     merge_actions,
     prune_tool_results,
 )
+from worker.compaction.recall import checkpoint_footer, checkpoint_ref, span_of
 from worker.compaction.render import Skill, checkpoint_message, checkpoint_parts
 from worker.compaction.skills import capture_skills
 from worker.compaction.triggers import Pressure, measure, should_clear, should_compact
@@ -91,13 +92,20 @@ class SummarizeStep:
     has_history: bool  # False: nothing to read, the canned no-history summary is valid
     strategy: str
     deferred_seqs: tuple[int, ...]  # compactable seqs left for a later round
+    # The original seqs the run covers (recall.span_of): names the checkpoint and its footer.
+    span: tuple[int, int] = (0, 0)
+
+    @property
+    def recall(self) -> dict[str, Any]:
+        """The checkpoint's ``meta.recall``: its reference, span and footer."""
+        return checkpoint_recall(*self.span)
 
     def to_json(self) -> dict[str, Any]:
         return {"replace_seqs": list(self.replace_seqs), "keep_seqs": list(self.keep_seqs),
                 "calls": [call.to_json() for call in self.calls],
                 "replaced_tokens": self.replaced_tokens, "strategy": self.strategy,
                 "skills": [s.to_json() for s in self.skills],
-                "deferred_seqs": list(self.deferred_seqs)}
+                "deferred_seqs": list(self.deferred_seqs), "checkpoint": self.recall["ref"]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +174,16 @@ def replan_smaller(previous: Plan, factor: float = 0.5) -> Plan:
     return _plan(replace(inputs, policy=smaller))
 
 
+def checkpoint_recall(first: int, last: int) -> dict[str, Any]:
+    """``meta.recall`` of a checkpoint replacing the originals ``first``..``last``."""
+    ref = checkpoint_ref(first, last)
+    return {**ref.to_json(), "footer": checkpoint_footer(ref)}
+
+
 def checkpoint_for(step: SummarizeStep, summary: str, policy: Policy, **meta: Any) -> Message:
-    """The checkpoint node to commit for a validated summary of ``step``."""
-    return checkpoint_message(summary, step.skills, policy.render, **meta)
+    """The checkpoint node to commit for a validated summary of ``step``, its recall footer
+    composed here (never by the model)."""
+    return checkpoint_message(summary, step.skills, policy.render, recall=step.recall, **meta)
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,6 +288,11 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
 
     replaced = surface[start:end]
     replaced_tokens = sum(node.tokens for node in replaced)
+    span = span_of(replaced) if replaced else (0, 0)
+    # The footer is part of what the checkpoint costs, so a run no larger than an empty
+    # checkpoint with its footer cannot shrink the surface either.
+    minimum = max(minimum, framed_tokens("", (), policy, inputs.run_model,
+                                         checkpoint_recall(*span)))
     if replaced_tokens <= minimum:
         return (f"the run that fits the summarizer budget ({replaced_tokens} tokens) is not "
                 f"larger than an empty checkpoint ({minimum} tokens)")
@@ -286,7 +306,7 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
         replace_seqs=replace_seqs, keep_seqs=keep_seqs, calls=tuple(calls),
         existing_summary=existing, skills=tuple(skills), replaced_tokens=replaced_tokens,
         has_history=has_history, strategy=strategy,
-        deferred_seqs=_deferred(surface, selection, start, end))
+        deferred_seqs=_deferred(surface, selection, start, end), span=span)
 
 
 def _deferred(surface: Sequence[SurfaceNode], selection: Selection, start: int, end: int

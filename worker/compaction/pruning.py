@@ -15,6 +15,10 @@ Two edits, each a *replace* of one surface node by a copy that differs only wher
   ``clear_at_least`` stops clearing once that many tokens are reclaimed. A cleared result is
   skipped later but still counts among the newest, as in LangChain.
 
+Every edited result ends with a note composed by code naming its original (``r57``, the seq of
+the message first pruned, :func:`worker.compaction.recall.pruned_note`), and ``meta.recall``
+holds that reference, so the model can read what was cut.
+
 An edit that would not save tokens (a tiny result cleared to a longer placeholder) is skipped:
 every replace the planner emits must make the surface smaller. Token counts after an edit are
 counted with the run model's counter; the counts before are the node's stored counts, so savings
@@ -32,6 +36,7 @@ from storage.surface import KIND_PRUNED, SurfaceNode
 from storage.tokens import TokenCounter
 from worker.compaction.boundary import pair_results
 from worker.compaction.policy import PRUNE_MARKER, ClearToolUsesConfig, PruneConfig
+from worker.compaction.recall import META_RECALL, node_span, pruned_note, pruned_ref
 
 META_CLEARED = "cleared"
 META_CLEARED_INPUTS = "cleared_tool_inputs"
@@ -100,15 +105,31 @@ def cut_middle(content: str | list[dict[str, Any]], head: int, tail: int,
     return out
 
 
-def prune_message(message: Message, config: PruneConfig) -> Message | None:
-    """The pruned copy of a tool result over the threshold, or None when it is left alone."""
+def prune_message(message: Message, config: PruneConfig, original: int | None = None
+                  ) -> Message | None:
+    """The pruned copy of a tool result over the threshold, or None when it is left alone.
+    With ``original`` (the seq of the message it stands for) it carries the recall note."""
     if message.role != "tool" or message.flag(META_PRUNED) or message.content is None:
         return None
     if text_chars(message.content) <= config.threshold_chars:
         return None
     content = cut_middle(message.content, config.head_chars, config.tail_chars)
-    return message.model_copy(update={"content": content,
-                                      "meta": {**message.meta, META_PRUNED: True}})
+    pruned = message.model_copy(update={"content": content,
+                                        "meta": {**message.meta, META_PRUNED: True}})
+    return pruned if original is None else with_pruned_note(pruned, original)
+
+
+def with_pruned_note(message: Message, original: int) -> Message:
+    """``message`` ending with the note that names its original, and ``meta.recall`` set."""
+    ref = pruned_ref(original)
+    note = pruned_note(ref)
+    content = message.content
+    if isinstance(content, list):
+        content = [*content, {"type": "text", "text": note}]
+    else:
+        content = f"{content}\n{note}" if content else note
+    return message.model_copy(update={"content": content, "meta": {
+        **message.meta, META_RECALL: {**ref.to_json(), "footer": note}}})
 
 
 def prune_tool_results(nodes: Sequence[SurfaceNode], config: PruneConfig,
@@ -118,7 +139,7 @@ def prune_tool_results(nodes: Sequence[SurfaceNode], config: PruneConfig,
         return []
     actions: list[PruneAction] = []
     for node in nodes:
-        pruned = prune_message(node.message, config)
+        pruned = prune_message(node.message, config, node_span(node)[0])
         if pruned is None:
             continue
         after = counter.count_message(pruned)
@@ -156,9 +177,10 @@ def clear_tool_uses(nodes: Sequence[SurfaceNode], config: ClearToolUsesConfig,
                     if c.id == message.tool_call_id)
         if (message.name or call.name) in excluded:
             continue
-        cleared = message.model_copy(update={
+        cleared = with_pruned_note(message.model_copy(update={
             "content": config.placeholder,
-            "meta": {**message.meta, META_PRUNED: True, META_CLEARED: True}})
+            "meta": {**message.meta, META_PRUNED: True, META_CLEARED: True}}),
+            node_span(nodes[i])[0])
         before = _current_tokens(nodes[i], edited.get(i), counter)
         after = counter.count_message(cleared)
         if after >= before:

@@ -39,7 +39,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from storage.messages import Message
+from storage.errors import RecallArgumentError
+from storage.messages import META_RECALL, Message
 from storage.surface import SurfaceNode
 from worker.compaction.boundary import unsafe_boundaries
 from worker.compaction.prompt import atoms, message_body
@@ -47,8 +48,8 @@ from worker.compaction.prompt import atoms, message_body
 HISTORY_SEARCH = "history_search"
 HISTORY_READ = "history_read"
 
-# Where a checkpoint or a pruned node keeps its reference and span (``Ref.to_json``).
-META_RECALL = "recall"
+# Where a checkpoint or a pruned node keeps its reference and span (``Ref.to_json``) and its
+# footer: storage.messages.META_RECALL, reserved so a runtime cannot forge one.
 
 # A footer is at most this many tokens with every shipped counter while seqs are under 10^9
 # (about 30 for seqs under 10^5).
@@ -60,15 +61,6 @@ MAX_TOOL_NAMES = 8
 
 RefKind = Literal["checkpoint", "pruned"]
 _REF = re.compile(r"(?:c(\d{1,18})-(\d{1,18})|r(\d{1,18}))")
-
-
-class RecallArgumentError(ValueError):
-    """An argument of a recall operation is not valid; the message starts with its name."""
-
-    def __init__(self, argument: str, reason: str) -> None:
-        self.argument = argument
-        self.reason = reason
-        super().__init__(f"{argument}: {reason}")
 
 
 @dataclass(frozen=True, slots=True, order=True)

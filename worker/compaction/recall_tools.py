@@ -18,6 +18,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from storage.recall_bounds import (
+    DEFAULT_SEARCH_LIMIT,
+    MAX_QUERY_BYTES,
+    MAX_SEARCH_LIMIT,
+    check_limit,
+    check_offset,
+    check_query,
+)
 from worker.compaction.recall import (
     HISTORY_READ,
     HISTORY_SEARCH,
@@ -25,13 +33,6 @@ from worker.compaction.recall import (
     Ref,
     parse_ref,
 )
-
-DEFAULT_SEARCH_LIMIT = 5
-MAX_SEARCH_LIMIT = 100
-# A query is a needle (an error line, an id, a path), not a document; over this it is refused.
-MAX_QUERY_BYTES = 8192
-# Offsets land in 64-bit integer columns.
-MAX_OFFSET = 2**63 - 1
 
 _SEARCH_DESCRIPTION = (
     "Search the original messages that compaction replaced in this session (checkpoints and "
@@ -110,22 +111,9 @@ class ReadArgs:
 def check_search(query: Any, checkpoint: Any = None, limit: Any = DEFAULT_SEARCH_LIMIT
                  ) -> SearchArgs:
     """``history_search``'s arguments, checked; the first bad one raises."""
-    if not isinstance(query, str):
-        raise RecallArgumentError("query", f"must be a string, got {type(query).__name__}")
-    if not query.strip():
-        raise RecallArgumentError("query", "is empty")
-    if "\x00" in query:
-        raise RecallArgumentError("query", "contains a NUL character")
-    size = len(query.encode("utf-8", "surrogatepass"))
-    if size > MAX_QUERY_BYTES:
-        raise RecallArgumentError("query", f"is {size} bytes; at most {MAX_QUERY_BYTES} bytes "
-                                           "(UTF-8) are searched")
+    query = check_query(query)
     ref = None if checkpoint is None else parse_ref(checkpoint, "checkpoint")
-    count = _integer("limit", limit)
-    if not 1 <= count <= MAX_SEARCH_LIMIT:
-        raise RecallArgumentError("limit", f"must be between 1 and {MAX_SEARCH_LIMIT}, got "
-                                           f"{count}")
-    return SearchArgs(query, ref, count)
+    return SearchArgs(query, ref, check_limit(_integer("limit", limit)))
 
 
 def check_read(checkpoint: Any, offset: Any = 0) -> ReadArgs:
@@ -133,12 +121,7 @@ def check_read(checkpoint: Any, offset: Any = 0) -> ReadArgs:
     if checkpoint is None:
         raise RecallArgumentError("checkpoint", "is required")
     ref = parse_ref(checkpoint, "checkpoint")
-    at = _integer("offset", offset)
-    if at < 0:
-        raise RecallArgumentError("offset", f"must be 0 or more, got {at}")
-    if at > MAX_OFFSET:
-        raise RecallArgumentError("offset", f"must be at most {MAX_OFFSET}, got {at}")
-    return ReadArgs(ref, at)
+    return ReadArgs(ref, check_offset(_integer("offset", offset)))
 
 
 def check_tool_call(name: str, arguments: str | dict[str, Any]) -> SearchArgs | ReadArgs:

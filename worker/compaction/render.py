@@ -8,8 +8,11 @@
 * ``langchain``: LangChain's "Here is a summary of the conversation to date:" user message.
 
 A checkpoint node stores the summary text and skills in ``meta``; its content is the rendered
-form the session was configured with, and its token count includes the authority contract, so the
-pressure measured is what the model will be sent.
+form the session was configured with, ending with the recall footer composed by code
+(``meta.recall``, :mod:`worker.compaction.recall`). The footer sits after the summary and skills
+but outside the summary text: a merge reads ``meta.summary`` back as its existing summary, and a
+footer fed to the summarizer could come back stale. The node's token count includes the
+authority contract, so the pressure measured is what the model will be sent.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from storage.messages import META_CHECKPOINT, META_HIDDEN, Message
+from storage.messages import META_CHECKPOINT, META_HIDDEN, META_RECALL, Message
 from storage.surface import SurfaceNode
 from storage.tokens import counter_for
 
@@ -81,31 +84,37 @@ def render_skills(skills: Sequence[Skill]) -> str:
     return "\n".join(lines)
 
 
-def render_text(summary: str, skills: Sequence[Skill], form: str) -> str:
-    """The checkpoint message's content in ``form``."""
+def render_text(summary: str, skills: Sequence[Skill], form: str, footer: str = "") -> str:
+    """The checkpoint message's content in ``form``; ``footer`` (if any) is its last line."""
     skills_text = render_skills(skills)
+    tail = (f"\n\n{skills_text}" if skills_text else "") + (f"\n\n{footer}" if footer else "")
     if form == "durable_context":
-        body = f"{SUMMARY_HEADING}\n{summary}"
-        if skills_text:
-            body += f"\n\n{skills_text}"
+        body = f"{SUMMARY_HEADING}\n{summary}{tail}"
         # Escaped so summary text cannot close the block and pose as something else.
         return f"<durable_context_data>\n{escape_block(body)}\n</durable_context_data>"
     if form == "compacted_summary":
-        body = summary + (f"\n\n{skills_text}" if skills_text else "")
-        return (f"{COMPACTED_NOTE}\n\n<compacted-summary>\n{escape_block(body)}\n"
+        return (f"{COMPACTED_NOTE}\n\n<compacted-summary>\n{escape_block(summary + tail)}\n"
                 f"</compacted-summary>")
     if form == "langchain":
-        body = summary + (f"\n\n{skills_text}" if skills_text else "")
-        return f"{LANGCHAIN_PREFIX}\n\n{body}"
+        return f"{LANGCHAIN_PREFIX}\n\n{summary}{tail}"
     raise ValueError(f"unknown render form {form!r}")
 
 
-def checkpoint_message(summary: str, skills: Sequence[Skill], form: str,
-                       **meta: Any) -> Message:
-    """The node a compaction commits: rendered content, the raw parts kept in ``meta``."""
-    return Message(role="user", content=render_text(summary, skills, form), meta={
-        META_CHECKPOINT: True, META_HIDDEN: True, META_SUMMARY: summary,
-        META_SKILLS: [s.to_json() for s in skills], META_RENDER: form, **meta})
+def checkpoint_message(summary: str, skills: Sequence[Skill], form: str, *,
+                       recall: dict[str, Any] | None = None, **meta: Any) -> Message:
+    """The node a compaction commits: rendered content, the raw parts kept in ``meta``.
+    ``recall`` is the node's reference (``Ref.to_json()`` plus its ``footer``)."""
+    extra = {META_RECALL: recall} if recall is not None else {}
+    return Message(role="user", content=render_text(summary, skills, form, footer_of(recall)),
+                   meta={META_CHECKPOINT: True, META_HIDDEN: True, META_SUMMARY: summary,
+                         META_SKILLS: [s.to_json() for s in skills], META_RENDER: form,
+                         **extra, **meta})
+
+
+def footer_of(recall: Any) -> str:
+    """The footer a node's ``meta.recall`` carries ("" for a node written before footers)."""
+    footer = recall.get("footer") if isinstance(recall, dict) else None
+    return footer if isinstance(footer, str) else ""
 
 
 def checkpoint_tokens(message: Message, run_model: str | None) -> int:
@@ -136,8 +145,8 @@ def render_node(node: SurfaceNode, form: str | None = None) -> list[dict[str, An
         out.append({"seq": node.seq, "role": "system", "content": AUTHORITY_CONTRACT,
                     "meta": {META_AUTHORITY: True, META_CHECKPOINT: True}})
     # In its own form the stored content is sent: the text its tokens were counted on.
-    rendered = message if form == stored else message.model_copy(
-        update={"content": render_text(summary, skills, form)})
+    rendered = message if form == stored else message.model_copy(update={
+        "content": render_text(summary, skills, form, footer_of(message.meta.get(META_RECALL)))})
     meta = {k: v for k, v in rendered.meta.items() if k not in (META_SUMMARY, META_SKILLS)}
     out.append(_with_seq({**rendered.to_openai(), "meta": {**meta, META_RENDER: form}}, node))
     return out

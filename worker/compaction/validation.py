@@ -6,8 +6,9 @@ returns a reason rather than raising. Refused:
 * anything that is not text (a reasoning-only reply, an image, a tool call arrives as non-text);
 * empty or whitespace-only text: an empty summary is a failed generation, never a valid one;
 * a summary over ``max_summary_tokens`` (later chunk calls reserved only that much for it);
-* a summary whose framed checkpoint (rendered form, skills, authority contract) is not strictly
-  smaller than the tokens it replaces: compaction must converge, never grow the surface;
+* a summary whose framed checkpoint (rendered form, skills, recall footer, authority contract)
+  is not strictly smaller than the tokens it replaces: compaction must converge, never grow the
+  surface;
 * the canned "no history" text for a range that has history (a model parroting it lost the
   range). For a range with nothing to read it is the valid canned summary, with no model call;
 * with compactd's own instruction (no ``summary_prompt``), a summary missing any of the eight
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from storage.tokens import counter_for
 from worker.compaction.policy import Policy
@@ -41,14 +43,17 @@ def missing_sections(text: str) -> list[str]:
 
 
 def framed_tokens(text: str, skills: Sequence[Skill], policy: Policy,
-                  run_model: str | None) -> int:
-    """Tokens the checkpoint would cost on the surface, as the run model will be sent it."""
-    return checkpoint_tokens(checkpoint_message(text, skills, policy.render), run_model)
+                  run_model: str | None, recall: dict[str, Any] | None = None) -> int:
+    """Tokens the checkpoint would cost on the surface, as the run model will be sent it
+    (its recall footer included)."""
+    return checkpoint_tokens(checkpoint_message(text, skills, policy.render, recall=recall),
+                             run_model)
 
 
 def validate_summary(text: object, *, replaced_tokens: int | None, policy: Policy,
                      run_model: str | None, skills: Sequence[Skill] = (),
-                     has_history: bool = True) -> str | None:
+                     has_history: bool = True, recall: dict[str, Any] | None = None
+                     ) -> str | None:
     """The reason ``text`` is refused, or None when it may be committed.
 
     ``replaced_tokens`` None checks an intermediate chunk's running summary: it is never
@@ -72,7 +77,7 @@ def validate_summary(text: object, *, replaced_tokens: int | None, policy: Polic
         return f"summary is {tokens} tokens, over max_summary_tokens {policy.max_summary_tokens}"
     if replaced_tokens is None:
         return None
-    framed = framed_tokens(text, skills, policy, run_model)
+    framed = framed_tokens(text, skills, policy, run_model, recall)
     if framed >= replaced_tokens:
         return (f"framed summary is {framed} tokens, not fewer than the {replaced_tokens} "
                 "tokens it replaces")

@@ -20,13 +20,16 @@ from pathlib import Path
 
 from alembic import op
 
-from storage.sql import FUNCTIONS, function_definition
+from storage.sql import function_definition
 
 revision: str = "0009"
 down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# This revision's functions (storage.sql.FUNCTIONS grows with later revisions, which create
+# their own).
+_FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit")
 _CLAIM_0008 = "compactd_claim(text, text, text, text, timestamptz, timestamptz, text, boolean)"
 _CLAIM_0009 = "compactd_claim(text, text, text, text, timestamptz, timestamptz, text)"
 
@@ -34,7 +37,7 @@ _CLAIM_0009 = "compactd_claim(text, text, text, text, timestamptz, timestamptz, 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP FUNCTION IF EXISTS {_CLAIM_0008}")
-        for name in FUNCTIONS:
+        for name in _FUNCTIONS:
             op.execute(function_definition(name))
 
 

@@ -1,0 +1,294 @@
+"""Recall over the log: ``history_search`` and ``history_read`` over the originals of everything a
+checkpoint or a prune replaced (migration 0010 indexes them as each replace commits).
+
+Names are the footers' (``c12-340``, ``r57``, :mod:`worker.compaction.recall`); storage only
+looks them up, so an unknown, malformed or another session's name is the same
+:class:`RecallNotFound`. A hit names the node that first replaced its message, which stays
+readable after a later merge replaced that node in turn.
+
+``history_read`` renders a node's originals as a transcript, each message's content verbatim,
+paginated by a token budget: a page holds whole messages while they fit, and a message larger
+than the budget is cut across pages by code point. The cursor a page returns encodes the node's
+name, the message index and the code point to resume at; a cursor is refused for another node.
+
+Reads only: a refused argument (:class:`RecallArgumentError`) is raised before any statement.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from storage.connectors import Connector
+from storage.database import snapshot
+from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
+from storage.recall_bounds import DEFAULT_SEARCH_LIMIT, check_limit, check_offset, check_query
+from storage.tokens import TokenCounter, counter_for
+
+DEFAULT_READ_TOKENS = 2000
+MIN_READ_TOKENS = 64
+MAX_READ_TOKENS = 100_000
+SNIPPET_BEFORE_CHARS = 80
+SNIPPET_CHARS = 240
+# Fuzzy hits are ranked (by how many of the query's words they hold) among this many of the
+# newest messages sharing a word with it: a common word matches most of a session, and
+# ranking every match reads them all.
+FUZZY_CANDIDATES = 50
+_READ_BATCH = 64  # originals fetched per statement while a page fills
+_CURSOR_PREFIX = "hr1."
+_WORD = re.compile(r"\w+")
+_NO_SPAN = (0, 2**63 - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchHit:
+    checkpoint: str  # the node that replaced the message (history_read's argument)
+    seq: int  # the original message's seq
+    snippet: str
+    exact: bool  # the query is a substring of the message (case-insensitive)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "seq": self.seq, "snippet": self.snippet,
+                "exact": self.exact}
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    hits: tuple[SearchHit, ...]
+    scanned_messages: int
+    scanned_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hits": [h.to_json() for h in self.hits],
+                "scanned": {"messages": self.scanned_messages, "bytes": self.scanned_bytes}}
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPage:
+    checkpoint: str
+    transcript: str
+    seqs: tuple[int, ...]  # the originals this page shows (wholly or in part)
+    offset: int  # the index of the first of them among the node's originals
+    next_offset: int | None  # where the next page starts (None: this was the last)
+    cursor: str | None  # the same, to the code point (None: this was the last)
+    total_messages: int
+    tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "transcript": self.transcript,
+                "seqs": list(self.seqs), "offset": self.offset,
+                "next_offset": self.next_offset, "cursor": self.cursor,
+                "total_messages": self.total_messages, "tokens": self.tokens}
+
+
+def encode_cursor(ref: str, index: int, char: int) -> str:
+    raw = f"{ref}:{index}:{char}".encode()
+    return _CURSOR_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, ref: str) -> tuple[int, int]:
+    """(message index, code point) of a cursor :meth:`RecallMixin.history_read` returned for
+    ``ref``; anything else is refused."""
+    try:
+        if not cursor.startswith(_CURSOR_PREFIX):
+            raise ValueError
+        body = cursor[len(_CURSOR_PREFIX):]
+        text = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode()
+        named, index, char = text.rsplit(":", 2)
+        at, within = int(index), int(char)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise RecallArgumentError("offset", "is neither an integer nor a cursor history_read "
+                                            "returned") from None
+    if named != ref:
+        raise RecallArgumentError("offset", f"the cursor belongs to {named!r}, not {ref!r}")
+    if within < 0:
+        raise RecallArgumentError("offset", "the cursor is damaged")
+    return check_offset(at), within
+
+
+def render_original(seq: int, payload: Mapping[str, Any]) -> str:
+    """One original as the transcript shows it: a header line, then its content verbatim (a
+    list of blocks as its JSON), then one line per tool call with its arguments verbatim."""
+    role = str(payload.get("role", "?"))
+    header = f"[seq {seq} {role}"
+    if payload.get("tool_call_id") is not None:
+        header += f" tool_call_id={payload['tool_call_id']}"
+    if payload.get("name") is not None:
+        header += f" name={payload['name']}"
+    lines = [header + "]"]
+    content = payload.get("content")
+    if isinstance(content, str):
+        lines.append(content)
+    elif content is not None:
+        lines.append(json.dumps(content, ensure_ascii=False))
+    for call in payload.get("tool_calls") or ():
+        call_id, name, arguments = call
+        lines.append(f"-> call {call_id} {name} {arguments}")
+    return "\n".join(lines) + "\n\n"
+
+
+def fuzzy_words(query: str) -> list[str]:
+    return list(dict.fromkeys(w.lower() for w in _WORD.findall(query)))
+
+
+def _like_pattern(query: str) -> str:
+    escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+def _fts_phrase(text: str) -> str:
+    return '"' + text.replace('"', '""') + '"'
+
+
+def _snippet(body: str, words: Sequence[str]) -> str:
+    lowered = body.lower()
+    found = [i for i in (lowered.find(w) for w in words) if i >= 0]
+    start = max(0, min(found) - SNIPPET_BEFORE_CHARS) if found else 0
+    return body[start:start + SNIPPET_CHARS]
+
+
+def _fit(text: str, budget: int, counter: TokenCounter) -> int:
+    """The longest prefix of ``text`` (in code points) within ``budget`` tokens; at least 1."""
+    lo, hi = 1, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if counter.count_text(text[:mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class RecallMixin:
+    """``history_search`` and ``history_read`` for :class:`storage.store.Store`."""
+
+    engine: AsyncEngine
+    db: Connector
+
+    async def history_search(self, session_id: str, query: str, checkpoint: str | None = None,
+                             limit: int = DEFAULT_SEARCH_LIMIT, *, tenant: str | None = None
+                             ) -> SearchResult:
+        """Messages compaction replaced in this session that hold ``query`` (exact, case-
+        insensitive substring; newest first), then those sharing its words (most words held
+        first); at most ``limit``."""
+        check_query(query)
+        check_limit(limit)
+        db = self.db
+        async with snapshot(self.engine) as conn:
+            await _session(db, conn, session_id, tenant)
+            first, last = _NO_SPAN
+            if checkpoint is not None:
+                _, first, last = await _node(db, conn, session_id, checkpoint)
+            span = {"session_id": session_id, "first_seq": first, "last_seq": last}
+            scanned = await db.fetchrow("history_scanned", conn=conn, **span)
+            assert scanned is not None  # an aggregate has a row
+            common = {**span, "query": query, "limit": limit}
+            # Each backend's form takes the parameters it names: a LIKE pattern (PostgreSQL's
+            # trigram index) or an FTS5 phrase (SQLite's).
+            rows = await db.fetch(db.variant("history_search_exact"), conn=conn, **common,
+                                  before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS,
+                                  pattern=_like_pattern(query), phrase=_fts_phrase(query))
+            hits = [SearchHit(r["ref"], r["seq"], r["snippet"], True) for r in rows]
+            words = [w for w in fuzzy_words(query) if len(w) >= db.shortest_indexed_word]
+            # A query of one word has no fuzzy hits: every message holding the word holds
+            # the query, and is an exact hit already.
+            if words == [query.strip().lower()]:
+                words = []
+            if len(hits) < limit and words:
+                rows = await db.fetch(
+                    db.variant("history_search_fuzzy"), conn=conn,
+                    **{**common, "limit": limit - len(hits)},
+                    pattern=_like_pattern(query), candidates=FUZZY_CANDIDATES, word_list=words,
+                    tsquery=" | ".join(f"'{w}'" for w in words),
+                    fts_words=" OR ".join(_fts_phrase(w) for w in words))
+                hits += [SearchHit(r["ref"], r["seq"], _snippet(r["body"], words), False)
+                         for r in rows]
+        return SearchResult(tuple(hits), int(scanned["messages"]), int(scanned["bytes"]))
+
+    async def history_read(self, session_id: str, checkpoint: str, offset: int | str = 0, *,
+                           budget_tokens: int = DEFAULT_READ_TOKENS,
+                           tenant: str | None = None) -> ReadPage:
+        """A page of the originals ``checkpoint`` (a checkpoint's or a pruned result's name)
+        replaced, from ``offset`` (a message index, or a cursor a previous page returned)."""
+        if not isinstance(checkpoint, str) or not checkpoint.strip():
+            raise RecallArgumentError("checkpoint", "is required")
+        ref = checkpoint.strip()
+        if isinstance(offset, str):
+            index, char = decode_cursor(offset, ref)
+        elif isinstance(offset, bool) or not isinstance(offset, int):
+            raise RecallArgumentError("offset", f"must be an integer or a cursor, got "
+                                                f"{type(offset).__name__}")
+        else:
+            index, char = check_offset(offset), 0
+        if not MIN_READ_TOKENS <= budget_tokens <= MAX_READ_TOKENS:
+            raise RecallArgumentError("budget_tokens", f"must be between {MIN_READ_TOKENS} and "
+                                                       f"{MAX_READ_TOKENS}, got {budget_tokens}")
+        db = self.db
+        async with snapshot(self.engine) as conn:
+            run_model = await _session(db, conn, session_id, tenant)
+            _, first, last = await _node(db, conn, session_id, ref)
+            span = {"session_id": session_id, "first_seq": first, "last_seq": last}
+            total = int(await db.fetchval("history_count", conn=conn, **span) or 0)
+            counter = counter_for(run_model)
+            parts: list[str] = []
+            seqs: list[int] = []
+            used = 0
+            at, within = index, char
+            done = False
+            while not done and at < total:
+                rows = await db.fetch("history_originals", conn=conn, **span,
+                                      limit=_READ_BATCH, offset=at)
+                if not rows:
+                    break
+                for row in rows:
+                    block = render_original(row["seq"], _payload(row["payload"]))[within:]
+                    tokens = counter.count_text(block)
+                    if used + tokens <= budget_tokens:
+                        parts.append(block)
+                        seqs.append(row["seq"])
+                        used += tokens
+                        at, within = at + 1, 0
+                        continue
+                    if not parts or used < budget_tokens // 2:
+                        # Too large for what is left: as much as fits, the rest next page.
+                        cut = _fit(block, budget_tokens - used, counter)
+                        parts.append(block[:cut])
+                        seqs.append(row["seq"])
+                        used += counter.count_text(block[:cut])
+                        within += cut
+                    done = True
+                    break
+        more = at < total
+        return ReadPage(checkpoint=ref, transcript="".join(parts), seqs=tuple(seqs),
+                        offset=index, next_offset=at if more else None,
+                        cursor=encode_cursor(ref, at, within) if more else None,
+                        total_messages=total, tokens=used)
+
+
+async def _session(db: Connector, conn: AsyncConnection, session_id: str,
+                   tenant: str | None) -> str | None:
+    """The session's run model; another tenant's session is not found, like a missing one."""
+    row = await db.fetchrow("history_session", conn=conn, session_id=session_id)
+    if row is None or (tenant is not None and row["tenant"] != tenant):
+        raise SessionNotFound(session_id)
+    run_model: str | None = row["run_model"]
+    return run_model
+
+
+async def _node(db: Connector, conn: AsyncConnection, session_id: str, ref: str
+                ) -> tuple[int, int, int]:
+    row = await db.fetchrow("history_node", conn=conn, session_id=session_id, ref=ref.strip())
+    if row is None:
+        raise RecallNotFound(session_id, ref)
+    return int(row["seq"]), int(row["first_seq"]), int(row["last_seq"])
+
+
+def _payload(raw: Any) -> dict[str, Any]:
+    return json.loads(raw) if isinstance(raw, str | bytes) else dict(raw)

@@ -1,0 +1,43 @@
+"""The bounds of the recall operations' arguments, checked the same way by storage (which
+refuses before it reads) and by the tool-call checks of ``worker.compaction.recall_tools``
+(which the policy package may import: no I/O here)."""
+
+from __future__ import annotations
+
+from storage.errors import RecallArgumentError
+
+DEFAULT_SEARCH_LIMIT = 5
+MAX_SEARCH_LIMIT = 100
+# A query is a needle (an error line, an id, a path), not a document; over this it is refused.
+MAX_QUERY_BYTES = 8192
+# Offsets land in 64-bit integer columns.
+MAX_OFFSET = 2**63 - 1
+
+
+def check_query(query: object) -> str:
+    if not isinstance(query, str):
+        raise RecallArgumentError("query", f"must be a string, got {type(query).__name__}")
+    if not query.strip():
+        raise RecallArgumentError("query", "is empty")
+    if "\x00" in query:
+        raise RecallArgumentError("query", "contains a NUL character")
+    size = len(query.encode("utf-8", "surrogatepass"))
+    if size > MAX_QUERY_BYTES:
+        raise RecallArgumentError("query", f"is {size} bytes; at most {MAX_QUERY_BYTES} bytes "
+                                           "(UTF-8) are searched")
+    return query
+
+
+def check_limit(count: int) -> int:
+    if not 1 <= count <= MAX_SEARCH_LIMIT:
+        raise RecallArgumentError("limit", f"must be between 1 and {MAX_SEARCH_LIMIT}, got "
+                                           f"{count}")
+    return count
+
+
+def check_offset(at: int) -> int:
+    if at < 0:
+        raise RecallArgumentError("offset", f"must be 0 or more, got {at}")
+    if at > MAX_OFFSET:
+        raise RecallArgumentError("offset", f"must be at most {MAX_OFFSET}, got {at}")
+    return at

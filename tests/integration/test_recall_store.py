@@ -1,0 +1,202 @@
+"""history_search and history_read over what a real compaction replaced, on PostgreSQL and
+SQLite: sessions appended and compacted by the orchestration a worker runs (local summarizer),
+then searched and read back through storage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from scheduler.samples import coding_session
+from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
+from storage.messages import parse_openai
+from storage.recall import encode_cursor, render_original
+from storage.recall_bounds import MAX_QUERY_BYTES
+from storage.store import Store
+from tests.support.tables import row_counts
+from worker.orchestration import compact
+from worker.runtime import open_deps
+from worker.settings import Settings, build_config
+
+POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
+          "keep": {"type": "messages", "value": 12}}
+NEEDLE = "ERR-7f3a9c: checksum mismatch in /srv/data/part-00017.parquet"
+
+
+def _messages(needle_at: int = 10) -> list[dict[str, Any]]:
+    sample = coding_session(steps=40).messages
+    # A fact the local summary drops: inside a long, ordinary tool result.
+    for i, m in enumerate(sample):
+        if i >= needle_at and m["role"] == "tool":
+            m["content"] = m["content"] + "\n" + NEEDLE + "\n"
+            break
+    return sample
+
+
+@pytest.fixture
+async def compacted(db_url: str) -> AsyncIterator[tuple[Store, list[dict[str, Any]]]]:
+    config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
+    sample = _messages()
+    async with open_deps(config, owner="recall-test") as deps:
+        for session_id, tenant in (("s1", "acme"), ("s2", "globex")):
+            await deps.store.create_session(session_id, tenant=tenant, context_window=128_000,
+                                            policy=POLICY)
+            await deps.store.append(session_id, [parse_openai(m) for m in sample])
+            outcome = await compact(deps, session_id, trigger="pressure")
+            assert outcome.outcome == "committed", outcome.to_json()
+            assert (await deps.store.verify(session_id)).ok
+    store = Store.from_url(db_url)
+    try:
+        yield store, sample
+    finally:
+        await store.close()
+
+
+async def _checkpoint_ref(store: Store, session_id: str) -> str:
+    surface = await store.read_surface(session_id)
+    [ref] = [n.message.meta["recall"]["ref"] for n in surface.nodes
+             if n.message.meta.get("checkpoint")]
+    return str(ref)
+
+
+async def test_search_finds_a_dropped_fact_exactly_and_names_its_checkpoint(compacted) -> None:
+    store, sample = compacted
+    surface = await store.read_surface("s1")
+    assert NEEDLE not in json.dumps([n.message.content for n in surface.nodes])
+    result = await store.history_search("s1", NEEDLE, tenant="acme")
+    assert result.hits, result
+    top = result.hits[0]
+    assert top.exact and NEEDLE in top.snippet
+    original = sample[top.seq - 1]
+    assert NEEDLE in original["content"]
+    # the hit's name reads back a page that holds it
+    page = await store.history_read("s1", top.checkpoint, budget_tokens=100_000)
+    assert top.seq in page.seqs
+    assert result.scanned_messages > 0 and result.scanned_bytes >= len(NEEDLE)
+    # case-insensitive substring still exact; a same-case match ranks first
+    lower = await store.history_search("s1", "err-7F3A9C")
+    assert lower.hits[0].seq == top.seq and lower.hits[0].exact
+
+
+async def test_fuzzy_hits_rank_below_exact_ones(compacted) -> None:
+    store, _ = compacted
+    result = await store.history_search("s1", "checksum parquet nonexistentword", limit=10)
+    assert result.hits and not any(h.exact for h in result.hits)
+    assert any("checksum" in h.snippet for h in result.hits)
+    mixed = await store.history_search("s1", "mismatch", limit=20)
+    flags = [h.exact for h in mixed.hits]
+    assert flags == sorted(flags, reverse=True)
+
+
+async def test_read_pages_give_back_every_original_byte_exact(compacted) -> None:
+    store, sample = compacted
+    ref = await _checkpoint_ref(store, "s1")
+    pages, offset = [], 0
+    seen: list[int] = []
+    while True:
+        page = await store.history_read("s1", ref, offset, budget_tokens=500)
+        assert page.tokens <= 500
+        pages.append(page.transcript)
+        seen += [s for s in page.seqs if not seen or s != seen[-1]]
+        if page.cursor is None:
+            break
+        offset = page.cursor
+    assert len(pages) > 3
+    transcript = "".join(pages)
+    first, last = (int(x) for x in ref[1:].split("-"))
+    expected = "".join(render_original(seq, _payload(sample[seq - 1]))
+                       for seq in seen)
+    assert transcript == expected
+    # every message the checkpoint replaced came back, content verbatim
+    assert seen == sorted(seen) and seen[0] == first and seen[-1] <= last
+    for seq in seen:
+        content = sample[seq - 1].get("content")
+        if isinstance(content, str):
+            assert content in transcript
+
+
+async def test_a_pruned_result_reads_back_its_original(compacted) -> None:
+    store, sample = compacted
+    events = await store.read_events("s1", kinds=["pruned"])
+    if not events:
+        pytest.skip("this sample had nothing pruned")
+    ref = events[0].payload["message"]["meta"]["recall"]["ref"]
+    seq = int(ref[1:])
+    page = await store.history_read("s1", ref, budget_tokens=100_000)
+    assert page.seqs == (seq,) and page.total_messages == 1
+    assert sample[seq - 1]["content"] in page.transcript
+
+
+async def test_a_checkpoint_scope_restricts_the_search(compacted) -> None:
+    store, _ = compacted
+    ref = await _checkpoint_ref(store, "s1")
+    inside = await store.history_search("s1", NEEDLE, checkpoint=ref)
+    assert inside.hits
+    events = await store.read_events("s1", kinds=["pruned"])
+    if events:
+        pruned = events[0].payload["message"]["meta"]["recall"]["ref"]
+        elsewhere = await store.history_search("s1", NEEDLE, checkpoint=pruned)
+        assert all(h.seq == int(pruned[1:]) for h in elsewhere.hits)
+        assert elsewhere.scanned_messages == 1
+
+
+async def test_another_tenant_or_session_finds_nothing(compacted) -> None:
+    store, _ = compacted
+    ref = await _checkpoint_ref(store, "s1")
+    with pytest.raises(SessionNotFound):
+        await store.history_search("s1", NEEDLE, tenant="globex")
+    with pytest.raises(SessionNotFound):
+        await store.history_read("s1", ref, tenant="globex")
+    with pytest.raises(SessionNotFound):
+        await store.history_read("nope", ref)
+    # s2 is another session: its own originals only
+    other = await store.history_search("s2", NEEDLE, tenant="globex")
+    assert other.hits and all(h.seq <= len(_messages()) for h in other.hits)
+
+
+@pytest.mark.parametrize(("call", "argument"), [
+    (lambda s, ref: s.history_read("s1", "c999999-1000000"), None),
+    (lambda s, ref: s.history_read("s1", "not-a-ref"), None),
+    (lambda s, ref: s.history_search("s1", "x", checkpoint="r424242"), None),
+    (lambda s, ref: s.history_search("s1", ""), "query"),
+    (lambda s, ref: s.history_search("s1", "   "), "query"),
+    (lambda s, ref: s.history_search("s1", "q" * (MAX_QUERY_BYTES + 1)), "query"),
+    (lambda s, ref: s.history_search("s1", "x" * 10_240), "query"),
+    (lambda s, ref: s.history_search("s1", "x", limit=101), "limit"),
+    (lambda s, ref: s.history_search("s1", "x", limit=0), "limit"),
+    (lambda s, ref: s.history_read("s1", ref, -1), "offset"),
+    (lambda s, ref: s.history_read("s1", ref, "garbage"), "offset"),
+    (lambda s, ref: s.history_read("s1", ref, encode_cursor("r1", 0, 0)), "offset"),
+    (lambda s, ref: s.history_read("s1", ref, budget_tokens=1), "budget_tokens"),
+])
+async def test_bad_input_is_refused_by_name_and_writes_nothing(compacted, call,
+                                                               argument) -> None:
+    store, _ = compacted
+    ref = await _checkpoint_ref(store, "s1")
+    before = await row_counts(store)
+    expected = RecallNotFound if argument is None else RecallArgumentError
+    with pytest.raises(expected) as caught:
+        await call(store, ref)
+    if argument is not None:
+        assert caught.value.argument == argument  # type: ignore[attr-defined]
+        assert str(caught.value).startswith(argument)
+    assert await row_counts(store) == before
+
+
+async def test_a_cursor_of_another_checkpoint_is_refused(compacted) -> None:
+    store, _ = compacted
+    ref = await _checkpoint_ref(store, "s1")
+    page = await store.history_read("s1", ref, budget_tokens=200)
+    assert page.cursor is not None
+    events = await store.read_events("s1", kinds=["pruned"])
+    other = (events[0].payload["message"]["meta"]["recall"]["ref"] if events
+             else "c1-2")
+    with pytest.raises((RecallArgumentError, RecallNotFound)):
+        await store.history_read("s1", other, page.cursor)
+
+
+def _payload(message: dict[str, Any]) -> dict[str, Any]:
+    return parse_openai(message).to_payload()
