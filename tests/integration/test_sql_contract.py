@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from storage import sql
+from storage.kinds import JournalKind, NodeKind
 from storage.migrate import HEAD_REVISION
 from storage.records import utcnow
 from storage.store import Store
-from storage.surface import JOURNAL_PRUNE, KIND_PRUNED
 from tests.unit.compaction_helpers import user
 
 Case = Callable[[Store], Awaitable[None]]
@@ -115,10 +115,10 @@ async def _claim_free(store: Store) -> None:
 
 
 def _prune_of_seq_1() -> dict[str, Any]:
-    return {"seqs": [1], "counts": [1], "kinds": [KIND_PRUNED],
+    return {"seqs": [1], "counts": [1], "kinds": [NodeKind.PRUNED],
             "payloads": [json.dumps({"message": {"role": "user", "content": "[pruned]"},
                                      "replaces": [1], "run_id": "r1"})],
-            "tokens": [1], "journal_kinds": [JOURNAL_PRUNE],
+            "tokens": [1], "journal_kinds": [JournalKind.PRUNE],
             "journals": [json.dumps({"run_id": "r1", "replaced_seqs": [1]})],
             "expected_pos": [1], "expected_seq": [1]}
 
@@ -128,7 +128,7 @@ async def _commit(store: Store) -> None:
     lease = await _claimed(store)
     row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None)
     assert row is not None and row["lease_run_id"] == "r1" and row["surface_version"] == 2
-    assert (await store.read_surface("s1")).nodes[0].kind == KIND_PRUNED
+    assert (await store.read_surface("s1")).nodes[0].kind == NodeKind.PRUNED
 
 
 @case("commit_ending")
