@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,7 @@ async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool,
     return 1 if job.failed else 0
 
 
-async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: list[str],
+async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: Sequence[str],
                   force: bool, rate_per_s: float | None, chunk: int,
                   progress: Progress | None = None) -> int:
     """Enqueue the job's items in ``states``, ``chunk`` at a time, paced at the job's rate."""

@@ -25,7 +25,7 @@ from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_R
 from worker.pressure import over_trigger
 from worker.settings import Config
 
-TRIGGER_QUEUES = {
+TRIGGER_QUEUES: dict[str, str] = {
     Trigger.OVERFLOW: QUEUE_URGENT, Trigger.MANUAL: QUEUE_URGENT,
     Trigger.PRESSURE: QUEUE_PRESSURE, Trigger.SWEEP: QUEUE_PRESSURE, Trigger.REAP: QUEUE_PRESSURE,
     Trigger.BULK: QUEUE_BULK,
