@@ -25,6 +25,7 @@ from storage.kinds import (
     Stage,
     Trigger,
 )
+from worker.run import USAGE_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SETS: list[type[enum.StrEnum]] = [
@@ -152,6 +153,22 @@ def test_every_literal_the_sql_compares_with_a_closed_set_is_a_member_of_it() ->
     # The reader sees the functions' literals (else this test could not fail).
     assert {("kind", NodeKind.MESSAGE), ("kind", JournalKind.START), ("kind", JournalKind.END),
             ("status", RunStatus.RUNNING)} <= set(found), sorted(found)
+
+
+def test_the_alerts_and_the_runbook_match_metric_labels_by_members() -> None:
+    """The alert rules and the runbook's queries select the metrics' labels by value: a word
+    that is no member would select nothing, silently."""
+    usage = {kind.removesuffix("_tokens") for kind in USAGE_KINDS}
+    labels = {"outcome": frozenset(RunStatus), "failure_class": frozenset(FailureClass),
+              "trigger": frozenset(Trigger), "stage": frozenset(Stage),
+              "kind": frozenset(ModelFailure) | usage}
+    found = []
+    for path in [*(ROOT / "ops" / "prometheus").rglob("*.y*ml"), ROOT / "ops" / "RUNBOOK.md"]:
+        for m in re.finditer(r'\b(outcome|failure_class|trigger|stage|kind)\s*(?:=|!=|=~|!~)\s*'
+                             r'\\?"([^"\\]*)', path.read_text()):
+            found += [(m[1], value, path.name) for value in m[2].split("|") if value]
+    assert [f for f in found if f[1] not in labels[f[0]]] == []
+    assert ("failure_class", FailureClass.ABANDONED, "alerts.yaml") in found
 
 
 # ------------------------------------------------------------------------------------------
