@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from scheduler.client import WaitTimeout
 from scheduler.output import emit, open_store, say
 from storage.errors import InvalidMessage
 from storage.ids import id_problem
-from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING, JOB_DONE
+from storage.kinds import ItemState, JobState, Trigger
 from storage.records import BulkJob, utcnow
 from storage.store import Store
 from worker.app import client_app
@@ -136,12 +137,13 @@ async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool,
                                               force=force, rate_per_s=rate_per_s)
         enqueuer = enqueuer or Enqueuer(client_app(config))
         progress = Progress(job, as_json=as_json)
-        states = [ITEM_PENDING] if not resume else [ITEM_PENDING, ITEM_ENQUEUED, ITEM_FAILED]
+        states = ([ItemState.PENDING] if not resume
+                  else [ItemState.PENDING, ItemState.ENQUEUED, ItemState.FAILED])
         await fan_out(store, enqueuer, job, states=states, force=force, rate_per_s=rate_per_s,
                       chunk=chunk, progress=progress)
         if wait:
             job = await wait_for_job(store, job.id, progress, timeout_s=timeout_s)
-            await store.set_bulk_job_state(job.id, JOB_DONE)
+            await store.set_bulk_job_state(job.id, JobState.DONE)
             job = await store.get_bulk_job(job.id) or job
         progress.close()
     if as_json:
@@ -152,7 +154,7 @@ async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool,
     return 1 if job.failed else 0
 
 
-async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: list[str],
+async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: Sequence[str],
                   force: bool, rate_per_s: float | None, chunk: int,
                   progress: Progress | None = None) -> int:
     """Enqueue the job's items in ``states``, ``chunk`` at a time, paced at the job's rate."""
@@ -166,11 +168,11 @@ async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: lis
         # Marked before they are sent: a worker that ends an item (done or failed) always writes
         # after this, so its ending is never overwritten. A fan-out that dies mid-chunk leaves
         # items enqueued but unsent, and ``--resume`` sends enqueued items again.
-        await store.mark_bulk_items(job.id, ids, ITEM_ENQUEUED, from_states=states)
+        await store.mark_bulk_items(job.id, ids, ItemState.ENQUEUED, from_states=states)
         for sid in ids:
             if rate_per_s:
                 await pacer.acquire(bulk_meter(job.id), rate_per_s)
-            await enqueuer.asend(RunRequest(sid, "bulk", force=force, bulk_job_id=job.id,
+            await enqueuer.asend(RunRequest(sid, Trigger.BULK, force=force, bulk_job_id=job.id,
                                             rate_per_s=rate_per_s))
         sent += len(ids)
         after = ids[-1]

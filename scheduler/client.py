@@ -32,6 +32,7 @@ from scheduler.args import parse_keep
 from scheduler.intake import SignalResult, accept_signal, parse_signal
 from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
+from storage.kinds import FailureClass, RunStatus, SignalReason, Trigger
 from storage.messages import Message, check_json, check_message, parse
 from storage.migrate import ensure_schema
 from storage.records import RunRecord, SessionInfo, utcnow
@@ -268,14 +269,14 @@ class SessionHandle:
             # next poll must report a compaction's commit, not our own append.
             self.version = result.version
         if result.signalled:
-            self.client.send_in_background(RunRequest(self.id, "pressure"))
+            self.client.send_in_background(RunRequest(self.id, Trigger.PRESSURE))
         fired = result.signalled or wants_run(result.session, self._config)
         return StepResult(version=result.version, first_seq=result.first_seq,
                           last_seq=result.last_seq, tokens=result.session.surface_tokens,
                           messages=result.session.surface_messages, fired=fired,
                           signalled=result.signalled)
 
-    async def signal(self, reason: str = "pressure") -> SignalResult:
+    async def signal(self, reason: str = SignalReason.PRESSURE) -> SignalResult:
         payload = parse_signal({"session": self.id, "reason": reason})
         return await accept_signal(self.client.store, self._config, self.client.enqueuer,
                                    payload)
@@ -289,7 +290,7 @@ class SessionHandle:
             self.id, input_tokens, output_tokens, response_appended=response_appended)
         if self._wants_signal(self.info) and await self.client.store.mark_signal(
                 self.id, ttl_s=self._config.worker.signal_ttl_s):
-            self.client.send_in_background(RunRequest(self.id, "pressure"))
+            self.client.send_in_background(RunRequest(self.id, Trigger.PRESSURE))
         return self.info
 
     async def poll(self, since_version: int | None = None) -> int | None:
@@ -315,7 +316,7 @@ class SessionHandle:
         clause = parse_keep(keep, "keep")
         queued = await enqueue_manual(
             self.client.store, self.client.enqueuer,
-            RunRequest(self.id, "manual", force=force,
+            RunRequest(self.id, Trigger.MANUAL, force=force,
                        keep=None if clause is None else clause.to_text()),
             ttl_s=self._config.worker.signal_ttl_s)
         if not wait:
@@ -344,7 +345,8 @@ class SessionHandle:
             return OverflowResult(False, f"nothing to compact: {forced.nothing_to_do}",
                                   surface.version)
         start_version = surface.version
-        task_id = await self.client.enqueuer.asend(RunRequest(self.id, "overflow", force=True))
+        task_id = await self.client.enqueuer.asend(
+            RunRequest(self.id, Trigger.OVERFLOW, force=True))
         if not wait:
             return OverflowResult(False, "queued", start_version, run={"task_id": task_id})
         run = await self._wait_for_run(task_id, timeout_s, retry_busy=True)
@@ -352,10 +354,10 @@ class SessionHandle:
         failed = f"{result['outcome']}" + (
             f" ({result['failure_class']})" if result["failure_class"] else "") + (
             f": {result.get('error') or ''}".rstrip(": "))
-        if result["outcome"] == "committed" or result["stages"]:
+        if result["outcome"] == RunStatus.COMMITTED or result["stages"]:
             # A failed run may still have committed (its prunes, an earlier round's summary):
             # that smaller surface is the answer, and the runtime retries with it.
-            reason = "compacted" if result["outcome"] == "committed" else (
+            reason = "compacted" if result["outcome"] == RunStatus.COMMITTED else (
                 f"compacted in part ({', '.join(result['stages'])}); then {failed}")
             return OverflowResult(True, reason, (await store.poll(self.id, None)) or 0,
                                   messages=await self.surface(), run=result,
@@ -377,7 +379,7 @@ class SessionHandle:
             runs = [r for r in await store.runs_for_task(task_id) if r.finished]
             if runs:
                 run = runs[-1]
-                if not (retry_busy and not retried and run.failure_class == "busy"):
+                if not (retry_busy and not retried and run.failure_class == FailureClass.BUSY):
                     return run
                 retried = True
                 while (await store.get_session(self.id)).lease_run_id is not None:
@@ -385,7 +387,7 @@ class SessionHandle:
                         raise WaitTimeout(f"session {self.id!r} stayed leased")
                     await asyncio.sleep(WAIT_POLL_S)
                 task_id = await self.client.enqueuer.asend(
-                    RunRequest(self.id, "overflow", force=True))
+                    RunRequest(self.id, Trigger.OVERFLOW, force=True))
             if asyncio.get_running_loop().time() >= deadline:
                 raise WaitTimeout(f"no result for task {task_id} within {timeout_s:g} s "
                                   "(is a worker running?)")
@@ -453,7 +455,7 @@ class SyncSession:
     def append(self, messages: Sequence[Mapping[str, Any] | Message], **kw: Any) -> StepResult:
         return self._loop.submit(lambda: self.handle.append(messages, **kw))
 
-    def signal(self, reason: str = "pressure") -> SignalResult:
+    def signal(self, reason: str = SignalReason.PRESSURE) -> SignalResult:
         return self._loop.submit(lambda: self.handle.signal(reason))
 
     def report_usage(self, input_tokens: int, output_tokens: int = 0, *,

@@ -14,6 +14,7 @@ from scheduler.intake import parse_signal
 from scheduler.output import EXIT_FAILED, emit, open_store, say
 from scheduler.status import render_status, session_status, status
 from storage.errors import InvalidMessage
+from storage.kinds import RunStatus, SignalReason, Trigger
 from storage.records import utcnow
 from worker.compaction.planner import plan
 from worker.limits import parse_rate
@@ -75,7 +76,7 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
 
         async with open_deps(config, owner=f"cli:{uuid.uuid4().hex[:8]}") as deps:
             await deps.store.get_session(args.session)
-            outcome = await compact(deps, args.session, trigger="manual", force=args.force,
+            outcome = await compact(deps, args.session, trigger=Trigger.MANUAL, force=args.force,
                                     keep=keep)
         result = outcome.to_json()
     else:
@@ -91,12 +92,12 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
             + f"{result['task_id']} (compactd status {args.session} shows its run)")
     else:
         _say_outcome(result)
-    return EXIT_FAILED if result.get("outcome") == "failed" else 0
+    return EXIT_FAILED if result.get("outcome") == RunStatus.FAILED else 0
 
 
 def _say_outcome(result: dict[str, Any]) -> None:
     outcome = result["outcome"]
-    if outcome == "failed":
+    if outcome == RunStatus.FAILED:
         say(f"failed ({result['failure_class']}): {result.get('error')}")
         for c in result.get("candidates") or ():
             if c.get("kind"):
@@ -105,7 +106,7 @@ def _say_outcome(result: dict[str, Any]) -> None:
     say(f"{outcome}: {result.get('tokens_before')} -> {result.get('tokens_after')} tokens"
         + (f"; stages {', '.join(result['stages'])}" if result.get("stages") else "")
         + (f"; model {result['model']}" if result.get("model") else ""))
-    if outcome == "nothing_to_do" and result.get("error"):
+    if outcome == RunStatus.NOTHING_TO_DO and result.get("error"):
         say(f"  {result['error']}")
 
 
@@ -205,7 +206,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")
     p.add_argument("session")
-    p.add_argument("--reason", default="pressure", help="pressure | step | append")
+    p.add_argument("--reason", default=SignalReason.PRESSURE, help=" | ".join(SignalReason))
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_signal)
 

@@ -11,6 +11,7 @@ import datetime as dt
 
 from scheduler.output import emit, say
 from scheduler.samples import coding_session
+from storage.kinds import Stage, Trigger
 from storage.messages import parse_openai
 from worker.compaction.render import render_surface
 from worker.orchestration import compact
@@ -31,7 +32,7 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
         await store.create_session(session_id, context_window=DEMO_WINDOW, policy=DEMO_POLICY)
         appended = await store.append(session_id, [parse_openai(m) for m in sample.messages])
         before = appended.session
-        outcome = await compact(deps, session_id, trigger="pressure")
+        outcome = await compact(deps, session_id, trigger=Trigger.PRESSURE)
         surface = await store.read_surface(session_id)
         verified = await store.verify(session_id)
     checkpoint = next((m for m in render_surface(surface.nodes)
@@ -52,10 +53,10 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
     say("")
     say(f"compaction {outcome.outcome}"
         + (f" ({outcome.failure_class}: {outcome.error})" if outcome.failed else ""))
-    if "prune" in outcome.stages:
+    if Stage.PRUNE in outcome.stages:
         say(f"  stage 1, prune (no model call): {outcome.pruned} large tool results cut to "
             "head + marker + tail")
-    if "summary" in outcome.stages:
+    if Stage.SUMMARY in outcome.stages:
         say(f"  stage 2, summary ({outcome.model} summarizer): {len(outcome.replaced_seqs)} "
             "nodes replaced by one checkpoint")
     say(f"  tokens: {outcome.tokens_before} -> {outcome.tokens_after} "

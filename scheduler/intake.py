@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from storage.errors import InvalidMessage
+from storage.kinds import SignalReason, Trigger
 from storage.records import utcnow
 from storage.store import Store
 from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
@@ -28,7 +28,7 @@ class SignalPayload(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     session: str = Field(min_length=1, max_length=255)
-    reason: Literal["pressure", "step", "append"] = "pressure"
+    reason: SignalReason = SignalReason.PRESSURE
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,6 @@ async def accept_signal(store: Store, config: Config, enqueuer: Enqueuer,
     if (info.signal_at is not None and info.signal_at > now - dt.timedelta(seconds=ttl_s)) or \
             not await store.mark_signal(info.id, ttl_s=ttl_s, now=now):
         return SignalResult(info.id, False, QUEUED)
-    task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))
+    task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.PRESSURE))
     return SignalResult(info.id, True, why, task_id)
 

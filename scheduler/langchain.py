@@ -76,6 +76,7 @@ from langgraph.types import Command
 
 from scheduler.client import CompactdClient, SessionHandle, StepResult
 from storage.errors import BadInput, CompactdError
+from storage.kinds import NodeKind
 from worker.compaction.policy import RENDERS, PolicyError, parse_policy
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
@@ -445,7 +446,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         payload = step.payload
         if sid in self._unsure:
             events = await handle.client.store.read_events(
-                sid, kinds=["message"], after_seq=self._last_seqs.get(sid, 0))
+                sid, kinds=[NodeKind.MESSAGE], after_seq=self._last_seqs.get(sid, 0))
             arrived = {(e.payload.get("meta") or {}).get(META_LC_ID) for e in events} - {None}
             payload = [m for m in payload if m.get("meta", {}).get(META_LC_ID) not in arrived]
         if not payload:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from storage.kinds import RunStatus
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from worker.pressure import session_policy
@@ -20,10 +21,11 @@ async def status(store: Store, *, since: dt.datetime | None = None,
                  config: Config | None = None) -> dict[str, Any]:
     now = utcnow()
     counts = await store.run_counts(since=since)
-    runs: dict[str, Any] = {"committed": 0, "nothing_to_do": 0, "running": 0, "failed": {}}
+    runs: dict[str, Any] = {RunStatus.COMMITTED: 0, RunStatus.NOTHING_TO_DO: 0,
+                            RunStatus.RUNNING: 0, RunStatus.FAILED: {}}
     for (state, failure_class), n in counts.items():
-        if state == "failed":
-            runs["failed"][failure_class or "unknown"] = runs["failed"].get(
+        if state == RunStatus.FAILED:
+            runs[RunStatus.FAILED][failure_class or "unknown"] = runs[RunStatus.FAILED].get(
                 failure_class or "unknown", 0) + n
         else:
             runs[state] = runs.get(state, 0) + n
@@ -135,9 +137,10 @@ def render_status(body: dict[str, Any]) -> str:
                 lines.append(f"      {c['candidate']}: {c['kind']} - {c['reason']}")
         return "\n".join(lines) + "\n"
     runs = body["runs"]
-    failed = runs["failed"]
-    lines.append(f"runs: {runs['committed']} committed, {runs['nothing_to_do']} nothing to do, "
-                 f"{sum(failed.values())} failed, {runs.get('running', 0)} running")
+    failed = runs[RunStatus.FAILED]
+    lines.append(f"runs: {runs[RunStatus.COMMITTED]} committed, "
+                 f"{runs[RunStatus.NOTHING_TO_DO]} nothing to do, "
+                 f"{sum(failed.values())} failed, {runs.get(RunStatus.RUNNING, 0)} running")
     for cls, n in sorted(failed.items(), key=lambda kv: -kv[1]):
         last = body["last_errors"].get(cls)
         lines.append(f"  {cls:<12} {n:>6}   last: {(last or {}).get('error') or ''}"[:160])

@@ -12,25 +12,19 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
 from storage.database import connection, transaction
+from storage.kinds import ItemState, JobState, RunStatus
 from storage.records import BulkJob, SessionInfo, utcnow
 from storage.schema import OVER_SWEEP_THRESHOLD, SESSION_COLUMNS, session_from_row
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-ITEM_PENDING = "pending"
-ITEM_ENQUEUED = "enqueued"
-ITEM_DONE = "done"
-ITEM_FAILED = "failed"
-
-JOB_RUNNING = "running"
-JOB_DONE = "done"
 _ITEM_INSERT_CHUNK = 1000
 
 
-def bulk_item_state(outcome: str) -> str:
+def bulk_item_state(outcome: str) -> ItemState:
     """What a bulk item becomes when its run ends with ``outcome``."""
-    return ITEM_FAILED if outcome == "failed" else ITEM_DONE
+    return ItemState.FAILED if outcome == RunStatus.FAILED else ItemState.DONE
 
 
 class JobsMixin:
@@ -46,11 +40,11 @@ class JobsMixin:
         job_id = uuid.uuid4().hex
         async with transaction(self.engine) as conn:
             await conn.execute(t.bulk_jobs.insert().values(
-                id=job_id, filter=filter, state=JOB_RUNNING, force=force, rate_per_s=rate_per_s,
-                matched=len(session_ids), created_at=now, updated_at=now))
+                id=job_id, filter=filter, state=JobState.RUNNING, force=force,
+                rate_per_s=rate_per_s, matched=len(session_ids), created_at=now, updated_at=now))
             for i in range(0, len(session_ids), _ITEM_INSERT_CHUNK):
                 await conn.execute(t.bulk_items.insert(), [
-                    {"job_id": job_id, "session_id": sid, "state": ITEM_PENDING,
+                    {"job_id": job_id, "session_id": sid, "state": ItemState.PENDING,
                      "updated_at": now} for sid in session_ids[i:i + _ITEM_INSERT_CHUNK]])
         job = await self.get_bulk_job(job_id)
         assert job is not None
@@ -80,12 +74,12 @@ class JobsMixin:
         out = []
         for r in rows:
             c = counts.get(r.id, {})
-            done, failed = c.get(ITEM_DONE, 0), c.get(ITEM_FAILED, 0)
+            done, failed = c.get(ItemState.DONE, 0), c.get(ItemState.FAILED, 0)
             out.append(BulkJob(
                 id=r.id, filter=r.filter, state=r.state, force=r.force, rate_per_s=r.rate_per_s,
                 matched=r.matched, created_at=r.created_at, updated_at=r.updated_at,
-                pending=c.get(ITEM_PENDING, 0), done=done, failed=failed,
-                enqueued=c.get(ITEM_ENQUEUED, 0) + done + failed))
+                pending=c.get(ItemState.PENDING, 0), done=done, failed=failed,
+                enqueued=c.get(ItemState.ENQUEUED, 0) + done + failed))
         return out
 
     async def bulk_items(self, job_id: str, *, states: Sequence[str], limit: int,
@@ -106,7 +100,7 @@ class JobsMixin:
         The condition is in the statement, so a state only moves the way the caller meant: an
         item a worker has ended meanwhile (done or failed) keeps its ending unless the caller
         names that state (a resume sending failed items again does, before it sends them)."""
-        if ITEM_DONE in from_states:
+        if ItemState.DONE in from_states:
             raise ValueError(f"a bulk item does not move from {list(from_states)} to {state}")
         now = now or utcnow()
         i = t.bulk_items.c
@@ -128,7 +122,7 @@ class JobsMixin:
         i = t.bulk_items.c
         state = (await conn.execute(sa.select(i.state).where(
             i.job_id == job_id, i.session_id == session_id))).scalar()
-        return state == ITEM_DONE
+        return state == ItemState.DONE
 
     async def _settle_bulk_item(self, conn: AsyncConnection, run_id: str, session_id: str,
                                 outcome: str, now: dt.datetime) -> None:
@@ -140,7 +134,7 @@ class JobsMixin:
         i = t.bulk_items.c
         await conn.execute(
             t.bulk_items.update()
-            .where(i.job_id == job_id, i.session_id == session_id, i.state != ITEM_DONE)
+            .where(i.job_id == job_id, i.session_id == session_id, i.state != ItemState.DONE)
             .values(state=bulk_item_state(outcome), run_id=run_id, updated_at=now))
 
     # ---------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from storage.errors import (
     LockNotAvailable,
     SurfaceChanged,
 )
-from storage.jobs import ITEM_DONE, bulk_item_state
+from storage.jobs import bulk_item_state
+from storage.kinds import FailureClass, ItemState, JournalKind, RunStatus
 from storage.records import (
     Busy,
     Claim,
@@ -41,9 +42,8 @@ from storage.records import (
     Skipped,
     utcnow,
 )
-from storage.runs import RUN_FAILED, RUN_RUNNING
 from storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
-from storage.surface import JOURNAL_END, JOURNAL_START, commit_seqs
+from storage.surface import commit_seqs
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -122,7 +122,7 @@ class LeasesMixin:
                 await self._insert_run(
                     conn, run_id, session_id, trigger=trigger, owner=owner, fence=None,
                     task_id=task_id, bulk_job_id=bulk_job_id, version=info.surface_version,
-                    now=now, status=RUN_FAILED, failure_class="busy",
+                    now=now, status=RunStatus.FAILED, failure_class=FailureClass.BUSY,
                     error=f"leased by {info.lease_owner} until {info.lease_expires_at}")
                 return Busy(run_id=run_id, holder=info.lease_owner,
                             expires_at=info.lease_expires_at)
@@ -135,7 +135,7 @@ class LeasesMixin:
             expires = now + dt.timedelta(seconds=lease_s)
             seq += 1
             await conn.execute(_INSERT_EVENTS, {
-                "session_id": session_id, "seq": seq, "kind": JOURNAL_START, "run_id": run_id,
+                "session_id": session_id, "seq": seq, "kind": JournalKind.START, "run_id": run_id,
                 "created_at": now, "tokens": None,
                 "payload": {"run_id": run_id, "trigger": trigger, "owner": owner,
                             "fence": fence, "surface_version": info.surface_version}})
@@ -144,7 +144,7 @@ class LeasesMixin:
                 "b_expires": expires, "b_fence": fence})).one()
             await self._insert_run(conn, run_id, session_id, trigger=trigger, owner=owner,
                                    fence=fence, task_id=task_id, bulk_job_id=bulk_job_id,
-                                   version=info.surface_version, now=now, status=RUN_RUNNING)
+                                   version=info.surface_version, now=now, status=RunStatus.RUNNING)
             info = session_from_row(row)
         return Claim(session=info, run_id=run_id, fence=fence, owner=owner, expires_at=expires)
 
@@ -171,7 +171,7 @@ class LeasesMixin:
                           trigger: str, owner: str, fence: int | None, task_id: str | None,
                           bulk_job_id: str | None, version: int, now: dt.datetime, status: str,
                           failure_class: str | None = None, error: str | None = None) -> None:
-        finished = None if status == RUN_RUNNING else now
+        finished = None if status == RunStatus.RUNNING else now
         await conn.execute(_INSERT_RUN, {
             "id": run_id, "session_id": session_id, "trigger": trigger, "status": status,
             "failure_class": failure_class, "owner": owner, "fence": fence, "task_id": task_id,
@@ -183,15 +183,17 @@ class LeasesMixin:
         """Journal the end of an expired lease's run and mark the run abandoned."""
         run_id = info.lease_run_id
         await conn.execute(t.events.insert().values(
-            session_id=info.id, seq=seq, kind=JOURNAL_END, run_id=run_id, created_at=now,
-            payload={"run_id": run_id, "outcome": RUN_FAILED, "failure_class": "abandoned",
-                     "closed_by": by, "lease_owner": info.lease_owner,
+            session_id=info.id, seq=seq, kind=JournalKind.END, run_id=run_id, created_at=now,
+            payload={"run_id": run_id, "outcome": RunStatus.FAILED,
+                     "failure_class": FailureClass.ABANDONED, "closed_by": by,
+                     "lease_owner": info.lease_owner,
                      "lease_expired_at": _iso(info.lease_expires_at)}))
         await conn.execute(
             t.compaction_runs.update()
             .where(t.compaction_runs.c.id == run_id,
-                   t.compaction_runs.c.status == RUN_RUNNING)
-            .values(status=RUN_FAILED, failure_class="abandoned", finished_at=now,
+                   t.compaction_runs.c.status == RunStatus.RUNNING)
+            .values(status=RunStatus.FAILED, failure_class=FailureClass.ABANDONED,
+                    finished_at=now,
                     error=error or (f"lease of {info.lease_owner} expired at "
                                     f"{_iso(info.lease_expires_at)}")))
 
@@ -332,7 +334,7 @@ class LeasesMixin:
             name = "commit_ending"
             params.update({column: _json_or_none(value) if column in _RUN_JSON_COLUMNS else value
                            for column, value in _run_end_values(end).items()},
-                          item_state=bulk_item_state(end.outcome), item_done=ITEM_DONE)
+                          item_state=bulk_item_state(end.outcome), item_done=ItemState.DONE)
         try:
             record = await self.db.commit_call(name, **params)
         except Exception as exc:
@@ -381,8 +383,9 @@ class LeasesMixin:
             await conn.execute(
                 t.compaction_runs.update()
                 .where(t.compaction_runs.c.id == run_id,
-                       t.compaction_runs.c.status == RUN_RUNNING)
-                .values(status=RUN_FAILED, failure_class="abandoned", finished_at=now,
+                       t.compaction_runs.c.status == RunStatus.RUNNING)
+                .values(status=RunStatus.FAILED, failure_class=FailureClass.ABANDONED,
+                        finished_at=now,
                         error="lease lost before the run ended "
                               f"({end.failure_class or end.outcome})"))
             return False
@@ -515,7 +518,7 @@ def _commit_update(replaced: bool, ended: bool) -> Any:
 
 def _end_event(session_id: str, run_id: str, seq: int, end: RunEnd, now: dt.datetime
                ) -> dict[str, Any]:
-    return {"session_id": session_id, "seq": seq, "kind": JOURNAL_END, "run_id": run_id,
+    return {"session_id": session_id, "seq": seq, "kind": JournalKind.END, "run_id": run_id,
             "created_at": now, "tokens": None, "payload": _end_payload(run_id, end)}
 
 

@@ -6,6 +6,8 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
+from storage.kinds import RunStatus
+
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
@@ -203,7 +205,7 @@ class RunRecord:
 
     @property
     def finished(self) -> bool:
-        return self.status != "running"
+        return self.status != RunStatus.RUNNING
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

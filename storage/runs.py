@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from storage import schema as t
 from storage.connectors import Connector
 from storage.database import connection
+from storage.kinds import RunStatus
 from storage.records import RunRecord, SessionInfo
 from storage.schema import (
     RUN_COLUMNS,
@@ -24,9 +25,6 @@ from storage.schema import (
     run_from_row,
     session_from_row,
 )
-
-RUN_RUNNING = "running"
-RUN_FAILED = "failed"
 
 
 class RunsMixin:
@@ -84,7 +82,7 @@ class RunsMixin:
     async def last_errors(self, *, since: dt.datetime | None = None) -> dict[str, RunRecord]:
         """The newest failed run of each failure class."""
         out: dict[str, RunRecord] = {}
-        for run in await self.recent_runs(since=since, status=RUN_FAILED, limit=500):
+        for run in await self.recent_runs(since=since, status=RunStatus.FAILED, limit=500):
             if run.failure_class and run.failure_class not in out:
                 out[run.failure_class] = run
         return out

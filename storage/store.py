@@ -38,6 +38,7 @@ from storage.errors import (
 )
 from storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
 from storage.jobs import JobsMixin
+from storage.kinds import REPLACE_KINDS, NodeKind
 from storage.leases import LeasesMixin
 from storage.messages import (
     ANSWERED,
@@ -62,8 +63,6 @@ from storage.records import (
 from storage.runs import RunsMixin
 from storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
 from storage.surface import (
-    KIND_MESSAGE,
-    REPLACE_KINDS,
     LoggedEvent,
     ReplayError,
     Surface,
@@ -363,7 +362,7 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
             if linked:
                 await self._link_tool_calls(conn, session_id, stored, linked, first_seq)
             await conn.execute(t.events.insert(), [
-                {"session_id": session_id, "seq": first_seq + i, "kind": KIND_MESSAGE,
+                {"session_id": session_id, "seq": first_seq + i, "kind": NodeKind.MESSAGE,
                  "payload": payloads[i], "tokens": tokens[i], "created_at": now}
                 for i in range(n)])
             await conn.execute(t.surface.insert(), [
@@ -553,7 +552,7 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
                       for r in await conn.execute(
                           sa.select(e.seq, e.kind, e.tokens, e.payload)
                           .where(e.session_id == session_id,
-                                 e.kind.in_([KIND_MESSAGE, *REPLACE_KINDS]))
+                                 e.kind.in_([NodeKind.MESSAGE, *REPLACE_KINDS]))
                           .order_by(e.seq))]
             stored = [(r.seq, r.tokens) for r in await conn.execute(
                 sa.select(s.seq, s.tokens).where(s.session_id == session_id)

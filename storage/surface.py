@@ -18,17 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from storage.kinds import REPLACE_KINDS, NodeKind
 from storage.messages import Message
-
-KIND_MESSAGE = "message"
-KIND_CHECKPOINT = "checkpoint"
-KIND_PRUNED = "pruned"
-REPLACE_KINDS = (KIND_CHECKPOINT, KIND_PRUNED)
-
-JOURNAL_START = "compaction/start"
-JOURNAL_PRUNE = "compaction/prune"
-JOURNAL_SUMMARY = "compaction/summary"
-JOURNAL_END = "compaction/end"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +89,7 @@ def replay(events: Iterable[LoggedEvent]) -> list[tuple[int, int]]:
     order: list[int] = []
     tokens: dict[int, int] = {}
     for event in events:
-        if event.kind == KIND_MESSAGE:
+        if event.kind == NodeKind.MESSAGE:
             order.append(event.seq)
         elif event.kind in REPLACE_KINDS:
             start = check_contiguous(order, event.replaces)

@@ -18,16 +18,17 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from storage.kinds import Trigger
 from storage.records import SessionInfo, utcnow
 from storage.store import Store
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_RUN
 from worker.pressure import over_trigger
 from worker.settings import Config
 
-TRIGGER_QUEUES = {
-    "overflow": QUEUE_URGENT, "manual": QUEUE_URGENT,
-    "pressure": QUEUE_PRESSURE, "sweep": QUEUE_PRESSURE, "reap": QUEUE_PRESSURE,
-    "bulk": QUEUE_BULK,
+TRIGGER_QUEUES: dict[str, str] = {
+    Trigger.OVERFLOW: QUEUE_URGENT, Trigger.MANUAL: QUEUE_URGENT,
+    Trigger.PRESSURE: QUEUE_PRESSURE, Trigger.SWEEP: QUEUE_PRESSURE, Trigger.REAP: QUEUE_PRESSURE,
+    Trigger.BULK: QUEUE_BULK,
 }
 
 
@@ -145,4 +146,4 @@ async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, info: Sess
         return None
     if not await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
         return None
-    return await enqueue_marked(store, enqueuer, RunRequest(info.id, "pressure"))
+    return await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.PRESSURE))

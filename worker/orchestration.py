@@ -17,16 +17,9 @@ import datetime as dt
 import logging
 from typing import Any
 
+from storage.kinds import FailureClass, JournalKind, NodeKind, RunStatus, Stage, Trigger
 from storage.records import Replacement, SessionInfo
-from storage.surface import (
-    JOURNAL_PRUNE,
-    JOURNAL_SUMMARY,
-    KIND_CHECKPOINT,
-    KIND_PRUNED,
-    NewNode,
-    Surface,
-    surface_after_commit,
-)
+from storage.surface import NewNode, Surface, surface_after_commit
 from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
@@ -44,8 +37,8 @@ from worker.runtime import Deps
 logger = logging.getLogger(__name__)
 
 
-async def compact(deps: Deps, session_id: str, *, trigger: str = "pressure", force: bool = False,
-                  keep: str | Clause | None = None, task_id: str | None = None,
+async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSURE,
+                  force: bool = False, keep: str | Clause | None = None, task_id: str | None = None,
                   bulk_job_id: str | None = None, rate_per_s: float | None = None) -> Outcome:
     """Run one compaction of ``session_id`` to its end; never raises for a failed run."""
     keep_clause = parse_keep_text(keep) if isinstance(keep, str) else keep
@@ -76,13 +69,13 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         if current.prune:
             info = await _commit_prunes(scope, current)
             out.pruned += len(current.prune)
-            out.stages.append("prune")
+            out.stages.append(Stage.PRUNE)
             # Durable whatever comes next: a run that fails later reports the surface it left.
             out.tokens_after = session_pressure(info, policy).tokens
             if current.summary_deferred:
                 # The pruned surface is known without a read, unless an append came in between.
                 surface = surface_after_commit(
-                    surface, [NewNode((a.seq,), KIND_PRUNED, a.message, a.tokens_after)
+                    surface, [NewNode((a.seq,), NodeKind.PRUNED, a.message, a.tokens_after)
                               for a in current.prune],
                     version=info.surface_version, last_seq=info.last_seq
                 ) or await store.read_surface(info.id, reuse=surface)
@@ -98,17 +91,17 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         last_round = round_no + 1 >= policy.max_rounds
         info, relieved = await _commit_checkpoint(scope, current, surface, summary, usage,
                                                   policy, info, final_if_relieved=not last_round)
-        out.outcome = "committed"
+        out.outcome = RunStatus.COMMITTED
         if relieved or last_round:
             return
     # Ended without a final checkpoint commit: prune-only, nothing to do, or the last round's
     # commit left the lease held.
-    if out.outcome == "committed" or out.pruned:
-        out.outcome = "committed"
+    if out.outcome == RunStatus.COMMITTED or out.pruned:
+        out.outcome = RunStatus.COMMITTED
     final = await store.get_session(info.id)
     out.tokens_after = session_pressure(final, policy).tokens
     await scope.end()
-    if "summary" in out.stages:
+    if Stage.SUMMARY in out.stages:
         # A summary committed in an earlier round, and a later round found nothing left to
         # do: exactly the session that is never relieved, which the guard is for.
         await _loop_guard(deps, out, final, policy)
@@ -128,14 +121,14 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:
-    reps = [Replacement(seqs=(a.seq,), kind=KIND_PRUNED, payload=a.message.to_payload(),
-                        tokens=a.tokens_after, journal_kind=JOURNAL_PRUNE,
+    reps = [Replacement(seqs=(a.seq,), kind=NodeKind.PRUNED, payload=a.message.to_payload(),
+                        tokens=a.tokens_after, journal_kind=JournalKind.PRUNE,
                         journal={"seq": a.seq, "tokens_before": a.tokens_before,
                                  "tokens_after": a.tokens_after, "saved": a.saved,
                                  "edits": list(a.edits)})
             for a in current.prune]
     info = await scope.commit(reps, what="the prunes")
-    metrics().tokens_saved.labels("prune").inc(sum(a.saved for a in current.prune))
+    metrics().tokens_saved.labels(Stage.PRUNE).inc(sum(a.saved for a in current.prune))
     return info
 
 
@@ -204,8 +197,8 @@ async def _summarize(scope: RunScope, current: Plan, policy: Policy, info: Sessi
                 retry=retry, on_context_length=calls.shrink)
         except SummaryFailed as exc:
             scope.record_call(exc.attempts)
-            raise RunFailed("summary", f"every candidate failed on call {calls.index + 1} of "
-                            f"{len(calls.step.calls)}") from exc
+            raise RunFailed(FailureClass.SUMMARY, f"every candidate failed on call "
+                            f"{calls.index + 1} of {len(calls.step.calls)}") from exc
         step_usage = scope.record_call(outcome.attempts, step_usage)
         metrics().fallback_depth.observe(max(0, len(outcome.attempts) - 1))
         out.model = outcome.model
@@ -242,18 +235,18 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
     relieved = not should_compact(predicted, policy)[0]
     final = relieved or not final_if_relieved
     out.replaced_seqs.extend(step.replace_seqs)
-    out.stages.append("summary")
+    out.stages.append(Stage.SUMMARY)
     out.summary = summary
     journal = {"text": summary, "replaced_tokens": step.replaced_tokens, "tokens": tokens,
                "model": out.model, "calls": len(step.calls), "usage": usage,
                "skills": [s.to_json() for s in step.skills]}
-    rep = Replacement(seqs=step.replace_seqs, kind=KIND_CHECKPOINT,
+    rep = Replacement(seqs=step.replace_seqs, kind=NodeKind.CHECKPOINT,
                       payload=message.to_payload(), tokens=tokens,
-                      journal_kind=JOURNAL_SUMMARY, journal=journal)
+                      journal_kind=JournalKind.SUMMARY, journal=journal)
     durable_tokens = out.tokens_after
     if final:
         # The end goes in the checkpoint's transaction: the outcome as it will be.
-        out.outcome = "committed"
+        out.outcome = RunStatus.COMMITTED
         out.tokens_after = predicted.tokens
     try:
         info = await scope.commit([rep], what="the checkpoint", expected=expected, final=final)
@@ -263,7 +256,7 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
         out.stages.pop()
         out.tokens_after = durable_tokens
         raise
-    metrics().tokens_saved.labels("summary").inc(max(0, saved))
+    metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved))
     out.tokens_after = session_pressure(info, policy).tokens
     if final:
         await _loop_guard(scope.deps, out, info, policy)
@@ -277,7 +270,7 @@ async def _loop_guard(deps: Deps, out: Outcome, info: SessionInfo, policy: Polic
     guard = deps.config.worker.loop_guard
     now = deps.clock()
     since = now - dt.timedelta(seconds=guard.window_s)
-    runs = await deps.store.recent_runs(session_id=info.id, since=since, status="committed",
+    runs = await deps.store.recent_runs(session_id=info.id, since=since, status=RunStatus.COMMITTED,
                                         limit=guard.max_compactions + 1)
     metrics().compactions_per_session.observe(len(runs))
     threshold = policy.threshold_tokens()

@@ -26,6 +26,7 @@ from typing import Any
 
 from storage.database import deadline
 from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
+from storage.kinds import FailureClass, RunStatus, Trigger
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from worker import logs
 from worker.keys import RATE_PROVIDER, bulk_meter
@@ -36,8 +37,9 @@ from worker.runtime import Deps
 
 logger = logging.getLogger(__name__)
 
-AUTOMATIC_TRIGGERS = ("pressure", "sweep", "reap")
-MANUAL_TRIGGERS = ("manual",)
+# Triggers whose run answers a pressure signal: its end clears the session's signal mark.
+AUTOMATIC_TRIGGERS = (Trigger.PRESSURE, Trigger.SWEEP, Trigger.REAP)
+MANUAL_TRIGGERS = (Trigger.MANUAL,)
 # How long after its deadline the loop cancels a run still waiting on something the deadline
 # does not reach by itself (the statements it does end on the server, cleanly, first).
 DEADLINE_OVERRUN_S = 1.0
@@ -54,9 +56,9 @@ USAGE_KINDS = ("input_tokens", "cached_tokens", "output_tokens")
 class Outcome:
     session: str
     run_id: str | None
-    outcome: str  # committed | nothing_to_do | failed
-    failure_class: str | None = None
-    trigger: str = "pressure"
+    outcome: RunStatus  # committed, nothing_to_do or failed
+    failure_class: FailureClass | None = None
+    trigger: str = Trigger.PRESSURE
     tokens_before: int | None = None
     tokens_after: int | None = None
     pruned: int = 0
@@ -74,10 +76,10 @@ class Outcome:
 
     @property
     def failed(self) -> bool:
-        return self.outcome == "failed"
+        return self.outcome == RunStatus.FAILED
 
-    def fail(self, failure_class: str, error: str) -> None:
-        self.outcome = "failed"
+    def fail(self, failure_class: FailureClass, error: str) -> None:
+        self.outcome = RunStatus.FAILED
         self.failure_class = failure_class
         self.error = error
 
@@ -110,33 +112,33 @@ class Outcome:
 
 
 class RunFailed(Exception):
-    def __init__(self, failure_class: str, error: str) -> None:
+    def __init__(self, failure_class: FailureClass, error: str) -> None:
         super().__init__(error)
         self.failure_class = failure_class
         self.error = error
 
 
 def failure_of(exc: BaseException, *, past_deadline: bool, deadline_s: float
-               ) -> tuple[str, str]:
+               ) -> tuple[FailureClass, str]:
     """The failure class and error of a run that ended with ``exc``. Once the deadline has
     passed, a failed write (a lock wait or a statement the deadline ended) is the deadline's
     doing: ``cancelled``."""
     passed = f"the run passed its deadline ({deadline_s:g} s)"
     if isinstance(exc, TimeoutError | DeadlinePassed):
-        return "cancelled", passed
+        return FailureClass.CANCELLED, passed
     if isinstance(exc, LeaseLost):
-        return "abandoned", str(exc)
+        return FailureClass.ABANDONED, str(exc)
     if isinstance(exc, SurfaceChanged):
-        return "changed", str(exc)
+        return FailureClass.CHANGED, str(exc)
     if isinstance(exc, RunFailed):
-        if past_deadline and exc.failure_class == "commit":
-            return "cancelled", f"{passed}: {exc.error}"
+        if past_deadline and exc.failure_class == FailureClass.COMMIT:
+            return FailureClass.CANCELLED, f"{passed}: {exc.error}"
         return exc.failure_class, exc.error
     # A storage error before anything was committed is a persistence failure; the commit
     # steps raise their own (RunFailed "commit").
     if past_deadline:
-        return "cancelled", f"{passed}: {exc}"
-    return "persistence", str(exc)
+        return FailureClass.CANCELLED, f"{passed}: {exc}"
+    return FailureClass.PERSISTENCE, str(exc)
 
 
 class RunScope:
@@ -150,7 +152,8 @@ class RunScope:
         self.deadline_at = deadline_at
         self.bulk_job_id = bulk_job_id
         self.rate_per_s = rate_per_s
-        self.out = Outcome(claim.session.id, claim.run_id, "nothing_to_do", trigger=trigger)
+        self.out = Outcome(claim.session.id, claim.run_id, RunStatus.NOTHING_TO_DO,
+                           trigger=trigger)
         self._lease: _KeptLease | None = None
 
     @classmethod
@@ -166,10 +169,11 @@ class RunScope:
                                            now=deps.clock(), task_id=task_id,
                                            bulk_job_id=bulk_job_id)
         if isinstance(claim, Skipped):
-            return _counted(Outcome(session_id, None, "nothing_to_do", trigger=trigger,
+            return _counted(Outcome(session_id, None, RunStatus.NOTHING_TO_DO, trigger=trigger,
                                     error=claim.reason))
         if isinstance(claim, Busy):
-            return _counted(Outcome(session_id, claim.run_id, "failed", "busy", trigger=trigger,
+            return _counted(Outcome(session_id, claim.run_id, RunStatus.FAILED, FailureClass.BUSY,
+                                    trigger=trigger,
                                     error=f"leased by {claim.holder}"))
         return cls(deps, claim, trigger=trigger, deadline_at=deadline_at,
                    bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
@@ -202,7 +206,7 @@ class RunScope:
                 # Worker shutdown, a revoked task or the task's time limit: record it, then let
                 # the cancellation through.
                 if not out.ended:
-                    out.fail("cancelled", "the run was cancelled before it committed")
+                    out.fail(FailureClass.CANCELLED, "the run was cancelled before it committed")
                     with contextlib.suppress(Exception):
                         await asyncio.shield(self._end_failed())
                 raise
@@ -219,7 +223,8 @@ class RunScope:
             finally:
                 metrics().in_flight.dec()
             signalled_at = self.claim.session.signal_at
-            if out.outcome == "committed" and out.trigger in AUTOMATIC_TRIGGERS and signalled_at:
+            if (out.outcome == RunStatus.COMMITTED and out.trigger in AUTOMATIC_TRIGGERS
+                    and signalled_at):
                 # The wait an agent under pressure has for its checkpoint: the alert on the
                 # runway (ops/prometheus/alerts.yaml) compares its p99 with the least runway.
                 metrics().pressure_to_checkpoint.labels(out.trigger).observe(
@@ -253,7 +258,7 @@ class RunScope:
         except (LeaseLost, SurfaceChanged, DeadlinePassed):
             raise
         except StorageError as exc:
-            raise RunFailed("commit", f"committing {what} failed: {exc}") from exc
+            raise RunFailed(FailureClass.COMMIT, f"committing {what} failed: {exc}") from exc
         if final:
             self.out.ended = True
         return info
@@ -281,8 +286,9 @@ class RunScope:
                                        end=out.run_end(), now=deps.clock()):
                 return
             run = await deps.store.get_run(claim.run_id)
-        if run is not None and run.status == "committed":
-            out.outcome, out.failure_class, out.error, out.ended = "committed", None, None, True
+        if run is not None and run.status == RunStatus.COMMITTED:
+            out.outcome, out.failure_class, out.error = RunStatus.COMMITTED, None, None
+            out.ended = True
             out.tokens_after = run.tokens_after
 
     async def _end_failed_quietly(self) -> None:
@@ -363,7 +369,7 @@ def _counted(out: Outcome) -> Outcome:
     metrics().compactions.labels(out.outcome, out.failure_class or "", out.trigger).inc()
     if out.tokens_before is not None:
         metrics().tokens_before.observe(out.tokens_before)
-    if out.outcome == "committed" and out.tokens_after is not None:
+    if out.outcome == RunStatus.COMMITTED and out.tokens_after is not None:
         metrics().tokens_after.observe(out.tokens_after)
     return out
 

@@ -24,7 +24,7 @@ from celery.signals import (
 )
 
 from storage.errors import ConfigError
-from storage.jobs import ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
+from storage.kinds import FailureClass, ItemState, RunStatus, Trigger
 from storage.records import utcnow
 from worker import logs
 from worker.enqueue import Enqueuer, broker_errors, follow_up
@@ -41,7 +41,7 @@ from worker.sweeps import least_runways, reap_leases, sweep_pressure
 logger = logging.getLogger(__name__)
 
 # Failures an operator should see as failed tasks; the others are contention.
-QUIET_FAILURES = ("busy", "changed")
+QUIET_FAILURES = (FailureClass.BUSY, FailureClass.CHANGED)
 # A bulk item that finds its session leased is retried this many times, a third of a lease
 # apart (an expired lease is closed by the next claim), before the item is marked failed.
 BULK_BUSY_RETRIES = 12
@@ -57,7 +57,7 @@ def _config(app: Any) -> Config:
 
 
 @shared_task(name=TASK_RUN, bind=True, acks_late=True)
-def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = False,
+def run(self: Task, session_id: str, trigger: str = Trigger.PRESSURE, force: bool = False,
         keep: str | None = None, bulk_job_id: str | None = None,
         rate_per_s: float | None = None) -> dict[str, Any]:
     config = _config(self.app)
@@ -72,7 +72,7 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
     async def go(deps: Deps) -> Outcome:
         started_at = utcnow()
         outcome: Outcome | None = None
-        if trigger == "manual" and task_id:
+        if trigger == Trigger.MANUAL and task_id:
             # Started: a manual request from now on queues a run of its own.
             await deps.store.clear_manual(session_id, task_id)
         try:
@@ -86,7 +86,8 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
             if trigger in AUTOMATIC_TRIGGERS:
                 # The signal's run is over: the next signal may enqueue again.
                 after = await deps.store.clear_signal(session_id)
-                if after is not None and outcome is not None and outcome.outcome == "committed":
+                committed = outcome is not None and outcome.outcome == RunStatus.COMMITTED
+                if after is not None and committed:
                     try:
                         await follow_up(deps.store, config, Enqueuer(self.app), after,
                                         run_started_at=started_at)
@@ -102,13 +103,14 @@ def run(self: Task, session_id: str, trigger: str = "pressure", force: bool = Fa
     if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)
-    if bulk_job_id is not None and outcome.failure_class == "busy":
+    if bulk_job_id is not None and outcome.failure_class == FailureClass.BUSY:
         # Another run holds the session (or this item is a duplicate delivery still running):
         # try again after the lease has had time to end, or the bulk job would wait forever.
         if self.request.retries < BULK_BUSY_RETRIES:
             raise self.retry(countdown=config.worker.lease_s / 3, max_retries=BULK_BUSY_RETRIES)
         process_loop(config).run(lambda deps: deps.store.mark_bulk_items(
-            bulk_job_id, [session_id], ITEM_FAILED, from_states=[ITEM_PENDING, ITEM_ENQUEUED]))
+            bulk_job_id, [session_id], ItemState.FAILED,
+            from_states=[ItemState.PENDING, ItemState.ENQUEUED]))
     if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
         raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
     return outcome.brief()

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from storage.ids import ID_PATTERN
+from storage.kinds import FailureClass, RunStatus, SignalReason, Stage
 
 
 def _whole(value: Any) -> Any:
@@ -162,7 +163,7 @@ class SurfaceOut(BaseModel):
 
 
 class SignalIn(_Body):
-    reason: Literal["pressure", "step", "append"] = "pressure"
+    reason: SignalReason = SignalReason.PRESSURE
 
 
 class SignalOut(BaseModel):
@@ -203,8 +204,8 @@ class RunOut(BaseModel):
 
     session: str
     run_id: str
-    outcome: str
-    failure_class: str | None
+    outcome: RunStatus
+    failure_class: FailureClass | None
     tokens_before: int | None
     tokens_after: int | None
     pruned: int
@@ -213,7 +214,7 @@ class RunOut(BaseModel):
     usage: dict[str, Any] | None = Field(
         default=None, description="tokens the providers billed: input (cached included), "
                                   "cached and output, in total and by candidate")
-    stages: list[str]
+    stages: list[Stage]
     error: str | None
     candidates: list[dict[str, Any]]
     started_at: str

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from storage.jobs import ITEM_ENQUEUED
+from storage.kinds import ItemState
 from storage.store import Store
 from tests.acceptance.test_scheduler import POLICY, _many_sessions
 
@@ -57,7 +57,7 @@ async def test_waiting_for_a_job_no_worker_consumes_gives_up(make_stack) -> None
         assert "Traceback" not in out.stderr
         # Nothing is lost: the items stay enqueued for a worker or a resume.
         assert (job.matched, job.enqueued, job.done, job.failed) == (3, 3, 0, 0)
-        assert len(await store.bulk_items(job.id, states=[ITEM_ENQUEUED], limit=10)) == 3
+        assert len(await store.bulk_items(job.id, states=[ItemState.ENQUEUED], limit=10)) == 3
         for bad in ("nan", "-1", "0", "inf"):
             refused = stack.cli("recompact", "--force", "--timeout", bad, check=False)
             assert refused.returncode == 2, (bad, refused.stderr)

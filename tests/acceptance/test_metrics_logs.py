@@ -24,8 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.samples import WORDS, coding_session
+from storage.kinds import JournalKind
 from storage.records import RunRecord, utcnow
-from storage.surface import JOURNAL_PRUNE, JOURNAL_SUMMARY
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.probes import free_port, query
 from tests.support.services import empty_database, flush_redis
@@ -155,7 +155,7 @@ def mixed(pg_schema: str, redis_url: str, tmp_path_factory: pytest.TempPathFacto
         sessions = (*COMMITS, PRUNE_ONLY, FAILS, ABANDONED)
         runs = {sid: _runs(url, sid) for sid in sessions}
         events = {sid: query(url, lambda s, sid=sid: s.read_events(
-            sid, kinds=[JOURNAL_PRUNE, JOURNAL_SUMMARY])) for sid in sessions}
+            sid, kinds=[JournalKind.PRUNE, JournalKind.SUMMARY])) for sid in sessions}
         raw = stack.log("w1")
         lines = [json.loads(line) for line in raw.splitlines() if line.startswith("{")]
         yield Mixed(stack, port, samples, runs, events, lines, raw)
@@ -190,7 +190,7 @@ def test_metrics_after_a_mixed_run_show_each_counter(mixed: Mixed) -> None:
     assert [(c["candidate"], c["kind"]) for c in failures] == [("fake-gpt", "empty")]
     assert value(s, "compactd_model_failures_total", candidate="fake-gpt", kind="empty") == 1
     assert value(s, "compactd_model_latency_seconds_count", candidate="fake-gpt") == len(attempts)
-    summaries = [e for sid in COMMITS for e in mixed.events[sid] if e.kind == JOURNAL_SUMMARY]
+    summaries = [e for sid in COMMITS for e in mixed.events[sid] if e.kind == JournalKind.SUMMARY]
     assert value(s, "compactd_fallback_depth_count") == len(attempts) - len(failures) >= 2
     assert value(s, "compactd_fallback_depth_sum") == 0
 
@@ -202,7 +202,7 @@ def test_metrics_after_a_mixed_run_show_each_counter(mixed: Mixed) -> None:
     assert value(s, "compactd_tokens_after_count") == 3
     assert value(s, "compactd_tokens_after_sum") == sum(r.tokens_after or 0 for r in committed)
     pruned = sum(e.payload["saved"] for sid in mixed.events for e in mixed.events[sid]
-                 if e.kind == JOURNAL_PRUNE)
+                 if e.kind == JournalKind.PRUNE)
     summarized = sum(e.payload["replaced_tokens"] - e.payload["tokens"] for e in summaries)
     assert pruned > 5000 and summarized > 0
     assert value(s, "compactd_tokens_saved_total", stage="prune") == pruned
@@ -247,7 +247,7 @@ def test_every_log_line_of_a_run_carries_its_ids_and_no_secrets(mixed: Mixed) ->
     assert API_KEY not in mixed.raw_log
     assert MARKER not in mixed.raw_log
     summary = next(e.payload["text"] for e in mixed.events[COMMITS[0]]
-                   if e.kind == JOURNAL_SUMMARY)
+                   if e.kind == JournalKind.SUMMARY)
     assert MARKER in summary, "the fake's summary was meant to echo the marker"
     for section_line in summary.splitlines():
         if len(section_line) > 40:

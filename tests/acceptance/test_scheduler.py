@@ -26,7 +26,7 @@ import redis
 
 from scheduler.client import Client, CompactdClient, SessionHandle, SyncSession
 from scheduler.samples import coding_session, iter_steps
-from storage.jobs import ITEM_PENDING
+from storage.kinds import ItemState
 from storage.messages import parse_openai
 from storage.records import Claim
 from storage.store import Store
@@ -480,7 +480,7 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
         stack.start_worker("w2", concurrency=8)
         # A worker died holding a session's lease: its bulk item (the first the resume sends)
         # finds it busy, and is retried until the lease expires and the next claim closes it.
-        stuck_id = (await store.bulk_items(job_id, states=[ITEM_PENDING], limit=1))[0]
+        stuck_id = (await store.bulk_items(job_id, states=[ItemState.PENDING], limit=1))[0]
         stuck = await store.claim(stuck_id, owner="dead-worker", trigger="pressure", lease_s=5.0)
         assert isinstance(stuck, Claim)
         resume = subprocess.Popen(

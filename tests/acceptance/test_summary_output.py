@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from scheduler.samples import coding_session
-from storage.surface import KIND_CHECKPOINT
+from storage.kinds import NodeKind
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack
@@ -54,7 +54,7 @@ def test_a_worker_commits_the_next_candidates_whole_summary(
         assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
             ("fake-gpt", kind)], run["candidates"]
         assert reason in run["candidates"][0]["reason"], run["candidates"]
-        [checkpoint] = [n for n in db.surface(sid).nodes if n.kind == KIND_CHECKPOINT]
+        [checkpoint] = [n for n in db.surface(sid).nodes if n.kind == NodeKind.CHECKPOINT]
         summary, _skills = checkpoint_parts(checkpoint.message)
         assert missing_sections(summary) == [] and "summarized by fake-claude" in summary
     assert [r.model for r in fake.requests] == ["fake-gpt", "fake-claude"] * 2
@@ -163,4 +163,4 @@ def test_replay_mode_sends_the_runtimes_last_request_then_the_instruction(
         surface = db.surface(sid)
         assert [(n.kind, n.seq) for n in surface.nodes][1:] == [
             ("message", RANGE + 1), ("message", RANGE + 2)]
-        assert surface.nodes[0].kind == KIND_CHECKPOINT
+        assert surface.nodes[0].kind == NodeKind.CHECKPOINT

@@ -16,8 +16,8 @@ import pytest
 
 from scheduler.client import CompactdClient
 from scheduler.samples import coding_session, iter_steps
+from storage.kinds import JournalKind
 from storage.records import RunRecord, utcnow
-from storage.surface import JOURNAL_END, JOURNAL_START
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour
 from tests.support.stack import Stack, wait_until
@@ -128,8 +128,8 @@ def test_two_workers_with_their_own_homes_never_lease_a_session_twice(
         # compaction/start is closed by its own compaction/end before the next claim starts.
         for sid in ids:
             holder: str | None = None
-            for event in db.events(sid, kinds=[JOURNAL_START, JOURNAL_END]):
-                if event.kind == JOURNAL_START:
+            for event in db.events(sid, kinds=[JournalKind.START, JournalKind.END]):
+                if event.kind == JournalKind.START:
                     assert holder is None, (sid, holder, event.run_id)
                     holder = event.run_id
                 else:

@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 
 from scheduler.samples import coding_session
+from storage.kinds import NodeKind
 from storage.messages import Message
 from storage.records import RunRecord
 from storage.store import Store
-from storage.surface import KIND_CHECKPOINT
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack, wait_until
@@ -75,7 +75,8 @@ def checkpoint_count(db: Db, session_id: str) -> tuple[int, int]:
     """(checkpoint events in the log, checkpoint nodes on the surface)."""
     journal = db.journal(session_id)
     surface = db.surface(session_id)
-    return journal[KIND_CHECKPOINT], sum(1 for n in surface.nodes if n.kind == KIND_CHECKPOINT)
+    return (journal[NodeKind.CHECKPOINT],
+            sum(1 for n in surface.nodes if n.kind == NodeKind.CHECKPOINT))
 
 
 def settle(db: Db, session_id: str, *, quiet_s: float = 1.0, timeout: float = 60.0) -> None:
@@ -151,7 +152,7 @@ def test_two_workers_one_session_exactly_one_commits(
     assert sum(1 for m in surface["messages"] if (m.get("meta") or {}).get("checkpoint")
                and m["role"] == "user") == 1
     journal = db.journal("s1")
-    assert journal[KIND_CHECKPOINT] == 1, journal
+    assert journal[NodeKind.CHECKPOINT] == 1, journal
     assert journal["compaction/summary"] == 1, journal
     assert_journal_closed(db, "s1")
     assert "1/1 sessions verified" in stack.cli("verify", "--all").stdout
@@ -257,7 +258,7 @@ def test_appends_at_200_per_s_during_runs_all_land(
             nodes = db.surface("a1").nodes
             order = [n.seq for n in nodes]
             checkpoint = next(i for i, n in enumerate(nodes)
-                              if n.kind == KIND_CHECKPOINT and n.seq > summary.seq)
+                              if n.kind == NodeKind.CHECKPOINT and n.seq > summary.seq)
             # Every message appended during the run is on the surface, in order, after the
             # checkpoint that run committed; nothing it replaced was appended after it started.
             assert order.index(seqs[0]) > checkpoint
@@ -270,7 +271,7 @@ def test_appends_at_200_per_s_during_runs_all_land(
     assert journal["message"] == len(sample) + len(all_appended)
     committed = [r for r in db.runs("a1") if r.status == "committed"]
     assert len(committed) >= 2
-    assert journal[KIND_CHECKPOINT] == len(committed)
+    assert journal[NodeKind.CHECKPOINT] == len(committed)
     assert "1/1 sessions verified" in stack.cli("verify", "a1").stdout
     # Every model call is one a run recorded, and none was a retry.
     attempts = [c for r in db.runs("a1") for c in r.candidates or ()]
@@ -353,7 +354,7 @@ def test_every_candidate_returns_whitespace_fails_summary(
     assert (result["outcome"], result["failure_class"]) == ("failed", "summary"), result
     assert stack.cli_json("surface", "ws") == before
     journal = db.journal("ws")
-    assert journal["compaction/prune"] == 0 and journal[KIND_CHECKPOINT] == 0, journal
+    assert journal["compaction/prune"] == 0 and journal[NodeKind.CHECKPOINT] == 0, journal
     assert_journal_closed(db, "ws")
 
     status = stack.cli_json("status", "ws")

@@ -106,8 +106,8 @@ from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMe
 
 import worker.orchestration as orchestration
 from scheduler.samples import coding_session
+from storage.kinds import JournalKind, NodeKind
 from storage.messages import Message, from_payload, parse
-from storage.surface import JOURNAL_SUMMARY, KIND_CHECKPOINT, KIND_PRUNED
 from storage.tokens import counter_for
 from tests.bench.common import (
     DEFAULT_CORPUS,
@@ -433,15 +433,15 @@ async def _compact(deps: Any, sid: str, last_seq: int, recorder: Recorder,
             elif m.meta.get("checkpoint"):
                 carried = True
     for event in await deps.store.read_events(sid, after_seq=last_seq):
-        if event.kind in (KIND_PRUNED, KIND_CHECKPOINT):
+        if event.kind in (NodeKind.PRUNED, NodeKind.CHECKPOINT):
             nodes[event.seq] = (from_payload(event.payload["message"]),
                                 event.tokens or 0, event.kind)
-        if event.kind != JOURNAL_SUMMARY:
+        if event.kind != JournalKind.SUMMARY:
             continue
         tally.compactions += 1
         for seq in event.payload["replaced_seqs"]:
             message, tokens, kind = nodes[seq]
-            if kind == KIND_CHECKPOINT:
+            if kind == NodeKind.CHECKPOINT:
                 tally.summaries_replaced += 1
                 tally.summaries_carried += carried
                 continue

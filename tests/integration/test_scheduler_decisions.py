@@ -23,10 +23,9 @@ from scheduler.client import CompactdClient, SessionHandle
 from scheduler.intake import SignalPayload, accept_signal
 from scheduler.status import status
 from storage.errors import InvalidMessage, SessionNotFound
-from storage.jobs import ITEM_DONE, ITEM_ENQUEUED, ITEM_FAILED, ITEM_PENDING
+from storage.kinds import ItemState, JournalKind
 from storage.records import Claim, utcnow
 from storage.store import Store
-from storage.surface import JOURNAL_END
 from tests.support.enqueuer import RecordingEnqueuer
 from worker.app import client_app
 from worker.enqueue import Enqueuer, RunRequest, follow_up
@@ -381,7 +380,7 @@ async def test_reaper_abandons_expired_runs_and_requeues_sessions_still_over(
         assert run is not None and (run.status, run.failure_class) == ("failed", "abandoned")
         info = await store.get_session(claim.session.id)
         assert info.lease_run_id is None
-        ends = await store.read_events(claim.session.id, kinds=[JOURNAL_END])
+        ends = await store.read_events(claim.session.id, kinds=[JournalKind.END])
         assert [e.payload["failure_class"] for e in ends] == ["abandoned"]
         assert (await store.verify(claim.session.id)).ok
 
@@ -493,7 +492,7 @@ async def test_bulk_items_move_pending_enqueued_done_and_resume_skips_done(
     assert (job.matched, job.pending, job.enqueued, job.done) == (4, 4, 0, 0)
     recorder = RecordingEnqueuer()
     started = time.monotonic()
-    sent = await fan_out(store, recorder, job, states=[ITEM_PENDING], force=True,
+    sent = await fan_out(store, recorder, job, states=[ItemState.PENDING], force=True,
                          rate_per_s=100.0, chunk=3)
     assert sent == 4 and time.monotonic() - started >= 3 / 100 * 0.9  # paced at the rate
     assert [(r.session_id, r.trigger, r.bulk_job_id, r.force) for r in recorder.sent] == [
@@ -511,19 +510,21 @@ async def test_bulk_items_move_pending_enqueued_done_and_resume_skips_done(
     runs = [r for r in await store.session_runs("b0") if r.bulk_job_id == job.id]
     assert [r.status for r in runs] == ["committed"]
 
-    await store.mark_bulk_items(job.id, ["b1"], ITEM_FAILED, from_states=[ITEM_ENQUEUED])
+    await store.mark_bulk_items(job.id, ["b1"], ItemState.FAILED, from_states=[ItemState.ENQUEUED])
     # A state moves only from the states named: b0 is done, b1 failed meanwhile.
-    await store.mark_bulk_items(job.id, ["b0", "b1"], ITEM_ENQUEUED,
-                                from_states=[ITEM_PENDING])
+    await store.mark_bulk_items(job.id, ["b0", "b1"], ItemState.ENQUEUED,
+                                from_states=[ItemState.PENDING])
     with pytest.raises(ValueError, match="does not move"):
-        await store.mark_bulk_items(job.id, ["b0"], ITEM_ENQUEUED, from_states=[ITEM_DONE])
+        await store.mark_bulk_items(job.id, ["b0"], ItemState.ENQUEUED,
+                                    from_states=[ItemState.DONE])
     job = await store.get_bulk_job(job.id)
     assert job is not None and (job.done, job.failed, job.enqueued) == (1, 1, 4)
     resumed = RecordingEnqueuer()
-    await fan_out(store, resumed, job, states=[ITEM_PENDING, ITEM_ENQUEUED, ITEM_FAILED],
-                  force=True, rate_per_s=None, chunk=100)
+    await fan_out(store, resumed, job,
+                  states=[ItemState.PENDING, ItemState.ENQUEUED, ItemState.FAILED], force=True,
+                  rate_per_s=None, chunk=100)
     assert [r.session_id for r in resumed.sent] == ["b1", "b2", "b3"]
-    assert await store.bulk_items(job.id, states=[ITEM_DONE], limit=10) == ["b0"]
+    assert await store.bulk_items(job.id, states=[ItemState.DONE], limit=10) == ["b0"]
 
     listed = (await status(store))["bulk_jobs"]
     assert [(j["id"], j["matched"], j["done"], j["failed"], j["pending"]) for j in listed] == [

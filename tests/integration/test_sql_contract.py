@@ -14,10 +14,10 @@ import sqlalchemy as sa
 from storage import schema as t
 from storage import sql
 from storage.database import transaction
+from storage.kinds import JournalKind, NodeKind
 from storage.migrate import HEAD_REVISION
 from storage.records import Replacement, utcnow
 from storage.store import Store
-from storage.surface import JOURNAL_PRUNE, KIND_CHECKPOINT, KIND_PRUNED
 from tests.unit.compaction_helpers import user
 
 Case = Callable[[Store], Awaitable[None]]
@@ -118,10 +118,10 @@ async def _claim_free(store: Store) -> None:
 
 
 def _prune_of_seq_1() -> dict[str, Any]:
-    return {"seqs": [1], "counts": [1], "kinds": [KIND_PRUNED],
+    return {"seqs": [1], "counts": [1], "kinds": [NodeKind.PRUNED],
             "payloads": [json.dumps({"message": {"role": "user", "content": "[pruned]"},
                                      "replaces": [1], "run_id": "r1"})],
-            "tokens": [1], "journal_kinds": [JOURNAL_PRUNE],
+            "tokens": [1], "journal_kinds": [JournalKind.PRUNE],
             "journals": [json.dumps({"run_id": "r1", "replaced_seqs": [1]})],
             "expected_pos": [1], "expected_seq": [1]}
 
@@ -131,7 +131,7 @@ async def _commit(store: Store) -> None:
     lease = await _claimed(store)
     row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None)
     assert row is not None and row["lease_run_id"] == "r1" and row["surface_version"] == 2
-    assert (await store.read_surface("s1")).nodes[0].kind == KIND_PRUNED
+    assert (await store.read_surface("s1")).nodes[0].kind == NodeKind.PRUNED
 
 
 @case("commit_ending")
@@ -170,7 +170,7 @@ async def _checkpointed(store: Store) -> None:
     claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
     await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
                        replacements=[Replacement(
-                           seqs=(1, 2), kind=KIND_CHECKPOINT, tokens=3,
+                           seqs=(1, 2), kind=NodeKind.CHECKPOINT, tokens=3,
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "summary",
                                     "meta": {"checkpoint": True, "recall": {"ref": "c1-2"}}})])
@@ -232,7 +232,7 @@ async def _exact(store: Store) -> None:
     claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
     await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
                        replacements=[Replacement(
-                           seqs=(3, 4), kind=KIND_CHECKPOINT, tokens=3,
+                           seqs=(3, 4), kind=NodeKind.CHECKPOINT, tokens=3,
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
     # newest first, case-insensitive, the snippet cut around the match; the node named from
@@ -248,7 +248,7 @@ async def _fuzzy(store: Store) -> None:
     claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
     await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
                        replacements=[Replacement(
-                           seqs=(1, 2, 3, 4, 5), kind=KIND_CHECKPOINT, tokens=3,
+                           seqs=(1, 2, 3, 4, 5), kind=NodeKind.CHECKPOINT, tokens=3,
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
     # sharing words but not holding the query whole; the message holding it is not a fuzzy hit
@@ -268,7 +268,7 @@ async def _recall_replace_events(store: Store) -> None:
     assert await store.db.fetch("recall_replace_events") == []
     await _checkpointed(store)
     rows = await store.db.fetch("recall_replace_events")
-    assert [(r["session_id"], r["kind"]) for r in rows] == [("s1", KIND_CHECKPOINT)]
+    assert [(r["session_id"], r["kind"]) for r in rows] == [("s1", NodeKind.CHECKPOINT)]
     payload = rows[0]["payload"]
     assert (json.loads(payload) if isinstance(payload, str) else payload)["replaces"] == [1, 2]
 
@@ -331,7 +331,7 @@ async def _recall_fts_drop(store: Store) -> None:
     claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
     await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
                        replacements=[Replacement(
-                           seqs=(3,), kind=KIND_CHECKPOINT, tokens=3,
+                           seqs=(3,), kind=NodeKind.CHECKPOINT, tokens=3,
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
     assert len(await _search(store, "history_search_exact", "findable")) == 1

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from scheduler.status import render_status, session_status, status
 from storage.errors import LeaseLost
+from storage.kinds import JournalKind
 from storage.messages import parse_openai
 from storage.records import Claim, RunEnd, utcnow
 from storage.store import Store
-from storage.surface import JOURNAL_END
 from tests.conftest import compactd_cmd
 
 
@@ -112,7 +112,7 @@ async def test_release_ends_a_live_lease_as_abandoned_and_fences_its_holder(stor
     run = await store.get_run(claim.run_id)
     assert run is not None and (run.status, run.failure_class) == ("failed", "abandoned")
     assert run.error == "lease of w1:100 released by alice"
-    end = (await store.read_events("s1", kinds=[JOURNAL_END]))[-1]
+    end = (await store.read_events("s1", kinds=[JournalKind.END]))[-1]
     assert end.run_id == claim.run_id and end.payload["failure_class"] == "abandoned"
     assert end.payload["closed_by"] == "alice"
     assert (await store.verify("s1")).ok

@@ -15,10 +15,11 @@ from storage.errors import (
     SessionNotFound,
     SurfaceChanged,
 )
+from storage.kinds import NodeKind
 from storage.messages import Message, parse_openai
 from storage.records import Busy, Claim, Replacement, RunEnd
 from storage.store import Store
-from storage.surface import KIND_CHECKPOINT, KIND_PRUNED, NewNode, surface_after_commit
+from storage.surface import NewNode, surface_after_commit
 from storage.tokens import counter_for
 from tests.support.tables import row_counts
 
@@ -160,7 +161,7 @@ async def claim(store: Store, sid: str = "s1", owner: str = "w1", now: dt.dateti
 
 
 def checkpoint(seqs: tuple[int, ...], tokens: int = 7) -> Replacement:
-    return Replacement(seqs=seqs, kind=KIND_CHECKPOINT, tokens=tokens,
+    return Replacement(seqs=seqs, kind=NodeKind.CHECKPOINT, tokens=tokens,
                        payload={"role": "user", "content": "summary",
                                 "meta": {"checkpoint": True, "summary": "summary"}},
                        journal_kind="compaction/summary", journal={"text": "summary"})
@@ -176,14 +177,14 @@ async def test_replace_and_replay(store: Store) -> None:
                               end=RunEnd(outcome="committed", tokens_before=1, tokens_after=1),
                               now=T0)
     after = await store.read_surface("s1")
-    assert [n.kind for n in after.nodes] == ["message", KIND_CHECKPOINT, "message", "message"]
+    assert [n.kind for n in after.nodes] == ["message", NodeKind.CHECKPOINT, "message", "message"]
     assert after.seqs[0] == 1 and after.seqs[2:] == [5, 6]
     assert after.nodes[1].position == before.nodes[1].position
     assert after.version == before.version + 1
     assert info.surface_tokens == after.tokens and info.lease_owner is None
     assert (await store.verify("s1")).ok
     kinds = [e.kind for e in await store.read_events("s1")]
-    assert kinds[6:] == ["compaction/start", "compaction/summary", KIND_CHECKPOINT,
+    assert kinds[6:] == ["compaction/start", "compaction/summary", NodeKind.CHECKPOINT,
                          "compaction/end"]
     run = await store.get_run(c.run_id)
     assert run is not None and run.status == "committed"
@@ -203,7 +204,7 @@ async def test_a_second_checkpoint_merges_over_the_first(store: Store) -> None:
                        expected=[(n.position, n.seq) for n in s.nodes[:3]],
                        replacements=[checkpoint((first, 4, 5))], end=RunEnd(outcome="committed"))
     s = await store.read_surface("s1")
-    assert [n.kind for n in s.nodes].count(KIND_CHECKPOINT) == 1
+    assert [n.kind for n in s.nodes].count(NodeKind.CHECKPOINT) == 1
     assert s.seqs[1:] == [6, 7, 8]
     assert (await store.verify("s1")).ok
 
@@ -213,12 +214,12 @@ async def test_prune_replaces_one_node_and_keeps_its_place(store: Store) -> None
     await store.append("s1", [user("go"), asst_call("c1"), result("c1", "y" * 5000), user("ok")])
     c = await claim(store)
     pruned = result("c1", "y" * 10).model_copy(update={"meta": {"pruned": True}})
-    rep = Replacement(seqs=(3,), kind=KIND_PRUNED, payload=pruned.to_payload(), tokens=9,
+    rep = Replacement(seqs=(3,), kind=NodeKind.PRUNED, payload=pruned.to_payload(), tokens=9,
                       journal_kind="compaction/prune", journal={"tokens_before": 600,
                                                                 "tokens_after": 9})
     await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=[rep])
     s = await store.read_surface("s1")
-    assert s.nodes[2].kind == KIND_PRUNED and s.nodes[2].message.tool_call_id == "c1"
+    assert s.nodes[2].kind == NodeKind.PRUNED and s.nodes[2].message.tool_call_id == "c1"
     assert s.nodes[2].tokens == 9
     # The lease is still held: the prune commit does not end the run.
     assert (await store.get_session("s1")).lease_run_id == c.run_id
@@ -237,22 +238,22 @@ async def test_the_surface_after_a_commit_is_what_a_read_returns(store: Store) -
                               result("c2", "z" * 5000), user("ok")])
     c = await claim(store)
     before = await store.read_surface("s1")
-    new = [NewNode((3,), KIND_PRUNED, pruned_result("c1", "y" * 10), 9),
-           NewNode((4,), KIND_PRUNED, pruned_result("c2", "z" * 10), 8)]
+    new = [NewNode((3,), NodeKind.PRUNED, pruned_result("c1", "y" * 10), 9),
+           NewNode((4,), NodeKind.PRUNED, pruned_result("c2", "z" * 10), 8)]
     reps = [Replacement(seqs=n.replaces, kind=n.kind, payload=n.message.to_payload(),
                         tokens=n.tokens, journal_kind="compaction/prune") for n in new]
     info = await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=reps)
     computed = surface_after_commit(before, new, version=info.surface_version,
                                     last_seq=info.last_seq)
     assert computed == await store.read_surface("s1")
-    assert computed is not None and [n.kind for n in computed.nodes][2:4] == [KIND_PRUNED] * 2
+    assert computed is not None and [n.kind for n in computed.nodes][2:4] == [NodeKind.PRUNED] * 2
 
     # An append between the read and the commit: the computed surface would miss it.
     before = await store.read_surface("s1")
     await store.append("s1", [user("late")])
-    new = [NewNode((5,), KIND_PRUNED, user("o"), 1)]
+    new = [NewNode((5,), NodeKind.PRUNED, user("o"), 1)]
     info = await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=[
-        Replacement(seqs=(5,), kind=KIND_PRUNED, payload=user("o").to_payload(), tokens=1,
+        Replacement(seqs=(5,), kind=NodeKind.PRUNED, payload=user("o").to_payload(), tokens=1,
                     journal_kind="compaction/prune")])
     assert surface_after_commit(before, new, version=info.surface_version,
                                 last_seq=info.last_seq) is None

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from storage.errors import LeaseLost, SessionNotFound, SurfaceChanged
+from storage.kinds import NodeKind
 from storage.messages import Message, parse_openai
 from storage.records import Claim, Replacement, RunEnd
 from storage.store import Store
-from storage.surface import KIND_CHECKPOINT, KIND_PRUNED
 
 
 def user(text: str) -> Message:
@@ -27,13 +27,13 @@ def result(cid: str, text: str) -> Message:
 
 def pruned(seq: int, cid: str) -> Replacement:
     message = result(cid, "cut").model_copy(update={"meta": {"pruned": True}})
-    return Replacement(seqs=(seq,), kind=KIND_PRUNED, payload=message.to_payload(), tokens=5,
+    return Replacement(seqs=(seq,), kind=NodeKind.PRUNED, payload=message.to_payload(), tokens=5,
                        journal_kind="compaction/prune", journal={"seq": seq})
 
 
 def checkpoint(seqs: tuple[int, ...]) -> Replacement:
     message = user("summary").model_copy(update={"meta": {"checkpoint": True}})
-    return Replacement(seqs=seqs, kind=KIND_CHECKPOINT, payload=message.to_payload(),
+    return Replacement(seqs=seqs, kind=NodeKind.CHECKPOINT, payload=message.to_payload(),
                        tokens=7, journal_kind="compaction/summary", journal={"text": "summary"})
 
 
@@ -54,11 +54,11 @@ async def test_many_replacements_commit_as_one_at_a_time_would(store: Store) -> 
     s = await store.read_surface("s1")
     # Each replacement journals, then adds its node: seqs interleave exactly as before.
     assert s.seqs == [1, 2, 11, 4, 13, 6, 15, 8]
-    assert [n.kind for n in s.nodes].count(KIND_PRUNED) == 3
+    assert [n.kind for n in s.nodes].count(NodeKind.PRUNED) == 3
     events = await store.read_events("s1", after_seq=9)
     assert [(e.seq, e.kind) for e in events] == [
-        (10, "compaction/prune"), (11, KIND_PRUNED), (12, "compaction/prune"),
-        (13, KIND_PRUNED), (14, "compaction/prune"), (15, KIND_PRUNED)]
+        (10, "compaction/prune"), (11, NodeKind.PRUNED), (12, "compaction/prune"),
+        (13, NodeKind.PRUNED), (14, "compaction/prune"), (15, NodeKind.PRUNED)]
     assert events[0].payload["replaced_seqs"] == [3]
     assert info.surface_tokens == s.tokens and info.surface_messages == 8
     assert (await store.verify("s1")).ok

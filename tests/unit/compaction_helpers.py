@@ -7,8 +7,9 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from storage.kinds import NodeKind
 from storage.messages import Message, ToolCall
-from storage.surface import KIND_CHECKPOINT, KIND_MESSAGE, SurfaceNode
+from storage.surface import SurfaceNode
 from storage.tokens import counter_for
 from worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
 
@@ -56,8 +57,8 @@ def nodes(*messages: Message, start: int = 1, tokens: Iterable[int] | None = Non
             count = checkpoint_tokens(message, None)
         else:
             count = COUNTER.count_message(message)
-        out.append(SurfaceNode(seq=start + i, kind=KIND_CHECKPOINT if is_ckpt else KIND_MESSAGE,
-                               message=message, tokens=count, position=i))
+        kind = NodeKind.CHECKPOINT if is_ckpt else NodeKind.MESSAGE
+        out.append(SurfaceNode(seq=start + i, kind=kind, message=message, tokens=count, position=i))
     return out
 
 

@@ -10,8 +10,9 @@ from compaction_helpers import ai, nodes, tool, user
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from storage.kinds import NodeKind
 from storage.messages import Message
-from storage.surface import KIND_CHECKPOINT, SurfaceNode
+from storage.surface import SurfaceNode
 from storage.tokens import counter_for
 from tests.support.pairs import cut_problems, node_rows
 from worker.compaction.boundary import unsafe_boundaries
@@ -299,7 +300,7 @@ def test_a_tally_counts_roles_and_calls_and_adds_stored_tallies() -> None:
                                           "tally": stored.to_json()}})
     surface = nodes(index, ai(None, ("c1", "read_file"), ("c2", "bash")), tool("c1"),
                     tool("c2"), tokens=[120, 30, 40, 50], start=10)
-    surface[0] = SurfaceNode(10, KIND_CHECKPOINT, index, 120)
+    surface[0] = SurfaceNode(10, NodeKind.CHECKPOINT, index, 120)
     counts = tally(surface)
     assert counts == Tally(13, 240, (("user", 4), ("assistant", 1), ("tool", 8)),
                            (("bash", 7), ("read_file", 1)))

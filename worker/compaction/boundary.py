@@ -54,8 +54,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from storage.kinds import NodeKind
 from storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
-from storage.surface import KIND_CHECKPOINT, SurfaceNode
+from storage.surface import SurfaceNode
 from worker.compaction.policy import Clause, Policy, effective_keep
 
 
@@ -70,7 +71,7 @@ class Selection:
 
 
 def is_checkpoint(node: SurfaceNode) -> bool:
-    return node.kind == KIND_CHECKPOINT or bool(node.message.meta.get(META_CHECKPOINT))
+    return node.kind == NodeKind.CHECKPOINT or bool(node.message.meta.get(META_CHECKPOINT))
 
 
 def is_real_user_request(node: SurfaceNode) -> bool:

@@ -31,8 +31,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from storage.kinds import NodeKind
 from storage.messages import META_PRUNED, Message
-from storage.surface import KIND_PRUNED, SurfaceNode
+from storage.surface import SurfaceNode
 from storage.tokens import TokenCounter
 from worker.compaction.boundary import pair_results
 from worker.compaction.policy import PRUNE_MARKER, ClearToolUsesConfig, PruneConfig
@@ -240,6 +241,6 @@ def apply_actions(nodes: Sequence[SurfaceNode], actions: Iterable[PruneAction]
     if not by_seq:
         return list(nodes)
     return [node if node.seq not in by_seq else
-            replace(node, kind=KIND_PRUNED, message=by_seq[node.seq].message,
+            replace(node, kind=NodeKind.PRUNED, message=by_seq[node.seq].message,
                     tokens=by_seq[node.seq].tokens_after)
             for node in nodes]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from storage.errors import RecallArgumentError
+from storage.kinds import NodeKind
 from storage.messages import META_RECALL, Message
 from storage.surface import SurfaceNode
 from worker.compaction.boundary import unsafe_boundaries
@@ -59,7 +60,7 @@ MAX_ANCHORS = 24
 ANCHOR_MAX_CHARS = 160
 MAX_TOOL_NAMES = 8
 
-RefKind = Literal["checkpoint", "pruned"]
+RefKind = Literal[NodeKind.CHECKPOINT, NodeKind.PRUNED]
 _REF = re.compile(r"(?:c(\d{1,18})-(\d{1,18})|r(\d{1,18}))")
 
 
@@ -69,16 +70,16 @@ class Ref:
 
     first: int
     last: int
-    kind: RefKind = "checkpoint"
+    kind: RefKind = NodeKind.CHECKPOINT
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
             raise ValueError(f"not a seq span: {self.first}-{self.last}")
-        if self.kind == "pruned" and self.first != self.last:
+        if self.kind == NodeKind.PRUNED and self.first != self.last:
             raise ValueError("a pruned result names one original seq")
 
     def __str__(self) -> str:
-        if self.kind == "pruned":
+        if self.kind == NodeKind.PRUNED:
             return f"r{self.first}"
         return f"c{self.first}-{self.last}"
 
@@ -87,11 +88,11 @@ class Ref:
 
 
 def checkpoint_ref(first: int, last: int) -> Ref:
-    return Ref(first, last, "checkpoint")
+    return Ref(first, last, NodeKind.CHECKPOINT)
 
 
 def pruned_ref(seq: int) -> Ref:
-    return Ref(seq, seq, "pruned")
+    return Ref(seq, seq, NodeKind.PRUNED)
 
 
 def parse_ref(text: Any, argument: str = "checkpoint") -> Ref:

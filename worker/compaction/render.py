@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from storage.kinds import NodeKind
 from storage.messages import META_CHECKPOINT, META_HIDDEN, META_RECALL, Message
 from storage.surface import SurfaceNode
 from storage.tokens import counter_for
@@ -135,7 +136,7 @@ def checkpoint_parts(message: Message) -> tuple[str, list[Skill]]:
 def render_node(node: SurfaceNode, form: str | None = None) -> list[dict[str, Any]]:
     """The OpenAI-shaped messages a node becomes; a checkpoint may become two."""
     message = node.message
-    if node.kind != "checkpoint" and not message.meta.get(META_CHECKPOINT):
+    if node.kind != NodeKind.CHECKPOINT and not message.meta.get(META_CHECKPOINT):
         return [_with_seq(message.to_openai(), node)]
     summary, skills = checkpoint_parts(message)
     stored = message.meta.get(META_RENDER)

@@ -5,9 +5,9 @@ The orchestration uses :func:`candidate_order` to list who may summarize a sessi
 to get the first summary the policy accepts.
 """
 
+from storage.kinds import ModelFailure
 from worker.llm.candidates import Availability, Candidate, candidate_order
 from worker.llm.errors import (
-    ErrorKind,
     LLMError,
     LocalSummaryError,
     ProviderError,
@@ -32,9 +32,9 @@ __all__ = [
     "Availability",
     "Candidate",
     "Completion",
-    "ErrorKind",
     "LLMError",
     "LocalSummaryError",
+    "ModelFailure",
     "ProviderError",
     "ProviderPool",
     "RetryPolicy",

@@ -44,12 +44,12 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from storage.kinds import ModelFailure
 from storage.messages import Message
 from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
 from worker.llm.candidates import Candidate
 from worker.llm.errors import (
     BROKEN_KINDS,
-    ErrorKind,
     LLMError,
     LocalSummaryError,
     ProviderError,
@@ -133,7 +133,7 @@ class Attempt:
     candidate: str
     provider: str
     model: str
-    kind: ErrorKind | None
+    kind: ModelFailure | None
     reason: str
     latency_s: float
     http_attempts: int = 0
@@ -205,8 +205,9 @@ async def summarize(request: SummaryRequest, *, candidates: Sequence[Candidate],
         if candidate.is_local:
             outcome = await run.local_candidate(candidate)
         elif loop.time() >= deadline_at:
-            run.fail(candidate, "deadline", f"the overall deadline ({deadline_s:g} s) passed "
-                     "before this candidate", loop.time())
+            run.fail(candidate, ModelFailure.DEADLINE,
+                     f"the overall deadline ({deadline_s:g} s) passed before this candidate",
+                     loop.time())
             continue
         else:
             outcome = await run.remote_candidate(candidate, deadline_at, deadline_s)
@@ -243,12 +244,12 @@ class _Run:
                 self.local, list(request.messages), existing_summary=request.existing_summary,
                 max_tokens=request.max_tokens)
         except LocalSummaryError as exc:
-            self.fail(candidate, "refused", str(exc), started)
+            self.fail(candidate, ModelFailure.REFUSED, str(exc), started)
             return None
         except Exception as exc:  # a bug here must still leave a recorded, failed attempt
             logger.debug("local summarizer raised", exc_info=True,
                          extra={"action": "llm.internal", "candidate": candidate.name})
-            self.fail(candidate, "internal", f"unexpected {type(exc).__name__}", started)
+            self.fail(candidate, ModelFailure.INTERNAL, f"unexpected {type(exc).__name__}", started)
             return None
         completion = Completion(text=text, model=candidate.model_id, usage=Usage())
         return self.accept(candidate, completion, started, http_attempts=0)
@@ -260,12 +261,12 @@ class _Run:
         loop = asyncio.get_running_loop()
         started = loop.time()
         if self.providers is None:
-            self.fail(candidate, "unavailable", "no provider pool was given", started)
+            self.fail(candidate, ModelFailure.UNAVAILABLE, "no provider pool was given", started)
             return None
         try:
             provider = self.providers.get(candidate)
         except Unavailable as exc:
-            self.fail(candidate, "unavailable", str(exc), started)
+            self.fail(candidate, ModelFailure.UNAVAILABLE, str(exc), started)
             return None
         counter = _Counter()
         try:
@@ -273,8 +274,9 @@ class _Run:
                 completion = await self._call_with_budget(provider, candidate, counter,
                                                           deadline_at)
         except TimeoutError:
-            self.fail(candidate, "deadline", f"the overall deadline ({deadline_s:g} s) ended "
-                      "the call", started, http_attempts=counter.n)
+            self.fail(candidate, ModelFailure.DEADLINE,
+                      f"the overall deadline ({deadline_s:g} s) ended the call", started,
+                      http_attempts=counter.n)
             return None
         except ProviderError as exc:
             self.fail(candidate, exc.kind, exc.reason, started, http_attempts=counter.n,
@@ -285,7 +287,7 @@ class _Run:
         except Exception as exc:  # a bug in an adapter must not cost the local fallback
             logger.debug("provider adapter raised", exc_info=True,
                          extra={"action": "llm.internal", "candidate": candidate.name})
-            self.fail(candidate, "internal", f"unexpected {type(exc).__name__}", started,
+            self.fail(candidate, ModelFailure.INTERNAL, f"unexpected {type(exc).__name__}", started,
                       http_attempts=counter.n)
             return None
         return self.accept(candidate, completion, started, http_attempts=counter.n)
@@ -300,13 +302,15 @@ class _Run:
                         return await self._call_with_retries(provider, candidate, counter,
                                                              deadline_at)
                     except ProviderError as exc:
-                        if exc.kind != "context_length" or not await self._shrink(candidate):
+                        if (exc.kind != ModelFailure.CONTEXT_LENGTH
+                                or not await self._shrink(candidate)):
                             raise
         except TimeoutError:
             # Only this block's own timeout lands here: the overall deadline's surfaces as a
             # cancellation inside it and becomes TimeoutError at the caller's block.
-            raise ProviderError("timeout", f"the candidate's time budget ({budget_s:g} s) "
-                                "ran out") from None
+            raise ProviderError(ModelFailure.TIMEOUT,
+                                f"the candidate's time budget ({budget_s:g} s) ran out"
+                                ) from None
 
     async def _call_with_retries(self, provider: Provider, candidate: Candidate,
                                  counter: _Counter, deadline_at: float) -> Completion:
@@ -384,19 +388,19 @@ class _Run:
             # A reply cut at the output cap ends mid-section: committed, it would lose whatever
             # the model had not written yet, with nothing to show for it. The same cap gives
             # the same cut, so the next candidate is asked instead.
-            self.fail(candidate, "truncated", f"the output stopped at its cap of "
+            self.fail(candidate, ModelFailure.TRUNCATED, f"the output stopped at its cap of "
                       f"{self.request.max_tokens} tokens ({completion.stop_reason})", started,
                       http_attempts=http_attempts, request_id=completion.request_id)
             return None
         text = completion.text.strip()
         if not text:
-            self.fail(candidate, "empty", "the output is empty or whitespace only", started,
-                      http_attempts=http_attempts, request_id=completion.request_id,
+            self.fail(candidate, ModelFailure.EMPTY, "the output is empty or whitespace only",
+                      started, http_attempts=http_attempts, request_id=completion.request_id,
                       usage=completion.usage)
             return None
         reason = (self.request.validate or self.validate)(text)
         if reason is not None:
-            self.fail(candidate, "refused", reason, started, http_attempts=http_attempts,
+            self.fail(candidate, ModelFailure.REFUSED, reason, started, http_attempts=http_attempts,
                       request_id=completion.request_id, usage=completion.usage)
             return None
         loop = asyncio.get_running_loop()
@@ -416,7 +420,7 @@ class _Run:
                               usage=completion.usage, request_id=completion.request_id,
                               attempts=(), request=self.request, latency_s=0.0)
 
-    def fail(self, candidate: Candidate, kind: ErrorKind, reason: str, started: float, *,
+    def fail(self, candidate: Candidate, kind: ModelFailure, reason: str, started: float, *,
              http_attempts: int = 0, status: int | None = None,
              request_id: str | None = None, usage: Usage | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -427,7 +431,7 @@ class _Run:
                           usage=usage)
         self.attempts.append(attempt)
         # A candidate remembered as unavailable was already warned about once.
-        level = logging.DEBUG if kind == "unavailable" else logging.INFO
+        level = logging.DEBUG if kind == ModelFailure.UNAVAILABLE else logging.INFO
         logger.log(level, "summary candidate %s failed: %s", candidate.name, kind,
                    extra={"action": "llm.attempt", **_log_fields(attempt)})
 

@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pydantic
 
+from storage.kinds import ModelFailure
 from worker.llm.candidates import Availability, Candidate
-from worker.llm.errors import ErrorKind, ProviderError, Unavailable
+from worker.llm.errors import ProviderError, Unavailable
 from worker.settings import ModelSpec, WorkerConfig
 
 if TYPE_CHECKING:
@@ -238,35 +239,38 @@ def openai_completion(parsed: Any, request_id: str | None) -> Completion:
     """Text, model and usage of a Chat Completions response; fails on non-text output."""
     choices = getattr(parsed, "choices", None)
     if not isinstance(parsed, pydantic.BaseModel) or not choices:
-        raise ProviderError("malformed", "the response has no choices", request_id=request_id)
+        raise ProviderError(ModelFailure.MALFORMED, "the response has no choices",
+                            request_id=request_id)
     choice = choices[0]
     message = getattr(choice, "message", None)
     if message is None:
-        raise ProviderError("malformed", "the first choice has no message",
+        raise ProviderError(ModelFailure.MALFORMED, "the first choice has no message",
                             request_id=request_id)
     finish = getattr(choice, "finish_reason", None)
     if getattr(message, "audio", None) is not None:
-        raise ProviderError("non_text", "the output has an audio part", request_id=request_id)
+        raise ProviderError(ModelFailure.NON_TEXT, "the output has an audio part",
+                            request_id=request_id)
     content = message.content
     if isinstance(content, list):  # lenient parse of a compatible server's content parts
         kinds = {str(part.get("type")) for part in content if isinstance(part, Mapping)}
         if kinds - {"text"}:
-            raise ProviderError("non_text", f"the output has {_kinds(kinds - {'text'})} parts",
+            raise ProviderError(ModelFailure.NON_TEXT,
+                                f"the output has {_kinds(kinds - {'text'})} parts",
                                 request_id=request_id)
         content = "".join(str(part.get("text", "")) for part in content)
     text = content if isinstance(content, str) else ""
     if getattr(message, "refusal", None) and not text.strip():
-        raise ProviderError("refused", "the model refused", request_id=request_id)
+        raise ProviderError(ModelFailure.REFUSED, "the model refused", request_id=request_id)
     if finish == "content_filter":
-        raise ProviderError("refused", "the content filter stopped the output",
+        raise ProviderError(ModelFailure.REFUSED, "the content filter stopped the output",
                             request_id=request_id)
     if not text.strip():
         extra = getattr(message, "model_extra", None) or {}
         if getattr(message, "tool_calls", None) or getattr(message, "function_call", None):
-            raise ProviderError("non_text", "the output is tool calls only",
+            raise ProviderError(ModelFailure.NON_TEXT, "the output is tool calls only",
                                 request_id=request_id)
         if extra.get("reasoning_content") or extra.get("reasoning"):
-            raise ProviderError("non_text", "the output is reasoning only",
+            raise ProviderError(ModelFailure.NON_TEXT, "the output is reasoning only",
                                 request_id=request_id)
     usage = getattr(parsed, "usage", None)
     details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
@@ -300,10 +304,10 @@ def sdk_errors(sdk: Any, error_body: Callable[[object], Mapping[str, Any]]) -> I
                            request_id=exc.request_id) from None
     except sdk.APITimeoutError as exc:  # a subclass of APIConnectionError: first
         if _refused(exc):
-            raise ProviderError("connection", "cannot connect to the provider") from None
-        raise ProviderError("timeout", "the request timed out") from None
+            raise ProviderError(ModelFailure.CONNECTION, "cannot connect to the provider") from None
+        raise ProviderError(ModelFailure.TIMEOUT, "the request timed out") from None
     except sdk.APIConnectionError:
-        raise ProviderError("connection", "cannot connect to the provider") from None
+        raise ProviderError(ModelFailure.CONNECTION, "cannot connect to the provider") from None
     except (ValueError, TypeError) as exc:
         raise _refused_by_sdk(exc) from None
 
@@ -470,7 +474,8 @@ def anthropic_tool(tool: Tool) -> dict[str, Any]:
 def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:
     blocks = getattr(parsed, "content", None)
     if not isinstance(parsed, pydantic.BaseModel) or not isinstance(blocks, list):
-        raise ProviderError("malformed", "the response has no content", request_id=request_id)
+        raise ProviderError(ModelFailure.MALFORMED, "the response has no content",
+                            request_id=request_id)
     texts: list[str] = []
     ignored: set[str] = set()
     for block in blocks:
@@ -481,14 +486,14 @@ def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:
         elif kind in _IGNORED_BLOCKS:
             ignored.add(kind)
         else:
-            raise ProviderError("non_text", f"the output has a {kind!r} block",
+            raise ProviderError(ModelFailure.NON_TEXT, f"the output has a {kind!r} block",
                                 request_id=request_id)
     stop = getattr(parsed, "stop_reason", None)
     text = "".join(texts)
     if stop == "refusal":
-        raise ProviderError("refused", "the model refused", request_id=request_id)
+        raise ProviderError(ModelFailure.REFUSED, "the model refused", request_id=request_id)
     if not text.strip() and ignored:
-        raise ProviderError("non_text", f"the output is {_kinds(ignored)} only",
+        raise ProviderError(ModelFailure.NON_TEXT, f"the output is {_kinds(ignored)} only",
                             request_id=request_id)
     usage = getattr(parsed, "usage", None)
     fresh = getattr(usage, "input_tokens", None)
@@ -521,30 +526,30 @@ def status_error(status: int, headers: Mapping[str, str], error: Mapping[str, An
     reason = f"HTTP {status}" + (f" {label}" if label else "")
     should_retry = (headers.get("x-should-retry") or "").lower()
     transient = True if should_retry == "true" else False if should_retry == "false" else None
-    kind: ErrorKind
+    kind: ModelFailure
     retry_after = None
     if status in (400, 413) and (code == "context_length_exceeded"
                                  or any(m in message for m in _CONTEXT_MARKERS)):
-        kind = "context_length"
+        kind = ModelFailure.CONTEXT_LENGTH
         if code != "context_length_exceeded":
             reason += " (prompt is too long)"
     elif status in (401, 403):
-        kind = "auth"
+        kind = ModelFailure.AUTH
     elif status == 404:
-        kind = "not_found"
+        kind = ModelFailure.NOT_FOUND
     elif status == 408:
-        kind = "timeout"
+        kind = ModelFailure.TIMEOUT
     elif status == 429 and (code in _QUOTA_CODES or etype in _QUOTA_CODES):
-        kind = "quota"
+        kind = ModelFailure.QUOTA
     elif status == 429:
-        kind = "rate_limited"
+        kind = ModelFailure.RATE_LIMITED
         retry_after = retry_after_s(headers)
     elif status == 409 or status >= 500:
-        kind = "server"
+        kind = ModelFailure.SERVER
         retry_after = retry_after_s(headers)
     else:
-        kind = "bad_request"
-    if kind == "context_length":
+        kind = ModelFailure.BAD_REQUEST
+    if kind == ModelFailure.CONTEXT_LENGTH:
         transient = False
     return ProviderError(kind, reason, status=status, retry_after_s=retry_after,
                          request_id=request_id, transient=transient)
@@ -578,12 +583,12 @@ def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> fl
 def _refused_by_sdk(exc: Exception) -> ProviderError:
     # Raised before anything is sent (an argument the SDK rejects): the request itself is
     # wrong, so it is not retried, and it is not the provider's malformed answer either.
-    return ProviderError("bad_request", f"the SDK refused to send the request "
+    return ProviderError(ModelFailure.BAD_REQUEST, f"the SDK refused to send the request "
                                         f"({type(exc).__name__})")
 
 
 def _malformed(request_id: str | None) -> ProviderError:
-    return ProviderError("malformed", "the response body is not valid JSON",
+    return ProviderError(ModelFailure.MALFORMED, "the response body is not valid JSON",
                          request_id=request_id)
 
 
