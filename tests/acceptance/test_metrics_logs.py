@@ -31,10 +31,7 @@ from tests.support.probes import free_port, query
 from tests.support.services import empty_database, flush_redis
 from tests.support.stack import Stack, wait_until
 
-# Under xdist (ops/test passes --dist loadgroup) the module's tests stay on one worker, so the
-# module-scoped stack below is set up once, not once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis,
-              pytest.mark.xdist_group("metrics_logs_stack")]
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 POLICY = {"trigger": [{"type": "tokens", "value": 4000}],
           "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt"}
