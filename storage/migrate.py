@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,9 @@ def alembic_config(url: str) -> Config:
     from alembic.config import Config
 
     ini = resources.files("storage").joinpath("alembic.ini")
-    config = Config(str(ini))
+    # stdout as it is now: alembic binds its default when first imported, and a caller that
+    # swapped sys.stdout then (a redirect, a test capture) may have closed that stream since.
+    config = Config(str(ini), stdout=sys.stdout)
     config.attributes["url"] = normalize_url(url)
     return config
 

@@ -24,6 +24,7 @@ from tests.support.services import (
     drop_database_sync,
     empty_database,
     flush_redis,
+    with_database,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,9 +35,42 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 if IN_CI:
     settings.load_profile("ci")
-PG_URL = os.environ.get("COMPACTD_TEST_DATABASE_URL",
-                        "postgresql://postgres@127.0.0.1:5432/compactd_test")
-REDIS_URL = os.environ.get("COMPACTD_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+BASE_PG_URL = os.environ.get("COMPACTD_TEST_DATABASE_URL",
+                             "postgresql://postgres@127.0.0.1:5432/compactd_test")
+BASE_REDIS_URL = os.environ.get("COMPACTD_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# Under pytest-xdist (``-n 2``) each worker process is named gw0, gw1, ... and runs its tests on
+# services of its own: the fixtures below drop the PostgreSQL database and flush the Redis
+# database, and the Celery workers a test starts consume every queue of that Redis database.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+
+
+def worker_database_url(url: str, worker: str) -> str:
+    """The xdist worker's own PostgreSQL database: the name plus ``_gw0``, ``_gw1``, ...;
+    outside xdist the URL as given."""
+    if not worker:
+        return url
+    return with_database(url, f"{urlparse(url).path.lstrip('/')}_{worker}")
+
+
+def worker_redis_url(url: str, worker: str) -> str:
+    """The xdist worker's own Redis database: gw0 keeps the given number, gw1 the one below it,
+    and so on (the default 15 leaves 15, 14, ... to the workers); outside xdist the URL as given."""
+    if not worker:
+        return url
+    parsed = urlparse(url)
+    base = int(parsed.path.lstrip("/") or 0)
+    db = base - int(worker.removeprefix("gw"))
+    if db < 0:
+        raise pytest.UsageError(
+            f"COMPACTD_TEST_REDIS_URL names Redis database {base}, too low for xdist worker "
+            f"{worker}: worker gwN uses database {base}-N; name a higher database or run fewer "
+            f"workers (-n)")
+    return parsed._replace(path=f"/{db}").geturl()
+
+
+PG_URL = worker_database_url(BASE_PG_URL, XDIST_WORKER)
+REDIS_URL = worker_redis_url(BASE_REDIS_URL, XDIST_WORKER)
+
 
 def _answers(url: str, default_port: int) -> bool:
     parsed = urlparse(url)

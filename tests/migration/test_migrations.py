@@ -32,6 +32,20 @@ def test_upgrade_then_check_on_empty_sqlite(tmp_path: Path) -> None:
     check(url)
 
 
+def test_check_reports_to_the_stdout_of_its_call(tmp_path: Path) -> None:
+    """Alembic binds its default stdout when first imported; a check run after that stream was
+    swapped and closed (a test capture, a redirect) still reports, to the current stdout."""
+    import contextlib
+    import io
+
+    url = f"sqlite:///{tmp_path / 'out.sqlite3'}"
+    upgrade(url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        check(url)
+    assert out.getvalue() == "No new upgrade operations detected.\n"
+
+
 def test_check_fails_on_drift(tmp_path: Path) -> None:
     """The check is real: a database that lost an index no longer matches the models."""
     import sqlite3
