@@ -188,14 +188,8 @@ class LeasesMixin:
                      "failure_class": FailureClass.ABANDONED, "closed_by": by,
                      "lease_owner": info.lease_owner,
                      "lease_expired_at": _iso(info.lease_expires_at)}))
-        await conn.execute(
-            t.compaction_runs.update()
-            .where(t.compaction_runs.c.id == run_id,
-                   t.compaction_runs.c.status == RunStatus.RUNNING)
-            .values(status=RunStatus.FAILED, failure_class=FailureClass.ABANDONED,
-                    finished_at=now,
-                    error=error or (f"lease of {info.lease_owner} expired at "
-                                    f"{_iso(info.lease_expires_at)}")))
+        await _abandon_run(conn, run_id, now, error or (
+            f"lease of {info.lease_owner} expired at {_iso(info.lease_expires_at)}"))
 
     # ---------------------------------------------------------------------------------------
     # renew
@@ -380,14 +374,8 @@ class LeasesMixin:
             if info.lease_fence == fence and info.lease_run_id == run_id:
                 await self._write_end(conn, session_id, run_id, info.last_seq + 1, end, now)
                 return True
-            await conn.execute(
-                t.compaction_runs.update()
-                .where(t.compaction_runs.c.id == run_id,
-                       t.compaction_runs.c.status == RunStatus.RUNNING)
-                .values(status=RunStatus.FAILED, failure_class=FailureClass.ABANDONED,
-                        finished_at=now,
-                        error="lease lost before the run ended "
-                              f"({end.failure_class or end.outcome})"))
+            await _abandon_run(conn, run_id, now, "lease lost before the run ended "
+                               f"({end.failure_class or end.outcome})")
             return False
 
     async def _write_end(self, conn: AsyncConnection, session_id: str, run_id: str, seq: int,
@@ -574,6 +562,17 @@ def _rows_in_prefix(prefix: Sequence[Any], replacements: Sequence[Replacement]
             return None  # the general check names what is wrong (order or a gap)
         out.append(rows)
     return out
+
+
+async def _abandon_run(conn: AsyncConnection, run_id: str, now: dt.datetime, error: str
+                       ) -> None:
+    """End run ``run_id`` as abandoned, if it is still running."""
+    await conn.execute(
+        t.compaction_runs.update()
+        .where(t.compaction_runs.c.id == run_id,
+               t.compaction_runs.c.status == RunStatus.RUNNING)
+        .values(status=RunStatus.FAILED, failure_class=FailureClass.ABANDONED,
+                finished_at=now, error=error))
 
 
 def _iso(value: dt.datetime | None) -> str | None:

@@ -21,34 +21,24 @@ Errors, raised before anything is written: CD404 no such session; CD409 the fenc
 (DETAIL: the current fence); CD410 the surface changed (DETAIL ``prefix``, or ``order:i`` /
 ``contiguous:i`` for the 1-based replacement i whose seqs are no longer one contiguous run in
 that order).
+
+The text of ``compactd_commit`` is ``storage/sql/functions/compactd_commit.sql``, created by revision 0009
+(see there); this revision keeps its reasons and writes nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from alembic import op
-
-from storage.sql import function_definition
-
 revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# The definition is read from storage/sql, where it has not changed since this revision. Before
-# a change to functions/compactd_commit.sql, paste the text this revision created here, and
-# create the new one in the revision that changes it (as 0009 does for compactd_claim).
-COMMIT_FUNCTION = function_definition("compactd_commit")
-
 
 def upgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute(COMMIT_FUNCTION)
+    """Nothing: revision 0009 creates compactd_commit."""
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute("DROP FUNCTION IF EXISTS compactd_commit(text, text, bigint, timestamptz, "
-                   "bigint[], int[], text[], json[], int[], text[], json[], bigint[], bigint[], "
-                   "json)")
+    """Nothing: revision 0009's downgrade drops compactd_commit."""

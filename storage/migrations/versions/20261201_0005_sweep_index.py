@@ -47,9 +47,14 @@ def upgrade() -> None:
         # PostgreSQL stores a generated column; SQLite can add only a virtual one to a table.
         batch.add_column(sa.Column("over_sweep", sa.Boolean(),
                                    sa.Computed(OVER, persisted=True if postgres else None)))
-    op.execute("UPDATE sessions SET reported_output_tokens = 0,"
-               " reported_base_tokens = surface_tokens + envelope_tokens"
-               " WHERE reported_input_tokens IS NOT NULL")
+    sessions = sa.table("sessions", sa.column("reported_output_tokens"),
+                        sa.column("reported_base_tokens"), sa.column("reported_input_tokens"),
+                        sa.column("surface_tokens"), sa.column("envelope_tokens"))
+    op.execute(sa.update(sessions)
+               .where(sessions.c.reported_input_tokens.is_not(None))
+               .values(reported_output_tokens=0,
+                       reported_base_tokens=sessions.c.surface_tokens
+                       + sessions.c.envelope_tokens))
     op.create_index("ix_sessions_sweep_key", "sessions", ["sweep_key"])
     op.create_index("ix_sessions_over_trigger", "sessions", ["id"],
                     postgresql_where=sa.text("over_sweep = true"),

@@ -10,13 +10,17 @@ from there. ``compactd_claim`` loses its ``p_skip_locked`` argument, which no ca
 so 0008's eight-argument function is dropped: a worker of an earlier revision fails its fast
 claim until it is upgraded (the error says to run ``compactd migrate``). The lock wait that 0008
 set with ALTER FUNCTION is now part of the definition (``SET lock_timeout``).
+
+The earlier revisions (0002, 0003, 0004, 0007, 0008) no longer carry function text: each
+function is written once in the tree, and a new database gets all three here. Downgrading
+below this revision drops them (no store runs below the head revision). Before a later change to
+one of these files, the revision that changes it creates the new text, and this one must keep
+the text it created (paste it here then).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
 
 from alembic import op
 
@@ -31,7 +35,12 @@ depends_on: str | Sequence[str] | None = None
 # their own).
 _FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit")
 _CLAIM_0008 = "compactd_claim(text, text, text, text, timestamptz, timestamptz, text, boolean)"
-_CLAIM_0009 = "compactd_claim(text, text, text, text, timestamptz, timestamptz, text)"
+_SIGNATURES = (
+    "compactd_append(text, json[], int[], timestamptz, text[], int[], int[], text[], int[])",
+    "compactd_claim(text, text, text, text, timestamptz, timestamptz, text)",
+    "compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[], json[], int[],"
+    " text[], json[], bigint[], bigint[], json)",
+)
 
 
 def upgrade() -> None:
@@ -43,11 +52,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(f"DROP FUNCTION IF EXISTS {_CLAIM_0009}")
-        # 0008's claim, as 0008 creates it (from 0003's text); append and commit are unchanged.
-        path = Path(__file__).with_name("20261201_0008_claim_waits.py")
-        spec = importlib.util.spec_from_file_location("compactd_migration_0008", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.upgrade()
+        for signature in _SIGNATURES:
+            op.execute(f"DROP FUNCTION IF EXISTS {signature}")
