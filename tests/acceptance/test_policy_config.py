@@ -102,7 +102,9 @@ def test_tail_only_pruning_keeps_the_end_of_a_build_log(cli_env: dict[str, str],
     surface = json.loads(run(env, "surface", "s1", "--json").stdout)["messages"]
     pruned = next(m for m in surface if m["role"] == "tool")["content"]
     assert pruned.startswith("\n\n[... tool result middle pruned ...]\n\n"), pruned
-    assert pruned.endswith(log[-30:]) and len(pruned) == 39 + 30, pruned
+    # The marker (39 characters), the last 30, then the note naming the original (seq 3).
+    note = '\n[pruned; original: history_read(checkpoint="r3")]'
+    assert pruned.endswith(log[-30:] + note) and len(pruned) == 39 + 30 + len(note), pruned
 
 
 def test_status_says_when_a_fraction_trigger_leaves_a_session_without_compaction(
