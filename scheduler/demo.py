@@ -2,7 +2,8 @@
 
 A generated coding-agent session (large tool outputs, planted facts) goes into the SQLite file;
 the same orchestration a worker runs compacts it under the lease protocol with the local
-summarizer; the demo prints what each stage did and the checkpoint the agent would now read.
+summarizer; the demo prints what each stage did and the checkpoint the agent would now read, and
+ends by recalling a planted fact the checkpoint dropped from the originals the log still holds.
 """
 
 from __future__ import annotations
@@ -35,18 +36,33 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
         outcome = await compact(deps, session_id, trigger=Trigger.PRESSURE)
         surface = await store.read_surface(session_id)
         verified = await store.verify(session_id)
-    checkpoint = next((m for m in render_surface(surface.nodes)
-                       if (m.get("meta") or {}).get("checkpoint") and m["role"] == "user"), None)
-    kept = [f for facts in sample.facts.values() for f in facts
-            if checkpoint and f in str(checkpoint["content"])]
-    planted = [f for facts in sample.facts.values() for f in facts]
+        checkpoint = next((m for m in render_surface(surface.nodes)
+                           if (m.get("meta") or {}).get("checkpoint") and m["role"] == "user"),
+                          None)
+        planted = [f for facts in sample.facts.values() for f in facts]
+        kept = [f for f in planted if checkpoint and f in str(checkpoint["content"])]
+        # A detail the summary dropped: a planted fact on the surface nowhere (not in the
+        # checkpoint, not in the kept tail), else a line of a tool's output naming one.
+        shown = "\n".join(str(m) for m in render_surface(surface.nodes))
+        dropped = [f for f in planted if f not in shown] or [
+            line.strip() for m in sample.messages if m.get("role") == "tool"
+            for line in str(m.get("content") or "").splitlines()
+            if line.strip() not in shown and any(f in line for f in planted)]
+        recalled = None
+        if checkpoint is not None and dropped:
+            found = await store.history_search(session_id, dropped[0], limit=1)
+            recalled = (dropped[0], found.hits[0] if found.hits else None)
+    ok = not outcome.failed and verified.ok and (recalled is None or recalled[1] is not None)
     if as_json:
         emit({"session": session_id, "database": config.database_url,
               "messages_before": before.surface_messages, "tokens_before": before.surface_tokens,
               "messages_after": len(surface.nodes), "tokens_after": surface.tokens,
               "outcome": outcome.to_json(), "verified": verified.ok,
-              "facts_kept": len(kept), "facts_planted": len(planted)})
-        return 0 if not outcome.failed and verified.ok else 1
+              "facts_kept": len(kept), "facts_planted": len(planted),
+              "recalled": None if recalled is None else {
+                  "detail": recalled[0],
+                  "hit": recalled[1].to_json() if recalled[1] is not None else None}})
+        return 0 if ok else 1
     say(f"compactd demo - embedded default: {config.database_url}")
     say(f"  a generated coding-agent session: {before.surface_messages} messages, "
         f"{before.surface_tokens} tokens (trigger: 20000 tokens, keep the last 12 messages)")
@@ -69,4 +85,14 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
         say("-" * 72)
         say(str(checkpoint["content"]))
         say("-" * 72)
-    return 0 if not outcome.failed and verified.ok else 1
+    if recalled is not None:
+        detail, hit = recalled
+        say("")
+        say(f"recall: {detail!r} is on the surface no more; history_search finds it "
+            + (f"in the originals of {hit.checkpoint}, message {hit.seq}:" if hit else
+               "nowhere (the index missed it)"))
+        if hit is not None:
+            for line in hit.snippet.splitlines()[:3]:
+                say(f"  | {line}")
+            say(f"  (history_read(checkpoint=\"{hit.checkpoint}\") returns the whole original)")
+    return 0 if ok else 1

@@ -510,6 +510,9 @@ def test_demo_compacts_without_postgres_or_redis(tmp_path: Path) -> None:
     assert report["verified"] is True
     assert report["database"].startswith("sqlite"), report["database"]
     assert (tmp_path / "compactd.sqlite3").is_file()
+    # It ends by recalling a detail no longer on the surface, found verbatim in the originals.
+    recalled = report["recalled"]
+    assert recalled["hit"]["exact"] is True and recalled["detail"] in recalled["hit"]["snippet"]
 
 
 def _no_network_prefix() -> list[str]:
