@@ -34,9 +34,9 @@ from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.kinds import FailureClass, RunStatus, SignalReason, Trigger
 from storage.messages import Message, check_json, check_message, parse
+from storage.migrate import ensure_schema
 from storage.recall import DEFAULT_READ_TOKENS, ReadPage, SearchResult
 from storage.recall_bounds import DEFAULT_SEARCH_LIMIT
-from storage.migrate import ensure_schema
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import PreparedAppend, Store
 from storage.tokens import counter_for

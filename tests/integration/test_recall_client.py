@@ -10,10 +10,13 @@ import pytest
 from scheduler.client import Client, CompactdClient
 from storage.errors import RecallArgumentError, RecallNotFound
 from storage.store import Store
-from tests.integration.test_recall_store import NEEDLE, _checkpoint_ref, compacted  # noqa: F401
+from tests.integration import test_recall_store as recall_store
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.tables import row_counts
 from worker.settings import Settings, build_config
+
+NEEDLE = recall_store.NEEDLE
+compacted = recall_store.compacted  # the fixture: sessions s1 (acme) and s2 (globex)
 
 
 async def test_the_async_client_finds_a_dropped_fact_and_reads_it_back_page_by_page(
@@ -49,7 +52,6 @@ async def test_the_async_client_finds_a_dropped_fact_and_reads_it_back_page_by_p
 
 def test_the_sync_client_gives_the_same_answers(
         compacted: tuple[Store, list[dict[str, Any]]], db_url: str) -> None:
-    store, _ = compacted
     config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
     with Client(config) as client:
         session = client.get_session("s1")
