@@ -44,6 +44,7 @@ from storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
 from storage.recall import DEFAULT_READ_TOKENS
 from storage.recall_bounds import DEFAULT_SEARCH_LIMIT
 from storage.records import SessionInfo
+from worker.compaction.recall import parse_ref
 from worker.compaction.recall_tools import tools_document
 from worker.compaction.render import render_surface
 
@@ -275,8 +276,10 @@ def add_routes(app: FastAPI) -> None:
             = DEFAULT_SEARCH_LIMIT) -> dict[str, Any]:
         """The messages compaction replaced in this session that hold ``query`` (exact,
         case-insensitive substring; newest first), then those sharing its words."""
-        result = await api.store.history_search(info.id, query, checkpoint, limit,
-                                                tenant=info.tenant)
+        # A name that is not one (a typo, a NUL) is refused by name before any read; a
+        # well-formed name this session lacks is 404.
+        ref = None if checkpoint is None else str(parse_ref(checkpoint))
+        result = await api.store.history_search(info.id, query, ref, limit, tenant=info.tenant)
         return {"session": info.id, **result.to_json()}
 
     @app.get(API_PREFIX + "/sessions/{session_id}/history/read", response_model=ReadOut,
@@ -295,7 +298,7 @@ def add_routes(app: FastAPI) -> None:
             raise RecallArgumentError("cursor", "give offset or cursor, not both")
         try:
             page = await api.store.history_read(
-                info.id, checkpoint, cursor if cursor is not None else offset or 0,
+                info.id, str(parse_ref(checkpoint)), cursor if cursor is not None else offset or 0,
                 budget_tokens=DEFAULT_READ_TOKENS, tenant=info.tenant)
         except RecallArgumentError as exc:
             if cursor is not None and exc.argument == "offset":

@@ -114,6 +114,10 @@ async def test_bad_input_is_4xx_naming_the_argument_and_writes_nothing(api: Serv
         (_read(api, "a-session", checkpoint=ref, cursor="garbage"), 422, "query.cursor"),
         (_read(api, "a-session", checkpoint=ref, offset=0, cursor="x"), 422, "query.cursor"),
         (_read(api, "a-session"), 422, "query.checkpoint"),
+        (_read(api, "a-session", checkpoint="not-a-ref"), 422, "query.checkpoint"),
+        (_read(api, "a-session", checkpoint="c1-2\x00"), 422, "query.checkpoint"),
+        (_search(api, "a-session", query="x", checkpoint="c5-1"), 422, "query.checkpoint"),
+        (_search(api, "a-session", query="x\x00"), 422, "query.query"),
     ]
     # a cursor of one checkpoint given with another
     assert page["cursor"] is not None, "the checkpoint fits one page: nothing to test"
