@@ -9,6 +9,7 @@ import pytest
 
 from scheduler.client import Client, CompactdClient
 from storage.errors import RecallArgumentError, RecallNotFound
+from storage.recall import ReadPage
 from storage.store import Store
 from tests.integration import test_recall_store as recall_store
 from tests.support.enqueuer import RecordingEnqueuer
@@ -28,7 +29,8 @@ async def test_the_async_client_finds_a_dropped_fact_and_reads_it_back_page_by_p
         found = await session.history_search(NEEDLE)
         top = found.hits[0]
         assert top.exact and NEEDLE in top.snippet and NEEDLE in sample[top.seq - 1]["content"]
-        pages, offset = [], 0
+        pages: list[ReadPage] = []
+        offset: int | str = 0
         while True:
             page = await session.history_read(top.checkpoint, offset, budget_tokens=300)
             pages.append(page)
