@@ -35,6 +35,8 @@ from storage.ids import check_count, check_seconds, check_session_id, check_tena
 from storage.kinds import FailureClass, RunStatus, SignalReason, Trigger
 from storage.messages import Message, check_json, check_message, parse
 from storage.migrate import ensure_schema
+from storage.recall import DEFAULT_READ_TOKENS, ReadPage, SearchResult
+from storage.recall_bounds import DEFAULT_SEARCH_LIMIT
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import PreparedAppend, Store
 from storage.tokens import counter_for
@@ -306,6 +308,21 @@ class SessionHandle:
         self.version = surface.version
         return render_surface(surface.nodes, render)
 
+    async def history_search(self, query: str, checkpoint: str | None = None,
+                             limit: int = DEFAULT_SEARCH_LIMIT) -> SearchResult:
+        """The messages compaction replaced in this session that hold ``query`` (exact hits
+        first), within one checkpoint's originals when ``checkpoint`` names it."""
+        return await self.client.store.history_search(self.id, query, checkpoint, limit,
+                                                      tenant=self.info.tenant)
+
+    async def history_read(self, checkpoint: str, offset: int | str = 0, *,
+                           budget_tokens: int = DEFAULT_READ_TOKENS) -> ReadPage:
+        """A page of the originals ``checkpoint`` replaced, from ``offset`` (a message index
+        or the cursor the previous page returned)."""
+        return await self.client.store.history_read(self.id, checkpoint, offset,
+                                                    budget_tokens=budget_tokens,
+                                                    tenant=self.info.tenant)
+
     async def compact(self, *, force: bool = False, keep: str | Clause | None = None,
                       wait: bool = True, timeout_s: float = 120.0) -> dict[str, Any]:
         """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result.
@@ -468,6 +485,15 @@ class SyncSession:
 
     def surface(self, render: str | None = None) -> list[dict[str, Any]]:
         return self._loop.submit(lambda: self.handle.surface(render))
+
+    def history_search(self, query: str, checkpoint: str | None = None,
+                       limit: int = DEFAULT_SEARCH_LIMIT) -> SearchResult:
+        return self._loop.submit(lambda: self.handle.history_search(query, checkpoint, limit))
+
+    def history_read(self, checkpoint: str, offset: int | str = 0, *,
+                     budget_tokens: int = DEFAULT_READ_TOKENS) -> ReadPage:
+        return self._loop.submit(lambda: self.handle.history_read(
+            checkpoint, offset, budget_tokens=budget_tokens))
 
     def compact(self, **kw: Any) -> dict[str, Any]:
         return self._loop.submit(lambda: self.handle.compact(**kw))

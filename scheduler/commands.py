@@ -1,4 +1,5 @@
-"""CLI commands beyond the foundation's: plan, compact, signal, status, recompact, serve."""
+"""CLI commands beyond the foundation's: plan, compact, signal, status, recompact, serve, and
+recall (history search, history read, tools)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,27 @@ import sys
 import uuid
 from typing import Any
 
-from scheduler.args import count, duration, parse_duration, parse_keep, port, positive_int, seconds
+from scheduler.args import (
+    count,
+    duration,
+    parse_duration,
+    parse_keep,
+    port,
+    positive_int,
+    seconds,
+    whole,
+)
 from scheduler.client import CompactdClient
 from scheduler.intake import parse_signal
 from scheduler.output import EXIT_FAILED, emit, open_store, say
 from scheduler.status import render_status, session_status, status
-from storage.errors import InvalidMessage
+from storage.errors import InvalidMessage, RecallArgumentError
 from storage.kinds import RunStatus, SignalReason, Trigger
+from storage.recall_bounds import DEFAULT_SEARCH_LIMIT, MAX_SEARCH_LIMIT
 from storage.records import utcnow
 from worker.compaction.planner import plan
+from worker.compaction.recall import parse_ref
+from worker.compaction.recall_tools import tools_document
 from worker.limits import parse_rate
 from worker.pressure import session_policy
 from worker.settings import Config
@@ -182,6 +195,101 @@ async def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------
+# recall
+
+
+class RecallUsage(InvalidMessage):
+    """A recall argument refused, named as the command line spells it."""
+
+
+# storage names its arguments as the tools do; the command line spells some otherwise
+_CLI_NAMES = {"query": "QUERY", "checkpoint": "--checkpoint", "limit": "--limit",
+              "offset": "--offset"}
+
+
+def _recall_refused(exc: RecallArgumentError, names: dict[str, str]) -> RecallUsage:
+    return RecallUsage(f"{names.get(exc.argument, exc.argument)}: {exc.reason}")
+
+
+async def cmd_history_search(args: argparse.Namespace, config: Config) -> int:
+    try:
+        ref = None if args.checkpoint is None else str(parse_ref(args.checkpoint))
+        async with open_store(config) as store:
+            result = await store.history_search(args.session, args.query, ref, args.limit)
+    except RecallArgumentError as exc:
+        raise _recall_refused(exc, _CLI_NAMES) from None
+    if args.json:
+        emit({"session": args.session, **result.to_json()})
+        return 0
+    for hit in result.hits:
+        snippet = " ".join(hit.snippet.split())
+        say(f"{hit.checkpoint}  seq {hit.seq}  {'exact' if hit.exact else 'fuzzy'}  {snippet}")
+    say(f"{len(result.hits)} hit(s); scanned {result.scanned_messages} replaced message(s), "
+        f"{result.scanned_bytes} bytes")
+    return 0
+
+
+async def cmd_history_read(args: argparse.Namespace, config: Config) -> int:
+    names = {**_CLI_NAMES, "checkpoint": "CHECKPOINT",
+             "offset": "--cursor" if args.cursor is not None else "--offset"}
+    try:
+        ref = str(parse_ref(args.checkpoint))
+        async with open_store(config) as store:
+            page = await store.history_read(
+                args.session, ref, args.cursor if args.cursor is not None else args.offset)
+    except RecallArgumentError as exc:
+        raise _recall_refused(exc, names) from None
+    if args.json:
+        emit({"session": args.session, **page.to_json()})
+        return 0
+    sys.stdout.write(page.transcript if page.transcript.endswith("\n") or not page.transcript
+                     else page.transcript + "\n")
+    if page.cursor is not None:
+        say(f"-- more: compactd history read {args.session} {ref} --cursor {page.cursor}")
+    return 0
+
+
+async def cmd_tools(args: argparse.Namespace, config: Config) -> int:
+    document = tools_document()
+    if args.json:
+        emit(document)
+        return 0
+    for tool in document["openai"]:
+        function = tool["function"]
+        say(f"{function['name']}: {function['description']}")
+    return 0
+
+
+def _register_recall(sub: Any) -> None:
+    history = sub.add_parser("history", help="recall what compaction replaced in a session")
+    verbs = history.add_subparsers(dest="history_command", required=True, metavar="COMMAND")
+    p = verbs.add_parser("search", help="search the originals compaction replaced")
+    p.add_argument("session")
+    p.add_argument("query", help="an error line, an id, a path, words (exact matches first)")
+    p.add_argument("--checkpoint", help="only what this checkpoint or pruned result replaced")
+    p.add_argument("--limit", type=whole(1, MAX_SEARCH_LIMIT), default=DEFAULT_SEARCH_LIMIT,
+                   help=f"at most this many hits (1-{MAX_SEARCH_LIMIT}, default "
+                        f"{DEFAULT_SEARCH_LIMIT})")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_history_search)
+
+    p = verbs.add_parser("read", help="read a checkpoint's or pruned result's originals, paged")
+    p.add_argument("session")
+    p.add_argument("checkpoint", help="a checkpoint's or a pruned result's name (c12-340, r57)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--offset", type=count, default=0,
+                       help="the message index to start at (default 0)")
+    where.add_argument("--cursor", help="the cursor the previous page printed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_history_read)
+
+    p = sub.add_parser("tools", help="the recall tools' schemas for a runtime's model")
+    p.add_argument("--json", action="store_true",
+                   help="both forms, OpenAI and Anthropic, as GET /v1/tools serves them")
+    p.set_defaults(handler=cmd_tools)
+
+
 def register(sub: Any) -> None:
     """Add the compaction, scheduling and operations commands to ``sub``."""
     p = sub.add_parser("plan", help="dry run: what a compaction would do (writes nothing)")
@@ -241,4 +349,6 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8080)
     p.set_defaults(handler=cmd_serve)
+
+    _register_recall(sub)
 

@@ -22,6 +22,8 @@ from storage.errors import (
     BadInput,
     DatabaseUnavailable,
     InvalidMessage,
+    RecallArgumentError,
+    RecallNotFound,
     SessionExists,
     SessionNotFound,
     StorageError,
@@ -92,6 +94,11 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
         field = f"body.{head}" if sep and head.startswith("policy") else None
         return error_response(422, "invalid", text, field=field)
 
+    async def recall_invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RecallArgumentError)
+        # The recall routes take their arguments in the query string.
+        return error_response(422, "invalid", str(exc), field=f"query.{exc.argument}")
+
     async def request_invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
@@ -134,6 +141,8 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
 
     app.add_exception_handler(Unauthorized, unauthorized)
     app.add_exception_handler(SessionNotFound, not_found)
+    app.add_exception_handler(RecallNotFound, not_found)
+    app.add_exception_handler(RecallArgumentError, recall_invalid)
     app.add_exception_handler(SessionExists, conflict)
     app.add_exception_handler(InvalidMessage, invalid)
     app.add_exception_handler(BadInput, bad_input)

@@ -21,8 +21,10 @@ from scheduler.http.schemas import (
     OverflowIn,
     OverflowOut,
     QueuedOut,
+    ReadOut,
     RenderForm,
     RunOut,
+    SearchOut,
     SessionIn,
     SessionOut,
     SignalIn,
@@ -30,15 +32,20 @@ from scheduler.http.schemas import (
     StatusOut,
     StepOut,
     SurfaceOut,
+    ToolsOut,
     UsageIn,
     UsageOut,
 )
 from scheduler.http.state import OFFLOAD_BYTES, ApiDep
 from scheduler.status import session_status
 from storage.database import ping
-from storage.errors import InvalidMessage, SessionExists, SessionNotFound
+from storage.errors import InvalidMessage, RecallArgumentError, SessionExists, SessionNotFound
 from storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
+from storage.recall import DEFAULT_READ_TOKENS
+from storage.recall_bounds import DEFAULT_SEARCH_LIMIT
 from storage.records import SessionInfo
+from worker.compaction.recall import parse_ref
+from worker.compaction.recall_tools import tools_document
 from worker.compaction.render import render_surface
 
 API_PREFIX = "/v1"
@@ -102,6 +109,11 @@ _COMMON: dict[int | str, dict[str, Any]] = {
     404: _error("no such session for this token's tenant"),
     422: _error("a field is not valid; `field` names it"),
     503: _error("the database or the broker cannot be reached; retry"),
+}
+_RECALL: dict[int | str, dict[str, Any]] = {
+    **_COMMON,
+    404: _error("no such session for this token's tenant, or no such checkpoint or pruned "
+                "result in it"),
 }
 _WITH_BODY: dict[int | str, dict[str, Any]] = {
     **_COMMON,
@@ -251,6 +263,56 @@ def add_routes(app: FastAPI) -> None:
                              "tokens": current.tokens,
                              "messages": render_surface(current.nodes, render)},
                             headers={"ETag": _etag(current.version)})
+
+    @app.get(API_PREFIX + "/sessions/{session_id}/history/search", response_model=SearchOut,
+             operation_id="historySearch", responses=_RECALL, tags=["recall"])
+    async def history_search(
+            info: Owned, api: ApiDep,
+            query: Annotated[str, Query(description="an error line, an id, a path, words")],
+            checkpoint: Annotated[str | None, Query(
+                description="search only what this checkpoint or pruned result replaced")]
+            = None,
+            limit: Annotated[int, Query(description="at most this many hits (1-100)")]
+            = DEFAULT_SEARCH_LIMIT) -> dict[str, Any]:
+        """The messages compaction replaced in this session that hold ``query`` (exact,
+        case-insensitive substring; newest first), then those sharing its words."""
+        # A name that is not one (a typo, a NUL) is refused by name before any read; a
+        # well-formed name this session lacks is 404.
+        ref = None if checkpoint is None else str(parse_ref(checkpoint))
+        result = await api.store.history_search(info.id, query, ref, limit, tenant=info.tenant)
+        return {"session": info.id, **result.to_json()}
+
+    @app.get(API_PREFIX + "/sessions/{session_id}/history/read", response_model=ReadOut,
+             operation_id="historyRead", responses=_RECALL, tags=["recall"])
+    async def history_read(
+            info: Owned, api: ApiDep,
+            checkpoint: Annotated[str, Query(
+                description="a checkpoint's or a pruned result's name (c12-340, r57)")],
+            offset: Annotated[int | None, Query(
+                description="the message index to start at (default 0)")] = None,
+            cursor: Annotated[str | None, Query(
+                description="the cursor the previous page returned")] = None) -> dict[str, Any]:
+        """A page of the originals ``checkpoint`` replaced, rendered as a transcript; follow
+        ``cursor`` for the next page."""
+        if offset is not None and cursor is not None:
+            raise RecallArgumentError("cursor", "give offset or cursor, not both")
+        try:
+            page = await api.store.history_read(
+                info.id, str(parse_ref(checkpoint)), cursor if cursor is not None else offset or 0,
+                budget_tokens=DEFAULT_READ_TOKENS, tenant=info.tenant)
+        except RecallArgumentError as exc:
+            if cursor is not None and exc.argument == "offset":
+                # storage names its one position argument; here the caller passed a cursor.
+                raise RecallArgumentError("cursor", exc.reason) from None
+            raise
+        return {"session": info.id, **page.to_json()}
+
+    @app.get(API_PREFIX + "/tools", response_model=ToolsOut, operation_id="recallTools",
+             responses={401: _COMMON[401]}, tags=["recall"])
+    async def tools(tenant: Tenant) -> dict[str, Any]:
+        """The recall tools' schemas, in OpenAI and Anthropic form, for a runtime to offer its
+        model (what ``compactd tools --json`` prints)."""
+        return tools_document()
 
     @app.post(API_PREFIX + "/sessions/{session_id}/signal", response_model=SignalOut,
               operation_id="signal",

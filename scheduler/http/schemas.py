@@ -263,3 +263,42 @@ class StatusOut(BaseModel):
 class HealthOut(BaseModel):
     ok: bool
 
+
+class SearchHitOut(BaseModel):
+    checkpoint: str = Field(description="the checkpoint or pruned result that replaced the "
+                                        "message: history/read's checkpoint")
+    seq: int = Field(description="the original message's seq")
+    snippet: str
+    exact: bool = Field(description="the query is a substring of the message "
+                                    "(case-insensitive); exact hits come first")
+
+
+class ScannedOut(BaseModel):
+    messages: int
+    bytes: int
+
+
+class SearchOut(BaseModel):
+    session: str
+    hits: list[SearchHitOut]
+    scanned: ScannedOut = Field(description="the replaced originals the search ran over")
+
+
+class ReadOut(BaseModel):
+    session: str
+    checkpoint: str
+    transcript: str = Field(description="the originals as a transcript, contents verbatim")
+    seqs: list[int]
+    offset: int
+    next_offset: int | None = Field(description="the message index the next page starts at "
+                                                "(null: this was the last page)")
+    cursor: str | None = Field(description="the next page's exact start, to pass as cursor "
+                                           "(null: this was the last page)")
+    total_messages: int
+    tokens: int
+
+
+class ToolsOut(BaseModel):
+    openai: list[dict[str, Any]]
+    anthropic: list[dict[str, Any]]
+

@@ -10,6 +10,9 @@ Every route under ``/v1`` is the Python client's call of the same name (``schedu
     POST /v1/sessions/{id}/usage       the provider's own input/output tokens for the last call
     POST /v1/sessions/{id}/compact     a manual compaction, optionally waiting for its result
     POST /v1/sessions/{id}/overflow    the provider said the context overflowed
+    GET  /v1/sessions/{id}/history/search?query=&checkpoint=&limit=   recall: search the originals
+    GET  /v1/sessions/{id}/history/read?checkpoint=&offset=|cursor=   recall: read them, paged
+    GET  /v1/tools                     the recall tools' schemas (OpenAI and Anthropic form)
 
 A runtime polls with ``GET .../surface`` and ``If-None-Match: "<version>"``: one primary-key
 read, answered 304 while nothing changed.

@@ -1,0 +1,104 @@
+"""``compactd history search|read`` and ``compactd tools`` as the real CLI in a subprocess, on
+the embedded SQLite and on PostgreSQL: a session ingested and compacted inline by the CLI, a
+dropped fact found and read back, and bad input refused (exit 2, one line naming the argument)
+with nothing written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from storage.database import embedded_url
+from storage.store import Store
+from tests.conftest import run_cli as run
+from tests.integration.test_recall_store import NEEDLE, _messages
+from tests.support.tables import row_counts
+from worker.compaction.recall_tools import tools_document
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def env(request: pytest.FixtureRequest, cli_env: dict[str, str], tmp_path: Path
+        ) -> dict[str, str]:
+    url = embedded_url(tmp_path)
+    if request.param == "postgres":
+        url = request.getfixturevalue("clean_pg")
+        cli_env["COMPACTD_DATABASE_URL"] = url
+    cli_env["TEST_DATABASE_URL"] = url  # for the row counts below, not read by compactd
+    config = tmp_path / "compactd.yaml"
+    config.write_text("summarization:\n  trigger: [{type: tokens, value: 20000}]\n"
+                      "  keep: {type: messages, value: 12}\n")
+    cli_env["COMPACTD_CONFIG"] = str(config)
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
+    run(cli_env, "migrate")
+    run(cli_env, "ingest", str(path), "--session", "s1")
+    compacted = json.loads(run(cli_env, "compact", "s1", "--inline", "--json").stdout)
+    assert compacted["outcome"] == "committed", compacted
+    return cli_env
+
+
+def _rows(env: dict[str, str]) -> dict[str, int]:
+    async def count() -> dict[str, int]:
+        store = Store.from_url(env["TEST_DATABASE_URL"])
+        try:
+            return await row_counts(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(count())
+
+
+def test_search_finds_the_dropped_fact_and_read_pages_it_back(env: dict[str, str]) -> None:
+    assert NEEDLE not in run(env, "surface", "s1", "--json").stdout
+    found = json.loads(run(env, "history", "search", "s1", NEEDLE, "--json").stdout)
+    top = found["hits"][0]
+    assert top["exact"] and NEEDLE in top["snippet"] and found["scanned"]["messages"] > 0
+    text = run(env, "history", "search", "s1", NEEDLE, "--limit", "1").stdout
+    assert text.startswith(f"{top['checkpoint']}  seq {top['seq']}  exact")
+    assert "1 hit(s); scanned" in text
+    transcript, args = "", ["history", "read", "s1", top["checkpoint"], "--json"]
+    for _ in range(50):
+        page = json.loads(run(env, *args).stdout)
+        transcript += page["transcript"]
+        if page["cursor"] is None:
+            break
+        args = ["history", "read", "s1", top["checkpoint"], "--cursor", page["cursor"], "--json"]
+    assert NEEDLE in transcript and page["cursor"] is None
+    plain = run(env, "history", "read", "s1", top["checkpoint"]).stdout
+    assert plain.startswith("[seq ") and "-- more: compactd history read s1" in plain
+
+
+def test_tools_json_prints_both_forms(env: dict[str, str]) -> None:
+    assert json.loads(run(env, "tools", "--json").stdout) == tools_document()
+    assert run(env, "tools").stdout.startswith("history_search: ")
+
+
+def test_bad_input_exits_2_naming_the_argument_and_writes_nothing(env: dict[str, str]) -> None:
+    ref = json.loads(run(env, "history", "search", "s1", NEEDLE, "--json").stdout
+                     )["hits"][0]["checkpoint"]
+    cursor = json.loads(run(env, "history", "read", "s1", ref, "--json").stdout)["cursor"]
+    assert cursor is not None
+    before = _rows(env)
+    cases = [
+        (["history", "search", "s1", ""], "QUERY: is empty"),
+        (["history", "search", "s1", "x" * 10_240], "QUERY: is 10240 bytes"),
+        (["history", "search", "s1", "x", "--limit", "101"], "--limit"),
+        (["history", "search", "s1", "x", "--limit", "0"], "--limit"),
+        (["history", "search", "s1", "x", "--checkpoint", "nope"], "--checkpoint"),
+        (["history", "search", "s1", "x", "--checkpoint", "r424242"], "r424242"),
+        (["history", "search", "no-such-session", "x"], "no-such-session"),
+        (["history", "read", "s1", "c999999-1000000"], "c999999-1000000"),
+        (["history", "read", "s1", ref, "--offset", "-1"], "--offset"),
+        (["history", "read", "s1", ref, "--cursor", "garbage"], "--cursor"),
+        (["history", "read", "s1", "r1", "--cursor", cursor], "--cursor"),
+        (["history", "read", "s1", ref, "--offset", "1", "--cursor", cursor], "--cursor"),
+    ]
+    for args, named in cases:
+        out = run(env, *args, check=False)
+        assert out.returncode == 2, (args, out.returncode, out.stderr)
+        assert out.stdout == "" and "Traceback" not in out.stderr, (args, out.stderr)
+        assert named in out.stderr, (args, out.stderr)
+    assert _rows(env) == before

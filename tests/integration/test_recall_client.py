@@ -1,0 +1,66 @@
+"""history_search and history_read through the async and the sync client, on PostgreSQL and
+SQLite, over sessions a real compaction replaced (the fixture of test_recall_store)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from scheduler.client import Client, CompactdClient
+from storage.errors import RecallArgumentError, RecallNotFound
+from storage.recall import ReadPage
+from storage.store import Store
+from tests.integration import test_recall_store as recall_store
+from tests.support.enqueuer import RecordingEnqueuer
+from tests.support.tables import row_counts
+from worker.settings import Settings, build_config
+
+NEEDLE = recall_store.NEEDLE
+compacted = recall_store.compacted  # the fixture: sessions s1 (acme) and s2 (globex)
+
+
+async def test_the_async_client_finds_a_dropped_fact_and_reads_it_back_page_by_page(
+        compacted: tuple[Store, list[dict[str, Any]]], db_url: str) -> None:
+    store, sample = compacted
+    config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
+    async with CompactdClient(config, store=store, enqueuer=RecordingEnqueuer()) as client:
+        session = await client.get_session("s1")
+        found = await session.history_search(NEEDLE)
+        top = found.hits[0]
+        assert top.exact and NEEDLE in top.snippet and NEEDLE in sample[top.seq - 1]["content"]
+        pages: list[ReadPage] = []
+        offset: int | str = 0
+        while True:
+            page = await session.history_read(top.checkpoint, offset, budget_tokens=300)
+            pages.append(page)
+            if page.cursor is None:
+                break
+            offset = page.cursor
+        assert len(pages) > 1
+        assert NEEDLE in "".join(p.transcript for p in pages)
+        assert any(top.seq in p.seqs for p in pages)
+        # scoped to the checkpoint it names, the same hit; limit is honoured
+        scoped = await session.history_search(NEEDLE, checkpoint=top.checkpoint, limit=1)
+        assert [h.seq for h in scoped.hits] == [top.seq]
+        before = await row_counts(store)
+        with pytest.raises(RecallNotFound):
+            await session.history_read("c999999-1000000")
+        with pytest.raises(RecallArgumentError) as caught:
+            await session.history_search(NEEDLE, limit=101)
+        assert caught.value.argument == "limit"
+        assert await row_counts(store) == before
+
+
+def test_the_sync_client_gives_the_same_answers(
+        compacted: tuple[Store, list[dict[str, Any]]], db_url: str) -> None:
+    config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
+    with Client(config) as client:
+        session = client.get_session("s1")
+        found = session.history_search(NEEDLE, limit=3)
+        assert found.hits and found.hits[0].exact and len(found.hits) <= 3
+        page = session.history_read(found.hits[0].checkpoint, budget_tokens=100_000)
+        assert found.hits[0].seq in page.seqs and NEEDLE in page.transcript
+        with pytest.raises(RecallArgumentError) as caught:
+            session.history_read(found.hits[0].checkpoint, -1)
+        assert caught.value.argument == "offset"
