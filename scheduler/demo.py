@@ -36,14 +36,15 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
         outcome = await compact(deps, session_id, trigger=Trigger.PRESSURE)
         surface = await store.read_surface(session_id)
         verified = await store.verify(session_id)
-        checkpoint = next((m for m in render_surface(surface.nodes)
+        rendered = render_surface(surface.nodes)
+        checkpoint = next((m for m in rendered
                            if (m.get("meta") or {}).get("checkpoint") and m["role"] == "user"),
                           None)
         planted = [f for facts in sample.facts.values() for f in facts]
         kept = [f for f in planted if checkpoint and f in str(checkpoint["content"])]
         # A detail the summary dropped: a planted fact on the surface nowhere (not in the
         # checkpoint, not in the kept tail), else a line of a tool's output naming one.
-        shown = "\n".join(str(m) for m in render_surface(surface.nodes))
+        shown = "\n".join(str(m) for m in rendered)
         dropped = [f for f in planted if f not in shown] or [
             line.strip() for m in sample.messages if m.get("role") == "tool"
             for line in str(m.get("content") or "").splitlines()
