@@ -117,6 +117,7 @@ async def run_clients(url: str) -> tuple[list[Runtime], float]:
     return runtimes, elapsed
 
 
+@pytest.mark.timed
 def test_100_clients_append_and_poll_for_30_s_without_error_or_loss(make_stack) -> None:  # type: ignore[no-untyped-def]
     stack = make_stack()
     url = start_api(stack)

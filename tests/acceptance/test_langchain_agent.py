@@ -76,6 +76,7 @@ def lookup() -> str:
     return f"lookup {n}: src/module_{n}.py line {n * 7}: " + "value computed here; " * 90
 
 
+@pytest.mark.timed
 def test_a_100_step_agent_is_compacted_in_the_background_without_waiting(
         make_stack, fake) -> None:  # type: ignore[no-untyped-def]
     stack = make_stack(summarization=POLICY)

@@ -216,6 +216,7 @@ def append_turns(db: Db, session_id: str, count: int) -> list[int]:
     return seqs
 
 
+@pytest.mark.timed
 def test_appends_at_200_per_s_during_runs_all_land(
         make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
     """An automatic run, then a manual one, each with a 2 s model call and 200 appends/s to

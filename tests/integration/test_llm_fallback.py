@@ -419,6 +419,7 @@ async def test_logs_of_a_full_fallback_carry_no_key_body_or_prompt(
     assert any(getattr(r, "action", "") == "llm.attempt" for r in caplog.records)
 
 
+@pytest.mark.timed
 async def test_many_summaries_in_flight_against_one_fake(fake: FakeProvider) -> None:
     """The fake stays cheap with hundreds of requests in flight (the benchmark relies on it)."""
     fake.latency_s = 0.5
