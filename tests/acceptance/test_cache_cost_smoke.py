@@ -15,6 +15,7 @@ import pytest
 
 from scheduler.samples import coding_session
 from tests.bench import cache_cost as bench
+from tests.support.scripts import refusal
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "bench" / "cache_cost.py"
@@ -116,40 +117,36 @@ def test_summarizer_usage_counts_every_answered_call_but_the_agents() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--latency", "0", "expected a positive number of seconds, got '0'"),
-    ("--latency", "-1", "expected a positive number of seconds, got '-1'"),
-    ("--latency", "nan", "expected a positive number of seconds, got 'nan'"),
-    ("--latency", "soon", "expected a positive number of seconds, got 'soon'"),
-    ("--think", "0", "expected a positive number of seconds, got '0'"),
-    ("--trigger", "0", "expected a positive integer, got '0'"),
-    ("--keep", "-6", "expected a positive integer, got '-6'"),
-    ("--trim", "many", "expected a positive integer, got 'many'"),
-    ("--window", "1.5", "expected a positive integer, got '1.5'"),
-    ("--concurrency", "0", "expected a positive integer, got '0'"),
+    ("--latency", "0", "expected a finite number of seconds above 0, got '0'"),
+    ("--latency", "-1", "expected a finite number of seconds above 0, got '-1'"),
+    ("--latency", "nan", "expected a finite number of seconds above 0, got 'nan'"),
+    ("--latency", "soon", "expected a number of seconds, got 'soon'"),
+    ("--think", "0", "expected a finite number of seconds above 0, got '0'"),
+    ("--trigger", "0", "expected a whole number from 1 to 2147483647, got '0'"),
+    ("--keep", "-6", "expected a whole number from 1 to 2147483647, got '-6'"),
+    ("--trim", "many", "expected a whole number, got 'many'"),
+    ("--window", "1.5", "expected a whole number, got '1.5'"),
+    ("--concurrency", "0", "expected a whole number from 1 to 2147483647, got '0'"),
 ])
 def test_bad_latencies_and_counts_are_refused_by_name(
         flag: str, value: str, says: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        bench.main([flag, value, "--transcripts", str(transcripts(tmp_path / "corpus"))])
-    assert exit_.value.code == 2
-    assert f"argument {flag}: {says}" in capsys.readouterr().err
+    argv = [flag, value, "--transcripts", str(transcripts(tmp_path / "corpus"))]
+    assert f"argument {flag}: {says}" in refusal(bench.main, argv, capsys)
 
 
 def test_an_unknown_session_name_is_refused_listing_the_sessions(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        bench.main(["--sessions", "long-x-30k", "--transcripts",
-                    str(transcripts(tmp_path / "corpus"))])
-    assert exit_.value.code == 2
-    assert "--sessions: unknown session long-x-30k (available: coding-3)" in (
-        capsys.readouterr().err)
+    argv = ["--sessions", "long-x-30k", "--transcripts", str(transcripts(tmp_path / "corpus"))]
+    assert "--sessions: unknown session long-x-30k (available: coding-3)" in refusal(
+        bench.main, argv, capsys)
 
 
 def test_the_script_exits_2_naming_a_bad_latency_or_a_missing_folder(tmp_path: Path) -> None:
     run = cache_cost("--latency", "-0.5", "--transcripts", str(transcripts(tmp_path / "c")))
     assert run.returncode == 2
-    assert "argument --latency: expected a positive number of seconds, got '-0.5'" in run.stderr
+    assert "argument --latency: expected a finite number of seconds above 0, got '-0.5'" in (
+        run.stderr)
     run = cache_cost("--corpus", str(tmp_path / "absent"))
     assert run.returncode == 2
     assert f"--corpus: no */*.jsonl transcripts under {tmp_path / 'absent'}" in run.stderr

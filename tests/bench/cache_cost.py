@@ -93,6 +93,7 @@ from openai import AsyncOpenAI  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 
+from scheduler import args as cli_types  # noqa: E402
 from scheduler.client import CompactdClient, parse_messages  # noqa: E402
 from storage.errors import ConfigError  # noqa: E402
 from storage.kinds import RunStatus  # noqa: E402
@@ -103,7 +104,6 @@ from tests.bench.common import (  # noqa: E402
     machine,
     machine_line,
     pg_url,
-    positive,
     print_table,
     write_json,
 )
@@ -398,7 +398,7 @@ def run_compactd(side: str, sessions: Sequence[Session], args: argparse.Namespac
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    count, seconds = positive(int), positive(float)
+    count, seconds = cli_types.positive_int, cli_types.seconds
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--sessions", help="comma-separated session names (default: all)")
     parser.add_argument("--latency", type=seconds, default=None,

@@ -7,7 +7,6 @@ two benchmarks, or a benchmark and the test suite, never share rows.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import json
@@ -17,7 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -36,22 +35,6 @@ def pg_url(script: str) -> str:
     whose database name is replaced) with the database ``compactd_bench_<script>``."""
     parsed = urlparse(PG_BASE)
     return parsed._replace(path=f"/compactd_bench_{script}").geturl()
-
-
-def positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
-    """An argparse type: a finite number above zero, else a message naming what was given."""
-    noun = "a positive integer" if kind is int else "a positive number of seconds"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
-        return value
-
-    return parse
 
 
 def prepare_pg(url: str) -> str:

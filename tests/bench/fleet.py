@@ -79,6 +79,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scheduler import args as cli_types  # noqa: E402
 from scheduler.client import CompactdClient, SessionHandle  # noqa: E402
 from scheduler.samples import SampleSession, iter_steps  # noqa: E402
 from storage.records import RunRecord  # noqa: E402
@@ -90,7 +91,6 @@ from tests.bench.common import (  # noqa: E402
     machine_line,
     percentile,
     pg_url,
-    positive,
     print_table,
     write_json,
 )
@@ -626,7 +626,7 @@ def _save(fig: Any, path: Path) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    count, seconds = positive(int), positive(float)
+    count, seconds = cli_types.positive_int, cli_types.seconds
     parser.add_argument("--agents", type=count, default=40, help="agents (asyncio tasks)")
     parser.add_argument("--workers", type=count, default=1, help="worker processes")
     parser.add_argument("--duration", type=seconds, default=180.0,
