@@ -24,8 +24,8 @@ answering after ``--latency`` seconds):
   joins the state with LangGraph's ``add_messages``, ``abefore_model`` runs (its model is
   ``ChatOpenAI`` pointed at the fake: its summary calls are the summarizer's tokens) and its
   update is applied; the request is the state.
-* ``merge``: compactd with a REAL worker (``celery -A worker.app worker``, PostgreSQL, Redis)
-  compacting in the background. The agent appends the step through the runtime client, polls,
+* ``merge``: compactd's default layout (``summarization.layout`` left unset) with a REAL worker
+  (``celery -A worker.app worker``, PostgreSQL, Redis) compacting in the background. The agent appends the step through the runtime client, polls,
   and re-reads the surface only when the version moved; its request is the surface it holds
   (the last surface read, then its own steps as compactd renders them). It never waits for a
   compaction: a checkpoint is picked up at the first step after its commit. Checkpoints render in
