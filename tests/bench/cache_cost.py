@@ -25,11 +25,12 @@ answering after ``--latency`` seconds):
   ``ChatOpenAI`` pointed at the fake: its summary calls are the summarizer's tokens) and its
   update is applied; the request is the state.
 * ``merge``: compactd's default layout (``summarization.layout`` left unset) with a REAL worker
-  (``celery -A worker.app worker``, PostgreSQL, Redis) compacting in the background. The agent appends the step through the runtime client, polls,
-  and re-reads the surface only when the version moved; its request is the surface it holds
-  (the last surface read, then its own steps as compactd renders them). It never waits for a
-  compaction: a checkpoint is picked up at the first step after its commit. Checkpoints render in
-  compactd's default form (``durable_context``); every other policy key is compactd's default.
+  (``celery -A worker.app worker``, PostgreSQL, Redis) compacting in the background. The agent
+  appends the step through the runtime client, polls, and re-reads the surface only when the
+  version moved; its request is the surface it holds (the last surface read, then its own steps
+  as compactd renders them). It never waits for a compaction: a checkpoint is picked up at the
+  first step after its commit. Checkpoints render in compactd's default form
+  (``durable_context``); every other policy key is compactd's default.
 * ``recallable``: the same, with ``summarization.layout: recallable`` in the config file the
   worker reads. Where the policy does not know that key, the side is reported as not available
   (a line in the table, ``null`` in the JSON).
