@@ -13,6 +13,7 @@ import pytest
 
 from scheduler.samples import coding_session
 from tests.bench import fleet as bench
+from tests.support.scripts import refusal
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = REPO / "tests" / "bench" / "fleet.py"
@@ -64,30 +65,29 @@ def test_a_short_fleet_run_never_overflows_and_checkpoints_every_signalled_sessi
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--agents", "0", "expected a positive integer, got '0'"),
-    ("--workers", "-2", "expected a positive integer, got '-2'"),
-    ("--agents", "many", "expected a positive integer, got 'many'"),
-    ("--duration", "nan", "expected a positive number of seconds, got 'nan'"),
-    ("--duration", "0", "expected a positive number of seconds, got '0'"),
-    ("--latency", "-1", "expected a positive number of seconds, got '-1'"),
-    ("--latency", "inf", "expected a positive number of seconds, got 'inf'"),
-    ("--latency", "soon", "expected a positive number of seconds, got 'soon'"),
+    ("--agents", "0", "expected a whole number from 1 to 2147483647, got '0'"),
+    ("--workers", "-2", "expected a whole number from 1 to 2147483647, got '-2'"),
+    ("--agents", "many", "expected a whole number, got 'many'"),
+    ("--duration", "nan", "expected a finite number of seconds above 0, got 'nan'"),
+    ("--duration", "0", "expected a finite number of seconds above 0, got '0'"),
+    ("--latency", "-1", "expected a finite number of seconds above 0, got '-1'"),
+    ("--latency", "inf", "expected a finite number of seconds above 0, got 'inf'"),
+    ("--latency", "soon", "expected a number of seconds, got 'soon'"),
 ])
 def test_bad_fleet_sizes_durations_and_latencies_are_refused_by_name(
         flag: str, value: str, says: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     # The script's own argument parsing, in process (the subprocess case is below).
-    with pytest.raises(SystemExit) as exit_:
-        bench.main([flag, value, "--transcripts", str(transcripts(tmp_path / "corpus"))])
-    assert exit_.value.code == 2
-    assert f"argument {flag}: {says}" in capsys.readouterr().err
+    argv = [flag, value, "--transcripts", str(transcripts(tmp_path / "corpus"))]
+    assert f"argument {flag}: {says}" in refusal(bench.main, argv, capsys)
 
 
 def test_the_script_exits_2_naming_a_bad_fleet_size_or_a_missing_transcript_folder(
         tmp_path: Path) -> None:
     run = fleet("--agents", "-1", "--transcripts", str(transcripts(tmp_path / "corpus")))
     assert run.returncode == 2
-    assert "argument --agents: expected a positive integer, got '-1'" in run.stderr
+    assert "argument --agents: expected a whole number from 1 to 2147483647, got '-1'" in (
+        run.stderr)
     run = fleet("--transcripts", str(tmp_path / "absent"))
     assert run.returncode == 2
     assert f"no *.jsonl transcripts under {tmp_path / 'absent'}" in run.stderr

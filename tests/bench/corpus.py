@@ -124,6 +124,7 @@ from tests.bench.peers import (
     is_summary,
     to_compactd,
     to_langchain,
+    to_openai,
 )
 from tests.support.pairs import request_problems
 from worker.compaction.render import render_surface
@@ -166,10 +167,12 @@ class Session:
 
 
 def tokens_of(message: dict[str, Any]) -> int:
-    return sum(COUNTER.count_message(m) for m in parse(_wire(message), "openai"))
+    return sum(COUNTER.count_message(m) for m in parse(wire(message), "openai"))
 
 
-def _wire(message: dict[str, Any]) -> dict[str, Any]:
+def wire(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with the keys a provider is sent (a rendered surface adds ``seq``,
+    ``tokens`` and ``meta``)."""
     return {k: v for k, v in message.items() if k in WIRE_KEYS}
 
 
@@ -210,7 +213,7 @@ def renumber(messages: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]
 def facts_of(system: list[dict[str, Any]], conversation: list[dict[str, Any]]
              ) -> dict[str, list[str]]:
     system_text = "\n".join(str(m.get("content") or "") for m in system)
-    messages = [m for d in conversation for m in parse(_wire(d), "openai")]
+    messages = [m for d in conversation for m in parse(wire(d), "openai")]
     paths, errors = tool_result_facts(messages)
     ids: dict[str, None] = {}
     for m in messages:
@@ -394,7 +397,7 @@ async def run_compactd(session: Session, url: str, policy: dict[str, Any]) -> Ta
             batch = []
             for d in step:
                 n += 1
-                m = parse(_wire(d), "openai")[0]
+                m = parse(wire(d), "openai")[0]
                 m = m.model_copy(update={"meta": {"bench_id": f"m{n}"}})
                 originals[f"m{n}"] = (COUNTER.count_message(m), _chars(m))
                 batch.append(m)
@@ -402,7 +405,7 @@ async def run_compactd(session: Session, url: str, policy: dict[str, Any]) -> Ta
             if over_trigger(info, config):
                 await _compact(deps, sid, info.last_seq, recorder, originals, tally)
             surface = await store.read_surface(sid)
-            final = session.system + [_wire(m) for m in render_surface(surface.nodes,
+            final = session.system + [wire(m) for m in render_surface(surface.nodes,
                                                                         "langchain")]
             request(tally, final)
     finally:
@@ -528,7 +531,7 @@ def run_langchain(session: Session, *, trigger: int, keep: int, trim: int | None
     for step in session.steps:
         ids = [f"m{n + i + 1}" for i in range(len(step))]
         n += len(step)
-        state = add_step(state, to_langchain([_wire(m) for m in step], ids=ids))
+        state = add_step(state, to_langchain([wire(m) for m in step], ids=ids))
         summarizer.received = []
         before = list(state)
         update = middleware.before_model({"messages": state}, None)  # type: ignore[arg-type]
@@ -537,8 +540,8 @@ def run_langchain(session: Session, *, trigger: int, keep: int, trim: int | None
             state = apply_update(state, update)
         req = ModelRequest(model=model, messages=list(state), system_message=system)
         sent = editing.wrap_model_call(req, lambda r: r.messages)  # type: ignore[arg-type,return-value]
-        view = session.system + _openai(sent)  # type: ignore[arg-type]
-        raw = session.system + _openai(state)
+        view = session.system + openai_wire(sent)  # type: ignore[arg-type]
+        raw = session.system + openai_wire(state)
         request(tally, view)
         request(plain, raw)
     for name in ("calls", "compactions", "canned", "failed", "input_tokens", "replaced_tokens",
@@ -550,10 +553,9 @@ def run_langchain(session: Session, *, trigger: int, keep: int, trim: int | None
     return tally, plain
 
 
-def _openai(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    from tests.bench.peers import to_openai
-
-    return [_wire(m) for m in to_openai(messages)]
+def openai_wire(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """What a LangChain state is sent as: OpenAI chat dicts with the wire keys only."""
+    return [wire(m) for m in to_openai(messages)]
 
 
 def _lc_compaction(before: list[AnyMessage], update: dict[str, Any],

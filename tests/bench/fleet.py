@@ -79,6 +79,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scheduler import args as cli_types  # noqa: E402
 from scheduler.client import CompactdClient, SessionHandle  # noqa: E402
 from scheduler.samples import SampleSession, iter_steps  # noqa: E402
 from storage.records import RunRecord  # noqa: E402
@@ -113,22 +114,6 @@ WARM_UP_STEPS = 16
 
 
 # ------------------------------------------------------------------------------------ input
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
-    """An argparse type: a finite number above zero, else a message naming what was given."""
-    noun = "a positive integer" if kind is int else "a positive number of seconds"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
-        return value
-
-    return parse
 
 
 @dataclass(frozen=True)
@@ -641,7 +626,7 @@ def _save(fig: Any, path: Path) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    count, seconds = _positive(int), _positive(float)
+    count, seconds = cli_types.positive_int, cli_types.seconds
     parser.add_argument("--agents", type=count, default=40, help="agents (asyncio tasks)")
     parser.add_argument("--workers", type=count, default=1, help="worker processes")
     parser.add_argument("--duration", type=seconds, default=180.0,

@@ -192,3 +192,14 @@ def test_a_fake_process_caches_when_told() -> None:
             assert cached() == 0
         finally:
             sdk.close()
+
+
+def test_the_request_log_holds_the_usage_each_answer_reported(caching: FakeProvider) -> None:
+    # Benchmarks total a summarizer's tokens from the log (its process is not theirs).
+    with client(caching) as sdk:
+        done = sdk.chat.completions.create(model=MODEL, messages=conversation(1500, 2))  # type: ignore[arg-type]
+    assert done.usage is not None and done.usage.prompt_tokens_details is not None
+    record = caching.requests[-1]
+    assert record.input_tokens == done.usage.prompt_tokens
+    assert record.cached_tokens == done.usage.prompt_tokens_details.cached_tokens == 0
+    assert record.output_tokens == done.usage.completion_tokens > 0

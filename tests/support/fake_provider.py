@@ -152,6 +152,7 @@ class RequestRecord:
     prefix_ok: bool | None = None  # whether it began with the behaviour's expect_prefix
     input_tokens: int | None = None   # as reported in the answer's usage (cached included)
     cached_tokens: int | None = None
+    output_tokens: int | None = None
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -300,10 +301,14 @@ class PrefixCache:
                 MESSAGE_FRAMING_TOKENS if message else 0)
         return count
 
+    def count(self, segments: tuple[tuple[str, bool], ...], counter: Any) -> list[int]:
+        """Tokens of each segment, as a request's ``input_tokens`` adds them up."""
+        return [self._tokens(text, message, counter) for text, message in segments]
+
     def lookup_and_store(self, key: tuple[str, str, str],
                          segments: tuple[tuple[str, bool], ...], counter: Any
                          ) -> tuple[int, int]:
-        sizes = [self._tokens(text, message, counter) for text, message in segments]
+        sizes = self.count(segments, counter)
         total = sum(sizes)
         earlier = self.entries.setdefault(key, deque(maxlen=CACHE_ENTRIES_PER_KEY))
         shared = 0
@@ -457,6 +462,7 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
     usage_out = math.ceil(len(text) / 4)
     if record is not None:
         record.input_tokens, record.cached_tokens = usage_in, cached
+        record.output_tokens = usage_out
     if api == "openai":
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         finish = "length" if cut else "stop"
