@@ -316,10 +316,12 @@ class SessionHandle:
                                                       tenant=self.info.tenant)
 
     async def history_read(self, checkpoint: str, offset: int | str = 0, *,
+                           cursor: str | None = None,
                            budget_tokens: int = DEFAULT_READ_TOKENS) -> ReadPage:
         """A page of the originals ``checkpoint`` replaced, from ``offset`` (a message index
-        or the cursor the previous page returned)."""
-        return await self.client.store.history_read(self.id, checkpoint, offset,
+        or the cursor the previous page returned) or ``cursor``, at most ``budget_tokens``
+        (64-100,000) long."""
+        return await self.client.store.history_read(self.id, checkpoint, offset, cursor=cursor,
                                                     budget_tokens=budget_tokens,
                                                     tenant=self.info.tenant)
 
@@ -491,9 +493,10 @@ class SyncSession:
         return self._loop.submit(lambda: self.handle.history_search(query, checkpoint, limit))
 
     def history_read(self, checkpoint: str, offset: int | str = 0, *,
+                     cursor: str | None = None,
                      budget_tokens: int = DEFAULT_READ_TOKENS) -> ReadPage:
         return self._loop.submit(lambda: self.handle.history_read(
-            checkpoint, offset, budget_tokens=budget_tokens))
+            checkpoint, offset, cursor=cursor, budget_tokens=budget_tokens))
 
     def compact(self, **kw: Any) -> dict[str, Any]:
         return self._loop.submit(lambda: self.handle.compact(**kw))
