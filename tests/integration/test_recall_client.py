@@ -52,6 +52,43 @@ async def test_the_async_client_finds_a_dropped_fact_and_reads_it_back_page_by_p
         assert await row_counts(store) == before
 
 
+async def test_the_client_refuses_every_bad_input_by_name_and_writes_nothing(
+        compacted: tuple[Store, list[dict[str, Any]]], db_url: str) -> None:
+    store, _ = compacted
+    config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
+    async with CompactdClient(config, store=store, enqueuer=RecordingEnqueuer()) as client:
+        session = await client.get_session("s1")
+        ref = (await session.history_search(NEEDLE)).hits[0].checkpoint
+        cursor = (await session.history_read(ref, budget_tokens=64)).cursor
+        assert cursor is not None
+        before = await row_counts(store)
+        cases: list[tuple[Any, str | None]] = [
+            (session.history_read("c999999-1000000"), None),
+            (session.history_search("x", checkpoint="r424242"), None),
+            (session.history_search("x", checkpoint="nope"), "checkpoint"),
+            (session.history_read("c-1"), "checkpoint"),
+            (session.history_read("r1", cursor), "offset"),
+            (session.history_read("r1", cursor=cursor), "cursor"),
+            (session.history_read(ref, 3, cursor=cursor), "cursor"),
+            (session.history_search(""), "query"),
+            (session.history_search("x" * 10_240), "query"),
+            (session.history_read(ref, -1), "offset"),
+            (session.history_search("x", limit=101), "limit"),
+            (session.history_read(ref, budget_tokens=63), "budget_tokens"),
+            (session.history_read(ref, budget_tokens=100_001), "budget_tokens"),
+        ]
+        for call, argument in cases:
+            with pytest.raises(RecallNotFound if argument is None else RecallArgumentError
+                               ) as caught:
+                await call
+            if argument is not None:
+                assert caught.value.argument == argument, caught.value  # type: ignore[attr-defined]
+                assert str(caught.value).startswith(f"{argument}: ")
+        assert await row_counts(store) == before
+        # the budget is honoured
+        assert (await session.history_read(ref, budget_tokens=64)).tokens <= 64
+
+
 def test_the_sync_client_gives_the_same_answers(
         compacted: tuple[Store, list[dict[str, Any]]], db_url: str) -> None:
     config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
