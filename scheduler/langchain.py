@@ -521,8 +521,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         async def arun(**arguments: Any) -> str:
             return await self._arecall(name, arguments)
 
-        # A ToolException is the model's to fix: it answers as the tool's error message
-        # (status "error") instead of stopping the agent.
+        # A ToolException answers the model as the tool's error message (status "error")
+        # instead of stopping the agent: a refused argument is the model's to fix, and an
+        # outage costs it this one recall.
         return StructuredTool(name=name, description=function["description"],
                               args_schema=dict(function["parameters"]), func=run,
                               coroutine=arun, handle_tool_error=True)
