@@ -42,6 +42,7 @@ from storage.store import PreparedAppend, Store
 from storage.tokens import counter_for
 from worker.compaction.planner import plan
 from worker.compaction.policy import Clause
+from worker.compaction.recall import parse_ref
 from worker.compaction.render import render_surface
 from worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
 from worker.pressure import check_session_policy, session_policy, wants_run
@@ -312,15 +313,20 @@ class SessionHandle:
                              limit: int = DEFAULT_SEARCH_LIMIT) -> SearchResult:
         """The messages compaction replaced in this session that hold ``query`` (exact hits
         first), within one checkpoint's originals when ``checkpoint`` names it."""
-        return await self.client.store.history_search(self.id, query, checkpoint, limit,
+        # A name that is not one (a typo) is refused by name, as over HTTP; storage would only
+        # say it has no such node.
+        ref = None if checkpoint is None else str(parse_ref(checkpoint))
+        return await self.client.store.history_search(self.id, query, ref, limit,
                                                       tenant=self.info.tenant)
 
     async def history_read(self, checkpoint: str, offset: int | str = 0, *,
+                           cursor: str | None = None,
                            budget_tokens: int = DEFAULT_READ_TOKENS) -> ReadPage:
         """A page of the originals ``checkpoint`` replaced, from ``offset`` (a message index
-        or the cursor the previous page returned)."""
-        return await self.client.store.history_read(self.id, checkpoint, offset,
-                                                    budget_tokens=budget_tokens,
+        or the cursor the previous page returned) or ``cursor``, at most ``budget_tokens``
+        (64-100,000) long."""
+        return await self.client.store.history_read(self.id, str(parse_ref(checkpoint)), offset,
+                                                    cursor=cursor, budget_tokens=budget_tokens,
                                                     tenant=self.info.tenant)
 
     async def compact(self, *, force: bool = False, keep: str | Clause | None = None,
@@ -491,9 +497,10 @@ class SyncSession:
         return self._loop.submit(lambda: self.handle.history_search(query, checkpoint, limit))
 
     def history_read(self, checkpoint: str, offset: int | str = 0, *,
+                     cursor: str | None = None,
                      budget_tokens: int = DEFAULT_READ_TOKENS) -> ReadPage:
         return self._loop.submit(lambda: self.handle.history_read(
-            checkpoint, offset, budget_tokens=budget_tokens))
+            checkpoint, offset, cursor=cursor, budget_tokens=budget_tokens))
 
     def compact(self, **kw: Any) -> dict[str, Any]:
         return self._loop.submit(lambda: self.handle.compact(**kw))

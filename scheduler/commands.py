@@ -23,13 +23,19 @@ from scheduler.client import CompactdClient
 from scheduler.intake import parse_signal
 from scheduler.output import EXIT_FAILED, emit, open_store, say
 from scheduler.status import render_status, session_status, status
-from storage.errors import InvalidMessage, RecallArgumentError
+from storage.database import database_exists
+from storage.errors import InvalidMessage, RecallArgumentError, SessionNotFound
 from storage.kinds import RunStatus, SignalReason, Trigger
-from storage.recall_bounds import DEFAULT_SEARCH_LIMIT, MAX_SEARCH_LIMIT
+from storage.recall_bounds import (
+    DEFAULT_READ_TOKENS,
+    DEFAULT_SEARCH_LIMIT,
+    MAX_READ_TOKENS,
+    MAX_SEARCH_LIMIT,
+    MIN_READ_TOKENS,
+)
 from storage.records import utcnow
 from worker.compaction.planner import plan
-from worker.compaction.recall import parse_ref
-from worker.compaction.recall_tools import tools_document
+from worker.compaction.recall_tools import check_read, check_search, tools_document
 from worker.limits import parse_rate
 from worker.pressure import session_policy
 from worker.settings import Config
@@ -205,18 +211,29 @@ class RecallUsage(InvalidMessage):
 
 # storage names its arguments as the tools do; the command line spells some otherwise
 _CLI_NAMES = {"query": "QUERY", "checkpoint": "--checkpoint", "limit": "--limit",
-              "offset": "--offset"}
+              "offset": "--offset", "cursor": "--cursor", "budget_tokens": "--budget-tokens"}
 
 
 def _recall_refused(exc: RecallArgumentError, names: dict[str, str]) -> RecallUsage:
     return RecallUsage(f"{names.get(exc.argument, exc.argument)}: {exc.reason}")
 
 
+def _nothing_stored(config: Config, session_id: str) -> None:
+    """A read of an embedded database that was never created: no session is there, and opening
+    it would create and migrate the file, a write for a command that only reads."""
+    if not database_exists(config.database_url):
+        raise SessionNotFound(session_id)
+
+
 async def cmd_history_search(args: argparse.Namespace, config: Config) -> int:
     try:
-        ref = None if args.checkpoint is None else str(parse_ref(args.checkpoint))
+        # Checked before anything is opened: bad input writes nothing, not even a new file.
+        checked = check_search(args.query, args.checkpoint, args.limit)
+        _nothing_stored(config, args.session)
+        ref = None if checked.checkpoint is None else str(checked.checkpoint)
         async with open_store(config) as store:
-            result = await store.history_search(args.session, args.query, ref, args.limit)
+            result = await store.history_search(args.session, checked.query, ref,
+                                                checked.limit)
     except RecallArgumentError as exc:
         raise _recall_refused(exc, _CLI_NAMES) from None
     if args.json:
@@ -231,22 +248,26 @@ async def cmd_history_search(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_history_read(args: argparse.Namespace, config: Config) -> int:
-    names = {**_CLI_NAMES, "checkpoint": "CHECKPOINT",
-             "offset": "--cursor" if args.cursor is not None else "--offset"}
     try:
-        ref = str(parse_ref(args.checkpoint))
+        checked = check_read(args.checkpoint, args.offset, args.cursor, args.budget_tokens)
+        _nothing_stored(config, args.session)
+        ref = str(checked.checkpoint)
         async with open_store(config) as store:
-            page = await store.history_read(
-                args.session, ref, args.cursor if args.cursor is not None else args.offset)
+            page = await store.history_read(args.session, ref, checked.offset,
+                                            cursor=checked.cursor,
+                                            budget_tokens=checked.budget_tokens)
     except RecallArgumentError as exc:
-        raise _recall_refused(exc, names) from None
+        raise _recall_refused(exc, {**_CLI_NAMES, "checkpoint": "CHECKPOINT"}) from None
     if args.json:
         emit({"session": args.session, **page.to_json()})
         return 0
     sys.stdout.write(page.transcript if page.transcript.endswith("\n") or not page.transcript
                      else page.transcript + "\n")
     if page.cursor is not None:
-        say(f"-- more: compactd history read {args.session} {ref} --cursor {page.cursor}")
+        budget = ("" if checked.budget_tokens == DEFAULT_READ_TOKENS
+                  else f" --budget-tokens {checked.budget_tokens}")
+        say(f"-- more: compactd history read {args.session} {ref} --cursor {page.cursor}"
+            f"{budget}")
     return 0
 
 
@@ -281,6 +302,10 @@ def _register_recall(sub: Any) -> None:
     where.add_argument("--offset", type=count, default=0,
                        help="the message index to start at (default 0)")
     where.add_argument("--cursor", help="the cursor the previous page printed")
+    p.add_argument("--budget-tokens", type=whole(MIN_READ_TOKENS, MAX_READ_TOKENS),
+                   default=DEFAULT_READ_TOKENS,
+                   help=f"most tokens on the page ({MIN_READ_TOKENS}-{MAX_READ_TOKENS}, "
+                        f"default {DEFAULT_READ_TOKENS})")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_history_read)
 

@@ -42,6 +42,14 @@ One LangGraph thread is one compactd session (the ``thread_id``, unless ``sessio
 and the state must persist between invocations (a checkpointer) for the count to survive them: a
 fresh state for a session that already holds messages raises instead of appending them twice.
 
+**Recall tools.** The middleware offers the model ``history_search`` and ``history_read`` by
+itself (``recall_tools=False`` turns them off), with the schemas ``compactd tools --json``
+prints. They act on the step's session (the same id the mirroring uses), read only, and answer
+like any other tool: the result is a tool message at the tail of the state, mirrored at the next
+step like the rest, so the surface stays replayable. A call the checks refuse (an unknown
+checkpoint, a cursor of another checkpoint, an empty query...) answers a tool error naming the
+argument, for the model to fix; the agent goes on.
+
 compactd I/O runs on the middleware's own event loop thread (its connection pool never crosses
 the caller's loops), so the sync (``invoke``) and async (``ainvoke``) paths behave the same.
 """
@@ -71,13 +79,28 @@ from langchain_core.messages import (
     convert_to_messages,
     convert_to_openai_messages,
 )
+from langchain_core.tools import BaseTool, StructuredTool, ToolException
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
 from scheduler.client import CompactdClient, SessionHandle, StepResult
-from storage.errors import BadInput, CompactdError
+from storage.errors import (
+    BadInput,
+    CompactdError,
+    RecallArgumentError,
+    RecallNotFound,
+    SessionNotFound,
+)
 from storage.kinds import NodeKind
 from worker.compaction.policy import RENDERS, PolicyError, parse_policy
+from worker.compaction.recall_tools import (
+    ReadArgs,
+    SearchArgs,
+    check_tool_call,
+    read_result_text,
+    search_result_text,
+    tool_schemas,
+)
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
@@ -203,7 +226,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
     compactd's configuration (default: the ``COMPACTD_*`` environment). ``run_model`` and
     ``context_window`` default to the chat model's name and profile. ``render``: how a
     checkpoint reads to the model (``langchain`` by default: the ``Here is a summary of the
-    conversation to date:`` message SummarizationMiddleware writes).
+    conversation to date:`` message SummarizationMiddleware writes). ``recall_tools``: offer
+    the model ``history_search`` and ``history_read`` (registered as this middleware's
+    ``tools``, so ``create_agent`` runs them like its own).
     """
 
     state_schema = CompactdState
@@ -213,7 +238,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                  trim_tokens_to_summarize: int | None = None, summary_prompt: str | None = None,
                  config: Config | None = None, tenant: str = "default",
                  run_model: str | None = None, context_window: int | None = None,
-                 policy: Mapping[str, Any] | None = None, render: str = "langchain") -> None:
+                 policy: Mapping[str, Any] | None = None, render: str = "langchain",
+                 recall_tools: bool = True) -> None:
         super().__init__()
         if render not in RENDERS:
             raise ValueError(f"render must be one of {', '.join(RENDERS)}, not {render!r}")
@@ -241,6 +267,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         self._handles: dict[str, SessionHandle] = {}
         self._last_seqs: dict[str, int] = {}  # after this process's last append, per session
         self._unsure: set[str] = set()  # sessions whose last append may or may not have landed
+        self.tools: list[BaseTool] = self._recall_tools() if recall_tools else []
 
     # -------------------------------------------------------------------------------- hooks
 
@@ -478,6 +505,72 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             bridge.client = client
         return bridge.client
 
+    # ------------------------------------------------------------------------ recall tools
+
+    def _recall_tools(self) -> list[BaseTool]:
+        """The two recall tools from the shipped schemas: the model is sent what
+        ``compactd tools --json`` prints, and the checks behind them are the same."""
+        return [self._recall_tool(schema["function"]) for schema in tool_schemas("openai")]
+
+    def _recall_tool(self, function: Mapping[str, Any]) -> BaseTool:
+        name = function["name"]
+
+        def run(**arguments: Any) -> str:
+            return self._recall(name, arguments)
+
+        async def arun(**arguments: Any) -> str:
+            return await self._arecall(name, arguments)
+
+        # A ToolException answers the model as the tool's error message (status "error")
+        # instead of stopping the agent: a refused argument is the model's to fix, and an
+        # outage costs it this one recall.
+        return StructuredTool(name=name, description=function["description"],
+                              args_schema=dict(function["parameters"]), func=run,
+                              coroutine=arun, handle_tool_error=True)
+
+    def _recall(self, name: str, arguments: dict[str, Any]) -> str:
+        session_id, args = self._recall_call(name, arguments)
+        return _recall_answer(name, session_id,
+                              self._call(lambda: self._recall_run(session_id, args)))
+
+    async def _arecall(self, name: str, arguments: dict[str, Any]) -> str:
+        session_id, args = self._recall_call(name, arguments)
+        return _recall_answer(name, session_id,
+                              await self._acall(lambda: self._recall_run(session_id, args)))
+
+    def _recall_call(self, name: str, arguments: dict[str, Any]
+                     ) -> tuple[str, SearchArgs | ReadArgs]:
+        """The session and the checked arguments, in the caller's thread: a refused call costs
+        no round trip."""
+        session_id = self._session()
+        try:
+            return session_id, check_tool_call(name, arguments)
+        except RecallArgumentError as exc:
+            raise ToolException(_refused(name, exc.argument, exc.reason)) from None
+
+    async def _recall_run(self, session_id: str, args: SearchArgs | ReadArgs) -> str:
+        handle = await self._recall_handle(session_id)
+        if isinstance(args, SearchArgs):
+            found = await handle.history_search(
+                args.query, None if args.checkpoint is None else str(args.checkpoint),
+                args.limit)
+            return search_result_text(found.to_json())
+        page = await handle.history_read(str(args.checkpoint), args.offset, cursor=args.cursor,
+                                         budget_tokens=args.budget_tokens)
+        return read_result_text(page.to_json())
+
+    async def _recall_handle(self, session_id: str) -> SessionHandle:
+        """The session as this process opened it, else opened now (a tool run before any model
+        call of this process, after a restart), never created: a read must not write."""
+        handle = self._handles.get(session_id)
+        if handle is not None:
+            return handle
+        client = await self._bridge_client()
+        handle = await client.get_session(session_id)
+        if handle.info.tenant != self.tenant:
+            raise SessionNotFound(session_id)
+        return handle
+
     # ------------------------------------------------------------------------------ bridge
 
     def _get_bridge(self) -> _Bridge:
@@ -578,6 +671,31 @@ def _session_policy(policy: Mapping[str, Any] | None, **overrides: Any
     except PolicyError as exc:
         raise ValueError(str(exc)) from None
     return plain
+
+
+def _refused(name: str, argument: str, reason: str) -> str:
+    return f"{name} refused its {argument} argument: {reason}"
+
+
+def _recall_answer(name: str, session_id: str, outcome: str | BaseException) -> str:
+    """A recall tool's result text, or the ToolException that answers the model instead."""
+    if isinstance(outcome, str):
+        return outcome
+    if isinstance(outcome, RecallArgumentError):
+        raise ToolException(_refused(name, outcome.argument, outcome.reason))
+    if isinstance(outcome, RecallNotFound):
+        raise ToolException(_refused(
+            name, "checkpoint", f"this conversation has no checkpoint or pruned result "
+                                f"{outcome.ref!r} (use a name the conversation shows or a "
+                                f"history_search hit gives)"))
+    if isinstance(outcome, SessionNotFound):
+        raise ToolException(f"{name}: nothing of this conversation is stored in compactd yet")
+    if isinstance(outcome, BadInput):
+        raise ToolException(f"{name}: {outcome}")
+    logger.warning("a recall tool could not reach compactd: %s", outcome,
+                   extra={"action": "langchain_recall_failed", "session_id": session_id})
+    raise ToolException(f"{name} is unavailable right now (compactd could not be reached); the "
+                        "conversation goes on without it")
 
 
 def _merge(command: Command[Any] | None, update: dict[str, Any]) -> Command[Any]:

@@ -99,6 +99,15 @@ def embedded_url(home: str | os.PathLike[str] | None = None) -> str:
     return f"sqlite+aiosqlite:///{base / SQLITE_FILENAME}"
 
 
+def database_exists(url: str) -> bool:
+    """Whether the database ``url`` names is there to open without creating it: a SQLite file
+    that exists (or an in-memory one); any server database, which only ``migrate`` creates."""
+    if not is_sqlite(url):
+        return True
+    name = sa.engine.make_url(normalize_url(url)).database
+    return not name or name == ":memory:" or Path(name).exists()
+
+
 def normalize_url(url: str) -> str:
     """Accept the URLs people write and pick the async driver for them."""
     for prefix, replacement in (

@@ -29,12 +29,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from storage.connectors import Connector
 from storage.database import snapshot
 from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
-from storage.recall_bounds import DEFAULT_SEARCH_LIMIT, check_limit, check_offset, check_query
+from storage.recall_bounds import (
+    DEFAULT_READ_TOKENS,
+    DEFAULT_SEARCH_LIMIT,
+    check_budget_tokens,
+    check_cursor,
+    check_limit,
+    check_offset,
+    check_query,
+)
 from storage.tokens import TokenCounter, counter_for
 
-DEFAULT_READ_TOKENS = 2000
-MIN_READ_TOKENS = 64
-MAX_READ_TOKENS = 100_000
 SNIPPET_BEFORE_CHARS = 80
 SNIPPET_CHARS = 240
 # Fuzzy hits are ranked (by how many of the query's words they hold) among this many of the
@@ -93,9 +98,9 @@ def encode_cursor(ref: str, index: int, char: int) -> str:
     return _CURSOR_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str, ref: str) -> tuple[int, int]:
+def decode_cursor(cursor: str, ref: str, argument: str = "offset") -> tuple[int, int]:
     """(message index, code point) of a cursor :meth:`RecallMixin.history_read` returned for
-    ``ref``; anything else is refused."""
+    ``ref``; anything else is refused, naming ``argument`` (what the caller passed it as)."""
     try:
         if not cursor.startswith(_CURSOR_PREFIX):
             raise ValueError
@@ -104,13 +109,16 @@ def decode_cursor(cursor: str, ref: str) -> tuple[int, int]:
         named, index, char = text.rsplit(":", 2)
         at, within = int(index), int(char)
     except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise RecallArgumentError("offset", "is neither an integer nor a cursor history_read "
+        raise RecallArgumentError(argument, "is neither an integer nor a cursor history_read "
                                             "returned") from None
     if named != ref:
-        raise RecallArgumentError("offset", f"the cursor belongs to {named!r}, not {ref!r}")
+        raise RecallArgumentError(argument, f"the cursor belongs to {named!r}, not {ref!r}")
     if within < 0:
-        raise RecallArgumentError("offset", "the cursor is damaged")
-    return check_offset(at), within
+        raise RecallArgumentError(argument, "the cursor is damaged")
+    try:
+        return check_offset(at), within
+    except RecallArgumentError as exc:
+        raise RecallArgumentError(argument, exc.reason) from None
 
 
 def render_original(seq: int, payload: Mapping[str, Any]) -> str:
@@ -213,23 +221,29 @@ class RecallMixin:
         return SearchResult(tuple(hits), int(scanned["messages"]), int(scanned["bytes"]))
 
     async def history_read(self, session_id: str, checkpoint: str, offset: int | str = 0, *,
-                           budget_tokens: int = DEFAULT_READ_TOKENS,
+                           cursor: str | None = None, budget_tokens: int = DEFAULT_READ_TOKENS,
                            tenant: str | None = None) -> ReadPage:
         """A page of the originals ``checkpoint`` (a checkpoint's or a pruned result's name)
-        replaced, from ``offset`` (a message index, or a cursor a previous page returned)."""
+        replaced, from ``offset`` (a message index, or a cursor a previous page returned) or
+        from ``cursor`` (a refused one is named ``cursor``)."""
         if not isinstance(checkpoint, str) or not checkpoint.strip():
             raise RecallArgumentError("checkpoint", "is required")
         ref = checkpoint.strip()
-        if isinstance(offset, str):
+        if cursor is not None:
+            if offset != 0:
+                raise RecallArgumentError("cursor", "give offset or cursor, not both")
+            index, char = decode_cursor(check_cursor(cursor), ref, "cursor")
+        elif isinstance(offset, str):
             index, char = decode_cursor(offset, ref)
         elif isinstance(offset, bool) or not isinstance(offset, int):
             raise RecallArgumentError("offset", f"must be an integer or a cursor, got "
                                                 f"{type(offset).__name__}")
         else:
             index, char = check_offset(offset), 0
-        if not MIN_READ_TOKENS <= budget_tokens <= MAX_READ_TOKENS:
-            raise RecallArgumentError("budget_tokens", f"must be between {MIN_READ_TOKENS} and "
-                                                       f"{MAX_READ_TOKENS}, got {budget_tokens}")
+        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int):
+            raise RecallArgumentError("budget_tokens", f"must be an integer, got "
+                                                       f"{type(budget_tokens).__name__}")
+        check_budget_tokens(budget_tokens)
         db = self.db
         async with snapshot(self.engine) as conn:
             run_model = await _session(db, conn, session_id, tenant)

@@ -12,6 +12,14 @@ MAX_SEARCH_LIMIT = 100
 MAX_QUERY_BYTES = 8192
 # Offsets land in 64-bit integer columns.
 MAX_OFFSET = 2**63 - 1
+# A read page's token budget: enough for one ordinary message at the low end, a bounded tool
+# result at the high end.
+DEFAULT_READ_TOKENS = 2000
+MIN_READ_TOKENS = 64
+MAX_READ_TOKENS = 100_000
+# A cursor names a node and two positions (about 100 characters); anything much longer is not
+# one, and is refused before it is decoded.
+MAX_CURSOR_CHARS = 256
 
 
 def check_query(query: object) -> str:
@@ -41,3 +49,23 @@ def check_offset(at: int) -> int:
     if at > MAX_OFFSET:
         raise RecallArgumentError("offset", f"must be at most {MAX_OFFSET}, got {at}")
     return at
+
+
+def check_budget_tokens(budget: int) -> int:
+    if not MIN_READ_TOKENS <= budget <= MAX_READ_TOKENS:
+        raise RecallArgumentError("budget_tokens", f"must be between {MIN_READ_TOKENS} and "
+                                                   f"{MAX_READ_TOKENS}, got {budget}")
+    return budget
+
+
+def check_cursor(cursor: object, argument: str = "cursor") -> str:
+    """A cursor's shape; which node it belongs to is storage's to judge, as it decodes it."""
+    if not isinstance(cursor, str):
+        raise RecallArgumentError(argument, f"must be the cursor string a page returned, got "
+                                            f"{type(cursor).__name__}")
+    if not cursor.strip():
+        raise RecallArgumentError(argument, "is empty")
+    if len(cursor) > MAX_CURSOR_CHARS:
+        raise RecallArgumentError(argument, f"is {len(cursor)} characters; a cursor history_read "
+                                            f"returned is at most {MAX_CURSOR_CHARS}")
+    return cursor

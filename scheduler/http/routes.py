@@ -41,8 +41,12 @@ from scheduler.status import session_status
 from storage.database import ping
 from storage.errors import InvalidMessage, RecallArgumentError, SessionExists, SessionNotFound
 from storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
-from storage.recall import DEFAULT_READ_TOKENS
-from storage.recall_bounds import DEFAULT_SEARCH_LIMIT
+from storage.recall_bounds import (
+    DEFAULT_READ_TOKENS,
+    DEFAULT_SEARCH_LIMIT,
+    MAX_READ_TOKENS,
+    MIN_READ_TOKENS,
+)
 from storage.records import SessionInfo
 from worker.compaction.recall import parse_ref
 from worker.compaction.recall_tools import tools_document
@@ -291,20 +295,17 @@ def add_routes(app: FastAPI) -> None:
             offset: Annotated[int | None, Query(
                 description="the message index to start at (default 0)")] = None,
             cursor: Annotated[str | None, Query(
-                description="the cursor the previous page returned")] = None) -> dict[str, Any]:
+                description="the cursor the previous page returned")] = None,
+            budget_tokens: Annotated[int, Query(
+                description=f"most tokens on the page ({MIN_READ_TOKENS}-{MAX_READ_TOKENS})")]
+            = DEFAULT_READ_TOKENS) -> dict[str, Any]:
         """A page of the originals ``checkpoint`` replaced, rendered as a transcript; follow
         ``cursor`` for the next page."""
         if offset is not None and cursor is not None:
             raise RecallArgumentError("cursor", "give offset or cursor, not both")
-        try:
-            page = await api.store.history_read(
-                info.id, str(parse_ref(checkpoint)), cursor if cursor is not None else offset or 0,
-                budget_tokens=DEFAULT_READ_TOKENS, tenant=info.tenant)
-        except RecallArgumentError as exc:
-            if cursor is not None and exc.argument == "offset":
-                # storage names its one position argument; here the caller passed a cursor.
-                raise RecallArgumentError("cursor", exc.reason) from None
-            raise
+        page = await api.store.history_read(
+            info.id, str(parse_ref(checkpoint)), offset or 0, cursor=cursor,
+            budget_tokens=budget_tokens, tenant=info.tenant)
         return {"session": info.id, **page.to_json()}
 
     @app.get(API_PREFIX + "/tools", response_model=ToolsOut, operation_id="recallTools",

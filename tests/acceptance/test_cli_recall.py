@@ -71,6 +71,56 @@ def test_search_finds_the_dropped_fact_and_read_pages_it_back(env: dict[str, str
     assert plain.startswith("[seq ") and "-- more: compactd history read s1" in plain
 
 
+def test_budget_tokens_bounds_the_page_and_the_next_command_keeps_it(
+        env: dict[str, str]) -> None:
+    ref = json.loads(run(env, "history", "search", "s1", NEEDLE, "--json").stdout
+                     )["hits"][0]["checkpoint"]
+    small = json.loads(run(env, "history", "read", "s1", ref, "--budget-tokens", "64",
+                           "--json").stdout)
+    default = json.loads(run(env, "history", "read", "s1", ref, "--json").stdout)
+    assert small["tokens"] <= 64 < default["tokens"] and small["cursor"] is not None
+    plain = run(env, "history", "read", "s1", ref, "--budget-tokens", "64").stdout
+    assert plain.rstrip().endswith(f"--cursor {small['cursor']} --budget-tokens 64")
+
+
+# Refused by their arguments alone, whatever the database holds.
+BAD_SEARCHES = [
+    (["history", "search", "s1", ""], "QUERY: is empty"),
+    (["history", "search", "s1", "x" * 10_240], "QUERY: is 10240 bytes"),
+    (["history", "search", "s1", "x", "--limit", "101"], "--limit"),
+    (["history", "search", "s1", "x", "--limit", "0"], "--limit"),
+    (["history", "search", "s1", "x", "--checkpoint", "nope"], "--checkpoint"),
+]
+
+
+def assert_refused(env: dict[str, str], args: list[str], named: str) -> None:
+    """Exit 2, one line on stderr naming what is wrong, nothing on stdout."""
+    out = run(env, *args, check=False)
+    assert out.returncode == 2, (args, out.returncode, out.stderr)
+    assert out.stdout == "" and "Traceback" not in out.stderr, (args, out.stderr)
+    assert named in out.stderr, (args, out.stderr)
+
+
+def test_bad_input_on_a_home_without_a_database_creates_no_file(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    home = tmp_path / "fresh"
+    home.mkdir()
+    env = {**cli_env, "COMPACTD_HOME": str(home)}
+    cases = [
+        *BAD_SEARCHES,
+        (["history", "read", "s1", "c1-2", "--offset", "-1"], "--offset"),
+        (["history", "read", "s1", "c1-2", "--cursor", "x" * 300], "--cursor"),
+        (["history", "read", "s1", "c1-2", "--budget-tokens", "10"], "--budget-tokens"),
+        (["history", "read", "s1", "c-2"], "CHECKPOINT"),
+        # well-formed, but there is no database, so no session: still nothing created
+        (["history", "search", "s1", "x"], "session 's1' does not exist"),
+        (["history", "read", "s1", "c1-2"], "session 's1' does not exist"),
+    ]
+    for args, named in cases:
+        assert_refused(env, args, named)
+        assert list(home.iterdir()) == [], (args, list(home.iterdir()))
+
+
 def test_tools_json_prints_both_forms(env: dict[str, str]) -> None:
     assert json.loads(run(env, "tools", "--json").stdout) == tools_document()
     assert run(env, "tools").stdout.startswith("history_search: ")
@@ -83,11 +133,7 @@ def test_bad_input_exits_2_naming_the_argument_and_writes_nothing(env: dict[str,
     assert cursor is not None
     before = _rows(env)
     cases = [
-        (["history", "search", "s1", ""], "QUERY: is empty"),
-        (["history", "search", "s1", "x" * 10_240], "QUERY: is 10240 bytes"),
-        (["history", "search", "s1", "x", "--limit", "101"], "--limit"),
-        (["history", "search", "s1", "x", "--limit", "0"], "--limit"),
-        (["history", "search", "s1", "x", "--checkpoint", "nope"], "--checkpoint"),
+        *BAD_SEARCHES,
         (["history", "search", "s1", "x", "--checkpoint", "r424242"], "r424242"),
         (["history", "search", "no-such-session", "x"], "no-such-session"),
         (["history", "read", "s1", "c999999-1000000"], "c999999-1000000"),
@@ -95,10 +141,11 @@ def test_bad_input_exits_2_naming_the_argument_and_writes_nothing(env: dict[str,
         (["history", "read", "s1", ref, "--cursor", "garbage"], "--cursor"),
         (["history", "read", "s1", "r1", "--cursor", cursor], "--cursor"),
         (["history", "read", "s1", ref, "--offset", "1", "--cursor", cursor], "--cursor"),
+        (["history", "read", "s1", ref, "--budget-tokens", "63"], "--budget-tokens"),
+        (["history", "read", "s1", ref, "--budget-tokens", "100001"], "--budget-tokens"),
+        (["history", "read", "s1", ref, "--budget-tokens", "many"], "--budget-tokens"),
+        (["history", "read", "s1", ref, "--cursor", ""], "--cursor: is empty"),
     ]
     for args, named in cases:
-        out = run(env, *args, check=False)
-        assert out.returncode == 2, (args, out.returncode, out.stderr)
-        assert out.stdout == "" and "Traceback" not in out.stderr, (args, out.stderr)
-        assert named in out.stderr, (args, out.stderr)
+        assert_refused(env, args, named)
     assert _rows(env) == before

@@ -95,3 +95,49 @@ async def test_a_fake_in_another_process_is_scripted_over_http(remote: RemoteFak
     assert all(r["answered_t"] - r["received_t"] >= 0.05 for r in log)
     remote.reset()
     assert remote.requests() == []
+
+
+async def test_a_scripted_model_calls_named_tools_with_arguments_read_from_a_result(
+        fake: FakeProvider) -> None:
+    import anthropic
+
+    result = json.dumps({"hits": [{"checkpoint": "c3-40", "seq": 7}]})
+    fake.script(Behaviour(output="tool_calls", times=2, tool_calls=[
+                    {"name": "history_read",
+                     "arguments": {"checkpoint": {"$from_result": "hits.0.checkpoint"},
+                                   "missing": {"$from_result": "hits.5.seq"}, "offset": 0}}]),
+                Behaviour(output="text", times=2, text="It was {quote}.",
+                          quote=r"ord_[0-9a-f]{8}"))
+    client = openai.AsyncOpenAI(api_key="k", base_url=fake.openai_base_url, max_retries=0)
+    claude = anthropic.AsyncAnthropic(api_key="k", base_url=fake.anthropic_base_url,
+                                      max_retries=0)
+    try:
+        called = await client.chat.completions.create(model="m", messages=[
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+                "name": "history_search", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": result}])
+        used = await claude.messages.create(model="m", max_tokens=100, messages=[
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "a",
+                                               "name": "history_search", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
+                                          "content": [{"type": "text", "text": result}]}]}])
+        quoted = await client.chat.completions.create(model="m", messages=[
+            {"role": "tool", "tool_call_id": "a", "content": "order ord_7f3c9a1e, twice"}])
+        unquoted = await client.chat.completions.create(model="m", messages=[
+            {"role": "user", "content": "order ord_7f3c9a1e"}])
+    finally:
+        await client.close()
+        await claude.close()
+    expected = {"checkpoint": "c3-40", "missing": None, "offset": 0}
+    [call] = called.choices[0].message.tool_calls or []
+    assert call.function.name == "history_read"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == expected  # type: ignore[union-attr]
+    assert called.choices[0].finish_reason == "tool_calls"
+    [block] = used.content
+    assert block.type == "tool_use" and block.name == "history_read"
+    assert block.input == expected and used.stop_reason == "tool_use"
+    assert quoted.choices[0].message.content == "It was ord_7f3c9a1e."
+    # only a tool result is quoted, as only what a tool returned is there to copy
+    assert unquoted.choices[0].message.content == "It was ."

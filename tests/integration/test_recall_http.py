@@ -118,6 +118,11 @@ async def test_bad_input_is_4xx_naming_the_argument_and_writes_nothing(api: Serv
         (_read(api, "a-session", checkpoint="c1-2\x00"), 422, "query.checkpoint"),
         (_search(api, "a-session", query="x", checkpoint="c5-1"), 422, "query.checkpoint"),
         (_search(api, "a-session", query="x\x00"), 422, "query.query"),
+        (_read(api, "a-session", checkpoint=ref, budget_tokens=63), 422, "query.budget_tokens"),
+        (_read(api, "a-session", checkpoint=ref, budget_tokens=100_001), 422,
+         "query.budget_tokens"),
+        (_read(api, "a-session", checkpoint=ref, budget_tokens="lots"), 422,
+         "query.budget_tokens"),
     ]
     # a cursor of one checkpoint given with another
     assert page["cursor"] is not None, "the checkpoint fits one page: nothing to test"
@@ -133,6 +138,20 @@ async def test_bad_input_is_4xx_naming_the_argument_and_writes_nothing(api: Serv
             assert body["error"] == "invalid"
             assert field.removeprefix("query.") in body["message"]
     assert await row_counts(_store(api)) == before
+
+
+async def test_budget_tokens_bounds_the_page(api: Served) -> None:
+    ref = (await _search(api, "a-session", query=NEEDLE)).json()["hits"][0]["checkpoint"]
+    small = (await _read(api, "a-session", checkpoint=ref, budget_tokens=64)).json()
+    default = (await _read(api, "a-session", checkpoint=ref)).json()
+    whole = (await _read(api, "a-session", checkpoint=ref, budget_tokens=100_000)).json()
+    assert small["tokens"] <= 64 < default["tokens"] <= 2000 < whole["tokens"]
+    assert small["cursor"] is not None and whole["cursor"] is None
+    # the cursor of a small page resumes with any budget
+    following = await _read(api, "a-session", checkpoint=ref, cursor=small["cursor"],
+                            budget_tokens=100_000)
+    assert following.status_code == 200
+    assert small["transcript"] + following.json()["transcript"] == whole["transcript"]
 
 
 async def test_tools_lists_both_forms_and_takes_a_token(api: Served) -> None:

@@ -171,6 +171,14 @@ async def test_another_tenant_or_session_finds_nothing(compacted) -> None:
     (lambda s, ref: s.history_read("s1", ref, "garbage"), "offset"),
     (lambda s, ref: s.history_read("s1", ref, encode_cursor("r1", 0, 0)), "offset"),
     (lambda s, ref: s.history_read("s1", ref, budget_tokens=1), "budget_tokens"),
+    (lambda s, ref: s.history_read("s1", ref, budget_tokens=100_001), "budget_tokens"),
+    (lambda s, ref: s.history_read("s1", ref, budget_tokens="9"), "budget_tokens"),
+    (lambda s, ref: s.history_read("s1", ref, cursor="garbage"), "cursor"),
+    (lambda s, ref: s.history_read("s1", ref, cursor=""), "cursor"),
+    (lambda s, ref: s.history_read("s1", ref, cursor="hr1." + "A" * 300), "cursor"),
+    (lambda s, ref: s.history_read("s1", ref, cursor=encode_cursor("r1", 0, 0)), "cursor"),
+    (lambda s, ref: s.history_read("s1", ref, cursor=encode_cursor(ref, -1, 0)), "cursor"),
+    (lambda s, ref: s.history_read("s1", ref, 2, cursor=encode_cursor(ref, 0, 0)), "cursor"),
 ])
 async def test_bad_input_is_refused_by_name_and_writes_nothing(compacted, call,
                                                                argument) -> None:
@@ -196,6 +204,16 @@ async def test_a_cursor_of_another_checkpoint_is_refused(compacted) -> None:
              else "c1-2")
     with pytest.raises((RecallArgumentError, RecallNotFound)):
         await store.history_read("s1", other, page.cursor)
+
+
+async def test_a_cursor_given_as_cursor_reads_the_same_page_as_given_as_offset(
+        compacted) -> None:
+    store, _ = compacted
+    ref = await _checkpoint_ref(store, "s1")
+    first = await store.history_read("s1", ref, budget_tokens=200)
+    assert first.cursor is not None
+    assert (await store.history_read("s1", ref, cursor=first.cursor, budget_tokens=200)
+            == await store.history_read("s1", ref, first.cursor, budget_tokens=200))
 
 
 def _payload(message: dict[str, Any]) -> dict[str, Any]:

@@ -12,9 +12,11 @@ matched by model name (and optionally API) or in order, each used ``times`` time
 hanging forever, an error status (429 with Retry-After, 500, 503, 529, 401, 400
 ``context_length_exceeded`` / "prompt is too long"), whitespace-only text, non-shrinking text (the
 input echoed), malformed JSON, tool-call-only, reasoning-only or image output, or a summary cut
-off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"``). A behaviour
-can also require the request to begin with a given system prompt, tools and messages (replay
-mode), and answers 400 when it does not.
+off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"``). A scripted
+agent model can call named tools with given arguments, an argument taken from the last tool
+result it was sent (as a model copies an id it read), and answer text quoting that result. A
+behaviour can also require the request to begin with a given system prompt, tools and messages
+(replay mode), and answers 400 when it does not.
 
 A prefix cache, off unless asked for (``FakeProvider(prefix_cache=True)``, ``--prefix-cache``,
 ``POST /_fake/config {"prefix_cache": true}``), reports cached input tokens as the providers do:
@@ -113,6 +115,14 @@ class Behaviour:
     # are compared with the body's, "messages" as a prefix followed by at least one more
     # message. A request that does not is answered 400 ``prefix_mismatch`` and recorded so.
     expect_prefix: dict[str, Any] | None = None
+    # ``output="tool_calls"``: the calls to answer, each {"name": ..., "arguments": {...}}
+    # (default: one call of ``lookup`` without arguments). An argument given as
+    # {"$from_result": "hits.0.checkpoint"} is read from the last tool result in the request
+    # (its text as JSON, then that dotted path); missing, it is null.
+    tool_calls: list[dict[str, Any]] | None = None
+    # ``output="text"``: each "{quote}" in ``text`` becomes the first match of this pattern in
+    # the last tool result in the request ("" when nothing matches).
+    quote: str | None = None
 
     def __post_init__(self) -> None:
         if self.output not in OUTPUTS:
@@ -450,6 +460,9 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         text = text_in
     elif behaviour.output == "text":
         text = behaviour.text or ""
+        if behaviour.quote is not None:
+            found = re.search(behaviour.quote, last_tool_result(api, body))
+            text = text.replace("{quote}", found.group(0) if found else "")
     else:
         text = fake_summary(text_in, model=model or "?", max_tokens=int(max_tokens))
     # A real model stops where its output cap is, mid-section, and says so.
@@ -468,8 +481,9 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         finish = "length" if cut else "stop"
         if behaviour.output == "tool_calls":
             message = {"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"call_fake_{n}", "type": "function",
-                 "function": {"name": "lookup", "arguments": "{}"}}]}
+                {"id": f"call_fake_{n}_{i}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments)}}
+                for i, (name, arguments) in enumerate(_scripted_calls(api, behaviour, body))]}
             finish = "tool_calls"
         elif behaviour.output == "reasoning_only":
             message = {"role": "assistant", "content": "", "reasoning_content": "thinking..."}
@@ -487,8 +501,10 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
         stop = "max_tokens" if cut else "end_turn"
         if behaviour.output == "tool_calls":
-            content = [{"type": "tool_use", "id": f"toolu_fake_{n}", "name": "lookup",
-                        "input": {}}]
+            content = [{"type": "tool_use", "id": f"toolu_fake_{n}_{i}", "name": name,
+                        "input": arguments}
+                       for i, (name, arguments) in enumerate(
+                           _scripted_calls(api, behaviour, body))]
             stop = "tool_use"
         elif behaviour.output == "reasoning_only":
             content = [{"type": "thinking", "thinking": "thinking...", "signature": "sig"}]
@@ -546,6 +562,58 @@ def begins_with(body: dict[str, Any], prefix: dict[str, Any]) -> bool:
         elif got != expected:
             return False
     return True
+
+
+def last_tool_result(api: str, body: dict[str, Any]) -> str:
+    """The text of the last tool result in a request ("" when it holds none): an OpenAI
+    ``tool`` message, or an Anthropic ``tool_result`` block."""
+    for message in reversed(body.get("messages") or ()):
+        if not isinstance(message, dict):
+            continue
+        if api == "openai" and message.get("role") == "tool":
+            return _content_text(message.get("content"))
+        if api == "anthropic" and isinstance(message.get("content"), list):
+            results = [b for b in message["content"]
+                       if isinstance(b, dict) and b.get("type") == "tool_result"]
+            if results:
+                return _content_text(results[-1].get("content"))
+    return ""
+
+
+def _scripted_calls(api: str, behaviour: Behaviour, body: dict[str, Any]
+                    ) -> list[tuple[str, dict[str, Any]]]:
+    if behaviour.tool_calls is None:
+        return [("lookup", {})]
+    result: Any = None
+    calls = []
+    for call in behaviour.tool_calls:
+        arguments = {}
+        for key, value in (call.get("arguments") or {}).items():
+            if isinstance(value, dict) and set(value) == {"$from_result"}:
+                if result is None:
+                    result = _json_or_none(last_tool_result(api, body))
+                value = _dotted(result, value["$from_result"])
+            arguments[key] = value
+        calls.append((str(call["name"]), arguments))
+    return calls
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _dotted(value: Any, path: str) -> Any:
+    for part in path.split("."):
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            return None
+    return value
 
 
 def _input_text(body: dict[str, Any]) -> str:

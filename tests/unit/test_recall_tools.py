@@ -18,6 +18,8 @@ from worker.compaction.recall_tools import (
     check_read,
     check_search,
     check_tool_call,
+    read_result_text,
+    search_result_text,
     tool_schemas,
     tools_document,
 )
@@ -39,8 +41,21 @@ def test_both_forms_define_the_same_two_tools() -> None:
         "type": "integer", "minimum": 1, "maximum": 100, "default": 5,
         "description": "Most hits to return."}
     assert anthropic[1]["input_schema"]["required"] == ["checkpoint"]
+    assert set(anthropic[1]["input_schema"]["properties"]) == {
+        "checkpoint", "offset", "cursor", "budget_tokens"}
     assert tools_document() == {"openai": openai, "anthropic": anthropic}
     assert json.loads(json.dumps(tools_document())) == tools_document()  # plain JSON
+
+
+def test_the_read_description_says_the_cursor_is_how_to_resume() -> None:
+    [_, read] = tool_schemas("anthropic")
+    assert "cursor" in read["description"] and "next offset" not in read["description"]
+    properties = read["input_schema"]["properties"]
+    assert "exact place to resume" in properties["cursor"]["description"]
+    assert "cursor instead" in properties["offset"]["description"]
+    assert properties["budget_tokens"] | {} == {
+        "type": "integer", "minimum": 64, "maximum": 100_000, "default": 2000,
+        "description": "Most tokens one page holds."}
 
 
 def test_the_schemas_are_fresh_copies() -> None:
@@ -89,6 +104,11 @@ def test_bad_search_arguments_name_the_argument(args: dict[str, Any], argument: 
     ({"checkpoint": "c12-340"}, ReadArgs(checkpoint_ref(12, 340))),
     ({"checkpoint": "r57", "offset": 3}, ReadArgs(pruned_ref(57), 3)),
     ({"checkpoint": "c1-1", "offset": "0"}, ReadArgs(checkpoint_ref(1, 1), 0)),
+    ({"checkpoint": "c1-9", "cursor": "hr1.abc"}, ReadArgs(checkpoint_ref(1, 9), 0, "hr1.abc")),
+    ({"checkpoint": "c1-9", "offset": 0, "cursor": "hr1.abc", "budget_tokens": "64"},
+     ReadArgs(checkpoint_ref(1, 9), 0, "hr1.abc", 64)),
+    ({"checkpoint": "c1-9", "cursor": None, "budget_tokens": 100_000},
+     ReadArgs(checkpoint_ref(1, 9), 0, None, 100_000)),
 ])
 def test_good_read_arguments(args: dict[str, Any], expected: ReadArgs) -> None:
     assert check_read(**args) == expected
@@ -101,6 +121,13 @@ def test_good_read_arguments(args: dict[str, Any], expected: ReadArgs) -> None:
     ({"checkpoint": "c1-2", "offset": "-5"}, "offset", "got -5"),
     ({"checkpoint": "c1-2", "offset": 2**63}, "offset", "at most"),
     ({"checkpoint": "c1-2", "offset": None}, "offset", "must be an integer, got None"),
+    ({"checkpoint": "c1-2", "cursor": ""}, "cursor", "is empty"),
+    ({"checkpoint": "c1-2", "cursor": 7}, "cursor", "got int"),
+    ({"checkpoint": "c1-2", "cursor": "x" * 257}, "cursor", "at most 256"),
+    ({"checkpoint": "c1-2", "offset": 3, "cursor": "hr1.abc"}, "cursor", "not both"),
+    ({"checkpoint": "c1-2", "budget_tokens": 63}, "budget_tokens", "between 64 and 100000"),
+    ({"checkpoint": "c1-2", "budget_tokens": 100_001}, "budget_tokens", "got 100001"),
+    ({"checkpoint": "c1-2", "budget_tokens": None}, "budget_tokens", "must be an integer"),
 ])
 def test_bad_read_arguments_name_the_argument(args: dict[str, Any], argument: str,
                                               says: str) -> None:
@@ -155,10 +182,38 @@ def test_the_schema_and_the_checks_agree_on_search(arguments: dict[str, Any]) ->
         _schema_accepts("history_search", arguments) and not blank)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.fixed_dictionaries({"checkpoint": st.sampled_from(["c1-2", "r3"])},
-                             optional={"offset": st.integers(-5, 2**64)}))
+                             optional={"offset": st.integers(-5, 2**64),
+                                       "cursor": st.sampled_from([None, "", "hr1.x", "y" * 300]),
+                                       "budget_tokens": st.integers(0, 200_000)}))
 def test_the_schema_and_the_checks_agree_on_read(arguments: dict[str, Any]) -> None:
+    # The checks add what a schema cannot say: an offset past the column, offset with cursor.
     in_column = arguments.get("offset", 0) < 2**63
+    one_position = arguments.get("cursor") is None or arguments.get("offset", 0) == 0
     assert _checks_accept("history_read", arguments) == (
-        _schema_accepts("history_read", arguments) and in_column)
+        _schema_accepts("history_read", arguments) and in_column and one_position)
+
+
+def test_a_search_result_reads_as_its_json() -> None:
+    result = {"hits": [{"checkpoint": "c1-9", "seq": 4, "snippet": "é ERR-1", "exact": True}],
+              "scanned": {"messages": 9, "bytes": 900}}
+    text = search_result_text(result)
+    assert json.loads(text) == result and "é" in text and ", " not in text
+
+
+def _page(**overrides: Any) -> dict[str, Any]:
+    return {"checkpoint": "c1-9", "transcript": "[seq 3 tool]\nERR-1\n\n", "seqs": [3, 4],
+            "offset": 2, "next_offset": 4, "cursor": "hr1.abc", "total_messages": 9,
+            "tokens": 40, **overrides}
+
+
+def test_a_read_page_names_what_it_shows_and_how_to_continue() -> None:
+    assert read_result_text(_page()) == (
+        "[c1-9 replaced 9 messages; this page: seqs 3-4]\n[seq 3 tool]\nERR-1\n\n"
+        '[more: history_read(checkpoint="c1-9", cursor="hr1.abc")]')
+    last = read_result_text(_page(transcript="cut mid-line", next_offset=None, cursor=None))
+    assert last.endswith("cut mid-line\n[end of c1-9]")
+    past = read_result_text(_page(transcript="", seqs=[], offset=50, next_offset=None,
+                                  cursor=None))
+    assert past == "[c1-9 replaced 9 messages; none from offset 50]\n[end of c1-9]"

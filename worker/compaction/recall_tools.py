@@ -8,6 +8,10 @@ are offered to a model as tools (the LangChain middleware, ``compactd tools --js
 a bad argument is refused the same way everywhere, with a :class:`RecallArgumentError` that names
 it. The schemas state the same bounds, so a provider that validates them refuses what compactd
 would.
+
+What a tool call returns to a model (:func:`search_result_text`, :func:`read_result_text`) is
+composed here too, from the results' JSON, so every runtime that offers the tools can answer
+them the same way.
 """
 
 from __future__ import annotations
@@ -15,13 +19,20 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from storage.recall_bounds import (
+    DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
+    MAX_CURSOR_CHARS,
     MAX_QUERY_BYTES,
+    MAX_READ_TOKENS,
     MAX_SEARCH_LIMIT,
+    MIN_READ_TOKENS,
+    check_budget_tokens,
+    check_cursor,
     check_limit,
     check_offset,
     check_query,
@@ -40,8 +51,9 @@ _SEARCH_DESCRIPTION = (
     "fuzzy ones. Each hit names its checkpoint, seq and a snippet.")
 _READ_DESCRIPTION = (
     "Read the original messages a checkpoint replaced (or the original of a pruned tool "
-    "result), as a transcript. Long results are paginated: pass the returned next offset to "
-    "continue.")
+    "result), as a transcript. A long read comes in pages; a page that is not the last ends "
+    "with a cursor: pass it back as cursor to continue exactly where the page stopped (even "
+    "inside a long message).")
 _CHECKPOINT_DESCRIPTION = ("A checkpoint like c12-340 or a pruned tool result like r57, as "
                            "named in the conversation.")
 
@@ -63,8 +75,15 @@ _READ_PARAMETERS: dict[str, Any] = {
     "properties": {
         "checkpoint": {"type": "string", "description": _CHECKPOINT_DESCRIPTION},
         "offset": {"type": "integer", "minimum": 0, "default": 0,
-                   "description": "Where to continue: the next offset a previous read "
-                                  "returned."},
+                   "description": "The index of the first original message to show (0: the "
+                                  "first). To continue a page, pass its cursor instead."},
+        "cursor": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_CURSOR_CHARS,
+                   "description": "The cursor the previous page of this same checkpoint "
+                                  "returned: the exact place to resume. Give offset or "
+                                  "cursor, not both."},
+        "budget_tokens": {"type": "integer", "minimum": MIN_READ_TOKENS,
+                          "maximum": MAX_READ_TOKENS, "default": DEFAULT_READ_TOKENS,
+                          "description": "Most tokens one page holds."},
     },
     "required": ["checkpoint"],
     "additionalProperties": False,
@@ -106,6 +125,8 @@ class SearchArgs:
 class ReadArgs:
     checkpoint: Ref
     offset: int = 0
+    cursor: str | None = None
+    budget_tokens: int = DEFAULT_READ_TOKENS
 
 
 def check_search(query: Any, checkpoint: Any = None, limit: Any = DEFAULT_SEARCH_LIMIT
@@ -116,12 +137,20 @@ def check_search(query: Any, checkpoint: Any = None, limit: Any = DEFAULT_SEARCH
     return SearchArgs(query, ref, check_limit(_integer("limit", limit)))
 
 
-def check_read(checkpoint: Any, offset: Any = 0) -> ReadArgs:
-    """``history_read``'s arguments, checked; the first bad one raises."""
+def check_read(checkpoint: Any, offset: Any = 0, cursor: Any = None,
+               budget_tokens: Any = DEFAULT_READ_TOKENS) -> ReadArgs:
+    """``history_read``'s arguments, checked; the first bad one raises. Whether a cursor
+    belongs to ``checkpoint`` is known once storage decodes it."""
     if checkpoint is None:
         raise RecallArgumentError("checkpoint", "is required")
     ref = parse_ref(checkpoint, "checkpoint")
-    return ReadArgs(ref, check_offset(_integer("offset", offset)))
+    at = check_offset(_integer("offset", offset))
+    if cursor is not None:
+        check_cursor(cursor)
+        if at != 0:
+            raise RecallArgumentError("cursor", "give offset or cursor, not both")
+    return ReadArgs(ref, at, cursor, check_budget_tokens(_integer("budget_tokens",
+                                                                  budget_tokens)))
 
 
 def check_tool_call(name: str, arguments: str | dict[str, Any]) -> SearchArgs | ReadArgs:
@@ -146,6 +175,30 @@ def check_tool_call(name: str, arguments: str | dict[str, Any]) -> SearchArgs | 
     if name == HISTORY_SEARCH:
         return check_search(**arguments)
     return check_read(**arguments)
+
+
+def search_result_text(result: Mapping[str, Any]) -> str:
+    """``history_search``'s answer to a model: the result's JSON (its hits, each naming the
+    checkpoint to read, and how much was scanned), compact."""
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+
+
+def read_result_text(page: Mapping[str, Any]) -> str:
+    """``history_read``'s answer to a model: a line naming what the page shows, the transcript
+    verbatim, and a last line with the call that continues it (or saying it was the last)."""
+    ref, seqs, total = page["checkpoint"], page["seqs"], page["total_messages"]
+    if seqs:
+        head = f"[{ref} replaced {total} messages; this page: seqs {seqs[0]}-{seqs[-1]}]"
+    else:
+        head = f"[{ref} replaced {total} messages; none from offset {page['offset']}]"
+    transcript = page["transcript"]
+    if transcript and not transcript.endswith("\n"):
+        transcript += "\n"
+    if page["cursor"] is not None:
+        tail = f'[more: {HISTORY_READ}(checkpoint="{ref}", cursor="{page["cursor"]}")]'
+    else:
+        tail = f"[end of {ref}]"
+    return f"{head}\n{transcript}{tail}"
 
 
 def _integer(argument: str, value: Any) -> int:
