@@ -703,3 +703,69 @@ def summarize_local(messages: Sequence[Message], *, existing_summary: str | None
         counter.count_text(p) for p in ([existing_summary] if existing_summary else []))
     budget = min(max_tokens, input_tokens - 1)
     return _Fitter(_sections(facts, previous), budget, counter).fit()
+
+
+# --------------------------------------------------------------------------------------------
+# index entries (the recallable layout)
+
+INDEX_ITEMS = 4
+INDEX_CLIP_CHARS = 120
+
+
+def summarize_local_index(messages: Sequence[Message], *, existing_summary: str | None = None,
+                          max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
+                          counter: TokenCounter | None = None) -> str:
+    """A short what-happened of ``messages`` for an index checkpoint: what was asked, the tools
+    run, the files and errors met, where it ended; no sections. ``existing_summary`` is the
+    entry an earlier call wrote for the same chunk, continued. At most ``max_tokens`` and
+    strictly fewer tokens than the input; the most telling parts are kept first."""
+    counter = counter or counter_for(None)
+    messages = list(messages)
+    facts = _extract(messages)
+    parts: list[str] = []
+    if existing_summary and existing_summary.strip():
+        parts.append(_clip(" ".join(existing_summary.split()), INDEX_CLIP_CHARS * 2))
+    if facts.requests:
+        parts.append(f"Asked: {_clip(' '.join(facts.requests[0].split()), INDEX_CLIP_CHARS)}.")
+    if facts.tools:
+        ran = ", ".join(f"{name} x{n}" if n > 1 else name
+                        for name, n in facts.tools.most_common(INDEX_ITEMS))
+        parts.append(f"Ran {ran}.")
+    if facts.errors:
+        parts.append("Errors: " + "; ".join(
+            _clip(info.line, 80) for info in list(facts.errors.values())[:INDEX_ITEMS]) + ".")
+    if facts.paths:
+        parts.append(f"Files: {', '.join(list(facts.paths)[:INDEX_ITEMS])}.")
+    if facts.decisions:
+        parts.append(f"Decided: {_clip(facts.decisions[-1], INDEX_CLIP_CHARS)}")
+    if facts.current:
+        parts.append(f"Last: {_clip(facts.current, INDEX_CLIP_CHARS)}")
+    if not parts:
+        noun = "message" if len(messages) == 1 else "messages"
+        parts.append(f"{len(messages)} {noun} without text.")
+    input_tokens = sum(counter.count_message(m) for m in messages) + (
+        counter.count_text(existing_summary) if existing_summary else 0)
+    budget = min(max_tokens, input_tokens - 1)
+    text = ""
+    for part in parts:
+        joined = f"{text} {part}".strip()
+        if counter.count_text(joined) > budget:
+            continue
+        text = joined
+    if not text:
+        text = _fit_clip(parts[0], budget, counter)
+    if not text:
+        raise LocalSummaryError(f"no index entry fits {budget} tokens")
+    return text
+
+
+def _fit_clip(text: str, budget: int, counter: TokenCounter) -> str:
+    """The longest prefix of ``text`` (cut on code points) within ``budget`` tokens."""
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if counter.count_text(text[:mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo].strip()
