@@ -95,7 +95,9 @@ CACHE_ENTRIES_PER_KEY = 64
 class Behaviour:
     """How to answer the requests it matches.
 
-    ``model``/``api`` select requests (None matches any); ``times`` is how many it answers
+    ``model``/``api`` select requests (None matches any), and ``contains`` those whose input
+    text holds that string (one kind of call among concurrent ones: an index call, the state
+    call, one chunk); ``times`` is how many it answers
     (-1: every matching request from now on). ``status`` other than 200 answers an error in the
     API's own error shape; ``code`` picks a special one (``context_length_exceeded`` is OpenAI's
     code, and becomes "prompt is too long" on the Anthropic API). ``output`` shapes a 200 answer.
@@ -103,6 +105,7 @@ class Behaviour:
 
     model: str | None = None
     api: str | None = None
+    contains: str | None = None
     status: int = 200
     code: str | None = None
     retry_after: float | str | None = None
@@ -121,8 +124,9 @@ class Behaviour:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {', '.join(OUTPUTS)}")
 
-    def matches(self, model: str | None, api: str) -> bool:
-        return (self.model is None or self.model == model) and (self.api in (None, api))
+    def matches(self, model: str | None, api: str, text: str = "") -> bool:
+        return ((self.model is None or self.model == model) and (self.api in (None, api))
+                and (self.contains is None or self.contains in text))
 
     def describe(self) -> str:
         if self.hang:
@@ -181,10 +185,10 @@ class _State:
         self.log: list[RequestRecord] = []
         self.started = time.monotonic()
 
-    def take(self, model: str | None, api: str) -> Behaviour:
+    def take(self, model: str | None, api: str, text: str = "") -> Behaviour:
         with self.lock:
             for i, behaviour in enumerate(self.queue):
-                if behaviour.matches(model, api):
+                if behaviour.matches(model, api, text):
                     if behaviour.times > 0:
                         behaviour.times -= 1
                         if behaviour.times == 0:
@@ -397,7 +401,7 @@ async def _model_call(state: _State, request: web.Request, api: str) -> web.Stre
     if not isinstance(body, dict):
         body = {}
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    behaviour = state.take(model, api)
+    behaviour = state.take(model, api, _input_text(body))
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     with state.lock:
         n = len(state.log) + 1
