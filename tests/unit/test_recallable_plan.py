@@ -18,7 +18,7 @@ from storage.surface import SurfaceNode, SurfaceRows
 from storage.tokens import counter_for
 from worker.compaction.boundary import unsafe_boundaries
 from worker.compaction.planner import plan
-from worker.compaction.policy import parse_policy
+from worker.compaction.policy import PolicyError, parse_policy
 from worker.compaction.prompt import INDEX_MARK, build_index_prompt
 from worker.compaction.recall import is_index, layout_role, node_span
 from worker.compaction.recallable import (
@@ -285,3 +285,59 @@ def test_unsafe_boundaries_hold_in_every_chunk() -> None:
     for c in p.chunks:
         assert not unsafe[index[c.replace_seqs[0]]]
         assert not unsafe[index[c.replace_seqs[-1]] + 1]
+
+
+# ------------------------------------------------------------------------------------------
+# the configuration keys: refused at load naming the key path, and each with its effect
+
+
+@pytest.mark.parametrize(("raw", "path", "words"), [
+    ({"layout": "stack"}, "summarization.layout", "must be one of merge, recallable"),
+    ({"chunk_tokens": 0}, "summarization.chunk_tokens", "must be positive"),
+    ({"chunk_tokens": 80}, "summarization.chunk_tokens", "must be below chunk_tokens (80)"),
+    ({"index_summary_tokens": 2500}, "summarization.index_summary_tokens",
+     "must be below chunk_tokens (2000)"),
+    ({"index_summary_tokens": 1.5}, "summarization.index_summary_tokens", "an integer"),
+    ({"index_max_tokens": 300}, "summarization.index_max_tokens", "at least 4 times"),
+])
+def test_a_bad_layout_key_is_a_load_error_naming_its_path(raw: dict[str, object], path: str,
+                                                          words: str) -> None:
+    with pytest.raises(PolicyError) as exc:
+        parse_policy(raw)
+    assert exc.value.path == path and words in str(exc.value), str(exc.value)
+
+
+def test_chunk_tokens_sets_how_much_history_an_index_checkpoint_stands_for() -> None:
+    counts = []
+    for size in (800, 1600):
+        pol = policy(chunk_tokens=size)
+        result = plan(long_session(), policy=pol, now=NOW, force=True, keep_override=pol.keep)
+        assert result.recall_pass is not None
+        counts.append(len(result.recall_pass.chunks))
+        assert all(c.replaced_tokens <= size for c in result.recall_pass.chunks[:-1])
+    assert counts[0] > counts[1] >= 2
+
+
+def test_index_summary_tokens_caps_the_index_call_and_its_entry() -> None:
+    counter = counter_for(None)
+    entry = "The build ran and failed with KeyError in src/mod0.py; " * 3
+    for cap, accepted in ((20, False), (80, True)):
+        pol = policy(index_summary_tokens=cap)
+        _, p = run_pass(long_session(), pol)
+        chat = build_index_prompt(p.chunks[0].calls[0], None, pol)
+        assert f"at most {cap} tokens" in chat[-1]["content"]
+        assert (validate_index(entry, p.chunks[0], pol, None, counter, final=False)
+                is None) == accepted
+        bounds = {c.bound_tokens - c.pointer_tokens for c in p.chunks}
+        assert max(bounds) <= cap + 8
+
+
+def test_index_max_tokens_decides_when_the_oldest_roll_up() -> None:
+    rolled = {}
+    for cap in (1500, 100_000):
+        pol = policy(index_max_tokens=cap)
+        surface, _ = run_pass(long_session(), pol)
+        surface = extend(surface, steps(24, start=500))
+        _, p = run_pass(surface, pol)
+        rolled[cap] = p.rollup
+    assert rolled[1500] is not None and rolled[100_000] is None

@@ -709,14 +709,14 @@ def summarize_local(messages: Sequence[Message], *, existing_summary: str | None
 # index entries (the recallable layout)
 
 INDEX_ITEMS = 4
-INDEX_CLIP_CHARS = 120
+INDEX_CLIP_CHARS = 100
 
 
 def summarize_local_index(messages: Sequence[Message], *, existing_summary: str | None = None,
                           max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
                           counter: TokenCounter | None = None) -> str:
-    """A short what-happened of ``messages`` for an index checkpoint: what was asked, the tools
-    run, the files and errors met, where it ended; no sections. ``existing_summary`` is the
+    """A short what-happened of ``messages`` for an index checkpoint: what was asked, the errors
+    met, the tools run, the files touched, where it ended; no sections. ``existing_summary`` is the
     entry an earlier call wrote for the same chunk, continued. At most ``max_tokens`` and
     strictly fewer tokens than the input; the most telling parts are kept first."""
     counter = counter or counter_for(None)
@@ -727,13 +727,12 @@ def summarize_local_index(messages: Sequence[Message], *, existing_summary: str 
         parts.append(_clip(" ".join(existing_summary.split()), INDEX_CLIP_CHARS * 2))
     if facts.requests:
         parts.append(f"Asked: {_clip(' '.join(facts.requests[0].split()), INDEX_CLIP_CHARS)}.")
+    if facts.errors:
+        parts.append(f"Errors: {', '.join(list(facts.errors)[:INDEX_ITEMS])}.")
     if facts.tools:
         ran = ", ".join(f"{name} x{n}" if n > 1 else name
                         for name, n in facts.tools.most_common(INDEX_ITEMS))
         parts.append(f"Ran {ran}.")
-    if facts.errors:
-        parts.append("Errors: " + "; ".join(
-            _clip(info.line, 80) for info in list(facts.errors.values())[:INDEX_ITEMS]) + ".")
     if facts.paths:
         parts.append(f"Files: {', '.join(list(facts.paths)[:INDEX_ITEMS])}.")
     if facts.decisions:
