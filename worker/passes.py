@@ -33,7 +33,6 @@ from worker.compaction.recallable import (
     IndexStep,
     RecallablePass,
     StateStep,
-    commit_count,
     commit_replacements,
     index_checkpoint,
     state_checkpoint,
@@ -149,26 +148,31 @@ async def _commits(scope: RunScope, p: RecallablePass,
                    indexes: Sequence[asyncio.Task[tuple[str | None, Written | None]]],
                    state_task: asyncio.Task[Written], surface: Surface, policy: Policy,
                    info: SessionInfo, *, final_if_relieved: bool) -> tuple[SessionInfo, bool]:
+    """Commit the pass left to right: at each step, the next index checkpoint once its chain is
+    done, with every one after it whose chain is done too (one commit, not one each), and with
+    the last the state."""
     out, run_id = scope.out, scope.claim.run_id
-    total = commit_count(p)
+    start, commits = 0, 0
     failed: ChainFailed | None = None
-    for i in range(total):
-        last = i == total - 1
+    while True:
         nodes: list[tuple[Message, dict[str, Any]]] = []  # in commit_replacements' order
-        if i == 0 and p.rollup is not None:
+        if start == 0 and p.rollup is not None:
             nodes.append((p.rollup.message, {
                 "layout": LayoutRole.INDEX, "checkpoint": str(p.rollup.ref),
                 "rolled_up": p.rollup.rolled_up, "replaced_tokens": p.rollup.replaced_tokens}))
-        index = None
-        if p.chunks:
-            step = p.chunks[i]
-            text, written = await indexes[i]
-            index = index_checkpoint(step, text, policy, run_id=run_id)
-            nodes.append((index, {
+        done = start
+        index_messages: list[Message] = []
+        while done < len(p.chunks) and (done == start or indexes[done].done()):
+            step = p.chunks[done]
+            text, written = await indexes[done]
+            index_messages.append(index_checkpoint(step, text, policy, run_id=run_id))
+            nodes.append((index_messages[-1], {
                 "layout": LayoutRole.INDEX, "checkpoint": str(step.ref), "pointer": text is None,
                 "replaced_tokens": step.replaced_tokens, "calls": len(step.calls),
                 "model": written.model if written else None,
                 "usage": written.usage if written else None}))
+            done += 1
+        last = done == len(p.chunks)
         state = None
         if last:
             try:
@@ -183,7 +187,7 @@ async def _commits(scope: RunScope, p: RecallablePass,
                     "room_tokens": p.state.room_tokens, "calls": len(p.state.calls),
                     "model": written_state.model, "usage": written_state.usage,
                     "skills": [s.to_json() for s in p.state.skills]}))
-        reps = commit_replacements(p, i, index, info.run_model, state)
+        reps = commit_replacements(p, start, index_messages, info.run_model, state)
         if not reps:
             break  # the state alone, and it failed: nothing to write
         reps = [replace(rep, journal={"text": message.meta.get("summary"), **journal,
@@ -196,18 +200,21 @@ async def _commits(scope: RunScope, p: RecallablePass,
         predicted = read_pressure(info, surface, policy).reduced_by(saved, policy.context_window)
         final = last and failed is None and (not should_compact(predicted, policy)[0]
                                              or not final_if_relieved)
+        commits += 1
         info = await _commit(scope, reps, surface, final=final, predicted=predicted.tokens,
-                             what=f"commit {i + 1} of {total} of the recallable pass")
+                             what=f"commit {commits} of the recallable pass")
         metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved))
         scope.out.tokens_after = session_pressure(info, policy).tokens
         if final:
             return info, True
-        if not last:
-            surface = surface_after_commit(
-                surface, [NewNode(r.seqs, r.kind, message, r.tokens, r.before, r.after)
-                          for r, (message, _) in zip(reps, nodes, strict=True)],
-                version=info.surface_version, last_seq=info.last_seq
-            ) or await scope.deps.store.read_surface(info.id, reuse=surface)
+        if last:
+            break
+        surface = surface_after_commit(
+            surface, [NewNode(r.seqs, r.kind, message, r.tokens, r.before, r.after)
+                      for r, (message, _) in zip(reps, nodes, strict=True)],
+            version=info.surface_version, last_seq=info.last_seq
+        ) or await scope.deps.store.read_surface(info.id, reuse=surface)
+        start = done
     if failed is not None:
         raise failed
     return info, False

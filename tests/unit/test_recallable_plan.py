@@ -90,8 +90,8 @@ def run_pass(surface: list[SurfaceNode], pol, *, commits: int | None = None,  # 
     assert p is not None, result.why_no_summary
     written = replaced = 0
     for i in range(commits if commits is not None else commit_count(p)):
-        index = (index_checkpoint(p.chunks[i], f"what happened in {p.chunks[i].ref}", pol)
-                 if p.chunks else None)
+        index = ([index_checkpoint(p.chunks[i], f"what happened in {p.chunks[i].ref}", pol)]
+                 if p.chunks else [])
         state = state_checkpoint(p.state, STATE_TEXT, pol)
         reps = commit_replacements(p, i, index, None, state)
         before = {n.seq: n.tokens for n in surface}
@@ -341,3 +341,26 @@ def test_index_max_tokens_decides_when_the_oldest_roll_up() -> None:
         _, p = run_pass(surface, pol)
         rolled[cap] = p.rollup
     assert rolled[1500] is not None and rolled[100_000] is None
+
+
+@pytest.mark.parametrize("prior", [False, True])
+def test_index_checkpoints_done_together_commit_together_to_the_same_surface(prior: bool
+                                                                             ) -> None:
+    """The worker commits every index checkpoint whose call is done at once: one commit of
+    several gives the surface one commit each gives (swap and insert alike)."""
+    pol = policy()
+    surface = long_session()
+    if prior:
+        surface, _ = run_pass(surface, pol)
+        surface = extend(surface, steps(30, start=700))
+    one_each, p = run_pass(surface, pol)
+    assert p.mode == (SWAP if prior else INSERT) and len(p.chunks) >= 2
+    indexes = [index_checkpoint(c, f"what happened in {c.ref}", pol) for c in p.chunks]
+    together = apply(surface, commit_replacements(
+        p, 0, indexes, None, state_checkpoint(p.state, STATE_TEXT, pol)))
+    check_layout(together)
+
+    def shape(nodes: list[SurfaceNode]) -> list[tuple[object, ...]]:
+        return [(n.message.content, n.tokens, n.position) for n in nodes]
+
+    assert shape(together) == shape(one_each)

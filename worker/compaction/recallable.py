@@ -458,24 +458,25 @@ def _pointer(run: Sequence[SurfaceNode], policy: Policy, run_model: str | None) 
 
 
 def commit_count(p: RecallablePass) -> int:
-    """How many commits the pass makes: one per index checkpoint (the state rides on the last),
-    or one for the state alone."""
+    """How many commits the pass makes at most: one per index checkpoint (the state rides on
+    the last), or one for the state alone. Index checkpoints whose calls are done together may
+    share one."""
     return max(1, len(p.chunks))
 
 
-def commit_replacements(p: RecallablePass, i: int, index: Message | None, run_model: str | None,
-                        state: Message | None = None) -> list[Replacement]:
-    """Commit ``i`` of the pass, left to right: the roll-up with the first, index checkpoint
-    ``i`` (``index``), and with the last the state (``state``; None: the state call failed and
-    the index checkpoint goes alone). Journals are empty: the caller fills them in."""
+def commit_replacements(p: RecallablePass, start: int, indexes: Sequence[Message],
+                        run_model: str | None, state: Message | None = None
+                        ) -> list[Replacement]:
+    """One commit of the pass, left to right: the roll-up with the first, the index checkpoints
+    of chunks ``start``, ``start + 1``, ... (``indexes``), and with the last of them the state
+    (``state``; None: the state call failed and the index checkpoints go alone). Journals are
+    empty: the caller fills them in."""
     out: list[Replacement] = []
-    if i == 0 and p.rollup is not None:
+    if start == 0 and p.rollup is not None:
         out.append(_replacement(p.rollup.replace_seqs, p.rollup.message, run_model))
-    if p.chunks:
-        assert index is not None
-        step = p.chunks[i]
+    for step, index in zip(p.chunks[start:start + len(indexes)], indexes, strict=True):
         out.append(_replacement(step.replace_seqs, index, run_model, before=step.before))
-    if state is not None and i == commit_count(p) - 1:
+    if state is not None and start + len(indexes) == len(p.chunks):
         out.append(_replacement(p.state.replace_seqs, state, run_model, after=p.state.after))
     return out
 
