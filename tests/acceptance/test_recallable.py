@@ -37,7 +37,9 @@ __all__ = ["db"]  # the fixture, shared with test_worker
 
 MakeStack = Callable[..., Stack]
 
-RECALLABLE = {"layout": "recallable", "trigger": [{"type": "tokens", "value": 6000}],
+# Runs are asked for (compact --wait): they ignore the trigger, which only decides that a pass
+# relieved the session; the index checkpoints may grow under it without a roll-up.
+RECALLABLE = {"layout": "recallable", "trigger": [{"type": "tokens", "value": 24000}],
               "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
               "chunk_tokens": 1500, "index_summary_tokens": 60, "index_max_tokens": 20000,
               "trim_tokens_to_summarize": 16000}
@@ -250,7 +252,9 @@ def test_inline_on_sqlite_plan_surface_and_verify(cli_env: dict[str, str],
     path.write_text("".join(json.dumps(m) + "\n" for m in session(40, 5, "s")))
     cli("migrate")
     cli("ingest", str(path), "--session", "s1")
-    plan = json.loads(cli("plan", "s1", "--json").stdout)
+    human = cli("plan", "s1", "--force").stdout
+    assert "recallable pass (insert)" in human and "  index c" in human, human
+    plan = json.loads(cli("plan", "s1", "--json", "--force").stdout)
     assert plan["layout"] == "recallable"
     step = plan["summarize"]
     assert step["mode"] == "insert" and len(step["chunks"]) >= 2
@@ -273,3 +277,26 @@ def test_inline_on_sqlite_plan_surface_and_verify(cli_env: dict[str, str],
         assert all(m["meta"]["render"] == form for m in layout)
         state = next(m for m in layout if m["meta"]["recall"]["layout"] == LayoutRole.STATE)
         assert "## Current Work" in state["content"] and "history_read(" in state["content"]
+
+
+@pytest.mark.timeout(120)
+async def test_an_overflow_report_runs_a_pass(make_stack: MakeStack, fake: FakeProvider) -> None:
+    """A runtime's overflow report through the client: the forced plan is a pass (no prune
+    applies here), so it is enqueued and answered with the smaller surface."""
+    from scheduler.client import CompactdClient
+    from tests.acceptance.test_scheduler import config_of
+
+    stack = make_stack(summarization=RECALLABLE)
+    stack.start_worker("w1", concurrency=4)
+    async with CompactdClient(config_of(stack)) as client:
+        handle = await client.create_session("O1", run_model="fake-gpt")
+        await handle.append([{"role": "user", "content": "fix the ledger"}, *more(30, 6, "o")])
+        forced = stack.cli_json("plan", "O1", "--force")
+        assert forced["prune"] == [] and forced["summarize"]["chunks"], forced
+        result = await handle.report_overflow(timeout_s=60)
+        assert result.compacted, result.reason
+        assert result.run is not None and result.run["outcome"] == "committed"
+        kinds = [m["meta"]["recall"]["layout"] for m in result.messages or []
+                 if isinstance((m.get("meta") or {}).get("recall"), dict)
+                 and m["meta"]["recall"].get("layout")]
+        assert kinds.count(LayoutRole.STATE) == 1 and LayoutRole.INDEX in kinds

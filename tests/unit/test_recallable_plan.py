@@ -41,7 +41,7 @@ STATE_TEXT = "\n".join(f"## {name}\n- carried" for name in (
 
 
 def policy(**raw: object):  # type: ignore[no-untyped-def]
-    base = {"layout": "recallable", "trigger": ["tokens", 1500],
+    base = {"layout": "recallable", "trigger": ["tokens", 500_000],
             "keep": {"type": "messages", "value": 4}, "chunk_tokens": 800,
             "index_summary_tokens": 30, "index_max_tokens": 100_000,
             "trim_tokens_to_summarize": None}
@@ -299,6 +299,10 @@ def test_unsafe_boundaries_hold_in_every_chunk() -> None:
      "must be below chunk_tokens (2000)"),
     ({"index_summary_tokens": 1.5}, "summarization.index_summary_tokens", "an integer"),
     ({"index_max_tokens": 300}, "summarization.index_max_tokens", "at least 4 times"),
+    ({"layout": "recallable", "trigger": [["tokens", 3000]]}, "summarization.trigger",
+     "index_max_tokens (4000) must be below trigger group 0 (tokens>=3000)"),
+    ({"layout": "recallable", "trigger": [["tokens", 9000]], "index_max_tokens": 9000},
+     "summarization.index_max_tokens", "the index checkpoints alone would fire it again"),
 ])
 def test_a_bad_layout_key_is_a_load_error_naming_its_path(raw: dict[str, object], path: str,
                                                           words: str) -> None:
@@ -332,15 +336,19 @@ def test_index_summary_tokens_caps_the_index_call_and_its_entry() -> None:
         assert max(bounds) <= cap + 8
 
 
-def test_index_max_tokens_decides_when_the_oldest_roll_up() -> None:
-    rolled = {}
+def test_index_max_tokens_decides_when_the_oldest_roll_up_and_what_a_pass_adds() -> None:
+    rolled: dict[int, list[bool]] = {}
     for cap in (1500, 100_000):
         pol = policy(index_max_tokens=cap)
-        surface, _ = run_pass(long_session(), pol)
-        surface = extend(surface, steps(24, start=500))
-        _, p = run_pass(surface, pol)
-        rolled[cap] = p.rollup
-    assert rolled[1500] is not None and rolled[100_000] is None
+        surface, first = run_pass(long_session(), pol)
+        rolled[cap] = []
+        for more in range(6):
+            surface = extend(surface, steps(24, start=500 + 30 * more))
+            surface, p = run_pass(surface, pol)
+            rolled[cap].append(p.rollup is not None)
+            # No pass adds more than half the cap (a long history makes fewer, larger chunks).
+            assert sum(c.bound_tokens for c in p.chunks) * 2 <= cap or len(p.chunks) == 1
+    assert any(rolled[1500]) and not any(rolled[100_000])
 
 
 @pytest.mark.parametrize("prior", [False, True])

@@ -338,6 +338,14 @@ def check_layout_sizes(policy: Policy, path: str, given: Mapping[str, Any]) -> N
                           f"index_summary_tokens ({policy.index_summary_tokens}) must be below "
                           f"chunk_tokens ({policy.chunk_tokens}): an index checkpoint stands "
                           "for its chunk in fewer tokens")
+    if policy.layout == "recallable":
+        for g, group in enumerate(policy.trigger):
+            tokens = [c.value for c in group if c.kind == "tokens"]
+            if len(tokens) == len(group) and max(tokens) <= policy.index_max_tokens:
+                raise PolicyError(key("index_max_tokens", "trigger", "layout"),
+                                  f"index_max_tokens ({policy.index_max_tokens}) must be below "
+                                  f"trigger group {g} (tokens>={int(max(tokens))}): the index "
+                                  "checkpoints alone would fire it again")
     if policy.index_max_tokens < 4 * policy.index_summary_tokens:
         raise PolicyError(key("index_max_tokens", "index_summary_tokens"),
                           f"index_max_tokens ({policy.index_max_tokens}) must be at least 4 "

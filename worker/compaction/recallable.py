@@ -30,6 +30,9 @@ never in it. Three ways the pass places its nodes:
 * ``plain``: a run of one node, or under half a chunk, is not worth an index checkpoint: the
   state replaces it (with the previous state, when that directly precedes it).
 
+**Chunks.** About ``chunk_tokens`` each, unless one pass's index checkpoints would take more
+than half of ``index_max_tokens`` (a first pass over a long history): then fewer, larger ones.
+
 **Roll-up.** When the index checkpoints, this pass's included, would exceed
 ``index_max_tokens``, the oldest of them (with the frozen states and loose messages among them)
 roll up into one pointer composed by code (:func:`worker.compaction.recall.pointer_body`):
@@ -295,10 +298,20 @@ def plan_pass(nodes: Sequence[SurfaceNode], *, policy: Policy, counter: TokenCou
 
     plain = end - start == 1 or run_tokens * 2 < policy.chunk_tokens
     mode = PLAIN if plain else SWAP if swap else INSERT
-    chunks = [] if plain else _chunks(nodes, start, end, policy, unsafe, need_two=not swap)
-    steps = tuple(_index_step(nodes, c, policy, counter, run_model, unsafe,
-                              before=state_node.seq if swap and state_node else None)
-                  for c in chunks)
+    before = state_node.seq if swap and state_node else None
+    size = policy.chunk_tokens
+    steps: tuple[IndexStep, ...] = ()
+    while not plain:
+        chunks = _chunks(nodes, start, end, size, unsafe, need_two=not swap)
+        steps = tuple(_index_step(nodes, c, policy, counter, run_model, unsafe, before=before)
+                      for c in chunks)
+        # One pass adds at most half of index_max_tokens (a first pass over a long history
+        # would add far more): its chunks grow instead, so the next pass's roll-up has the
+        # other half to work in.
+        added = sum(step.bound_tokens for step in steps)
+        if len(steps) == 1 or added * 2 <= policy.index_max_tokens:
+            break
+        size = math.ceil(size * added * 2 / policy.index_max_tokens) + 1
 
     # The state's own replacement.
     if plain:
@@ -350,11 +363,11 @@ def plan_pass(nodes: Sequence[SurfaceNode], *, policy: Policy, counter: TokenCou
                           deferred_seqs=deferred)
 
 
-def _chunks(nodes: Sequence[SurfaceNode], start: int, end: int, policy: Policy,
+def _chunks(nodes: Sequence[SurfaceNode], start: int, end: int, size: int,
             unsafe: Sequence[bool], *, need_two: bool) -> list[Chunk]:
-    """The run cut into chunks; with ``need_two`` the last has two nodes or more (the state is
-    inserted into a position its replace leaves free)."""
-    chunks = chunk_history(nodes, start, end, policy.chunk_tokens, unsafe=unsafe)
+    """The run cut into chunks of about ``size``; with ``need_two`` the last has two nodes or
+    more (the state is inserted into a position its replace leaves free)."""
+    chunks = chunk_history(nodes, start, end, size, unsafe=unsafe)
     if need_two and len(chunks) > 1 and chunks[-1].end - chunks[-1].start == 1:
         a, b = chunks[-2], chunks[-1]
         chunks[-2:] = [Chunk(a.start, b.end, a.tokens + b.tokens,
