@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from storage.kinds import FailureClass
-from worker.compaction.prompt import SummaryCall
+from storage.records import SessionInfo
+from worker.compaction.policy import Policy
+from worker.compaction.prompt import SummaryCall, build_prompt, request_tools
+from worker.compaction.render import Skill
+from worker.compaction.validation import validate_summary
 from worker.llm.candidates import Candidate, candidate_order
 from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
 from worker.metrics import metrics
@@ -105,3 +109,22 @@ async def run_chain(scope: RunScope, chain: Chain, running: str | None,
 def _shrink(chain: Chain, index: int, request: SummaryRequest, _candidate: Candidate
             ) -> SummaryRequest | None:
     return chain.shrink(index, request)
+
+
+def summary_request(call: SummaryCall, running: str | None, *, policy: Policy,
+                    info: SessionInfo, skills: Sequence[Skill], has_history: bool,
+                    recall: dict[str, Any], below: int | None,
+                    max_tokens: int | None = None) -> SummaryRequest:
+    """One call of a summary step (a ``merge`` checkpoint's, a state's): the policy's prompt
+    merging into ``running``, its text validated against the policy. ``below``: the final
+    call's bound, the framed checkpoint must cost fewer tokens (None for a call whose text is
+    only a running summary: it has to fit the cap, the next call reserved exactly that)."""
+    def check(text: str) -> str | None:
+        return validate_summary(text, replaced_tokens=below, policy=policy,
+                                run_model=info.run_model, skills=skills,
+                                has_history=has_history, recall=recall)
+
+    return SummaryRequest.of(build_prompt(call, running, policy, info.envelope),
+                             messages=call.messages, existing_summary=running,
+                             max_tokens=max_tokens or policy.max_summary_tokens,
+                             validate=check, tools=request_tools(policy, info.envelope))

@@ -23,14 +23,13 @@ from typing import Any
 from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
 from storage.records import Replacement, SessionInfo
 from storage.surface import NewNode, Surface, surface_after_commit
-from worker.chains import Summarizers, run_chain
+from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
-from worker.compaction.prompt import SummaryCall, build_prompt, request_tools
+from worker.compaction.prompt import SummaryCall
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
-from worker.compaction.validation import validate_summary
 from worker.llm.fallback import SummaryRequest
 from worker.metrics import metrics
 from worker.passes import run_pass
@@ -167,20 +166,14 @@ class _Calls:
         return self.step.calls
 
     def request(self, index: int, running: str | None) -> SummaryRequest:
-        step, policy, info = self.step, self.policy, self.info
-        last = index == len(step.calls) - 1
-
-        def check(text: str) -> str | None:
-            # Intermediate summaries only have to fit the cap; the final one must also be
-            # strictly smaller than everything it replaces.
-            return validate_summary(text, replaced_tokens=step.replaced_tokens if last else None,
-                                    policy=policy, run_model=info.run_model, skills=step.skills,
-                                    has_history=step.has_history, recall=step.recall)
-
-        chat = build_prompt(step.calls[index], running, policy, info.envelope)
-        return SummaryRequest.of(chat, messages=step.calls[index].messages,
-                                 existing_summary=running, max_tokens=policy.max_summary_tokens,
-                                 validate=check, tools=request_tools(policy, info.envelope))
+        step = self.step
+        # Intermediate summaries only have to fit the cap; the final one must also be strictly
+        # smaller than everything it replaces.
+        final = index == len(step.calls) - 1
+        return summary_request(step.calls[index], running, policy=self.policy, info=self.info,
+                               skills=step.skills, has_history=step.has_history,
+                               recall=step.recall,
+                               below=step.replaced_tokens if final else None)
 
     def shrink(self, index: int, request: SummaryRequest) -> SummaryRequest | None:
         if index != 0 or self.shrunk:

@@ -25,10 +25,10 @@ from storage.messages import Message
 from storage.records import Replacement, SessionInfo
 from storage.surface import NewNode, Surface, surface_after_commit
 from storage.tokens import counter_for
-from worker.chains import ChainFailed, Summarizers, Written, run_chain
+from worker.chains import ChainFailed, Summarizers, Written, run_chain, summary_request
 from worker.compaction.planner import Plan
 from worker.compaction.policy import Policy
-from worker.compaction.prompt import SummaryCall, build_index_prompt, build_prompt, request_tools
+from worker.compaction.prompt import SummaryCall, build_index_prompt
 from worker.compaction.recallable import (
     IndexStep,
     RecallablePass,
@@ -39,7 +39,6 @@ from worker.compaction.recallable import (
     validate_index,
 )
 from worker.compaction.triggers import should_compact
-from worker.compaction.validation import validate_summary
 from worker.llm.fallback import SummaryRequest
 from worker.llm.local import summarize_local_index
 from worker.metrics import metrics
@@ -91,21 +90,13 @@ class _StateChain:
         return self.state.calls
 
     def request(self, index: int, running: str | None) -> SummaryRequest:
-        state, policy, info = self.state, self.policy, self.info
+        state = self.state
         final = index == len(state.calls) - 1
-
-        def check(text: str) -> str | None:
-            return validate_summary(text, replaced_tokens=state.room_tokens if final else None,
-                                    policy=policy, run_model=info.run_model,
-                                    skills=state.skills, has_history=state.has_history,
-                                    recall=state.recall)
-
-        call = state.calls[index]
-        return SummaryRequest.of(
-            build_prompt(call, running, policy, info.envelope), messages=call.messages,
-            existing_summary=running,
-            max_tokens=state.max_tokens if final else policy.max_summary_tokens,
-            validate=check, tools=request_tools(policy, info.envelope))
+        return summary_request(state.calls[index], running, policy=self.policy, info=self.info,
+                               skills=state.skills, has_history=state.has_history,
+                               recall=state.recall,
+                               below=state.room_tokens if final else None,
+                               max_tokens=state.max_tokens if final else None)
 
     def shrink(self, index: int, request: SummaryRequest) -> SummaryRequest | None:
         return None  # budget-sized calls: the next candidate

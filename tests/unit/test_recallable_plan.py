@@ -340,7 +340,7 @@ def test_index_max_tokens_decides_when_the_oldest_roll_up_and_what_a_pass_adds()
     rolled: dict[int, list[bool]] = {}
     for cap in (1500, 100_000):
         pol = policy(index_max_tokens=cap)
-        surface, first = run_pass(long_session(), pol)
+        surface, _ = run_pass(long_session(), pol)
         rolled[cap] = []
         for more in range(6):
             surface = extend(surface, steps(24, start=500 + 30 * more))

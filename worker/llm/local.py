@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from storage.messages import META_CHECKPOINT, META_PINNED, Message
-from storage.tokens import TokenCounter, counter_for
+from storage.tokens import TokenCounter, counter_for, fitting_prefix
 from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
 from worker.llm.errors import LocalSummaryError
 
@@ -752,19 +752,7 @@ def summarize_local_index(messages: Sequence[Message], *, existing_summary: str 
             continue
         text = joined
     if not text:
-        text = _fit_clip(parts[0], budget, counter)
+        text = parts[0][:fitting_prefix(parts[0], budget, counter)].strip()
     if not text:
         raise LocalSummaryError(f"no index entry fits {budget} tokens")
     return text
-
-
-def _fit_clip(text: str, budget: int, counter: TokenCounter) -> str:
-    """The longest prefix of ``text`` (cut on code points) within ``budget`` tokens."""
-    lo, hi = 0, len(text)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if counter.count_text(text[:mid]) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return text[:lo].strip()
