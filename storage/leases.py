@@ -254,7 +254,8 @@ class LeasesMixin:
                 if [(r.position, r.seq) for r in prefix
                         if r.position <= upto] != [tuple(x) for x in expected]:
                     raise _prefix_changed(session_id, run_id)
-            window = await self._window(conn, session_id, replacements, prefix)
+            window = await self._window(conn, session_id, replacements, prefix,
+                                        max(pos for pos, _ in expected) + 1 if expected else 0)
             rows = SurfaceRows(window)
             events: list[dict[str, Any]] = []
             seq = info.last_seq
@@ -353,18 +354,18 @@ class LeasesMixin:
         return None if record is None else session_from_record(record)
 
     async def _window(self, conn: AsyncConnection, session_id: str,
-                      replacements: Sequence[Replacement], prefix: Sequence[Any] | None
-                      ) -> list[tuple[int, int, int]]:
+                      replacements: Sequence[Replacement], prefix: Sequence[Any] | None,
+                      read_to: int) -> list[tuple[int, int, int]]:
         """The surface rows a commit reads and writes: from the first position it names to one
-        past the last (:class:`SurfaceRows`); from ``prefix`` (read through one past the
-        checked prefix) when it holds them."""
+        past the last (:class:`SurfaceRows`); from ``prefix`` (every row through position
+        ``read_to``) when it holds them."""
         named = {q for rep in replacements for q in rep.seqs}
         named.update(q for rep in replacements for q in (rep.before, rep.after) if q is not None)
         if not named:
             return []
         if prefix is not None:
             position = {r.seq: r.position for r in prefix}
-            if named <= position.keys() and max(position[q] for q in named) < prefix[-1].position:
+            if named <= position.keys() and max(position[q] for q in named) < read_to:
                 lo, hi = min(position[q] for q in named), max(position[q] for q in named) + 1
                 return [(r.position, r.seq, r.tokens) for r in prefix if lo <= r.position <= hi]
         found = [r.position for r in await conn.execute(
