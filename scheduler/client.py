@@ -364,7 +364,7 @@ class SessionHandle:
                       reported_input_tokens=info.reported_input_tokens,
                       run_model=info.run_model, now=utcnow(), force=True,
                       envelope=info.envelope)
-        if forced.summarize is None and not forced.prune:
+        if not forced.compacts and not forced.prune:
             return OverflowResult(False, f"nothing to compact: {forced.nothing_to_do}",
                                   surface.version)
         start_version = surface.version

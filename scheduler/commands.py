@@ -70,7 +70,19 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         say(f"prune: {len(result.prune)} tool results, saving {saved} tokens "
             f"-> {result.tokens_after_prune} tokens")
     step = result.summarize
-    if step is None:
+    layout = result.recall_pass
+    if layout is not None:
+        say(f"recallable pass ({layout.mode}): replace {len(layout.replace_seqs)} nodes "
+            f"({layout.replaced_tokens} tokens), keep {len(layout.keep_seqs)}")
+        if layout.rollup is not None:
+            say(f"  roll up {layout.rollup.rolled_up} index checkpoints into "
+                f"{layout.rollup.ref}")
+        for chunk in layout.chunks:
+            say(f"  index {chunk.ref}: {len(chunk.replace_seqs)} nodes "
+                f"({chunk.replaced_tokens} tokens) in {len(chunk.calls)} call(s)")
+        say(f"  state {layout.state.ref}: {len(layout.state.calls)} call(s), under "
+            f"{layout.state.room_tokens} tokens")
+    elif step is None:
         say(f"summarize: no ({result.why_no_summary or result.nothing_to_do})")
     else:
         say(f"summarize: replace {len(step.replace_seqs)} nodes ({step.replaced_tokens} tokens) "

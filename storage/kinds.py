@@ -17,6 +17,8 @@ The sets:
 * :class:`SignalReason`: why a runtime signalled pressure.
 * :class:`Stage`: the steps a run took (``Outcome.stages``, the tokens-saved metric's label).
 * :class:`JobState` and :class:`ItemState`: a bulk job's and its items' ``state``.
+* :class:`LayoutRole`: the part a checkpoint plays in the ``recallable`` layout
+  (``meta.recall.layout``).
 """
 
 from __future__ import annotations
@@ -120,3 +122,9 @@ class ItemState(StrEnum):
     ENQUEUED = "enqueued"
     DONE = "done"
     FAILED = "failed"
+
+
+@unique
+class LayoutRole(StrEnum):
+    INDEX = "index"  # a frozen chunk checkpoint: never rewritten, never summarized again
+    STATE = "state"  # the working memory, rewritten by every pass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import itertools
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,7 +42,7 @@ from storage.records import (
     utcnow,
 )
 from storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
-from storage.surface import commit_seqs
+from storage.surface import PlacementError, SurfaceRows, commit_seqs
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -229,8 +228,13 @@ class LeasesMixin:
         wanted = [q for rep in replacements for q in rep.seqs]
         if len(set(wanted)) != len(wanted):
             raise ValueError("a seq is named by more than one replacement")
-        if any(not rep.seqs for rep in replacements):
-            raise ValueError("a replacement must name at least one seq")
+        for rep in replacements:
+            if rep.before is not None and rep.after is not None:
+                raise ValueError("a replacement is placed before a node or after one, not both")
+            if rep.after is not None and rep.seqs:
+                raise ValueError("a replacement placed after a node replaces nothing")
+            if not rep.seqs and rep.after is None:
+                raise ValueError("a replacement must name at least one seq")
         committed = await self._commit_call(session_id, run_id=run_id, fence=fence,
                                             replacements=replacements, wanted=wanted,
                                             expected=expected, end=end, now=now)
@@ -240,23 +244,27 @@ class LeasesMixin:
             info = await self._session(conn, session_id, lock=True)
             if info.lease_fence != fence or info.lease_run_id != run_id:
                 raise _lease_lost(session_id, run_id, fence, info.lease_fence)
-            replaced = None
+            prefix = None
             if expected:
+                # Read one row past the checked prefix: a commit's window ends one past the
+                # last position it names.
                 upto = max(pos for pos, _ in expected)
                 prefix = (await conn.execute(_PREFIX, {"b_session": session_id,
-                                                       "b_upto": upto})).all()
-                if [(r.position, r.seq) for r in prefix] != [tuple(x) for x in expected]:
+                                                       "b_upto": upto + 1})).all()
+                if [(r.position, r.seq) for r in prefix
+                        if r.position <= upto] != [tuple(x) for x in expected]:
                     raise _prefix_changed(session_id, run_id)
-                replaced = _rows_in_prefix(prefix, replacements)
-            if replaced is None:
-                replaced = await self._replaced_rows(conn, session_id, replacements, wanted)
-            seq = info.last_seq
-            d_tokens = d_nodes = 0
+            window = await self._window(conn, session_id, replacements, prefix,
+                                        max(pos for pos, _ in expected) + 1 if expected else 0)
+            rows = SurfaceRows(window)
             events: list[dict[str, Any]] = []
-            nodes: list[dict[str, Any]] = []
-            for rep, rows, (journal_seq, seq) in zip(
-                    replacements, replaced, commit_seqs(info.last_seq, len(replacements)),
-                    strict=True):
+            seq = info.last_seq
+            for rep, (journal_seq, seq) in zip(
+                    replacements, commit_seqs(info.last_seq, len(replacements)), strict=True):
+                try:
+                    rows.replace(seq, rep.tokens, rep.seqs, before=rep.before, after=rep.after)
+                except PlacementError as exc:
+                    raise _refused(rep, exc.what) from None
                 # Journal entry, then the node, per replacement: the same seqs as one at a time.
                 events.append({"session_id": session_id, "seq": journal_seq,
                                "kind": rep.journal_kind, "run_id": run_id, "created_at": now,
@@ -264,10 +272,13 @@ class LeasesMixin:
                 events.append({"session_id": session_id, "seq": seq, "kind": rep.kind,
                                "run_id": run_id, "created_at": now, "tokens": rep.tokens,
                                "payload": _node_payload(rep, run_id)})
-                nodes.append({"session_id": session_id, "position": rows[0].position,
-                              "seq": seq, "tokens": rep.tokens})
-                d_tokens += rep.tokens - sum(r.tokens for r in rows)
-                d_nodes += 1 - len(rows)
+            before = {(p, q): tokens for p, q, tokens in window}
+            after = {(p, q): tokens for p, q, tokens in rows.rows()}
+            gone = [q for (p, q) in before if (p, q) not in after]
+            nodes = [{"session_id": session_id, "position": p, "seq": q, "tokens": tokens}
+                     for (p, q), tokens in after.items() if (p, q) not in before]
+            d_tokens = sum(after.values()) - sum(before.values())
+            d_nodes = len(after) - len(before)
             if end is not None:
                 # compaction/end is the last event, in the same transaction as the checkpoint.
                 seq += 1
@@ -276,8 +287,9 @@ class LeasesMixin:
             # large tool result): the commit holds the session row, and appends wait on it.
             if events:
                 await conn.execute(_INSERT_EVENTS, events)
-            if replacements:
-                await conn.execute(_DELETE_NODES, {"b_session": session_id, "b_seqs": wanted})
+            if gone:
+                await conn.execute(_DELETE_NODES, {"b_session": session_id, "b_seqs": gone})
+            if nodes:
                 await conn.execute(_INSERT_NODES, nodes)
             row = (await conn.execute(
                 _commit_update(bool(replacements), end is not None),
@@ -296,6 +308,7 @@ class LeasesMixin:
         (``commit_ending``). As a transaction around the call that was three more round trips
         (BEGIN, the run row, COMMIT), with appends waiting on the session row meanwhile. None
         where the backend has no such function."""
+        placed = any(rep.placed for rep in replacements)
         params: dict[str, Any] = {
             "session_id": session_id, "run_id": run_id, "fence": fence, "now": now,
             "seqs": wanted, "counts": [len(rep.seqs) for rep in replacements],
@@ -306,7 +319,10 @@ class LeasesMixin:
             "journals": [dumps(_journal_payload(rep, run_id)) for rep in replacements],
             "expected_pos": [pos for pos, _ in expected] if expected else None,
             "expected_seq": [seq for _, seq in expected] if expected else None,
-            "end_payload": dumps(_end_payload(run_id, end)) if end is not None else None}
+            "end_payload": dumps(_end_payload(run_id, end)) if end is not None else None,
+            # NULL unless a replacement is placed: compactd_commit then writes in one batch.
+            "before": [rep.before for rep in replacements] if placed else None,
+            "after": [rep.after for rep in replacements] if placed else None}
 
         def failed(exc: BaseException) -> CompactdError | None:
             """compactd's own error for the function's SQLSTATEs; None for any other error,
@@ -319,8 +335,7 @@ class LeasesMixin:
                 if detail == "prefix":
                     return _prefix_changed(session_id, run_id)
                 what, _, index = detail.partition(":")
-                return _run_changed(replacements[int(index) - 1].seqs,
-                                    contiguous=what == "contiguous")
+                return _refused(replacements[int(index) - 1], what)
             return None
 
         name = "commit"
@@ -338,31 +353,28 @@ class LeasesMixin:
             raise mapped from None
         return None if record is None else session_from_record(record)
 
-    async def _replaced_rows(self, conn: AsyncConnection, session_id: str,
-                             replacements: Sequence[Replacement],
-                             wanted: list[int]) -> list[list[Any]]:
-        """The surface rows each replacement names, in order (``wanted``: all their seqs);
-        :class:`SurfaceChanged` unless every one is on the surface, in that order, as one
-        contiguous run."""
-        if not wanted:
-            return [[] for _ in replacements]
-        found = {r.seq: r for r in await conn.execute(
-            _ROWS_BY_SEQ, {"b_session": session_id, "b_seqs": wanted})}
-        out: list[list[Any]] = []
-        for rep in replacements:
-            rows = [found[q] for q in rep.seqs if q in found]
-            if not rows or len(rows) != len(rep.seqs) or any(
-                    a.position >= b.position for a, b in itertools.pairwise(rows)):
-                raise _run_changed(rep.seqs, contiguous=False)
-            if len(rows) > 1:
-                # All present and in order: contiguous when nothing else lies between them.
-                between = (await conn.execute(_COUNT_BETWEEN, {
-                    "b_session": session_id, "b_first": rows[0].position,
-                    "b_last": rows[-1].position})).scalar()
-                if between != len(rows):
-                    raise _run_changed(rep.seqs, contiguous=True)
-            out.append(rows)
-        return out
+    async def _window(self, conn: AsyncConnection, session_id: str,
+                      replacements: Sequence[Replacement], prefix: Sequence[Any] | None,
+                      read_to: int) -> list[tuple[int, int, int]]:
+        """The surface rows a commit reads and writes: from the first position it names to one
+        past the last (:class:`SurfaceRows`); from ``prefix`` (every row through position
+        ``read_to``) when it holds them."""
+        named = {q for rep in replacements for q in rep.seqs}
+        named.update(q for rep in replacements for q in (rep.before, rep.after) if q is not None)
+        if not named:
+            return []
+        if prefix is not None:
+            position = {r.seq: r.position for r in prefix}
+            if named <= position.keys() and max(position[q] for q in named) < read_to:
+                lo, hi = min(position[q] for q in named), max(position[q] for q in named) + 1
+                return [(r.position, r.seq, r.tokens) for r in prefix if lo <= r.position <= hi]
+        found = [r.position for r in await conn.execute(
+            _ROWS_BY_SEQ, {"b_session": session_id, "b_seqs": sorted(named)})]
+        if not found:
+            return []
+        return [(r.position, r.seq, r.tokens) for r in await conn.execute(
+            _WINDOW, {"b_session": session_id, "b_first": min(found),
+                      "b_last": max(found) + 1})]
 
     async def finish(self, session_id: str, *, run_id: str, fence: int, end: RunEnd,
                      now: dt.datetime | None = None) -> bool:
@@ -469,10 +481,11 @@ _PREFIX = (sa.select(_s.position, _s.seq, _s.tokens)
 _ROWS_BY_SEQ = (sa.select(_s.position, _s.seq, _s.tokens)
                 .where(_s.session_id == sa.bindparam("b_session"),
                        _s.seq.in_(sa.bindparam("b_seqs", expanding=True))))
-_COUNT_BETWEEN = (sa.select(sa.func.count()).select_from(t.surface)
-                  .where(_s.session_id == sa.bindparam("b_session"),
-                         _s.position >= sa.bindparam("b_first"),
-                         _s.position <= sa.bindparam("b_last")))
+_WINDOW = (sa.select(_s.position, _s.seq, _s.tokens)
+           .where(_s.session_id == sa.bindparam("b_session"),
+                  _s.position >= sa.bindparam("b_first"),
+                  _s.position <= sa.bindparam("b_last"))
+           .order_by(_s.position))
 _DELETE_NODES = t.surface.delete().where(
     _s.session_id == sa.bindparam("b_session"),
     _s.seq.in_(sa.bindparam("b_seqs", expanding=True)))
@@ -516,11 +529,22 @@ def _end_payload(run_id: str, end: RunEnd) -> dict[str, Any]:
 
 
 def _journal_payload(rep: Replacement, run_id: str) -> dict[str, Any]:
-    return {"run_id": run_id, **rep.journal, "replaced_seqs": list(rep.seqs)}
+    return {"run_id": run_id, **rep.journal, "replaced_seqs": list(rep.seqs),
+            **_placement(rep)}
 
 
 def _node_payload(rep: Replacement, run_id: str) -> dict[str, Any]:
-    return {"message": rep.payload, "replaces": list(rep.seqs), "run_id": run_id}
+    return {"message": rep.payload, "replaces": list(rep.seqs), "run_id": run_id,
+            **_placement(rep)}
+
+
+def _placement(rep: Replacement) -> dict[str, int]:
+    """Where a placed node went, beside what it replaced: replay needs it."""
+    if rep.before is not None:
+        return {"before": rep.before}
+    if rep.after is not None:
+        return {"after": rep.after}
+    return {}
 
 
 def _json_or_none(value: Any) -> str | None:
@@ -547,21 +571,15 @@ def _run_changed(seqs: Sequence[int], *, contiguous: bool) -> SurfaceChanged:
     return SurfaceChanged(f"seqs {list(seqs)} are no longer on the surface in that order")
 
 
-def _rows_in_prefix(prefix: Sequence[Any], replacements: Sequence[Replacement]
-                    ) -> list[list[Any]] | None:
-    """Each replacement's rows, when the checked prefix holds them all: a replacement must be a
-    consecutive run of it. None when some seq lies beyond the prefix (read them instead)."""
-    index = {r.seq: i for i, r in enumerate(prefix)}
-    out: list[list[Any]] = []
-    for rep in replacements:
-        if any(q not in index for q in rep.seqs):
-            return None
-        first = index[rep.seqs[0]]
-        rows = list(prefix[first:first + len(rep.seqs)])
-        if [r.seq for r in rows] != list(rep.seqs):
-            return None  # the general check names what is wrong (order or a gap)
-        out.append(rows)
-    return out
+def _refused(rep: Replacement, what: str) -> SurfaceChanged:
+    """Why a replacement does not fit the surface, in the words of both backends (``what`` is
+    :attr:`PlacementError.what`, or the word in compactd_commit's CD410 detail)."""
+    if what == "before":
+        return SurfaceChanged(f"seq {rep.before} no longer directly precedes seqs "
+                              f"{list(rep.seqs)}")
+    if what == "after":
+        return SurfaceChanged(f"there is no free position directly after seq {rep.after}")
+    return _run_changed(rep.seqs, contiguous=what == "contiguous")
 
 
 async def _abandon_run(conn: AsyncConnection, run_id: str, now: dt.datetime, error: str

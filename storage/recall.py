@@ -38,7 +38,7 @@ from storage.recall_bounds import (
     check_offset,
     check_query,
 )
-from storage.tokens import TokenCounter, counter_for
+from storage.tokens import counter_for, fitting_prefix
 
 SNIPPET_BEFORE_CHARS = 80
 SNIPPET_CHARS = 240
@@ -162,17 +162,6 @@ def _snippet(body: str, words: Sequence[str]) -> str:
     return body[start:start + SNIPPET_CHARS]
 
 
-def _fit(text: str, budget: int, counter: TokenCounter) -> int:
-    """The longest prefix of ``text`` (in code points) within ``budget`` tokens; at least 1."""
-    lo, hi = 1, len(text)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if counter.count_text(text[:mid]) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
 
 class RecallMixin:
     """``history_search`` and ``history_read`` for :class:`storage.store.Store`."""
@@ -272,7 +261,7 @@ class RecallMixin:
                         continue
                     if not parts or used < budget_tokens // 2:
                         # Too large for what is left: as much as fits, the rest next page.
-                        cut = _fit(block, budget_tokens - used, counter)
+                        cut = fitting_prefix(block, budget_tokens - used, counter, at_least=1)
                         parts.append(block[:cut])
                         seqs.append(row["seq"])
                         used += counter.count_text(block[:cut])

@@ -150,9 +150,14 @@ class Skipped:
 
 @dataclass(frozen=True, slots=True)
 class Replacement:
-    """Replace the contiguous surface run ``seqs`` with one node.
+    """Replace the contiguous surface run ``seqs`` with one node, at the run's first position.
 
     ``journal`` is written just before the node (``compaction/prune`` or ``compaction/summary``).
+    A commit applies its replacements in order, each to the surface the one before it left.
+    Placements (see :mod:`storage.surface`): ``before`` puts the node directly before that node,
+    which must directly precede the run (the two swap places); ``after``, with ``seqs`` empty,
+    inserts it into the free position directly after that node. Either names a node on the
+    surface or a seq an earlier replacement of the same commit replaced (its new node).
     """
 
     seqs: tuple[int, ...]
@@ -161,6 +166,12 @@ class Replacement:
     tokens: int
     journal_kind: str
     journal: dict[str, Any] = field(default_factory=dict)
+    before: int | None = None
+    after: int | None = None
+
+    @property
+    def placed(self) -> bool:
+        return self.before is not None or self.after is not None
 
 
 @dataclass(frozen=True, slots=True)

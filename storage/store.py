@@ -548,7 +548,8 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
             info = await self._session(conn, session_id)
             events = [LoggedEvent(seq=r.seq, kind=r.kind, tokens=r.tokens,
                                   replaces=tuple(r.payload.get("replaces", ()))
-                                  if r.kind in REPLACE_KINDS else ())
+                                  if r.kind in REPLACE_KINDS else (),
+                                  before=r.payload.get("before"), after=r.payload.get("after"))
                       for r in await conn.execute(
                           sa.select(e.seq, e.kind, e.tokens, e.payload)
                           .where(e.session_id == session_id,

@@ -8,12 +8,31 @@ Event kinds:
 * ``message``: appended by the runtime; adds a node at the end of the surface.
 * ``checkpoint`` and ``pruned``: a *replace*. Their payload names the seqs they replace, which must
   be a contiguous run of the surface; the new node takes the position of the first of them.
+  Two placements change where it goes (the ``recallable`` layout's commits need them), each
+  recorded in the payload beside ``replaces``:
+
+  - ``before: X``: the new node goes directly before node X, which must directly precede the
+    replaced run. X moves to the run's first position and the new node takes X's old one (a
+    swap: no free position is needed).
+  - ``after: Y`` with nothing replaced: an insert into the free position directly after node Y
+    (a position a replace left free: a run of two or more nodes frees all but its first).
+
+  X and Y name a node on the surface, or a node replaced earlier in the same commit, which
+  then means the node that replaced it (a commit cannot know the seqs it is about to give).
 * ``compaction/start``, ``compaction/prune``, ``compaction/summary``, ``compaction/end``: journal
   entries. They never touch the surface.
+
+Positions are integers: an append takes the next one after every append before it, and a
+replace frees the positions of the run it replaced but its first. :class:`SurfaceRows` applies
+replaces to positioned rows, one at a time, and is the one definition of where a node goes:
+``replay``, ``surface_after_commit`` and the SQLite commit use it, and ``compactd_commit`` does
+the same steps in SQL.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,39 +84,156 @@ class LoggedEvent:
     tokens: int | None = None
     replaces: tuple[int, ...] = ()
     payload: dict[str, Any] = field(default_factory=dict)
+    before: int | None = None
+    after: int | None = None
 
 
 class ReplayError(ValueError):
     """The log holds a replace that does not fit the surface it was applied to."""
 
 
-def check_contiguous(order: Sequence[int], seqs: Sequence[int]) -> int:
-    """Index in ``order`` where the run ``seqs`` starts; raise if it is not a contiguous run."""
-    if not seqs:
-        raise ReplayError("a replace must name at least one seq")
-    try:
-        start = order.index(seqs[0])
-    except ValueError:
-        raise ReplayError(f"seq {seqs[0]} is not on the surface") from None
-    if list(order[start:start + len(seqs)]) != list(seqs):
-        raise ReplayError(f"seqs {list(seqs)} are not a contiguous run of the surface")
-    return start
+class PlacementError(ReplayError):
+    """A replace that does not fit the surface. ``what`` says how: ``order`` (a seq is not on
+    the surface, or not in that order), ``contiguous`` (another node lies inside the run),
+    ``before`` (the node to go before does not directly precede the run), ``after`` (no free
+    position directly after that node)."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+class SurfaceRows:
+    """Positioned rows ``(position, seq, tokens)``, changed by one replace at a time.
+
+    A window of the surface serves as well as all of it (the SQLite commit reads the rows from
+    the first position a commit names to one past the last), since a replace reads and writes
+    only positions between those it names and the one after them.
+    """
+
+    def __init__(self, rows: Iterable[tuple[int, int, int]] = ()) -> None:
+        self._positions: list[int] = []
+        self._seq_at: dict[int, int] = {}
+        self._position_of: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+        # Each seq replaced through this object -> the node that replaced it.
+        self._holder: dict[int, int] = {}
+        for position, seq, tokens in sorted(rows):
+            self.add(position, seq, tokens)
+
+    def add(self, position: int, seq: int, tokens: int) -> None:
+        """Put a node at a free position (an append, or a row read from storage)."""
+        if position in self._seq_at or seq in self._position_of:
+            raise ReplayError(f"seq {seq} at position {position} collides with the surface")
+        bisect.insort(self._positions, position)
+        self._seq_at[position] = seq
+        self._position_of[seq] = position
+        self._tokens[seq] = tokens
+
+    def _drop(self, seq: int) -> tuple[int, int]:
+        position = self._position_of.pop(seq)
+        del self._positions[bisect.bisect_left(self._positions, position)]
+        del self._seq_at[position]
+        return position, self._tokens.pop(seq)
+
+    def _count(self, first: int, last: int) -> int:
+        """Rows at positions ``first..last``, both included."""
+        return (bisect.bisect_right(self._positions, last)
+                - bisect.bisect_left(self._positions, first))
+
+    def holding(self, seq: int) -> int | None:
+        """The node standing for ``seq``: itself if on the surface, else the node that
+        replaced it here, if that one is."""
+        if seq in self._position_of:
+            return seq
+        holder = self._holder.get(seq)
+        return holder if holder in self._position_of else None
+
+    def replace(self, seq: int, tokens: int, replaces: Sequence[int], *,
+                before: int | None = None, after: int | None = None) -> int:
+        """Apply the replace that puts node ``seq`` on the surface; its position. Raises
+        :class:`PlacementError`, changing nothing, when it does not fit."""
+        if before is not None and after is not None:
+            raise PlacementError("before", "a node is placed before one node or after one, "
+                                           "not both")
+        if after is not None:
+            return self._insert_after(seq, tokens, replaces, after)
+        first = self._run(replaces)
+        if before is None:
+            self._replace_run(seq, tokens, replaces, first)
+            return first
+        holder = self.holding(before)
+        x = self._position_of.get(holder) if holder is not None else None
+        if x is None or x >= first or self._count(x, first) != 2:
+            raise PlacementError("before", f"seq {before} does not directly precede seqs "
+                                           f"{list(replaces)}")
+        assert holder is not None
+        self._replace_run(seq, tokens, replaces, None)
+        _, held = self._drop(holder)
+        self.add(first, holder, held)
+        self.add(x, seq, tokens)
+        return x
+
+    def _run(self, replaces: Sequence[int]) -> int:
+        """The first position of the run ``replaces``, which must be on the surface, in that
+        order, with no other node inside it."""
+        if not replaces:
+            raise PlacementError("order", "a replace must name at least one seq")
+        positions = []
+        for q in replaces:
+            p = self._position_of.get(q)
+            if p is None:
+                raise PlacementError("order", f"seq {q} is not on the surface")
+            positions.append(p)
+        if any(a >= b for a, b in itertools.pairwise(positions)):
+            raise PlacementError("order", f"seqs {list(replaces)} are not on the surface in "
+                                          "that order")
+        if self._count(positions[0], positions[-1]) != len(positions):
+            raise PlacementError("contiguous", f"seqs {list(replaces)} are not a contiguous "
+                                               "run of the surface")
+        return positions[0]
+
+    def _replace_run(self, seq: int, tokens: int, replaces: Sequence[int],
+                     at: int | None) -> None:
+        for q in replaces:
+            self._drop(q)
+            self._holder[q] = seq
+        if at is not None:
+            self.add(at, seq, tokens)
+
+    def _insert_after(self, seq: int, tokens: int, replaces: Sequence[int], after: int) -> int:
+        if replaces:
+            raise PlacementError("after", "a node placed after another replaces nothing")
+        holder = self.holding(after)
+        if holder is None:
+            raise PlacementError("after", f"seq {after} is not on the surface")
+        position = self._position_of[holder] + 1
+        if position in self._seq_at:
+            raise PlacementError("after", f"no free position directly after seq {holder}")
+        self.add(position, seq, tokens)
+        return position
+
+    def rows(self) -> list[tuple[int, int, int]]:
+        """``(position, seq, tokens)`` in order."""
+        return [(p, self._seq_at[p], self._tokens[self._seq_at[p]]) for p in self._positions]
+
+    def position_of(self, seq: int) -> int | None:
+        return self._position_of.get(seq)
 
 
 def replay(events: Iterable[LoggedEvent]) -> list[tuple[int, int]]:
     """The surface the log describes, as ``(seq, tokens)`` in order."""
-    order: list[int] = []
-    tokens: dict[int, int] = {}
+    rows = SurfaceRows()
+    appended = 0
     for event in events:
+        tokens = int(event.tokens or 0)
         if event.kind == NodeKind.MESSAGE:
-            order.append(event.seq)
+            appended += 1
+            rows.add(appended, event.seq, tokens)
         elif event.kind in REPLACE_KINDS:
-            start = check_contiguous(order, event.replaces)
-            order[start:start + len(event.replaces)] = [event.seq]
-        else:
-            continue
-        tokens[event.seq] = int(event.tokens or 0)
-    return [(seq, tokens[seq]) for seq in order]
+            rows.replace(event.seq, tokens, event.replaces, before=event.before,
+                         after=event.after)
+    return [(seq, tokens) for _, seq, tokens in rows.rows()]
 
 
 def commit_seqs(last_seq: int, count: int) -> list[tuple[int, int]]:
@@ -114,6 +250,8 @@ class NewNode:
     kind: str
     message: Message
     tokens: int
+    before: int | None = None
+    after: int | None = None
 
 
 def surface_after_commit(surface: Surface, new_nodes: Sequence[NewNode], *, version: int,
@@ -121,25 +259,32 @@ def surface_after_commit(surface: Surface, new_nodes: Sequence[NewNode], *, vers
     """``surface`` with a commit of ``new_nodes`` applied, without reading it back.
 
     ``version`` and ``last_seq`` are the session's as that commit (one without an end event)
-    returned them. Each new node takes the seq :func:`commit_seqs` gave it and the position of
-    the first node it replaces; the other positions do not move. None when a writer other than
-    that commit moved the surface since ``surface`` was read (the version is not one past it):
-    the caller reads the surface instead.
+    returned them. Each new node takes the seq :func:`commit_seqs` gave it and its place as
+    :class:`SurfaceRows` puts it. None when a writer other than that commit moved the surface
+    since ``surface`` was read (the version is not one past it): the caller reads the surface
+    instead.
     """
     if version != surface.version + 1:
         return None
     seqs = commit_seqs(last_seq - 2 * len(new_nodes), len(new_nodes))
-    first: dict[int, tuple[int, NewNode]] = {}
-    gone: set[int] = set()
-    for new, (_, seq) in zip(new_nodes, seqs, strict=True):
-        first[new.replaces[0]] = (seq, new)
-        gone.update(new.replaces)
+    rows = SurfaceRows((n.position, n.seq, n.tokens) for n in surface.nodes)
+    added: dict[int, NewNode] = {}
+    try:
+        for new, (_, seq) in zip(new_nodes, seqs, strict=True):
+            rows.replace(seq, new.tokens, new.replaces, before=new.before, after=new.after)
+            added[seq] = new
+    except PlacementError:
+        return None  # not what the commit did: read what it did
+    known = {node.seq: node for node in surface.nodes}
     nodes: list[SurfaceNode] = []
-    for node in surface.nodes:
-        if node.seq in first:
-            seq, new = first[node.seq]
-            nodes.append(SurfaceNode(seq=seq, kind=new.kind, message=new.message,
-                                     tokens=new.tokens, position=node.position))
-        elif node.seq not in gone:
-            nodes.append(node)
+    for position, seq, tokens in rows.rows():
+        made = added.get(seq)
+        if made is not None:
+            nodes.append(SurfaceNode(seq=seq, kind=made.kind, message=made.message,
+                                     tokens=made.tokens, position=position))
+        else:
+            node = known[seq]
+            nodes.append(node if node.position == position else SurfaceNode(
+                seq=seq, kind=node.kind, message=node.message, tokens=tokens,
+                position=position))
     return Surface(session_id=surface.session_id, version=version, nodes=tuple(nodes))

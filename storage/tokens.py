@@ -170,6 +170,19 @@ class CharRatioCounter(_FramedCounter):
         return math.ceil(len(text) / self.chars_per_token) if text else 0
 
 
+def fitting_prefix(text: str, budget: int, counter: TokenCounter, *, at_least: int = 0) -> int:
+    """The length (in code points) of the longest prefix of ``text`` within ``budget`` tokens,
+    and at least ``at_least``."""
+    lo, hi = at_least, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if counter.count_text(text[:mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @cache
 def counter_for(model: str | None) -> _FramedCounter:
     """The counter for messages a given model will read."""

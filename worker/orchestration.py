@@ -3,6 +3,8 @@
 claim -> read -> plan -> prune (commit the prunes) -> summarize (no transaction open) ->
 validate -> commit the checkpoint (fence ours, range unchanged) -> measure again -> further
 rounds, bounded; a session that keeps compacting without relief is flagged (the loop guard).
+Under ``layout: recallable`` a round is a pass of that layout (:mod:`worker.passes`): its
+calls concurrent, its commits left to right.
 
 What every run has besides its steps (the lease and its renewal, the deadline, cancellation,
 usage, the journal's start and end, the :class:`~worker.run.Outcome`) is the run's scope,
@@ -15,23 +17,24 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from storage.kinds import FailureClass, JournalKind, NodeKind, RunStatus, Stage, Trigger
+from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
 from storage.records import Replacement, SessionInfo
 from storage.surface import NewNode, Surface, surface_after_commit
+from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
-from worker.compaction.prompt import build_prompt, request_tools
+from worker.compaction.prompt import SummaryCall
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
-from worker.compaction.validation import validate_summary
-from worker.llm.candidates import candidate_order
-from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
+from worker.llm.fallback import SummaryRequest
 from worker.metrics import metrics
+from worker.passes import run_pass
 from worker.pressure import read_pressure, session_policy, session_pressure
-from worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunFailed, RunScope
+from worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunScope
 from worker.runtime import Deps
 
 logger = logging.getLogger(__name__)
@@ -81,16 +84,23 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                 ) or await store.read_surface(info.id, reuse=surface)
                 current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                                 manual=manual and first)
-            if current.summarize is None:
+            if not current.compacts:
                 metrics().prune_only.inc()
-        if current.summarize is None:
+        if not current.compacts:
             if round_no == 0 and not out.pruned:
                 out.error = current.nothing_to_do or current.why_no_summary
             break
-        summary, current, usage = await _summarize(scope, current, policy, info)
         last_round = round_no + 1 >= policy.max_rounds
-        info, relieved = await _commit_checkpoint(scope, current, surface, summary, usage,
-                                                  policy, info, final_if_relieved=not last_round)
+        if current.recall_pass is not None:
+            info, relieved = await run_pass(scope, current, surface, policy, info,
+                                            final_if_relieved=not last_round)
+            if relieved:
+                await _loop_guard(deps, out, info, policy)
+        else:
+            summary, current, usage = await _summarize(scope, current, policy, info)
+            info, relieved = await _commit_checkpoint(scope, current, surface, summary, usage,
+                                                      policy, info,
+                                                      final_if_relieved=not last_round)
         out.outcome = RunStatus.COMMITTED
         if relieved or last_round:
             return
@@ -133,7 +143,7 @@ async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:
 
 
 class _Calls:
-    """The summarizer calls of one step, run in order, each merging into the running summary.
+    """The summarizer calls of one merge step (a :class:`~worker.chains.Chain`).
 
     A context-length error on the first call re-plans once with half the budget (every replaced
     message still reaches an input: smaller calls, or with ``shrink`` a smaller range); later
@@ -144,7 +154,6 @@ class _Calls:
         self.plan = current
         self.policy = policy
         self.info = info
-        self.index = 0
         self.shrunk = False
 
     @property
@@ -152,60 +161,37 @@ class _Calls:
         assert self.plan.summarize is not None
         return self.plan.summarize
 
-    def request(self, running: str | None) -> SummaryRequest:
-        step, policy, info = self.step, self.policy, self.info
-        last = self.index == len(step.calls) - 1
+    @property
+    def calls(self) -> Sequence[SummaryCall]:
+        return self.step.calls
 
-        def check(text: str) -> str | None:
-            # Intermediate summaries only have to fit the cap; the final one must also be
-            # strictly smaller than everything it replaces.
-            return validate_summary(text, replaced_tokens=step.replaced_tokens if last else None,
-                                    policy=policy, run_model=info.run_model, skills=step.skills,
-                                    has_history=step.has_history, recall=step.recall)
+    def request(self, index: int, running: str | None) -> SummaryRequest:
+        step = self.step
+        # Intermediate summaries only have to fit the cap; the final one must also be strictly
+        # smaller than everything it replaces.
+        final = index == len(step.calls) - 1
+        return summary_request(step.calls[index], running, policy=self.policy, info=self.info,
+                               skills=step.skills, has_history=step.has_history,
+                               recall=step.recall,
+                               below=step.replaced_tokens if final else None)
 
-        chat = build_prompt(step.calls[self.index], running, policy, info.envelope)
-        return SummaryRequest.of(chat, messages=step.calls[self.index].messages,
-                                 existing_summary=running, max_tokens=policy.max_summary_tokens,
-                                 validate=check, tools=request_tools(policy, info.envelope))
-
-    def shrink(self, request: SummaryRequest, _candidate: Any) -> SummaryRequest | None:
-        if self.index != 0 or self.shrunk:
+    def shrink(self, index: int, request: SummaryRequest) -> SummaryRequest | None:
+        if index != 0 or self.shrunk:
             return None
         smaller = replan_smaller(self.plan)
         if smaller.summarize is None:
             return None
         self.plan, self.shrunk = smaller, True
-        return self.request(request.existing_summary)
+        return self.request(0, request.existing_summary)
 
 
 async def _summarize(scope: RunScope, current: Plan, policy: Policy, info: SessionInfo
                      ) -> tuple[str, Plan, dict[str, Any] | None]:
-    config, out = scope.deps.config, scope.out
-    candidates = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
-                                 models=config.models, default_model=config.default_model,
-                                 local_fallback=config.worker.local_fallback)
-    retry = RetryPolicy.from_config(config.worker)
-    providers = scope.providers()
     calls = _Calls(current, policy, info)
-    running: str | None = calls.step.existing_summary or None
-    step_usage: dict[str, Any] | None = None
-    while calls.index < len(calls.step.calls):
-        try:
-            outcome = await summarize(
-                calls.request(running), candidates=candidates, validate=lambda _text: None,
-                deadline_s=scope.models_left_s(), providers=providers,
-                retry=retry, on_context_length=calls.shrink)
-        except SummaryFailed as exc:
-            scope.record_call(exc.attempts)
-            raise RunFailed(FailureClass.SUMMARY, f"every candidate failed on call "
-                            f"{calls.index + 1} of {len(calls.step.calls)}") from exc
-        step_usage = scope.record_call(outcome.attempts, step_usage)
-        metrics().fallback_depth.observe(max(0, len(outcome.attempts) - 1))
-        out.model = outcome.model
-        running = outcome.text
-        calls.index += 1
-    assert running is not None
-    return running, calls.plan, step_usage
+    written = await run_chain(scope, calls, calls.step.existing_summary or None,
+                              Summarizers.of(scope, info.run_model, policy.model_name))
+    scope.out.model = written.model
+    return written.text, calls.plan, written.usage
 
 
 async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, summary: str,

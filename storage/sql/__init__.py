@@ -11,7 +11,10 @@ connector picks its own (:meth:`storage.connectors.Connector.variant`).
 
 ``functions/<name>.sql`` is the current definition of each PL/pgSQL function, in
 ``pg_get_functiondef``'s form: the migrations create the functions from these files, and
-tests/migration compares what the database runs with them.
+tests/migration compares what the database runs with them. ``revisions/<revision>/<name>.sql``
+is the text a revision created (a function, or a statement its trigger runs) that a later
+revision changed: a revision's text never changes, so it keeps its own, and the later
+revision's downgrade restores it.
 """
 
 from __future__ import annotations
@@ -59,10 +62,20 @@ def sqlite_only(name: str) -> str | None:
     return _only("sqlite", name)
 
 
-def as_trigger_body(name: str, row: str = "NEW") -> str:
+def as_trigger_body(name: str, row: str = "NEW", *, revision: str | None = None) -> str:
     """Query ``name`` with each ``:param`` read from the trigger's ``row`` (``NEW.param``): a
-    trigger runs the same statement a caller runs with the row's columns as parameters."""
-    return re.sub(r"(?<![:\w]):(\w+)", rf"{row}.\1", NAMED_TEXT[name]).strip().rstrip(";")
+    trigger runs the same statement a caller runs with the row's columns as parameters.
+    ``revision``: the statement as that revision ran it (:func:`statement`)."""
+    return re.sub(r"(?<![:\w]):(\w+)", rf"{row}.\1",
+                  statement(name, revision)).strip().rstrip(";")
+
+
+def statement(name: str, revision: str | None = None) -> str:
+    """Query ``name`` with ``:name`` placeholders; with ``revision``, as that revision ran it
+    (``revisions/<revision>/<name>.sql``), before a later one changed it."""
+    if revision is None:
+        return NAMED_TEXT[name]
+    return _uncommented(_HERE.joinpath("revisions", revision, f"{name}.sql"))
 
 
 @functools.cache
@@ -103,7 +116,13 @@ def sqlite_text(name: str) -> str:
     return NAMED_TEXT[name]
 
 
-def function_definition(name: str) -> str:
-    """The ``CREATE OR REPLACE FUNCTION`` statement of ``name`` (its comment lines dropped)."""
-    text = _HERE.joinpath("functions", f"{name}.sql").read_text(encoding="utf-8")
+def function_definition(name: str, revision: str | None = None) -> str:
+    """The ``CREATE OR REPLACE FUNCTION`` statement of ``name`` (its comment lines dropped);
+    with ``revision``, the one that revision created, before a later one changed it."""
+    folder = ("functions",) if revision is None else ("revisions", revision)
+    return _uncommented(_HERE.joinpath(*folder, f"{name}.sql"))
+
+
+def _uncommented(path: Any) -> str:
+    text = path.read_text(encoding="utf-8")
     return "\n".join(line for line in text.splitlines() if not line.startswith("--")).strip()

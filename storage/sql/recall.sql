@@ -141,21 +141,30 @@ SELECT session_id, seq, node_seq, body, length(CAST(body AS BLOB)) FROM (
 
 -- name: recall_index_node(session_id, seq, kind, payload)!
 -- sqlite-only: the SQLite trigger's second step (PostgreSQL: compactd_recall_index). The node,
--- named by its footer's ref (from its span for a node written before footers), with the union
--- of the spans it replaced and the originals it was the first to replace.
+-- named by its footer's ref (from its span for a node written before footers), with the span
+-- its meta.recall states (first, last), else the union of the spans it replaced, and the
+-- originals it was the first to replace.
 INSERT OR IGNORE INTO recall_nodes (session_id, seq, ref, first_seq, last_seq, messages, bytes)
 SELECT :session_id, :seq,
        coalesce(json_extract(:payload, '$.message.meta.recall.ref'),
-                CASE WHEN :kind = 'pruned' THEN 'r' || min(coalesce(n.first_seq, r.value))
-                     ELSE 'c' || min(coalesce(n.first_seq, r.value)) || '-'
-                          || max(coalesce(n.last_seq, r.value)) END),
-       min(coalesce(n.first_seq, r.value)), max(coalesce(n.last_seq, r.value)),
-       count(o.seq), coalesce(sum(o.bytes), 0)
-FROM json_each(:payload, '$.replaces') r
-LEFT JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = r.value
-LEFT JOIN recall_originals o ON o.session_id = :session_id AND o.seq = r.value
-                            AND o.node_seq = :seq
-HAVING count(*) > 0;
+                CASE WHEN :kind = 'pruned' THEN 'r' || coalesce(m.first, u.first)
+                     ELSE 'c' || coalesce(m.first, u.first) || '-'
+                          || coalesce(m.last, u.last) END),
+       coalesce(m.first, u.first), coalesce(m.last, u.last), u.messages, u.bytes
+FROM (SELECT min(coalesce(n.first_seq, r.value)) AS first,
+             max(coalesce(n.last_seq, r.value)) AS last,
+             count(o.seq) AS messages, coalesce(sum(o.bytes), 0) AS bytes
+      FROM json_each(:payload, '$.replaces') r
+      LEFT JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = r.value
+      LEFT JOIN recall_originals o ON o.session_id = :session_id AND o.seq = r.value
+                                  AND o.node_seq = :seq) u,
+     (SELECT CASE WHEN json_type(:payload, '$.message.meta.recall.first') = 'integer'
+                   AND json_type(:payload, '$.message.meta.recall.last') = 'integer'
+                  THEN json_extract(:payload, '$.message.meta.recall.first') END AS first,
+             CASE WHEN json_type(:payload, '$.message.meta.recall.first') = 'integer'
+                   AND json_type(:payload, '$.message.meta.recall.last') = 'integer'
+                  THEN json_extract(:payload, '$.message.meta.recall.last') END AS last) m
+WHERE coalesce(m.first, u.first) IS NOT NULL;
 
 -- name: recall_fts_add(session_id, seq, body)!
 -- sqlite-only: keeps the FTS5 table (SQLite's) in step with recall_originals, run by its

@@ -1,6 +1,7 @@
 """Recall over compacted sessions: byte-exact reads, dropped facts found, search cost by size.
 
     python tests/bench/recall.py --json OUT.json [--sizes 100,1000,10000] [--queries 200]
+        [--layout merge|recallable]
 
 For each size, one session of that many messages (user asks, the assistant calls a tool, the
 tool answers, the assistant reports; every tenth tool result holds a planted fact: a unique
@@ -55,6 +56,10 @@ POLICY = {"trigger": [{"type": "tokens", "value": 2_000}],
           "keep": {"type": "messages", "value": 12}}
 WORDS = ["ledger", "invoice", "currency", "rounding", "balance", "payload", "retry", "window",
          "cursor", "batch", "schema", "column", "index", "record", "warehouse", "shipment"]
+# The recallable layout at this trigger: chunks large enough to be worth an index checkpoint,
+# and the index checkpoints and the state together kept well under the trigger.
+RECALLABLE = {"layout": "recallable", "chunk_tokens": 600, "index_summary_tokens": 60,
+              "index_max_tokens": 800, "max_summary_tokens": 600}
 READ_BUDGET = 2000
 MAX_ROUNDS = 200
 
@@ -88,13 +93,14 @@ def session_messages(size: int, seed: int) -> tuple[list[dict[str, Any]], dict[i
     return out, {seq: order for seq, order in facts.items() if seq <= len(out)}
 
 
-async def build(url: str, size: int) -> tuple[str, list[dict[str, Any]], dict[int, str], int]:
+async def build(url: str, size: int, policy: dict[str, Any]
+                ) -> tuple[str, list[dict[str, Any]], dict[int, str], int]:
     config = build_config({}, settings=Settings(database_url=url, broker_url="memory://"))
     session_id = f"bench-{size}"
     messages, facts = session_messages(size, seed=size)
     rounds = 0
     async with open_deps(config, owner="bench-recall") as deps:
-        await deps.store.create_session(session_id, context_window=128_000, policy=POLICY)
+        await deps.store.create_session(session_id, context_window=128_000, policy=policy)
         batch = 500
         for i in range(0, len(messages), batch):
             await deps.store.append(session_id,
@@ -191,11 +197,12 @@ async def vacuum(url: str) -> None:
         await conn.close()
 
 
-async def run(url: str, sizes: list[int], queries: int) -> dict[str, Any]:
+async def run(url: str, sizes: list[int], queries: int, policy: dict[str, Any]
+              ) -> dict[str, Any]:
     built = []
     for size in sizes:
         started = time.perf_counter()
-        session_id, messages, facts, rounds = await build(url, size)
+        session_id, messages, facts, rounds = await build(url, size, policy)
         built.append((size, session_id, messages, facts,
                       {"rounds": rounds, "build_s": round(time.perf_counter() - started, 1)}))
     await vacuum(url)
@@ -224,11 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100,1000,10000",
                         help="messages per session, comma-separated")
     parser.add_argument("--queries", type=int, default=200, help="timed searches per size")
+    parser.add_argument("--layout", choices=("merge", "recallable"), default="merge",
+                        help="summarization.layout of the sessions")
     args = parser.parse_args(argv)
     info = machine()
-    url = prepare_pg(pg_url("recall"))
+    recallable = args.layout == "recallable"
+    url = prepare_pg(pg_url("recall_recallable" if recallable else "recall"))
     sizes = [int(s) for s in args.sizes.split(",")]
-    report: dict[str, Any] = {"machine": info, **asyncio.run(run(url, sizes, args.queries))}
+    policy = {**POLICY, **RECALLABLE} if recallable else POLICY
+    report: dict[str, Any] = {"machine": info, "layout": args.layout,
+                              **asyncio.run(run(url, sizes, args.queries, policy))}
     print(f"machine: {machine_line(info)}")
     print_table(["messages", "rounds", "replaced", "read exact", "dropped facts",
                  "found top 5", "search p50 ms", "search p99 ms", "most scanned"],

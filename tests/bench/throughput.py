@@ -1,7 +1,7 @@
 """Compactions per second of real worker processes against a slow model.
 
     python tests/bench/throughput.py --json OUT.json [--workers 1,2,4] [--sessions 600]
-        [--concurrency 64] [--latency 1.0]
+        [--concurrency 64] [--latency 1.0] [--layout merge|recallable]
 
 The fake provider runs as a subprocess (``python -m tests.support.fake_provider --latency 1.0``),
 so the workers talk to it over real HTTP through the real SDKs and do not share its CPU with the
@@ -26,7 +26,10 @@ Reported per worker count:
 * ``worker_rss_mb``: the largest resident set of one worker process, sampled during the run.
 
 Every session uses one summary call (``trim_tokens_to_summarize`` above the range) after a prune,
-so with latency L and C slots a worker's ceiling is C / L compactions per second. The top-level
+so with latency L and C slots a worker's ceiling is C / L compactions per second (under
+``--layout recallable`` a compaction is a pass: one index call per chunk of the range and the
+state call, all at once, so the same ceiling with more calls in flight and several commits
+each). The top-level
 keys repeat the one-worker run; ``by_workers`` holds every run. Goals (issue 5): one worker >= 30
 compactions/s with >= 30 in flight, < 15 ms CPU per compaction, < 400 MB RSS.
 """
@@ -181,7 +184,7 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
     fake = RemoteFake(fake_url)
     fake.reset()
     stack = Stack(pg, broker, home / f"workers{workers}", fake_url=fake_url,
-                  summarization=POLICY,
+                  summarization={**POLICY, "layout": args.layout},
                   worker={"concurrency": args.concurrency, "sweep_interval_s": 3600,
                           "reap_interval_s": 3600, "lease_s": 120})
     try:
@@ -216,7 +219,8 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
     ideal = in_flight / args.latency if args.latency else None
     cpu_ms = (cpu_after - cpu_before) * 1000 / max(1, len(committed))
     return {
-        "workers": workers, "concurrency": args.concurrency, "latency_s": args.latency,
+        "workers": workers, "layout": args.layout, "concurrency": args.concurrency,
+        "latency_s": args.latency,
         "sessions": len(ids), "committed": len(committed),
         "other_outcomes": len(rows) - len(committed),
         "model_requests": len(requests),
@@ -241,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="threads per worker")
     parser.add_argument("--latency", type=float, default=1.0, help="the fake's seconds per call")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run, at most")
+    parser.add_argument("--layout", choices=("merge", "recallable"), default="merge",
+                        help="summarization.layout of every session")
     parser.add_argument("--database-url", default=os.environ.get(
         "COMPACTD_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/compactd_bench"))
     parser.add_argument("--redis-url", default=os.environ.get(

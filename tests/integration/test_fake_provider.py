@@ -11,11 +11,20 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.fake_provider import Behaviour, FakeProvider, RemoteFake, fake_summary
+from storage.tokens import counter_for
+from tests.support.fake_provider import (
+    Behaviour,
+    FakeProvider,
+    RemoteFake,
+    fake_index_entry,
+    fake_summary,
+)
+from worker.compaction.prompt import INDEX_MARK
 from worker.llm import Candidate, ProviderPool, RetryPolicy, SummaryRequest, summarize
 from worker.settings import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
+COUNTER = counter_for(None)
 
 
 @pytest.fixture
@@ -46,6 +55,33 @@ async def test_behaviours_match_by_model_then_in_order(fake: FakeProvider) -> No
     assert statuses == [503, 503, 500, 401, 200]
     assert fake.pending_script() == []
     assert [r.model for r in fake.requests_for(api="openai")] == ["a", "a", "b", "a", "b"]
+
+
+def test_the_fake_answers_within_the_output_cap_and_an_index_call_with_one_line() -> None:
+    text = ("Traceback in src/billing/tax.py: KeyError BILL-1234. " * 400)
+    for cap in (20, 60, 400):
+        summary = fake_summary(text, model="m", max_tokens=cap)
+        assert COUNTER.count_text(summary) <= cap
+        entry = fake_index_entry(f"{INDEX_MARK} ...\n{text}", model="m", max_tokens=cap)
+        assert "\n" not in entry and "## " not in entry and COUNTER.count_text(entry) <= cap
+    assert "src/billing/tax.py" in fake_index_entry(text, model="m", max_tokens=100)
+
+
+async def test_a_behaviour_can_match_what_the_input_holds(fake: FakeProvider) -> None:
+    fake.script(Behaviour(contains="needle", status=503, times=-1))
+    client = openai.AsyncOpenAI(api_key="k", base_url=fake.openai_base_url, max_retries=0)
+    statuses = []
+    try:
+        for content in ("hay", "a needle here", "hay again"):
+            try:
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": content}])
+                statuses.append(200)
+            except openai.APIStatusError as exc:
+                statuses.append(exc.status_code)
+    finally:
+        await client.close()
+    assert statuses == [200, 503, 200]
 
 
 def test_the_fake_summary_is_short_and_names_the_facts() -> None:

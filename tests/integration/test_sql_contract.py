@@ -123,7 +123,7 @@ def _prune_of_seq_1() -> dict[str, Any]:
                                      "replaces": [1], "run_id": "r1"})],
             "tokens": [1], "journal_kinds": [JournalKind.PRUNE],
             "journals": [json.dumps({"run_id": "r1", "replaced_seqs": [1]})],
-            "expected_pos": [1], "expected_seq": [1]}
+            "expected_pos": [1], "expected_seq": [1], "before": None, "after": None}
 
 
 @case("commit")

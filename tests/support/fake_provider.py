@@ -4,7 +4,9 @@ It answers OpenAI Chat Completions (``POST /v1/chat/completions``) and Anthropic
 (``POST /v1/messages``) the way the real services do (bodies, status codes, ``x-request-id`` /
 ``request-id``, ``retry-after``), so the code under test runs through the real SDKs over real HTTP.
 Summaries are deterministic: eight short sections listing the paths, exception names and ids
-found in the input, always much shorter than the input.
+found in the input, always much shorter than the input and within the request's output cap; an
+index call of the recallable layout (its instruction begins with
+``worker.compaction.prompt.INDEX_MARK``) gets a one-line entry instead, within its cap too.
 
 Every request is logged (path, model, headers including the attribution header, body size, times,
 what was answered) and the answers are scriptable: a queue of :class:`Behaviour` entries, each
@@ -72,6 +74,7 @@ from typing import Any
 from aiohttp import web
 
 from storage.tokens import MESSAGE_FRAMING_TOKENS, counter_for
+from worker.compaction.prompt import INDEX_MARK
 
 HANG_S = 3600.0
 OUTPUTS = ("summary", "whitespace", "echo", "malformed", "tool_calls", "reasoning_only",
@@ -94,7 +97,9 @@ CACHE_ENTRIES_PER_KEY = 64
 class Behaviour:
     """How to answer the requests it matches.
 
-    ``model``/``api`` select requests (None matches any); ``times`` is how many it answers
+    ``model``/``api`` select requests (None matches any), and ``contains`` those whose input
+    text holds that string (one kind of call among concurrent ones: an index call, the state
+    call, one chunk); ``times`` is how many it answers
     (-1: every matching request from now on). ``status`` other than 200 answers an error in the
     API's own error shape; ``code`` picks a special one (``context_length_exceeded`` is OpenAI's
     code, and becomes "prompt is too long" on the Anthropic API). ``output`` shapes a 200 answer.
@@ -102,6 +107,7 @@ class Behaviour:
 
     model: str | None = None
     api: str | None = None
+    contains: str | None = None
     status: int = 200
     code: str | None = None
     retry_after: float | str | None = None
@@ -128,8 +134,9 @@ class Behaviour:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {', '.join(OUTPUTS)}")
 
-    def matches(self, model: str | None, api: str) -> bool:
-        return (self.model is None or self.model == model) and (self.api in (None, api))
+    def matches(self, model: str | None, api: str, text: str = "") -> bool:
+        return ((self.model is None or self.model == model) and (self.api in (None, api))
+                and (self.contains is None or self.contains in text))
 
     def describe(self) -> str:
         if self.hang:
@@ -189,10 +196,10 @@ class _State:
         self.log: list[RequestRecord] = []
         self.started = time.monotonic()
 
-    def take(self, model: str | None, api: str) -> Behaviour:
+    def take(self, model: str | None, api: str, text: str = "") -> Behaviour:
         with self.lock:
             for i, behaviour in enumerate(self.queue):
-                if behaviour.matches(model, api):
+                if behaviour.matches(model, api, text):
                     if behaviour.times > 0:
                         behaviour.times -= 1
                         if behaviour.times == 0:
@@ -409,7 +416,7 @@ async def _model_call(state: _State, request: web.Request, api: str) -> web.Stre
     if not isinstance(body, dict):
         body = {}
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    behaviour = state.take(model, api)
+    behaviour = state.take(model, api, _input_text(body))
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     with state.lock:
         n = len(state.log) + 1
@@ -463,6 +470,8 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         if behaviour.quote is not None:
             found = re.search(behaviour.quote, last_tool_result(api, body))
             text = text.replace("{quote}", found.group(0) if found else "")
+    elif INDEX_MARK in text_in:
+        text = fake_index_entry(text_in, model=model or "?", max_tokens=int(max_tokens))
     else:
         text = fake_summary(text_in, model=model or "?", max_tokens=int(max_tokens))
     # A real model stops where its output cap is, mid-section, and says so.
@@ -645,10 +654,37 @@ def fake_summary(text: str, *, model: str, max_tokens: int) -> str:
     }
     out = "\n".join(f"## {name}\n{bodies.get(name, '(none)')}" for name in SECTIONS)
     limit = min(len(text) // 4, max_tokens * 3)
-    if len(out) > limit:  # a shorter summary still has every section, as a real one would
+    if len(out) > limit or _over_cap(out, max_tokens):
+        # A shorter summary still has every section, as a real one would.
         short = {"Current Work": bodies["Current Work"]}
         out = "\n".join(f"## {name}\n{short.get(name, '(none)')}" for name in SECTIONS)
-    return out if len(out) <= limit else out[:max(1, limit)]
+    return _within_cap(out if len(out) <= limit else out[:max(1, limit)], max_tokens)
+
+
+def fake_index_entry(text: str, *, model: str, max_tokens: int) -> str:
+    """One line for an index call: what the chunk mentions, within its output cap."""
+    def listed(pattern: re.Pattern[str], limit: int) -> str:
+        found = list(dict.fromkeys(pattern.findall(text)))[:limit]
+        return ", ".join(found) if found else "none"
+
+    entry = (f"{model} indexed {len(text)} characters; files {listed(_PATH, 3)}; errors "
+             f"{listed(_EXC, 3)}; ids {listed(_TICKET, 3)}.")
+    return _within_cap(entry, max_tokens)
+
+
+# The fake does not know the run model's encoding: it keeps under the cap with a margin.
+_CAP_MARGIN = 0.9
+
+
+def _over_cap(text: str, max_tokens: int) -> bool:
+    return counter_for(None).count_text(text) > int(max_tokens * _CAP_MARGIN)
+
+
+def _within_cap(text: str, max_tokens: int) -> str:
+    """``text`` cut (on code points) to what the output cap allows, as a model stops there."""
+    while len(text) > 1 and _over_cap(text, max_tokens):
+        text = text[:max(1, int(len(text) * 0.9))]
+    return text
 
 
 def _json(payload: Any, *, status: int = 200, headers: dict[str, str] | None = None

@@ -167,5 +167,6 @@ def test_example_config_loads_and_shows_every_key() -> None:
                 "clear_tool_uses", "exclude_tools", "clear_tool_inputs", "clear_at_least",
                 "retain_ratio", "max_summary_tokens", "lease_s", "max_rounds", "render",
                 "replay_mode", "strategy", "loop_guard", "metrics_port", "sweep_interval_s",
-                "body_timeout_s", "max_body_bytes"):
+                "body_timeout_s", "max_body_bytes", "layout", "chunk_tokens",
+                "index_summary_tokens", "index_max_tokens"):
         assert f"{key}:" in text, key

@@ -18,6 +18,7 @@ from storage.kinds import (
     ItemState,
     JobState,
     JournalKind,
+    LayoutRole,
     ModelFailure,
     NodeKind,
     RunStatus,
@@ -53,7 +54,7 @@ def test_a_member_is_the_plain_string_it_names() -> None:
 
 def test_the_module_holds_every_set_the_issue_names() -> None:
     assert set(SETS) == {NodeKind, JournalKind, RunStatus, FailureClass, ModelFailure, Trigger,
-                         SignalReason, Stage, JobState, ItemState}
+                         SignalReason, Stage, JobState, ItemState, LayoutRole}
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from worker.llm.local import (
     find_paths,
     parse_sections,
     summarize_local,
+    summarize_local_index,
     tool_result_facts,
 )
 
@@ -170,3 +171,32 @@ def test_find_paths(text: str, expected: list[str]) -> None:
 ])
 def test_find_exception_names(text: str, expected: list[str]) -> None:
     assert find_exception_names(text) == expected
+
+
+# ------------------------------------------------------------------------------------------
+# index entries (the recallable layout's index calls)
+
+
+@pytest.mark.parametrize(("steps", "seed", "max_tokens"), [(5, 1, 100), (12, 2, 40),
+                                                           (40, 7, 100), (40, 7, 12)])
+def test_an_index_entry_is_short_has_no_sections_and_keeps_to_its_cap(
+        steps: int, seed: int, max_tokens: int) -> None:
+    messages, facts = session(steps, seed)
+    text = summarize_local_index(messages, max_tokens=max_tokens)
+    assert text and "## " not in text
+    assert COUNTER.count_text(text) <= max_tokens < input_tokens(messages)
+    if max_tokens >= 100:
+        assert text.startswith("Asked: ") and "Ran " in text
+        assert any(name in text for name in facts["errors"]) or not facts["errors"]
+
+
+def test_an_index_entry_continues_the_entry_of_the_chunk_so_far() -> None:
+    messages, _ = session(12, 3)
+    first = summarize_local_index(messages[:10], max_tokens=60)
+    both = summarize_local_index(messages[10:], existing_summary=first, max_tokens=120)
+    assert both.startswith(first[:30]) and COUNTER.count_text(both) <= 120
+
+
+def test_an_index_entry_of_messages_without_text_says_so() -> None:
+    text = summarize_local_index([Message(role="assistant", content="")] * 3, max_tokens=40)
+    assert text == "3 messages without text."

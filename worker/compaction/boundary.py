@@ -70,6 +70,9 @@ class Selection:
     nothing_to_do: str | None = None
 
 
+NO_HEAD = "the kept tail and its tool-call groups are the whole surface"
+
+
 def is_checkpoint(node: SurfaceNode) -> bool:
     return node.kind == NodeKind.CHECKPOINT or bool(node.message.meta.get(META_CHECKPOINT))
 
@@ -207,6 +210,40 @@ def safe_at_or_before(unsafe: Sequence[bool], b: int) -> int:
     return b
 
 
+def tail_cut(nodes: Sequence[SurfaceNode], *, keep: Clause | None, policy: Policy,
+             force: bool, unsafe: Sequence[bool]) -> int:
+    """The safe boundary where the kept tail starts (rule 1 of the module docstring)."""
+    if force and keep is None:
+        raw = forced_cut(nodes)
+    else:
+        raw = keep_cut(nodes, resolve_keep(policy, keep), policy.context_window)
+    return safe_at_or_before(unsafe, raw)
+
+
+def segments(nodes: Sequence[SurfaceNode], start: int, end: int, guard: Sequence[bool],
+             unsafe: Sequence[bool]) -> list[tuple[int, int]]:
+    """The maximal runs of unprotected nodes in ``nodes[start:end]``, each shrunk inward to
+    safe boundaries; empty ones left out (rule 3)."""
+    out: list[tuple[int, int]] = []
+    i = start
+    while i < end:
+        if guard[i]:
+            i += 1
+            continue
+        j = i
+        while j < end and not guard[j]:
+            j += 1
+        lo, hi = i, j
+        while lo < hi and unsafe[lo]:
+            lo += 1
+        while hi > lo and unsafe[hi]:
+            hi -= 1
+        if hi > lo:
+            out.append((lo, hi))
+        i = j
+    return out
+
+
 def select_range(nodes: Sequence[SurfaceNode], *, keep: Clause | None, policy: Policy,
                  force: bool = False, min_tokens: int = 0,
                  unsafe: Sequence[bool] | None = None) -> Selection:
@@ -218,34 +255,15 @@ def select_range(nodes: Sequence[SurfaceNode], *, keep: Clause | None, policy: P
     """
     if unsafe is None:
         unsafe = unsafe_boundaries(nodes)
-    if force and keep is None:
-        raw = forced_cut(nodes)
-    else:
-        raw = keep_cut(nodes, resolve_keep(policy, keep), policy.context_window)
-    cut = safe_at_or_before(unsafe, raw)
+    cut = tail_cut(nodes, keep=keep, policy=policy, force=force, unsafe=unsafe)
     if cut == 0:
-        return Selection(cut, 0, 0, "the kept tail and its tool-call groups are the whole "
-                                    "surface")
-    guard = protected(nodes)
+        return Selection(cut, 0, 0, NO_HEAD)
     best: tuple[int, int, int] | None = None  # tokens, start, end
-    i = 0
-    while i < cut:
-        if guard[i]:
-            i += 1
-            continue
-        j = i
-        while j < cut and not guard[j]:
-            j += 1
-        start, end = i, j
-        while start < end and unsafe[start]:
-            start += 1
-        while end > start and unsafe[end]:
-            end -= 1
-        if end > start and not (end - start == 1 and is_checkpoint(nodes[start])):
+    for start, end in segments(nodes, 0, cut, protected(nodes), unsafe):
+        if not (end - start == 1 and is_checkpoint(nodes[start])):
             tokens = sum(node.tokens for node in nodes[start:end])
             if best is None or tokens > best[0]:
                 best = (tokens, start, end)
-        i = j
     if best is None:
         return Selection(cut, 0, 0, "no compactable run before the kept tail: only system, "
                                     "pinned, rescued nodes, an earlier checkpoint or an "

@@ -31,25 +31,12 @@ from storage.surface import SurfaceNode
 from storage.tokens import TokenCounter, counter_for
 from worker.compaction.boundary import (
     Selection,
-    is_checkpoint,
     protected,
     select_range,
     unsafe_boundaries,
 )
 from worker.compaction.policy import Clause, Policy
-from worker.compaction.prompt import (
-    MIN_PART_TOKENS,
-    Budget,
-    BudgetTooSmall,
-    SummaryCall,
-    atoms,
-    fit_one_call,
-    message_body,
-    pack,
-    prompt_overhead,
-    running_reserve,
-    summary_tokens,
-)
+from worker.compaction.prompt import SummaryCall, message_body, plan_calls
 from worker.compaction.pruning import (
     PruneAction,
     apply_actions,
@@ -57,8 +44,9 @@ from worker.compaction.pruning import (
     merge_actions,
     prune_tool_results,
 )
-from worker.compaction.recall import checkpoint_footer, checkpoint_ref, span_of
-from worker.compaction.render import Skill, checkpoint_message, checkpoint_parts
+from worker.compaction.recall import checkpoint_ref, recall_meta, span_of
+from worker.compaction.recallable import RecallablePass, plan_pass
+from worker.compaction.render import Skill, checkpoint_message
 from worker.compaction.skills import capture_skills
 from worker.compaction.triggers import Pressure, measure, should_clear, should_compact
 from worker.compaction.validation import framed_tokens
@@ -126,6 +114,13 @@ class Plan:
     # Planned with ``defer_summary``: the prunes still leave the trigger fired, and the
     # summarize step is for the plan of the surface they make (``summarize`` is None here).
     summary_deferred: bool = False
+    # Under ``layout: recallable``, the pass that stands where ``summarize`` would.
+    recall_pass: RecallablePass | None = None
+
+    @property
+    def compacts(self) -> bool:
+        """Whether the plan writes a summary of any kind (a checkpoint, or a pass)."""
+        return self.summarize is not None or self.recall_pass is not None
 
     def to_json(self) -> dict[str, Any]:
         """The CLI contract's ``plan --json`` body (the caller adds session and version)."""
@@ -135,7 +130,10 @@ class Plan:
             "forced": self.forced,
             "prune": [action.to_json() for action in self.prune],
             "tokens_after_prune": self.tokens_after_prune,
-            "summarize": None if self.summarize is None else self.summarize.to_json(),
+            "layout": self.inputs.policy.layout,
+            "summarize": (self.summarize.to_json() if self.summarize is not None
+                          else self.recall_pass.to_json() if self.recall_pass is not None
+                          else None),
             "nothing_to_do": self.nothing_to_do,
             "why_no_summary": self.why_no_summary,
         }
@@ -176,8 +174,7 @@ def replan_smaller(previous: Plan, factor: float = 0.5) -> Plan:
 
 def checkpoint_recall(first: int, last: int) -> dict[str, Any]:
     """``meta.recall`` of a checkpoint replacing the originals ``first``..``last``."""
-    ref = checkpoint_ref(first, last)
-    return {**ref.to_json(), "footer": checkpoint_footer(ref)}
+    return recall_meta(checkpoint_ref(first, last))
 
 
 def checkpoint_for(step: SummarizeStep, summary: str, policy: Policy, **meta: Any) -> Message:
@@ -199,13 +196,16 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
                        context_window=window)
     fired, reason = should_compact(pressure, policy)
 
-    def done(prune: tuple[PruneAction, ...], after: int, step: SummarizeStep | None,
-             why: str | None, deferred: bool = False) -> Plan:
+    def done(prune: tuple[PruneAction, ...], after: int,
+             step: SummarizeStep | RecallablePass | None, why: str | None,
+             deferred: bool = False) -> Plan:
         nothing = why if step is None and not prune else None
         return Plan(pressure=pressure, fired=fired, reason=reason, forced=inputs.force,
-                    prune=prune, tokens_after_prune=after, summarize=step,
+                    prune=prune, tokens_after_prune=after,
+                    summarize=step if isinstance(step, SummarizeStep) else None,
                     nothing_to_do=nothing, why_no_summary=why if step is None else None,
-                    planned_at=inputs.now, inputs=inputs, summary_deferred=deferred)
+                    planned_at=inputs.now, inputs=inputs, summary_deferred=deferred,
+                    recall_pass=step if isinstance(step, RecallablePass) else None)
 
     summary_due = fired or inputs.force
     if not summary_due and not should_clear(pressure, policy):
@@ -229,7 +229,13 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         return done(actions, after.tokens, None, "planned after the prunes are committed",
                     deferred=True)
     surface = apply_actions(nodes, actions)
-    step = _summarize(surface, inputs, counter)
+    step: SummarizeStep | RecallablePass | str
+    if policy.layout == "recallable":
+        step = plan_pass(surface, policy=policy, counter=counter, run_model=inputs.run_model,
+                         envelope_tokens=inputs.envelope_tokens, keep=inputs.keep_override,
+                         force=inputs.force)
+    else:
+        step = _summarize(surface, inputs, counter)
     if isinstance(step, str):
         return done(actions, after.tokens, None, step)
     return done(actions, after.tokens, step, None)
@@ -255,36 +261,10 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
 
     # Leading checkpoints carry the existing summary, unless it is too large to carry: then
     # they are read inline like messages (and split if need be), never dropped.
-    head = start
-    while head < end and is_checkpoint(surface[head]):
-        head += 1
-    existing = "\n\n".join(checkpoint_parts(surface[i].message)[0] for i in range(start, head))
-    existing = existing.strip()
-    overhead = prompt_overhead(policy, counter, inputs.envelope_tokens)
-    reserve = running_reserve(policy)
-    existing_tokens = summary_tokens(existing, counter)
-    budget = Budget(policy.trim_tokens_to_summarize, overhead, existing_tokens, reserve)
-    if existing and (existing_tokens > reserve or budget.room(0) < MIN_PART_TOKENS):
-        head, existing, budget = start, "", replace(budget, existing=0)
-    summary_seqs = tuple(node.seq for node in surface[start:head])
-
-    units = atoms(head, end, unsafe)
-    strategy = policy.strategy
-    try:
-        if strategy == "shrink" and budget.limit is not None:
-            units = units[:fit_one_call(surface, units, budget, counter)]
-        calls = pack(surface, units, budget, counter, first_summary_seqs=summary_seqs)
-    except BudgetTooSmall as exc:
-        if strategy == "shrink" or not units:
-            return f"the summarizer budget is too small: {exc}"
-        # Later calls have no room beside the running summary: fall back to one call.
-        strategy = "shrink"
-        units = units[:fit_one_call(surface, units, budget, counter)]
-        try:
-            calls = pack(surface, units, budget, counter, first_summary_seqs=summary_seqs)
-        except BudgetTooSmall as again:
-            return f"the summarizer budget is too small: {again}"
-    end = units[-1][1] if units else head
+    calls = plan_calls(surface, start, end, unsafe, policy, counter, inputs.envelope_tokens)
+    if isinstance(calls, str):
+        return calls
+    end, existing, strategy = calls.end, calls.existing, calls.strategy
 
     replaced = surface[start:end]
     replaced_tokens = sum(node.tokens for node in replaced)
@@ -303,7 +283,7 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     keep_seqs = tuple(node.seq for node in surface[:start]) + tuple(
         node.seq for node in surface[end:])
     return SummarizeStep(
-        replace_seqs=replace_seqs, keep_seqs=keep_seqs, calls=tuple(calls),
+        replace_seqs=replace_seqs, keep_seqs=keep_seqs, calls=calls.calls,
         existing_summary=existing, skills=tuple(skills), replaced_tokens=replaced_tokens,
         has_history=has_history, strategy=strategy,
         deferred_seqs=_deferred(surface, selection, start, end), span=span)

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 KINDS = ("tokens", "messages", "fraction")
 RENDERS = ("durable_context", "compacted_summary", "langchain")
 STRATEGIES = ("chunk", "shrink")
+LAYOUTS = ("merge", "recallable")
 
 DEFAULT_KEEP_MESSAGES = 20
 DEFAULT_RETAIN_RATIO = 0.16
@@ -35,6 +36,16 @@ DEFAULT_TRIM_TOKENS = 4000
 DEFAULT_MAX_SUMMARY_TOKENS = 2000
 DEFAULT_SKILL_TOOLS = ("read_file", "read", "view", "cat")
 DEFAULT_SKILLS_PATH = "/mnt/skills"
+# The recallable layout's sizes. A chunk of stale history fits one index call within the default
+# trim_tokens_to_summarize beside the instruction and the label allowances, and its index
+# checkpoint (the what-happened line, the anchors, the footer: about 100 to 200 tokens) stands
+# for it at about a tenth of its size. The index checkpoints together keep to index_max_tokens,
+# twice the default max_summary_tokens: what the layout's context costs beyond merge's one
+# checkpoint stays that of a second state, and a roll-up (to half of it) comes every ten
+# passes or so rather than every pass.
+DEFAULT_CHUNK_TOKENS = 2000
+DEFAULT_INDEX_SUMMARY_TOKENS = 100
+DEFAULT_INDEX_MAX_TOKENS = 4000
 PRUNE_THRESHOLD_CHARS = 8192
 PRUNE_HEAD_CHARS = 4096
 PRUNE_TAIL_CHARS = 1024
@@ -113,6 +124,10 @@ class Policy:
     render: str = "durable_context"
     replay_mode: bool = False
     strategy: str = "chunk"
+    layout: str = "merge"
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    index_summary_tokens: int = DEFAULT_INDEX_SUMMARY_TOKENS
+    index_max_tokens: int = DEFAULT_INDEX_MAX_TOKENS
     # Set by ``resolve``: the run model's window, and whether clauses were dropped.
     context_window: int | None = None
     dropped: tuple[str, ...] = ()
@@ -214,6 +229,9 @@ class Policy:
                 "placeholder": self.clear_tool_uses.placeholder},
             "max_summary_tokens": self.max_summary_tokens, "max_rounds": self.max_rounds,
             "render": self.render, "replay_mode": self.replay_mode, "strategy": self.strategy,
+            "layout": self.layout, "chunk_tokens": self.chunk_tokens,
+            "index_summary_tokens": self.index_summary_tokens,
+            "index_max_tokens": self.index_max_tokens,
         }
         if self.keep is not None:
             out["keep"] = {"type": self.keep.kind, "value": self.keep.value}
@@ -226,7 +244,8 @@ class Policy:
 _TOP_KEYS = {
     "enabled", "model_name", "trigger", "keep", "trim_tokens_to_summarize", "summary_prompt",
     "skill_file_read_tool_names", "skills_path", "prune", "clear_tool_uses", "retain_ratio",
-    "max_summary_tokens", "max_rounds", "render", "replay_mode", "strategy",
+    "max_summary_tokens", "max_rounds", "render", "replay_mode", "strategy", "layout",
+    "chunk_tokens", "index_summary_tokens", "index_max_tokens",
 }
 _PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
 _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs",
@@ -296,10 +315,43 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
         changes["replay_mode"] = _bool(raw["replay_mode"], f"{path}.replay_mode")
     if "strategy" in raw:
         changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
+    if "layout" in raw:
+        changes["layout"] = _choice(raw["layout"], LAYOUTS, f"{path}.layout")
+    for key in ("chunk_tokens", "index_summary_tokens", "index_max_tokens"):
+        if key in raw:
+            changes[key] = _count(raw[key], f"{path}.{key}")
     out = replace(policy, **changes)
+    check_layout_sizes(out, path, given=changes)
     if check_keep:
         check_keep_below_trigger(out, path)
     return out
+
+
+def check_layout_sizes(policy: Policy, path: str, given: Mapping[str, Any]) -> None:
+    """The recallable layout's sizes, against each other (the key named is one the mapping
+    gave, where it gave one)."""
+    def key(*names: str) -> str:
+        return f"{path}.{next((n for n in names if n in given), names[0])}"
+
+    if policy.index_summary_tokens >= policy.chunk_tokens:
+        raise PolicyError(key("index_summary_tokens", "chunk_tokens"),
+                          f"index_summary_tokens ({policy.index_summary_tokens}) must be below "
+                          f"chunk_tokens ({policy.chunk_tokens}): an index checkpoint stands "
+                          "for its chunk in fewer tokens")
+    if policy.layout == "recallable":
+        for g, group in enumerate(policy.trigger):
+            tokens = [c.value for c in group if c.kind == "tokens"]
+            if len(tokens) == len(group) and max(tokens) <= policy.index_max_tokens:
+                raise PolicyError(key("index_max_tokens", "trigger", "layout"),
+                                  f"index_max_tokens ({policy.index_max_tokens}) must be below "
+                                  f"trigger group {g} (tokens>={int(max(tokens))}): the index "
+                                  "checkpoints alone would fire it again")
+    if policy.index_max_tokens < 4 * policy.index_summary_tokens:
+        raise PolicyError(key("index_max_tokens", "index_summary_tokens"),
+                          f"index_max_tokens ({policy.index_max_tokens}) must be at least 4 "
+                          f"times index_summary_tokens ({policy.index_summary_tokens}): a "
+                          "roll-up brings the index checkpoints to half of it, which must hold "
+                          "the roll-up and the next pass's index checkpoints")
 
 
 def parse_trigger(raw: Any, path: str) -> Trigger:

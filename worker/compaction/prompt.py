@@ -49,7 +49,7 @@ import html
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from storage.messages import Message
@@ -101,6 +101,19 @@ REPLAY_INSTRUCTION = (
 )
 
 REPLAY_MESSAGES_NOTE = "(the messages are the conversation above this instruction)"
+
+# The recallable layout's index calls (one per chunk of stale history): a short account of what
+# happened, never the eight sections (the state checkpoint holds those). The first words mark
+# the instruction, so a scripted provider can tell an index call from a summary call.
+INDEX_MARK = "Write the index entry"
+_INDEX_RULES = (
+    f"{INDEX_MARK} for the part of an AI agent's session below: one to three plain sentences, "
+    "at most {cap} tokens, saying what happened in it (what was asked, what was done, what "
+    "was found or decided). No headings and no lists. Keep exact names and values where they "
+    "matter. If the existing summary is not (none), it is the entry written so far for the "
+    "same part: extend it with the new messages.\n"
+    "Reply with the entry only."
+)
 
 # Allowances for the estimate of a piece in the summarizer's input (see the module docstring).
 # A turn's tags, such as '<turn seq="999999999" role="tool" name="" part="999/999">' and
@@ -250,6 +263,23 @@ def instruction_template(policy: Policy) -> str:
     return REPLAY_INSTRUCTION if policy.replay_mode else DEFAULT_INSTRUCTION
 
 
+def index_instruction(policy: Policy) -> str:
+    """The index calls' instruction: always the transcript form (a custom ``summary_prompt`` and
+    replay mode are the state's), capped at ``index_summary_tokens``."""
+    rules = _INDEX_RULES.replace("{cap}", str(policy.index_summary_tokens))
+    return f"{rules}\n\n{{existing_summary}}\n\n{{messages}}"
+
+
+def build_index_prompt(call: SummaryCall, running_entry: str | None, policy: Policy
+                       ) -> list[dict[str, Any]]:
+    """Chat messages for one index call: the chunk as a transcript; ``running_entry`` is the
+    entry the chunk's previous call wrote (a chunk larger than one call)."""
+    text = fill_instruction(index_instruction(policy), running_entry or "",
+                            render_transcript(call.pieces))
+    return [{"role": "system", "content": SUMMARIZER_SYSTEM},
+            {"role": "user", "content": text}]
+
+
 def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
                  envelope: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Chat messages (role/content) for one call of a plan.
@@ -324,6 +354,11 @@ def prompt_overhead(policy: Policy, counter: TokenCounter, envelope_tokens: int 
     replay = policy.replay_mode
     return (_overhead(instruction_template(policy), replay, counter)
             + (max(0, envelope_tokens) if replay else 0))
+
+
+def index_overhead(policy: Policy, counter: TokenCounter) -> int:
+    """:func:`prompt_overhead` of an index call."""
+    return _overhead(index_instruction(policy), False, counter)
 
 
 def summary_tokens(text: str, counter: TokenCounter) -> int:
@@ -548,6 +583,55 @@ def pack(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]], budget:
                 packer.place(piece if single else Piece(piece.seq, piece.message, piece.tokens,
                                                         whole=False, summary=piece.summary))
     return packer.finish()
+
+
+@dataclass(frozen=True, slots=True)
+class CallPlan:
+    """How a summary step reads a run ``nodes[start:end]``: its calls, the existing summary the
+    first merges into (the leading checkpoints' summaries, unless too large to carry: then they
+    are read inline like messages), and where the calls stop (``shrink`` may stop early)."""
+
+    calls: tuple[SummaryCall, ...]
+    existing: str
+    end: int
+    strategy: str
+
+
+def plan_calls(nodes: Sequence[SurfaceNode], start: int, end: int, unsafe: Sequence[bool],
+               policy: Policy, counter: TokenCounter, envelope_tokens: int = 0
+               ) -> CallPlan | str:
+    """The calls that read ``nodes[start:end]`` under ``policy``'s budget and strategy, or why
+    there are none (the budget is too small)."""
+    head = start
+    while head < end and is_checkpoint(nodes[head]):
+        head += 1
+    existing = "\n\n".join(checkpoint_parts(nodes[i].message)[0] for i in range(start, head))
+    existing = existing.strip()
+    overhead = prompt_overhead(policy, counter, envelope_tokens)
+    reserve = running_reserve(policy)
+    existing_tokens = summary_tokens(existing, counter)
+    budget = Budget(policy.trim_tokens_to_summarize, overhead, existing_tokens, reserve)
+    if existing and (existing_tokens > reserve or budget.room(0) < MIN_PART_TOKENS):
+        head, existing, budget = start, "", replace(budget, existing=0)
+    summary_seqs = tuple(node.seq for node in nodes[start:head])
+
+    units = atoms(head, end, unsafe)
+    strategy = policy.strategy
+    try:
+        if strategy == "shrink" and budget.limit is not None:
+            units = units[:fit_one_call(nodes, units, budget, counter)]
+        calls = pack(nodes, units, budget, counter, first_summary_seqs=summary_seqs)
+    except BudgetTooSmall as exc:
+        if strategy == "shrink" or not units:
+            return f"the summarizer budget is too small: {exc}"
+        # Later calls have no room beside the running summary: fall back to one call.
+        strategy = "shrink"
+        units = units[:fit_one_call(nodes, units, budget, counter)]
+        try:
+            calls = pack(nodes, units, budget, counter, first_summary_seqs=summary_seqs)
+        except BudgetTooSmall as again:
+            return f"the summarizer budget is too small: {again}"
+    return CallPlan(tuple(calls), existing, units[-1][1] if units else head, strategy)
 
 
 def fit_one_call(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]],

@@ -2,7 +2,9 @@
 originals, and how newly stale history is cut for the ``recallable`` layout.
 
 **References.** A checkpoint is named by the span of original message seqs it replaced:
-``c12-340``. The name is known before the commit (a node's own seq is not: the commit assigns
+``c12-340``; the ``recallable`` layout's state checkpoint by the span it absorbed, ``s12-340``
+(its own letter: the state's span ends where an index checkpoint's may, and the two must not
+share a name). The name is known before the commit (a node's own seq is not: the commit assigns
 it), it never changes, and no two checkpoints of a session can share it: every live node covers
 a disjoint interval of originals, and a new checkpoint replaces either two or more nodes (a
 strictly larger union) or one non-checkpoint node. A pruned tool result is named by the seq of
@@ -40,7 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from storage.errors import RecallArgumentError
-from storage.kinds import NodeKind
+from storage.kinds import LayoutRole, NodeKind
 from storage.messages import META_RECALL, Message
 from storage.surface import SurfaceNode
 from worker.compaction.boundary import unsafe_boundaries
@@ -61,27 +63,29 @@ ANCHOR_MAX_CHARS = 160
 MAX_TOOL_NAMES = 8
 
 RefKind = Literal[NodeKind.CHECKPOINT, NodeKind.PRUNED]
-_REF = re.compile(r"(?:c(\d{1,18})-(\d{1,18})|r(\d{1,18}))")
+_REF = re.compile(r"(?:([cs])(\d{1,18})-(\d{1,18})|r(\d{1,18}))")
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Ref:
-    """What ``history_read`` is given: a checkpoint's span or a pruned result's original."""
+    """What ``history_read`` is given: a checkpoint's span or a pruned result's original;
+    ``state``: the recallable layout's state checkpoint (``s12-340``)."""
 
     first: int
     last: int
     kind: RefKind = NodeKind.CHECKPOINT
+    state: bool = False
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
             raise ValueError(f"not a seq span: {self.first}-{self.last}")
-        if self.kind == NodeKind.PRUNED and self.first != self.last:
+        if self.kind == NodeKind.PRUNED and (self.first != self.last or self.state):
             raise ValueError("a pruned result names one original seq")
 
     def __str__(self) -> str:
         if self.kind == NodeKind.PRUNED:
             return f"r{self.first}"
-        return f"c{self.first}-{self.last}"
+        return f"{'s' if self.state else 'c'}{self.first}-{self.last}"
 
     def to_json(self) -> dict[str, Any]:
         return {"ref": str(self), "first": self.first, "last": self.last}
@@ -89,6 +93,10 @@ class Ref:
 
 def checkpoint_ref(first: int, last: int) -> Ref:
     return Ref(first, last, NodeKind.CHECKPOINT)
+
+
+def state_ref(first: int, last: int) -> Ref:
+    return Ref(first, last, NodeKind.CHECKPOINT, state=True)
 
 
 def pruned_ref(seq: int) -> Ref:
@@ -103,14 +111,14 @@ def parse_ref(text: Any, argument: str = "checkpoint") -> Ref:
     match = _REF.fullmatch(text.strip())
     if match is None:
         shown = text if len(text) <= 40 else text[:40] + "..."
-        raise RecallArgumentError(argument, f"{shown!r} is not a checkpoint (like c12-340) or a "
-                                            f"pruned result (like r57)")
-    if match.group(3) is not None:
-        return pruned_ref(int(match.group(3)))
-    first, last = int(match.group(1)), int(match.group(2))
+        raise RecallArgumentError(argument, f"{shown!r} is not a checkpoint (like c12-340 or "
+                                            f"s12-340) or a pruned result (like r57)")
+    if match.group(4) is not None:
+        return pruned_ref(int(match.group(4)))
+    first, last = int(match.group(2)), int(match.group(3))
     if last < first:
         raise RecallArgumentError(argument, f"{text.strip()!r}: the span ends before it starts")
-    return checkpoint_ref(first, last)
+    return state_ref(first, last) if match.group(1) == "s" else checkpoint_ref(first, last)
 
 
 def node_span(node: SurfaceNode) -> tuple[int, int]:
@@ -122,6 +130,18 @@ def node_span(node: SurfaceNode) -> tuple[int, int]:
         if isinstance(first, int) and isinstance(last, int) and 0 <= first <= last:
             return first, last
     return node.seq, node.seq
+
+
+def layout_role(node: SurfaceNode) -> str | None:
+    """The part a checkpoint plays in the recallable layout (:class:`LayoutRole`), None for any
+    other node (a ``merge`` checkpoint included)."""
+    raw = node.message.meta.get(META_RECALL)
+    role = raw.get("layout") if isinstance(raw, Mapping) else None
+    return role if role in (LayoutRole.INDEX, LayoutRole.STATE) else None
+
+
+def is_index(node: SurfaceNode) -> bool:
+    return layout_role(node) == LayoutRole.INDEX
 
 
 def span_of(nodes: Sequence[SurfaceNode]) -> tuple[int, int]:
@@ -140,6 +160,12 @@ def checkpoint_footer(ref: Ref) -> str:
     """The line a checkpoint ends with: its name, its span, how to read and search it."""
     return (f'[{ref} replaced seqs {ref.first}-{ref.last}. Originals: '
             f'{HISTORY_READ}(checkpoint="{ref}"); search: {HISTORY_SEARCH}(query)]')
+
+
+def recall_meta(ref: Ref, **more: Any) -> dict[str, Any]:
+    """A checkpoint's ``meta.recall``: its reference, span and footer, and ``more`` (what the
+    recallable layout keeps beside them: its role, an index checkpoint's anchors and tally)."""
+    return {**ref.to_json(), "footer": checkpoint_footer(ref), **more}
 
 
 def pruned_note(ref: Ref) -> str:
@@ -419,7 +445,12 @@ def pointer_text(ref: Ref, counts: Tally, anchors: Sequence[str], *,
                  rolled_up: int = 0) -> str:
     """A checkpoint composed by code alone (footer included): a chunk whose summary call
     failed, or ``rolled_up`` index checkpoints folded into one."""
+    return f"{pointer_body(counts, anchors, rolled_up=rolled_up)}\n{checkpoint_footer(ref)}"
+
+
+def pointer_body(counts: Tally, anchors: Sequence[str], *, rolled_up: int = 0) -> str:
+    """:func:`pointer_text` without its footer: a checkpoint's summary, to which its rendering
+    adds the footer from ``meta.recall``."""
     what = (f"Rolled up {rolled_up} earlier index checkpoints" if rolled_up
             else "Not summarized")
-    return (f"{what}: {describe_tally(counts)}.\n{render_anchors(anchors)}\n"
-            f"{checkpoint_footer(ref)}")
+    return f"{what}: {describe_tally(counts)}.\n{render_anchors(anchors)}"

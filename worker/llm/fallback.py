@@ -75,6 +75,8 @@ class SummaryRequest:
 
     ``validate`` (optional) replaces the call's validator for this request: a planner that
     shrinks the range on a context-length error hands back the validator for the new range.
+    ``local`` (optional) is the model-free summarizer that answers it as the ``local``
+    candidate: an index call is answered with a short entry, not the eight sections.
     """
 
     chat: tuple[ChatMessage, ...]
@@ -83,14 +85,16 @@ class SummaryRequest:
     existing_summary: str | None = None
     max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
     validate: Validator | None = None
+    local: LocalSummarizer | None = None
 
     @classmethod
     def of(cls, chat: Sequence[ChatMessage], messages: Sequence[Message] = (),
            existing_summary: str | None = None, max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
-           validate: Validator | None = None, tools: Sequence[Tool] = ()) -> SummaryRequest:
+           validate: Validator | None = None, tools: Sequence[Tool] = (),
+           local: LocalSummarizer | None = None) -> SummaryRequest:
         return cls(chat=tuple(dict(m) for m in chat), messages=tuple(messages),
                    existing_summary=existing_summary, max_tokens=max_tokens, validate=validate,
-                   tools=tuple(dict(t) for t in tools))
+                   tools=tuple(dict(t) for t in tools), local=local)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,8 +245,8 @@ class _Run:
         try:
             # A thread, so a large range does not stall the loop (lease renewal runs on it).
             text = await asyncio.to_thread(
-                self.local, list(request.messages), existing_summary=request.existing_summary,
-                max_tokens=request.max_tokens)
+                request.local or self.local, list(request.messages),
+                existing_summary=request.existing_summary, max_tokens=request.max_tokens)
         except LocalSummaryError as exc:
             self.fail(candidate, ModelFailure.REFUSED, str(exc), started)
             return None

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from storage.messages import META_CHECKPOINT, META_PINNED, Message
-from storage.tokens import TokenCounter, counter_for
+from storage.tokens import TokenCounter, counter_for, fitting_prefix
 from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
 from worker.llm.errors import LocalSummaryError
 
@@ -703,3 +703,56 @@ def summarize_local(messages: Sequence[Message], *, existing_summary: str | None
         counter.count_text(p) for p in ([existing_summary] if existing_summary else []))
     budget = min(max_tokens, input_tokens - 1)
     return _Fitter(_sections(facts, previous), budget, counter).fit()
+
+
+# --------------------------------------------------------------------------------------------
+# index entries (the recallable layout)
+
+INDEX_ITEMS = 4
+INDEX_CLIP_CHARS = 100
+
+
+def summarize_local_index(messages: Sequence[Message], *, existing_summary: str | None = None,
+                          max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
+                          counter: TokenCounter | None = None) -> str:
+    """A short what-happened of ``messages`` for an index checkpoint: what was asked, the errors
+    met, the tools run, the files touched, where it ended; no sections. ``existing_summary`` is the
+    entry an earlier call wrote for the same chunk, continued. At most ``max_tokens`` and
+    strictly fewer tokens than the input; the most telling parts are kept first."""
+    counter = counter or counter_for(None)
+    messages = list(messages)
+    facts = _extract(messages)
+    parts: list[str] = []
+    if existing_summary and existing_summary.strip():
+        parts.append(_clip(" ".join(existing_summary.split()), INDEX_CLIP_CHARS * 2))
+    if facts.requests:
+        parts.append(f"Asked: {_clip(' '.join(facts.requests[0].split()), INDEX_CLIP_CHARS)}.")
+    if facts.errors:
+        parts.append(f"Errors: {', '.join(list(facts.errors)[:INDEX_ITEMS])}.")
+    if facts.tools:
+        ran = ", ".join(f"{name} x{n}" if n > 1 else name
+                        for name, n in facts.tools.most_common(INDEX_ITEMS))
+        parts.append(f"Ran {ran}.")
+    if facts.paths:
+        parts.append(f"Files: {', '.join(list(facts.paths)[:INDEX_ITEMS])}.")
+    if facts.decisions:
+        parts.append(f"Decided: {_clip(facts.decisions[-1], INDEX_CLIP_CHARS)}")
+    if facts.current:
+        parts.append(f"Last: {_clip(facts.current, INDEX_CLIP_CHARS)}")
+    if not parts:
+        noun = "message" if len(messages) == 1 else "messages"
+        parts.append(f"{len(messages)} {noun} without text.")
+    input_tokens = sum(counter.count_message(m) for m in messages) + (
+        counter.count_text(existing_summary) if existing_summary else 0)
+    budget = min(max_tokens, input_tokens - 1)
+    text = ""
+    for part in parts:
+        joined = f"{text} {part}".strip()
+        if counter.count_text(joined) > budget:
+            continue
+        text = joined
+    if not text:
+        text = parts[0][:fitting_prefix(parts[0], budget, counter)].strip()
+    if not text:
+        raise LocalSummaryError(f"no index entry fits {budget} tokens")
+    return text

@@ -15,7 +15,8 @@ The earlier revisions (0002, 0003, 0004, 0007, 0008) no longer carry function te
 function is written once in the tree, and a new database gets all three here. Downgrading
 below this revision drops them (no store runs below the head revision). Before a later change to
 one of these files, the revision that changes it creates the new text, and this one must keep
-the text it created (paste it here then).
+the text it created (paste it here then). Revision 0011 changed ``compactd_commit``: the text
+this one created is ``storage/sql/revisions/0009/compactd_commit.sql``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 # This revision's functions (storage.sql.FUNCTIONS grows with later revisions, which create
-# their own).
+# their own), and the revision whose text it created where a later revision changed one.
 _FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit")
+_KEPT = {"compactd_commit": "0009"}
 _CLAIM_0008 = "compactd_claim(text, text, text, text, timestamptz, timestamptz, text, boolean)"
 _SIGNATURES = (
     "compactd_append(text, json[], int[], timestamptz, text[], int[], int[], text[], int[])",
@@ -47,7 +49,7 @@ def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP FUNCTION IF EXISTS {_CLAIM_0008}")
         for name in _FUNCTIONS:
-            op.execute(function_definition(name))
+            op.execute(function_definition(name, _KEPT.get(name)))
 
 
 def downgrade() -> None:

@@ -1,7 +1,9 @@
 -- Index one replace event (a checkpoint or a pruned result): the originals it is the first to
 -- replace go to recall_originals with their text, and the node, named by its footer's ref (or
--- from its span, for a node written before footers), to recall_nodes with the union of the
--- spans it replaced. Idempotent: a second call for the same event adds nothing.
+-- from its span, for a node written before footers), to recall_nodes with the span its
+-- meta.recall states (first, last), else the union of the spans it replaced: a recallable
+-- layout's state names everything the layout absorbed, most of which it never replaced
+-- itself. Idempotent: a second call for the same event adds nothing.
 CREATE OR REPLACE FUNCTION compactd_recall_index(p_session text, p_seq bigint, p_kind text, p_payload json)
  RETURNS void
  LANGUAGE plpgsql
@@ -21,10 +23,16 @@ BEGIN
     ON CONFLICT DO NOTHING
     RETURNING bytes)
   SELECT count(*), coalesce(sum(bytes), 0) INTO v_messages, v_bytes FROM added;
-  SELECT min(coalesce(n.first_seq, r.value::bigint)), max(coalesce(n.last_seq, r.value::bigint))
-  INTO v_first, v_last
-  FROM json_array_elements_text(p_payload->'replaces') r(value)
-  LEFT JOIN recall_nodes n ON n.session_id = p_session AND n.seq = r.value::bigint;
+  IF json_typeof(p_payload->'message'->'meta'->'recall'->'first') = 'number'
+     AND json_typeof(p_payload->'message'->'meta'->'recall'->'last') = 'number' THEN
+    v_first := (p_payload->'message'->'meta'->'recall'->>'first')::bigint;
+    v_last := (p_payload->'message'->'meta'->'recall'->>'last')::bigint;
+  ELSE
+    SELECT min(coalesce(n.first_seq, r.value::bigint)), max(coalesce(n.last_seq, r.value::bigint))
+    INTO v_first, v_last
+    FROM json_array_elements_text(p_payload->'replaces') r(value)
+    LEFT JOIN recall_nodes n ON n.session_id = p_session AND n.seq = r.value::bigint;
+  END IF;
   IF v_first IS NULL THEN
     RETURN;
   END IF;
