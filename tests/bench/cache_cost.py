@@ -127,6 +127,7 @@ from tests.support.fake_provider import (  # noqa: E402
 )
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
+from worker.compaction.policy import DEFAULT_INDEX_MAX_TOKENS  # noqa: E402
 from worker.settings import load_config  # noqa: E402
 
 AGENT_MODEL = "fake-gpt"
@@ -318,6 +319,11 @@ def compactd_policy(args: argparse.Namespace, layout: str | None) -> dict[str, A
         "trim_tokens_to_summarize": args.trim}
     if layout is not None:
         policy["layout"] = layout
+    if layout == "recallable":
+        # The policy refuses an index cap the index checkpoints alone could fire the trigger
+        # with; the default cap stays where the trigger leaves room for it (a quarter, so the
+        # state and the kept tail fit beside the index), and a small trigger gets its quarter.
+        policy["index_max_tokens"] = min(DEFAULT_INDEX_MAX_TOKENS, args.trigger // 4)
     return policy
 
 

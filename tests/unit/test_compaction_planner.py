@@ -160,6 +160,7 @@ def _big_surface(messages: int, tokens_per_message: int = 100) -> list[SurfaceNo
     return nodes(*out[:messages], tokens=[tokens_per_message] * messages)
 
 
+@pytest.mark.timed
 def test_planning_is_fast_enough_for_a_long_surface():
     # the benchmark (tests/bench/plan_speed.py) measures; this only guards a regression
     surface = _big_surface(2000)

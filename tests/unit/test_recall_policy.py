@@ -156,6 +156,7 @@ def test_anchors_are_bounded_keeping_errors_first_in_order() -> None:
 
 @pytest.mark.parametrize("unit", ["@", "+", "a@b+", "/@", "./", "A-", "1 ", "ab12", "Error ",
                                   "error:", "a/", " "])
+@pytest.mark.timed
 def test_anchor_patterns_stay_linear_on_long_repetitive_text(unit: str) -> None:
     # A tool result can be a megabyte of one character class; a pattern that backtracks over
     # it stalls the worker (the path pattern did on a run of "@" until its look-behind covered
