@@ -2,15 +2,19 @@
 
 The plan (:mod:`worker.compaction.recallable`) names the chunks, the state and where each goes.
 Here every chunk's index chain and the state's chain start at once, each through the candidate
-fallback with its usage recorded per call. Index checkpoint i commits as soon as chains 1..i are
-done (the roll-up rides on the first commit), each through :meth:`RunScope.commit` with the
-fence checked every time; the last commit carries the last index checkpoint and the new state
-together. Every surface in between is a valid layout, so a pass interrupted between commits
-(a lost lease, a crash) is resumed from the log by the next pass.
+fallback with its usage recorded per call, and the pass commits once they have all ended: the
+roll-up, the index checkpoints left to right and the new state, in one commit through
+:meth:`RunScope.commit` (fence checked). One commit, because every surface version a runtime
+picks up makes it re-send, uncached, everything after the first node that changed: index
+checkpoints committed ahead of the state would cost the agent a second re-send of its context
+in the same pass (``tests/bench/cache_cost.py`` counts it), for a gain only a crash could
+collect.
 
 A chunk whose chain fails degrades to its pointer, composed by code at plan time, and the pass
 goes on. The state is the one call a pass cannot do without: when its chain fails, the index
-checkpoints still commit (each is valid alone), then the run fails ``summary``.
+checkpoints still commit (each is valid alone; the surface between is a valid layout), then the
+run fails ``summary``, and the next pass resumes from the log, its state reading those index
+checkpoints.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from storage.kinds import LayoutRole, RunStatus, Stage
 from storage.messages import Message
 from storage.records import Replacement, SessionInfo
-from storage.surface import NewNode, Surface, surface_after_commit
+from storage.surface import Surface
 from storage.tokens import counter_for
 from worker.chains import ChainFailed, Summarizers, Written, run_chain, summary_request
 from worker.compaction.planner import Plan
@@ -139,73 +143,55 @@ async def _commits(scope: RunScope, p: RecallablePass,
                    indexes: Sequence[asyncio.Task[tuple[str | None, Written | None]]],
                    state_task: asyncio.Task[Written], surface: Surface, policy: Policy,
                    info: SessionInfo, *, final_if_relieved: bool) -> tuple[SessionInfo, bool]:
-    """Commit the pass left to right: at each step, the next index checkpoint once its chain is
-    done, with every one after it whose chain is done too (one commit, not one each), and with
-    the last the state."""
+    """Commit the pass left to right once every chain has ended: one commit of the index
+    checkpoints and the state; the index checkpoints alone when the state's chain failed."""
     out, run_id = scope.out, scope.claim.run_id
-    start, commits = 0, 0
+    await asyncio.wait([*indexes, state_task])
+    nodes: list[tuple[Message, dict[str, Any]]] = []  # in commit_replacements' order
+    if p.rollup is not None:
+        nodes.append((p.rollup.message, {
+            "layout": LayoutRole.INDEX, "checkpoint": str(p.rollup.ref),
+            "rolled_up": p.rollup.rolled_up, "replaced_tokens": p.rollup.replaced_tokens}))
+    index_messages: list[Message] = []
+    for step, task in zip(p.chunks, indexes, strict=True):
+        text, written = task.result()
+        index_messages.append(index_checkpoint(step, text, policy, run_id=run_id))
+        nodes.append((index_messages[-1], {
+            "layout": LayoutRole.INDEX, "checkpoint": str(step.ref), "pointer": text is None,
+            "replaced_tokens": step.replaced_tokens, "calls": len(step.calls),
+            "model": written.model if written else None,
+            "usage": written.usage if written else None}))
     failed: ChainFailed | None = None
-    while True:
-        nodes: list[tuple[Message, dict[str, Any]]] = []  # in commit_replacements' order
-        if start == 0 and p.rollup is not None:
-            nodes.append((p.rollup.message, {
-                "layout": LayoutRole.INDEX, "checkpoint": str(p.rollup.ref),
-                "rolled_up": p.rollup.rolled_up, "replaced_tokens": p.rollup.replaced_tokens}))
-        done = start
-        index_messages: list[Message] = []
-        while done < len(p.chunks) and (done == start or indexes[done].done()):
-            step = p.chunks[done]
-            text, written = await indexes[done]
-            index_messages.append(index_checkpoint(step, text, policy, run_id=run_id))
-            nodes.append((index_messages[-1], {
-                "layout": LayoutRole.INDEX, "checkpoint": str(step.ref), "pointer": text is None,
-                "replaced_tokens": step.replaced_tokens, "calls": len(step.calls),
-                "model": written.model if written else None,
-                "usage": written.usage if written else None}))
-            done += 1
-        last = done == len(p.chunks)
-        state = None
-        if last:
-            try:
-                written_state = await state_task
-            except ChainFailed as exc:
-                failed = exc
-            else:
-                out.model, out.summary = written_state.model, written_state.text
-                state = state_checkpoint(p.state, written_state.text, policy, run_id=run_id)
-                nodes.append((state, {
-                    "layout": LayoutRole.STATE, "checkpoint": str(p.state.ref),
-                    "room_tokens": p.state.room_tokens, "calls": len(p.state.calls),
-                    "model": written_state.model, "usage": written_state.usage,
-                    "skills": [s.to_json() for s in p.state.skills]}))
-        reps = commit_replacements(p, start, index_messages, info.run_model, state)
-        if not reps:
-            break  # the state alone, and it failed: nothing to write
+    state = None
+    try:
+        written_state = state_task.result()
+    except ChainFailed as exc:
+        failed = exc
+    else:
+        out.model, out.summary = written_state.model, written_state.text
+        state = state_checkpoint(p.state, written_state.text, policy, run_id=run_id)
+        nodes.append((state, {
+            "layout": LayoutRole.STATE, "checkpoint": str(p.state.ref),
+            "room_tokens": p.state.room_tokens, "calls": len(p.state.calls),
+            "model": written_state.model, "usage": written_state.usage,
+            "skills": [s.to_json() for s in p.state.skills]}))
+    reps = commit_replacements(p, 0, index_messages, info.run_model, state)
+    if reps:  # (none: the state alone, and it failed)
         reps = [replace(rep, journal={"text": message.meta.get("summary"), **journal,
                                       "tokens": rep.tokens})
                 for rep, (message, journal) in zip(reps, nodes, strict=True)]
         saved = sum(_tokens_of(surface, rep) for rep in reps) - sum(r.tokens for r in reps)
         # Whether this commit ends the run is decided before it, so compaction/end goes in
-        # its transaction: the last commit of a pass that relieved the session (or the last
-        # round's).
+        # its transaction: a pass that relieved the session (or the last round's).
         predicted = read_pressure(info, surface, policy).reduced_by(saved, policy.context_window)
-        final = last and failed is None and (not should_compact(predicted, policy)[0]
-                                             or not final_if_relieved)
-        commits += 1
+        final = failed is None and (not should_compact(predicted, policy)[0]
+                                    or not final_if_relieved)
         info = await _commit(scope, reps, surface, final=final, predicted=predicted.tokens,
-                             what=f"commit {commits} of the recallable pass")
+                             what="the recallable pass")
         metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved))
         scope.out.tokens_after = session_pressure(info, policy).tokens
         if final:
             return info, True
-        if last:
-            break
-        surface = surface_after_commit(
-            surface, [NewNode(r.seqs, r.kind, message, r.tokens, r.before, r.after)
-                      for r, (message, _) in zip(reps, nodes, strict=True)],
-            version=info.surface_version, last_seq=info.last_seq
-        ) or await scope.deps.store.read_surface(info.id, reuse=surface)
-        start = done
     if failed is not None:
         raise failed
     return info, False
