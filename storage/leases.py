@@ -582,9 +582,12 @@ def _refused(rep: Replacement, what: str) -> SurfaceChanged:
     return _run_changed(rep.seqs, contiguous=what == "contiguous")
 
 
-async def _abandon_run(conn: AsyncConnection, run_id: str, now: dt.datetime, error: str
+async def _abandon_run(conn: AsyncConnection, run_id: str | None, now: dt.datetime, error: str
                        ) -> None:
-    """End run ``run_id`` as abandoned, if it is still running."""
+    """End run ``run_id`` as abandoned, if it is still running (a lease written before leases
+    named their run has none to end)."""
+    if run_id is None:
+        return
     await conn.execute(
         t.compaction_runs.update()
         .where(t.compaction_runs.c.id == run_id,

@@ -644,8 +644,8 @@ def _next_growth_rate(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
     c = t.sessions.c
     since = (sa.func.julianday(sa.literal(now, t.UTCDateTime))
              - sa.func.julianday(sa.func.coalesce(c.last_append_at, c.created_at))) * 86400.0
-    return ((c.growth_rate * GROWTH_WINDOW_S + added)
-            / (GROWTH_WINDOW_S + sa.func.max(0.0, since)))
+    return sa.type_coerce((c.growth_rate * GROWTH_WINDOW_S + added)
+                          / (GROWTH_WINDOW_S + sa.func.max(0.0, since)), sa.Float)
 
 
 def _append_error(exc: Exception) -> Exception:
