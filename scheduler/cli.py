@@ -102,7 +102,7 @@ async def cmd_ingest(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_surface(args: argparse.Namespace, config: Config) -> int:
-    async with open_store(config) as store:
+    async with open_store(config, reads=args.session) as store:
         surface = await store.read_surface(args.session)
     messages = render_surface(surface.nodes, args.render)
     if args.json:
@@ -130,7 +130,7 @@ async def cmd_surface(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_verify(args: argparse.Namespace, config: Config) -> int:
-    async with open_store(config) as store:
+    async with open_store(config, reads=None if args.all else args.session) as store:
         ids = await store.all_session_ids() if args.all else [args.session]
         results = [await store.verify(sid) for sid in ids]
     bad = [r for r in results if not r.ok]

@@ -23,8 +23,7 @@ from scheduler.client import CompactdClient
 from scheduler.intake import parse_signal
 from scheduler.output import EXIT_FAILED, emit, open_store, say
 from scheduler.status import render_status, session_status, status
-from storage.database import database_exists
-from storage.errors import InvalidMessage, RecallArgumentError, SessionNotFound
+from storage.errors import InvalidMessage, RecallArgumentError
 from storage.kinds import RunStatus, SignalReason, Trigger
 from storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
@@ -49,7 +48,7 @@ KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for
 
 async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     keep = parse_keep(args.keep)
-    async with open_store(config) as store:
+    async with open_store(config, reads=args.session) as store:
         info = await store.get_session(args.session)
         surface = await store.read_surface(args.session)
     policy = session_policy(info, config)
@@ -163,7 +162,7 @@ async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:
-    async with open_store(config) as store:
+    async with open_store(config, reads=args.session) as store:
         if args.session:
             body = await session_status(store, args.session, limit=args.limit, config=config)
         else:
@@ -230,20 +229,12 @@ def _recall_refused(exc: RecallArgumentError, names: dict[str, str]) -> RecallUs
     return RecallUsage(f"{names.get(exc.argument, exc.argument)}: {exc.reason}")
 
 
-def _nothing_stored(config: Config, session_id: str) -> None:
-    """A read of an embedded database that was never created: no session is there, and opening
-    it would create and migrate the file, a write for a command that only reads."""
-    if not database_exists(config.database_url):
-        raise SessionNotFound(session_id)
-
-
 async def cmd_history_search(args: argparse.Namespace, config: Config) -> int:
     try:
         # Checked before anything is opened: bad input writes nothing, not even a new file.
         checked = check_search(args.query, args.checkpoint, args.limit)
-        _nothing_stored(config, args.session)
         ref = None if checked.checkpoint is None else str(checked.checkpoint)
-        async with open_store(config) as store:
+        async with open_store(config, reads=args.session) as store:
             result = await store.history_search(args.session, checked.query, ref,
                                                 checked.limit)
     except RecallArgumentError as exc:
@@ -262,9 +253,8 @@ async def cmd_history_search(args: argparse.Namespace, config: Config) -> int:
 async def cmd_history_read(args: argparse.Namespace, config: Config) -> int:
     try:
         checked = check_read(args.checkpoint, args.offset, args.cursor, args.budget_tokens)
-        _nothing_stored(config, args.session)
         ref = str(checked.checkpoint)
-        async with open_store(config) as store:
+        async with open_store(config, reads=args.session) as store:
             page = await store.history_read(args.session, ref, checked.offset,
                                             cursor=checked.cursor,
                                             budget_tokens=checked.budget_tokens)

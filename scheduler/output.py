@@ -13,6 +13,8 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+from storage.database import database_exists
+from storage.errors import SessionNotFound
 from storage.migrate import ensure_schema
 from storage.store import Store
 from worker.settings import Config
@@ -23,9 +25,15 @@ EXIT_BAD_INPUT = 2
 
 
 @contextlib.asynccontextmanager
-async def open_store(config: Config) -> AsyncIterator[Store]:
+async def open_store(config: Config, *, reads: str | None = None) -> AsyncIterator[Store]:
     """A store on the configured database; the embedded SQLite file is migrated on first use
-    (it has no operator to run ``compactd migrate``)."""
+    (it has no operator to run ``compactd migrate``).
+
+    ``reads``: the session a command that only reads asks for. On an embedded database that was
+    never created no session is there, and creating and migrating the file to say so would be a
+    write: :class:`SessionNotFound` instead, and no file."""
+    if reads is not None and not database_exists(config.database_url):
+        raise SessionNotFound(reads)
     store = Store.from_url(config.database_url, pool_size=5)
     if config.embedded:
         await ensure_schema(store.engine, config.database_url)

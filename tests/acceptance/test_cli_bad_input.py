@@ -221,3 +221,21 @@ def test_a_broker_url_kombu_cannot_use_exits_2_without_a_traceback(
         code, out, err = cli(*command)
         assert_refused((code, out, err), "COMPACTD_BROKER_URL", problem)
         assert "hunter2" not in err
+
+
+@pytest.mark.parametrize("args", [["surface", "s1"], ["surface", "s1", "--json"],
+                                  ["plan", "s1"], ["verify", "s1"], ["status", "s1"],
+                                  ["history", "search", "s1", "x"]])
+def test_a_read_of_a_home_without_a_database_creates_no_file(
+        args: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A command that only reads one session answers that it does not exist, without creating
+    and migrating the embedded database to find out."""
+    for name in list(os.environ):
+        if name.startswith("COMPACTD_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("COMPACTD_HOME", str(tmp_path))
+    code, out, err = Run(embedded_url(tmp_path), capsys)(*args)
+    assert code == 2, (code, out, err)
+    assert "session 's1' does not exist" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
