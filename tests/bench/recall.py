@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:
 from storage.kinds import NodeKind, RunStatus, Trigger  # noqa: E402
 from storage.messages import Message, parse, parse_openai  # noqa: E402
 from storage.recall import render_original  # noqa: E402
+from storage.records import AppendResult  # noqa: E402
 from storage.store import Store  # noqa: E402
 from tests.bench.common import (  # noqa: E402
     DEFAULT_CORPUS,
@@ -156,7 +157,7 @@ def holders(values: Sequence[str], originals: dict[int, dict[str, Any]]) -> dict
 
 
 async def append_tracked(store: Store, session_id: str, messages: list[Message],
-                         originals: dict[int, dict[str, Any]]) -> Any:
+                         originals: dict[int, dict[str, Any]]) -> AppendResult:
     """Append ``messages`` and note each one's payload under the seq the log gave it."""
     appended = await store.append(session_id, messages)
     seqs = range(appended.first_seq, appended.last_seq + 1)
@@ -232,14 +233,16 @@ async def ingest(deps: Deps, session: Session, policy: dict[str, Any]) -> Built:
     session_id = f"corpus-{session.group}-{session.name}"
     await store.create_session(session_id, context_window=128_000, policy=policy)
     originals: dict[int, dict[str, Any]] = {}
-    compactions = failed = 0
+    compactions = 0
+    failures: list[str] = []
     for step in session.steps:
         batch = [m for d in step for m in parse(wire(d), "openai")]
         appended = await append_tracked(store, session_id, batch, originals)
         if over_trigger(appended.session, deps.config):
             outcome = await compact(deps, session_id, trigger=Trigger.PRESSURE)
             compactions += outcome.outcome == RunStatus.COMMITTED
-            failed += outcome.failed
+            if outcome.failed:
+                failures.append(f"{outcome.failure_class}: {outcome.error}")
     assert (await store.verify(session_id)).ok, session_id
     values = list(dict.fromkeys(f for kind in FACT_KINDS for f in session.facts.get(kind, ())))
     text = "\n".join(render_original(s, p) for s, p in originals.items())
@@ -247,7 +250,8 @@ async def ingest(deps: Deps, session: Session, policy: dict[str, Any]) -> Built:
     return Built(session.name, session.group, session_id, originals,
                  holders(values, originals), vocabulary,
                  {"steps": len(session.steps), "tokens": session.tokens,
-                  "compactions": compactions, "failed_compactions": failed,
+                  "compactions": compactions, "failed_compactions": len(failures),
+                  "failures": failures,
                   "build_s": round(time.perf_counter() - started, 2)})
 
 
@@ -391,6 +395,7 @@ def corpus_report(parts: Sequence[tuple[Built, Measured]], root: Path,
                      for g in groups},
         "not_exact": {b.label: m.not_exact for b, m in parts if m.not_exact},
         "not_found": {b.label: m.not_found for b, m in parts if m.not_found},
+        "failures": {b.label: b.info["failures"] for b, _ in parts if b.info["failures"]},
     }
 
 
@@ -472,11 +477,13 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"\ncorpus {corpus['corpus']}, policy {corpus['policy']}, built in "
               f"{corpus['build_s']} s")
         rows = [*corpus["by_group"].items(), ("all", corpus)]
-        print_table(["group", "sessions", "compacted", "compactions", "replaced", "read exact",
-                     "dropped facts", "found top 5", "search p50 ms", "search p99 ms"],
+        print_table(["group", "sessions", "compacted", "compactions", "failed runs", "replaced",
+                     "read exact", "dropped facts", "found top 5", "search p50 ms",
+                     "search p99 ms"],
                     [[g, r["sessions"], r["compacted_sessions"], r["compactions"],
-                      r["replaced_messages"], r["read_exact_fraction"], r["facts_dropped"],
-                      r["facts_found_top5"], r["search_p50_ms"], r["search_p99_ms"]]
+                      r["failed_compactions"], r["replaced_messages"], r["read_exact_fraction"],
+                      r["facts_dropped"], r["facts_found_top5"], r["search_p50_ms"],
+                      r["search_p99_ms"]]
                      for g, r in rows])
         for what in ("not_exact", "not_found"):
             for label, items in corpus[what].items():
