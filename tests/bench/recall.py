@@ -492,11 +492,13 @@ def print_report(report: dict[str, Any]) -> None:
           f"{report['dropped_facts_found_top5']}, search_p99_ms {report['search_p99_ms']}")
     for name, met in report["goals"].items():
         if met is False:
-            print(f"GOAL MISSED: {name}", flush=True)
-            print(f"GOAL MISSED: {name}", file=sys.stderr)
+            print(f"GOAL MISSED: {name}")
         elif met is None:
             print(f"goal not measured in this run: {name}")
-    print(f"meets_goals: {report['meets_goals']}")
+    print(f"meets_goals: {report['meets_goals']}", flush=True)
+    missed = [name for name, met in report["goals"].items() if met is False]
+    if missed:
+        print(f"recall.py: goals missed: {', '.join(missed)}", file=sys.stderr)
 
 
 def sizes_arg(text: str) -> list[int]:
