@@ -274,6 +274,15 @@ def sample_session() -> Session:
     return Session("sample-coding-60", "sample", system, cut_steps(rest), facts)
 
 
+def all_sessions(root: Path, limit: int = 0) -> list[Session]:
+    """Every transcript under ``root`` (the first ``limit`` only, when given), the long
+    concatenations, and the generated session with planted facts, in that order."""
+    sessions = corpus_sessions(root)
+    if limit:
+        sessions = sessions[:limit]
+    return [*sessions, *long_sessions(root), sample_session()]
+
+
 # ----------------------------------------------------------------------------------- tallies
 
 
@@ -676,10 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("worker").setLevel(logging.ERROR)
     info = machine()
     triggers = [int(t) for t in args.triggers.split(",") if t.strip()]
-    sessions = corpus_sessions(args.corpus)
-    if args.limit:
-        sessions = sessions[:args.limit]
-    sessions += [*long_sessions(args.corpus), sample_session()]
+    sessions = all_sessions(args.corpus, args.limit)
     results = []
     with tempfile.TemporaryDirectory(prefix="compactd-corpus-") as tmp:
         for n, trigger in enumerate(triggers):
