@@ -104,6 +104,7 @@ from langchain.agents.middleware.types import ModelRequest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
 
+import worker.chains as chains
 import worker.orchestration as orchestration
 from scheduler.samples import coding_session
 from storage.kinds import JournalKind, NodeKind
@@ -389,12 +390,12 @@ async def run_compactd(session: Session, url: str, policy: dict[str, Any]) -> Ta
     config = build_config({"summarization": policy}, settings=Settings(database_url=url))
     deps = await build_deps(config, pool_size=2)
     recorder = Recorder()
-    original_summarize = orchestration.summarize
+    original_summarize = chains.summarize
 
     async def summarize(*args: Any, **kwargs: Any) -> Any:
         return await original_summarize(*args, local=recorder.local, **kwargs)
 
-    orchestration.summarize = summarize
+    chains.summarize = summarize
     originals: dict[str, tuple[int, int]] = {}  # bench id -> (tokens, chars) as appended
     n = 0
     final: list[dict[str, Any]] = []
@@ -418,7 +419,7 @@ async def run_compactd(session: Session, url: str, policy: dict[str, Any]) -> Ta
                                                                         "langchain")]
             request(tally, final)
     finally:
-        orchestration.summarize = original_summarize
+        chains.summarize = original_summarize
         await deps.aclose()
     finish(tally, session, final)
     return tally
