@@ -266,8 +266,10 @@ recall_originals = sa.Table(
 )
 
 # Objects migrations create that the models cannot describe (an FTS5 table and its shadow
-# tables, GIN indexes with operator classes and expressions): ``alembic check`` leaves them be.
-UNMANAGED_SCHEMA = ("recall_fts", "ix_recall_originals_trgm", "ix_recall_originals_tsv")
+# tables, GIN indexes with operator classes and expressions, PostgreSQL's stored tsvector of
+# recall_originals): ``alembic check`` leaves them be.
+UNMANAGED_SCHEMA = ("recall_fts", "ix_recall_originals_trgm", "ix_recall_originals_tsv",
+                    "body_tsv")
 
 
 def unmanaged(name: str | None) -> bool:

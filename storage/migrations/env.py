@@ -21,7 +21,7 @@ def _url() -> str:
 
 
 def _include_name(name: str | None, type_: str, _parents: object) -> bool:
-    return not (type_ in ("table", "index") and unmanaged(name))
+    return not (type_ in ("table", "index", "column") and unmanaged(name))
 
 
 def _configure(connection: Connection) -> None:

@@ -43,10 +43,12 @@ LIMIT :limit;
 -- Messages sharing words with the query but not holding it whole: the newest candidates the
 -- full-text index finds, ordered by how many of the query's words each holds (ranking every
 -- match of a common word would read them all, and ts_rank would parse each body again).
+-- body_tsv is the stored vector (migration 0012): a walk of the session's originals reads it
+-- instead of computing it row by row.
 SELECT c.seq, n.ref, c.body
 FROM (SELECT o.seq, o.node_seq, o.body FROM recall_originals o
       WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
-        AND to_tsvector('simple', o.body) @@ to_tsquery('simple', :tsquery)
+        AND o.body_tsv @@ to_tsquery('simple', :tsquery)
         AND NOT o.body ILIKE :pattern
       ORDER BY o.seq DESC
       LIMIT :candidates) c
