@@ -5,6 +5,7 @@ transcript so it does not depend on ``../shared``, and its refusals of bad input
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -146,7 +147,8 @@ def test_the_planned_run_is_set_by_the_slowest_transcript_the_agents_use(
 
 
 def held() -> dict[str, object]:
-    return {"overflows": 0, "pressure_to_checkpoint_p99_s": 4.0, "runway_least_s": 33.0,
+    return {"overflows": 0, "pressure_to_checkpoint_p99_s": 4.0,
+            "pressure_to_checkpoint_p99_projected_s": 4.5, "runway_least_s": 33.0,
             "unserved_episodes": 0, "drained": True, "pace": 0.99, "agents_short_of_run": 0}
 
 
@@ -155,6 +157,10 @@ def held() -> dict[str, object]:
     ({"overflows": 1, "pressure_to_checkpoint_p99_s": 90.0}, "overflow"),
     # no overflow in the run, but the wait outlasts the least runway: it would overflow
     ({"pressure_to_checkpoint_p99_s": 33.0}, "p2c_over_runway"),
+    # under the runway now, but growing: as long again, it passes the runway
+    ({"pressure_to_checkpoint_p99_projected_s": 33.0}, "queue_growing"),
+    ({"pressure_to_checkpoint_p99_s": None,
+      "pressure_to_checkpoint_p99_projected_s": None}, "held"),
     ({"unserved_episodes": 2}, "unserved"),
     ({"drained": False}, "unserved"),
     ({"pace": 0.85}, "agents_behind"),
@@ -162,7 +168,8 @@ def held() -> dict[str, object]:
     ({"agents_short_of_run": 3}, "too_short"),
     # a decisive failure wins over a run too short to say the fleet held
     ({"agents_short_of_run": 3, "pressure_to_checkpoint_p99_s": 40.0}, "p2c_over_runway"),
-    ({"pressure_to_checkpoint_p99_s": None, "agents_short_of_run": 20}, "too_short"),
+    ({"pressure_to_checkpoint_p99_s": None, "pressure_to_checkpoint_p99_projected_s": None,
+      "agents_short_of_run": 20}, "too_short"),
 ])
 def test_a_size_holds_only_with_no_overflow_a_wait_under_its_runway_and_a_run_long_enough(
         change: dict[str, object], criterion: str) -> None:
@@ -212,3 +219,17 @@ def test_the_search_counts_a_size_with_no_overflow_as_held_only_when_its_verdict
     assert tried[:3] == [10, 20, 40] and tried[3] == 80
     assert largest is not None and 46 <= largest <= 50
     assert [t["agents"] for t in trials] == tried
+
+
+def test_the_wait_trend_reads_a_growing_queue_and_not_a_steady_one() -> None:
+    rng = random.Random(7)
+    times = [100 + i * 0.5 for i in range(400)]
+    steady = [2.0 + rng.uniform(-0.5, 0.5) for _ in times]
+    growing = [2.0 + 0.1 * (t - 100) + rng.uniform(-0.5, 0.5) for t in times]
+    flat = bench.wait_trend(times, steady, since=150.0)
+    assert flat is not None and abs(flat) < 0.01
+    rising = bench.wait_trend(times, growing, since=150.0)
+    assert rising == pytest.approx(0.1, abs=0.01)
+    # episodes before ``since`` (the first burst) are left out; too few points give no trend
+    assert bench.wait_trend(times, growing, since=299.0) is None
+    assert bench.wait_trend([1.0, 1.0, 1.0], [1.0, 2.0, 3.0], since=0.0) is None

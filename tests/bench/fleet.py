@@ -43,8 +43,23 @@ Measured (JSON keys):
   worker process reached), sampled with psutil.
 * ``urgent_wait_p99_s``: report_overflow to its committed run, the bound urgent runs are
   served within; ``unserved_episodes``: triggers that never saw a checkpoint (goal 0).
-* ``largest_fleet_without_overflow`` (with ``--search``): the largest ``--agents`` with 0
-  overflows, doubling from ``--agents`` and then bisecting, each trial a full run.
+* ``runway_least_s`` / ``runway_p50_s``: a session's runway is (window - trigger) / its growth
+  (``growth_tokens_per_s``: the tokens it appended over its wall time), the seconds from its
+  trigger to its window; ``pace``: the share of the agents' wall time spent thinking.
+* ``criterion`` / ``holds``: what decides whether this fleet held (``verdict``): ``overflow``,
+  ``p2c_over_runway`` (the p99 wait is at or past the least runway: given time that session
+  overflows, whatever this run saw), ``unserved`` (a trigger never answered, or the queue did
+  not drain), ``agents_behind`` (``pace`` under MIN_PACE: the agents' own process could not keep
+  them at their pace), ``too_short`` (some agent neither crossed its trigger CROSSINGS times nor
+  waited a whole runway for a checkpoint), else ``held``.
+* ``largest_fleet_without_overflow`` (with ``--search``): the largest ``--agents`` that held,
+  doubling from ``--agents`` and then bisecting, each trial a full run; ``trials`` holds every
+  size's report. Each size runs for ``planned_run_s``: long enough, at the growth its agents'
+  transcripts give at the mean think time, for the slowest agent to cross its trigger CROSSINGS
+  times or use up its runway (``Headroom.run_length_s``), times RUN_LENGTH_MARGIN, at least
+  ``--duration``. A size whose measured growth asked for more (``needed_run_s``) runs again
+  that long (``shorter_run`` says what the first run saw). ``load_before`` / ``load_after`` are
+  the machine's load averages around the agents' phase.
 
 Charts (``--plots DIR``): ``context.png`` (context tokens of four sample agents over time against
 the trigger and the window), ``queue.png`` (queue depth of compaction.urgent and
@@ -509,6 +524,7 @@ def answers_by_session(runs: Sequence[RunRecord]) -> dict[str, list[Answer]]:
 @dataclass
 class Episodes:
     latencies: list[float] = field(default_factory=list)  # trigger to checkpoint, s
+    opened: list[float] = field(default_factory=list)  # each latency's trigger (wall time)
     nothing_to_do: int = 0  # a run looked after the trigger and found nothing to compact
     unserved: int = 0  # no run answered the trigger
     open_since: float | None = None  # the unanswered trigger's append
@@ -530,6 +546,7 @@ def episodes(log: AgentLog, answers: Sequence[Answer]) -> Episodes:
                 continue
             if a.committed:
                 out.latencies.append(a.finished - opened)
+                out.opened.append(opened)
             elif a.started >= opened:
                 out.nothing_to_do += 1
             else:
@@ -622,6 +639,7 @@ def coverage(log: AgentLog, found: Episodes, room: Headroom, latency_s: float) -
 HELD = "held"
 OVERFLOW = "overflow"
 P2C_OVER_RUNWAY = "p2c_over_runway"
+QUEUE_GROWING = "queue_growing"
 UNSERVED = "unserved"
 AGENTS_BEHIND = "agents_behind"
 TOO_SHORT = "too_short"
@@ -631,7 +649,9 @@ def verdict(result: dict[str, Any]) -> str:
     """The criterion that decides whether the fleet held: the first that fails, else HELD.
 
     An overflow, a pressure-to-checkpoint p99 at or past the least runway (that session would
-    overflow given time, whatever this run saw) or a trigger never answered is a failure. Agents
+    overflow given time, whatever this run saw), a wait growing so that it would pass the least
+    runway had the run lasted as long again (the workers fall behind: a queue that grows
+    overflows given time) or a trigger never answered is a failure. Agents
     that fell behind their pace, or a run too short for every agent to cross its trigger
     CROSSINGS times or use up its runway, say nothing either way: not held."""
     if result["overflows"]:
@@ -639,6 +659,9 @@ def verdict(result: dict[str, Any]) -> str:
     p99, runway = result["pressure_to_checkpoint_p99_s"], result["runway_least_s"]
     if p99 is not None and runway is not None and p99 >= runway:
         return P2C_OVER_RUNWAY
+    projected = result["pressure_to_checkpoint_p99_projected_s"]
+    if projected is not None and runway is not None and projected >= runway:
+        return QUEUE_GROWING
     if result["unserved_episodes"] or not result["drained"]:
         return UNSERVED
     if result["pace"] is None or result["pace"] < MIN_PACE:
@@ -648,17 +671,29 @@ def verdict(result: dict[str, Any]) -> str:
     return HELD
 
 
+def wait_trend(opened: Sequence[float], waits: Sequence[float], since: float) -> float | None:
+    """Seconds of pressure-to-checkpoint wait gained per second of run, over the episodes whose
+    trigger came after ``since`` (least squares): about 0 while the workers keep up, the
+    backlog's growth over their throughput when they do not."""
+    points = [(t, w) for t, w in zip(opened, waits, strict=True) if t >= since]
+    if len(points) < 3 or len({t for t, _ in points}) < 2:
+        return None
+    return statistics.linear_regression([t for t, _ in points], [w for _, w in points]).slope
+
+
 def measure(raw: Raw, args: argparse.Namespace) -> dict[str, Any]:
     commits = commits_by_session(raw.runs)
     answers = answers_by_session(raw.runs)
     room = headroom(args)
     latencies: list[float] = []
+    opened: list[float] = []
     pickups: list[float] = []
     covers: list[Coverage] = []
     missing = nothing = 0
     for log in raw.logs:
         found = episodes(log, answers.get(log.session_id, []))
         latencies += found.latencies
+        opened += found.opened
         missing += found.unserved
         nothing += found.nothing_to_do
         covers.append(coverage(log, found, room, args.latency))
@@ -674,6 +709,10 @@ def measure(raw: Raw, args: argparse.Namespace) -> dict[str, Any]:
         for start, end, ms in log.steps:
             (busy if overlaps(in_flight, start, end) else rest).append(ms)
     phase = raw.agents_ended - raw.began
+    # The second half: the first crossings all come within a climb of the start, a burst the
+    # trend would read as a falling wait.
+    trend = wait_trend(opened, latencies, raw.began + phase / 2)
+    p99 = percentile(latencies, 99)
     committed = [r for r in raw.runs if r.status == "committed" and r.finished_at is not None
                  and r.finished_at.timestamp() <= raw.agents_ended]
     outcomes: dict[str, int] = {}
@@ -695,7 +734,7 @@ def measure(raw: Raw, args: argparse.Namespace) -> dict[str, Any]:
         "workers": raw.workers,
         "overflows": sum(len(log.overflows) for log in raw.logs),
         "pressure_to_checkpoint_p50_s": _round(percentile(latencies, 50), 3),
-        "pressure_to_checkpoint_p99_s": _round(percentile(latencies, 99), 3),
+        "pressure_to_checkpoint_p99_s": _round(p99, 3),
         "pickup_p99_s": _round(percentile(pickups, 99), 3),
         "step_p99_ms": _round(percentile(busy, 99), 2),
         "step_p99_ms_at_rest": _round(percentile(rest, 99), 2),
@@ -728,6 +767,10 @@ def measure(raw: Raw, args: argparse.Namespace) -> dict[str, Any]:
         "growth_tokens_per_s": {"min": _round(min(growths, default=math.nan), 1),
                                 "p50": _round(percentile(growths, 50), 1),
                                 "max": _round(max(growths, default=math.nan), 1)},
+        "p2c_trend_s_per_min": None if trend is None else round(60 * trend, 3),
+        # the p99 had the run lasted as long again at that trend (a falling one counts as flat)
+        "pressure_to_checkpoint_p99_projected_s": _round(
+            p99 + max(0.0, trend or 0.0) * phase, 3),
         "runway_least_s": _round(min(runways, default=math.nan), 1),
         "runway_p50_s": _round(percentile(runways, 50), 1),
         "trigger_crossings_min": min((c.crossings for c in covers), default=0),
