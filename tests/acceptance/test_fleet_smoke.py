@@ -233,3 +233,24 @@ def test_the_wait_trend_reads_a_growing_queue_and_not_a_steady_one() -> None:
     # episodes before ``since`` (the first burst) are left out; too few points give no trend
     assert bench.wait_trend(times, growing, since=299.0) is None
     assert bench.wait_trend([1.0, 1.0, 1.0], [1.0, 2.0, 3.0], since=0.0) is None
+
+
+def test_without_the_shared_corpus_the_fleet_replays_generated_coding_sessions(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A clone of its own has no ../shared/corpus: the README's command still runs.
+    monkeypatch.setattr(bench, "DEFAULT_CORPUS", tmp_path / "absent")
+    found, source = bench.fleet_transcripts(bench.parse_args([]))
+    assert source == bench.GENERATED
+    assert f"no transcripts under {tmp_path / 'absent'}" in capsys.readouterr().err
+    assert len(found) == len(bench.GENERATED_OUTPUT_LINES) * bench.GENERATED_SEEDS
+    assert all(len(t.steps) > 30 and t.envelope_tokens > 0 for t in found)
+    # they cross the default trigger (0.4 of 16,000) within one replay
+    assert all(sum(t.step_tokens) > 0.4 * bench.WINDOW_TOKENS for t in found)
+    # a corpus that is there is used; an explicit folder wins
+    corpus = transcripts(tmp_path / "corpus")
+    monkeypatch.setattr(bench, "DEFAULT_CORPUS", corpus)
+    assert bench.fleet_transcripts(bench.parse_args([]))[1] == str(corpus)
+    other = transcripts(tmp_path / "other")
+    found, source = bench.fleet_transcripts(bench.parse_args(["--transcripts", str(other)]))
+    assert source == str(other) and [t.name for t in found] == ["coding-3", "coding-4"]
