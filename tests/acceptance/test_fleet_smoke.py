@@ -162,7 +162,8 @@ def held() -> dict[str, object]:
     ({"pressure_to_checkpoint_p99_s": None,
       "pressure_to_checkpoint_p99_projected_s": None}, "held"),
     ({"unserved_episodes": 2}, "unserved"),
-    ({"drained": False}, "unserved"),
+    # sessions answered nothing_to_do keep their mark (every sweep signals them again)
+    ({"drained": False}, "held"),
     ({"pace": 0.85}, "agents_behind"),
     ({"pace": None}, "agents_behind"),
     ({"agents_short_of_run": 3}, "too_short"),

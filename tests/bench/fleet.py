@@ -49,8 +49,9 @@ Measured (JSON keys):
   trigger to its window; ``pace``: the share of the agents' wall time spent thinking.
 * ``criterion`` / ``holds``: what decides whether this fleet held (``verdict``): ``overflow``,
   ``p2c_over_runway`` (the p99 wait is at or past the least runway: given time that session
-  overflows, whatever this run saw), ``unserved`` (a trigger never answered, or the queue did
-  not drain), ``agents_behind`` (``pace`` under MIN_PACE: the agents' own process could not keep
+  overflows, whatever this run saw), ``queue_growing`` (the wait grows so that, had the run
+  lasted as long again, its p99 would reach the least runway), ``unserved`` (a trigger no run
+  answered, even after the drain), ``agents_behind`` (``pace`` under MIN_PACE: the agents' own process could not keep
   them at their pace), ``too_short`` (some agent neither crossed its trigger CROSSINGS times nor
   waited a whole runway for a checkpoint), else ``held``.
 * ``largest_fleet_without_overflow`` (with ``--search``): the largest ``--agents`` that held,
@@ -686,7 +687,7 @@ def verdict(result: dict[str, Any]) -> str:
     An overflow, a pressure-to-checkpoint p99 at or past the least runway (that session would
     overflow given time, whatever this run saw), a wait growing so that it would pass the least
     runway had the run lasted as long again (the workers fall behind: a queue that grows
-    overflows given time) or a trigger never answered is a failure. Agents
+    overflows given time) or a trigger no run answered is a failure. Agents
     that fell behind their pace, or a run too short for every agent to cross its trigger
     CROSSINGS times or use up its runway, say nothing either way: not held."""
     if result["overflows"]:
@@ -697,7 +698,10 @@ def verdict(result: dict[str, Any]) -> str:
     projected = result["pressure_to_checkpoint_p99_projected_s"]
     if projected is not None and runway is not None and projected >= runway:
         return QUEUE_GROWING
-    if result["unserved_episodes"] or not result["drained"]:
+    # Not ``drained``: a session whose kept tail alone is over its trigger is answered
+    # ``nothing_to_do`` and signalled again by every sweep, so its mark never clears; a trigger
+    # that no run answered is what counts.
+    if result["unserved_episodes"]:
         return UNSERVED
     if result["pace"] is None or result["pace"] < MIN_PACE:
         return AGENTS_BEHIND
