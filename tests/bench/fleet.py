@@ -51,9 +51,9 @@ Measured (JSON keys):
   ``p2c_over_runway`` (the p99 wait is at or past the least runway: given time that session
   overflows, whatever this run saw), ``queue_growing`` (the wait grows so that, had the run
   lasted as long again, its p99 would reach the least runway), ``unserved`` (a trigger no run
-  answered, even after the drain), ``agents_behind`` (``pace`` under MIN_PACE: the agents' own process could not keep
-  them at their pace), ``too_short`` (some agent neither crossed its trigger CROSSINGS times nor
-  waited a whole runway for a checkpoint), else ``held``.
+  answered, even after the drain), ``agents_behind`` (``pace`` under MIN_PACE: the agents' own
+  process could not keep them at their pace), ``too_short`` (some agent neither crossed its
+  trigger CROSSINGS times nor waited a whole runway for a checkpoint), else ``held``.
 * ``largest_fleet_without_overflow`` (with ``--search``): the largest ``--agents`` that held,
   doubling from ``--agents`` and then bisecting, each trial a full run; ``trials`` holds every
   size's report. Each size runs for ``planned_run_s``: long enough, at the growth its agents'
