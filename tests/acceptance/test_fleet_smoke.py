@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from scheduler.samples import coding_session
 from tests.bench import fleet as bench
@@ -45,10 +46,10 @@ def test_a_short_fleet_run_never_overflows_and_checkpoints_every_signalled_sessi
     # A 4000-token window (trigger 1600): every agent crosses it every few steps; think time
     # 0.1-0.5 s and a 0.2 s summary keep the whole run short.
     run = fleet("--agents", "4", "--workers", "1", "--duration", "8", "--latency", "0.2",
-                "--window", "4000", "--think-scale", "0.1",
+                "--window", "4000", "--think-scale", "0.1", "--loop-guard-compactions", "50",
                 "--transcripts", str(transcripts(tmp_path / "corpus")),
                 "--database-url", clean_pg, "--redis-url", clean_redis,
-                "--json", str(out), "--plots", str(plots))
+                "--json", str(out), "--plots", str(plots), "--home", str(tmp_path / "home"))
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(KEYS) <= set(report)
@@ -64,6 +65,10 @@ def test_a_short_fleet_run_never_overflows_and_checkpoints_every_signalled_sessi
     assert report["holds"] is (report["criterion"] == bench.HELD)
     assert report["runway_least_s"] > 0 and 0 < report["pace"] <= 1
     assert len(report["load_before"]) == len(report["load_after"]) == 3
+    # the loop guard the workers ran with, and what it flagged
+    config = yaml.safe_load((tmp_path / "home" / "fleet-4" / "compactd.yaml").read_text())
+    assert config["worker"]["loop_guard"] == {"max_compactions": 50}
+    assert report["loop_guard_max_compactions"] == 50 and report["loop_guard_flagged"] == []
     assert sorted(Path(p).name for p in report["plots"]) == ["context.png", "latency.png",
                                                               "queue.png"]
     assert all(Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report["plots"])

@@ -119,7 +119,7 @@ from tests.support.fake_provider import fake_provider_process  # noqa: E402
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
 from worker.keys import QUEUE_PRESSURE, QUEUE_URGENT  # noqa: E402
-from worker.settings import load_config  # noqa: E402
+from worker.settings import LoopGuardConfig, load_config  # noqa: E402
 
 RUN_MODEL = "fake-gpt"
 WINDOW_TOKENS = 16_000
@@ -380,8 +380,8 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
 
 
 class Sampler:
-    """Queue depth, live leases, the oldest pending signal and the workers' CPU and RSS, every
-    ``SAMPLE_S``, on connections of its own."""
+    """Queue depth, live leases, the oldest pending signal, the sessions the loop guard flagged
+    and the workers' CPU and RSS, every ``SAMPLE_S``, on connections of its own."""
 
     def __init__(self, database_url: str, redis_url: str, worker_pids: Sequence[int]) -> None:
         import psutil
@@ -391,6 +391,7 @@ class Sampler:
         self.redis = aioredis.Redis.from_url(redis_url)
         self.procs = [psutil.Process(pid) for pid in worker_pids]
         self.samples: list[Sample] = []
+        self.flagged: set[str] = set()
 
     def cpu_s(self) -> float:
         total = 0.0
@@ -414,6 +415,7 @@ class Sampler:
         now = dt.datetime.now(dt.UTC)
         marks = [s.signal_at for s in sessions if s.signal_at is not None]
         leases = sum(1 for s in sessions if s.lease_live(now))
+        self.flagged.update(s.id for s in sessions if s.flagged_reason)
         oldest = max(((now - m).total_seconds() for m in marks), default=0.0)
         sample = Sample(time.time(), urgent, pressure, leases, oldest, self.cpu_s(),
                         self.rss_mb())
@@ -444,6 +446,7 @@ class Raw:
     samples: list[Sample]
     runs: list[RunRecord]
     drained: bool
+    flagged: list[str]  # sessions the loop guard flagged (cooled down) at any sample
 
 
 async def drive(stack: Stack, transcripts: list[Transcript], worker_pids: list[int],
@@ -480,7 +483,8 @@ async def drive(stack: Stack, transcripts: list[Transcript], worker_pids: list[i
         await sampling
         runs = await client.store.recent_runs(since=began_dt, limit=10_000_000)
     await sampler.close()
-    return Raw(agents, args.workers, began, agents_ended, logs, sampler.samples, runs, drained)
+    return Raw(agents, args.workers, began, agents_ended, logs, sampler.samples, runs, drained,
+               sorted(sampler.flagged))
 
 
 async def warm_up(client: CompactdClient, transcripts: list[Transcript], slots: int) -> None:
@@ -499,6 +503,14 @@ async def warm_up(client: CompactdClient, transcripts: list[Transcript], slots: 
     await asyncio.gather(*(one(n) for n in range(slots)))
 
 
+def worker_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``worker`` section of the processes' config."""
+    out: dict[str, Any] = {"concurrency": args.concurrency}
+    if args.loop_guard_compactions is not None:
+        out["loop_guard"] = {"max_compactions": args.loop_guard_compactions}
+    return out
+
+
 def run_fleet(args: argparse.Namespace, transcripts: list[Transcript], fake_url: str,
               home: Path, agents: int, duration: float) -> tuple[dict[str, Any], Raw]:
     asyncio.run(reset_database(args.database_url))
@@ -507,7 +519,7 @@ def run_fleet(args: argparse.Namespace, transcripts: list[Transcript], fake_url:
               "keep": {"type": "fraction", "value": KEEP_FRACTION}, "model_name": RUN_MODEL,
               "trim_tokens_to_summarize": 4 * args.window}
     with Stack(args.database_url, args.redis_url, home / f"fleet-{agents}", fake_url=fake_url,
-               summarization=policy, worker={"concurrency": args.concurrency}) as stack:
+               summarization=policy, worker=worker_settings(args)) as stack:
         pids = [stack.start_worker(f"w{i}", concurrency=args.concurrency, ready_timeout=90).pid
                 for i in range(args.workers)]
         stack.start_beat()
@@ -798,6 +810,10 @@ def measure(raw: Raw, args: argparse.Namespace) -> dict[str, Any]:
         "runs": outcomes,
         "runs_by_trigger": triggers,
         "drained": raw.drained,
+        "loop_guard_flagged": raw.flagged,
+        "loop_guard_max_compactions": (LoopGuardConfig().max_compactions
+                                       if args.loop_guard_compactions is None
+                                       else args.loop_guard_compactions),
         "duration_s": round(phase, 1),
         "latency_s": args.latency,
         "concurrency": args.concurrency,
@@ -909,6 +925,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the run model's context window, tokens")
     parser.add_argument("--think-scale", type=seconds, default=1.0,
                         help="multiplies the agents' 1-5 s think time (a smoke run: 0.1)")
+    parser.add_argument("--loop-guard-compactions", type=count,
+                        help="the workers' worker.loop_guard.max_compactions (default the "
+                        "product's): a large one takes the loop guard out of a diagnostic run")
     parser.add_argument("--transcripts", type=Path,
                         help="folder of *.jsonl transcripts (default ../shared/corpus beside "
                         "the repository, else generated coding sessions)")
