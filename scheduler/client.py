@@ -58,6 +58,9 @@ SIGNAL_SEND_DELAY_S = 0.02
 logger = logging.getLogger(__name__)
 
 
+# ``SessionHandle.report_usage``'s default: the call was built on the handle's own view.
+OWN_VIEW: Any = object()
+
 class WaitTimeout(CompactdError):
     """The compaction did not finish within the timeout (it may still run)."""
 
@@ -285,12 +288,20 @@ class SessionHandle:
                                    payload)
 
     async def report_usage(self, input_tokens: int, output_tokens: int = 0, *,
-                           response_appended: bool = True) -> SessionInfo:
+                           response_appended: bool = True,
+                           surface_version: int | None = OWN_VIEW) -> SessionInfo:
         """The provider's own usage for the runtime's last call. Pressure then counts its input,
         its output and what is appended after the response; pass ``response_appended=False``
-        when reporting before appending the response, so that it is not counted twice."""
+        when reporting before appending the response, so that it is not counted twice.
+
+        ``surface_version``: the surface the call was built on; by default the one this handle
+        last read, with its own appends since (None: not known, the report is recorded as it
+        is). A report that arrives after a compaction moved the surface past it describes a
+        request larger than the next one, and the store does not record it."""
+        built_on = self.version if surface_version is OWN_VIEW else surface_version
         self.info = await self.client.store.report_usage(
-            self.id, input_tokens, output_tokens, response_appended=response_appended)
+            self.id, input_tokens, output_tokens, response_appended=response_appended,
+            surface_version=built_on)
         if self._wants_signal(self.info) and await self.client.store.mark_signal(
                 self.id, ttl_s=self._config.worker.signal_ttl_s):
             self.client.send_in_background(RunRequest(self.id, Trigger.PRESSURE))

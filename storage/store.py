@@ -272,28 +272,44 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
         return self._run_models[session_id]
 
     async def report_usage(self, session_id: str, input_tokens: int, output_tokens: int = 0, *,
-                           response_appended: bool = True) -> SessionInfo:
+                           response_appended: bool = True,
+                           surface_version: int | None = None) -> SessionInfo:
         """Record the provider's own usage for the runtime's last call: the next request holds
         its input and its output, and pressure counts both plus what is appended after the
         response. ``response_appended=False``: the response is not appended yet (the report
-        came first), so when it is, ``output_tokens`` already stands for it."""
+        came first), so when it is, ``output_tokens`` already stands for it.
+
+        ``surface_version``: the version of the surface the reported request was built on (with
+        the runtime's own appends since). When the stored surface has moved past it (a
+        compaction committed meanwhile), the report describes a larger request than the next
+        one and is not recorded: stored against the smaller surface it would fire the trigger
+        again, and each such run would look to the loop guard like a compaction without
+        relief. The session is returned as it is; ``reported_version`` then differs."""
         check_count(input_tokens, "input_tokens")
         check_count(output_tokens, "output_tokens")
+        if surface_version is not None:
+            check_count(surface_version, "surface_version", maximum=2**63 - 1)
         if input_tokens + output_tokens > MAX_INT32:
             # Their sum is what pressure counts, in the same 32-bit arithmetic.
             raise InvalidMessage(f"input_tokens + output_tokens must be at most {MAX_INT32}",
                                  field="output_tokens")
         c = t.sessions.c
         base = c.surface_tokens + c.envelope_tokens
+        update = t.sessions.update().where(c.id == session_id)
+        if surface_version is not None:
+            update = update.where(c.surface_version == surface_version)
         async with transaction(self.engine) as conn:
             result = await conn.execute(
-                t.sessions.update().where(c.id == session_id)
-                .values(reported_input_tokens=input_tokens,
-                        reported_output_tokens=output_tokens,
-                        reported_base_tokens=base if response_appended else base + output_tokens,
-                        reported_version=c.surface_version)
+                update.values(reported_input_tokens=input_tokens,
+                              reported_output_tokens=output_tokens,
+                              reported_base_tokens=(base if response_appended
+                                                    else base + output_tokens),
+                              reported_version=c.surface_version)
                 .returning(*SESSION_COLUMNS))
             row = result.first()
+            if row is None and surface_version is not None:
+                row = (await conn.execute(sa.select(*SESSION_COLUMNS)
+                                          .where(c.id == session_id))).first()
             if row is None:
                 raise SessionNotFound(session_id)
             return session_from_row(row)

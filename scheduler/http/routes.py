@@ -333,13 +333,16 @@ def add_routes(app: FastAPI) -> None:
         compactd's count and its input plus output plus what is appended after the response."""
         try:
             updated = await api.handle(info).report_usage(
-                body.input_tokens, body.output_tokens, response_appended=body.response_appended)
+                body.input_tokens, body.output_tokens, response_appended=body.response_appended,
+                surface_version=body.surface_version)
         except InvalidMessage as exc:
             raise in_body(exc) from None
         return UsageOut(session=updated.id, version=updated.surface_version,
                         reported_input_tokens=updated.reported_input_tokens,
                         reported_output_tokens=updated.reported_output_tokens,
-                        tokens=updated.surface_tokens)
+                        tokens=updated.surface_tokens,
+                        applied=(body.surface_version is None
+                                 or updated.reported_version == body.surface_version))
 
     @app.post(API_PREFIX + "/sessions/{session_id}/compact", response_model=RunOut,
               operation_id="compact",

@@ -179,6 +179,11 @@ class UsageIn(_Body):
     response_appended: bool = Field(
         default=True, description="false when the call's response is appended after this "
         "report: output_tokens then stands for it and it is not counted twice")
+    surface_version: WholeNumber | None = Field(
+        default=None, ge=0, le=2**63 - 1,
+        description="the surface version the reported call was built on (the ETag of the "
+        "surface read, or an append's version); when a compaction has moved the surface past "
+        "it, the report describes a larger request than the next one and is not recorded")
 
 
 class UsageOut(BaseModel):
@@ -187,6 +192,8 @@ class UsageOut(BaseModel):
     reported_input_tokens: int | None
     reported_output_tokens: int | None
     tokens: int
+    applied: bool = Field(description="false: the report was older than the surface and not "
+                                      "recorded")
 
 
 class CompactIn(_Body):

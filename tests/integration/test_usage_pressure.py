@@ -13,8 +13,9 @@ from scheduler.client import Client, CompactdClient
 from storage.errors import InvalidMessage
 from storage.store import Store
 from tests.integration.test_http_api import A, api_config, serve_app
-from tests.integration.test_scheduler_decisions import make_config, text, user
+from tests.integration.test_scheduler_decisions import deps_for, make_config, text, user
 from tests.support.enqueuer import RecordingEnqueuer
+from worker.orchestration import compact
 from worker.sweeps import sweep_pressure
 
 TRIGGER = 10_000
@@ -140,3 +141,77 @@ async def test_http_usage_takes_output_tokens(db_url: str, tmp_path: Any) -> Non
         # The report itself signalled: a compaction is already queued.
         assert signal.json()["enqueued"] is False
         assert "already queued" in signal.json()["reason"]
+
+
+async def test_a_report_older_than_a_compaction_is_not_recorded(db_url: str,
+                                                                 store: Store) -> None:
+    """The runtime built its call on the surface before a checkpoint landed and reports after:
+    that count describes the larger request, not the next one. Recorded, it would fire the
+    trigger on the small surface again (a run with nothing to do, or one the loop guard counts
+    as a compaction without relief); it is not recorded, and no run is signalled."""
+    config = make_config(db_url, trigger=TRIGGER)
+    enqueuer = RecordingEnqueuer()
+    async with CompactdClient(config, store=store, enqueuer=enqueuer) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        for _ in range(6):
+            await handle.append([user(2000), assistant(50)])
+        await handle.surface()  # the runtime's view: the call below is built on it
+        built_on = handle.version
+        await client.drain()
+        enqueuer.sent.clear()
+        outcome = await compact(deps_for(config, store), "s1", trigger="pressure")
+        assert outcome.outcome == "committed", outcome
+        compacted = await store.get_session("s1")
+        assert compacted.surface_version > built_on and compacted.surface_tokens < TRIGGER
+        await store.clear_signal("s1")  # the run is over: a new pressure would signal again
+
+        info = await handle.report_usage(12_500, 300)  # the call made on the old surface
+        await client.drain()
+        assert info.reported_input_tokens is None and info.reported_tokens is None
+        assert enqueuer.sent == []
+
+        await handle.surface()  # the next call is built on the compacted surface
+        info = await handle.report_usage(compacted.surface_tokens + 50, 300)
+        assert info.reported_input_tokens == compacted.surface_tokens + 50
+        assert info.reported_version == compacted.surface_version
+
+        # Without the version (a runtime that cannot say), the report is recorded as before.
+        info = await store.report_usage("s1", 12_500, 300, surface_version=None)
+        assert info.reported_input_tokens == 12_500
+
+
+async def test_a_surface_version_that_is_not_a_version_is_refused(db_url: str,
+                                                                  store: Store) -> None:
+    async with CompactdClient(make_config(db_url), store=store,
+                              enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.report_usage(100, 10)
+        for bad in (-1, 2**63, True, "3"):
+            with pytest.raises(InvalidMessage) as err:
+                await store.report_usage("s1", 200, 20, surface_version=bad)  # type: ignore[arg-type]
+            assert err.value.field == "surface_version"
+        info = await store.get_session("s1")
+        assert (info.reported_input_tokens, info.reported_output_tokens) == (100, 10)
+
+
+async def test_http_usage_older_than_the_surface_is_not_applied(db_url: str,
+                                                                tmp_path: Any) -> None:
+    config = api_config(db_url, tmp_path, summarization={
+        "trigger": {"type": "tokens", "value": TRIGGER}, "keep": {"type": "messages", "value": 2}})
+    async for api in serve_app(config):
+        await api.create("s1", A, run_model="gpt-4o")
+        step = (await api.append("s1", A, {"role": "user", "content": "hello"})).json()
+        current = step["version"]
+        for bad in (-1, 2**63, "v3", 1.5):
+            refused = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
+                "input_tokens": 10, "surface_version": bad})
+            assert refused.status_code == 422, (bad, refused.text)
+            assert refused.json()["field"] == "body.surface_version", refused.text
+        stale = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
+            "input_tokens": 9000, "output_tokens": 10, "surface_version": current - 1})
+        assert stale.status_code == 200, stale.text
+        assert stale.json()["applied"] is False
+        assert stale.json()["reported_input_tokens"] is None
+        fresh = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
+            "input_tokens": 40, "output_tokens": 10, "surface_version": current})
+        assert fresh.json()["applied"] is True and fresh.json()["reported_input_tokens"] == 40
