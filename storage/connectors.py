@@ -84,6 +84,10 @@ class Connector:
     async def wait_for_row_lock(self, conn: AsyncConnection, wait_s: float) -> None:
         """Bound the wait for row locks for the rest of ``conn``'s transaction."""
 
+    async def plan_for_each_search(self, conn: AsyncConnection) -> None:
+        """Plan the searches in the rest of ``conn``'s transaction for their own values, not
+        once for any value (the query ``plan_for_each_search`` says why)."""
+
     async def append_call(self, **params: Any) -> Row | None:
         """The append in one call (``append`` in queries.sql); None: not on this backend."""
         return None
@@ -154,6 +158,9 @@ class PostgresConnector(Connector):
 
     async def wait_for_row_lock(self, conn: AsyncConnection, wait_s: float) -> None:
         await self.execute("set_lock_wait", conn=conn, ms=f"{max(1, int(wait_s * 1000))}ms")
+
+    async def plan_for_each_search(self, conn: AsyncConnection) -> None:
+        await self.execute("plan_for_each_search", conn=conn)
 
     async def append_call(self, **params: Any) -> Row | None:
         return await self.fetchrow("append", **params)

@@ -184,6 +184,7 @@ class RecallMixin:
             if checkpoint is not None:
                 _, first, last = await _node(db, conn, session_id, checkpoint)
             span = {"session_id": session_id, "first_seq": first, "last_seq": last}
+            await db.plan_for_each_search(conn)
             scanned = await db.fetchrow("history_scanned", conn=conn, **span)
             assert scanned is not None  # an aggregate has a row
             common = {**span, "query": query, "limit": limit}

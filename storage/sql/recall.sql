@@ -21,21 +21,32 @@ SELECT coalesce(sum(messages), 0) AS messages, coalesce(sum(bytes), 0) AS bytes
 FROM recall_nodes
 WHERE session_id = :session_id AND first_seq >= :first_seq AND last_seq <= :last_seq;
 
+-- name: plan_for_each_search()
+-- postgres-only: SQLite plans a statement each time it prepares it. A search's plan depends on
+-- its values (a rare needle goes through the trigram index, a common word walks the session
+-- backwards); a prepared statement's generic plan, which PostgreSQL switches to after five
+-- runs on one connection, walks every original of the session for every needle. Planned for
+-- each call to the end of the search's transaction (is_local).
+SELECT set_config('plan_cache_mode', 'force_custom_plan', true);
+
 -- name: history_search_exact_pg(session_id, first_seq, last_seq, query, pattern, before, width, limit)
 -- postgres-only: the trigram GIN index answers ILIKE; SQLite has its trigram FTS5 table instead
 -- (history_search_exact_sqlite).
 -- Substring matches, case-insensitive, newest first: a rare needle is found through the
 -- trigram index, a common one by walking the session's originals backwards until enough
--- match. The snippet is cut around the first match.
-SELECT o.seq, n.ref,
-       substr(o.body, greatest(1, strpos(lower(o.body), lower(:query)) - :before), :width)
+-- match. The snippet is cut around the first match. The limit applies to the originals alone,
+-- before the join: joined first, the planner expects a handful of rows from any pattern and
+-- rechecks every message holding a common word through the index instead of walking.
+SELECT c.seq, n.ref,
+       substr(c.body, greatest(1, strpos(lower(c.body), lower(:query)) - :before), :width)
          AS snippet
-FROM recall_originals o
-JOIN recall_nodes n ON n.session_id = o.session_id AND n.seq = o.node_seq
-WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
-  AND o.body ILIKE :pattern
-ORDER BY o.seq DESC
-LIMIT :limit;
+FROM (SELECT o.seq, o.node_seq, o.body FROM recall_originals o
+      WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
+        AND o.body ILIKE :pattern
+      ORDER BY o.seq DESC
+      LIMIT :limit) c
+JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
+ORDER BY c.seq DESC;
 
 -- name: history_search_fuzzy_pg(session_id, first_seq, last_seq, tsquery, pattern, candidates, word_list, limit)
 -- postgres-only: to_tsquery and arrays are PostgreSQL's; SQLite ranks FTS5 matches by bm25

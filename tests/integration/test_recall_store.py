@@ -218,3 +218,23 @@ async def test_a_cursor_given_as_cursor_reads_the_same_page_as_given_as_offset(
 
 def _payload(message: dict[str, Any]) -> dict[str, Any]:
     return parse_openai(message).to_payload()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_searches_are_planned_for_their_own_values_however_often_they_run(
+        compacted) -> None:
+    """A prepared statement's generic plan (PostgreSQL's choice after five runs on one
+    connection) cannot see that a needle is rare, and walks the session's originals for every
+    search instead of asking the trigram index: each search is planned for its values."""
+    import sqlalchemy as sa
+
+    store, _ = compacted
+    for i in range(12):
+        await store.history_search("s1", f"ERR-7f3a9c {i}")
+    async with store.engine.connect() as conn:
+        plans = (await conn.execute(sa.text(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE '%FROM recall_originals o%' "
+            "AND statement NOT LIKE '%pg_prepared_statements%'"))).all()
+    assert len(plans) == 2, "the exact and the fuzzy search, prepared on this connection"
+    assert [(p.generic_plans, p.custom_plans >= 12) for p in plans] == [(0, True)] * len(plans)

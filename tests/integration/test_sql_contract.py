@@ -161,6 +161,12 @@ async def _set_lock_wait(store: Store) -> None:
         ("20ms",)]
 
 
+@case("plan_for_each_search")
+async def _plan_for_each_search(store: Store) -> None:
+    assert [tuple(r.values()) for r in await store.db.fetch("plan_for_each_search")] == [
+        ("force_custom_plan",)]
+
+
 # Recall (recall.sql): seqs 1 and 2 ("a", "b") replaced by a checkpoint named c1-2.
 SPAN: dict[str, Any] = {"session_id": "s1", "first_seq": 1, "last_seq": 2}
 EVERYWHERE: dict[str, Any] = {"session_id": "s1", "first_seq": 0, "last_seq": 2**63 - 1}
