@@ -11,10 +11,10 @@ connector picks its own (:meth:`storage.connectors.Connector.variant`).
 
 ``functions/<name>.sql`` is the current definition of each PL/pgSQL function, in
 ``pg_get_functiondef``'s form: the migrations create the functions from these files, and
-tests/migration compares what the database runs with them. ``revisions/<revision>/<name>.sql``
-is the text a revision created (a function, or a statement its trigger runs) that a later
-revision changed: a revision's text never changes, so it keeps its own, and the later
-revision's downgrade restores it.
+tests/migration compares what the database runs with them. Each exists once: the revision that
+first creates a function creates it as this file has it now, and a revision that changes it
+creates it again for a database migrated before the change (no store runs below the head
+revision, so no revision keeps an older text).
 """
 
 from __future__ import annotations
@@ -62,20 +62,15 @@ def sqlite_only(name: str) -> str | None:
     return _only("sqlite", name)
 
 
-def as_trigger_body(name: str, row: str = "NEW", *, revision: str | None = None) -> str:
+def as_trigger_body(name: str, row: str = "NEW") -> str:
     """Query ``name`` with each ``:param`` read from the trigger's ``row`` (``NEW.param``): a
-    trigger runs the same statement a caller runs with the row's columns as parameters.
-    ``revision``: the statement as that revision ran it (:func:`statement`)."""
-    return re.sub(r"(?<![:\w]):(\w+)", rf"{row}.\1",
-                  statement(name, revision)).strip().rstrip(";")
+    trigger runs the same statement a caller runs with the row's columns as parameters."""
+    return re.sub(r"(?<![:\w]):(\w+)", rf"{row}.\1", statement(name)).strip().rstrip(";")
 
 
-def statement(name: str, revision: str | None = None) -> str:
-    """Query ``name`` with ``:name`` placeholders; with ``revision``, as that revision ran it
-    (``revisions/<revision>/<name>.sql``), before a later one changed it."""
-    if revision is None:
-        return NAMED_TEXT[name]
-    return _uncommented(_HERE.joinpath("revisions", revision, f"{name}.sql"))
+def statement(name: str) -> str:
+    """Query ``name`` with ``:name`` placeholders."""
+    return NAMED_TEXT[name]
 
 
 @functools.cache
@@ -116,11 +111,9 @@ def sqlite_text(name: str) -> str:
     return NAMED_TEXT[name]
 
 
-def function_definition(name: str, revision: str | None = None) -> str:
-    """The ``CREATE OR REPLACE FUNCTION`` statement of ``name`` (its comment lines dropped);
-    with ``revision``, the one that revision created, before a later one changed it."""
-    folder = ("functions",) if revision is None else ("revisions", revision)
-    return _uncommented(_HERE.joinpath(*folder, f"{name}.sql"))
+def function_definition(name: str) -> str:
+    """The ``CREATE OR REPLACE FUNCTION`` statement of ``name`` (its comment lines dropped)."""
+    return _uncommented(_HERE.joinpath("functions", f"{name}.sql"))
 
 
 def _uncommented(path: Any) -> str:

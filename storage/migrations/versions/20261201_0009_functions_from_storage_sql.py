@@ -12,11 +12,12 @@ claim until it is upgraded (the error says to run ``compactd migrate``). The loc
 set with ALTER FUNCTION is now part of the definition (``SET lock_timeout``).
 
 The earlier revisions (0002, 0003, 0004, 0007, 0008) no longer carry function text: each
-function is written once in the tree, and a new database gets all three here. Downgrading
-below this revision drops them (no store runs below the head revision). Before a later change to
-one of these files, the revision that changes it creates the new text, and this one must keep
-the text it created (paste it here then). Revision 0011 changed ``compactd_commit``: the text
-this one created is ``storage/sql/revisions/0009/compactd_commit.sql``.
+function is written once in the tree, and a new database gets all three here, as storage/sql
+has them now. Downgrading below this revision drops them (no store runs below the head
+revision). A later revision that changes one of these files creates the new text for databases
+migrated before the change; this one creates the new text too. So revision 0011's sixteen-
+argument ``compactd_commit`` is created here on a new database, and dropped below here with the
+fourteen-argument one this revision created before 0011.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 # This revision's functions (storage.sql.FUNCTIONS grows with later revisions, which create
-# their own), and the revision whose text it created where a later revision changed one.
+# their own).
 _FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit")
-_KEPT = {"compactd_commit": "0009"}
 _CLAIM_0008 = "compactd_claim(text, text, text, text, timestamptz, timestamptz, text, boolean)"
 _SIGNATURES = (
     "compactd_append(text, json[], int[], timestamptz, text[], int[], int[], text[], int[])",
     "compactd_claim(text, text, text, text, timestamptz, timestamptz, text)",
     "compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[], json[], int[],"
     " text[], json[], bigint[], bigint[], json)",
+    "compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[], json[], int[],"
+    " text[], json[], bigint[], bigint[], json, bigint[], bigint[])",
 )
 
 
@@ -49,7 +51,7 @@ def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP FUNCTION IF EXISTS {_CLAIM_0008}")
         for name in _FUNCTIONS:
-            op.execute(function_definition(name, _KEPT.get(name)))
+            op.execute(function_definition(name))
 
 
 def downgrade() -> None:

@@ -19,9 +19,10 @@ Text indexes: on PostgreSQL ``pg_trgm`` GIN (substring ``ILIKE``) and a ``simple
 GIN (fuzzy); on SQLite an FTS5 table with the trigram tokenizer, kept by triggers. Existing
 replace events are indexed in seq order, as the trigger would have, by the same statements
 (the PostgreSQL functions are in ``storage/sql/functions/``, SQLite's trigger steps in
-``storage/sql/recall.sql``). Revision 0011 changed ``compactd_recall_index`` and the SQLite
-trigger's ``recall_index_node`` step: this revision runs the text it created, kept in
-``storage/sql/revisions/0010/``.
+``storage/sql/recall.sql``), as storage/sql has them now: revision 0011 changed
+``compactd_recall_index`` and the SQLite trigger's ``recall_index_node`` step for databases
+migrated before it, and a new database gets the changed text here (a node written before
+0011 states the span the union gives, so the backfill indexes what it indexed before).
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 _FUNCTIONS = ("compactd_recall_body", "compactd_recall_index", "compactd_recall_trigger")
-# What this revision created that a later one changed: its own text is kept under that name.
-_KEPT = {"compactd_recall_index": REVISION, "recall_index_node": REVISION}
 
 _PG_TRIGGER = """
 CREATE TRIGGER compactd_recall AFTER INSERT ON events FOR EACH ROW
@@ -59,7 +58,7 @@ _SQLITE_TRIGGERS = (
     f"""CREATE TRIGGER compactd_recall AFTER INSERT ON events
     WHEN NEW.kind IN ('checkpoint', 'pruned') BEGIN
     {sql.as_trigger_body("recall_index_originals")};
-    {sql.as_trigger_body("recall_index_node", revision=_KEPT["recall_index_node"])};
+    {sql.as_trigger_body("recall_index_node")};
     END""",
     f"""CREATE TRIGGER compactd_recall_fts AFTER INSERT ON recall_originals BEGIN
     {sql.as_trigger_body("recall_fts_add")};
@@ -117,13 +116,13 @@ def upgrade() -> None:
                    " (to_tsvector('simple', body))"
                    " WITH (fastupdate = on, gin_pending_list_limit = 256)")
         for name in _FUNCTIONS:
-            op.execute(sql.function_definition(name, _KEPT.get(name)))
+            op.execute(sql.function_definition(name))
         op.execute(_PG_TRIGGER)
     else:
         op.execute(_SQLITE_FTS)
         for statement in _SQLITE_TRIGGERS:
             op.execute(statement)
-    steps = [sa.text(sql.statement(name, _KEPT.get(name)))
+    steps = [sa.text(sql.statement(name))
              for name in _INDEX_STEPS[bind.dialect.name]]
     for event in bind.execute(sa.text(sql.NAMED_TEXT["recall_replace_events"])).mappings().all():
         payload = event["payload"]

@@ -37,13 +37,12 @@ _COMMIT = ("compactd_commit(text, text, bigint, timestamptz, bigint[], int[], te
            " int[], text[], json[], bigint[], bigint[], json, bigint[], bigint[])")
 
 
-def _sqlite_trigger(revision: str | None) -> str:
-    """SQLite's recall trigger (revision 0010's), its node step as ``revision`` ran it (None:
-    as storage/sql has it)."""
+def _sqlite_trigger() -> str:
+    """SQLite's recall trigger (revision 0010's), its node step as storage/sql has it."""
     return f"""CREATE TRIGGER compactd_recall AFTER INSERT ON events
     WHEN NEW.kind IN ('checkpoint', 'pruned') BEGIN
     {sql.as_trigger_body("recall_index_originals")};
-    {sql.as_trigger_body("recall_index_node", revision=revision)};
+    {sql.as_trigger_body("recall_index_node")};
     END"""
 
 
@@ -54,14 +53,9 @@ def upgrade() -> None:
         op.execute(sql.function_definition("compactd_recall_index"))
     else:
         op.execute("DROP TRIGGER IF EXISTS compactd_recall")
-        op.execute(_sqlite_trigger(None))
+        op.execute(_sqlite_trigger())
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute(f"DROP FUNCTION IF EXISTS {_COMMIT}")
-        op.execute(sql.function_definition("compactd_commit", "0009"))
-        op.execute(sql.function_definition("compactd_recall_index", "0010"))
-    else:
-        op.execute("DROP TRIGGER IF EXISTS compactd_recall")
-        op.execute(_sqlite_trigger("0010"))
+    """Nothing to undo: revisions 0009 and 0010 create the functions and the trigger as
+    storage/sql has them, these included (no store runs below the head revision)."""
