@@ -65,12 +65,7 @@ def sqlite_only(name: str) -> str | None:
 def as_trigger_body(name: str, row: str = "NEW") -> str:
     """Query ``name`` with each ``:param`` read from the trigger's ``row`` (``NEW.param``): a
     trigger runs the same statement a caller runs with the row's columns as parameters."""
-    return re.sub(r"(?<![:\w]):(\w+)", rf"{row}.\1", statement(name)).strip().rstrip(";")
-
-
-def statement(name: str) -> str:
-    """Query ``name`` with ``:name`` placeholders."""
-    return NAMED_TEXT[name]
+    return re.sub(r"(?<![:\w]):(\w+)", rf"{row}.\1", NAMED_TEXT[name]).strip().rstrip(";")
 
 
 @functools.cache

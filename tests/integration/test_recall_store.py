@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from scheduler.samples import coding_session
 from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
@@ -226,8 +227,6 @@ async def test_searches_are_planned_for_their_own_values_however_often_they_run(
     """A prepared statement's generic plan (PostgreSQL's choice after five runs on one
     connection) cannot see that a needle is rare, and walks the session's originals for every
     search instead of asking the trigram index: each search is planned for its values."""
-    import sqlalchemy as sa
-
     store, _ = compacted
     for i in range(12):
         await store.history_search("s1", f"ERR-7f3a9c {i}")

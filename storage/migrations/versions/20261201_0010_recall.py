@@ -122,7 +122,7 @@ def upgrade() -> None:
         op.execute(_SQLITE_FTS)
         for statement in _SQLITE_TRIGGERS:
             op.execute(statement)
-    steps = [sa.text(sql.statement(name))
+    steps = [sa.text(sql.NAMED_TEXT[name])
              for name in _INDEX_STEPS[bind.dialect.name]]
     for event in bind.execute(sa.text(sql.NAMED_TEXT["recall_replace_events"])).mappings().all():
         payload = event["payload"]

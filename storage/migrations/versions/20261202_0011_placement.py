@@ -33,8 +33,6 @@ depends_on: str | Sequence[str] | None = None
 
 _COMMIT_0009 = ("compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[],"
                 " json[], int[], text[], json[], bigint[], bigint[], json)")
-_COMMIT = ("compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[], json[],"
-           " int[], text[], json[], bigint[], bigint[], json, bigint[], bigint[])")
 
 
 def _sqlite_trigger() -> str:
