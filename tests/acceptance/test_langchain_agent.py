@@ -19,12 +19,12 @@ from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware
 from langchain.agents.middleware.types import ModelRequest, ModelResponse
 from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from scheduler.langchain import CompactdMiddleware
 from storage.store import Store
 from tests.integration.test_langchain_middleware import assert_tool_pairs_whole
+from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour
 from worker.compaction.render import LANGCHAIN_PREFIX
 from worker.settings import load_config
@@ -87,8 +87,7 @@ def test_a_100_step_agent_is_compacted_in_the_background_without_waiting(
 
     outer, inner = Stopwatch("outer"), Stopwatch("inner")
     compactd = CompactdMiddleware("agent-1", config=load_config(env=stack.env))
-    model = ChatOpenAI(model=AGENT_MODEL, base_url=fake.openai_base_url, api_key="sk-fake",
-                       max_retries=0)
+    model = fake_chat_openai(fake.openai_base_url, AGENT_MODEL, max_retries=0)
     agent = create_agent(model, tools=[lookup], system_prompt="You are a careful agent.",
                          middleware=[outer, compactd, inner], checkpointer=InMemorySaver())
     try:

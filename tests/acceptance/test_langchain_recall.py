@@ -21,7 +21,6 @@ import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from scheduler.langchain import CompactdMiddleware
@@ -29,6 +28,7 @@ from storage.kinds import RunStatus, Trigger
 from storage.records import RunRecord
 from storage.store import Store
 from tests.integration.test_langchain_middleware import assert_tool_pairs_whole
+from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour
 from worker.compaction.render import LANGCHAIN_PREFIX, render_surface
 from worker.settings import load_config
@@ -65,8 +65,7 @@ def test_the_agent_recalls_a_detail_the_background_compaction_dropped(
         return f"record {n} of the ledger\n{planted}\n" + "ledger line, settled; " * 80
 
     middleware = CompactdMiddleware(SESSION, config=load_config(env=stack.env))
-    model = ChatOpenAI(model=AGENT_MODEL, base_url=fake.openai_base_url, api_key="sk-fake",
-                       max_retries=0)
+    model = fake_chat_openai(fake.openai_base_url, AGENT_MODEL, max_retries=0)
     agent = create_agent(model, tools=[lookup], system_prompt="You audit refunds.",
                          middleware=[middleware], checkpointer=InMemorySaver())
     thread = {"configurable": {"thread_id": SESSION}, "recursion_limit": 4 * STEPS}

@@ -89,10 +89,8 @@ if str(ROOT) not in sys.path:
 
 from langchain.agents.middleware import SummarizationMiddleware  # noqa: E402
 from langchain_core.messages import AnyMessage  # noqa: E402
-from langchain_openai import ChatOpenAI  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
-from pydantic import SecretStr  # noqa: E402
 
 from scheduler import args as cli_types  # noqa: E402
 from scheduler.client import CompactdClient, parse_messages  # noqa: E402
@@ -118,6 +116,7 @@ from tests.bench.corpus import (  # noqa: E402
 )
 from tests.bench.fleet import Sampler  # noqa: E402
 from tests.bench.peers import add_step, apply_update, to_langchain  # noqa: E402
+from tests.support.chat_models import fake_chat_openai  # noqa: E402
 from tests.support.fake_provider import (  # noqa: E402
     Behaviour,
     PrefixCache,
@@ -282,8 +281,7 @@ def script_agent(fake: RemoteFake, think_s: float) -> None:
 
 async def langchain_session(session: Session, agent: Agent, args: argparse.Namespace,
                             fake_url: str) -> None:
-    model = ChatOpenAI(model=SUMMARY_MODEL, base_url=f"{fake_url}/v1",
-                       api_key=SecretStr(FAKE_KEY), max_retries=0)
+    model = fake_chat_openai(f"{fake_url}/v1", SUMMARY_MODEL, api_key=FAKE_KEY, max_retries=0)
     middleware: SummarizationMiddleware[Any, Any] = SummarizationMiddleware(
         model=model, trigger=("tokens", args.trigger), keep=("messages", args.keep),
         token_counter=LCCounter(), trim_tokens_to_summarize=args.trim)

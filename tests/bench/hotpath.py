@@ -95,8 +95,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from langchain.agents.middleware import SummarizationMiddleware
-from langchain_openai import ChatOpenAI
-from pydantic import SecretStr
 
 from scheduler.client import CompactdClient
 from scheduler.samples import coding_session, iter_steps
@@ -113,6 +111,7 @@ from tests.bench.common import (
     write_json,
 )
 from tests.bench.peers import add_step, apply_update, is_summary, to_langchain
+from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import RemoteFake, fake_provider_process
 from tests.support.services import flush_redis
 from tests.support.stack import Stack
@@ -146,8 +145,7 @@ def agent_steps(count: int) -> tuple[str, list[list[dict[str, Any]]]]:
 async def run_langchain(system: str, steps: list[list[dict[str, Any]]], fake_url: str, *,
                         trigger: int, keep: int, trim: int | None, think_s: float
                         ) -> dict[str, Any]:
-    model = ChatOpenAI(model="fake-gpt", base_url=f"{fake_url}/v1",
-                       api_key=SecretStr("sk-fake-bench"))
+    model = fake_chat_openai(f"{fake_url}/v1", "fake-gpt", api_key="sk-fake-bench")
     middleware: SummarizationMiddleware[Any, Any] = SummarizationMiddleware(
         model=model, trigger=("tokens", trigger), keep=("messages", keep),
         trim_tokens_to_summarize=trim)

@@ -15,11 +15,11 @@ import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from scheduler.langchain import CompactdMiddleware, StateMismatch, to_compactd, to_langchain
 from storage.store import Store
+from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.pairs import request_problems
 from worker.compaction.render import LANGCHAIN_PREFIX
@@ -60,8 +60,7 @@ def agent_for(fake: FakeProvider, middleware: CompactdMiddleware,
             on_call(calls["n"])
         return f"result {calls['n']}: {TOOL_OUTPUT}"
 
-    model = ChatOpenAI(model=AGENT_MODEL, base_url=fake.openai_base_url, api_key="sk-fake",
-                       max_retries=0)
+    model = fake_chat_openai(fake.openai_base_url, AGENT_MODEL, max_retries=0)
     return create_agent(model, tools=[lookup], middleware=[middleware],
                         system_prompt="You are a careful agent.", checkpointer=InMemorySaver())
 

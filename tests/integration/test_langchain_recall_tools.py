@@ -18,7 +18,6 @@ import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from scheduler.langchain import CompactdMiddleware
@@ -29,6 +28,7 @@ from tests.integration.test_langchain_middleware import (
     compact_now,
     make_config,
 )
+from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.tables import row_counts
 from worker.compaction.recall_tools import tool_schemas
@@ -49,8 +49,7 @@ def recall_agent(fake: FakeProvider, middleware: CompactdMiddleware) -> Any:
         planted = f"\n{NEEDLE}\n" if calls["n"] == 2 else "\n"
         return f"result {calls['n']}: {FILLER[:1500]}{planted}{FILLER[1500:]}"
 
-    model = ChatOpenAI(model=AGENT_MODEL, base_url=fake.openai_base_url, api_key="sk-fake",
-                       max_retries=0)
+    model = fake_chat_openai(fake.openai_base_url, AGENT_MODEL, max_retries=0)
     return create_agent(model, tools=[lookup], middleware=[middleware],
                         system_prompt="You are a careful agent.", checkpointer=InMemorySaver())
 
