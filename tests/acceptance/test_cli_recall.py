@@ -59,14 +59,17 @@ def test_search_finds_the_dropped_fact_and_read_pages_it_back(env: dict[str, str
     text = run(env, "history", "search", "s1", NEEDLE, "--limit", "1").stdout
     assert text.startswith(f"{top['checkpoint']}  seq {top['seq']}  exact")
     assert "1 hit(s); scanned" in text
-    transcript, args = "", ["history", "read", "s1", top["checkpoint"], "--json"]
-    for _ in range(50):
+    # Pages of 8,000 tokens: the cursor is followed through several pages (21 at the default
+    # 2,000, each a process), and the default page is read below.
+    read = ["history", "read", "s1", top["checkpoint"], "--budget-tokens", "8000", "--json"]
+    transcript, pages, args = "", 0, read
+    for pages in range(1, 51):
         page = json.loads(run(env, *args).stdout)
         transcript += page["transcript"]
         if page["cursor"] is None:
             break
-        args = ["history", "read", "s1", top["checkpoint"], "--cursor", page["cursor"], "--json"]
-    assert NEEDLE in transcript and page["cursor"] is None
+        args = [*read, "--cursor", page["cursor"]]
+    assert NEEDLE in transcript and page["cursor"] is None and pages > 2, pages
     plain = run(env, "history", "read", "s1", top["checkpoint"]).stdout
     assert plain.startswith("[seq ") and "-- more: compactd history read s1" in plain
 
