@@ -132,6 +132,7 @@ class AgentLoop:
         self.absorb(messages, moved, surface)
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(240)
 async def test_agent_loop_picks_up_checkpoints_and_never_waits(make_stack, fake) -> None:  # type: ignore[no-untyped-def]
     fake.latency_s = 2.0  # every summary takes two seconds
@@ -250,6 +251,7 @@ async def test_report_overflow_gets_a_smaller_surface_or_a_prompt_no(make_stack,
 # 3. signals: a burst makes one run; a flushed Redis loses nothing
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(120)
 async def test_a_thousand_signals_make_one_compaction_run(make_stack, fake) -> None:  # type: ignore[no-untyped-def]
     fake.latency_s = 2.0  # the run is in flight for the whole burst
