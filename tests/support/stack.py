@@ -63,7 +63,11 @@ class Stack:
                  fake_url: str | None = None, summarization: Mapping[str, Any] | None = None,
                  worker: Mapping[str, Any] | None = None, default_model: str | None = None,
                  models: Sequence[Mapping[str, Any]] | None = None,
-                 extra_env: Mapping[str, str] | None = None) -> None:
+                 extra_env: Mapping[str, str] | None = None,
+                 python: Path | None = None) -> None:
+        # Another interpreter (a venv with compactd installed) runs the processes from its own
+        # installed copy: the repository stays off their import path.
+        self.python = str(python) if python is not None else sys.executable
         self.home = home
         self.home.mkdir(parents=True, exist_ok=True)
         self.database_url = database_url
@@ -83,7 +87,8 @@ class Stack:
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
         self.env.update({
-            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PYTHONPATH": ("" if python is not None
+                           else str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")),
             "COMPACTD_DATABASE_URL": database_url,
             "COMPACTD_BROKER_URL": redis_url,
             "COMPACTD_CONFIG": str(self.config_path),
@@ -104,7 +109,7 @@ class Stack:
                      ) -> subprocess.Popen[bytes]:
         log = self.home / f"{name}.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-n",
+            [self.python, "-m", "celery", "-A", "worker.app", "worker", "-n",
              f"{name}@%h", "-Q", ",".join(queues), "--concurrency", str(concurrency),
              "-l", "INFO", "--without-gossip", "--without-mingle"],
             env={**self.env, **(env or {})}, cwd=self.home, stdout=log.open("ab"),
@@ -119,7 +124,7 @@ class Stack:
     def start_beat(self, name: str = "beat") -> subprocess.Popen[bytes]:
         log = self.home / f"{name}.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
+            [self.python, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
              "-s", str(self.home / "celerybeat-schedule")],
             env=self.env, cwd=self.home, stdout=log.open("ab"), stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -171,7 +176,7 @@ class Stack:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 180.0,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([sys.executable, "-m", "scheduler.cli", *args],
+        out = subprocess.run([self.python, "-m", "scheduler.cli", *args],
                              env={**self.env, **(env or {})}, cwd=self.home,
                              capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
