@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlparse
 
 import pytest
@@ -85,8 +86,12 @@ def _answers(url: str, default_port: int) -> bool:
 def require_service(name: str, url: str, default_port: int) -> None:
     if _answers(url, default_port):
         return
-    message = (f"{name} does not answer at {url}; start it (ops/test starts local servers) or "
-               f"set the COMPACTD_TEST_* URL")
+    missing(f"{name} does not answer at {url}; start it (ops/test starts local servers) or "
+            f"set the COMPACTD_TEST_* URL")
+
+
+def missing(message: str) -> NoReturn:
+    """Something a test needs is not on this machine: a failure in CI, a skip elsewhere."""
     if IN_CI:
         pytest.fail(f"CI: {message}")
     pytest.skip(message)

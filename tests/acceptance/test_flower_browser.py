@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.samples import coding_session
-from tests.conftest import IN_CI, REPO
+from tests.conftest import REPO, missing
 from tests.support.fake_provider import Behaviour
 from tests.support.probes import free_port, http_status, query
 from tests.support.stack import wait_until
@@ -38,10 +38,7 @@ POLICY = {"trigger": [{"type": "tokens", "value": 4000}],
 def _chromium() -> str:
     if Path(CHROMIUM).exists() or shutil.which("chromium") == CHROMIUM:
         return CHROMIUM
-    message = f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)"
-    if IN_CI:
-        pytest.fail(f"CI: {message}")
-    pytest.skip(message)
+    missing(f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")
 
 
 def _flower_sees(url: str, worker: str) -> bool:

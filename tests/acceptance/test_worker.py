@@ -30,6 +30,7 @@ from storage.kinds import NodeKind
 from storage.messages import Message
 from storage.records import RunRecord
 from storage.store import Store
+from tests.conftest import missing
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack, wait_until
@@ -395,7 +396,7 @@ class PrivateRedis:
     def start(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.skip("redis-server is not installed")
+            missing("redis-server is not installed")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.home)],
