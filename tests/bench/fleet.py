@@ -1,7 +1,7 @@
 """A fleet of agents beside real workers: overflows, pressure-to-checkpoint latency, capacity.
 
     python tests/bench/fleet.py --json fleet.json --plots DIR [--agents 40] [--workers 1]
-        [--duration 180] [--latency 1.0] [--concurrency 4] [--window 16000]
+        [--duration S] [--latency 1.0] [--concurrency 4] [--window 16000]
         [--transcripts DIR] [--think-scale 1.0] [--search]
 
 What runs: ``--agents`` asyncio tasks in this process, each an agent driven through the real
@@ -60,7 +60,9 @@ Measured (JSON keys):
   transcripts give at the mean think time, for the slowest agent to cross its trigger CROSSINGS
   times or use up its runway (``Headroom.run_length_s``), times RUN_LENGTH_MARGIN, at least
   ``--duration``. A size whose measured growth asked for more (``needed_run_s``) runs again
-  that long (``shorter_run`` says what the first run saw). ``load_before`` / ``load_after`` are
+  that long (``shorter_run`` says what the first run saw). Without ``--search`` and without
+  ``--duration``, the one size runs in the same way, so the default run is long enough to judge;
+  ``--duration`` runs exactly that long (a smoke run). ``load_before`` / ``load_after`` are
   the machine's load averages around the agents' phase.
 
 Charts (``--plots DIR``): ``context.png`` (context tokens of four sample agents over time against
@@ -133,7 +135,6 @@ OVERFLOW_WAIT_S = 120.0
 SAMPLE_AGENTS = 4
 SEARCH_TRIALS = 8
 WARM_UP_STEPS = 16
-DEFAULT_DURATION_S = 180.0
 # "Several times": one crossing says nothing about the checkpoints that follow it; three show the
 # fleet's steady state (trigger, checkpoint, climb back, again).
 CROSSINGS = 3
@@ -899,9 +900,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--agents", type=count, default=40, help="agents (asyncio tasks)")
     parser.add_argument("--workers", type=count, default=1, help="worker processes")
     parser.add_argument("--duration", type=seconds,
-                        help=f"seconds the agents step for (default {DEFAULT_DURATION_S:g}; "
-                        "with --search, the least: each size runs as long as its agents' "
-                        "growth needs)")
+                        help="seconds the agents step for (default: as long as the agents' "
+                        "growth needs for every one to cross its trigger several times; "
+                        "with --search, the least)")
     parser.add_argument("--latency", type=seconds, default=1.0,
                         help="the fake provider's seconds per summary call")
     parser.add_argument("--concurrency", type=count, default=4,
@@ -1004,7 +1005,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             result, raw = raws[shown]
             report = {**result, "largest_fleet_without_overflow": largest, "trials": trials}
         else:
-            run(args.agents, args.duration or DEFAULT_DURATION_S)
+            if args.duration is None:
+                trial(args.agents)
+            else:
+                run(args.agents, args.duration)
             result, raw = raws[args.agents]
             report = dict(result)
         report["plots"] = plot(raw, result, args.plots) if args.plots else []
