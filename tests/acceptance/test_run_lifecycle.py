@@ -304,3 +304,54 @@ def test_provider_usage_is_stored_shown_and_exported_for_both_sdks(
         for kind in ("input", "cached", "output"):
             assert value(scraped, "compactd_model_tokens_total", candidate=model,
                          kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)
+
+
+# ------------------------------------------------------------------------------------------
+# issue 26 item 12: a billed answer refused while it is read, or cut at its cap, keeps its usage
+
+# Fake output -> the failure kind the worker records; each billed by the provider.
+BILLED_REFUSALS = {"tool_calls": "non_text", "reasoning_only": "non_text", "refusal": "refused",
+                   "content_filter": "refused", "truncated": "truncated"}
+
+
+def test_billed_answers_refused_while_read_or_cut_at_the_cap_keep_their_usage(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # fake-gpt speaks OpenAI, fake-claude Anthropic: each goes first and fails, the other writes.
+    other = {"fake-gpt": "fake-claude", "fake-claude": "fake-gpt"}
+    # The Messages API has no content filter of its own: the fake answers it as a refusal.
+    cases = [(first, output) for first in other for output in BILLED_REFUSALS
+             if (first, output) != ("fake-claude", "content_filter")]
+    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    for i, (first, output) in enumerate(cases):
+        db.ingest(f"{first}-{output}",
+                  coding_session(steps=20, big_output_lines=30, seed=800 + i).messages,
+                  run_model=other[first], policy={"model_name": first})
+    port = free_port()
+    stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
+    totals: dict[tuple[str, str], int] = {}
+    for first, output in cases:
+        sid = f"{first}-{output}"
+        fake.script(Behaviour(model=first, output=output))
+        seen = len(fake.requests)
+        result = stack.cli_json("compact", sid, "--wait")
+        assert (result["outcome"], result["model"]) == ("committed", other[first]), result
+        [run] = stack.cli_json("status", sid)["runs"]
+        assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
+            (first, BILLED_REFUSALS[output])], run["candidates"]
+        refused, written = fake.requests[seen:]
+        assert refused.model == first and written.model == other[first]
+        by = run["usage"]["by_candidate"]
+        assert set(by) == {first, other[first]}, run["usage"]
+        assert by[first]["calls"] == 1, by
+        assert by[first]["input_tokens"] == refused.input_tokens > 0, by
+        assert by[first]["output_tokens"] == refused.output_tokens > 0, by
+        assert run["usage"]["calls"] == 2 and run["usage"]["input_tokens"] == (
+            refused.input_tokens + written.input_tokens), run["usage"]
+        for model, counts in by.items():
+            for kind in ("input_tokens", "output_tokens"):
+                totals[model, kind] = totals.get((model, kind), 0) + counts[kind]
+    scraped = scrape(port)
+    for model in other:
+        for kind in ("input", "output"):
+            assert value(scraped, "compactd_model_tokens_total", candidate=model,
+                         kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)

@@ -11,8 +11,13 @@ When every candidate fails, the fallback raises its own
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from storage.errors import CompactdError
 from storage.kinds import ModelFailure
+
+if TYPE_CHECKING:
+    from worker.llm.providers import Usage
 
 # Kinds worth another HTTP attempt on the same candidate.
 TRANSIENT_KINDS = frozenset({ModelFailure.RATE_LIMITED, ModelFailure.SERVER, ModelFailure.TIMEOUT,
@@ -32,7 +37,7 @@ class ProviderError(LLMError):
 
     def __init__(self, kind: ModelFailure, reason: str, *, status: int | None = None,
                  retry_after_s: float | None = None, request_id: str | None = None,
-                 transient: bool | None = None) -> None:
+                 transient: bool | None = None, usage: Usage | None = None) -> None:
         self.kind: ModelFailure = kind
         self.reason = reason
         self.status = status
@@ -41,6 +46,9 @@ class ProviderError(LLMError):
         # A provider can say explicitly whether a retry helps (``x-should-retry``); else the kind
         # decides.
         self.transient = kind in TRANSIENT_KINDS if transient is None else transient
+        # What the provider billed for an answer refused while it was read (a refusal, tool
+        # calls only...): the call was paid for even though it gave no summary.
+        self.usage = usage
         super().__init__(f"{kind}: {reason}")
 
 

@@ -284,7 +284,7 @@ class _Run:
             return None
         except ProviderError as exc:
             self.fail(candidate, exc.kind, exc.reason, started, http_attempts=counter.n,
-                      status=exc.status, request_id=exc.request_id)
+                      status=exc.status, request_id=exc.request_id, usage=exc.usage)
             if exc.kind in BROKEN_KINDS:
                 self.providers.mark_broken(candidate, exc.reason)
             return None
@@ -394,7 +394,8 @@ class _Run:
             # the same cut, so the next candidate is asked instead.
             self.fail(candidate, ModelFailure.TRUNCATED, f"the output stopped at its cap of "
                       f"{self.request.max_tokens} tokens ({completion.stop_reason})", started,
-                      http_attempts=http_attempts, request_id=completion.request_id)
+                      http_attempts=http_attempts, request_id=completion.request_id,
+                      usage=completion.usage)
             return None
         text = completion.text.strip()
         if not text:
