@@ -355,3 +355,41 @@ def test_billed_answers_refused_while_read_or_cut_at_the_cap_keep_their_usage(
         for kind in ("input", "output"):
             assert value(scraped, "compactd_model_tokens_total", candidate=model,
                          kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)
+
+
+# ------------------------------------------------------------------------------------------
+# issue 26 item 10: a candidate that hangs is skipped by the runs after it, on every worker
+
+
+def test_a_hanging_candidate_is_skipped_by_the_next_run_on_another_worker(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # fake-gpt (the summary model) hangs; fake-claude (the run model) answers. One failure
+    # opens the circuit, and the cool-down outlasts the test.
+    fake.script(Behaviour(model="fake-gpt", hang=True, times=-1))
+    stack = make_stack(summarization=POLICY,
+                       worker={"local_fallback": False, "candidate_budget_s": 3,
+                               "breaker": {"failures": 1, "cooldown_s": 600}})
+    for i, sid in enumerate(("h1", "h2")):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=900 + i).messages,
+                  run_model="fake-claude", policy={"model_name": "fake-gpt"})
+
+    stack.start_worker("w1", concurrency=2)
+    first = stack.cli_json("compact", "h1", "--wait")
+    assert (first["outcome"], first["model"]) == ("committed", "fake-claude"), first
+    [run] = stack.cli_json("status", "h1")["runs"]
+    assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
+        ("fake-gpt", "timeout")], run["candidates"]
+    stack.stop("w1")
+
+    # Another worker process: what the first learned reaches it through Redis.
+    stack.start_worker("w2", concurrency=2)
+    hung = len(fake.requests_for(model="fake-gpt"))
+    second = stack.cli_json("compact", "h2", "--wait")
+    assert (second["outcome"], second["model"]) == ("committed", "fake-claude"), second
+    assert len(fake.requests_for(model="fake-gpt")) == hung == 1, "not asked again"
+    [run] = stack.cli_json("status", "h2")["runs"]
+    [skipped] = run["candidates"]
+    assert (skipped["candidate"], skipped["kind"], skipped["http_attempts"]) == (
+        "fake-gpt", "circuit_open", 0), skipped
+    assert skipped["reason"].startswith("circuit open: 1 failed calls in a row"), skipped
+    assert "circuit open" in stack.cli("status", "h2").stdout

@@ -27,6 +27,13 @@ TRANSIENT_KINDS = frozenset({ModelFailure.RATE_LIMITED, ModelFailure.SERVER, Mod
 BROKEN_KINDS = frozenset({ModelFailure.AUTH, ModelFailure.NOT_FOUND, ModelFailure.QUOTA,
                           ModelFailure.UNAVAILABLE})
 
+# Kinds that count toward a candidate's circuit (worker.llm.breaker): the endpoint did not
+# answer, or answered that it cannot serve. An answer of any other kind (refused by validation,
+# cut at the cap, a request too long) shows the provider is up, and resets the count.
+CIRCUIT_KINDS = frozenset({ModelFailure.TIMEOUT, ModelFailure.DEADLINE, ModelFailure.CONNECTION,
+                           ModelFailure.SERVER, ModelFailure.MALFORMED, ModelFailure.AUTH,
+                           ModelFailure.NOT_FOUND, ModelFailure.QUOTA})
+
 
 class LLMError(CompactdError):
     """A summarizer model failed."""
