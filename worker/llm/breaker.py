@@ -26,6 +26,7 @@ models.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -40,6 +41,9 @@ from worker.settings import WorkerConfig
 logger = logging.getLogger(__name__)
 
 FAILURE_MEMORY_S = 3600.0
+# A circuit read or write that takes longer than this is given up (the call goes on): an
+# unreachable Redis must not hold a run that could be calling its model.
+REDIS_TIMEOUT_S = 2.0
 
 # KEYS[1] = the circuit; ARGV = now_s, probe_s, ttl_ms. Returns {state, failures, seconds}:
 # closed | open (seconds left of the cool-down) | probing (seconds left of the probe in flight)
@@ -143,10 +147,11 @@ class RedisBreaker:
         from redis.exceptions import RedisError
 
         try:
-            state, failures, seconds = await self._admit(
-                keys=[circuit_key(candidate)],
-                args=[repr(self.clock()), repr(self.limits.probe_s), self.limits.ttl_ms])
-        except (RedisError, OSError):
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                state, failures, seconds = await self._admit(
+                    keys=[circuit_key(candidate)],
+                    args=[repr(self.clock()), repr(self.limits.probe_s), self.limits.ttl_ms])
+        except (RedisError, OSError, TimeoutError):
             logger.debug("circuit of %s unreadable: calling it", candidate.name, exc_info=True,
                          extra={"action": "llm.circuit_unknown", "candidate": candidate.name})
             return None
@@ -157,11 +162,12 @@ class RedisBreaker:
 
         limits = self.limits
         try:
-            opened = await self._record(
-                keys=[circuit_key(candidate)],
-                args=[repr(self.clock()), "1" if failed else "0", limits.failures,
-                      repr(limits.cooldown_s), limits.ttl_ms])
-        except (RedisError, OSError):
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                opened = await self._record(
+                    keys=[circuit_key(candidate)],
+                    args=[repr(self.clock()), "1" if failed else "0", limits.failures,
+                          repr(limits.cooldown_s), limits.ttl_ms])
+        except (RedisError, OSError, TimeoutError):
             logger.debug("circuit of %s not updated", candidate.name, exc_info=True,
                          extra={"action": "llm.circuit_unknown", "candidate": candidate.name})
             return
