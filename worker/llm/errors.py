@@ -11,13 +11,9 @@ When every candidate fails, the fallback raises its own
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from storage.errors import CompactdError
 from storage.kinds import ModelFailure
-
-if TYPE_CHECKING:
-    from worker.llm.providers import Usage
+from worker.llm.usage import Usage
 
 # Kinds worth another HTTP attempt on the same candidate.
 TRANSIENT_KINDS = frozenset({ModelFailure.RATE_LIMITED, ModelFailure.SERVER, ModelFailure.TIMEOUT,

@@ -62,7 +62,8 @@ from worker.llm.errors import (
     Unavailable,
 )
 from worker.llm.local import summarize_local
-from worker.llm.providers import ChatMessage, Completion, Provider, Tool, Usage
+from worker.llm.providers import ChatMessage, Completion, Provider, Tool
+from worker.llm.usage import Usage
 from worker.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)

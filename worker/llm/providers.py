@@ -44,6 +44,7 @@ import pydantic
 from storage.kinds import ModelFailure
 from worker.llm.candidates import Availability, Candidate
 from worker.llm.errors import ProviderError, Unavailable
+from worker.llm.usage import Usage
 from worker.settings import ModelSpec, WorkerConfig
 
 if TYPE_CHECKING:
@@ -88,20 +89,6 @@ class Attribution:
     @classmethod
     def from_config(cls, worker: WorkerConfig) -> Attribution:
         return cls(worker.attribution_header, worker.attribution_value)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Tokens the provider billed. ``input_tokens`` includes cached ones (Anthropic reports them
-    apart; they are added back so both providers mean the same thing)."""
-
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cached_tokens: int | None = None
-
-    def to_json(self) -> dict[str, int | None]:
-        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "cached_tokens": self.cached_tokens}
 
 
 @dataclass(frozen=True, slots=True)
