@@ -13,7 +13,9 @@ what was answered) and the answers are scriptable: a queue of :class:`Behaviour`
 matched by model name (and optionally API) or in order, each used ``times`` times: latency,
 hanging forever, an error status (429 with Retry-After, 500, 503, 529, 401, 400
 ``context_length_exceeded`` / "prompt is too long"), whitespace-only text, non-shrinking text (the
-input echoed), malformed JSON, tool-call-only, reasoning-only or image output, or a summary cut
+input echoed), malformed JSON, tool-call-only, reasoning-only or image output, a refusal
+(OpenAI's ``refusal`` field, Anthropic's ``stop_reason: "refusal"``), OpenAI's content filter
+(``finish_reason: "content_filter"``; a refusal on the Anthropic API), or a summary cut
 off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"``). A scripted
 agent model can call named tools with given arguments, an argument taken from the last tool
 result it was sent (as a model copies an id it read), and answer text quoting that result. A
@@ -78,7 +80,7 @@ from worker.compaction.prompt import INDEX_MARK
 
 HANG_S = 3600.0
 OUTPUTS = ("summary", "whitespace", "echo", "malformed", "tool_calls", "reasoning_only",
-           "image", "text", "truncated")
+           "image", "text", "truncated", "refusal", "content_filter")
 SECTIONS = ("Primary Request and Intent", "Key Technical Concepts", "Files and Code",
             "Errors and Fixes", "Pending Jobs", "Current Work", "Next Step", "Critical Context")
 
@@ -499,6 +501,12 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         elif behaviour.output == "image":
             message = {"role": "assistant", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+        elif behaviour.output == "refusal":
+            message = {"role": "assistant", "content": None,
+                       "refusal": "I can't help with that request."}
+        elif behaviour.output == "content_filter":
+            message = {"role": "assistant", "content": ""}
+            finish = "content_filter"
         payload: dict[str, Any] = {
             "id": f"chatcmpl-fake-{n}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message,
@@ -520,6 +528,9 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         elif behaviour.output == "image":
             content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                     "data": "AAAA"}}]
+        elif behaviour.output in ("refusal", "content_filter"):
+            content = []
+            stop = "refusal"
         payload = {"id": f"msg_fake_{n}", "type": "message", "role": "assistant",
                    "model": model, "content": content, "stop_reason": stop,
                    "stop_sequence": None,
