@@ -122,6 +122,7 @@ class ItemState(StrEnum):
     PENDING = "pending"
     ENQUEUED = "enqueued"
     DONE = "done"
+    SKIPPED = "skipped"  # its run had nothing to do (under its trigger): nothing compacted
     FAILED = "failed"
 
 

@@ -246,13 +246,18 @@ class BulkJob:
     updated_at: dt.datetime
     pending: int = 0
     enqueued: int = 0
-    done: int = 0
+    done: int = 0  # compacted
+    skipped: int = 0  # nothing to do (under its trigger without --force)
     failed: int = 0
+
+    @property
+    def ended(self) -> int:
+        return self.done + self.skipped + self.failed
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "filter": self.filter, "state": self.state, "force": self.force,
                 "rate_per_s": self.rate_per_s, "matched": self.matched,
                 "pending": self.pending, "enqueued": self.enqueued, "done": self.done,
-                "failed": self.failed,
+                "skipped": self.skipped, "failed": self.failed,
                 "created_at": self.created_at.isoformat(),
                 "updated_at": self.updated_at.isoformat()}

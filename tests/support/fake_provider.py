@@ -69,7 +69,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,8 @@ CACHE_MIN_TOKENS = 1024
 CACHE_BLOCK_TOKENS = 128
 # Earlier requests remembered per cache key (a provider's cache forgets too).
 CACHE_ENTRIES_PER_KEY = 64
+# What a chat completions request carries of a message.
+WIRE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 @dataclass
@@ -244,6 +246,21 @@ class _State:
 
 # --------------------------------------------------------------------------------------------
 # the prefix cache
+
+
+def input_tokens_of(raw: bytes) -> int:
+    """The input tokens the fake reports for a request body when its prefix cache is off: a
+    quarter of its bytes. Not compactd's tokenizer, on purpose: a runtime that reports this
+    usage gives compactd a count of its own, as a real provider's is."""
+    return math.ceil(len(raw) / 4)
+
+
+def openai_request_body(model: str, messages: Sequence[Mapping[str, Any]]) -> bytes:
+    """The body of a chat completions request for ``messages`` (their wire fields only), as a
+    runtime would send it and the fake would count it."""
+    wire = [{k: v for k, v in m.items() if k in WIRE_FIELDS and v is not None}
+            for m in messages]
+    return json.dumps({"model": model, "messages": wire}).encode()
 
 
 def cached_blocks(shared_tokens: int) -> int:
@@ -480,7 +497,7 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
     cut = behaviour.output == "truncated"
     if cut:
         text = text[:len(text) // 2]
-    usage_in, cached = usage if usage is not None else (math.ceil(len(raw) / 4), 0)
+    usage_in, cached = usage if usage is not None else (input_tokens_of(raw), 0)
     if behaviour.cached_tokens:
         cached = behaviour.cached_tokens
     usage_out = math.ceil(len(text) / 4)
