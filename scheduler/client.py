@@ -296,8 +296,9 @@ class SessionHandle:
 
         ``surface_version``: the surface the call was built on; by default the one this handle
         last read, with its own appends since (None: not known, the report is recorded as it
-        is). A report that arrives after a compaction moved the surface past it describes a
-        request larger than the next one, and the store does not record it."""
+        is). Appends after it (the reply, another writer's) are counted on top. A report built
+        before a compaction committed describes a request larger than the next one, and the
+        store does not record it."""
         built_on = self.version if surface_version is OWN_VIEW else surface_version
         self.info = await self.client.store.report_usage(
             self.id, input_tokens, output_tokens, response_appended=response_appended,
