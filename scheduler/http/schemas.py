@@ -151,8 +151,9 @@ class SurfaceMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
     meta: dict[str, Any] | None = None
-    tokens: int | None = Field(default=None, description="absent on the authority contract a "
-                                                         "durable_context checkpoint adds")
+    tokens: int | None = Field(default=None, description="the message's tokens (a "
+                               "durable_context checkpoint's count includes its authority "
+                               "contract, wherever the contract is placed)")
 
 
 class SurfaceOut(BaseModel):
