@@ -6,7 +6,6 @@ against the fake provider in its strict mode, the CLI as a subprocess."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from scheduler.client import CompactdClient
 from scheduler.langchain import CompactdMiddleware, to_compactd
 from storage.store import Store
 from tests.conftest import run_cli
+from tests.integration.test_langchain_middleware import compact_now, make_config
 from tests.support.chat_models import fake_chat_openai
 from tests.support.deerflow import (
     LOADED_SKILL,
@@ -38,28 +38,11 @@ from tests.support.fake_provider import Behaviour, FakeProvider
 from worker.compaction.render import AUTHORITY_CONTRACT
 from worker.orchestration import compact
 from worker.runtime import open_deps
-from worker.settings import Config, Settings, build_config
 
 AGENT_MODEL = "agent-gpt"
 SYSTEM = "You are DeerFlow's lead agent."
 CONFIG_YAML = "summarization:\n  trigger: [{type: tokens, value: 1000000000}]\n"
 WIRE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
-
-
-def make_config(database_url: str, home: Path) -> Config:
-    # No models: compactions use the local summarizer; nothing consumes the embedded broker.
-    return build_config({"summarization": {"trigger": [{"type": "tokens", "value": 10**9}]}},
-                        settings=Settings(database_url=database_url, home=str(home)), home=home)
-
-
-def compact_now(config: Config, session: str) -> str:
-    """What a worker does, run to completion in this thread (its own loop and engine)."""
-    async def run() -> str:
-        async with open_deps(config, owner="test") as deps:
-            outcome = await compact(deps, session, trigger="manual", force=True)
-        return str(outcome.to_json()["outcome"])
-
-    return asyncio.run(run())
 
 
 def system_roles(body: dict[str, Any]) -> list[int]:
