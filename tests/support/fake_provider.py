@@ -50,7 +50,7 @@ As a process another process can be pointed at (a Celery worker, a benchmark)::
 Control endpoints (JSON), used by :class:`RemoteFake` with the same methods as the in-process API:
 ``POST /_fake/script`` ``{"behaviours": [...]}``, ``POST /_fake/reset``, ``GET /_fake/requests``
 (``?bodies=1`` to include bodies), ``POST /_fake/config`` ``{"latency_s": ...,
-"prefix_cache": ...}``,
+"prefix_cache": ..., "strict_system": ...}``,
 ``GET /_fake/health``.
 """
 
@@ -196,6 +196,9 @@ class _State:
         self.latency_s = latency_s
         self.keep_bodies = keep_bodies
         self.cache = PrefixCache() if prefix_cache else None
+        # As strict OpenAI-compatible servers (vLLM's chat templates, several hosted ones):
+        # a system message anywhere but first is a 400.
+        self.strict_system = False
         self.queue: list[Behaviour] = []
         self.log: list[RequestRecord] = []
         self.started = time.monotonic()
@@ -450,6 +453,9 @@ async def _model_call(state: _State, request: web.Request, api: str) -> web.Stre
         if not record.prefix_ok:
             behaviour = dataclasses.replace(behaviour, status=400, code="prefix_mismatch")
             record.behaviour = behaviour.describe()
+    if state.strict_system and api == "openai" and late_system_message(body):
+        behaviour = dataclasses.replace(behaviour, status=400, code="system_message_not_first")
+        record.behaviour = behaviour.describe()
     state.record(record)
     latency = state.latency_s if behaviour.latency_s is None else behaviour.latency_s
     if behaviour.hang:
@@ -585,6 +591,14 @@ def _error_body(api: str, status: int, code: str | None, request_id: str) -> dic
         message = "prompt is too long: 210000 tokens > 200000 maximum"
     return {"type": "error", "error": {"type": etype, "message": message},
             "request_id": request_id}
+
+
+def late_system_message(body: dict[str, Any]) -> bool:
+    """Whether a chat request holds a system (or developer) message after its first one."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and m.get("role") in ("system", "developer")
+        for m in messages[1:])
 
 
 def begins_with(body: dict[str, Any], prefix: dict[str, Any]) -> bool:
@@ -740,7 +754,10 @@ async def _control_config(state: _State, request: web.Request) -> web.Response:
         state.latency_s = float(data["latency_s"])
     if "prefix_cache" in data:
         state.set_prefix_cache(bool(data["prefix_cache"]))
-    return _json({"latency_s": state.latency_s, "prefix_cache": state.cache is not None})
+    if "strict_system" in data:
+        state.strict_system = bool(data["strict_system"])
+    return _json({"latency_s": state.latency_s, "prefix_cache": state.cache is not None,
+                  "strict_system": state.strict_system})
 
 
 async def _control_requests(state: _State, request: web.Request) -> web.Response:
@@ -840,6 +857,15 @@ class FakeProvider:
     @prefix_cache.setter
     def prefix_cache(self, on: bool) -> None:
         self._state.set_prefix_cache(on)
+
+    @property
+    def strict_system(self) -> bool:
+        """Refuse (400) a chat request with a system message anywhere but first."""
+        return self._state.strict_system
+
+    @strict_system.setter
+    def strict_system(self, on: bool) -> None:
+        self._state.strict_system = on
 
     def script(self, *behaviours: Behaviour, **one: Any) -> None:
         """Queue behaviours (or one built from keyword arguments)."""
