@@ -336,6 +336,43 @@ def test_kill_9_during_model_call_is_reaped_and_recompacted(
     assert f"{KILL_LOOPS}/{KILL_LOOPS} sessions verified" in out.stdout, out.stdout
 
 
+def test_an_operator_release_ends_the_task_as_a_success_not_a_failure(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    """``compactd lease release`` on a run that hangs on its model: the run ends abandoned (the
+    record), and its task, which Flower shows from the worker's task events, succeeds with the
+    release in its result instead of failing with CompactionFailed (an ERROR line and a FAILURE
+    for an action the operator took on purpose)."""
+    stack = make_stack(summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 3000}]},
+                       worker={"lease_s": 3.0, "sweep_interval_s": 3600})
+    db.ingest("rel", coding_session(steps=20, big_output_lines=30, seed=7).messages)
+    stack.start_worker("w1", concurrency=2)
+    fake.script(Behaviour(model="fake-gpt", hang=True, times=1))
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("rel", "pressure"))
+    wait_until(lambda: fake.requests, timeout=30, what="the run's model call to hang")
+    [held] = [r for r in db.runs("rel") if r.status == "running"]
+    out = stack.cli_json("lease", "release", "rel", "--run", held.id, "--by", "alice")
+    assert out["released"] is True, out
+
+    def task_line() -> dict[str, Any] | None:
+        for line in stack.log("w1").splitlines():
+            if line.startswith("{") and f"compaction.run[{held.task_id}]" in line:
+                entry: dict[str, Any] = json.loads(line)
+                if entry["logger"] == "celery.app.trace":
+                    return entry
+        return None
+
+    entry = wait_until(task_line, timeout=60, what="the held run's task to end")
+    assert entry["level"] == "info" and " succeeded in " in entry["msg"], entry
+    assert "'released_by': 'alice'" in entry["msg"], entry["msg"]
+    assert "CompactionFailed" not in stack.log("w1")
+    [run] = [r for r in db.runs("rel") if r.id == held.id]
+    assert (run.status, run.failure_class) == ("failed", "abandoned"), run
+    [end] = [e for e in db.events("rel", ["compaction/end"]) if e.run_id == held.id]
+    assert end.payload["closed_by"] == "alice"
+    assert_journal_closed(db, "rel")
+
+
 # ------------------------------------------------------------------------------------------
 # 4. every candidate returns whitespace
 
