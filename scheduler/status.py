@@ -15,6 +15,10 @@ from worker.sweeps import least_runways
 
 # Sessions ``compactd status`` lists by least runway.
 RUNWAY_SHOWN = 10
+# ``compactd status`` calls a session growing only if it appended within one growth window
+# (storage.records.GROWTH_WINDOW_S): its rate decays after its last append but stays above zero,
+# so minutes later an idle session still read as "growing".
+GROWING_WINDOWS = 1.0
 
 
 async def status(store: Store, *, since: dt.datetime | None = None,
@@ -38,8 +42,9 @@ async def status(store: Store, *, since: dt.datetime | None = None,
         "bulk_jobs": [job.to_json() for job in await store.list_bulk_jobs()],
         "recent": [_run_brief(r) for r in await store.recent_runs(since=since, limit=10)],
         # Without a configuration no session's window is known (the CLI always has one).
-        "runway": [r.to_json() for r in (await least_runways(store, config, now=now)
-                                         )[:RUNWAY_SHOWN]] if config is not None else [],
+        "runway": [r.to_json() for r in (await least_runways(
+            store, config, now=now, idle_windows=GROWING_WINDOWS))[:RUNWAY_SHOWN]]
+        if config is not None else [],
     }
 
 
@@ -154,10 +159,10 @@ def render_status(body: dict[str, Any]) -> str:
     for job in body["bulk_jobs"]:
         lines.append(f"  {job['id']} {job['state']}: {job['done']}/{job['matched']} done, "
                      f"{job['skipped']} skipped (nothing to do), {job['failed']} failed")
-    lines.append(f"least runway (seconds before the window at the current growth): "
-                 f"{len(body.get('runway', ()))}")
+    lines.append(f"growing sessions: {len(body.get('runway', ()))} (least runway first: the "
+                 f"time before the window at the current growth)")
     for r in body.get("runway", ()):
-        lines.append(f"  {r['session']}: {r['runway_s']:g} s, {r['tokens']}/{r['window']} "
+        lines.append(f"  {r['session']}: runway {r['runway_s']:g} s, {r['tokens']}/{r['window']} "
                      f"tokens, growing {r['rate_per_s']:g} tokens/s")
     lines.append(f"recent runs: {len(body['recent'])}")
     for run in body["recent"]:

@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 # storage/sql/functions/compactd_claim.sql).
 CLAIM_LOCK_WAIT_S = 5.0
 
+# Who ends an expired lease's run (its journal's ``closed_by``); an operator's release names
+# whoever released it instead.
+REAPER = "reaper"
+
 
 class LeasesMixin:
     engine: AsyncEngine
@@ -409,7 +413,7 @@ class LeasesMixin:
     # reap
 
     async def reap_expired(self, *, now: dt.datetime | None = None, limit: int = 100,
-                           by: str = "reaper") -> list[ReapedLease]:
+                           by: str = REAPER) -> list[ReapedLease]:
         """Close expired leases: the run becomes ``abandoned`` and its orphan start is ended."""
         now = now or utcnow()
         c = t.sessions.c

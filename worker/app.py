@@ -8,11 +8,14 @@ changes nothing global: no tasks, no logging or Flower hooks.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import Any
 
+import click
 from celery import Celery
 from celery.signals import setup_logging
+from click.core import ParameterSource
 from kombu import Exchange, Queue
 
 from worker import broker, logs
@@ -129,10 +132,28 @@ def client_app(config: Config) -> Celery:
     return make_app(config)
 
 
-def _logging(**_: Any) -> None:
-    # Connected: Celery leaves logging to us instead of installing its own handlers.
+def _logging(loglevel: int | str | None = None, **_: Any) -> None:
+    # Connected: Celery leaves logging to us instead of installing its own handlers. Its
+    # --loglevel, when the command line gives one, wins over COMPACTD_LOG_LEVEL; Celery passes
+    # its own default (WARNING) when it does not, which must not silence the INFO default.
     config = load_config()
-    logs.configure(config.log_format, config.log_level)
+    level = config.log_level
+    if loglevel is not None and _given_on_command_line("loglevel"):
+        level = logging.getLevelName(loglevel) if isinstance(loglevel, int) else loglevel
+    logs.configure(config.log_format, level)
+
+
+def _given_on_command_line(option: str) -> bool:
+    """Whether the Celery command running now (worker, beat, flower) got ``option`` from its
+    command line or its environment, not from its default."""
+    context = click.get_current_context(silent=True)
+    while context is not None:
+        if option in context.params:
+            source = context.get_parameter_source(option)
+            return source not in (None, ParameterSource.DEFAULT,
+                                  ParameterSource.DEFAULT_MAP)
+        context = context.parent
+    return False
 
 
 @cache

@@ -27,6 +27,7 @@ from kombu.connection import ConnectionPool, PooledConnection
 from kombu.transport import redis as kombu_redis
 from kombu.utils.collections import HashedSeq
 from kombu.utils.scheduling import priority_cycle
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from worker.keys import QUEUES
 
@@ -52,6 +53,23 @@ class UrgentFirst(priority_cycle):
 
 class Channel(kombu_redis.Channel):
     _sync_client: Any = None
+
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        # A channel whose connection is gone answers with a connection error, the error every
+        # caller of a broker operation expects from a dead broker. kombu asks for the
+        # connection's parameters here and, once the connection is closed, fails with an
+        # AttributeError that nothing catches. Celery 5.7 (celery/celery#10242, GH-9705)
+        # collects a broken connection and then closes it: when Redis was down, the
+        # collect's close of the channel stops at its pending BRPOP, the transport is
+        # detached, and the close that follows restores the unacked messages of late-acked
+        # tasks still running through that detached transport. The AttributeError ("'NoneType'
+        # object has no attribute 'hostname'", as in celery/kombu#582 and #970) escapes
+        # ignore_errors and the worker dies with its runs in flight. As a connection error,
+        # the close ignores it and the consumer reconnects; the running task's message stays
+        # in Redis's unacked set, redelivered after the visibility timeout if Redis kept it.
+        if self.connection.client is None:
+            raise RedisConnectionError("the broker connection of this channel is closed")
+        return super()._connparams(asynchronous=asynchronous)
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:

@@ -26,7 +26,8 @@ from typing import Any
 
 from storage.database import deadline
 from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
-from storage.kinds import FailureClass, RunStatus, Trigger
+from storage.kinds import FailureClass, JournalKind, RunStatus, Trigger
+from storage.leases import REAPER
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from worker import logs
 from worker.keys import RATE_PROVIDER, bulk_meter
@@ -73,6 +74,8 @@ class Outcome:
     ended: bool = False  # the run's end is committed (run row and compaction/end written)
     # Tokens the providers billed for the run's model calls: totals and per candidate.
     usage: dict[str, Any] | None = None
+    # Who released the run's lease (``compactd lease release --by``), when an operator ended it.
+    released_by: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -96,10 +99,13 @@ class Outcome:
         """The outcome at a glance, which the Celery task returns (Flower's result column).
         The replaced seqs and the candidates' attempts stay in the run row: Celery renders
         a task's return value for its log line and its event, on every compaction."""
-        return {"session": self.session, "run_id": self.run_id, "outcome": self.outcome,
-                "failure_class": self.failure_class, "trigger": self.trigger,
-                "tokens_before": self.tokens_before, "tokens_after": self.tokens_after,
-                "stages": self.stages, "model": self.model, "error": self.error}
+        brief = {"session": self.session, "run_id": self.run_id, "outcome": self.outcome,
+                 "failure_class": self.failure_class, "trigger": self.trigger,
+                 "tokens_before": self.tokens_before, "tokens_after": self.tokens_after,
+                 "stages": self.stages, "model": self.model, "error": self.error}
+        if self.released_by is not None:
+            brief["released_by"] = self.released_by
+        return brief
 
     def run_end(self) -> RunEnd:
         return RunEnd(outcome=self.outcome, failure_class=self.failure_class, error=self.error,
@@ -286,10 +292,25 @@ class RunScope:
                                        end=out.run_end(), now=deps.clock()):
                 return
             run = await deps.store.get_run(claim.run_id)
+            if (run is not None and run.failure_class == FailureClass.ABANDONED
+                    and out.failure_class == FailureClass.ABANDONED):
+                out.error = run.error
+                out.released_by = await self._released_by()
         if run is not None and run.status == RunStatus.COMMITTED:
             out.outcome, out.failure_class, out.error = RunStatus.COMMITTED, None, None
             out.ended = True
             out.tokens_after = run.tokens_after
+
+    async def _released_by(self) -> str | None:
+        """Who ended this run by releasing its lease, from its ``compaction/end``; None when the
+        reaper ended it (the lease expired: the holder stalled, which is a fault)."""
+        ends = await self.deps.store.read_events(self.claim.session.id, kinds=[JournalKind.END],
+                                                 after_seq=self.claim.session.last_seq)
+        for event in ends:
+            closed_by = (event.payload or {}).get("closed_by")
+            if event.run_id == self.claim.run_id and closed_by != REAPER:
+                return str(closed_by)
+        return None
 
     async def _end_failed_quietly(self) -> None:
         """End the run's journal; if even that fails, the lease expires and the reaper ends it."""

@@ -97,8 +97,10 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
     return reaped
 
 
-async def least_runways(store: Store, config: Config, *, now: dt.datetime | None = None
-                        ) -> list[Runway]:
-    """Every growing session's runway, least first (the sweep exports them as metrics)."""
+async def least_runways(store: Store, config: Config, *, now: dt.datetime | None = None,
+                        idle_windows: float = 10.0) -> list[Runway]:
+    """Every growing session's runway, least first (the sweep exports them as metrics): those
+    that appended within ``idle_windows`` growth windows."""
     now = now or utcnow()
-    return sorted_runways(await store.growing_sessions(now=now), config, now)
+    return sorted_runways(await store.growing_sessions(now=now, idle_windows=idle_windows),
+                          config, now)

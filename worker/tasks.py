@@ -2,8 +2,9 @@
 
 Each hands its coroutine to the process's event loop (``worker.runtime``) and waits. A failed
 compaction raises :class:`CompactionFailed` so Flower shows the task as failed with its class;
-``busy`` and ``changed`` are contention, not faults, and return normally with the class in the
-result. Either way the run row in PostgreSQL is the record.
+``busy`` and ``changed`` are contention, not faults, and a run whose lease an operator released
+ended as asked: they return normally with the class in the result. Either way the run row in
+PostgreSQL is the record.
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ def run(self: Task, session_id: str, trigger: str = Trigger.PRESSURE, force: boo
         process_loop(config).run(lambda deps: deps.store.mark_bulk_items(
             bulk_job_id, [session_id], ItemState.FAILED,
             from_states=[ItemState.PENDING, ItemState.ENQUEUED]))
-    if outcome.failed and outcome.failure_class not in QUIET_FAILURES:
+    # A run whose lease an operator released ended as asked: the task succeeds, its result
+    # saying so (released_by), and only runs that broke show as failed in Flower.
+    if (outcome.failed and outcome.failure_class not in QUIET_FAILURES
+            and outcome.released_by is None):
         raise CompactionFailed(f"{outcome.failure_class}: {outcome.error}")
     return outcome.brief()
 

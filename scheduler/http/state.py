@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import multiprocessing
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Annotated
@@ -30,6 +31,9 @@ _SESSION_CACHE_MAX = 100_000
 # Api.offload); under it the hop costs more than the work it moves.
 OFFLOAD_BYTES = 32 * 1024
 _WARM_BODY = b'{"messages": [{"role": "user", "content": "warm"}]}'
+# How long a stopping server waits for its CPU processes to finish the bodies they are decoding
+# before it kills them.
+CPU_STOP_S = 5.0
 
 
 class Api:
@@ -73,7 +77,7 @@ class Api:
         if self._warming is not None:
             self._warming.cancel()
         if self._processes is not None:
-            self._processes.shutdown(wait=False, cancel_futures=True)
+            _stop_pool(self._processes)
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def offload(self, raw: bytes, content_type: str | None,
@@ -129,6 +133,25 @@ class Api:
 
 def _process_pool(processes: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """End the CPU processes before the server's process ends.
+
+    uvicorn ends a server stopped by SIGTERM by raising the signal again once the lifespan has
+    shut down, so the process dies at once: a pool shut down without waiting never delivers its
+    stop messages (a feeder thread writes them), and the processes it started wait for work
+    forever, each holding multiprocessing's resource tracker open. Waiting here, bounded, ends
+    them; the tracker ends when the last of them and the server are gone."""
+    stopping = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True},
+                                name="compactd-api-cpu-stop", daemon=True)
+    stopping.start()
+    stopping.join(CPU_STOP_S)
+    if stopping.is_alive():
+        # A process stuck in a body (or stopped): the pool notices it die and finishes.
+        for child in multiprocessing.active_children():
+            child.kill()
+        stopping.join(CPU_STOP_S)
 
 
 def api_of(request: Request) -> Api:

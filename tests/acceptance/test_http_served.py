@@ -3,19 +3,22 @@ it serves, the README's curl example, and waiting for a real worker's compaction
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from scheduler.samples import coding_session
 from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
-from tests.support.stack import REPO
+from tests.support.stack import REPO, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -118,3 +121,45 @@ def test_compact_and_overflow_wait_for_a_real_worker_through_the_api(make_stack)
         status = http.get("/v1/sessions/s1").json()
         assert [r["status"] for r in status["runs"]][:2] == ["committed", "committed"]
     assert "1/1 sessions verified" in stack.cli("verify", "--all").stdout
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_ends_its_cpu_processes_and_resource_tracker_on_a_stop_signal(
+        make_stack, stop: signal.Signals) -> None:  # type: ignore[no-untyped-def]
+    """The signal goes to the server's process only, as a supervisor or ``docker stop`` sends
+    it: every process the server started (its CPU processes and multiprocessing's resource
+    tracker) must end with it, and none be left to init."""
+    stack = make_stack()
+    start_api(stack, api={"cpu_processes": 2})
+    server = psutil.Process(stack.procs["api"].pid)
+
+    def started() -> list[psutil.Process]:
+        found = server.children(recursive=True)
+        return found if len(found) >= 3 else []
+
+    descendants = wait_until(started, timeout=60,
+                             what="the server's CPU processes and resource tracker")
+    assert any("resource_tracker" in " ".join(p.cmdline()) for p in descendants)
+    try:
+        os.kill(server.pid, stop)
+        stack.procs["api"].wait(timeout=60)
+        left: list[psutil.Process] = []
+
+        def all_gone() -> bool:
+            left[:] = [p for p in descendants if _alive(p)]
+            return not left
+
+        with contextlib.suppress(AssertionError):
+            wait_until(all_gone, timeout=15, what="the server's children to end")
+        assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+    finally:
+        for process in descendants:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

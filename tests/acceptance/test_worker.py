@@ -336,6 +336,43 @@ def test_kill_9_during_model_call_is_reaped_and_recompacted(
     assert f"{KILL_LOOPS}/{KILL_LOOPS} sessions verified" in out.stdout, out.stdout
 
 
+def test_an_operator_release_ends_the_task_as_a_success_not_a_failure(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    """``compactd lease release`` on a run that hangs on its model: the run ends abandoned (the
+    record), and its task, which Flower shows from the worker's task events, succeeds with the
+    release in its result instead of failing with CompactionFailed (an ERROR line and a FAILURE
+    for an action the operator took on purpose)."""
+    stack = make_stack(summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 3000}]},
+                       worker={"lease_s": 3.0, "sweep_interval_s": 3600})
+    db.ingest("rel", coding_session(steps=20, big_output_lines=30, seed=7).messages)
+    stack.start_worker("w1", concurrency=2)
+    fake.script(Behaviour(model="fake-gpt", hang=True, times=1))
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("rel", "pressure"))
+    wait_until(lambda: fake.requests, timeout=30, what="the run's model call to hang")
+    [held] = [r for r in db.runs("rel") if r.status == "running"]
+    out = stack.cli_json("lease", "release", "rel", "--run", held.id, "--by", "alice")
+    assert out["released"] is True, out
+
+    def task_line() -> dict[str, Any] | None:
+        for line in stack.log("w1").splitlines():
+            if line.startswith("{") and f"compaction.run[{held.task_id}]" in line:
+                entry: dict[str, Any] = json.loads(line)
+                if entry["logger"] == "celery.app.trace":
+                    return entry
+        return None
+
+    entry = wait_until(task_line, timeout=60, what="the held run's task to end")
+    assert entry["level"] == "info" and " succeeded in " in entry["msg"], entry
+    assert "'released_by': 'alice'" in entry["msg"], entry["msg"]
+    assert "CompactionFailed" not in stack.log("w1")
+    [run] = [r for r in db.runs("rel") if r.id == held.id]
+    assert (run.status, run.failure_class) == ("failed", "abandoned"), run
+    [end] = [e for e in db.events("rel", ["compaction/end"]) if e.run_id == held.id]
+    assert end.payload["closed_by"] == "alice"
+    assert_journal_closed(db, "rel")
+
+
 # ------------------------------------------------------------------------------------------
 # 4. every candidate returns whitespace
 
@@ -486,6 +523,57 @@ def test_redis_restarted_during_a_run_loses_nothing(clean_pg: str, fake: FakePro
         assert stack.procs["w1"].poll() is None and stack.procs["beat"].poll() is None
         assert stack.log("w1").count("Connected to redis") >= 2, "the worker reconnected"
         assert "3/3 sessions verified" in stack.cli("verify", "--all").stdout
+    finally:
+        stack.close()
+        broker.stop()
+
+
+def test_worker_survives_a_redis_outage_with_a_run_in_flight(
+        clean_pg: str, fake: FakeProvider, db: Db, tmp_path: Path) -> None:
+    """Redis stays down for seconds while a run waits on its model, started as the README
+    starts a worker (free slots, so the worker has a BRPOP pending when the connection drops).
+    On Celery 5.7 the worker closed the broken connection through a transport it had already
+    detached and died ("Unrecoverable error ... 'NoneType' object has no attribute
+    'hostname'", see worker.broker.Channel). It must reconnect, the run must commit, and
+    the worker must take new work."""
+    broker = PrivateRedis(tmp_path)
+    broker.start()
+    stack = Stack(clean_pg, broker.url, tmp_path / "stack", fake_url=fake.url,
+                  summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 3000}]},
+                  worker={"lease_s": 10})
+    try:
+        fake.script(Behaviour(model="fake-gpt", latency_s=8.0, times=1))
+        worker = stack.start("w1", [stack.python, "-m", "celery", "-A", "worker.app", "worker",
+                                    "-Q", "compaction.urgent,compaction.pressure,"
+                                    "compaction.bulk", "--concurrency", "4", "-l", "INFO"])
+        wait_until(lambda: worker.poll() is not None or "ready" in stack.log("w1"),
+                   timeout=60, what="the worker to be ready")
+        db.ingest("o-inflight", coding_session(steps=20, big_output_lines=30, seed=4).messages)
+        with enqueuer(stack) as enq:
+            enq.send(RunRequest("o-inflight", "pressure"))
+        wait_until(lambda: fake.requests, timeout=30, what="the run's model call")
+
+        broker.stop()
+        wait_until(lambda: "Connection to broker lost" in stack.log("w1")
+                   or worker.poll() is not None, timeout=10, what="the worker to see the loss")
+        time.sleep(3.0)  # reconnect attempts fail while Redis is down
+        assert worker.poll() is None, stack.log("w1")[-4000:]
+        broker.start()
+
+        wait_until(lambda: any(r.status == "committed" for r in db.runs("o-inflight")),
+                   timeout=60, what="the run in flight to commit")
+        wait_until(lambda: stack.log("w1").count("Connected to redis") >= 2
+                   or worker.poll() is not None, timeout=30, what="the worker to reconnect")
+        assert worker.poll() is None, stack.log("w1")[-4000:]
+        assert "Unrecoverable error" not in stack.log("w1")
+        # The reconnected worker takes new work.
+        db.ingest("o-after", coding_session(steps=12, big_output_lines=20, seed=5).messages)
+        result = stack.cli_json("compact", "o-after", "--wait", "--timeout", "60")
+        assert result["outcome"] == "committed", result
+        for sid in ("o-inflight", "o-after"):
+            assert checkpoint_count(db, sid) == (1, 1), sid
+            assert_journal_closed(db, sid)
+        assert worker.poll() is None
     finally:
         stack.close()
         broker.stop()

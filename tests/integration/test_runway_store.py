@@ -131,8 +131,8 @@ def test_cli_status_lists_the_least_runway_first(db_url: str, cli_env: dict[str,
         assert r["window"] == 20_000
 
     text = status().stdout
-    assert "least runway (seconds before the window at the current growth): 3" in text
+    assert "growing sessions: 3 (least runway first" in text
     # Taken a moment later than the JSON: the same sessions, the seconds a little longer.
-    assert re.search(rf"\n  fast: [0-9.]+ s, {listed[0]['tokens']}/20000 tokens, growing "
+    assert re.search(rf"\n  fast: runway [0-9.]+ s, {listed[0]['tokens']}/20000 tokens, growing "
                      r"[0-9.]+ tokens/s\n", text), text
     assert text.index("  fast: ") < text.index("  mid: ") < text.index("  slow: ")

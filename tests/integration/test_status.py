@@ -175,3 +175,24 @@ async def test_cli_status_and_lease_release_on_the_embedded_database(
     assert "released by operator" in body["last_errors"]["abandoned"]["error"]
     missing = _cli(cli_env, "lease", "release", "nope")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+async def test_cli_status_lists_only_sessions_growing_now_and_says_what_its_numbers_are(
+        store: Store, db_url: str, cli_env: dict[str, str]) -> None:
+    """Through ``compactd status``: a session that last appended minutes ago is idle, not
+    "growing N tokens/s" on a rate that only decays; the runway section's header says that its
+    count is of sessions and that the figures under it are seconds."""
+    now = utcnow()
+    for sid, ago_s in (("busy", 0.0), ("idle", 600.0)):
+        await store.create_session(sid, run_model="gpt-4o", context_window=128_000)
+        await store.append(sid, [parse_openai({"role": "user", "content": "word " * 400})],
+                           now=now - dt.timedelta(seconds=ago_s))
+    env = {**cli_env, "COMPACTD_DATABASE_URL": db_url}
+    body = json.loads(_cli(env, "status", "--json").stdout)
+    assert [r["session"] for r in body["runway"]] == ["busy"], body["runway"]
+    text = _cli(env, "status").stdout
+    header = next(line for line in text.splitlines() if "runway" in line)
+    assert header.startswith("growing sessions: 1 "), header
+    assert re.search(r"^  busy: runway [\d.]+ s, \d+/128000 tokens, growing [\d.]+ tokens/s$",
+                     text, re.M), text
+    assert "idle" not in text, text
