@@ -98,10 +98,13 @@ class Usage:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    # Written to the prompt cache (Anthropic bills them apart, above the input price).
+    cache_write_tokens: int | None = None
 
     def to_json(self) -> dict[str, int | None]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "cached_tokens": self.cached_tokens}
+                "cached_tokens": self.cached_tokens,
+                "cache_write_tokens": self.cache_write_tokens}
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,7 +506,7 @@ def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:
     return Completion(
         text=text, model=str(getattr(parsed, "model", "") or ""),
         usage=Usage(input_tokens=total_in, output_tokens=getattr(usage, "output_tokens", None),
-                    cached_tokens=read),
+                    cached_tokens=read, cache_write_tokens=written),
         request_id=request_id, stop_reason=stop, truncated=stop == "max_tokens")
 
 
