@@ -57,9 +57,11 @@ rule under ``rules``:
 * ``agent_input_tokens``: the agent's requests' input tokens; ``final_context_tokens``: the input
   tokens of each session's last request; ``steps_over_trigger``: requests whose conversation was
   over the trigger; ``overflows``: requests over the window.
-* ``coverage``: of the messages a compaction took out of the agent's request (weighted by their
-  tokens; messages of under 40 characters are not judged), the share whose text reached a
-  summary call's input (or is still in the final request, as a pruned result is).
+* ``coverage``: of the transcript's messages a compaction took out of the agent's request
+  (weighted by their tokens; messages of under 40 characters, and checkpoints, are not judged),
+  the share whose text reached a summary call's input (or is still in the final request, as a
+  pruned result is). A range the local summarizer wrote reached no model call and counts as
+  not covered.
 * ``stall_s``: seconds the agent waited on compactions: LangChain's ``abefore_model`` calls that
   summarized; zero for compactd, whose agent never waits.
 * per rule: ``cost_usd`` (agent input, summarizer input and output, at ``PRICES``; the agent's own
@@ -314,7 +316,7 @@ class Agent:
     """One session's model calls through the openai SDK, with the session's cache key."""
 
     def __init__(self, sdk: AsyncOpenAI, cache_key: str, window: int, trigger: int,
-                 system: int) -> None:
+                 system: int, originals: frozenset[str] = frozenset()) -> None:
         self.sdk = sdk
         self.cache_key = cache_key
         self.window = window
@@ -326,6 +328,10 @@ class Agent:
         self.counter = counter_for(AGENT_MODEL)
         self.anthropic = AnthropicCache()
         self.removed: list[tuple[str, int]] = []  # (text, tokens) compactions took out
+        # The transcript's own message texts: only those are judged for coverage (a checkpoint
+        # a later compaction replaces reaches the summarizer as its previous summary, not as
+        # it was rendered).
+        self.originals = originals
 
     async def call(self, messages: list[dict[str, Any]], new: int) -> None:
         """Send ``messages``, of which the last ``new`` are the step's own."""
@@ -360,7 +366,8 @@ class Agent:
             self.removed.extend(
                 (text_of(m), size) for m, size in zip(self.previous, self.previous_sizes,
                                                       strict=True)
-                if json.dumps(m, sort_keys=True) not in kept)
+                if json.dumps(m, sort_keys=True) not in kept
+                and text_of(m).strip() in self.originals)
         self.previous = list(messages)
         self.previous_sizes = sizes
 
@@ -464,7 +471,8 @@ class Fakes:
 
 def make_agents(sdk: AsyncOpenAI, sessions: Sequence[Session], prefix: str,
                 args: argparse.Namespace, trigger: int) -> dict[str, Agent]:
-    return {s.name: Agent(sdk, f"{prefix}:{s.name}", args.window, trigger, len(s.system))
+    return {s.name: Agent(sdk, f"{prefix}:{s.name}", args.window, trigger, len(s.system),
+                          frozenset(text_of(wire(m)).strip() for m in s.messages))
             for s in sessions}
 
 
