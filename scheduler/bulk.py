@@ -1,10 +1,15 @@
 """Bulk recompaction: ``compactd recompact``.
 
-A job is a filter and the sessions it matched, one item per session (pending -> enqueued -> done
-or failed). The fan-out enqueues on ``compaction.bulk`` in chunks, paced at the job's rate, and
-waits with a progress bar (JSON progress lines when stderr is not a terminal). Workers honour the
-same rate per model call on a meter in Redis shared by all of them, so neither a provider quota
-nor the urgent queue suffers.
+A job is a filter and the sessions it matched, one item per session (pending -> enqueued -> done,
+skipped or failed). The fan-out enqueues on ``compaction.bulk`` in chunks, paced at the job's
+rate, and waits, showing its progress on stderr (a bar on a terminal, else a line of text per
+change; JSON lines with ``--json``). Workers honour the same rate per model call on a meter in
+Redis shared by all of them, so neither a provider quota nor the urgent queue suffers.
+
+Without ``--force`` a session compacts only when it is over its trigger; one under it ends
+``skipped`` (nothing to do), not ``done``. ``--force`` ignores the trigger and keeps the tail
+the session's keep policy names, as a manual ``compact`` without ``--force`` does: a job
+re-applies the policy to many sessions, it never cuts them all to their last turn.
 
 Resumable and idempotent: ``--resume JOB`` enqueues every item not yet done again. An item is
 marked done in the same transaction that ends its run, and a claim for an item already done is
@@ -39,6 +44,8 @@ from worker.limits import LocalLimiter
 from worker.settings import Config
 
 PROGRESS_EVERY_S = 0.5
+# Session ids a dry run prints (``--json`` lists them all).
+DRY_RUN_SHOWN = 20
 # How long ``recompact`` waits without any item of its job ending before it gives up waiting.
 WAIT_TIMEOUT_S = 300.0
 
@@ -126,12 +133,7 @@ async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool,
         else:
             ids = await matching_sessions(store, bulk_filter)
             if dry_run:
-                body = {"dry_run": True, "matched": len(ids), "filter": bulk_filter.to_json(),
-                        "sessions": ids[:20]}
-                if as_json:
-                    emit(body)
-                else:
-                    say(f"{len(ids)} sessions match; nothing enqueued (dry run)")
+                _say_dry_run(ids, bulk_filter, force=force, as_json=as_json)
                 return 0
             job = await store.create_bulk_job(filter=bulk_filter.to_json(), session_ids=ids,
                                               force=force, rate_per_s=rate_per_s)
@@ -149,9 +151,26 @@ async def run_recompact(config: Config, bulk_filter: BulkFilter, *, force: bool,
     if as_json:
         emit({"job": job.to_json()})
     else:
-        say(f"bulk job {job.id}: {job.done} done, {job.failed} failed, {job.matched} matched"
+        say(f"bulk job {job.id}: {job.matched} matched, {job.done} compacted, {job.skipped} "
+            f"skipped (nothing to do{'' if force else ': under their trigger'}), "
+            f"{job.failed} failed"
             + ("" if wait else " (still running: compactd status shows its progress)"))
     return 1 if job.failed else 0
+
+
+def _say_dry_run(ids: Sequence[str], bulk_filter: BulkFilter, *, force: bool,
+                 as_json: bool) -> None:
+    if as_json:
+        emit({"dry_run": True, "matched": len(ids), "filter": bulk_filter.to_json(),
+              "force": force, "sessions": list(ids)})
+        return
+    say(f"{len(ids)} sessions match; nothing enqueued (dry run)")
+    for sid in ids[:DRY_RUN_SHOWN]:
+        say(f"  {sid}")
+    if len(ids) > DRY_RUN_SHOWN:
+        say(f"  ... and {len(ids) - DRY_RUN_SHOWN} more (--json lists them all)")
+    if not force:
+        say("without --force, a session under its trigger will be skipped (nothing to do)")
 
 
 async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: Sequence[str],
@@ -191,24 +210,27 @@ async def wait_for_job(store: Store, job_id: str, progress: Progress, *,
         job = await store.get_bulk_job(job_id)
         assert job is not None
         progress.show(job)
-        if job.done + job.failed >= job.matched:
+        if job.ended >= job.matched:
             return job
-        if job.done + job.failed > ended:
-            ended, deadline = job.done + job.failed, loop.time() + timeout_s
+        if job.ended > ended:
+            ended, deadline = job.ended, loop.time() + timeout_s
         elif loop.time() >= deadline:
             raise WaitTimeout(
                 f"bulk job {job_id}: no session finished within {timeout_s:g} s ({job.done} "
-                f"done, {job.failed} failed, {job.matched - job.done - job.failed} not yet); is "
+                f"compacted, {job.skipped} skipped, {job.failed} failed, "
+                f"{job.matched - job.ended} not yet); is "
                 f"a worker consuming {QUEUE_BULK}? The job stays: `compactd status` shows it, "
                 f"`compactd recompact --resume {job_id}` sends what is not done again")
         await asyncio.sleep(PROGRESS_EVERY_S)
 
 
 class Progress:
-    """A bar on a terminal, JSON lines otherwise (both on stderr)."""
+    """On stderr: JSON lines with ``--json``, else a bar on a terminal and a line of text per
+    change elsewhere (a log, a pipe)."""
 
     def __init__(self, job: BulkJob, *, as_json: bool) -> None:
         self.job_id = job.id
+        self.as_json = as_json
         self.tty = sys.stderr.isatty() and not as_json
         self._last = ""
 
@@ -218,15 +240,18 @@ class Progress:
             self.show(job)
 
     def show(self, job: BulkJob) -> None:
-        if self.tty:
-            width = 30
-            finished = job.done + job.failed
-            filled = int(width * finished / job.matched) if job.matched else width
-            line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {finished}/{job.matched} "
-                    f"done={job.done} failed={job.failed} enqueued={job.enqueued}")
-        else:
+        counts = (f"{job.ended}/{job.matched} ended: {job.done} compacted, {job.skipped} "
+                  f"skipped, {job.failed} failed; {job.enqueued} enqueued")
+        if self.as_json:
             line = json.dumps({"job": job.id, "matched": job.matched, "enqueued": job.enqueued,
-                               "done": job.done, "failed": job.failed}) + "\n"
+                               "done": job.done, "skipped": job.skipped,
+                               "failed": job.failed}) + "\n"
+        elif self.tty:
+            width = 30
+            filled = int(width * job.ended / job.matched) if job.matched else width
+            line = f"\r[{'#' * filled}{'.' * (width - filled)}] {counts}"
+        else:
+            line = f"bulk job {job.id}: {counts}\n"
         if line != self._last:
             sys.stderr.write(line)
             sys.stderr.flush()

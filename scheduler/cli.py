@@ -210,7 +210,8 @@ def _check_ids(args: argparse.Namespace) -> None:
         check_session_id(args.session, field="session")
     if getattr(args, "tenant", None) is not None:
         check_tenant(args.tenant, field="--tenant")
-    for flag, what in (("run_model", "a run model"), ("run", "a run id"), ("by", "who")):
+    for flag, what in (("run_model", "a run model"), ("run", "a run id"), ("by", "who"),
+                       ("resume", "a bulk job id")):
         if getattr(args, flag, None) is not None:
             check_id(getattr(args, flag), field="--" + flag.replace("_", "-"), what=what)
 

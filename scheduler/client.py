@@ -297,8 +297,9 @@ class SessionHandle:
 
         ``surface_version``: the surface the call was built on; by default the one this handle
         last read, with its own appends since (None: not known, the report is recorded as it
-        is). A report that arrives after a compaction moved the surface past it describes a
-        request larger than the next one, and the store does not record it."""
+        is). Appends after it (the reply, another writer's) are counted on top. A report built
+        before a compaction committed describes a request larger than the next one, and the
+        store does not record it."""
         built_on = self.version if surface_version is OWN_VIEW else surface_version
         self.info = await self.client.store.report_usage(
             self.id, input_tokens, output_tokens, response_appended=response_appended,
@@ -315,11 +316,16 @@ class SessionHandle:
         moved = await self.client.store.poll(self.id, since)
         return moved
 
-    async def surface(self, render: str | None = None) -> list[dict[str, Any]]:
-        """The messages the model should see now, checkpoints rendered."""
+    async def surface(self, render: str | None = None, *,
+                      contract: bool = True) -> list[dict[str, Any]]:
+        """The messages the model should see now, checkpoints rendered. A ``durable_context``
+        checkpoint's authority contract joins the leading system message, or opens the data
+        message when the surface has none (the runtime's own system prompt goes first);
+        ``contract=False`` leaves it out, for a runtime that adds it to its own system prompt
+        (:data:`worker.compaction.render.AUTHORITY_CONTRACT`)."""
         surface = await self.client.store.read_surface(self.id)
         self.version = surface.version
-        return render_surface(surface.nodes, render)
+        return render_surface(surface.nodes, render, contract=contract)
 
     async def history_search(self, query: str, checkpoint: str | None = None,
                              limit: int = DEFAULT_SEARCH_LIMIT) -> SearchResult:
@@ -501,8 +507,9 @@ class SyncSession:
     def poll(self, since_version: int | None = None) -> int | None:
         return self._loop.submit(lambda: self.handle.poll(since_version))
 
-    def surface(self, render: str | None = None) -> list[dict[str, Any]]:
-        return self._loop.submit(lambda: self.handle.surface(render))
+    def surface(self, render: str | None = None, *,
+                contract: bool = True) -> list[dict[str, Any]]:
+        return self._loop.submit(lambda: self.handle.surface(render, contract=contract))
 
     def history_search(self, query: str, checkpoint: str | None = None,
                        limit: int = DEFAULT_SEARCH_LIMIT) -> SearchResult:

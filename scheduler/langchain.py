@@ -76,6 +76,8 @@ from langchain_core.messages import (
     AIMessage,
     AnyMessage,
     BaseMessage,
+    SystemMessage,
+    ToolMessage,
     convert_to_messages,
     convert_to_openai_messages,
 )
@@ -92,6 +94,7 @@ from storage.errors import (
     SessionNotFound,
 )
 from storage.kinds import NodeKind
+from storage.messages import langchain_meta
 from worker.compaction.policy import RENDERS, PolicyError, parse_policy
 from worker.compaction.recall_tools import (
     ReadArgs,
@@ -101,6 +104,7 @@ from worker.compaction.recall_tools import (
     search_result_text,
     tool_schemas,
 )
+from worker.compaction.render import AUTHORITY_CONTRACT, append_text, needs_contract
 from worker.runtime import EventLoopThread
 from worker.settings import Config, load_config
 
@@ -123,10 +127,12 @@ class StateMismatch(BadInput):
 
 @dataclass(frozen=True, slots=True)
 class _View:
-    """The surface as LangChain messages, at a surface version."""
+    """The surface as LangChain messages, at a surface version. ``contract``: it holds a
+    ``durable_context`` checkpoint, whose authority contract the request's system message gets."""
 
     version: int
     messages: list[BaseMessage]
+    contract: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,16 +161,40 @@ class _Step:
 
 
 def to_compactd(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as OpenAI chat dicts, each remembering its LangChain id."""
+    """LangChain messages as OpenAI chat dicts, each remembering its LangChain id.
+
+    The flags ride in ``meta`` as ``compactd ingest --format langchain`` reads them (one
+    function, :func:`storage.messages.langchain_meta`): ``additional_kwargs`` (DeerFlow's
+    ``dynamic_context_reminder`` and ``hide_from_ui`` tags, a skill read's
+    ``skill_context_entry``) and a ToolMessage's error status, which decide what compaction
+    rescues and which skill reads count."""
     out: list[dict[str, Any]] = []
     for message in messages:
+        meta = langchain_meta({"additional_kwargs": _json_values(message.additional_kwargs),
+                               "status": getattr(message, "status", None)})
+        if message.id:
+            meta[META_LC_ID] = message.id
         converted = convert_to_openai_messages(message)
         for item in converted if isinstance(converted, list) else [converted]:
             item.pop("id", None)
-            if message.id:
-                item["meta"] = {META_LC_ID: message.id}
+            if meta:
+                item["meta"] = dict(meta)
             out.append(item)
     return out
+
+
+def _json_values(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``additional_kwargs`` JSON can hold. A provider may leave Python objects
+    there (a parsed structured output); a transcript file could never carry those, and they
+    are not flags."""
+    kept: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        kept[key] = value
+    return kept
 
 
 def to_langchain(message: Mapping[str, Any]) -> BaseMessage:
@@ -175,6 +205,8 @@ def to_langchain(message: Mapping[str, Any]) -> BaseMessage:
     wire.setdefault("content", "")
     converted = convert_to_messages([wire])[0]
     converted.id = meta.get(META_LC_ID) or f"compactd-{message['seq']}"
+    if isinstance(converted, ToolMessage) and meta.get("is_error"):
+        converted.status = "error"  # providers tell the model the call failed
     if meta.get("checkpoint"):
         # What SummarizationMiddleware marks its summary message with.
         converted.additional_kwargs["lc_source"] = "summarization"
@@ -275,8 +307,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                         handler: Callable[[ModelRequest[Any]], ModelResponse[Any]]) -> Any:
         step = self._plan(request)
         outcome = self._call(lambda: self._mirror(step))
-        messages, mirrored = self._request_messages(request, step, outcome)
-        response = handler(request.override(messages=messages))
+        compacted, mirrored = self._compacted_request(request, step, outcome)
+        response = handler(compacted)
         usage = _usage(response)
         if usage is not None:
             self._logged(self._call(lambda: self._report(step.session_id, usage)), step)
@@ -287,8 +319,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             handler: Callable[[ModelRequest[Any]], Awaitable[ModelResponse[Any]]]) -> Any:
         step = self._plan(request)
         outcome = await self._acall(lambda: self._mirror(step))
-        messages, mirrored = self._request_messages(request, step, outcome)
-        response = await handler(request.override(messages=messages))
+        compacted, mirrored = self._compacted_request(request, step, outcome)
+        response = await handler(compacted)
         usage = _usage(response)
         if usage is not None:
             self._logged(await self._acall(lambda: self._report(step.session_id, usage)), step)
@@ -341,6 +373,27 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             raise StateMismatch("CompactdMiddleware needs a session_id, or a thread_id in the "
                                 "run's config ({'configurable': {'thread_id': ...}})")
         return str(thread_id)
+
+    def _compacted_request(self, request: ModelRequest[Any], step: _Step,
+                           outcome: _View | BaseException | None
+                           ) -> tuple[ModelRequest[Any], int]:
+        """The model request with the surface as its messages (a ``durable_context``
+        checkpoint's authority contract coalesced into its system message), and how many state
+        messages are mirrored now."""
+        messages, mirrored = self._request_messages(request, step, outcome)
+        view = outcome if isinstance(outcome, _View) else self._views.get(step.session_id)
+        if view is None or not view.contract:
+            return request.override(messages=messages), mirrored
+        if request.system_message is not None:
+            return request.override(messages=messages, system_message=SystemMessage(
+                content=append_text(request.system_message.content, AUTHORITY_CONTRACT))), mirrored
+        if messages and isinstance(messages[0], SystemMessage):
+            # No system prompt of the agent's: the state's own leading one is the request's.
+            head = messages[0].model_copy(update={
+                "content": append_text(messages[0].content, AUTHORITY_CONTRACT)})
+            return request.override(messages=[head, *messages[1:]]), mirrored
+        return request.override(messages=messages,
+                                system_message=SystemMessage(content=AUTHORITY_CONTRACT)), mirrored
 
     def _request_messages(self, request: ModelRequest[Any], step: _Step,
                           outcome: _View | BaseException | None) -> tuple[list[Any], int]:
@@ -431,8 +484,9 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             if cached is not None and await handle.poll(cached.version) is None:
                 return cached
             # A checkpoint (or another writer) moved it: one read, never a wait.
-            rendered = await handle.surface(self.render)
-            view = _View(handle.version, [to_langchain(m) for m in rendered])
+            rendered = await handle.surface(self.render, contract=False)
+            view = _View(handle.version, [to_langchain(m) for m in rendered],
+                         needs_contract(rendered))
         except Exception as exc:
             if isinstance(exc, BadInput):
                 raise
@@ -457,7 +511,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             return cached
         current = appended is not None and appended.version == cached.version + 1
         view = _View(appended.version if current and appended is not None else STALE,
-                     [*cached.messages, *step.tail])
+                     [*cached.messages, *step.tail], cached.contract)
         self._views[step.session_id] = view
         return view
 

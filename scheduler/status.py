@@ -214,7 +214,7 @@ def render_status(body: dict[str, Any]) -> str:
     lines.append(f"bulk jobs: {len(body['bulk_jobs'])}")
     for job in body["bulk_jobs"]:
         lines.append(f"  {job['id']} {job['state']}: {job['done']}/{job['matched']} done, "
-                     f"{job['failed']} failed")
+                     f"{job['skipped']} skipped (nothing to do), {job['failed']} failed")
     lines.append(f"least runway (seconds before the window at the current growth): "
                  f"{len(body.get('runway', ()))}")
     for r in body.get("runway", ()):

@@ -24,7 +24,9 @@ _ITEM_INSERT_CHUNK = 1000
 
 def bulk_item_state(outcome: str) -> ItemState:
     """What a bulk item becomes when its run ends with ``outcome``."""
-    return ItemState.FAILED if outcome == RunStatus.FAILED else ItemState.DONE
+    if outcome == RunStatus.FAILED:
+        return ItemState.FAILED
+    return ItemState.SKIPPED if outcome == RunStatus.NOTHING_TO_DO else ItemState.DONE
 
 
 class JobsMixin:
@@ -75,11 +77,12 @@ class JobsMixin:
         for r in rows:
             c = counts.get(r.id, {})
             done, failed = c.get(ItemState.DONE, 0), c.get(ItemState.FAILED, 0)
+            skipped = c.get(ItemState.SKIPPED, 0)
             out.append(BulkJob(
                 id=r.id, filter=r.filter, state=r.state, force=r.force, rate_per_s=r.rate_per_s,
                 matched=r.matched, created_at=r.created_at, updated_at=r.updated_at,
-                pending=c.get(ItemState.PENDING, 0), done=done, failed=failed,
-                enqueued=c.get(ItemState.ENQUEUED, 0) + done + failed))
+                pending=c.get(ItemState.PENDING, 0), done=done, skipped=skipped, failed=failed,
+                enqueued=c.get(ItemState.ENQUEUED, 0) + done + skipped + failed))
         return out
 
     async def bulk_items(self, job_id: str, *, states: Sequence[str], limit: int,

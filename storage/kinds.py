@@ -83,6 +83,7 @@ class ModelFailure(StrEnum):
     REFUSED = "refused"  # the policy's validation refused the text (e.g. it does not shrink)
     UNAVAILABLE = "unavailable"  # the client cannot be built, or is remembered so
     DEADLINE = "deadline"  # the overall deadline ended this candidate or came before it
+    CIRCUIT_OPEN = "circuit_open"  # skipped: its recent calls kept failing (worker.breaker)
     INTERNAL = "internal"  # an unexpected exception in compactd's adapter code
 
 
@@ -121,6 +122,7 @@ class ItemState(StrEnum):
     PENDING = "pending"
     ENQUEUED = "enqueued"
     DONE = "done"
+    SKIPPED = "skipped"  # its run had nothing to do (under its trigger): nothing compacted
     FAILED = "failed"
 
 

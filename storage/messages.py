@@ -459,6 +459,21 @@ def parse_langchain(obj: Any) -> Message:
         _check_utf8(raw["name"], f"{where}.name")
         calls.append(ToolCall(id=raw["id"], name=raw["name"],
                               arguments=_arguments_text(raw.get("args"), f"{where}.args")))
+    meta = langchain_meta(data)
+    call_id = data.get("tool_call_id")
+    if call_id is not None:
+        _check_text(call_id, "tool_call_id")
+    name = data.get("name")
+    return _make(role, content=_check_content(data.get("content")), tool_calls=tuple(calls),
+                 tool_call_id=call_id, name=name if role == "tool" or name else None, meta=meta)
+
+
+def langchain_meta(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``meta`` a LangChain message carries: its ``additional_kwargs`` (where runtimes
+    such as DeerFlow tag reminders, hidden messages and skill reads), a ``meta`` of its own on
+    top, and a ToolMessage's ``status: error`` as ``is_error``. ``compactd ingest --format
+    langchain`` and ``CompactdMiddleware`` both read flags through here, so a transcript
+    compacts the same way whichever path stored it."""
     meta = _check_meta(data.get("meta"))
     extra = data.get("additional_kwargs")
     if isinstance(extra, Mapping) and extra:
@@ -467,12 +482,7 @@ def parse_langchain(obj: Any) -> Message:
         meta = {**extra, **meta}
     if data.get("status") == "error":
         meta["is_error"] = True
-    call_id = data.get("tool_call_id")
-    if call_id is not None:
-        _check_text(call_id, "tool_call_id")
-    name = data.get("name")
-    return _make(role, content=_check_content(data.get("content")), tool_calls=tuple(calls),
-                 tool_call_id=call_id, name=name if role == "tool" or name else None, meta=meta)
+    return meta
 
 
 def parse(obj: Any, fmt: str = "openai") -> list[Message]:

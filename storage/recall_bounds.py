@@ -4,6 +4,8 @@ refuses before it reads) and by the tool-call checks of ``worker.compaction.reca
 
 from __future__ import annotations
 
+import re
+
 from storage.errors import RecallArgumentError
 
 DEFAULT_SEARCH_LIMIT = 5
@@ -20,6 +22,9 @@ MAX_READ_TOKENS = 100_000
 # A cursor names a node and two positions (about 100 characters); anything much longer is not
 # one, and is refused before it is decoded.
 MAX_CURSOR_CHARS = 256
+# What Python makes of bytes that are not UTF-8 (a command-line argument, a surrogate-escaped
+# file name): no database can store or compare it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_query(query: object) -> str:
@@ -29,14 +34,22 @@ def check_query(query: object) -> str:
         raise RecallArgumentError("query", "is empty")
     if "\x00" in query:
         raise RecallArgumentError("query", "contains a NUL character")
-    size = len(query.encode("utf-8", "surrogatepass"))
+    lone = _LONE_SURROGATE.search(query)
+    if lone is not None:
+        raise RecallArgumentError("query", f"is not valid UTF-8 text (a lone surrogate, "
+                                           f"U+{ord(lone.group()):04X}, at character "
+                                           f"{lone.start()}: bytes that are not UTF-8?)")
+    size = len(query.encode("utf-8"))
     if size > MAX_QUERY_BYTES:
         raise RecallArgumentError("query", f"is {size} bytes; at most {MAX_QUERY_BYTES} bytes "
                                            "(UTF-8) are searched")
     return query
 
 
-def check_limit(count: int) -> int:
+def check_limit(count: object) -> int:
+    if isinstance(count, bool) or not isinstance(count, int):
+        shown = repr(count) if len(repr(count)) <= 40 else type(count).__name__
+        raise RecallArgumentError("limit", f"must be an integer, got {shown}")
     if not 1 <= count <= MAX_SEARCH_LIMIT:
         raise RecallArgumentError("limit", f"must be between 1 and {MAX_SEARCH_LIMIT}, got "
                                            f"{count}")

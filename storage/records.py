@@ -66,11 +66,17 @@ class SessionInfo:
     sweep_messages: int | None = None
     over_sweep: bool | None = None
     growth_rate: float = 0.0
+    compacted_version: int | None = None
 
     def growth_rate_at(self, now: dt.datetime) -> float:
         """Tokens per second the session is growing by (see :data:`GROWTH_WINDOW_S`)."""
         since = self.last_append_at or self.created_at
         return decayed_growth_rate(self.growth_rate, (now - since).total_seconds())
+
+    def compacted_since(self, version: int) -> bool:
+        """Whether a commit replaced part of the surface after ``version`` (appends do not
+        count: they leave what a request built on ``version`` held in place)."""
+        return self.compacted_version is not None and self.compacted_version > version
 
     def lease_live(self, now: dt.datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now
@@ -246,13 +252,18 @@ class BulkJob:
     updated_at: dt.datetime
     pending: int = 0
     enqueued: int = 0
-    done: int = 0
+    done: int = 0  # compacted
+    skipped: int = 0  # nothing to do (under its trigger without --force)
     failed: int = 0
+
+    @property
+    def ended(self) -> int:
+        return self.done + self.skipped + self.failed
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "filter": self.filter, "state": self.state, "force": self.force,
                 "rate_per_s": self.rate_per_s, "matched": self.matched,
                 "pending": self.pending, "enqueued": self.enqueued, "done": self.done,
-                "failed": self.failed,
+                "skipped": self.skipped, "failed": self.failed,
                 "created_at": self.created_at.isoformat(),
                 "updated_at": self.updated_at.isoformat()}

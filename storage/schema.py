@@ -121,6 +121,10 @@ sessions = sa.Table(
     # themselves: an append changes the totals but rarely the flag, so on PostgreSQL it stays
     # a heap-only (HOT) update that touches no index.
     sa.Column("over_sweep", sa.Boolean, sa.Computed(OVER_SWEEP_SQL, persisted=True)),
+    # The surface version the last commit that replaced part of the surface produced (NULL:
+    # none yet). A usage report built on an older version describes a request the compaction
+    # has since shrunk; one built on this version or later, with plain appends since, does not.
+    sa.Column("compacted_version", sa.BigInteger, nullable=True),
     sa.Index(None, "tenant"),
     sa.Index(None, "lease_expires_at"),
     sa.Index(None, "sweep_key"),

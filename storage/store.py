@@ -279,12 +279,14 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
         response. ``response_appended=False``: the response is not appended yet (the report
         came first), so when it is, ``output_tokens`` already stands for it.
 
-        ``surface_version``: the version of the surface the reported request was built on (with
-        the runtime's own appends since). When the stored surface has moved past it (a
-        compaction committed meanwhile), the report describes a larger request than the next
-        one and is not recorded: stored against the smaller surface it would fire the trigger
-        again, and each such run would look to the loop guard like a compaction without
-        relief. The session is returned as it is; ``reported_version`` then differs."""
+        ``surface_version``: the version of the surface the reported request was built on (the
+        ETag of the surface read, or an append's version). Appends since (the reply, another
+        writer's messages) leave that request's messages in place and are counted on top. When
+        a compaction committed after it (``SessionInfo.compacted_since``), the report describes
+        a larger request than the next one and is not recorded: stored against the smaller
+        surface it would fire the trigger again, and each such run would look to the loop
+        guard like a compaction without relief. The session is then returned as it is. A
+        version the session has not reached is refused as bad input."""
         check_count(input_tokens, "input_tokens")
         check_count(output_tokens, "output_tokens")
         if surface_version is not None:
@@ -297,7 +299,9 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
         base = c.surface_tokens + c.envelope_tokens
         update = t.sessions.update().where(c.id == session_id)
         if surface_version is not None:
-            update = update.where(c.surface_version == surface_version)
+            update = update.where(c.surface_version >= surface_version,
+                                  sa.or_(c.compacted_version.is_(None),
+                                         c.compacted_version <= surface_version))
         async with transaction(self.engine) as conn:
             result = await conn.execute(
                 update.values(reported_input_tokens=input_tokens,
@@ -312,7 +316,12 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
                                           .where(c.id == session_id))).first()
             if row is None:
                 raise SessionNotFound(session_id)
-            return session_from_row(row)
+            info = session_from_row(row)
+        if surface_version is not None and surface_version > info.surface_version:
+            raise InvalidMessage(f"surface_version {surface_version} is newer than the "
+                                 f"session's surface (version {info.surface_version})",
+                                 field="surface_version")
+        return info
 
     # ---------------------------------------------------------------------------------------
     # append

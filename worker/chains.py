@@ -21,6 +21,7 @@ from worker.compaction.policy import Policy
 from worker.compaction.prompt import SummaryCall, build_prompt, request_tools
 from worker.compaction.render import Skill
 from worker.compaction.validation import validate_summary
+from worker.llm.breaker import Breaker
 from worker.llm.candidates import Candidate, candidate_order
 from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
 from worker.metrics import metrics
@@ -68,6 +69,7 @@ class Summarizers:
     candidates: tuple[Candidate, ...]
     retry: RetryPolicy
     providers: Any
+    breaker: Breaker | None = None
 
     @classmethod
     def of(cls, scope: RunScope, run_model: str | None, summary_model: str | None
@@ -77,7 +79,8 @@ class Summarizers:
                                          models=config.models,
                                          default_model=config.default_model,
                                          local_fallback=config.worker.local_fallback)),
-                   RetryPolicy.from_config(config.worker), scope.providers())
+                   RetryPolicy.from_config(config.worker), scope.providers(),
+                   scope.deps.breaker)
 
 
 async def run_chain(scope: RunScope, chain: Chain, running: str | None,
@@ -93,6 +96,7 @@ async def run_chain(scope: RunScope, chain: Chain, running: str | None,
                 chain.request(index, running), candidates=summarizers.candidates,
                 validate=lambda _text: None, deadline_s=scope.models_left_s(),
                 providers=summarizers.providers, retry=summarizers.retry,
+                breaker=summarizers.breaker,
                 on_context_length=functools.partial(_shrink, chain, index))
         except SummaryFailed as exc:
             scope.record_call(exc.attempts)

@@ -14,6 +14,8 @@ TASK_REAP = "compaction.reap"
 RATE_PREFIX = "compactd:rate:"
 RATE_PROVIDER = "provider"  # the global model-call meter
 
+BREAKER_PREFIX = "compactd:breaker:"  # one circuit per summary candidate's endpoint
+
 
 def bulk_meter(job_id: str) -> str:
     return f"bulk:{job_id}"

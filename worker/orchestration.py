@@ -57,6 +57,11 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
     store = deps.store
     info = scope.claim.session
     manual = out.trigger in MANUAL_TRIGGERS
+    if out.trigger == Trigger.BULK and force:
+        # ``recompact --force`` re-applies the policy to sessions under their trigger: it
+        # ignores the trigger as a manual run does and keeps the policy's tail, where a forced
+        # run keeps only the newest turn (one session's operator may want that, a fleet never).
+        manual, force = True, False
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
     surface: Surface | None = None

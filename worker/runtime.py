@@ -27,6 +27,7 @@ from storage.errors import ConfigError
 from storage.records import utcnow
 from storage.store import Store
 from worker.limits import Limiter, LocalLimiter, RedisLimiter
+from worker.llm.breaker import Breaker, BreakerLimits, LocalBreaker, RedisBreaker
 from worker.settings import Config
 
 T = TypeVar("T")
@@ -87,6 +88,7 @@ class Deps:
     owner: str
     redis: Any = None
     models: Any = None  # worker.llm client registry, created on first use
+    breaker: Breaker | None = None  # the summary candidates' circuits (worker.llm.breaker)
     clock: Callable[[], Any] = utcnow
 
     async def aclose(self) -> None:
@@ -125,13 +127,16 @@ async def build_deps(config: Config, *, owner: str | None = None,
         await ensure_schema(store.engine, config.database_url)
     redis = None
     limiter: Limiter = LocalLimiter()
+    limits = BreakerLimits.from_config(config.worker)
+    breaker: Breaker = LocalBreaker(limits)
     if config.redis_url:
         import redis.asyncio as aioredis
 
         redis = aioredis.from_url(config.redis_url, health_check_interval=30)
         limiter = RedisLimiter(redis)
+        breaker = RedisBreaker(redis, limits)
     return Deps(config=config, store=store, limiter=limiter, owner=owner or default_owner(),
-                redis=redis)
+                redis=redis, breaker=breaker)
 
 
 class EventLoopThread:

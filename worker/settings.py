@@ -86,6 +86,15 @@ class LoopGuardConfig(_Strict):
     cooldown_s: float = Field(default=900.0, gt=0)
 
 
+class BreakerConfig(_Strict):
+    """A summary candidate whose calls failed ``failures`` times in a row (timeouts, connection
+    and server errors, a hang ended by the deadline) is skipped by every run of every worker for
+    ``cooldown_s``; then one run's call probes it, and its answer closes the circuit again."""
+
+    failures: int = Field(default=3, gt=0)
+    cooldown_s: float = Field(default=120.0, gt=0)
+
+
 class WorkerConfig(_Strict):
     concurrency: int = Field(default=64, gt=0)
     # PostgreSQL connections each worker process keeps open, and never more: connections are
@@ -118,6 +127,7 @@ class WorkerConfig(_Strict):
     metrics_port: int = Field(default=9540, ge=0, le=65535)
     provider_rate_per_s: float | None = Field(default=None, gt=0)
     loop_guard: LoopGuardConfig = LoopGuardConfig()
+    breaker: BreakerConfig = BreakerConfig()
 
     @model_validator(mode="after")
     def _deadline_below_limit(self) -> WorkerConfig:

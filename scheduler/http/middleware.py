@@ -1,14 +1,28 @@
-"""The request body's limits, applied before any route reads it: its size
-(``api.max_body_bytes``) and the time it may take to arrive (``api.body_timeout_s``)."""
+"""A request's limits, applied before any route reads it: the size of its head (the request line
+and headers, ``MAX_REQUEST_HEAD_BYTES``), its body's size (``api.max_body_bytes``) and the time
+the body may take to arrive (``api.body_timeout_s``)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import h11
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from scheduler.http.errors import error_response
+from scheduler.http.schemas import ErrorOut
+from storage.recall_bounds import MAX_QUERY_BYTES
+
+# Room for the longest query string a route accepts (a recall query of MAX_QUERY_BYTES, each
+# byte percent-encoded as three characters) and the headers beside it; h11's own default is
+# smaller than a legal query.
+MAX_REQUEST_HEAD_BYTES = 4 * MAX_QUERY_BYTES + 32 * 1024
+# How long a refused request may go on sending after its answer, read and discarded: closing
+# a socket with unread data resets it, and the client would never see the answer.
+LINGER_S = 5.0
 
 
 class BodyTooLarge(HTTPException):
@@ -66,3 +80,41 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, answering a request whose head is over
+    ``MAX_REQUEST_HEAD_BYTES`` with 414 (its request line) or 431 (its headers) in the API's
+    error body, and reading what the client still sends before closing, so the answer arrives
+    (uvicorn answers a bare 400 and closes at once; the unread rest resets the connection)."""
+
+    draining = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.draining:
+            return
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        pending, _ = self.conn.trailing_data
+        if len(pending) <= MAX_REQUEST_HEAD_BYTES:
+            super().send_400_response(msg)
+            return
+        if b"\n" not in pending[:MAX_REQUEST_HEAD_BYTES]:
+            status, reason = 414, (f"the request line (URL) is over the limit of "
+                                   f"{MAX_REQUEST_HEAD_BYTES} bytes; a recall query is at most "
+                                   f"{MAX_QUERY_BYTES} bytes")
+        else:
+            status, reason = 431, (f"the request's headers are over the limit of "
+                                   f"{MAX_REQUEST_HEAD_BYTES} bytes")
+        body = json.dumps(ErrorOut(error="too_large", message=reason).model_dump(),
+                          separators=(",", ":")).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, headers=headers),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event) or b"")
+        self.draining = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)

@@ -342,7 +342,7 @@ def add_routes(app: FastAPI) -> None:
                         reported_output_tokens=updated.reported_output_tokens,
                         tokens=updated.surface_tokens,
                         applied=(body.surface_version is None
-                                 or updated.reported_version == body.surface_version))
+                                 or not updated.compacted_since(body.surface_version)))
 
     @app.post(API_PREFIX + "/sessions/{session_id}/compact", response_model=RunOut,
               operation_id="compact",

@@ -151,8 +151,9 @@ class SurfaceMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
     meta: dict[str, Any] | None = None
-    tokens: int | None = Field(default=None, description="absent on the authority contract a "
-                                                         "durable_context checkpoint adds")
+    tokens: int | None = Field(default=None, description="the message's tokens (a "
+                               "durable_context checkpoint's count includes its authority "
+                               "contract, wherever the contract is placed)")
 
 
 class SurfaceOut(BaseModel):
@@ -182,8 +183,9 @@ class UsageIn(_Body):
     surface_version: WholeNumber | None = Field(
         default=None, ge=0, le=2**63 - 1,
         description="the surface version the reported call was built on (the ETag of the "
-        "surface read, or an append's version); when a compaction has moved the surface past "
-        "it, the report describes a larger request than the next one and is not recorded")
+        "surface read, or an append's version; appends since, the reply included, are "
+        "counted on top); when a compaction committed after it, the report describes a larger "
+        "request than the next one and is not recorded")
 
 
 class UsageOut(BaseModel):
@@ -192,8 +194,8 @@ class UsageOut(BaseModel):
     reported_input_tokens: int | None
     reported_output_tokens: int | None
     tokens: int
-    applied: bool = Field(description="false: the report was older than the surface and not "
-                                      "recorded")
+    applied: bool = Field(description="false: a compaction committed after the surface the "
+                                      "report was built on, and it was not recorded")
 
 
 class CompactIn(_Body):

@@ -26,7 +26,8 @@ logged.
 
 **Errors** share one body, ``{"error", "message", "field", "index"}``: 401 no or unknown token,
 404 no such session (for this tenant), 408 the body did not arrive within ``api.body_timeout_s``,
-409 the session exists with another run model, 413 the body is over ``api.max_body_bytes``, 422
+409 the session exists with another run model, 413 the body is over ``api.max_body_bytes``, 414
+or 431 the URL or the headers are over ``middleware.MAX_REQUEST_HEAD_BYTES``, 422
 a field is not valid (``field`` names it, e.g. ``body.messages[3].tool_call_id``), 503 the
 database or the broker cannot be reached (retry).
 
@@ -48,7 +49,7 @@ from fastapi import FastAPI
 from scheduler.client import CompactdClient
 from scheduler.http.auth import Tokens
 from scheduler.http.errors import add_error_handlers
-from scheduler.http.middleware import BodyLimit
+from scheduler.http.middleware import MAX_REQUEST_HEAD_BYTES, BodyLimit, BoundedH11Protocol
 from scheduler.http.routes import add_routes
 from scheduler.http.state import Api
 from storage.errors import CompactdError
@@ -109,7 +110,8 @@ async def serve(config: Config, *, host: str, port: int) -> None:
     app = create_app(config)
     server = _Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_config=None, server_header=False,
-        proxy_headers=False))
+        proxy_headers=False, http=BoundedH11Protocol,
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES))
     serving = asyncio.create_task(server.serve())
     listening = asyncio.create_task(server.listening.wait())
     await asyncio.wait({serving, listening}, return_when=asyncio.FIRST_COMPLETED)

@@ -144,6 +144,31 @@ def test_an_argument_that_is_not_utf8_exits_2_as_a_process(
     assert run_cli(cli_env, "verify", "--all", "--json").stdout.count('"sessions": 0') == 1
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (["recompact", "--resume", "job\udcff"], "--resume"),
+    (["recompact", "--dry-run", "--tenant", "t\udcff"], "--tenant"),
+    (["history", "search", "s1", "disk \udcff full"], "QUERY"),
+])
+def test_a_name_or_query_that_is_not_utf8_exits_2_naming_it_as_a_process(
+        cli_env: dict[str, str], clean_pg: str, args: list[str], named: str) -> None:
+    # On PostgreSQL, which refuses such text in a statement ("database error", exit 1, before).
+    env = {**cli_env, "COMPACTD_DATABASE_URL": clean_pg}
+    run_cli(env, "ingest", str(_transcript(cli_env)), "--session", "s1")
+    before = run_cli(env, "verify", "--all", "--json").stdout
+    out = run_cli(env, *args, check=False)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert named in out.stderr and "UTF-8" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "database" not in out.stderr, out.stderr
+    assert run_cli(env, "verify", "--all", "--json").stdout == before
+    assert run_cli(env, "status", "--json").stdout.count('"bulk_jobs": []') == 1
+
+
+def _transcript(env: dict[str, str]) -> Path:
+    path = Path(env["COMPACTD_HOME"]) / "t.jsonl"
+    path.write_text(LINE)
+    return path
+
+
 # ------------------------------------------------------------------------------------------
 # numbers and durations
 

@@ -79,7 +79,7 @@ def test_compact_inline_commits_and_the_log_replays(env: dict[str, str]) -> None
     assert out["model"] == "local" and out["replaced_seqs"]
     surface = json.loads(run(env, "surface", "s1", "--json").stdout)
     checkpoints = [m for m in surface["messages"] if (m.get("meta") or {}).get("checkpoint")]
-    assert [m["role"] for m in checkpoints] == ["system", "user"]  # authority contract + data
+    assert [m["role"] for m in checkpoints] == ["user"]  # the data message, the contract in it
     assert "ok   s1" in run(env, "verify", "s1").stdout
     runs = json.loads(run(env, "status", "s1", "--json").stdout)["runs"]
     assert runs[0]["status"] == "committed"

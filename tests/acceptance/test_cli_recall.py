@@ -93,6 +93,8 @@ BAD_SEARCHES = [
     (["history", "search", "s1", "x", "--limit", "101"], "--limit"),
     (["history", "search", "s1", "x", "--limit", "0"], "--limit"),
     (["history", "search", "s1", "x", "--checkpoint", "nope"], "--checkpoint"),
+    # subprocess encodes the lone surrogate back to the byte 0xFF: a query that is not UTF-8
+    (["history", "search", "s1", "disk \udcff full"], "QUERY: is not valid UTF-8"),
 ]
 
 

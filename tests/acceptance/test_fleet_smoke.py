@@ -19,7 +19,7 @@ from tests.support.scripts import refusal
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = REPO / "tests" / "bench" / "fleet.py"
-KEYS = ("agents", "workers", "overflows", "pressure_to_checkpoint_p50_s",
+KEYS = ("agents", "workers", "overflows", "context_counts", "pressure_to_checkpoint_p50_s",
         "pressure_to_checkpoint_p99_s", "pickup_p99_s", "step_p99_ms", "step_p99_ms_at_rest",
         "compactions_per_s", "plots")
 
@@ -56,6 +56,14 @@ def test_a_short_fleet_run_never_overflows_and_checkpoints_every_signalled_sessi
     assert set(KEYS) <= set(report)
     assert report["agents"] == 4 and report["workers"] == 1
     assert report["overflows"] == 0
+    # The agents count their context as the fake provider does, not with compactd's counter:
+    # the usage they report and the overflows they detect come from a count of their own, so
+    # a surface compactd counts smaller than it is would show. Were compactd's count used for
+    # both, every step would agree.
+    counts = report["context_counts"]
+    assert counts["steps"] == report["steps"] > 0
+    assert counts["equal_steps"] < counts["steps"] / 10, counts
+    assert counts["ratio_p50"] != 1.0 and counts["provider_max"] > 0, counts
     assert report["signalled_sessions"] > 0
     assert report["checkpointed_sessions"] == report["signalled_sessions"]
     assert report["unserved_episodes"] == 0 and report["drained"] is True

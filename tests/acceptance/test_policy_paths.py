@@ -12,7 +12,7 @@ import pytest
 from scheduler.client import Client
 from scheduler.samples import coding_session
 from tests.support.api import TOKEN_A, bearer, start_api
-from tests.support.stack import Stack, wait_until
+from tests.support.stack import Stack, fake_models, wait_until
 from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -104,6 +104,49 @@ def test_a_call_never_answered_does_not_pin_the_session(make_stack: MakeStack) -
     late.write_text('{"role": "tool", "tool_call_id": "lost", "content": "file body"}\n')
     stack.cli("ingest", str(late), "--session", "s1")
     assert "ok   s1" in stack.cli("verify", "s1").stdout
+
+
+def _old_call_then_plain_turns() -> list[dict[str, Any]]:
+    """One tool call early on, then thirty plain turns: its group is history, not a step."""
+    call = {"id": "c1", "type": "function", "function": {"name": "read_file",
+                                                         "arguments": "{}"}}
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent."}, {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "file body " * 20}]
+    for i in range(30):
+        messages += [{"role": "user", "content": f"question {i} " * 20},
+                     {"role": "assistant", "content": f"answer {i} " * 20}]
+    return messages
+
+
+def test_force_and_overflow_reduce_a_session_whose_only_tool_call_is_old(
+        make_stack: MakeStack, fake: Any) -> None:
+    # The window puts the session near its end (over 90% of it), where an overflow comes.
+    models = [{**m, "context_window": 4200} for m in fake_models(fake.url)]
+    stack = make_stack(summarization=MANUAL_ONLY, models=models)
+    messages = _old_call_then_plain_turns()
+    stack.ingest("s1", messages)
+    stack.ingest("s2", messages)
+    before = stack.cli_json("surface", "s1")["tokens"]
+    assert 0.9 * 4200 < before < 4200, before
+
+    result = stack.cli_json("compact", "s1", "--force", "--inline")
+    assert result["outcome"] == "committed", result
+    # The old group (3, 4) goes with the turns; the last reply and the latest request stay.
+    replaced = set(result["replaced_seqs"])
+    assert {3, 4} <= replaced and {63, 64}.isdisjoint(replaced), result
+    assert result["tokens_after"] < before / 4, result
+    seqs = [m["seq"] for m in stack.cli_json("surface", "s1")["messages"]]
+    assert seqs[0] == 1 and seqs[-2:] == [63, 64], seqs
+
+    stack.start_worker("w1", concurrency=2)
+    with Client(load_config(env=stack.env)) as client:
+        overflow = client.get_session("s2").report_overflow(timeout_s=60)
+    assert overflow.compacted, overflow.reason
+    assert overflow.run is not None and overflow.run["outcome"] == "committed", overflow.run
+    assert {3, 4} <= set(overflow.run["replaced_seqs"]), overflow.run
+    assert overflow.tokens_after is not None and overflow.tokens_after < before / 4, overflow
 
 
 def test_clearing_old_tool_results_runs_on_its_own_trigger(make_stack: MakeStack,

@@ -304,3 +304,92 @@ def test_provider_usage_is_stored_shown_and_exported_for_both_sdks(
         for kind in ("input", "cached", "output"):
             assert value(scraped, "compactd_model_tokens_total", candidate=model,
                          kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)
+
+
+# ------------------------------------------------------------------------------------------
+# issue 26 item 12: a billed answer refused while it is read, or cut at its cap, keeps its usage
+
+# Fake output -> the failure kind the worker records; each billed by the provider.
+BILLED_REFUSALS = {"tool_calls": "non_text", "reasoning_only": "non_text", "refusal": "refused",
+                   "content_filter": "refused", "truncated": "truncated"}
+
+
+def test_billed_answers_refused_while_read_or_cut_at_the_cap_keep_their_usage(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # fake-gpt speaks OpenAI, fake-claude Anthropic: each goes first and fails, the other writes.
+    other = {"fake-gpt": "fake-claude", "fake-claude": "fake-gpt"}
+    # The Messages API has no content filter of its own: the fake answers it as a refusal.
+    cases = [(first, output) for first in other for output in BILLED_REFUSALS
+             if (first, output) != ("fake-claude", "content_filter")]
+    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    for i, (first, output) in enumerate(cases):
+        db.ingest(f"{first}-{output}",
+                  coding_session(steps=20, big_output_lines=30, seed=800 + i).messages,
+                  run_model=other[first], policy={"model_name": first})
+    port = free_port()
+    stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
+    totals: dict[tuple[str, str], int] = {}
+    for first, output in cases:
+        sid = f"{first}-{output}"
+        fake.script(Behaviour(model=first, output=output))
+        seen = len(fake.requests)
+        result = stack.cli_json("compact", sid, "--wait")
+        assert (result["outcome"], result["model"]) == ("committed", other[first]), result
+        [run] = stack.cli_json("status", sid)["runs"]
+        assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
+            (first, BILLED_REFUSALS[output])], run["candidates"]
+        refused, written = fake.requests[seen:]
+        assert refused.model == first and written.model == other[first]
+        by = run["usage"]["by_candidate"]
+        assert set(by) == {first, other[first]}, run["usage"]
+        assert by[first]["calls"] == 1, by
+        assert by[first]["input_tokens"] == refused.input_tokens > 0, by
+        assert by[first]["output_tokens"] == refused.output_tokens > 0, by
+        assert run["usage"]["calls"] == 2 and run["usage"]["input_tokens"] == (
+            refused.input_tokens + written.input_tokens), run["usage"]
+        for model, counts in by.items():
+            for kind in ("input_tokens", "output_tokens"):
+                totals[model, kind] = totals.get((model, kind), 0) + counts[kind]
+    scraped = scrape(port)
+    for model in other:
+        for kind in ("input", "output"):
+            assert value(scraped, "compactd_model_tokens_total", candidate=model,
+                         kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)
+
+
+# ------------------------------------------------------------------------------------------
+# issue 26 item 10: a candidate that hangs is skipped by the runs after it, on every worker
+
+
+def test_a_hanging_candidate_is_skipped_by_the_next_run_on_another_worker(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # fake-gpt (the summary model) hangs; fake-claude (the run model) answers. One failure
+    # opens the circuit, and the cool-down outlasts the test.
+    fake.script(Behaviour(model="fake-gpt", hang=True, times=-1))
+    stack = make_stack(summarization=POLICY,
+                       worker={"local_fallback": False, "candidate_budget_s": 3,
+                               "breaker": {"failures": 1, "cooldown_s": 600}})
+    for i, sid in enumerate(("h1", "h2")):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=900 + i).messages,
+                  run_model="fake-claude", policy={"model_name": "fake-gpt"})
+
+    stack.start_worker("w1", concurrency=2)
+    first = stack.cli_json("compact", "h1", "--wait")
+    assert (first["outcome"], first["model"]) == ("committed", "fake-claude"), first
+    [run] = stack.cli_json("status", "h1")["runs"]
+    assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
+        ("fake-gpt", "timeout")], run["candidates"]
+    stack.stop("w1")
+
+    # Another worker process: what the first learned reaches it through Redis.
+    stack.start_worker("w2", concurrency=2)
+    hung = len(fake.requests_for(model="fake-gpt"))
+    second = stack.cli_json("compact", "h2", "--wait")
+    assert (second["outcome"], second["model"]) == ("committed", "fake-claude"), second
+    assert len(fake.requests_for(model="fake-gpt")) == hung == 1, "not asked again"
+    [run] = stack.cli_json("status", "h2")["runs"]
+    [skipped] = run["candidates"]
+    assert (skipped["candidate"], skipped["kind"], skipped["http_attempts"]) == (
+        "fake-gpt", "circuit_open", 0), skipped
+    assert skipped["reason"].startswith("circuit open: 1 failed calls in a row"), skipped
+    assert "circuit open" in stack.cli("status", "h2").stdout

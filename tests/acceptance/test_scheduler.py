@@ -420,10 +420,15 @@ async def test_recompact_dry_run_counts_and_enqueues_nothing(make_stack) -> None
     try:
         await _many_sessions(store, 1000, tenants=("acme", "globex"), steps=0)
         out = stack.cli("recompact", "--dry-run", "--force")
-        assert out.stdout.strip() == "1000 sessions match; nothing enqueued (dry run)"
+        lines = out.stdout.splitlines()
+        assert lines[0] == "1000 sessions match; nothing enqueued (dry run)"
+        # The sessions it matched, a bounded list in text; all of them in JSON.
+        assert lines[1:21] == [f"  bulk-{i:04d}" for i in range(20)]
+        assert lines[21:] == ["  ... and 980 more (--json lists them all)"]
         body = stack.cli_json("recompact", "--dry-run", "--tenant", "acme")
         assert (body["dry_run"], body["matched"]) == (True, 500)
         assert body["filter"] == {"tenant": "acme"}
+        assert body["sessions"] == [f"bulk-{i:04d}" for i in range(0, 1000, 2)]
         assert queued(stack.redis_url) == 0
         assert await store.list_bulk_jobs() == []
         assert (await row_counts(store))["compaction_runs"] == 0
@@ -509,7 +514,7 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
         assert resumed["job"]["id"] == job_id
         assert (resumed["job"]["done"], resumed["job"]["failed"]) == (n, 0)
         progress = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-        assert progress and progress[-1]["done"] == n  # JSON progress when not on a terminal
+        assert progress and progress[-1]["done"] == n  # JSON progress with --json
         assert urgent["outcome"] == "committed" and urgent["model"] == "fake-mini"
         assert urgent_s < 10
 

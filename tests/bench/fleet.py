@@ -18,9 +18,13 @@ are the session's envelope. When the transcript runs out it starts again with fr
 ids. Between steps it thinks a random 1-5 s (times ``--think-scale``): its own model call. Then,
 as a runtime does: it reports the provider's input token count of that call (the context it
 sent), appends the step, polls, and when the version moved re-reads the surface (the pickup).
-A step whose surface (the session's surface tokens after the append plus the envelope) exceeds
-the window is an *overflow*: the provider would have refused it, so the agent reports it
-(``report_overflow``, a forced run on ``compaction.urgent``) and waits for the smaller surface.
+The agent holds its own context (its system prompt, the surface it last read, the steps it
+appended since) and counts it as the fake provider counts a request
+(``tests.support.fake_provider.input_tokens_of``), not with compactd's counter: that count is
+the usage it reports, and a step whose context it puts over the window is an *overflow*: the
+provider would have refused it, so the agent reports it (``report_overflow``, a forced run on
+``compaction.urgent``) and waits for the smaller surface. A counting error in compactd (a
+surface it counts smaller than it is) therefore shows as overflows.
 
 The run model's window is ``--window`` tokens (16k by default: the transcripts hold 1k-15k
 tokens, so at a 0.4 fraction trigger every session crosses it again and again); the policy is
@@ -29,7 +33,11 @@ so a compaction is one summary call (the capacity arithmetic assumes that).
 
 Measured (JSON keys):
 
-* ``overflows``: steps whose surface exceeded the window (goal 0).
+* ``overflows``: steps whose context, as the provider counts it, exceeded the window (goal 0).
+* ``context_counts``: the agents' context after each step by both counters: the provider's
+  (``provider_max``, what overflows are judged by) and compactd's (``compactd_max``: surface
+  plus envelope tokens), ``ratio_p50`` (provider / compactd) and ``equal_steps`` (steps where
+  the two agree exactly: few, as they are different counters).
 * ``pressure_to_checkpoint_p50_s`` / ``_p99_s``: from the append that fired the trigger (the
   first one after the session's last checkpoint) to the commit of the next checkpoint (the run
   row's ``finished_at``). Per session, every such episode counts once.
@@ -118,7 +126,11 @@ from tests.bench.common import (  # noqa: E402
     print_table,
     write_json,
 )
-from tests.support.fake_provider import fake_provider_process  # noqa: E402
+from tests.support.fake_provider import (  # noqa: E402
+    fake_provider_process,
+    input_tokens_of,
+    openai_request_body,
+)
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
 from worker.keys import QUEUE_PRESSURE, QUEUE_URGENT  # noqa: E402
@@ -294,7 +306,9 @@ class AgentLog:
     appends: list[tuple[float, bool]] = field(default_factory=list)
     pickups: list[float] = field(default_factory=list)
     steps: list[tuple[float, float, float]] = field(default_factory=list)
-    context: list[tuple[float, int]] = field(default_factory=list)
+    context: list[tuple[float, int]] = field(default_factory=list)  # the provider's count
+    # (provider's count, compactd's count) of the context after each step
+    counts: list[tuple[int, int]] = field(default_factory=list)
     overflows: list[tuple[float, int]] = field(default_factory=list)
     overflow_waits: list[float] = field(default_factory=list)
     overflow_failed: int = 0
@@ -319,7 +333,14 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
     envelope = session.info.envelope_tokens
     log.envelope_tokens = envelope
     log.began = time.time()
-    context = envelope
+    system = [{"role": "system", "content": transcript.system}] if transcript.system else []
+    # What the agent sends its model: its system prompt and the conversation as it holds it.
+    held: list[dict[str, Any]] = []
+
+    def provider_count() -> int:
+        return input_tokens_of(openai_request_body(RUN_MODEL, system + held))
+
+    context = provider_count()
     for step, step_tokens in zip(replay(transcript), itertools.cycle(transcript.step_tokens),
                                  strict=False):
         think = rng.uniform(*THINK_S) * think_scale
@@ -335,19 +356,22 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
         await session.report_usage(context)
         result = await session.append(step)
         moved = await session.poll() is not None
+        held.extend(step)
         if moved:
-            await session.surface()
+            held = await session.surface()
         elapsed_ms = (time.perf_counter() - t0) * 1000
         ended = time.time()
         log.steps.append((started, ended, elapsed_ms))
         log.appends.append((started, result.fired))
-        # An upper bound of what the next model call carries: a checkpoint that lands between
-        # the append and the poll is counted from the next step on.
-        context = result.tokens + envelope
+        # compactd's count of the same context, for the report: an upper bound (a checkpoint
+        # that lands between the append and the poll is counted from the next step on).
+        counted = result.tokens + envelope
         if moved:
             log.pickups.append(ended)
-            context = (await client.store.get_session(session.id)).surface_tokens + envelope
+            counted = (await client.store.get_session(session.id)).surface_tokens + envelope
+        context = provider_count()
         log.context.append((ended, context))
+        log.counts.append((context, counted))
         if context > window:
             log.overflows.append((ended, context))
             t1 = time.perf_counter()
@@ -359,7 +383,8 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
             if outcome.compacted:
                 log.overflow_waits.append(time.perf_counter() - t1)
                 log.pickups.append(time.time())
-                context = (await client.store.get_session(session.id)).surface_tokens + envelope
+                held = list(outcome.messages or [])
+                context = provider_count()
                 log.context.append((time.time(), context))
             else:
                 log.overflow_failed += 1
@@ -766,10 +791,17 @@ def measure(raw: Raw, args: argparse.Namespace) -> dict[str, Any]:
     signalled = {log.session_id for log in raw.logs if any(f for _, f in log.appends)}
     checkpointed = {sid for sid in signalled if commits.get(sid)}
     steps = [s for log in raw.logs for s in log.steps]
+    counts = [c for log in raw.logs for c in log.counts]
     return {
         "agents": raw.agents,
         "workers": raw.workers,
         "overflows": sum(len(log.overflows) for log in raw.logs),
+        "context_counts": {
+            "provider_max": max((p for p, _ in counts), default=0),
+            "compactd_max": max((c for _, c in counts), default=0),
+            "ratio_p50": _round(percentile([p / c for p, c in counts if c], 50), 3),
+            "equal_steps": sum(1 for p, c in counts if p == c),
+            "steps": len(counts)},
         "pressure_to_checkpoint_p50_s": _round(percentile(latencies, 50), 3),
         "pressure_to_checkpoint_p99_s": _round(p99, 3),
         "pickup_p99_s": _round(percentile(pickups, 99), 3),

@@ -177,3 +177,18 @@ async def test_a_scripted_model_calls_named_tools_with_arguments_read_from_a_res
     assert quoted.choices[0].message.content == "It was ord_7f3c9a1e."
     # only a tool result is quoted, as only what a tool returned is there to copy
     assert unquoted.choices[0].message.content == "It was ."
+
+
+def test_the_strict_mode_refuses_a_system_message_after_the_first() -> None:
+    """As strict OpenAI-compatible servers do; off by default, as OpenAI itself."""
+    late = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+            {"role": "system", "content": "c"}]
+    first = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+    with FakeProvider() as fake, openai.OpenAI(base_url=fake.openai_base_url, api_key="k",
+                                               max_retries=0) as client:
+        client.chat.completions.create(model="m", messages=late)  # type: ignore[arg-type]
+        fake.strict_system = True
+        client.chat.completions.create(model="m", messages=first)  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="m", messages=late)  # type: ignore[arg-type]
+    assert [r.status for r in fake.requests] == [200, 200, 400]

@@ -245,11 +245,11 @@ async def test_a_lost_reply_or_failed_reads_neither_duplicate_nor_drop_a_message
             raise ConnectionResetError("the reply to a committed append was lost")
         return result
 
-    async def surface(self: SessionHandle, render: str | None = None) -> Any:
+    async def surface(self: SessionHandle, render: str | None = None, **kw: Any) -> Any:
         reads["n"] += 1
         if reads["n"] in (2, 3):
             raise ConnectionResetError("the read after an append failed")
-        return await real_surface(self, render)
+        return await real_surface(self, render, **kw)
 
     monkeypatch.setattr(SessionHandle, "append", append)
     monkeypatch.setattr(SessionHandle, "surface", surface)

@@ -234,7 +234,8 @@ def test_bad_arguments_answer_the_model_naming_the_argument_and_the_agent_goes_o
 
 
 def test_a_tool_called_before_any_model_call_opens_the_session_and_writes_nothing(
-        fake: FakeProvider, config: Any, db_url: str, runs: Runs) -> None:
+        fake: FakeProvider, config: Any, db_url: str, runs: Runs,
+        caplog: pytest.LogCaptureFixture) -> None:
     first = CompactdMiddleware(config=config)
     try:
         compacted_thread(fake, recall_agent(fake, first), runs, config, "t3")
@@ -262,6 +263,10 @@ def test_a_tool_called_before_any_model_call_opens_the_session_and_writes_nothin
             pages.append(call(read, {"checkpoint": hit["checkpoint"], "budget_tokens": 64,
                                      "cursor": more.group(1)}))
         refused = call(read, {"checkpoint": hit["checkpoint"], "offset": -1})
+        # A lone surrogate (a runtime's bytes that are not UTF-8): bad input for the model to
+        # fix, not compactd unreachable, and nothing for the operator's log.
+        with caplog.at_level(logging.WARNING, logger="scheduler.langchain"):
+            lone = call(search, {"query": "disk \ud800 full"})
         elsewhere = call(other_tenant.tools[0], {"query": "issued twice"})
         after = at_store(db_url, row_counts)
     finally:
@@ -275,6 +280,9 @@ def test_a_tool_called_before_any_model_call_opens_the_session_and_writes_nothin
     assert NEEDLE in "".join(str(p.content).split("\n", 1)[1].rsplit("\n", 1)[0]
                              for p in pages)
     assert refused.status == "error" and "offset" in str(refused.content)
+    assert lone.status == "error", lone.content
+    assert "refused its query argument: is not valid UTF-8" in str(lone.content), lone.content
+    assert not [r for r in caplog.records if r.name == "scheduler.langchain"]
     # Another tenant's session is not there for this middleware's tools.
     assert elsewhere.status == "error" and VALUE not in str(elsewhere.content)
     assert "nothing of this conversation is stored" in str(elsewhere.content)

@@ -210,16 +210,23 @@ async def test_non_shrinking_output_is_refused(fake: FakeProvider, pool: Provide
     assert "do not shrink" in refused.reason
 
 
-@pytest.mark.parametrize(("output", "api"), [("tool_calls", "openai"), ("tool_calls", "anthropic"),
-                                             ("reasoning_only", "openai"),
-                                             ("reasoning_only", "anthropic"),
-                                             ("image", "anthropic")])
-async def test_non_text_output_is_that_candidates_failure(
-        fake: FakeProvider, pool: ProviderPool, output: str, api: str) -> None:
+@pytest.mark.parametrize(("output", "api", "kind"), [
+    ("tool_calls", "openai", "non_text"), ("tool_calls", "anthropic", "non_text"),
+    ("reasoning_only", "openai", "non_text"), ("reasoning_only", "anthropic", "non_text"),
+    ("image", "anthropic", "non_text"), ("refusal", "openai", "refused"),
+    ("refusal", "anthropic", "refused"), ("content_filter", "openai", "refused"),
+    ("truncated", "openai", "truncated"), ("truncated", "anthropic", "truncated")])
+async def test_an_answer_refused_as_it_is_read_is_that_candidates_failure_and_keeps_its_usage(
+        fake: FakeProvider, pool: ProviderPool, output: str, api: str, kind: str) -> None:
     fake.script(Behaviour(model="n-model", output=output))
     outcome = await run(request(), candidates(spec(fake, "n", api), local=True), pool)
-    assert [(a.candidate, a.kind) for a in outcome.attempts] == [("n", "non_text"),
-                                                                 ("local", None)]
+    assert [(a.candidate, a.kind) for a in outcome.attempts] == [("n", kind), ("local", None)]
+    # The provider billed the answer: its usage is the attempt's, as it reported it.
+    [billed] = fake.requests
+    usage = outcome.attempts[0].usage
+    assert usage is not None and billed.input_tokens and billed.output_tokens
+    assert (usage.input_tokens, usage.output_tokens) == (billed.input_tokens,
+                                                         billed.output_tokens)
 
 
 async def test_malformed_json_moves_on(fake: FakeProvider, pool: ProviderPool) -> None:

@@ -81,6 +81,13 @@ async def test_the_client_refuses_every_bad_input_by_name_and_writes_nothing(
         (s1.history_search("x", limit=101), "limit"),
         (s1.history_read(ref, budget_tokens=63), "budget_tokens"),
         (s1.history_read(ref, budget_tokens=100_001), "budget_tokens"),
+        # refused here, not sent to the database: text no database stores, and limits that
+        # are not integers (a bool is not one, nor a float or a string of digits)
+        (s1.history_search("x\ud800y"), "query"),
+        (s1.history_search("\udcff"), "query"),
+        (s1.history_search("x", limit=True), "limit"),
+        (s1.history_search("x", limit=5.5), "limit"),  # type: ignore[arg-type]
+        (s1.history_search("x", limit="5"), "limit"),  # type: ignore[arg-type]
     ]
     for call, argument in cases:
         with pytest.raises(RecallNotFound if argument is None else RecallArgumentError
@@ -106,3 +113,6 @@ def test_the_sync_client_gives_the_same_answers(
         with pytest.raises(RecallArgumentError) as caught:
             session.history_read(found.hits[0].checkpoint, -1)
         assert caught.value.argument == "offset"
+        for query, limit in (("x\ud800y", 5), ("x", True), ("x", "5")):
+            with pytest.raises(RecallArgumentError):
+                session.history_search(query, limit=limit)  # type: ignore[arg-type]

@@ -531,6 +531,46 @@ async def test_bulk_items_move_pending_enqueued_done_and_resume_skips_done(
         (job.id, 4, 1, 0, 0)]
 
 
+def turns(count: int, tokens: int, tag: str) -> list[dict[str, Any]]:
+    """``count`` plain messages, user and assistant in turn, of ``tokens`` tokens each."""
+    return [{"role": ("user", "assistant")[i % 2], "content": text(tokens, f"{tag}t{i}")}
+            for i in range(count)]
+
+
+async def test_a_bulk_item_under_its_trigger_is_skipped_and_force_keeps_the_policy_tail(
+        store: Store, db_url: str) -> None:
+    config = make_config(db_url, trigger=4000, keep=6)
+    deps = deps_for(config, store)
+    for sid, tokens in (("over", 400), ("under", 150)):
+        await store.create_session(sid, run_model="gpt-4o")
+        await store.append(sid, [_msg(m) for m in turns(12, tokens, sid)])
+    job = await store.create_bulk_job(filter={}, session_ids=["over", "under"], force=False,
+                                      rate_per_s=None)
+    assert (await compact(deps, "over", trigger="bulk", bulk_job_id=job.id)).outcome == \
+        "committed"
+    assert (await compact(deps, "under", trigger="bulk", bulk_job_id=job.id)).outcome == \
+        "nothing_to_do"
+    ended = await store.get_bulk_job(job.id)
+    assert ended is not None
+    # Nothing was compacted in "under": it is skipped, not done.
+    assert (ended.done, ended.skipped, ended.failed, ended.enqueued) == (1, 1, 0, 2)
+    assert await store.bulk_items(job.id, states=[ItemState.SKIPPED], limit=10) == ["under"]
+    [listed] = (await status(store))["bulk_jobs"]
+    assert (listed["done"], listed["skipped"]) == (1, 1)
+
+    # --force ignores the trigger and keeps what the keep policy names (6 messages), not one
+    # turn: a bulk job re-applies the policy.
+    before = await store.read_surface("under")
+    forced = await store.create_bulk_job(filter={}, session_ids=["under"], force=True,
+                                         rate_per_s=None)
+    assert (await compact(deps, "under", trigger="bulk", force=True,
+                          bulk_job_id=forced.id)).outcome == "committed"
+    after = await store.read_surface("under")
+    kept = [n.seq for n in after.nodes if n.kind == "message"]
+    assert kept == before.seqs[-6:], kept
+    assert (await store.get_bulk_job(forced.id)).done == 1  # type: ignore[union-attr]
+
+
 async def test_recompact_filters_select_sessions(store: Store, tmp_path: Any) -> None:
     now = utcnow()
     for sid, tenant, model, tokens, idle_h in [

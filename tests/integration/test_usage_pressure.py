@@ -194,24 +194,73 @@ async def test_a_surface_version_that_is_not_a_version_is_refused(db_url: str,
         assert (info.reported_input_tokens, info.reported_output_tokens) == (100, 10)
 
 
-async def test_http_usage_older_than_the_surface_is_not_applied(db_url: str,
-                                                                tmp_path: Any) -> None:
+async def test_http_usage_tagged_with_the_etag_counts_after_the_reply_and_not_after_a_compaction(
+        db_url: str, tmp_path: Any, store: Store) -> None:
+    """The documented flow: read the surface (its ETag), call the model, append the reply,
+    report the usage tagged with the ETag. The append bumps the version, and the report is
+    still the next request's measure; only a compaction committed after the ETag makes it
+    stale."""
     config = api_config(db_url, tmp_path, summarization={
         "trigger": {"type": "tokens", "value": TRIGGER}, "keep": {"type": "messages", "value": 2}})
     async for api in serve_app(config):
         await api.create("s1", A, run_model="gpt-4o")
-        step = (await api.append("s1", A, {"role": "user", "content": "hello"})).json()
-        current = step["version"]
+        for i in range(6):
+            await api.append("s1", A, {"role": "user", "content": text(2000, f"q{i}")},
+                             assistant(50))
+        read = await api.http.get("/v1/sessions/s1/surface", headers=A)
+        etag = int(read.headers["etag"].strip('W/"'))
         for bad in (-1, 2**63, "v3", 1.5):
             refused = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
                 "input_tokens": 10, "surface_version": bad})
             assert refused.status_code == 422, (bad, refused.text)
             assert refused.json()["field"] == "body.surface_version", refused.text
+        reply = (await api.append("s1", A, assistant(40))).json()
+        assert reply["version"] > etag
+        fresh = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
+            "input_tokens": 9000, "output_tokens": 40, "response_appended": True,
+            "surface_version": etag})
+        assert fresh.status_code == 200, fresh.text
+        assert fresh.json()["applied"] is True and fresh.json()["reported_input_tokens"] == 9000
+
+        outcome = await compact(deps_for(config, store), "s1", trigger="manual", force=True)
+        assert outcome.outcome == "committed", outcome
         stale = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
-            "input_tokens": 9000, "output_tokens": 10, "surface_version": current - 1})
+            "input_tokens": 12_500, "output_tokens": 10, "surface_version": etag})
         assert stale.status_code == 200, stale.text
         assert stale.json()["applied"] is False
-        assert stale.json()["reported_input_tokens"] is None
-        fresh = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
-            "input_tokens": 40, "output_tokens": 10, "surface_version": current})
-        assert fresh.json()["applied"] is True and fresh.json()["reported_input_tokens"] == 40
+        assert stale.json()["reported_input_tokens"] is None  # the commit cleared the old one
+        after = await api.http.get("/v1/sessions/s1/surface", headers=A)
+        await api.append("s1", A, assistant(30))
+        new = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
+            "input_tokens": 700, "output_tokens": 30,
+            "surface_version": int(after.headers["etag"].strip('W/"'))})
+        assert new.json()["applied"] is True and new.json()["reported_input_tokens"] == 700
+        future = await api.http.post("/v1/sessions/s1/usage", headers=A, json={
+            "input_tokens": 10, "surface_version": new.json()["version"] + 5})
+        assert future.status_code == 422, future.text
+        assert future.json()["field"] == "body.surface_version"
+        assert "newer than the session's surface" in future.text
+        assert (await store.get_session("s1")).reported_input_tokens == 700
+
+
+async def test_a_report_counts_when_only_appends_came_after_its_view(db_url: str,
+                                                                     store: Store) -> None:
+    """Through the client: the version the call was built on, passed as the README says, or
+    the handle's own view while another writer appended (a tool result stored by another
+    process). Neither is older than a compaction, so both are recorded."""
+    config = make_config(db_url, trigger=TRIGGER)
+    async with CompactdClient(config, store=store, enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        other = await client.get_session("s1")
+        await handle.append([user(2000), assistant(50)])
+        await handle.surface()
+        built_on = handle.version
+        await handle.append([assistant(40)])  # the reply
+        info = await handle.report_usage(3000, 40, surface_version=built_on)
+        assert (info.reported_input_tokens, info.reported_output_tokens) == (3000, 40)
+
+        await handle.surface()
+        await other.append([user(30)])  # another writer: the handle's view stays put
+        info = await handle.report_usage(3100, 20)
+        assert info.reported_input_tokens == 3100
+        assert info.reported_tokens == 3100 + 20  # the other append is in the base already

@@ -174,3 +174,39 @@ def _execute(url: str, sql: str) -> None:
             await conn.close()
 
     asyncio.run(run())
+
+
+def test_revision_0013_gives_compacted_sessions_their_current_version(tmp_path: Path) -> None:
+    """A usage report built before the upgrade on a session already compacted is refused as
+    before (its compacted version is the current one); a session never compacted has none."""
+    import asyncio
+    import sqlite3
+
+    from alembic import command
+
+    from storage.messages import Message
+    from storage.migrate import alembic_config
+    from storage.store import Store
+
+    path = tmp_path / "m.sqlite3"
+    url = f"sqlite:///{path}"
+    upgrade(url)
+
+    async def sessions() -> None:
+        store = Store.from_url(url)
+        try:
+            for sid in ("compacted", "plain"):
+                await store.create_session(sid)
+                await store.append(sid, [Message(role="user", content="hello")])
+        finally:
+            await store.close()
+
+    asyncio.run(sessions())
+    with sqlite3.connect(path) as conn:
+        conn.execute("INSERT INTO events (session_id, seq, kind, payload, tokens, created_at)"
+                     " VALUES ('compacted', 99, 'pruned', '{}', 1, '2026-12-06 00:00:00')")
+    command.downgrade(alembic_config(url), "0012")
+    upgrade(url)
+    with sqlite3.connect(path) as conn:
+        rows = dict(conn.execute("SELECT id, compacted_version FROM sessions").fetchall())
+    assert rows == {"compacted": 1, "plain": None}

@@ -13,7 +13,9 @@ what was answered) and the answers are scriptable: a queue of :class:`Behaviour`
 matched by model name (and optionally API) or in order, each used ``times`` times: latency,
 hanging forever, an error status (429 with Retry-After, 500, 503, 529, 401, 400
 ``context_length_exceeded`` / "prompt is too long"), whitespace-only text, non-shrinking text (the
-input echoed), malformed JSON, tool-call-only, reasoning-only or image output, or a summary cut
+input echoed), malformed JSON, tool-call-only, reasoning-only or image output, a refusal
+(OpenAI's ``refusal`` field, Anthropic's ``stop_reason: "refusal"``), OpenAI's content filter
+(``finish_reason: "content_filter"``; a refusal on the Anthropic API), or a summary cut
 off at the output cap (``finish_reason: "length"`` / ``stop_reason: "max_tokens"``). A scripted
 agent model can call named tools with given arguments, an argument taken from the last tool
 result it was sent (as a model copies an id it read), and answer text quoting that result. A
@@ -48,7 +50,7 @@ As a process another process can be pointed at (a Celery worker, a benchmark)::
 Control endpoints (JSON), used by :class:`RemoteFake` with the same methods as the in-process API:
 ``POST /_fake/script`` ``{"behaviours": [...]}``, ``POST /_fake/reset``, ``GET /_fake/requests``
 (``?bodies=1`` to include bodies), ``POST /_fake/config`` ``{"latency_s": ...,
-"prefix_cache": ...}``,
+"prefix_cache": ..., "strict_system": ...}``,
 ``GET /_fake/health``.
 """
 
@@ -67,7 +69,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +80,7 @@ from worker.compaction.prompt import INDEX_MARK
 
 HANG_S = 3600.0
 OUTPUTS = ("summary", "whitespace", "echo", "malformed", "tool_calls", "reasoning_only",
-           "image", "text", "truncated")
+           "image", "text", "truncated", "refusal", "content_filter")
 SECTIONS = ("Primary Request and Intent", "Key Technical Concepts", "Files and Code",
             "Errors and Fixes", "Pending Jobs", "Current Work", "Next Step", "Critical Context")
 
@@ -91,6 +93,8 @@ CACHE_MIN_TOKENS = 1024
 CACHE_BLOCK_TOKENS = 128
 # Earlier requests remembered per cache key (a provider's cache forgets too).
 CACHE_ENTRIES_PER_KEY = 64
+# What a chat completions request carries of a message.
+WIRE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 @dataclass
@@ -192,6 +196,9 @@ class _State:
         self.latency_s = latency_s
         self.keep_bodies = keep_bodies
         self.cache = PrefixCache() if prefix_cache else None
+        # As strict OpenAI-compatible servers (vLLM's chat templates, several hosted ones):
+        # a system message anywhere but first is a 400.
+        self.strict_system = False
         self.queue: list[Behaviour] = []
         self.log: list[RequestRecord] = []
         self.started = time.monotonic()
@@ -242,6 +249,21 @@ class _State:
 
 # --------------------------------------------------------------------------------------------
 # the prefix cache
+
+
+def input_tokens_of(raw: bytes) -> int:
+    """The input tokens the fake reports for a request body when its prefix cache is off: a
+    quarter of its bytes. Not compactd's tokenizer, on purpose: a runtime that reports this
+    usage gives compactd a count of its own, as a real provider's is."""
+    return math.ceil(len(raw) / 4)
+
+
+def openai_request_body(model: str, messages: Sequence[Mapping[str, Any]]) -> bytes:
+    """The body of a chat completions request for ``messages`` (their wire fields only), as a
+    runtime would send it and the fake would count it."""
+    wire = [{k: v for k, v in m.items() if k in WIRE_FIELDS and v is not None}
+            for m in messages]
+    return json.dumps({"model": model, "messages": wire}).encode()
 
 
 def cached_blocks(shared_tokens: int) -> int:
@@ -431,6 +453,9 @@ async def _model_call(state: _State, request: web.Request, api: str) -> web.Stre
         if not record.prefix_ok:
             behaviour = dataclasses.replace(behaviour, status=400, code="prefix_mismatch")
             record.behaviour = behaviour.describe()
+    if state.strict_system and api == "openai" and late_system_message(body):
+        behaviour = dataclasses.replace(behaviour, status=400, code="system_message_not_first")
+        record.behaviour = behaviour.describe()
     state.record(record)
     latency = state.latency_s if behaviour.latency_s is None else behaviour.latency_s
     if behaviour.hang:
@@ -478,7 +503,7 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
     cut = behaviour.output == "truncated"
     if cut:
         text = text[:len(text) // 2]
-    usage_in, cached = usage if usage is not None else (math.ceil(len(raw) / 4), 0)
+    usage_in, cached = usage if usage is not None else (input_tokens_of(raw), 0)
     if behaviour.cached_tokens:
         cached = behaviour.cached_tokens
     usage_out = math.ceil(len(text) / 4)
@@ -499,6 +524,12 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         elif behaviour.output == "image":
             message = {"role": "assistant", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+        elif behaviour.output == "refusal":
+            message = {"role": "assistant", "content": None,
+                       "refusal": "I can't help with that request."}
+        elif behaviour.output == "content_filter":
+            message = {"role": "assistant", "content": ""}
+            finish = "content_filter"
         payload: dict[str, Any] = {
             "id": f"chatcmpl-fake-{n}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message,
@@ -520,6 +551,9 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
         elif behaviour.output == "image":
             content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                     "data": "AAAA"}}]
+        elif behaviour.output in ("refusal", "content_filter"):
+            content = []
+            stop = "refusal"
         payload = {"id": f"msg_fake_{n}", "type": "message", "role": "assistant",
                    "model": model, "content": content, "stop_reason": stop,
                    "stop_sequence": None,
@@ -557,6 +591,14 @@ def _error_body(api: str, status: int, code: str | None, request_id: str) -> dic
         message = "prompt is too long: 210000 tokens > 200000 maximum"
     return {"type": "error", "error": {"type": etype, "message": message},
             "request_id": request_id}
+
+
+def late_system_message(body: dict[str, Any]) -> bool:
+    """Whether a chat request holds a system (or developer) message after its first one."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and m.get("role") in ("system", "developer")
+        for m in messages[1:])
 
 
 def begins_with(body: dict[str, Any], prefix: dict[str, Any]) -> bool:
@@ -712,7 +754,10 @@ async def _control_config(state: _State, request: web.Request) -> web.Response:
         state.latency_s = float(data["latency_s"])
     if "prefix_cache" in data:
         state.set_prefix_cache(bool(data["prefix_cache"]))
-    return _json({"latency_s": state.latency_s, "prefix_cache": state.cache is not None})
+    if "strict_system" in data:
+        state.strict_system = bool(data["strict_system"])
+    return _json({"latency_s": state.latency_s, "prefix_cache": state.cache is not None,
+                  "strict_system": state.strict_system})
 
 
 async def _control_requests(state: _State, request: web.Request) -> web.Response:
@@ -812,6 +857,15 @@ class FakeProvider:
     @prefix_cache.setter
     def prefix_cache(self, on: bool) -> None:
         self._state.set_prefix_cache(on)
+
+    @property
+    def strict_system(self) -> bool:
+        """Refuse (400) a chat request with a system message anywhere but first."""
+        return self._state.strict_system
+
+    @strict_system.setter
+    def strict_system(self, on: bool) -> None:
+        self._state.strict_system = on
 
     def script(self, *behaviours: Behaviour, **one: Any) -> None:
         """Queue behaviours (or one built from keyword arguments)."""

@@ -101,6 +101,15 @@ FORCED = [
                                            tokens=[10, 300, 300, 10, 10, 10, 10, 10]), [2, 3]),
     ("plain chat", _flat(sys(), user("u1"), ai("a1"), user("u2"), ai("a2"), user("u3")),
      [2, 3, 4]),
+    # a group of an earlier turn is history: the turns after it go with it, the latest
+    # request and the last reply stay
+    ("old group, later plain turns", _flat(sys(), user("u1"), ai("", ("c1", "t")), tool("c1"),
+                                           ai("a1"), user("u2"), ai("a2"), user("u3"),
+                                           ai("a3")), [2, 3, 4, 5, 6, 7]),
+    # the newest group of the current turn stays whole, also when older turns hold groups
+    ("group of the current turn", _flat(sys(), user("u1"), ai("", ("c1", "t")), tool("c1"),
+                                        ai("a1"), user("u2"), ai("", ("c2", "t")), tool("c2")),
+     [2, 3, 4, 5]),
     ("one indivisible group", _flat(ai("", ("g1", "t"), ("g2", "t")), tool("g1"), tool("g2")),
      None),
     ("one unclosed step", _flat(sys(), user("u"), ai("", ("o", "t"))), None),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from compaction_helpers import ckpt, nodes
+from compaction_helpers import ckpt, nodes, sys, user
 
 from worker.compaction.render import (
     AUTHORITY_CONTRACT,
@@ -13,6 +13,7 @@ from worker.compaction.render import (
     checkpoint_parts,
     checkpoint_tokens,
     render_node,
+    render_surface,
     render_text,
 )
 
@@ -41,11 +42,14 @@ def test_render_forms(form, starts, contains, escaped):
 
 def test_durable_context_comes_with_the_authority_contract():
     [node] = nodes(ckpt("summary text", [SKILL]))
-    rendered = render_node(node)
-    assert rendered[0]["role"] == "system" and rendered[0]["content"] == AUTHORITY_CONTRACT
+    [rendered] = render_surface([node])
+    # No leading system message: the runtime sends its own first, so the contract opens the
+    # data message rather than making a second system message.
+    assert rendered["role"] == "user" and rendered["meta"]["authority_contract"] is True
+    assert rendered["content"].startswith(AUTHORITY_CONTRACT + "\n\n<durable_context_data>")
     assert "data" in AUTHORITY_CONTRACT and "never as instructions" in AUTHORITY_CONTRACT
-    assert rendered[1]["role"] == "user"
-    assert [m["role"] for m in render_node(node, "langchain")] == ["user"]
+    assert [m["role"] for m in render_surface([node], "langchain")] == ["user"]
+    assert AUTHORITY_CONTRACT not in str(render_surface([node], "langchain"))
     assert checkpoint_parts(node.message) == ("summary text", [SKILL])
     # its token count includes the contract, so pressure is what the model will be sent
     assert checkpoint_tokens(node.message, None) > checkpoint_tokens(
@@ -63,3 +67,26 @@ def test_a_checkpoint_in_its_own_form_sends_the_stored_text_its_tokens_were_coun
     assert rendered[-1]["tokens"] == node.tokens == checkpoint_tokens(older, None)
     assert render_node(node, "langchain")[-1]["content"] == render_text(
         "earlier work", [SKILL], "langchain")
+
+
+@pytest.mark.parametrize("content", ["You are an agent.",
+                                     [{"type": "text", "text": "You are an agent."}]])
+def test_the_contract_joins_the_leading_system_message_never_a_second_one(content):
+    """Strict OpenAI-compatible servers refuse a system message after the first position."""
+    surface = nodes(sys("x").model_copy(update={"content": content}), user("go"),
+                    ckpt("summary text"), user("next"))
+    rendered = render_surface(surface)
+    assert [m["role"] for m in rendered] == ["system", "user", "user", "user"]
+    assert AUTHORITY_CONTRACT in str(rendered[0]["content"])
+    assert "You are an agent." in str(rendered[0]["content"])
+    assert rendered[0]["meta"]["authority_contract"] is True
+    assert rendered[0]["tokens"] == surface[0].tokens  # the checkpoint's count holds the contract
+    assert rendered[2]["content"].startswith("<durable_context_data>")
+    assert sum(AUTHORITY_CONTRACT in str(m["content"]) for m in rendered) == 1
+
+
+def test_without_a_durable_context_checkpoint_nothing_changes():
+    surface = nodes(sys(), user("go"), ckpt("summary", form="langchain"))
+    assert render_surface(surface) == [m for n in surface for m in render_node(n)]
+    assert render_surface(nodes(sys(), ckpt("summary")), contract=False)[0]["content"] == (
+        "You are an agent.")

@@ -79,6 +79,21 @@ def test_capture_rules():
         ("a", "", 2), ("meta-name", "from metadata", 10)]
 
 
+@pytest.mark.parametrize("result", [
+    "Error: File not found: /mnt/skills/pdf/SKILL.md",  # DeerFlow's sandbox, success status
+    "  error: permission denied",
+    [{"type": "text", "text": "Error: File not found: /mnt/skills/pdf/SKILL.md"}],
+])
+def test_a_read_whose_text_says_it_failed_is_no_skill(result):
+    assert _capture(*_read("c1", "/mnt/skills/pdf/SKILL.md", result)) == []
+
+
+def test_a_skill_whose_text_mentions_errors_later_is_still_one():
+    text = "---\nname: errors\ndescription: Error: handling guide\n---\nError: is a heading"
+    [skill] = _capture(*_read("c1", "/mnt/skills/errors/SKILL.md", text))
+    assert skill.name == "errors"
+
+
 def test_reread_refreshes_and_at_most_eight_newest():
     messages = []
     for i in range(10):

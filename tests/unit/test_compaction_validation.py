@@ -17,6 +17,7 @@ from worker.compaction.validation import (
 POLICY = Policy(max_summary_tokens=120)
 GOOD = "## Primary Request and Intent\nFix the parser.\n" + "\n".join(
     f"## {name}\n(none)" for name in SECTIONS[1:])
+EMPTY = "\n\n".join(f"## {name}\n(none)" for name in SECTIONS)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,19 @@ GOOD = "## Primary Request and Intent\nFix the parser.\n" + "\n".join(
         # an intermediate chunk summary is never committed: no convergence check
         (GOOD, None, True, None),
         ("", None, True, "empty"),
+        # headings with nothing under them carry nothing, however the filler is written
+        (EMPTY, 10_000, True, "only section headings"),
+        (EMPTY.replace("(none)", "- None."), 10_000, True, "only section headings"),
+        (EMPTY.replace("(none)", "N/A"), None, True, "only section headings"),
+        (EMPTY.replace("(none)", "\u200b"), 10_000, True, "only section headings"),
+        # ... but one line of content under one heading is a summary; and with nothing to read
+        # (no history) the empty form is what there is to say
+        (EMPTY.replace("## Next Step\n(none)", "## Next Step\nrun the tests"), 10_000, True,
+         None),
+        (EMPTY, 10_000, False, None),
+        # text that renders as nothing is whitespace: zero-width space, joiners, BOM, word
+        # joiner, no-break and ideographic spaces, a Hangul filler
+        ("\u200b\u200c\u200d\ufeff\u2060\u00a0\u3000\u3164", 10_000, True, "whitespace-only"),
     ],
 )
 def test_validate_summary(text, replaced, has_history, refused):
@@ -71,6 +85,21 @@ def test_a_custom_prompt_sets_its_own_format():
     custom = Policy(max_summary_tokens=120, summary_prompt="Summarize.\n{messages}")
     assert validate_summary("Fixed the parser.", replaced_tokens=10_000, policy=custom,
                             run_model=None) is None
+    # ... but invisible text is empty and empty headings carry nothing under any prompt
+    for text, refused in (("\u200b" * 40, "whitespace-only"), (EMPTY, "only section headings")):
+        reason = validate_summary(text, replaced_tokens=10_000, policy=custom, run_model=None)
+        assert reason is not None and refused in reason, text
+
+
+def test_the_local_summarizer_never_writes_only_empty_sections_for_a_range_with_text():
+    from storage.messages import Message
+    from worker.llm.local import summarize_local
+
+    # A system note is text no extraction rule picks up.
+    summary = summarize_local([Message(role="system", content="deploy window is Friday " * 20)])
+    assert validate_summary(summary, replaced_tokens=10_000, policy=Policy(),
+                            run_model=None) is None
+    assert "deploy window is Friday" in summary
 
 
 def test_the_local_summarizer_writes_every_section():

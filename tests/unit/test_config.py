@@ -71,6 +71,13 @@ def cfg(text: str):  # type: ignore[no-untyped-def]
      "worker: Value error, deadline_s must be below task_time_limit_s"),
     ("worker: {loop_guard: {margin: 1.5}}", "worker.loop_guard.margin: Input should be less"),
     ("worker: {gc_threshold: -1}", "worker.gc_threshold: Input should be greater than or equal"),
+    ("worker: {breaker: {failures: 0}}", "worker.breaker.failures: Input should be greater than 0"),
+    ("worker: {breaker: {failures: 2.5}}", "worker.breaker.failures: Input should be a valid int"),
+    ("worker: {breaker: {cooldown_s: 0}}",
+     "worker.breaker.cooldown_s: Input should be greater than 0"),
+    ("worker: {breaker: {cooldown_s: .inf}}",
+     "worker.breaker.cooldown_s: Input should be a finite"),
+    ("worker: {breaker: {probes: 1}}", "worker.breaker.probes: unknown key"),
     ("worker: {gc_threshold: often}", "worker.gc_threshold: Input should be a valid integer"),
     ("workers: {}", "workers: unknown key"),
     ("models: [{name: a, provider: openai}]\nprices: {a: {input: -1, output: 2}}",
@@ -189,8 +196,17 @@ def test_example_config_loads_and_shows_every_key() -> None:
                 "retain_ratio", "max_summary_tokens", "lease_s", "max_rounds", "render",
                 "replay_mode", "strategy", "loop_guard", "metrics_port", "sweep_interval_s",
                 "body_timeout_s", "max_body_bytes", "layout", "chunk_tokens",
-                "index_summary_tokens", "index_max_tokens", "prices", "cached_input",
-                "cache_write"):
+                "index_summary_tokens", "index_max_tokens", "breaker", "failures",
+                "cooldown_s", "prices", "cached_input", "cache_write"):
         assert f"{key}:" in text, key
     # Every configured model has a price, every price a model.
     assert set(c.prices) == {m.name for m in c.models}
+
+
+def test_the_breaker_settings_reach_its_limits() -> None:
+    from worker.llm.breaker import BreakerLimits
+
+    c = cfg("worker: {candidate_budget_s: 40, breaker: {failures: 5, cooldown_s: 7}}")
+    # A probe holds a circuit as long as one candidate's call may take.
+    assert BreakerLimits.from_config(c.worker) == BreakerLimits(5, 7.0, 40.0)
+    assert BreakerLimits.from_config(cfg("").worker) == BreakerLimits(3, 120.0, 90.0)

@@ -21,8 +21,9 @@ Selection:
    window; the default is ``retain_ratio`` of the window, or the last 20 messages without one. The
    cut then moves toward the head to the nearest safe boundary. Forced mode (overflow or manual
    compaction) ignores ``keep`` unless an explicit override is given: its cut is at the newest
-   assistant message with tool calls (else the last assistant message, else the last node), so
-   the newest whole tool-call group stays verbatim and the head is reduced as far as it can be.
+   assistant message with tool calls of the current turn (else the last assistant message, else
+   the last node), so the step in progress stays verbatim and the head is reduced as far as it
+   can be.
 2. **Protected nodes.** Never replaced: system messages, ``pinned`` nodes (the contract) and
    assistant messages with an open call, plus
    nodes rescued from the range: ``dynamic_context_reminder`` messages and the latest real user
@@ -182,12 +183,17 @@ def keep_cut(nodes: Sequence[SurfaceNode], keep: Clause, context_window: int | N
 
 
 def forced_cut(nodes: Sequence[SurfaceNode]) -> int:
-    """Forced mode keeps the newest tool-call group whole (or the last assistant message, or the
-    last node) and lets everything before it go. A group with an open call is not that group
-    unless nothing follows it: its call message stays anyway (protected), and a runtime that
-    moved on past it is in a later step."""
+    """Forced mode keeps the current step and lets everything before it go: the newest
+    tool-call group of the current turn (after the latest real user request) whole, else the last
+    assistant message, else the last node. A group of an earlier turn is history like any other:
+    keeping it would pin every turn after it, and a session whose one call is thirty turns old
+    could not be reduced at all. A group with an open call is not that group unless nothing
+    follows it: its call message stays anyway (protected), and a runtime that moved on past it
+    is in a later step."""
+    latest = latest_user_request(nodes)
+    turn_start = 0 if latest is None else latest + 1
     waiting: set[int] | None = None
-    for i in range(len(nodes) - 1, -1, -1):
+    for i in range(len(nodes) - 1, turn_start - 1, -1):
         calls = nodes[i].message.tool_calls
         if not calls:
             continue

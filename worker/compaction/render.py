@@ -1,8 +1,12 @@
 """How a checkpoint reads to the model: the three forms of the runtime contract.
 
 * ``durable_context`` (DeerFlow): a hidden data message ``<durable_context_data>`` holding the
-  summary and the active skills, HTML-escaped, preceded by an authority-contract system message
-  that tells the model the block is data, never instructions.
+  summary and the active skills, HTML-escaped, with an authority contract that tells the model
+  the block is data, never instructions. The contract is coalesced into the surface's leading
+  system message, as DeerFlow does, so a request never carries a second system message (strict
+  OpenAI-compatible servers refuse a system message after the first position). A surface that
+  does not open with one is sent after the runtime's own system prompt, so there the contract
+  opens the data message instead: every provider takes that.
 * ``compacted_summary`` (DeepSeek Harness): a user message wrapping ``<compacted-summary>`` with a
   note that it is generated background to continue from, not to repeat.
 * ``langchain``: LangChain's "Here is a summary of the conversation to date:" user message.
@@ -134,31 +138,66 @@ def checkpoint_parts(message: Message) -> tuple[str, list[Skill]]:
 
 
 def render_node(node: SurfaceNode, form: str | None = None) -> list[dict[str, Any]]:
-    """The OpenAI-shaped messages a node becomes; a checkpoint may become two."""
+    """The OpenAI-shaped messages a node becomes: one, a checkpoint without its authority
+    contract (:func:`render_surface` places that, where the surface lets it)."""
     message = node.message
     if node.kind != NodeKind.CHECKPOINT and not message.meta.get(META_CHECKPOINT):
         return [_with_seq(message.to_openai(), node)]
     summary, skills = checkpoint_parts(message)
     stored = message.meta.get(META_RENDER)
     form = form or stored or "durable_context"
-    out: list[dict[str, Any]] = []
-    if form == "durable_context":
-        out.append({"seq": node.seq, "role": "system", "content": AUTHORITY_CONTRACT,
-                    "meta": {META_AUTHORITY: True, META_CHECKPOINT: True}})
     # In its own form the stored content is sent: the text its tokens were counted on.
     rendered = message if form == stored else message.model_copy(update={
         "content": render_text(summary, skills, form, footer_of(message.meta.get(META_RECALL)))})
     meta = {k: v for k, v in rendered.meta.items() if k not in (META_SUMMARY, META_SKILLS)}
-    out.append(_with_seq({**rendered.to_openai(), "meta": {**meta, META_RENDER: form}}, node))
+    return [_with_seq({**rendered.to_openai(), "meta": {**meta, META_RENDER: form}}, node)]
+
+
+def render_surface(nodes: Iterable[SurfaceNode], form: str | None = None, *,
+                   contract: bool = True) -> list[dict[str, Any]]:
+    """The surface as the model is sent it. ``contract=False`` leaves the authority contract
+    out, for a caller that puts it into a system message the surface does not hold (the
+    LangChain middleware, into the request's own): :func:`needs_contract` says when."""
+    out = [message for node in nodes for message in render_node(node, form)]
+    return with_contract(out) if contract else out
+
+
+def needs_contract(messages: Iterable[dict[str, Any]]) -> bool:
+    """Whether a rendered surface holds a ``durable_context`` checkpoint."""
+    return any((m.get("meta") or {}).get(META_RENDER) == "durable_context"
+               and (m.get("meta") or {}).get(META_CHECKPOINT) for m in messages)
+
+
+def with_contract(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the authority contract where every provider takes it: appended to the
+    leading system message, or, when the surface opens with none, at the head of the first
+    ``durable_context`` data message (the runtime sends its own system prompt first). Nothing
+    changes without such a checkpoint."""
+    if not needs_contract(messages):
+        return messages
+    if messages[0].get("role") == "system":
+        at, joined = 0, append_text(messages[0].get("content"), AUTHORITY_CONTRACT)
+    else:
+        at = next(i for i, m in enumerate(messages) if needs_contract([m]))
+        joined = prepend_text(messages[at].get("content"), AUTHORITY_CONTRACT)
+    out = list(messages)
+    out[at] = {**messages[at], "content": joined,
+               "meta": {**(messages[at].get("meta") or {}), META_AUTHORITY: True}}
     return out
 
 
-def render_surface(nodes: Iterable[SurfaceNode], form: str | None = None
-                   ) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for node in nodes:
-        out.extend(render_node(node, form))
-    return out
+def append_text(content: Any, text: str) -> str | list[Any]:
+    """``content`` (text, blocks or nothing) with ``text`` after it, as its own paragraph."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return f"{content}\n\n{text}" if content else text
+
+
+def prepend_text(content: Any, text: str) -> str | list[Any]:
+    """``content`` with ``text`` before it, as its own paragraph."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": text}, *content]
+    return f"{text}\n\n{content}" if content else text
 
 
 def _with_seq(message: dict[str, Any], node: SurfaceNode) -> dict[str, Any]:

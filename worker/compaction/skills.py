@@ -2,9 +2,14 @@
 
 A skill read is a tool call whose name is one of ``skill_file_read_tool_names``, whose path
 argument lies under ``skills_path`` and names a ``SKILL.md`` file, and whose result is not an
-error. Before the range is replaced each read becomes a reference (name, path, one-line
-description, ``loaded_at`` = the seq of the result), so the checkpoint can list active skills and
-point the model at the file to re-read rather than carry the file's text.
+error: neither flagged as one (``is_error``, a LangChain ``status: error``) nor a text that
+says so (``Error: File not found: ...``, which DeerFlow's sandbox tools return with a success
+status). A skill that failed to load is not active, and listing it would send the model to a
+file that is not there.
+
+Before the range is replaced each read becomes a reference (name, path, one-line description,
+``loaded_at`` = the seq of the result), so the checkpoint can list active skills and point the
+model at the file to re-read rather than carry the file's text.
 
 When the runtime stamped the result with a ``skill_context_entry`` mapping (DeerFlow's bounded
 metadata), its name and description win over anything parsed from the transcript; its path must
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from storage.messages import META_SKILL, Message
@@ -31,6 +37,9 @@ SKILL_FILE = "SKILL.md"
 DESCRIPTION_MAX_CHARS = 240
 PATH_ARGUMENTS = ("path", "file_path", "filepath", "file", "filename", "target_file",
                   "absolute_path")
+# How file tools that report failure as text begin their answer. A SKILL.md read whole starts
+# with its frontmatter or a heading, never with this.
+ERROR_TEXT = re.compile(r"\s*error:", re.IGNORECASE)
 
 
 def skill_path(arguments: str, skills_path: str) -> str | None:
@@ -91,6 +100,11 @@ def _one_line(text: str) -> str:
     return line
 
 
+def failed_read(result: Message) -> bool:
+    """Whether a read's result says it failed, by flag or by its text."""
+    return bool(result.meta.get("is_error")) or ERROR_TEXT.match(result.text) is not None
+
+
 def skill_from_read(path: str, result: Message, seq: int) -> Skill:
     entry = result.meta.get(META_SKILL)
     if isinstance(entry, Mapping) and entry.get("path") in (None, path):
@@ -122,7 +136,7 @@ def capture_skills(nodes: Sequence[SurfaceNode], *, tool_names: Iterable[str],
                     if path is not None:
                         reads[call.id] = path
         if (message.role == "tool" and message.tool_call_id in reads
-                and not message.meta.get("is_error")):
+                and not failed_read(message)):
             found.append(skill_from_read(reads[message.tool_call_id], message, node.seq))
     return merge_skills(found)
 

@@ -4,7 +4,13 @@ A refused summary is that candidate's failure and the next candidate is tried, s
 returns a reason rather than raising. Refused:
 
 * anything that is not text (a reasoning-only reply, an image, a tool call arrives as non-text);
-* empty or whitespace-only text: an empty summary is a failed generation, never a valid one;
+* empty or whitespace-only text: an empty summary is a failed generation, never a valid one.
+  Whitespace includes what renders as nothing: format characters (zero-width space and joiners,
+  the byte-order mark, Unicode category Cf), controls, lone combining marks and the blank
+  letters (Hangul fillers, the blank Braille pattern), which ``str.strip`` keeps;
+* for a range with history, a summary that is only the eight section headings with nothing, or
+  a ``(none)``-style filler, under any of them: it has the form asked for and carries nothing,
+  so the range would be dropped silently;
 * a summary over ``max_summary_tokens`` (later chunk calls reserved only that much for it);
 * a summary whose framed checkpoint (rendered form, skills, recall footer, authority contract)
   is not strictly smaller than the tokens it replaces: compaction must converge, never grow the
@@ -19,6 +25,7 @@ returns a reason rather than raising. Refused:
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +42,41 @@ _HEADINGS = {name: re.compile(r"^[ \t]*#{1,6}[ \t]*(?:\d+[.)][ \t]*)?(?:\*\*)?[ 
                               + re.escape(name) + r"[ \t]*:?[ \t]*(?:\*\*)?[ \t]*:?[ \t]*$",
                               re.IGNORECASE | re.MULTILINE)
              for name in SECTIONS}
+
+
+# Characters that render as nothing but that ``str.isspace`` does not count.
+_BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zs", "Zl", "Zp", "Mn", "Me"})
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+# What a model writes under a heading with nothing to report (compactd's instruction asks for
+# "(none)"), with any list marker, emphasis or closing punctuation around it.
+_FILLER = re.compile(r"^[-*+•>\s]*[(\[_*]*(?:none|n/?a|nothing(?: to report)?|empty|nil|"
+                     r"not applicable|no (?:content|information|details)|-+|—|–)"
+                     r"[)\]_*.:]*\s*$", re.IGNORECASE)
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` renders as nothing: only whitespace and invisible characters."""
+    return all(ch.isspace() or ch in _BLANK_LETTERS
+               or unicodedata.category(ch) in _BLANK_CATEGORIES for ch in text)
+
+
+def visible_text(text: str) -> str:
+    """``text`` without the invisible characters :func:`is_blank` ignores."""
+    return "".join(ch for ch in text if not is_blank(ch) or ch in "\n\t ")
+
+
+def only_empty_sections(text: str) -> bool:
+    """Whether ``text`` holds section headings and nothing under any of them (blank lines and
+    fillers such as "(none)" only)."""
+    headings = 0
+    for line in visible_text(text).splitlines():
+        if not line.strip() or _FILLER.match(line):
+            continue
+        if any(heading.fullmatch(line) for heading in _HEADINGS.values()):
+            headings += 1
+            continue
+        return False
+    return headings > 0
 
 
 def missing_sections(text: str) -> list[str]:
@@ -62,11 +104,13 @@ def validate_summary(text: object, *, replaced_tokens: int | None, policy: Polic
     """
     if not isinstance(text, str):
         return f"non-text summary output ({type(text).__name__})"
-    if not text.strip():
+    if is_blank(text):
         return "empty or whitespace-only summary"
     canned = text.strip() == NO_HISTORY_SUMMARY
     if canned and has_history:
         return "the canned no-history summary for a range that has history"
+    if has_history and only_empty_sections(text):
+        return "summary has only section headings, with nothing under any of them"
     if policy.summary_prompt is None and not canned:
         missing = missing_sections(text)
         if missing:

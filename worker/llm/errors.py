@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from storage.errors import CompactdError
 from storage.kinds import ModelFailure
+from worker.llm.usage import Usage
 
 # Kinds worth another HTTP attempt on the same candidate.
 TRANSIENT_KINDS = frozenset({ModelFailure.RATE_LIMITED, ModelFailure.SERVER, ModelFailure.TIMEOUT,
@@ -21,6 +22,13 @@ TRANSIENT_KINDS = frozenset({ModelFailure.RATE_LIMITED, ModelFailure.SERVER, Mod
 # instead of costing one failed call per compaction.
 BROKEN_KINDS = frozenset({ModelFailure.AUTH, ModelFailure.NOT_FOUND, ModelFailure.QUOTA,
                           ModelFailure.UNAVAILABLE})
+
+# Kinds that count toward a candidate's circuit (worker.llm.breaker): the endpoint did not
+# answer, or answered that it cannot serve. An answer of any other kind (refused by validation,
+# cut at the cap, a request too long) shows the provider is up, and resets the count.
+CIRCUIT_KINDS = frozenset({ModelFailure.TIMEOUT, ModelFailure.DEADLINE, ModelFailure.CONNECTION,
+                           ModelFailure.SERVER, ModelFailure.MALFORMED, ModelFailure.AUTH,
+                           ModelFailure.NOT_FOUND, ModelFailure.QUOTA})
 
 
 class LLMError(CompactdError):
@@ -32,7 +40,7 @@ class ProviderError(LLMError):
 
     def __init__(self, kind: ModelFailure, reason: str, *, status: int | None = None,
                  retry_after_s: float | None = None, request_id: str | None = None,
-                 transient: bool | None = None) -> None:
+                 transient: bool | None = None, usage: Usage | None = None) -> None:
         self.kind: ModelFailure = kind
         self.reason = reason
         self.status = status
@@ -41,6 +49,9 @@ class ProviderError(LLMError):
         # A provider can say explicitly whether a retry helps (``x-should-retry``); else the kind
         # decides.
         self.transient = kind in TRANSIENT_KINDS if transient is None else transient
+        # What the provider billed for an answer refused while it was read (a refusal, tool
+        # calls only...): the call was paid for even though it gave no summary.
+        self.usage = usage
         super().__init__(f"{kind}: {reason}")
 
 

@@ -15,6 +15,10 @@ Per candidate (DeerFlow's ``_asummarize_with``, with DESIGN's retry rules):
   model asked the same thing tends to answer the same way; nor is one cut off at the output cap
   (kind ``truncated``), which the same cap would cut again.
 
+A candidate whose circuit is open (:mod:`worker.llm.breaker`: its recent calls, in any run of
+any worker, kept failing) is skipped at once, recorded as its ``circuit_open`` failure; each
+remote call's outcome is reported to its circuit.
+
 One overall deadline (``asyncio.timeout_at``) bounds every remote call: a candidate that hangs is
 cancelled when it passes, and the remaining remote candidates are not tried. The ``local``
 candidate still runs after the deadline: it makes no call, takes milliseconds, and is the point of
@@ -47,16 +51,19 @@ from tenacity.stop import stop_base
 from storage.kinds import ModelFailure
 from storage.messages import Message
 from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
+from worker.llm.breaker import Breaker
 from worker.llm.candidates import Candidate
 from worker.llm.errors import (
     BROKEN_KINDS,
+    CIRCUIT_KINDS,
     LLMError,
     LocalSummaryError,
     ProviderError,
     Unavailable,
 )
 from worker.llm.local import summarize_local
-from worker.llm.providers import ChatMessage, Completion, Provider, Tool, Usage
+from worker.llm.providers import ChatMessage, Completion, Provider, Tool
+from worker.llm.usage import Usage
 from worker.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -197,11 +204,12 @@ async def summarize(request: SummaryRequest, *, candidates: Sequence[Candidate],
                     on_context_length: ContextShrinker | None = None,
                     rng: random.Random | None = None,
                     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                    local: LocalSummarizer = summarize_local) -> SummaryOutcome:
+                    local: LocalSummarizer = summarize_local,
+                    breaker: Breaker | None = None) -> SummaryOutcome:
     """The first accepted summary from ``candidates``; raises ``SummaryFailed`` if none."""
     run = _Run(request=request, validate=validate, providers=providers,
                retry=retry or RetryPolicy(), on_context_length=on_context_length, rng=rng,
-               sleep=sleep, local=local)
+               sleep=sleep, local=local, breaker=breaker)
     loop = asyncio.get_running_loop()
     started = loop.time()
     deadline_at = started + deadline_s
@@ -233,6 +241,7 @@ class _Run:
     rng: random.Random | None
     sleep: Callable[[float], Awaitable[None]]
     local: LocalSummarizer
+    breaker: Breaker | None = None
     attempts: list[Attempt] = field(default_factory=list)
     asked_to_shrink: bool = False
 
@@ -272,6 +281,11 @@ class _Run:
         except Unavailable as exc:
             self.fail(candidate, ModelFailure.UNAVAILABLE, str(exc), started)
             return None
+        if self.breaker is not None:
+            skipped = await self.breaker.admit(candidate)
+            if skipped is not None:
+                self.fail(candidate, ModelFailure.CIRCUIT_OPEN, skipped, started)
+                return None
         counter = _Counter()
         try:
             async with asyncio.timeout_at(deadline_at):
@@ -281,12 +295,14 @@ class _Run:
             self.fail(candidate, ModelFailure.DEADLINE,
                       f"the overall deadline ({deadline_s:g} s) ended the call", started,
                       http_attempts=counter.n)
+            await self._report(candidate, ModelFailure.DEADLINE)
             return None
         except ProviderError as exc:
             self.fail(candidate, exc.kind, exc.reason, started, http_attempts=counter.n,
-                      status=exc.status, request_id=exc.request_id)
+                      status=exc.status, request_id=exc.request_id, usage=exc.usage)
             if exc.kind in BROKEN_KINDS:
                 self.providers.mark_broken(candidate, exc.reason)
+            await self._report(candidate, exc.kind)
             return None
         except Exception as exc:  # a bug in an adapter must not cost the local fallback
             logger.debug("provider adapter raised", exc_info=True,
@@ -294,7 +310,14 @@ class _Run:
             self.fail(candidate, ModelFailure.INTERNAL, f"unexpected {type(exc).__name__}", started,
                       http_attempts=counter.n)
             return None
+        await self._report(candidate, None)
         return self.accept(candidate, completion, started, http_attempts=counter.n)
+
+    async def _report(self, candidate: Candidate, kind: ModelFailure | None) -> None:
+        """Tell the candidate's circuit how its call went: any answer shows the endpoint is up.
+        Shielded: a run cancelled as it ends must not leave a probe's result unsaid."""
+        if self.breaker is not None:
+            await asyncio.shield(self.breaker.record(candidate, failed=kind in CIRCUIT_KINDS))
 
     async def _call_with_budget(self, provider: Provider, candidate: Candidate,
                                 counter: _Counter, deadline_at: float) -> Completion:
@@ -394,7 +417,8 @@ class _Run:
             # the same cut, so the next candidate is asked instead.
             self.fail(candidate, ModelFailure.TRUNCATED, f"the output stopped at its cap of "
                       f"{self.request.max_tokens} tokens ({completion.stop_reason})", started,
-                      http_attempts=http_attempts, request_id=completion.request_id)
+                      http_attempts=http_attempts, request_id=completion.request_id,
+                      usage=completion.usage)
             return None
         text = completion.text.strip()
         if not text:

@@ -702,7 +702,16 @@ def summarize_local(messages: Sequence[Message], *, existing_summary: str | None
     input_tokens = sum(counter.count_message(m) for m in messages) + sum(
         counter.count_text(p) for p in ([existing_summary] if existing_summary else []))
     budget = min(max_tokens, input_tokens - 1)
-    return _Fitter(_sections(facts, previous), budget, counter).fit()
+    sections = _sections(facts, previous)
+    if not any(sections.values()):
+        # Eight empty sections carry nothing and are refused as a summary of a range with
+        # history; text no rule extracted (a system note, a result without its call) is still
+        # what the range said.
+        last = next((m.text for m in reversed(messages) if m.text.strip()), "")
+        if last.strip():
+            sections["Critical Context"].append(_Item(_clip(" ".join(last.split()),
+                                                            ITEM_CHARS), 10))
+    return _Fitter(sections, budget, counter).fit()
 
 
 # --------------------------------------------------------------------------------------------

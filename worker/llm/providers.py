@@ -44,6 +44,7 @@ import pydantic
 from storage.kinds import ModelFailure
 from worker.llm.candidates import Availability, Candidate
 from worker.llm.errors import ProviderError, Unavailable
+from worker.llm.usage import Usage
 from worker.settings import ModelSpec, WorkerConfig
 
 if TYPE_CHECKING:
@@ -88,23 +89,6 @@ class Attribution:
     @classmethod
     def from_config(cls, worker: WorkerConfig) -> Attribution:
         return cls(worker.attribution_header, worker.attribution_value)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Tokens the provider billed. ``input_tokens`` includes cached ones (Anthropic reports them
-    apart; they are added back so both providers mean the same thing)."""
-
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cached_tokens: int | None = None
-    # Written to the prompt cache (Anthropic bills them apart, above the input price).
-    cache_write_tokens: int | None = None
-
-    def to_json(self) -> dict[str, int | None]:
-        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "cached_tokens": self.cached_tokens,
-                "cache_write_tokens": self.cache_write_tokens}
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,51 +222,57 @@ class OpenAIChatProvider:
         await self._client.close()
 
 
+def openai_usage(parsed: Any) -> Usage:
+    """What a Chat Completions response says was billed (all None when it says nothing)."""
+    usage = getattr(parsed, "usage", None)
+    details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
+    return Usage(input_tokens=_count(getattr(usage, "prompt_tokens", None)),
+                 output_tokens=_count(getattr(usage, "completion_tokens", None)),
+                 cached_tokens=_count(getattr(details, "cached_tokens", None)))
+
+
 def openai_completion(parsed: Any, request_id: str | None) -> Completion:
-    """Text, model and usage of a Chat Completions response; fails on non-text output."""
+    """Text, model and usage of a Chat Completions response; fails on non-text output.
+
+    Every failure after the response arrived carries its usage: the answer was billed."""
+    usage = openai_usage(parsed)
+
+    def refused(kind: ModelFailure, reason: str) -> ProviderError:
+        return ProviderError(kind, reason, request_id=request_id, usage=usage)
+
     choices = getattr(parsed, "choices", None)
     if not isinstance(parsed, pydantic.BaseModel) or not choices:
-        raise ProviderError(ModelFailure.MALFORMED, "the response has no choices",
-                            request_id=request_id)
+        raise refused(ModelFailure.MALFORMED, "the response has no choices")
     choice = choices[0]
     message = getattr(choice, "message", None)
     if message is None:
-        raise ProviderError(ModelFailure.MALFORMED, "the first choice has no message",
-                            request_id=request_id)
+        raise refused(ModelFailure.MALFORMED, "the first choice has no message")
     finish = getattr(choice, "finish_reason", None)
     if getattr(message, "audio", None) is not None:
-        raise ProviderError(ModelFailure.NON_TEXT, "the output has an audio part",
-                            request_id=request_id)
+        raise refused(ModelFailure.NON_TEXT, "the output has an audio part")
     content = message.content
     if isinstance(content, list):  # lenient parse of a compatible server's content parts
         kinds = {str(part.get("type")) for part in content if isinstance(part, Mapping)}
         if kinds - {"text"}:
-            raise ProviderError(ModelFailure.NON_TEXT,
-                                f"the output has {_kinds(kinds - {'text'})} parts",
-                                request_id=request_id)
+            raise refused(ModelFailure.NON_TEXT, f"the output has {_kinds(kinds - {'text'})} parts")
         content = "".join(str(part.get("text", "")) for part in content)
     text = content if isinstance(content, str) else ""
     if getattr(message, "refusal", None) and not text.strip():
-        raise ProviderError(ModelFailure.REFUSED, "the model refused", request_id=request_id)
+        raise refused(ModelFailure.REFUSED, "the model refused")
     if finish == "content_filter":
-        raise ProviderError(ModelFailure.REFUSED, "the content filter stopped the output",
-                            request_id=request_id)
+        raise refused(ModelFailure.REFUSED, "the content filter stopped the output")
     if not text.strip():
         extra = getattr(message, "model_extra", None) or {}
         if getattr(message, "tool_calls", None) or getattr(message, "function_call", None):
-            raise ProviderError(ModelFailure.NON_TEXT, "the output is tool calls only",
-                                request_id=request_id)
+            raise refused(ModelFailure.NON_TEXT, "the output is tool calls only")
         if extra.get("reasoning_content") or extra.get("reasoning"):
-            raise ProviderError(ModelFailure.NON_TEXT, "the output is reasoning only",
-                                request_id=request_id)
-    usage = getattr(parsed, "usage", None)
-    details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
-    return Completion(
-        text=text, model=str(getattr(parsed, "model", "") or ""),
-        usage=Usage(input_tokens=getattr(usage, "prompt_tokens", None),
-                    output_tokens=getattr(usage, "completion_tokens", None),
-                    cached_tokens=getattr(details, "cached_tokens", None)),
-        request_id=request_id, stop_reason=finish, truncated=finish == "length")
+            raise refused(ModelFailure.NON_TEXT, "the output is reasoning only")
+    return Completion(text=text, model=str(getattr(parsed, "model", "") or ""), usage=usage,
+                      request_id=request_id, stop_reason=finish, truncated=finish == "length")
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _openai_body(body: object) -> Mapping[str, Any]:
@@ -474,11 +464,28 @@ def anthropic_tool(tool: Tool) -> dict[str, Any]:
     return dict(tool)
 
 
+def anthropic_usage(parsed: Any) -> Usage:
+    """What a Messages response says was billed; input counts the cached tokens too."""
+    usage = getattr(parsed, "usage", None)
+    fresh = _count(getattr(usage, "input_tokens", None))
+    read = _count(getattr(usage, "cache_read_input_tokens", None))
+    written = _count(getattr(usage, "cache_creation_input_tokens", None))
+    total_in = None if fresh is None else fresh + (read or 0) + (written or 0)
+    return Usage(input_tokens=total_in, output_tokens=_count(getattr(usage, "output_tokens", None)),
+                 cached_tokens=read, cache_write_tokens=written)
+
+
 def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:
+    """Text, model and usage of a Messages response; fails on non-text output, each failure
+    with the usage the answer was billed."""
+    usage = anthropic_usage(parsed)
+
+    def refused(kind: ModelFailure, reason: str) -> ProviderError:
+        return ProviderError(kind, reason, request_id=request_id, usage=usage)
+
     blocks = getattr(parsed, "content", None)
     if not isinstance(parsed, pydantic.BaseModel) or not isinstance(blocks, list):
-        raise ProviderError(ModelFailure.MALFORMED, "the response has no content",
-                            request_id=request_id)
+        raise refused(ModelFailure.MALFORMED, "the response has no content")
     texts: list[str] = []
     ignored: set[str] = set()
     for block in blocks:
@@ -489,25 +496,15 @@ def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:
         elif kind in _IGNORED_BLOCKS:
             ignored.add(kind)
         else:
-            raise ProviderError(ModelFailure.NON_TEXT, f"the output has a {kind!r} block",
-                                request_id=request_id)
+            raise refused(ModelFailure.NON_TEXT, f"the output has a {kind!r} block")
     stop = getattr(parsed, "stop_reason", None)
     text = "".join(texts)
     if stop == "refusal":
-        raise ProviderError(ModelFailure.REFUSED, "the model refused", request_id=request_id)
+        raise refused(ModelFailure.REFUSED, "the model refused")
     if not text.strip() and ignored:
-        raise ProviderError(ModelFailure.NON_TEXT, f"the output is {_kinds(ignored)} only",
-                            request_id=request_id)
-    usage = getattr(parsed, "usage", None)
-    fresh = getattr(usage, "input_tokens", None)
-    read = getattr(usage, "cache_read_input_tokens", None)
-    written = getattr(usage, "cache_creation_input_tokens", None)
-    total_in = None if fresh is None else fresh + (read or 0) + (written or 0)
-    return Completion(
-        text=text, model=str(getattr(parsed, "model", "") or ""),
-        usage=Usage(input_tokens=total_in, output_tokens=getattr(usage, "output_tokens", None),
-                    cached_tokens=read, cache_write_tokens=written),
-        request_id=request_id, stop_reason=stop, truncated=stop == "max_tokens")
+        raise refused(ModelFailure.NON_TEXT, f"the output is {_kinds(ignored)} only")
+    return Completion(text=text, model=str(getattr(parsed, "model", "") or ""), usage=usage,
+                      request_id=request_id, stop_reason=stop, truncated=stop == "max_tokens")
 
 
 # --------------------------------------------------------------------------------------------

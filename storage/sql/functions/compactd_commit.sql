@@ -178,6 +178,8 @@ BEGIN
            surface_messages = surface_messages + d_nodes,
            reported_input_tokens = CASE WHEN n > 0 THEN NULL ELSE reported_input_tokens END,
            reported_version = CASE WHEN n > 0 THEN NULL ELSE reported_version END,
+           compacted_version = CASE WHEN n > 0 THEN surface_version + 1
+                                    ELSE compacted_version END,
            lease_owner = CASE WHEN p_end IS NULL THEN lease_owner END,
            lease_run_id = CASE WHEN p_end IS NULL THEN lease_run_id END,
            lease_expires_at = CASE WHEN p_end IS NULL THEN lease_expires_at END
