@@ -44,6 +44,7 @@ from worker.compaction.planner import plan
 from worker.compaction.policy import Clause
 from worker.compaction.recall import parse_ref
 from worker.compaction.render import render_surface
+from worker.cost import Price, usage_cost
 from worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
 from worker.pressure import check_session_policy, session_policy, wants_run
 from worker.runtime import EventLoopThread
@@ -363,7 +364,7 @@ class SessionHandle:
             return {"session": self.id, "outcome": "queued", "task_id": queued.task_id,
                     "coalesced": queued.coalesced}
         run = await self._wait_for_run(queued.task_id, timeout_s)
-        return run_result(run)
+        return run_result(run, self._config.prices)
 
     async def report_overflow(self, *, wait: bool = True, timeout_s: float = 60.0
                               ) -> OverflowResult:
@@ -390,7 +391,7 @@ class SessionHandle:
         if not wait:
             return OverflowResult(False, "queued", start_version, run={"task_id": task_id})
         run = await self._wait_for_run(task_id, timeout_s, retry_busy=True)
-        result = run_result(run)
+        result = run_result(run, self._config.prices)
         failed = f"{result['outcome']}" + (
             f" ({result['failure_class']})" if result["failure_class"] else "") + (
             f": {result.get('error') or ''}".rstrip(": "))
@@ -434,14 +435,14 @@ class SessionHandle:
             await asyncio.sleep(WAIT_POLL_S)
 
 
-def run_result(run: RunRecord) -> dict[str, Any]:
-    """A run row in the shape of ``compact --json``."""
+def run_result(run: RunRecord, prices: Mapping[str, Price]) -> dict[str, Any]:
+    """A run row in the shape of ``compact --json``, its cost at ``prices``."""
     stages = (run.stages or {}).get("stages", []) if run.stages else []
     return {"session": run.session_id, "run_id": run.id, "outcome": run.status,
             "failure_class": run.failure_class, "tokens_before": run.tokens_before,
             "tokens_after": run.tokens_after, "pruned": (run.stages or {}).get("pruned", 0),
             "replaced_seqs": run.range_seqs or [], "model": run.model, "usage": run.usage,
-            "stages": stages,
+            "cost": usage_cost(run.usage, prices), "stages": stages,
             "error": run.error, "candidates": run.candidates or [],
             "started_at": run.started_at.isoformat(),
             "finished_at": run.finished_at.isoformat() if run.finished_at else None}

@@ -35,6 +35,7 @@ from storage.recall_bounds import (
 from storage.records import utcnow
 from worker.compaction.planner import plan
 from worker.compaction.recall_tools import check_read, check_search, tools_document
+from worker.cost import usage_cost
 from worker.limits import parse_rate
 from worker.pressure import session_policy
 from worker.settings import Config
@@ -108,7 +109,7 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
             await deps.store.get_session(args.session)
             outcome = await compact(deps, args.session, trigger=Trigger.MANUAL, force=args.force,
                                     keep=keep)
-        result = outcome.to_json()
+        result = {**outcome.to_json(), "cost": usage_cost(outcome.usage, config.prices)}
     else:
         async with CompactdClient(config) as client:
             handle = await client.get_session(args.session)

@@ -4,11 +4,13 @@ their age, loop-guard flags, bulk jobs. JSON for tools, a short report for peopl
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from typing import Any
 
 from storage.kinds import RunStatus
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
+from worker.cost import Price, total_usage, usage_cost
 from worker.pressure import session_policy
 from worker.settings import Config
 from worker.sweeps import least_runways
@@ -19,6 +21,10 @@ RUNWAY_SHOWN = 10
 # (storage.records.GROWTH_WINDOW_S): its rate decays after its last append but stays above zero,
 # so minutes later an idle session still read as "growing".
 GROWING_WINDOWS = 1.0
+# Sessions ``compactd status`` lists by cost, and the newest runs that billed a provider it
+# reads to rank them (``--since`` narrows them further).
+COSTLIEST_SHOWN = 10
+COST_RUNS_READ = 100_000
 
 
 async def status(store: Store, *, since: dt.datetime | None = None,
@@ -45,24 +51,74 @@ async def status(store: Store, *, since: dt.datetime | None = None,
         "runway": [r.to_json() for r in (await least_runways(
             store, config, now=now, idle_windows=GROWING_WINDOWS))[:RUNWAY_SHOWN]]
         if config is not None else [],
+        "costliest": await costliest_sessions(
+            store, config.prices if config is not None else {}, since=since),
     }
 
 
 async def session_status(store: Store, session_id: str, *, limit: int = 20,
-                         config: Config | None = None) -> dict[str, Any]:
+                         config: Config | None = None,
+                         prices: Mapping[str, Price] | None = None) -> dict[str, Any]:
+    """One session's status; costs at ``prices`` (default: the configuration's)."""
     info = await store.get_session(session_id)
     now = utcnow()
+    if prices is None:
+        prices = config.prices if config is not None else {}
     body = {
         "session": info.id, "tenant": info.tenant, "run_model": info.run_model,
         "version": info.surface_version, "tokens": info.surface_tokens,
         "envelope_tokens": info.envelope_tokens, "messages": info.surface_messages,
         "lease": await _lease_of(store, info, now) if info.lease_run_id else None,
         "flagged": _flag(info) if info.flagged_reason else None,
-        "runs": [_run_full(r) for r in await store.session_runs(session_id, limit=limit)],
+        "runs": [{**_run_full(r), "cost": usage_cost(r.usage, prices)}
+                 for r in await store.session_runs(session_id, limit=limit)],
+        "cost": await session_cost(store, session_id, prices),
     }
     if config is not None:
         body["policy"] = _policy_of(info, config)
     return body
+
+
+async def session_cost(store: Store, session_id: str, prices: Mapping[str, Price]
+                       ) -> dict[str, Any]:
+    """What every run of the session cost (not only the runs listed)."""
+    usages = [usage for _, usage in await store.run_usages(session_id=session_id)]
+    return {**usage_cost(total_usage(usages), prices), "billed_runs": len(usages)}
+
+
+async def costliest_sessions(store: Store, prices: Mapping[str, Price], *,
+                             since: dt.datetime | None = None) -> list[dict[str, Any]]:
+    """The sessions whose runs cost most, over the newest ``COST_RUNS_READ`` runs that billed a
+    provider (since ``since``). A session with a run of an unpriced candidate has no total; it
+    is listed after the priced ones, by its billed tokens."""
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for session_id, usage in await store.run_usages(since=since, limit=COST_RUNS_READ):
+        by_session.setdefault(session_id, []).append(usage)
+    ranked = []
+    for session_id, usages in by_session.items():
+        total = total_usage(usages)
+        cost = usage_cost(total, prices)
+        ranked.append({"session": session_id, **cost, "billed_runs": len(usages),
+                       "input_tokens": total["input_tokens"],
+                       "output_tokens": total["output_tokens"]})
+    ranked.sort(key=lambda c: (c["usd"] is not None, c["usd"] or 0.0,
+                               c["input_tokens"] + c["output_tokens"]), reverse=True)
+    return ranked[:COSTLIEST_SHOWN]
+
+
+def render_costliest(costliest: list[dict[str, Any]]) -> list[str]:
+    lines = [f"costliest sessions (summary calls at the configured prices): {len(costliest)}"]
+    for c in costliest:
+        usd = f"${c['usd']:.4f}" if c["usd"] is not None else f"unpriced ({c['basis']})"
+        lines.append(f"  {c['session']}: {usd} over {c['billed_runs']} runs, "
+                     f"{c['input_tokens']} input / {c['output_tokens']} output tokens")
+    return lines
+
+
+def _render_cost(cost: dict[str, Any] | None) -> str:
+    if not cost:
+        return ""
+    return f"${cost['usd']:.4f}" if cost["usd"] is not None else "unpriced"
 
 
 def _policy_of(info: SessionInfo, config: Config) -> dict[str, Any]:
@@ -134,10 +190,15 @@ def render_status(body: dict[str, Any]) -> str:
             lines.append(f"  FLAGGED: {body['flagged']['reason']}")
         for warning in (body.get("policy") or {}).get("warnings", ()):
             lines.append(f"  WARNING: {warning}")
+        if body.get("cost"):
+            lines.append(f"  cost: {_render_cost(body['cost'])} over "
+                         f"{body['cost']['billed_runs']} runs that billed a provider "
+                         f"({body['cost']['basis']})")
         for run in body["runs"]:
             what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")
             lines.append(f"  {run['started_at'][:19]}  {run['trigger']:<8} {what:<24} "
-                         f"{run['tokens_before'] or ''}->{run['tokens_after'] or ''}")
+                         f"{run['tokens_before'] or ''}->{run['tokens_after'] or ''}  "
+                         f"{_render_cost(run.get('cost'))}".rstrip())
             for c in run["candidates"]:
                 lines.append(f"      {c['candidate']}: {c['kind']} - {c['reason']}")
         return "\n".join(lines) + "\n"
@@ -164,6 +225,7 @@ def render_status(body: dict[str, Any]) -> str:
     for r in body.get("runway", ()):
         lines.append(f"  {r['session']}: runway {r['runway_s']:g} s, {r['tokens']}/{r['window']} "
                      f"tokens, growing {r['rate_per_s']:g} tokens/s")
+    lines.extend(render_costliest(body.get("costliest", [])))
     lines.append(f"recent runs: {len(body['recent'])}")
     for run in body["recent"]:
         what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")

@@ -87,6 +87,23 @@ class RunsMixin:
                 out[run.failure_class] = run
         return out
 
+    async def run_usages(self, *, session_id: str | None = None,
+                         since: dt.datetime | None = None, limit: int | None = None
+                         ) -> list[tuple[str, dict[str, Any]]]:
+        """(session, usage) of the runs that billed a provider, newest first: what costs are
+        computed from (``worker.cost``), at the prices of whoever reads them."""
+        r = t.compaction_runs.c
+        stmt = (sa.select(r.session_id, r.usage).where(r.usage.is_not(None))
+                .order_by(r.started_at.desc(), r.id.desc()))
+        if session_id is not None:
+            stmt = stmt.where(r.session_id == session_id)
+        if since is not None:
+            stmt = stmt.where(r.started_at >= since)
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        async with connection(self.engine) as conn:
+            return [(row[0], row[1]) for row in await conn.execute(stmt) if row[1]]
+
     async def live_leases(self, *, now: dt.datetime | None = None) -> list[SessionInfo]:
         c = t.sessions.c
         async with connection(self.engine) as conn:

@@ -30,6 +30,7 @@ from storage.kinds import FailureClass, JournalKind, RunStatus, Trigger
 from storage.leases import REAPER
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from worker import logs
+from worker.cost import USAGE_KINDS, Billed, cost_parts
 from worker.keys import RATE_PROVIDER, bulk_meter
 from worker.limits import MeteredProviders
 from worker.llm.providers import ProviderPool
@@ -50,7 +51,6 @@ FINISH_GRACE_S = 10.0
 # The part of a run's deadline the remote models never get (at most a tenth of it): the local
 # fallback writes its summary and the checkpoint is committed in it.
 COMMIT_RESERVE_S = 10.0
-USAGE_KINDS = ("input_tokens", "cached_tokens", "output_tokens")
 
 
 @dataclass
@@ -370,6 +370,10 @@ class RunScope:
             self.out.usage = _add_usage(self.out.usage, attempt.candidate, tokens)
             for kind, value in tokens.items():
                 m.model_tokens.labels(attempt.candidate, kind.removesuffix("_tokens")).inc(value)
+            price = self.deps.config.prices.get(attempt.candidate)
+            if price is not None:
+                for part, usd in cost_parts(Billed.of(tokens), price).items():
+                    m.cost_usd.labels(attempt.candidate, part).inc(usd)
         return step_usage
 
 

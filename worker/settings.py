@@ -3,7 +3,8 @@
 Environment (prefix ``COMPACTD_``): ``DATABASE_URL``, ``BROKER_URL``, ``CONFIG`` (a YAML file),
 ``HOME`` (where the embedded default keeps its files), ``LOG_FORMAT``, ``METRICS_PORT`` (overrides
 ``worker.metrics_port``). The YAML file holds the rest: ``models:``, ``summarization:`` (see
-``worker.compaction.policy``), ``worker:``, ``api:`` (the HTTP API of ``compactd serve``).
+``worker.compaction.policy``), ``worker:``, ``api:`` (the HTTP API of ``compactd serve``),
+``prices:`` (USD per million tokens of each configured model, see ``worker.cost``).
 With nothing set, everything runs on the embedded default: a SQLite file, a broker that needs no
 server (kombu's filesystem transport under COMPACTD_HOME), and the local model-free summarizer.
 
@@ -26,6 +27,7 @@ from storage.database import embedded_url
 from storage.errors import ConfigError
 from storage.ids import ID_PATTERN, MAX_INT32
 from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
+from worker.cost import Price
 
 LOCAL_MODEL = "local"
 
@@ -52,6 +54,26 @@ class ModelSpec(_Strict):
     @property
     def model_id(self) -> str:
         return self.model or self.name
+
+
+# A price is a number as written: strict, so a quoted "2.50" or a yes is refused, not coerced.
+_USD_PER_MILLION = Field(ge=0, strict=True)
+
+
+class PriceSpec(_Strict):
+    """One entry of ``prices:``: USD per million tokens. ``cached_input`` (read from the
+    prompt cache) and ``cache_write`` (written to it, which Anthropic bills apart) default to
+    ``input``: no discount and no surcharge unless the provider's list says so."""
+
+    input: float = _USD_PER_MILLION
+    output: float = _USD_PER_MILLION
+    cached_input: float | None = Field(default=None, ge=0, strict=True)
+    cache_write: float | None = Field(default=None, ge=0, strict=True)
+
+    def price(self) -> Price:
+        return Price(input=self.input, output=self.output,
+                     cached_input=self.input if self.cached_input is None else self.cached_input,
+                     cache_write=self.input if self.cache_write is None else self.cache_write)
 
 
 class LoopGuardConfig(_Strict):
@@ -159,6 +181,7 @@ class FileConfig(_Strict):
     default_model: str | None = None
     worker: WorkerConfig = WorkerConfig()
     api: ApiConfig = ApiConfig()
+    prices: dict[str, PriceSpec] = Field(default_factory=dict)
 
 
 class Settings(BaseSettings):
@@ -191,6 +214,9 @@ class Config:
     policy: Policy = field(default_factory=Policy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    # USD per million tokens, by configured model name (see worker.cost). Out of the hash (a
+    # dict has none): a Config keys caches, and prices change no cached object.
+    prices: Mapping[str, Price] = field(default_factory=dict, hash=False)
     log_format: str = "auto"
     log_level: str = "INFO"
     config_path: str | None = None
@@ -254,7 +280,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-_FILE_KEYS = {"models", "default_model", "summarization", "worker", "api"}
+_FILE_KEYS = {"models", "default_model", "summarization", "worker", "api", "prices"}
 
 
 def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
@@ -286,6 +312,7 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         raise ConfigError(str(exc)) from None
     if policy.model_name and policy.model_name not in [*names, LOCAL_MODEL]:
         raise ConfigError(f"summarization.model_name: {policy.model_name!r} is not in models")
+    prices = _check_prices(file_config)
     worker = file_config.worker
     if settings.metrics_port is not None:
         worker = worker.model_copy(update={"metrics_port": settings.metrics_port})
@@ -295,8 +322,28 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         else "filesystem://",
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
-        policy=policy, worker=worker, api=file_config.api, log_format=settings.log_format,
+        policy=policy, worker=worker, api=file_config.api, prices=prices,
+        log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
+
+
+def _check_prices(file_config: FileConfig) -> dict[str, Price]:
+    """Prices by model name. A price is for a configured model, by its ``models[].name`` (the
+    name usage is recorded under): a price under any other key would never be applied, so a
+    typo would silently leave that model's runs unpriced."""
+    names = [m.name for m in file_config.models]
+    for key in file_config.prices:
+        if key == LOCAL_MODEL:
+            raise ConfigError(f"prices.{key}: the local summarizer makes no provider call and "
+                              "costs nothing; it takes no price")
+        if key not in names:
+            ids = [m.name for m in file_config.models if m.model_id == key]
+            hint = (f" (it is the provider's id of models entry {ids[0]!r}: prices are keyed "
+                    "by models[].name)") if ids else (
+                f" (configured: {', '.join(names)})" if names else " (no models are configured)")
+            raise ConfigError(f"prices.{key}: no model of that name in models, so no candidate "
+                              f"uses it{hint}")
+    return {name: spec.price() for name, spec in file_config.prices.items()}
 
 
 def _check_broker_url(url: str) -> str:

@@ -216,7 +216,7 @@ def add_routes(app: FastAPI) -> None:
              responses=_COMMON, tags=["sessions"])
     async def get_status(info: Owned, api: ApiDep) -> dict[str, Any]:
         """The session's totals, lease, loop-guard flag and recent runs (newest first)."""
-        return await session_status(api.store, info.id)
+        return await session_status(api.store, info.id, prices=api.config.prices)
 
     @app.post(API_PREFIX + "/sessions/{session_id}/messages", response_model=StepOut,
               operation_id="appendMessages",
@@ -372,7 +372,7 @@ def add_routes(app: FastAPI) -> None:
             except WaitTimeout:
                 return _queued(info.id, task_id,
                                f"not finished within {timeout_s:g} s; it may still run")
-            return run_result(run)
+            return run_result(run, api.config.prices)
         return _queued(info.id, task_id, MANUAL_COALESCED if queued["coalesced"]
                        else "queued on compaction.urgent")
 

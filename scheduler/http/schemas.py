@@ -222,7 +222,12 @@ class RunOut(BaseModel):
     model: str | None
     usage: dict[str, Any] | None = Field(
         default=None, description="tokens the providers billed: input (cached included), "
-                                  "cached and output, in total and by candidate")
+                                  "cached, cache writes and output, in total and by "
+                                  "candidate")
+    cost: dict[str, Any] | None = Field(
+        default=None, description="the usage at the server's configured prices: usd (null "
+                                  "when a candidate that billed has no price), basis, "
+                                  "by_candidate")
     stages: list[Stage]
     error: str | None
     candidates: list[dict[str, Any]]
@@ -267,6 +272,9 @@ class StatusOut(BaseModel):
     lease: dict[str, Any] | None
     flagged: dict[str, Any] | None
     runs: list[dict[str, Any]]
+    cost: dict[str, Any] | None = Field(
+        default=None, description="every run of the session at the server's configured "
+                                  "prices: usd, basis, by_candidate, billed_runs")
 
 
 class HealthOut(BaseModel):

@@ -14,14 +14,19 @@ from typing import Any
 import pytest
 
 from scheduler.samples import coding_session
+from storage.tokens import counter_for
 from tests.bench import cache_cost as bench
+from tests.support.fake_provider import SECTIONS
 from tests.support.scripts import refusal
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "bench" / "cache_cost.py"
-SIDE_KEYS = ("agent_input_tokens", "agent_uncached_tokens", "compaction_uncached_tokens",
-             "summarizer_input_tokens", "summarizer_output_tokens", "final_context_tokens",
-             "cost_usd")
+SIDE_KEYS = ("agent_input_tokens", "steps_over_trigger", "coverage", "final_context_tokens",
+             "stall_s", "summarizer_input_tokens", "summarizer_output_tokens", "compactions",
+             "cost_usd", "rules")
+RULE_KEYS = ("cost_usd", "agent_cached_tokens", "agent_cache_write_tokens",
+             "agent_uncached_tokens", "compaction_uncached_tokens",
+             "compaction_uncached_per_compaction", "summarizer_cached_tokens")
 
 
 def cache_cost(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -40,18 +45,31 @@ def transcripts(folder: Path) -> Path:
 def check_side(side: dict[str, Any]) -> None:
     assert set(SIDE_KEYS) <= set(side)
     for numbers in [side, *side["sessions"].values()]:
-        assert 0 <= numbers["agent_cached_tokens"] <= numbers["agent_input_tokens"]
-        assert numbers["agent_uncached_tokens"] == (numbers["agent_input_tokens"]
-                                                    - numbers["agent_cached_tokens"])
-        assert 0 <= numbers["compaction_uncached_tokens"] <= numbers["agent_uncached_tokens"]
         assert 0 < numbers["final_context_tokens"] <= numbers["agent_input_tokens"]
+        assert 0 <= numbers["steps_over_trigger"] <= numbers["requests"]
+        for rule in bench.CACHE_RULES:
+            r = numbers["rules"][rule]
+            assert 0 <= r["agent_cached_tokens"] <= numbers["agent_input_tokens"]
+            assert r["agent_cached_tokens"] + r["agent_cache_write_tokens"] <= (
+                numbers["agent_input_tokens"])
+            assert r["agent_uncached_tokens"] == (numbers["agent_input_tokens"]
+                                                  - r["agent_cached_tokens"])
+            assert 0 <= r["compaction_uncached_tokens"] <= r["agent_uncached_tokens"]
+    for rule in bench.CACHE_RULES:
+        assert set(RULE_KEYS) <= set(side["rules"][rule])
+        assert side["cost_usd"][rule] == side["rules"][rule]["cost_usd"] > 0
+    # OpenAI writes the cache for free; Anthropic charges its writes, so the rules differ.
+    assert side["rules"]["openai"]["agent_cache_write_tokens"] == 0
+    assert side["rules"]["anthropic"]["agent_cache_write_tokens"] > 0
+    # Under Anthropic's rule the summary calls set no breakpoint: nothing of theirs is cached.
+    assert side["rules"]["anthropic"]["summarizer_cached_tokens"] == 0
     # A 3,000-token trigger over 8k tokens compacts, and the cache serves the agent's loop.
     assert side["compactions"] > 0 and side["compaction_requests"] > 0
-    assert side["compaction_uncached_tokens"] > 0
-    assert side["agent_cached_tokens"] > 0
+    assert side["rules"]["openai"]["compaction_uncached_tokens"] > 0
+    assert side["rules"]["openai"]["agent_cached_tokens"] > 0
     assert side["summarizer_calls"] > 0 and side["summarizer_input_tokens"] > 0
     assert side["summarizer_output_tokens"] > 0
-    assert side["cost_usd"] > 0
+    assert 0 < side["coverage"] <= 1
 
 
 @pytest.mark.slow
@@ -61,29 +79,60 @@ def test_a_quick_run_reports_every_side_with_consistent_token_counts(
         clean_pg: str, clean_redis: str, tmp_path: Path) -> None:
     out = tmp_path / "cache.json"
     # 42 steps of 0.15 s: time for the worker's first runs to land while the agent still steps,
-    # on a loaded machine too (the runs' summary calls take --quick's 0.02 s).
-    run = cache_cost("--quick", "--trigger", "3000", "--think", "0.15", "--transcripts",
-                     str(transcripts(tmp_path / "corpus")), "--database-url", clean_pg,
-                     "--redis-url", clean_redis, "--json", str(out))
+    # on a loaded machine too (the runs' summary calls take 0.02 s). A 1,000-token summarizer
+    # budget under a 3,000-token trigger: LangChain reads only the end of each range.
+    run = cache_cost("--quick", "--trigger", "3000", "--trim", "1000", "--think", "0.15",
+                     "--latency", "0.02", "--transcripts", str(transcripts(tmp_path / "corpus")),
+                     "--database-url", clean_pg, "--redis-url", clean_redis, "--json", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert {"langchain", "merge", "recallable"} <= set(report)
-    check_side(report["langchain"])
-    check_side(report["merge"])
+    [result] = report["runs"]
+    assert (result["profile"], result["trigger"]) == ("custom", 3000)
+    sides = result["sides"]
+    assert list(sides) == ["langchain", "before", "after"]
+    for side in sides.values():
+        check_side(side)
+    langchain, before = sides["langchain"], sides["before"]
+    # "after" sets what "before" sets until a mechanism gives it a switch: measured once.
+    assert sides["after"]["same_as"] == "before"
+    assert {k: v for k, v in sides["after"].items() if k != "same_as"} == before
     # Only a compaction changes what an agent sent before: LangChain's update, or a compactd
     # surface picked up; every other request extends the previous one.
-    assert report["langchain"]["pickups"] == 0
-    assert report["langchain"]["compaction_requests"] == report["langchain"]["compactions"]
-    assert report["merge"]["compaction_requests"] == report["merge"]["pickups"] > 0
-    assert report["recallable"] is not None, report.get("not_available")
-    check_side(report["recallable"])
-    assert report["recallable"]["compaction_requests"] == report["recallable"]["pickups"] > 0
+    assert langchain["pickups"] == 0
+    assert langchain["compaction_requests"] == langchain["compactions"]
+    assert before["compaction_requests"] == before["pickups"] > 0
+    # In band the agent waits for every summary; out of band it never does.
+    assert langchain["stall_s"] > 0 and before["stall_s"] == 0
+    # Every summary is the same size on both sides: they differ by mechanism.
+    per_call = {name: s["summarizer_output_tokens"] / s["summarizer_calls"]
+                for name, s in sides.items()}
+    assert len(set(per_call.values())) == 1, per_call
+    # compactd summarizes a range in budget-sized calls; LangChain reads its end only.
+    assert before["coverage"] > langchain["coverage"]
+    assert [r["side"] for r in report["ratios"]] == ["before", "after"]
+    assert report["ratios"][0]["cost_openai"] > 0
     config = report["config"]
-    assert (config["trigger_tokens"], config["keep_messages"], config["window_tokens"]) == (
-        3000, 6, 128_000)
-    assert config["prices"]["model"] == bench.PRICE_MODEL
+    assert (config["triggers_tokens"], config["keep_messages"], config["window_tokens"],
+            config["summary_tokens"]) == ([3000], 6, 128_000, bench.SUMMARY_TOKENS)
+    assert set(config["prices"]) == set(bench.CACHE_RULES)
     assert [s["name"] for s in report["sessions"]] == ["coding-3"]
-    assert "compaction uncached" in run.stdout and "merge" in run.stdout
+    assert "compaction uncached / compaction" in run.stdout and "anthropic" in run.stdout
+
+
+@pytest.mark.slow
+def test_a_trigger_sweep_reports_cost_against_stall_per_trigger(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    run = cache_cost("--quick", "--sides", "langchain", "--triggers", "2000,4000",
+                     "--transcripts", str(transcripts(tmp_path / "corpus")), "--json", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(f["trigger"], f["side"]) for f in report["frontier"]] == [
+        (2000, "langchain"), (4000, "langchain")]
+    low, high = report["frontier"]
+    # A lower trigger compacts more often: more in-band stall.
+    assert low["stall_s"] > high["stall_s"] >= 0
+    assert all(f["cost_openai"] > 0 and f["cost_anthropic"] > 0 for f in report["frontier"])
+    assert "frontier: cost against the agent's stall" in run.stdout
 
 
 @pytest.mark.parametrize(("uncached", "new", "extends", "expected"), [
@@ -108,8 +157,51 @@ def test_summarizer_usage_counts_every_answered_call_but_the_agents() -> None:
          "output_tokens": None},
     ]
     assert bench.summarizer_usage(records) == bench.Usage(1, 4000, 1024, 300)
-    assert bench.cost_usd(1_000_000, 1_000_000, 1_000_000) == pytest.approx(
-        sum(bench.PRICES.values()))
+
+
+def test_every_summary_is_the_fixed_size_on_every_side() -> None:
+    text = bench.fixed_summary(400)
+    count = counter_for(bench.AGENT_MODEL).count_text(text)
+    assert 400 <= count < 480
+    assert all(f"## {name}" in text for name in SECTIONS)
+
+
+@pytest.mark.parametrize(("requests", "expected"), [
+    # Breakpoints after the system prompt and on the last message: the next request reads the
+    # whole previous one and writes its new step.
+    ([(["s", "a", "b"], 0.0), (["s", "a", "b", "c"], 1.0)], [(0, 3300), (3300, 1100)]),
+    # A compaction rewrote what followed the system prompt: only its breakpoint hits.
+    ([(["s", "a", "b"], 0.0), (["s", "x", "c"], 1.0)], [(0, 3300), (1100, 2200)]),
+    # An entry lives 5 minutes from its last use.
+    ([(["s", "a"], 0.0), (["s", "a", "b"], 299.0), (["s", "a", "b", "c"], 700.0)],
+     [(0, 2200), (2200, 1100), (0, 4400)]),
+])
+def test_anthropic_rule_reads_earlier_breakpoints_and_writes_the_rest(
+        requests: list[tuple[list[str], float]], expected: list[tuple[int, int]]) -> None:
+    cache = bench.AnthropicCache()
+    got = []
+    for names, now in requests:
+        messages = [{"role": "user", "content": n} for n in names]
+        got.append(cache.request(bench.prefix_keys(messages), [1100] * len(names),
+                                 (1, len(names)), now))
+    assert got == expected
+
+
+def test_anthropic_rule_looks_back_twenty_blocks_and_caches_nothing_small() -> None:
+    cache = bench.AnthropicCache()
+    first = [{"role": "user", "content": str(i)} for i in range(2)]
+    assert cache.request(bench.prefix_keys(first), [600, 600], [2], 0.0) == (0, 1200)
+    far = first + [{"role": "user", "content": f"x{i}"} for i in range(21)]
+    assert cache.request(bench.prefix_keys(far), [600] * 23, [23], 1.0) == (0, 23 * 600)
+    small = bench.AnthropicCache()
+    assert small.request(bench.prefix_keys(first), [100, 100], [2], 0.0) == (0, 0)
+
+
+def test_coverage_weighs_removed_messages_found_in_what_reached_a_summarizer() -> None:
+    found, lost, short = "a" * 60, "b" * 60, "ok"
+    removed = [(found, 300), (lost, 100), (short, 1000)]
+    assert bench.coverage(removed, f"<new_messages>{found}</new_messages>") == 0.75
+    assert bench.coverage([(short, 5)], "") is None
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
@@ -118,6 +210,7 @@ def test_summarizer_usage_counts_every_answered_call_but_the_agents() -> None:
     ("--latency", "nan", "expected a finite number of seconds above 0, got 'nan'"),
     ("--latency", "soon", "expected a number of seconds, got 'soon'"),
     ("--think", "0", "expected a finite number of seconds above 0, got '0'"),
+    ("--triggers", "8000,0", "expected a whole number from 1 to 2147483647, got '0'"),
     ("--trigger", "0", "expected a whole number from 1 to 2147483647, got '0'"),
     ("--keep", "-6", "expected a whole number from 1 to 2147483647, got '-6'"),
     ("--trim", "many", "expected a whole number, got 'many'"),

@@ -1,73 +1,82 @@
 """What compaction costs at the provider's prefix cache: an agent loop over the long sessions.
 
-    python tests/bench/cache_cost.py --json OUT [--sessions NAME,...] [--latency S] [--think S]
-        [--trigger 16000] [--keep 6] [--trim 4000] [--window 128000] [--concurrency 4]
+    python tests/bench/cache_cost.py --json OUT [--sessions NAME,...] [--profiles fast,realistic]
+        [--latency S --think S] [--triggers 16000[,8000,...]] [--keep 6] [--trim 4000]
+        [--summary-tokens 400] [--window 128000] [--concurrency 4] [--sides langchain,before,after]
         [--corpus DIR | --transcripts DIR] [--quick]
 
 Sessions: the long concatenations of 30k-150k conversation tokens that ``tests/bench/corpus.py``
 builds from ``--corpus`` (default ``../shared/corpus`` beside the repository), or with
 ``--transcripts DIR`` every ``DIR/<group>/*.jsonl`` as it is; ``--sessions`` picks some by name.
 Each session is replayed step by step (an assistant message with what follows it up to the next
-one, as a runtime appends it). After every step the agent sends its model request to the fake
-provider (``tests/support/fake_provider.py``, in a process of its own, prefix cache on) over HTTP
-through the official openai SDK, with a stable ``prompt_cache_key`` per session; the request is
-the session's system prompt plus what the side would send, and on a compactd side the answer
-takes ``--think`` seconds (the agent's own model call, while the worker compacts). The sessions
-of a side run concurrently; ``--quick`` takes the smallest one only, with shorter calls.
+one, as a runtime appends it). After every step the agent sends its model request to the agent's
+fake provider (``tests/support/fake_provider.py``, a process of its own, prefix cache on) over
+HTTP through the official openai SDK, with a stable ``prompt_cache_key`` per session; the request
+is the session's system prompt plus what the side would send. Summary calls go to a second fake
+(``fake-mini``), which keeps their bodies, so what reached a summarizer can be checked.
 
-Sides, all with the same trigger (``--trigger`` tokens of the conversation, system prompt not
-counted), keep (``--keep`` messages), summarizer input budget (``--trim`` tokens), run-model
-window (``--window``), o200k token counter, and the same fake as the summary model (``fake-mini``,
-answering after ``--latency`` seconds):
+Sides, all with the same trigger (tokens of the conversation, system prompt not counted), keep
+(``--keep`` messages), summarizer input budget (``--trim``), run-model window (``--window``),
+o200k token counter, and summaries of the same size: the summary fake answers every summary call
+with one fixed text of ``--summary-tokens`` tokens, so the sides differ by mechanism, not by how
+much the fake chose to write:
 
 * ``langchain``: the real ``SummarizationMiddleware`` (LangChain 1.x) in-band, as it is: the step
   joins the state with LangGraph's ``add_messages``, ``abefore_model`` runs (its model is
-  ``ChatOpenAI`` pointed at the fake: its summary calls are the summarizer's tokens) and its
-  update is applied; the request is the state.
-* ``merge``: compactd's default layout (``summarization.layout`` left unset) with a REAL worker
+  ``ChatOpenAI`` pointed at the summary fake) and its update is applied; the request is the
+  state. Its agent calls answer at once (nothing it does depends on time); the seconds its
+  summary calls take are its agent's stall.
+* ``before``: compactd with every switch of issue 27's mechanisms off, a REAL worker
   (``celery -A worker.app worker``, PostgreSQL, Redis) compacting in the background. The agent
   appends the step through the runtime client, polls, and re-reads the surface only when the
-  version moved; its request is the surface it holds (the last surface read, then its own steps
-  as compactd renders them). It never waits for a compaction: a checkpoint is picked up at the
-  first step after its commit. Checkpoints render in compactd's default form
-  (``durable_context``); every other policy key is compactd's default.
-* ``recallable``: the same, with ``summarization.layout: recallable`` in the config file the
-  worker reads. Where the policy does not know that key, the side is reported as not available
-  (a line in the table, ``null`` in the JSON).
+  version moved; its request is the surface it holds. It never waits for a compaction.
+* ``after``: the same with compactd's defaults (``COMPACTD_SIDES``). While the two sides set the
+  same policy, ``after`` is not run again: its report is ``before``'s, marked ``same_as``.
+* ``recallable`` (on request): ``summarization.layout: recallable``.
 
-Per side (sums over sessions; ``sessions`` has them per session):
+Profiles (``--profiles``; ``--think`` and ``--latency`` together give one of your own): ``fast``
+(today's: agent call and summary call 0.1 s each, so the worker's own overheads, queueing, claims,
+commits, the agent's poll, weigh as much as a step) and ``realistic`` (both 0.5 s: an agent step
+takes about as long as a summary call, as with real models, and the overheads weigh less).
+``--triggers`` runs every side at each trigger: the frontier of cost against stall.
 
-* ``agent_input_tokens``, ``agent_cached_tokens``: the agent's requests as the fake reported them
-  to the SDK (``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``: the longest prefix
-  shared with an earlier request of the session, in 128-token blocks past the first 1,024);
-  ``agent_uncached_tokens`` is their difference.
-* ``compaction_uncached_tokens``: over the requests that do not extend the session's previous
-  request (a compaction replaced or rewrote part of what it had sent: LangChain's update, a
-  compactd surface picked up), the uncached tokens minus the tokens of the step's own messages
-  (new since the previous request, uncached whatever the side does), floored at 0. A request
-  that extends the previous one counts 0 (its uncached tokens are its new step plus the cache's
-  block rounding). ``compaction_requests`` counts the requests it is taken over.
-* ``summarizer_input_tokens``, ``summarizer_cached_tokens``, ``summarizer_output_tokens``,
-  ``summarizer_calls``: every summary call the fake answered during the side (from its request
-  log), the worker's runs still in flight at the agent's last step included: a compactd side
-  drains (no queued task, lease or pending signal) before it is counted.
-* ``final_context_tokens``: the input tokens of each session's last request.
-* ``cost_usd``: at ``PRICES`` (USD per million tokens for ``PRICE_MODEL``): uncached input,
-  cached input and output, for the agent's input and the summarizer's input and output. The
-  agent's own output is the transcript's on every side and is left out.
-* ``overflows``: requests over the window; ``compactions``: LangChain updates applied, or compactd
-  runs committed; ``pickups``: surfaces a compactd agent re-read.
+Cache rules, applied to the same requests:
 
-Not comparable: compactd's checkpoints land some steps after their trigger (how many follows from
-``--latency`` against ``--think``: by default both calls take 0.1 s), LangChain's before the
-request that fired it. Nothing LangChain does depends on time, so its agent calls answer at once
-and its ``seconds`` are its summary calls and the loop's own cost. The agent's requests go
-through the SDK's ``post`` with the body ``chat.completions.create`` would send.
+* ``openai``: the fake's own: the longest prefix shared with an earlier request of the session,
+  in 128-token blocks past the first 1,024, cached reads at the cached price, no write charge.
+* ``anthropic``: computed here (:class:`AnthropicCache`): explicit breakpoints (one after the
+  system prompt, one on the request's last message, where agent runtimes put them), a hit only on
+  an earlier breakpoint's prefix within 20 blocks (messages here) before a breakpoint, entries
+  living 5 minutes from their last use, nothing cached under 1,024 tokens; reads at 0.1x input,
+  writes (everything after the hit up to the last breakpoint) at 1.25x. The summary calls set no
+  breakpoints, so under this rule they read nothing from the cache.
 
-Databases: ``--database-url`` (default ``compactd_bench_cache_cost`` on
-``COMPACTD_BENCH_DATABASE_URL``; created, migrated and EMPTIED for each compactd side) and
-``--redis-url`` (default ``COMPACTD_BENCH_REDIS_URL``; FLUSHDB'd). Every process it starts is
-stopped when it ends.
+Per side, trigger and profile (sums over sessions; ``sessions`` has them per session), and per
+rule under ``rules``:
+
+* ``agent_input_tokens``: the agent's requests' input tokens; ``final_context_tokens``: the input
+  tokens of each session's last request; ``steps_over_trigger``: requests whose conversation was
+  over the trigger; ``overflows``: requests over the window.
+* ``coverage``: of the transcript's messages a compaction took out of the agent's request
+  (weighted by their tokens; messages of under 40 characters, and checkpoints, are not judged),
+  the share whose text reached a summary call's input (or is still in the final request, as a
+  pruned result is). A range the local summarizer wrote reached no model call and counts as
+  not covered.
+* ``stall_s``: seconds the agent waited on compactions: LangChain's ``abefore_model`` calls that
+  summarized; zero for compactd, whose agent never waits.
+* per rule: ``cost_usd`` (agent input, summarizer input and output, at ``PRICES``; the agent's own
+  output is the transcript's on every side and is left out), ``agent_cached_tokens``,
+  ``agent_cache_write_tokens``, ``agent_uncached_tokens``, ``compaction_uncached_tokens`` (over
+  the requests that do not extend the previous one, the uncached tokens less the step's own new
+  messages) and ``compaction_uncached_per_compaction``, ``summarizer_cached_tokens``.
+* ``summarizer_calls``, ``summarizer_input_tokens``, ``summarizer_output_tokens``,
+  ``compactions`` (LangChain updates applied, compactd runs committed), ``pickups``.
+
+A compactd side drains (no queued task, lease or pending signal) before it is counted: late
+runs' summary calls are costs too. Databases: ``--database-url`` (default
+``compactd_bench_cache_cost`` on ``COMPACTD_BENCH_DATABASE_URL``; created, migrated and EMPTIED
+for each compactd run) and ``--redis-url`` (default ``COMPACTD_BENCH_REDIS_URL``; FLUSHDB'd).
+Every process it starts is stopped when it ends.
 """
 
 from __future__ import annotations
@@ -75,11 +84,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
+import html
+import json
 import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +130,7 @@ from tests.bench.fleet import Sampler  # noqa: E402
 from tests.bench.peers import add_step, apply_update, to_langchain  # noqa: E402
 from tests.support.chat_models import fake_chat_openai  # noqa: E402
 from tests.support.fake_provider import (  # noqa: E402
+    SECTIONS,
     Behaviour,
     PrefixCache,
     RemoteFake,
@@ -127,26 +140,109 @@ from tests.support.fake_provider import (  # noqa: E402
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
 from worker.compaction.policy import DEFAULT_INDEX_MAX_TOKENS  # noqa: E402
+from worker.cost import Billed, Price, cost_usd  # noqa: E402
 from worker.settings import load_config  # noqa: E402
 
 AGENT_MODEL = "fake-gpt"
 SUMMARY_MODEL = "fake-mini"
 FAKE_KEY = "sk-fake-test-key"
-# Marks the agent's requests in the fake's log: every other request there is a summary call.
+# Marks the agent's requests in the fake's log.
 AGENT_HEADER = "x-compactd-bench"
 AGENT_ANSWER = "(the transcript's next step follows)"
-SIDES = ("langchain", "merge", "recallable")
-LAYOUTS = {"merge": None, "recallable": "recallable"}  # summarization.layout per compactd side
-PRICE_MODEL = "gpt-4.1"
-PRICES = {"input": 2.00, "cached_input": 0.50, "output": 8.00}  # USD per 1M tokens
-# An agent call and a summary call take the same time by default: both are mostly their
-# output, a few hundred tokens each.
-THINK_S = LATENCY_S = 0.1
+SIDES = ("langchain", "before", "after", "recallable")
+DEFAULT_SIDES = ("langchain", "before", "after")
+# The policy keys each compactd side sets beyond the shared ones. "before" turns every switch of
+# issue 27's mechanisms off, "after" leaves compactd's defaults; a mechanism adds its switch to
+# "before" (off) when it lands, and the two sides then differ by it.
+COMPACTD_SIDES: dict[str, dict[str, Any]] = {
+    "before": {},
+    "after": {},
+    "recallable": {"layout": "recallable"},
+}
+CACHE_RULES = ("openai", "anthropic")
+# USD per million tokens: a model of each provider whose cache rule is applied. List prices as
+# last known to the author (not re-read: no network where this ran); the README's table names them.
+PRICES: dict[str, tuple[str, Price]] = {
+    "openai": ("gpt-4.1", Price(input=2.00, cached_input=0.50, cache_write=2.00, output=8.00)),
+    "anthropic": ("claude-sonnet-4.5", Price(input=3.00, cached_input=0.30, cache_write=3.75,
+                                             output=15.00)),
+}
+# (agent call, summary call) seconds.
+PROFILES: dict[str, tuple[float, float]] = {"fast": (0.1, 0.1), "realistic": (0.5, 0.5)}
 QUICK_THINK_S = QUICK_LATENCY_S = 0.02
+SUMMARY_TOKENS = 400
 DRAIN_S = 120.0
 DRAIN_POLL_S = 0.5
 IDLE_SAMPLES = 3
+# A removed message shorter than this is not judged for coverage ("ok", an empty assistant
+# turn): its text could be found anywhere.
+COVERAGE_MIN_CHARS = 40
+COVERAGE_SNIPPET_CHARS = 300
 COUNTS = PrefixCache()  # the fake's own per-segment counting, memoized
+
+
+# ----------------------------------------------------------------------------- cache rules
+
+
+class AnthropicCache:
+    """Anthropic's prompt cache as one session's agent meets it (see the module docstring).
+    ``keys[i]`` names the prefix of the first ``i + 1`` messages; ``breakpoints`` are prefix
+    lengths in messages."""
+
+    TTL_S = 300.0
+    LOOKBACK_BLOCKS = 20
+    MIN_TOKENS = 1024
+
+    def __init__(self) -> None:
+        self.entries: dict[str, float] = {}  # prefix key -> expiry
+
+    def request(self, keys: Sequence[str], sizes: Sequence[int], breakpoints: Iterable[int],
+                now: float) -> tuple[int, int]:
+        """(cached, written) tokens of one request."""
+        prefix = [0]
+        for size in sizes:
+            prefix.append(prefix[-1] + size)
+        marks = sorted({b for b in breakpoints if 0 < b <= len(keys)})
+        hit = 0
+        for mark in marks:
+            for length in range(mark, max(0, mark - self.LOOKBACK_BLOCKS), -1):
+                expiry = self.entries.get(keys[length - 1])
+                if expiry is not None and expiry >= now:
+                    if prefix[length] > prefix[hit]:
+                        hit = length
+                    break
+        if hit:
+            self.entries[keys[hit - 1]] = now + self.TTL_S
+        cached = prefix[hit] if prefix[hit] >= self.MIN_TOKENS else 0
+        last = marks[-1] if marks else 0
+        if not last or prefix[last] < self.MIN_TOKENS:
+            return cached, 0
+        for mark in marks:
+            if prefix[mark] >= self.MIN_TOKENS:
+                self.entries[keys[mark - 1]] = now + self.TTL_S
+        return cached, max(0, prefix[last] - cached)
+
+
+def prefix_keys(messages: Sequence[dict[str, Any]]) -> list[str]:
+    digest = hashlib.sha1(usedforsecurity=False)
+    keys = []
+    for m in messages:
+        digest.update(json.dumps(m, sort_keys=True).encode())
+        keys.append(digest.hexdigest())
+    return keys
+
+
+def fixed_summary(tokens: int) -> str:
+    """A summary of about ``tokens`` o200k tokens in the eight sections, the same on every side
+    (the summary fake answers each summary call with it)."""
+    counter = counter_for(AGENT_MODEL)
+    filler = "the work so far, its files, errors and decisions, carried forward"
+    out = ""
+    n = 0
+    while not out or counter.count_text(out) < tokens:
+        n += 1
+        out = "\n".join(f"## {name}\n- " + "; ".join([filler] * n) for name in SECTIONS)
+    return out
 
 
 # ----------------------------------------------------------------------------------- tallies
@@ -162,39 +258,80 @@ def compaction_uncached(input_tokens: int, cached_tokens: int, new_tokens: int, 
 
 
 @dataclass
+class RuleTally:
+    """The agent's requests under one cache rule."""
+
+    cached: int = 0
+    written: int = 0
+    compaction_uncached: int = 0
+
+
+@dataclass
 class Tally:
-    """One session's requests, as the fake reported them."""
+    """One session's requests."""
 
     requests: int = 0
     input_tokens: int = 0
-    cached_tokens: int = 0
     compaction_requests: int = 0
-    compaction_uncached: int = 0
     final_context: int = 0
     overflows: int = 0
+    over_trigger: int = 0
     compactions: int = 0
     pickups: int = 0
+    stall_s: float = 0.0
+    rules: dict[str, RuleTally] = field(
+        default_factory=lambda: {rule: RuleTally() for rule in CACHE_RULES})
 
-    def report(self) -> dict[str, int]:
+    def add(self, other: Tally) -> None:
+        for f in dataclasses.fields(Tally):
+            if f.name != "rules":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for rule, mine in self.rules.items():
+            theirs = other.rules[rule]
+            mine.cached += theirs.cached
+            mine.written += theirs.written
+            mine.compaction_uncached += theirs.compaction_uncached
+
+    def report(self) -> dict[str, Any]:
         return {"requests": self.requests, "agent_input_tokens": self.input_tokens,
-                "agent_cached_tokens": self.cached_tokens,
-                "agent_uncached_tokens": self.input_tokens - self.cached_tokens,
                 "compaction_requests": self.compaction_requests,
-                "compaction_uncached_tokens": self.compaction_uncached,
                 "final_context_tokens": self.final_context, "overflows": self.overflows,
-                "compactions": self.compactions, "pickups": self.pickups}
+                "steps_over_trigger": self.over_trigger, "compactions": self.compactions,
+                "pickups": self.pickups, "stall_s": round(self.stall_s, 2),
+                "rules": {rule: {"agent_cached_tokens": t.cached,
+                                 "agent_cache_write_tokens": t.written,
+                                 "agent_uncached_tokens": self.input_tokens - t.cached,
+                                 "compaction_uncached_tokens": t.compaction_uncached}
+                          for rule, t in self.rules.items()}}
+
+
+def text_of(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n".join(str(b.get("text", "")) for b in content if isinstance(b, dict))
+    return content if isinstance(content, str) else ""
 
 
 class Agent:
     """One session's model calls through the openai SDK, with the session's cache key."""
 
-    def __init__(self, sdk: AsyncOpenAI, cache_key: str, window: int) -> None:
+    def __init__(self, sdk: AsyncOpenAI, cache_key: str, window: int, trigger: int,
+                 system: int, originals: frozenset[str] = frozenset()) -> None:
         self.sdk = sdk
         self.cache_key = cache_key
         self.window = window
+        self.trigger = trigger
+        self.system = system  # leading system messages: not counted against the trigger
         self.previous: list[dict[str, Any]] | None = None
+        self.previous_sizes: list[int] = []
         self.tally = Tally()
         self.counter = counter_for(AGENT_MODEL)
+        self.anthropic = AnthropicCache()
+        self.removed: list[tuple[str, int]] = []  # (text, tokens) compactions took out
+        # The transcript's own message texts: only those are judged for coverage (a checkpoint
+        # a later compaction replaces reaches the summarizer as its previous summary, not as
+        # it was rendered).
+        self.originals = originals
 
     async def call(self, messages: list[dict[str, Any]], new: int) -> None:
         """Send ``messages``, of which the last ``new`` are the step's own."""
@@ -207,18 +344,32 @@ class Agent:
         assert usage is not None and usage.prompt_tokens_details is not None
         prompt, cached = usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
         extends = self.previous is None or messages[:len(self.previous)] == self.previous
-        step_tokens = sum(COUNTS.count(request_segments(
-            "openai", {"messages": messages[len(messages) - new:]}), self.counter))
+        sizes = COUNTS.count(request_segments("openai", {"messages": messages}), self.counter)
+        step_tokens = sum(sizes[len(sizes) - new:])
+        a_cached, a_written = self.anthropic.request(
+            prefix_keys(messages), sizes, (self.system, len(messages)), time.monotonic())
         t = self.tally
         t.requests += 1
         t.input_tokens += prompt
-        t.cached_tokens += cached
         t.compaction_requests += not extends
-        t.compaction_uncached += compaction_uncached(prompt, cached, step_tokens,
-                                                     extends_previous=extends)
+        for rule, hit, written in (("openai", cached, 0), ("anthropic", a_cached, a_written)):
+            r = t.rules[rule]
+            r.cached += hit
+            r.written += written
+            r.compaction_uncached += compaction_uncached(prompt, hit, step_tokens,
+                                                         extends_previous=extends)
         t.final_context = prompt
         t.overflows += prompt > self.window
+        t.over_trigger += sum(sizes[self.system:]) > self.trigger
+        if not extends and self.previous is not None:
+            kept = {json.dumps(m, sort_keys=True) for m in messages}
+            self.removed.extend(
+                (text_of(m), size) for m, size in zip(self.previous, self.previous_sizes,
+                                                      strict=True)
+                if json.dumps(m, sort_keys=True) not in kept
+                and text_of(m).strip() in self.originals)
         self.previous = list(messages)
+        self.previous_sizes = sizes
 
 
 def agent_sdk(fake_url: str) -> AsyncOpenAI:
@@ -242,28 +393,57 @@ def summarizer_usage(records: Iterable[dict[str, Any]]) -> Usage:
                  sum(r["output_tokens"] or 0 for r in calls))
 
 
-def cost_usd(uncached: int, cached: int, output: int) -> float:
-    return (uncached * PRICES["input"] + cached * PRICES["cached_input"]
-            + output * PRICES["output"]) / 1e6
+def summary_inputs(records: Iterable[dict[str, Any]]) -> str:
+    """Every summary call's messages as one text, unescaped (compactd escapes what it frames)."""
+    parts: list[str] = []
+    for r in records:
+        if AGENT_HEADER in r["headers"] or r["status"] != 200 or not r.get("body"):
+            continue
+        parts.extend(text_of(m) for m in r["body"].get("messages") or ())
+    return html.unescape("\n".join(parts))
 
 
-def side_report(tallies: dict[str, Tally], summary: Usage, seconds: float) -> dict[str, Any]:
+def coverage(removed: Iterable[tuple[str, int]], haystack: str) -> float | None:
+    """The share (by tokens) of removed messages whose text is found in ``haystack``."""
+    judged = covered = 0
+    for text, tokens in removed:
+        snippet = text.strip()[:COVERAGE_SNIPPET_CHARS]
+        if len(snippet) < COVERAGE_MIN_CHARS:
+            continue
+        judged += tokens
+        covered += tokens if snippet in haystack else 0
+    return round(covered / judged, 4) if judged else None
+
+
+def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
+                inputs: str) -> dict[str, Any]:
     total = Tally()
-    for tally in tallies.values():
-        for f in dataclasses.fields(Tally):
-            setattr(total, f.name, getattr(total, f.name) + getattr(tally, f.name))
+    for agent in agents.values():
+        total.add(agent.tally)
     out: dict[str, Any] = total.report()
-    agent_cost = cost_usd(total.input_tokens - total.cached_tokens, total.cached_tokens, 0)
-    summary_cost = cost_usd(summary.input_tokens - summary.cached_tokens,
-                            summary.cached_tokens, summary.output_tokens)
+    finals = "\n".join(text_of(m) for a in agents.values() for m in a.previous or ())
+    out["coverage"] = coverage((r for a in agents.values() for r in a.removed),
+                               inputs + "\n" + html.unescape(finals))
+    for rule, rep in out["rules"].items():
+        price = PRICES[rule][1]
+        # The summary calls set no cache breakpoints: only the openai rule caches them.
+        s_cached = summary.cached_tokens if rule == "openai" else 0
+        agent_usd = cost_usd(Billed(input=total.input_tokens, cached=rep["agent_cached_tokens"],
+                                cache_write=rep["agent_cache_write_tokens"]), price)
+        summarizer_usd = cost_usd(Billed(input=summary.input_tokens, cached=s_cached,
+                                     output=summary.output_tokens), price)
+        rep.update({"summarizer_cached_tokens": s_cached,
+                    "compaction_uncached_per_compaction": round(
+                        rep["compaction_uncached_tokens"] / max(1, total.compactions)),
+                    "cost_usd": round(agent_usd + summarizer_usd, 4),
+                    "agent_cost_usd": round(agent_usd, 4),
+                    "summarizer_cost_usd": round(summarizer_usd, 4)})
     out.update({
         "summarizer_calls": summary.calls, "summarizer_input_tokens": summary.input_tokens,
-        "summarizer_cached_tokens": summary.cached_tokens,
         "summarizer_output_tokens": summary.output_tokens,
-        "cost_usd": round(agent_cost + summary_cost, 4),
-        "agent_cost_usd": round(agent_cost, 4), "summarizer_cost_usd": round(summary_cost, 4),
+        "cost_usd": {rule: rep["cost_usd"] for rule, rep in out["rules"].items()},
         "seconds": round(seconds, 1),
-        "sessions": {name: t.report() for name, t in tallies.items()},
+        "sessions": {name: a.tally.report() for name, a in agents.items()},
     })
     return out
 
@@ -271,19 +451,37 @@ def side_report(tallies: dict[str, Tally], summary: Usage, seconds: float) -> di
 # ------------------------------------------------------------------------------ the sides
 
 
-def script_agent(fake: RemoteFake, think_s: float) -> None:
-    """A fresh log and cache, and the agent's answers after its think time (the summary model
-    keeps the fake's own latency)."""
-    fake.reset()
-    fake.script(Behaviour(model=AGENT_MODEL, output="text", text=AGENT_ANSWER,
-                          latency_s=think_s, times=-1))
+@dataclass(frozen=True)
+class Fakes:
+    """The agent's fake (prefix cache) and the summarizer's (bodies kept, the fixed summary)."""
+
+    agent: RemoteFake
+    summary: RemoteFake
+
+    def prepare(self, think_s: float, latency_s: float, summary_text: str) -> None:
+        """Fresh logs and caches; the agent answers after ``think_s``, every summary call after
+        ``latency_s`` with ``summary_text``."""
+        self.agent.reset()
+        self.agent.script(Behaviour(model=AGENT_MODEL, output="text", text=AGENT_ANSWER,
+                                    latency_s=think_s, times=-1))
+        self.summary.reset()
+        self.summary.script(Behaviour(output="text", text=summary_text, latency_s=latency_s,
+                                      times=-1))
+
+
+def make_agents(sdk: AsyncOpenAI, sessions: Sequence[Session], prefix: str,
+                args: argparse.Namespace, trigger: int) -> dict[str, Agent]:
+    return {s.name: Agent(sdk, f"{prefix}:{s.name}", args.window, trigger, len(s.system),
+                          frozenset(text_of(wire(m)).strip() for m in s.messages))
+            for s in sessions}
 
 
 async def langchain_session(session: Session, agent: Agent, args: argparse.Namespace,
-                            fake_url: str) -> None:
-    model = fake_chat_openai(f"{fake_url}/v1", SUMMARY_MODEL, api_key=FAKE_KEY, max_retries=0)
+                            trigger: int, summary_url: str) -> None:
+    model = fake_chat_openai(f"{summary_url}/v1", SUMMARY_MODEL, api_key=FAKE_KEY,
+                             max_retries=0)
     middleware: SummarizationMiddleware[Any, Any] = SummarizationMiddleware(
-        model=model, trigger=("tokens", args.trigger), keep=("messages", args.keep),
+        model=model, trigger=("tokens", trigger), keep=("messages", args.keep),
         token_counter=LCCounter(), trim_tokens_to_summarize=args.trim)
     state: list[AnyMessage] = []
     n = 0
@@ -291,8 +489,11 @@ async def langchain_session(session: Session, agent: Agent, args: argparse.Names
         ids = [f"m{n + i + 1}" for i in range(len(step))]
         n += len(step)
         state = add_step(state, to_langchain([wire(m) for m in step], ids=ids))
+        started = time.perf_counter()
         update = await middleware.abefore_model({"messages": state}, None)  # type: ignore[arg-type]
         if update is not None:
+            # In band: the agent's next model call waits for this one.
+            agent.tally.stall_s += time.perf_counter() - started
             agent.tally.compactions += 1
             state = apply_update(state, update)
         # The step's messages still in the state (a keep shorter than the step cuts into it).
@@ -300,28 +501,27 @@ async def langchain_session(session: Session, agent: Agent, args: argparse.Names
         await agent.call(session.system + openai_wire(state), own)
 
 
-async def run_langchain(sessions: Sequence[Session], args: argparse.Namespace,
-                        fake_url: str) -> dict[str, Tally]:
-    async with agent_sdk(fake_url) as sdk:
-        agents = {s.name: Agent(sdk, f"langchain:{s.name}", args.window) for s in sessions}
-        await asyncio.gather(*(langchain_session(s, agents[s.name], args, fake_url)
-                               for s in sessions))
-    return {name: a.tally for name, a in agents.items()}
+async def run_langchain(sessions: Sequence[Session], args: argparse.Namespace, trigger: int,
+                        fakes: Fakes) -> dict[str, Agent]:
+    async with agent_sdk(fakes.agent.url) as sdk:
+        agents = make_agents(sdk, sessions, f"langchain-{trigger}", args, trigger)
+        await asyncio.gather(*(langchain_session(s, agents[s.name], args, trigger,
+                                                 fakes.summary.url) for s in sessions))
+    return agents
 
 
-def compactd_policy(args: argparse.Namespace, layout: str | None) -> dict[str, Any]:
+def compactd_policy(args: argparse.Namespace, side: str, trigger: int) -> dict[str, Any]:
     policy: dict[str, Any] = {
         "model_name": SUMMARY_MODEL,
-        "trigger": {"type": "tokens", "value": args.trigger},
+        "trigger": {"type": "tokens", "value": trigger},
         "keep": {"type": "messages", "value": args.keep},
-        "trim_tokens_to_summarize": args.trim}
-    if layout is not None:
-        policy["layout"] = layout
-    if layout == "recallable":
+        "trim_tokens_to_summarize": args.trim,
+        **COMPACTD_SIDES[side]}
+    if policy.get("layout") == "recallable":
         # The policy refuses an index cap the index checkpoints alone could fire the trigger
         # with; the default cap stays where the trigger leaves room for it (a quarter, so the
         # state and the kept tail fit beside the index), and a small trigger gets its quarter.
-        policy["index_max_tokens"] = min(DEFAULT_INDEX_MAX_TOKENS, args.trigger // 4)
+        policy["index_max_tokens"] = min(DEFAULT_INDEX_MAX_TOKENS, trigger // 4)
     return policy
 
 
@@ -343,11 +543,10 @@ async def compactd_session(client: CompactdClient, session: Session, agent: Agen
 
 
 async def drive_compactd(stack: Stack, sessions: Sequence[Session], args: argparse.Namespace,
-                         fake_url: str) -> dict[str, Tally]:
+                         trigger: int, agent_url: str) -> dict[str, Agent]:
     config = load_config(env=stack.env)
-    async with CompactdClient(config) as client, agent_sdk(fake_url) as sdk:
-        agents = {s.name: Agent(sdk, f"{stack.home.name}:{s.name}", args.window)
-                  for s in sessions}
+    async with CompactdClient(config) as client, agent_sdk(agent_url) as sdk:
+        agents = make_agents(sdk, sessions, stack.home.name, args, trigger)
         await asyncio.gather(*(compactd_session(client, s, agents[s.name]) for s in sessions))
         await client.drain()
         await drain(stack)
@@ -355,7 +554,7 @@ async def drive_compactd(stack: Stack, sessions: Sequence[Session], args: argpar
     for run in runs:
         if run.status == RunStatus.COMMITTED and run.session_id in agents:
             agents[run.session_id].tally.compactions += 1
-    return {name: a.tally for name, a in agents.items()}
+    return agents
 
 
 async def drain(stack: Stack) -> bool:
@@ -377,25 +576,37 @@ async def drain(stack: Stack) -> bool:
 
 
 def run_compactd(side: str, sessions: Sequence[Session], args: argparse.Namespace,
-                 fake: RemoteFake, home: Path) -> dict[str, Any] | str:
-    """The side's report, or why it is not available (the policy refused its layout)."""
-    stack = Stack(args.database_url, args.redis_url, home / side, fake_url=fake.url,
-                  summarization=compactd_policy(args, LAYOUTS[side]),
+                 trigger: int, fakes: Fakes, home: Path) -> dict[str, Agent] | str:
+    """The side's agents, or why it is not available (the policy refused its keys)."""
+    stack = Stack(args.database_url, args.redis_url, home / f"{side}-{trigger}",
+                  fake_url=fakes.summary.url,
+                  summarization=compactd_policy(args, side, trigger),
                   worker={"concurrency": args.concurrency})
     try:
-        # What the worker reads at start: a layout the policy does not know is refused here.
+        # What the worker reads at start: a key the policy does not know is refused here.
         load_config(env=stack.env)
     except ConfigError as exc:
         return str(exc)
     asyncio.run(reset_database(args.database_url))
     flush_redis(args.redis_url)
-    script_agent(fake, args.think)
-    started = time.perf_counter()
     with stack:
         stack.start_worker("w1", concurrency=args.concurrency, ready_timeout=90)
-        tallies = asyncio.run(drive_compactd(stack, sessions, args, fake.url))
-    seconds = time.perf_counter() - started
-    return side_report(tallies, summarizer_usage(fake.requests()), seconds)
+        return asyncio.run(drive_compactd(stack, sessions, args, trigger, fakes.agent.url))
+
+
+def run_side(side: str, sessions: Sequence[Session], args: argparse.Namespace, trigger: int,
+             profile: tuple[float, float], fakes: Fakes, home: Path) -> dict[str, Any] | str:
+    think_s, latency_s = profile
+    # In band, nothing LangChain does depends on time: its agent calls answer at once.
+    fakes.prepare(0.0 if side == "langchain" else think_s, latency_s, args.summary_text)
+    started = time.perf_counter()
+    agents = (asyncio.run(run_langchain(sessions, args, trigger, fakes)) if side == "langchain"
+              else run_compactd(side, sessions, args, trigger, fakes, home))
+    if isinstance(agents, str):
+        return agents
+    records = fakes.summary.requests(bodies=True)
+    return side_report(agents, summarizer_usage(records), time.perf_counter() - started,
+                       summary_inputs(records))
 
 
 # ------------------------------------------------------------------------------------- main
@@ -406,18 +617,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     count, seconds = cli_types.positive_int, cli_types.seconds
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--sessions", help="comma-separated session names (default: all)")
+    parser.add_argument("--profiles", default="fast,realistic",
+                        help=f"latency profiles, of {', '.join(PROFILES)} (default: both)")
     parser.add_argument("--latency", type=seconds, default=None,
-                        help=f"seconds the fake takes per summary call (default {LATENCY_S:g})")
+                        help="seconds per summary call (with --think: one profile, 'custom')")
     parser.add_argument("--think", type=seconds, default=None,
-                        help=f"seconds the fake takes per agent call (default {THINK_S:g})")
-    parser.add_argument("--trigger", type=count, default=16_000, help="trigger, tokens")
+                        help="seconds per agent call (with --latency)")
+    parser.add_argument("--trigger", type=count, default=None,
+                        help="one trigger, tokens (the same as --triggers N)")
+    parser.add_argument("--triggers", default=None,
+                        help="comma-separated triggers, tokens: every side at each "
+                             "(default 16000)")
     parser.add_argument("--keep", type=count, default=6, help="keep, messages")
     parser.add_argument("--trim", type=count, default=4_000,
-                        help="summarizer input budget, tokens (both sides)")
+                        help="summarizer input budget, tokens (every side)")
+    parser.add_argument("--summary-tokens", type=count, default=SUMMARY_TOKENS,
+                        help="the size of every summary, tokens (every side)")
     parser.add_argument("--window", type=count, default=128_000,
                         help="the run model's context window, tokens")
     parser.add_argument("--concurrency", type=count, default=4,
                         help="the compactd worker's threads")
+    parser.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                        help=f"comma-separated, of {', '.join(SIDES)}")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                         help="the corpus the long sessions are built from")
@@ -425,21 +646,57 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="take every DIR/<group>/*.jsonl as a session as it is")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke run: the smallest session, agent and summary calls of "
-                        f"{QUICK_THINK_S:g} s (unless given)")
+                        f"{QUICK_THINK_S:g} s (unless given), one profile")
     parser.add_argument("--database-url", default=pg_url("cache_cost"),
                         help="PostgreSQL database to use (EMPTIED)")
     parser.add_argument("--redis-url", default=REDIS_URL, help="Redis database (FLUSHDB'd)")
     args = parser.parse_args(argv)
-    if args.think is None:
-        args.think = QUICK_THINK_S if args.quick else THINK_S
-    if args.latency is None:
-        args.latency = QUICK_LATENCY_S if args.quick else LATENCY_S
+    args.profile_table = choose_profiles(parser, args)
+    args.trigger_list = choose_triggers(parser, args)
+    args.side_list = choose_list(parser, "--sides", args.sides, SIDES)
     root = args.transcripts or args.corpus
     if not root.is_dir() or not any(root.glob("*/*.jsonl")):
         flag = "--transcripts" if args.transcripts else "--corpus"
         parser.error(f"{flag}: no */*.jsonl transcripts under {root}")
     args.chosen = choose_sessions(parser, args)
+    args.summary_text = fixed_summary(args.summary_tokens)
     return args
+
+
+def choose_list(parser: argparse.ArgumentParser, flag: str, text: str,
+                known: Sequence[str]) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        parser.error(f"{flag}: unknown {', '.join(map(repr, unknown)) or repr('')} "
+                     f"(expected some of {', '.join(known)})")
+    return list(dict.fromkeys(names))
+
+
+def choose_profiles(parser: argparse.ArgumentParser, args: argparse.Namespace
+                    ) -> dict[str, tuple[float, float]]:
+    if (args.think is None) != (args.latency is None):
+        parser.error("--think and --latency: give both (one profile of your own) or neither")
+    if args.think is not None:
+        return {"custom": (args.think, args.latency)}
+    if args.quick:
+        return {"quick": (QUICK_THINK_S, QUICK_LATENCY_S)}
+    return {name: PROFILES[name] for name in choose_list(parser, "--profiles", args.profiles,
+                                                         list(PROFILES))}
+
+
+def choose_triggers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    if args.trigger is not None and args.triggers is not None:
+        parser.error("--trigger and --triggers: give one of them")
+    if args.triggers is None:
+        return [args.trigger or 16_000]
+    out = []
+    for text in args.triggers.split(","):
+        try:
+            out.append(cli_types.positive_int(text.strip()))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"argument --triggers: {exc}")
+    return list(dict.fromkeys(out))
 
 
 def choose_sessions(parser: argparse.ArgumentParser, args: argparse.Namespace
@@ -465,43 +722,122 @@ def choose_sessions(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 def config_report(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "trigger_tokens": args.trigger, "keep_messages": args.keep,
+        "triggers_tokens": args.trigger_list, "keep_messages": args.keep,
         "trim_tokens_to_summarize": args.trim, "window_tokens": args.window,
-        "think_s": args.think, "summary_latency_s": args.latency,
+        "summary_tokens": args.summary_tokens,
+        "profiles": {name: {"think_s": t, "summary_latency_s": s}
+                     for name, (t, s) in args.profile_table.items()},
+        "sides": args.side_list,
+        "compactd_sides": {side: COMPACTD_SIDES[side] for side in args.side_list
+                           if side in COMPACTD_SIDES},
         "worker_concurrency": args.concurrency, "agent_model": AGENT_MODEL,
         "summary_model": SUMMARY_MODEL, "token_counter": "o200k (compactd's, every side)",
         "compactd_render": "durable_context (the default)",
-        "prices": {"model": PRICE_MODEL, "usd_per_million_tokens": PRICES},
+        "prices": {rule: {"model": model, "usd_per_million_tokens": dataclasses.asdict(price)}
+                   for rule, (model, price) in PRICES.items()},
     }
+
+
+def same_config(side: str, earlier: str) -> bool:
+    return (side in COMPACTD_SIDES and earlier in COMPACTD_SIDES
+            and COMPACTD_SIDES[side] == COMPACTD_SIDES[earlier])
+
+
+def run_all(args: argparse.Namespace, fakes: Fakes, home: Path) -> list[dict[str, Any]]:
+    runs = []
+    for profile, timing in args.profile_table.items():
+        for trigger in args.trigger_list:
+            sides: dict[str, Any] = {}
+            not_available: dict[str, str] = {}
+            for side in args.side_list:
+                twin = next((done for done in sides if same_config(side, done)), None)
+                if twin is not None:
+                    sides[side] = {**sides[twin], "same_as": twin}
+                    continue
+                result = run_side(side, args.chosen, args, trigger, timing, fakes, home)
+                if isinstance(result, str):
+                    not_available[side] = result
+                    continue
+                sides[side] = result
+                print(f"{profile} trigger {trigger} {side}: {result['seconds']} s",
+                      file=sys.stderr, flush=True)
+            runs.append({"profile": profile, "think_s": timing[0],
+                         "summary_latency_s": timing[1], "trigger": trigger, "sides": sides,
+                         "not_available": not_available})
+    return runs
+
+
+def ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each compactd side against LangChain at the same profile and trigger."""
+    out = []
+    for run in runs:
+        peer = run["sides"].get("langchain")
+        if peer is None:
+            continue
+        for side, rep in run["sides"].items():
+            if side == "langchain":
+                continue
+            row: dict[str, Any] = {"profile": run["profile"], "trigger": run["trigger"],
+                                   "side": side}
+            for rule in CACHE_RULES:
+                mine, theirs = rep["rules"][rule], peer["rules"][rule]
+                row[f"cost_{rule}"] = _ratio(mine["cost_usd"], theirs["cost_usd"])
+                row[f"compaction_uncached_per_compaction_{rule}"] = _ratio(
+                    mine["compaction_uncached_per_compaction"],
+                    theirs["compaction_uncached_per_compaction"])
+            row["steps_over_trigger_share"] = round(
+                rep["steps_over_trigger"] / max(1, rep["requests"]), 4)
+            out.append(row)
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def frontier(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per profile, side and trigger: the cost under each rule and the agent's stall."""
+    return [{"profile": run["profile"], "trigger": run["trigger"], "side": side,
+             **{f"cost_{rule}": rep["rules"][rule]["cost_usd"] for rule in CACHE_RULES},
+             "stall_s": rep["stall_s"]}
+            for run in runs for side, rep in run["sides"].items()]
 
 
 def print_report(report: dict[str, Any]) -> None:
     c = report["config"]
-    print(f"trigger {c['trigger_tokens']} tokens, keep {c['keep_messages']} messages, trim "
-          f"{c['trim_tokens_to_summarize']} tokens, window {c['window_tokens']} tokens; agent "
-          f"call {c['think_s']:g} s, summary call {c['summary_latency_s']:g} s; prices: "
-          f"{PRICE_MODEL} ${PRICES['input']:.2f} / ${PRICES['cached_input']:.2f} cached / "
-          f"${PRICES['output']:.2f} output per 1M tokens")
-    keys = ["agent_input_tokens", "agent_uncached_tokens", "compaction_uncached_tokens",
-            "summarizer_input_tokens", "summarizer_output_tokens", "final_context_tokens",
-            "compactions", "cost_usd", "seconds"]
-    rows = [[side, *[report[side][k] for k in keys]] for side in SIDES if report[side]]
-    print_table(["side", "agent in", "uncached", "compaction uncached", "summarizer in",
-                 "summarizer out", "final context", "compactions", "cost $", "s"], rows)
-    for side, reason in report["not_available"].items():
-        print(f"{side}: not available ({reason})")
-
-
-def goal(report: dict[str, Any]) -> dict[str, Any] | None:
-    """Issue 17's goal: recallable re-sends at least 30% fewer uncached tokens than merge
-    because of compaction, with a final context no more than 10% larger."""
-    merge, recallable = report["merge"], report["recallable"]
-    if not merge or not recallable or not merge["compaction_uncached_tokens"]:
-        return None
-    fewer = 1 - recallable["compaction_uncached_tokens"] / merge["compaction_uncached_tokens"]
-    larger = recallable["final_context_tokens"] / merge["final_context_tokens"] - 1
-    return {"compaction_uncached_reduction": round(fewer, 4),
-            "final_context_growth": round(larger, 4), "met": fewer >= 0.3 and larger <= 0.1}
+    print(f"keep {c['keep_messages']} messages, trim {c['trim_tokens_to_summarize']} tokens, "
+          f"window {c['window_tokens']} tokens, summaries {c['summary_tokens']} tokens on "
+          f"every side; prices per 1M tokens: " + "; ".join(
+              f"{rule} ({p['model']}) ${p['usd_per_million_tokens']['input']:.2f} in / "
+              f"${p['usd_per_million_tokens']['cached_input']:.2f} cached / "
+              f"${p['usd_per_million_tokens']['cache_write']:.2f} write / "
+              f"${p['usd_per_million_tokens']['output']:.2f} out"
+              for rule, p in c["prices"].items()))
+    for run in report["runs"]:
+        print(f"\n{run['profile']}: agent call {run['think_s']:g} s, summary call "
+              f"{run['summary_latency_s']:g} s; trigger {run['trigger']} tokens")
+        rows = []
+        for side, rep in run["sides"].items():
+            for rule in CACHE_RULES:
+                r = rep["rules"][rule]
+                rows.append([side + (f" (= {rep['same_as']})" if rep.get("same_as") else ""),
+                             rule, r["cost_usd"], rep["agent_input_tokens"],
+                             r["agent_uncached_tokens"], r["compaction_uncached_per_compaction"],
+                             rep["steps_over_trigger"], rep["coverage"],
+                             rep["final_context_tokens"], r["summarizer_cached_tokens"],
+                             rep["compactions"], rep["stall_s"]])
+        print_table(["side", "rule", "cost $", "agent in", "uncached",
+                     "compaction uncached / compaction", "steps over trigger", "coverage",
+                     "final context", "summarizer cached", "compactions", "stall s"], rows)
+        for side, reason in run["not_available"].items():
+            print(f"{side}: not available ({reason})")
+    if len({run["trigger"] for run in report["runs"]}) > 1:
+        print("\nfrontier: cost against the agent's stall")
+        print_table(["profile", "trigger", "side", *(f"cost $ {r}" for r in CACHE_RULES),
+                     "stall s"],
+                    [[f["profile"], f["trigger"], f["side"],
+                      *(f[f"cost_{r}"] for r in CACHE_RULES), f["stall_s"]]
+                     for f in report["frontier"]])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -513,28 +849,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    for s in sessions), flush=True)
     report: dict[str, Any] = {"machine": info, "config": config_report(args),
                               "sessions": [{"name": s.name, "tokens": s.tokens,
-                                            "steps": len(s.steps)} for s in sessions],
-                              "not_available": {}}
+                                            "steps": len(s.steps)} for s in sessions]}
     started = time.perf_counter()
-    with fake_provider_process(args.latency, prefix_cache=True) as fake_url, \
+    with fake_provider_process(0.0, prefix_cache=True) as agent_url, \
+            fake_provider_process(0.0, prefix_cache=True, keep_bodies=True) as summary_url, \
             tempfile.TemporaryDirectory(prefix="compactd-cache-cost-") as tmp:
-        fake = RemoteFake(fake_url)
-        # In-band, nothing LangChain does depends on time: its agent calls answer at once.
-        script_agent(fake, 0.0)
-        t0 = time.perf_counter()
-        tallies = asyncio.run(run_langchain(sessions, args, fake_url))
-        report["langchain"] = side_report(tallies, summarizer_usage(fake.requests()),
-                                          time.perf_counter() - t0)
-        print(f"langchain: {report['langchain']['seconds']} s", file=sys.stderr, flush=True)
-        for side in ("merge", "recallable"):
-            result = run_compactd(side, sessions, args, fake, Path(tmp))
-            if isinstance(result, str):
-                report[side] = None
-                report["not_available"][side] = result
-            else:
-                report[side] = result
-                print(f"{side}: {result['seconds']} s", file=sys.stderr, flush=True)
-    report["goal"] = goal(report)
+        fakes = Fakes(RemoteFake(agent_url), RemoteFake(summary_url))
+        report["runs"] = run_all(args, fakes, Path(tmp))
+    report["ratios"] = ratios(report["runs"])
+    report["frontier"] = frontier(report["runs"])
     report["seconds"] = round(time.perf_counter() - started, 1)
     print_report(report)
     write_json(args.json, report)

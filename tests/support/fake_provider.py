@@ -953,8 +953,8 @@ class RemoteFake:
 
 
 @contextlib.contextmanager
-def fake_provider_process(latency_s: float = 0.0, *, prefix_cache: bool = False
-                          ) -> Iterator[str]:
+def fake_provider_process(latency_s: float = 0.0, *, prefix_cache: bool = False,
+                          keep_bodies: bool = False) -> Iterator[str]:
     """A fake provider in a subprocess, so a benchmark's measurements do not share its CPU; its
     URL (drive it with :class:`RemoteFake`). Stopped on exit."""
     import subprocess
@@ -962,7 +962,8 @@ def fake_provider_process(latency_s: float = 0.0, *, prefix_cache: bool = False
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.support.fake_provider", "--port", "0",
-         "--latency", str(latency_s), *(["--prefix-cache"] if prefix_cache else [])],
+         "--latency", str(latency_s), *(["--prefix-cache"] if prefix_cache else []),
+         *(["--keep-bodies"] if keep_bodies else [])],
         cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -64,7 +64,8 @@ class Stack:
                  worker: Mapping[str, Any] | None = None, default_model: str | None = None,
                  models: Sequence[Mapping[str, Any]] | None = None,
                  extra_env: Mapping[str, str] | None = None,
-                 python: Path | None = None) -> None:
+                 python: Path | None = None,
+                 extra_config: Mapping[str, Any] | None = None) -> None:
         # Another interpreter (a venv with compactd installed) runs the processes from its own
         # installed copy: the repository stays off their import path.
         self.python = str(python) if python is not None else sys.executable
@@ -83,6 +84,7 @@ class Stack:
             config["summarization"] = dict(summarization)
         # Tests run several workers on one host: metrics off unless a test asks for a port.
         config["worker"] = {"metrics_port": 0, **(worker or {})}
+        config.update(extra_config or {})
         self.config_path = home / "compactd.yaml"
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}

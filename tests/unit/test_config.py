@@ -80,6 +80,27 @@ def cfg(text: str):  # type: ignore[no-untyped-def]
     ("worker: {breaker: {probes: 1}}", "worker.breaker.probes: unknown key"),
     ("worker: {gc_threshold: often}", "worker.gc_threshold: Input should be a valid integer"),
     ("workers: {}", "workers: unknown key"),
+    ("models: [{name: a, provider: openai}]\nprices: {a: {input: -1, output: 2}}",
+     "prices.a.input: Input should be greater than or equal to 0"),
+    ("models: [{name: a, provider: openai}]\nprices: {a: {input: 1, output: 2, "
+     "cache_write: -0.5}}", "prices.a.cache_write: Input should be greater than or equal to 0"),
+    ("models: [{name: a, provider: openai}]\nprices: {a: {input: '1.5', output: 2}}",
+     "prices.a.input: Input should be a valid number"),
+    ("models: [{name: a, provider: openai}]\nprices: {a: {input: 1, output: cheap}}",
+     "prices.a.output: Input should be a valid number"),
+    ("models: [{name: a, provider: openai}]\nprices: {a: {input: 1, output: .inf}}",
+     "prices.a.output: Input should be a finite number"),
+    ("models: [{name: a, provider: openai}]\nprices: {a: {input: 1}}",
+     "prices.a.output: Field required"),
+    ("models: [{name: a, provider: openai}]\nprices: {a: {input: 1, output: 2, cached: 1}}",
+     "prices.a.cached: unknown key"),
+    ("models: [{name: a, provider: openai}]\nprices: {b: {input: 1, output: 2}}",
+     "prices.b: no model of that name in models, so no candidate uses it (configured: a)"),
+    ("models: [{name: a, provider: openai, model: gpt-x}]\nprices: {gpt-x: {input: 1, "
+     "output: 2}}", "prices.gpt-x: no model of that name in models, so no candidate uses it "
+     "(it is the provider's id of models entry 'a'"),
+    ("prices: {local: {input: 0, output: 0}}", "prices.local: the local summarizer makes no"),
+    ("prices: [1, 2]", "prices: Input should be a valid dictionary"),
 ])
 def test_bad_configs_name_the_key(text: str, error: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -176,8 +197,10 @@ def test_example_config_loads_and_shows_every_key() -> None:
                 "replay_mode", "strategy", "loop_guard", "metrics_port", "sweep_interval_s",
                 "body_timeout_s", "max_body_bytes", "layout", "chunk_tokens",
                 "index_summary_tokens", "index_max_tokens", "breaker", "failures",
-                "cooldown_s"):
+                "cooldown_s", "prices", "cached_input", "cache_write"):
         assert f"{key}:" in text, key
+    # Every configured model has a price, every price a model.
+    assert set(c.prices) == {m.name for m in c.models}
 
 
 def test_the_breaker_settings_reach_its_limits() -> None:

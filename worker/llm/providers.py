@@ -472,7 +472,7 @@ def anthropic_usage(parsed: Any) -> Usage:
     written = _count(getattr(usage, "cache_creation_input_tokens", None))
     total_in = None if fresh is None else fresh + (read or 0) + (written or 0)
     return Usage(input_tokens=total_in, output_tokens=_count(getattr(usage, "output_tokens", None)),
-                 cached_tokens=read)
+                 cached_tokens=read, cache_write_tokens=written)
 
 
 def anthropic_completion(parsed: Any, request_id: str | None) -> Completion:

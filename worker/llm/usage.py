@@ -13,7 +13,10 @@ class Usage:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    # Written to the prompt cache (Anthropic bills them apart, above the input price).
+    cache_write_tokens: int | None = None
 
     def to_json(self) -> dict[str, int | None]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "cached_tokens": self.cached_tokens}
+                "cached_tokens": self.cached_tokens,
+                "cache_write_tokens": self.cache_write_tokens}
