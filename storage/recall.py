@@ -19,8 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +37,22 @@ from storage.recall_bounds import (
     check_offset,
     check_query,
 )
+from storage.recall_text import (
+    SNIPPET_BEFORE_CHARS,
+    SNIPPET_CHARS,
+    Candidate,
+    fold,
+    rank,
+    ranked_words,
+)
 from storage.tokens import counter_for, fitting_prefix
 
-SNIPPET_BEFORE_CHARS = 80
-SNIPPET_CHARS = 240
-# Fuzzy hits are ranked (by how many of the query's words they hold) among this many of the
-# newest messages sharing a word with it: a common word matches most of a session, and
-# ranking every match reads them all.
-FUZZY_CANDIDATES = 50
+# The ranked stage looks at the newest this many originals holding each of the query's words
+# (not the newest holding any): a message holding every rare word is a candidate however many
+# newer ones hold a common word, and a word held by most of a session costs a bounded walk.
+RANKED_CANDIDATES_PER_WORD = 1000
 _READ_BATCH = 64  # originals fetched per statement while a page fills
 _CURSOR_PREFIX = "hr1."
-_WORD = re.compile(r"\w+")
 _NO_SPAN = (0, 2**63 - 1)
 
 
@@ -142,10 +146,6 @@ def render_original(seq: int, payload: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n\n"
 
 
-def fuzzy_words(query: str) -> list[str]:
-    return list(dict.fromkeys(w.lower() for w in _WORD.findall(query)))
-
-
 def _like_pattern(query: str) -> str:
     escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     return f"%{escaped}%"
@@ -153,14 +153,6 @@ def _like_pattern(query: str) -> str:
 
 def _fts_phrase(text: str) -> str:
     return '"' + text.replace('"', '""') + '"'
-
-
-def _snippet(body: str, words: Sequence[str]) -> str:
-    lowered = body.lower()
-    found = [i for i in (lowered.find(w) for w in words) if i >= 0]
-    start = max(0, min(found) - SNIPPET_BEFORE_CHARS) if found else 0
-    return body[start:start + SNIPPET_CHARS]
-
 
 
 class RecallMixin:
@@ -173,8 +165,8 @@ class RecallMixin:
                              limit: int = DEFAULT_SEARCH_LIMIT, *, tenant: str | None = None
                              ) -> SearchResult:
         """Messages compaction replaced in this session that hold ``query`` (exact, case-
-        insensitive substring; newest first), then those sharing its words (most words held
-        first); at most ``limit``."""
+        insensitive substring; newest first), then those holding its words, ranked by
+        :func:`storage.recall_text.rank` (most words held first); at most ``limit``."""
         check_query(query)
         check_limit(limit)
         db = self.db
@@ -187,27 +179,19 @@ class RecallMixin:
             await db.plan_for_each_search(conn)
             scanned = await db.fetchrow("history_scanned", conn=conn, **span)
             assert scanned is not None  # an aggregate has a row
-            common = {**span, "query": query, "limit": limit}
+            around = {"before": SNIPPET_BEFORE_CHARS, "width": SNIPPET_CHARS}
             # Each backend's form takes the parameters it names: a LIKE pattern (PostgreSQL's
             # trigram index) or an FTS5 phrase (SQLite's).
-            rows = await db.fetch(db.variant("history_search_exact"), conn=conn, **common,
-                                  before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS,
-                                  pattern=_like_pattern(query), phrase=_fts_phrase(query))
+            rows = await db.fetch(db.variant("history_search_exact"), conn=conn, **span,
+                                  **around, query=query, limit=limit,
+                                  pattern=_like_pattern(query), phrase=_fts_phrase(query),
+                                  needles=json.dumps([fold(query)]))
             hits = [SearchHit(r["ref"], r["seq"], r["snippet"], True) for r in rows]
-            words = [w for w in fuzzy_words(query) if len(w) >= db.shortest_indexed_word]
-            # A query of one word has no fuzzy hits: every message holding the word holds
-            # the query, and is an exact hit already.
-            if words == [query.strip().lower()]:
-                words = []
+            words = ranked_words(query)
             if len(hits) < limit and words:
-                rows = await db.fetch(
-                    db.variant("history_search_fuzzy"), conn=conn,
-                    **{**common, "limit": limit - len(hits)},
-                    pattern=_like_pattern(query), candidates=FUZZY_CANDIDATES, word_list=words,
-                    tsquery=" | ".join(f"'{w}'" for w in words),
-                    fts_words=" OR ".join(_fts_phrase(w) for w in words))
-                hits += [SearchHit(r["ref"], r["seq"], _snippet(r["body"], words), False)
-                         for r in rows]
+                ranked = await _ranked(db, conn, span, query, words, int(scanned["messages"]))
+                hits += [SearchHit(ref, seq, text, False)
+                         for seq, ref, text in ranked[:limit - len(hits)]]
         return SearchResult(tuple(hits), int(scanned["messages"]), int(scanned["bytes"]))
 
     async def history_read(self, session_id: str, checkpoint: str, offset: int | str = 0, *,
@@ -274,6 +258,31 @@ class RecallMixin:
                         offset=index, next_offset=at if more else None,
                         cursor=encode_cursor(ref, at, within) if more else None,
                         total_messages=total, tokens=used)
+
+
+async def _ranked(db: Connector, conn: AsyncConnection, span: dict[str, Any], query: str,
+                  words: list[str], messages: int) -> list[tuple[int, str, str]]:
+    """(seq, node, snippet) of the originals holding any of ``words`` but not the whole query,
+    best first: each word's newest holders are the candidates, the database says which words
+    each holds, and :func:`rank` orders them (the same integers, so the same order, on both
+    backends)."""
+    seqs: set[int] = set()
+    for word in words:
+        rows = await db.fetch(db.variant("history_search_word"), conn=conn, **span, word=word,
+                              pattern=_like_pattern(word), phrase=_fts_phrase(word),
+                              cap=RANKED_CANDIDATES_PER_WORD)
+        seqs.update(int(r["seq"]) for r in rows)
+    if not seqs:
+        return []
+    ordered = sorted(seqs)
+    rows = await db.fetch(db.variant("history_search_held"), conn=conn,
+                          session_id=span["session_id"], query=query,
+                          seq_list=ordered, seqs=json.dumps(ordered),
+                          word_list=words, words=json.dumps(words),
+                          before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS)
+    found = {int(r["seq"]): (str(r["ref"]), str(r["snippet"])) for r in rows}
+    best = rank((Candidate(int(r["seq"]), int(r["held"])) for r in rows), words, messages)
+    return [(seq, *found[seq]) for seq in best]
 
 
 async def _session(db: Connector, conn: AsyncConnection, session_id: str,
