@@ -16,10 +16,11 @@ Reads only: a refused argument (:class:`RecallArgumentError`) is raised before a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ from storage.recall_text import (
     rank,
     ranked_words,
 )
-from storage.tokens import counter_for, fitting_prefix
+from storage.tokens import TokenCounter, counter_for, fitting_prefix
 
 # The ranked stage looks at the newest this many originals holding each of the query's words
 # (not the newest holding any): a message holding every rare word is a candidate however many
@@ -206,13 +207,16 @@ class RecallMixin:
         if cursor is not None:
             if offset != 0:
                 raise RecallArgumentError("cursor", "give offset or cursor, not both")
+            source = "cursor"
             index, char = decode_cursor(check_cursor(cursor), ref, "cursor")
         elif isinstance(offset, str):
+            source = "offset"
             index, char = decode_cursor(offset, ref)
         elif isinstance(offset, bool) or not isinstance(offset, int):
             raise RecallArgumentError("offset", f"must be an integer or a cursor, got "
                                                 f"{type(offset).__name__}")
         else:
+            source = None
             index, char = check_offset(offset), 0
         if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int):
             raise RecallArgumentError("budget_tokens", f"must be an integer, got "
@@ -224,40 +228,91 @@ class RecallMixin:
             _, first, last = await _node(db, conn, session_id, ref)
             span = {"session_id": session_id, "first_seq": first, "last_seq": last}
             total = int(await db.fetchval("history_count", conn=conn, **span) or 0)
-            counter = counter_for(run_model)
-            parts: list[str] = []
-            seqs: list[int] = []
-            used = 0
-            at, within = index, char
-            done = False
-            while not done and at < total:
+            if source is not None and index >= total:
+                raise RecallArgumentError(source, f"the cursor points past the last of the "
+                                                  f"{total} messages {ref} replaced")
+            page = _Page(counter_for(run_model), budget_tokens, index, char, source)
+            while not page.done and page.at < total:
                 rows = await db.fetch("history_originals", conn=conn, **span,
-                                      limit=_READ_BATCH, offset=at)
+                                      limit=_READ_BATCH, offset=page.at)
                 if not rows:
                     break
-                for row in rows:
-                    block = render_original(row["seq"], _payload(row["payload"]))[within:]
-                    tokens = counter.count_text(block)
-                    if used + tokens <= budget_tokens:
-                        parts.append(block)
-                        seqs.append(row["seq"])
-                        used += tokens
-                        at, within = at + 1, 0
-                        continue
-                    if not parts or used < budget_tokens // 2:
-                        # Too large for what is left: as much as fits, the rest next page.
-                        cut = fitting_prefix(block, budget_tokens - used, counter, at_least=1)
-                        parts.append(block[:cut])
-                        seqs.append(row["seq"])
-                        used += counter.count_text(block[:cut])
-                        within += cut
-                    done = True
-                    break
+                # Rendering and counting a large original takes the CPU for as long as its
+                # size: off the event loop, which answers every other request meanwhile.
+                await asyncio.to_thread(page.fill, rows)
+        at, within = page.at, page.within
         more = at < total
-        return ReadPage(checkpoint=ref, transcript="".join(parts), seqs=tuple(seqs),
-                        offset=index, next_offset=at if more else None,
+        # An offset names a whole message: past one this page cut, the next not begun, so a
+        # client paging by offset always moves on (the cursor resumes inside the cut one).
+        after = at + 1 if within else at
+        return ReadPage(checkpoint=ref, transcript="".join(page.parts), seqs=tuple(page.seqs),
+                        offset=index, next_offset=after if after < total else None,
                         cursor=encode_cursor(ref, at, within) if more else None,
-                        total_messages=total, tokens=used)
+                        total_messages=total, tokens=page.used)
+
+
+class _Page:
+    """A read page as it fills: whole originals while they fit, then as much of one too large
+    for what is left as fits (:meth:`fill`, one batch of originals at a time)."""
+
+    def __init__(self, counter: TokenCounter, budget: int, at: int, within: int,
+                 source: str | None) -> None:
+        self.counter, self.budget = counter, budget
+        self.at, self.within = at, within
+        self.source = source  # the argument that gave a position inside a message
+        self.parts: list[str] = []
+        self.seqs: list[int] = []
+        self.used = 0
+        self.done = False
+
+    def fill(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        for row in rows:
+            rendered = render_original(row["seq"], _payload(row["payload"]))
+            if self.within and self.within >= len(rendered):
+                raise RecallArgumentError(self.source or "offset", (
+                    f"the cursor points past the end of message seq {row['seq']} "
+                    f"({len(rendered)} code points)"))
+            block = rendered[self.within:]
+            room = self.budget - self.used
+            fits, tokens = _fitting(block, room, self.counter)
+            if fits == len(block):
+                self.parts.append(block)
+                self.seqs.append(row["seq"])
+                self.used += tokens
+                self.at, self.within = self.at + 1, 0
+                continue
+            if not self.parts or self.used < self.budget // 2:
+                # Too large for what is left: as much as fits, the rest next page.
+                cut = max(fits, 1)
+                self.parts.append(block[:cut])
+                self.seqs.append(row["seq"])
+                self.used += tokens if cut == fits else self.counter.count_text(block[:cut])
+                self.within += cut
+            self.done = True
+            return
+
+
+# How many code points per token the first look at a block assumes; a block that fits in fewer
+# tokens than that many code points allow is looked at again, four times as long.
+_PROBE_CHARS_PER_TOKEN = 8
+
+
+def _fitting(block: str, room: int, counter: TokenCounter) -> tuple[int, int]:
+    """(code points, tokens) of the longest prefix of ``block`` within ``room`` tokens: all of
+    it when it fits. Counts no more of the block than about ``room`` tokens' worth, however long
+    the block (a 3 MB line counted whole on every page made reading it quadratic)."""
+    probe = max(room, 1) * _PROBE_CHARS_PER_TOKEN
+    while probe < len(block):
+        if counter.count_text(block[:probe]) > room:
+            block = block[:probe]
+            break
+        probe *= 4
+    else:
+        tokens = counter.count_text(block)
+        if tokens <= room:
+            return len(block), tokens
+    fits = fitting_prefix(block, room, counter) if room > 0 else 0
+    return fits, counter.count_text(block[:fits])
 
 
 async def _ranked(db: Connector, conn: AsyncConnection, span: dict[str, Any], query: str,
