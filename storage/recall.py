@@ -86,7 +86,9 @@ class ReadPage:
     transcript: str
     seqs: tuple[int, ...]  # the originals this page shows (wholly or in part)
     offset: int  # the index of the first of them among the node's originals
-    next_offset: int | None  # where the next page starts (None: this was the last)
+    # The first message this page did not begin (past a message it cut; None: none is left);
+    # the cursor resumes inside a cut one.
+    next_offset: int | None
     cursor: str | None  # the same, to the code point (None: this was the last)
     total_messages: int
     tokens: int

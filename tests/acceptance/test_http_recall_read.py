@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
+from tests.support.api import TOKEN_A, TOKEN_B, appends_while, bearer, start_api
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis, pytest.mark.timed]
 
@@ -72,17 +72,7 @@ def test_another_tenant_appends_while_a_3_mb_original_is_read_page_by_page(
     a = threading.Thread(target=tenant_a)
     a.start()
     reading.wait(30)
-    during: list[float] = []
-    with httpx.Client(base_url=url, headers=bearer(TOKEN_B), timeout=600) as http:
-        n = 0
-        while a.is_alive():
-            started = time.monotonic()
-            step = http.post("/v1/sessions/b-small/messages",
-                             json={"messages": [{"role": "user", "content": f"b{n}"}]})
-            assert step.status_code == 200, step.text
-            if reading.is_set():
-                during.append(time.monotonic() - started)
-            n += 1
+    during = appends_while(url, TOKEN_B, "b-small", a, reading)
     a.join()
     assert not failures, failures
     assert len(during) >= 3, f"B got {len(during)} answers during A's {len(pages)} pages"
