@@ -51,7 +51,7 @@ from storage.tokens import TokenCounter, counter_for, fitting_prefix
 # The ranked stage looks at the newest this many originals holding each of the query's words
 # (not the newest holding any): a message holding every rare word is a candidate however many
 # newer ones hold a common word, and a word held by most of a session costs a bounded walk.
-RANKED_CANDIDATES_PER_WORD = 1000
+RANKED_CANDIDATES_PER_WORD = 200
 _READ_BATCH = 64  # originals fetched per statement while a page fills
 _CURSOR_PREFIX = "hr1."
 _NO_SPAN = (0, 2**63 - 1)
