@@ -45,8 +45,6 @@ class Connector:
     encodes_appends: bool
     #: A claim waits for the session's row lock (PostgreSQL), rather than the database's.
     locks_rows: bool
-    #: The shortest word the text index finds (SQLite's FTS5 indexes trigrams).
-    shortest_indexed_word: int
     #: The suffix of this backend's form of a query the two spell differently.
     variant_suffix: str
 
@@ -108,7 +106,6 @@ class PostgresConnector(Connector):
 
     encodes_appends = True
     locks_rows = True
-    shortest_indexed_word = 1
     variant_suffix = "pg"
 
     def __init__(self, engine: AsyncEngine, *, kept: int = 1) -> None:
@@ -175,7 +172,6 @@ class PostgresConnector(Connector):
 class SQLiteConnector(Connector):
     encodes_appends = False
     locks_rows = False
-    shortest_indexed_word = 3
     variant_suffix = "sqlite"
 
     def __init__(self, engine: AsyncEngine) -> None:

@@ -33,6 +33,7 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
+from storage.recall_text import fold, snippet
 from storage.schema import dumps
 
 SQLITE_FILENAME = "compactd.sqlite3"
@@ -172,6 +173,10 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.close()
+        # Recall's searches compare text as PostgreSQL's do (storage.recall_text): SQLite's
+        # lower() folds ASCII only, and its substr() stops at a NUL.
+        dbapi_conn.create_function("compactd_fold", 1, fold, deterministic=True)
+        dbapi_conn.create_function("compactd_snippet", 4, snippet, deterministic=True)
 
     @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Any) -> None:

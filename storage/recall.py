@@ -16,10 +16,10 @@ Reads only: a refused argument (:class:`RecallArgumentError`) is raised before a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,17 +38,22 @@ from storage.recall_bounds import (
     check_offset,
     check_query,
 )
-from storage.tokens import counter_for, fitting_prefix
+from storage.recall_text import (
+    SNIPPET_BEFORE_CHARS,
+    SNIPPET_CHARS,
+    Candidate,
+    fold,
+    rank,
+    ranked_words,
+)
+from storage.tokens import TokenCounter, counter_for, fitting_prefix
 
-SNIPPET_BEFORE_CHARS = 80
-SNIPPET_CHARS = 240
-# Fuzzy hits are ranked (by how many of the query's words they hold) among this many of the
-# newest messages sharing a word with it: a common word matches most of a session, and
-# ranking every match reads them all.
-FUZZY_CANDIDATES = 50
+# The ranked stage looks at the newest this many originals holding each of the query's words
+# (not the newest holding any): a message holding every rare word is a candidate however many
+# newer ones hold a common word, and a word held by most of a session costs a bounded walk.
+RANKED_CANDIDATES_PER_WORD = 200
 _READ_BATCH = 64  # originals fetched per statement while a page fills
 _CURSOR_PREFIX = "hr1."
-_WORD = re.compile(r"\w+")
 _NO_SPAN = (0, 2**63 - 1)
 
 
@@ -81,7 +86,9 @@ class ReadPage:
     transcript: str
     seqs: tuple[int, ...]  # the originals this page shows (wholly or in part)
     offset: int  # the index of the first of them among the node's originals
-    next_offset: int | None  # where the next page starts (None: this was the last)
+    # The first message this page did not begin (past a message it cut; None: none is left);
+    # the cursor resumes inside a cut one.
+    next_offset: int | None
     cursor: str | None  # the same, to the code point (None: this was the last)
     total_messages: int
     tokens: int
@@ -142,10 +149,6 @@ def render_original(seq: int, payload: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n\n"
 
 
-def fuzzy_words(query: str) -> list[str]:
-    return list(dict.fromkeys(w.lower() for w in _WORD.findall(query)))
-
-
 def _like_pattern(query: str) -> str:
     escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     return f"%{escaped}%"
@@ -153,14 +156,6 @@ def _like_pattern(query: str) -> str:
 
 def _fts_phrase(text: str) -> str:
     return '"' + text.replace('"', '""') + '"'
-
-
-def _snippet(body: str, words: Sequence[str]) -> str:
-    lowered = body.lower()
-    found = [i for i in (lowered.find(w) for w in words) if i >= 0]
-    start = max(0, min(found) - SNIPPET_BEFORE_CHARS) if found else 0
-    return body[start:start + SNIPPET_CHARS]
-
 
 
 class RecallMixin:
@@ -173,8 +168,8 @@ class RecallMixin:
                              limit: int = DEFAULT_SEARCH_LIMIT, *, tenant: str | None = None
                              ) -> SearchResult:
         """Messages compaction replaced in this session that hold ``query`` (exact, case-
-        insensitive substring; newest first), then those sharing its words (most words held
-        first); at most ``limit``."""
+        insensitive substring; newest first), then those holding its words, ranked by
+        :func:`storage.recall_text.rank` (most words held first); at most ``limit``."""
         check_query(query)
         check_limit(limit)
         db = self.db
@@ -187,27 +182,19 @@ class RecallMixin:
             await db.plan_for_each_search(conn)
             scanned = await db.fetchrow("history_scanned", conn=conn, **span)
             assert scanned is not None  # an aggregate has a row
-            common = {**span, "query": query, "limit": limit}
+            around = {"before": SNIPPET_BEFORE_CHARS, "width": SNIPPET_CHARS}
             # Each backend's form takes the parameters it names: a LIKE pattern (PostgreSQL's
             # trigram index) or an FTS5 phrase (SQLite's).
-            rows = await db.fetch(db.variant("history_search_exact"), conn=conn, **common,
-                                  before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS,
-                                  pattern=_like_pattern(query), phrase=_fts_phrase(query))
+            rows = await db.fetch(db.variant("history_search_exact"), conn=conn, **span,
+                                  **around, query=query, limit=limit,
+                                  pattern=_like_pattern(query), phrase=_fts_phrase(query),
+                                  needles=json.dumps([fold(query)]))
             hits = [SearchHit(r["ref"], r["seq"], r["snippet"], True) for r in rows]
-            words = [w for w in fuzzy_words(query) if len(w) >= db.shortest_indexed_word]
-            # A query of one word has no fuzzy hits: every message holding the word holds
-            # the query, and is an exact hit already.
-            if words == [query.strip().lower()]:
-                words = []
+            words = ranked_words(query)
             if len(hits) < limit and words:
-                rows = await db.fetch(
-                    db.variant("history_search_fuzzy"), conn=conn,
-                    **{**common, "limit": limit - len(hits)},
-                    pattern=_like_pattern(query), candidates=FUZZY_CANDIDATES, word_list=words,
-                    tsquery=" | ".join(f"'{w}'" for w in words),
-                    fts_words=" OR ".join(_fts_phrase(w) for w in words))
-                hits += [SearchHit(r["ref"], r["seq"], _snippet(r["body"], words), False)
-                         for r in rows]
+                ranked = await _ranked(db, conn, span, query, words, int(scanned["messages"]))
+                hits += [SearchHit(ref, seq, text, False)
+                         for seq, ref, text in ranked[:limit - len(hits)]]
         return SearchResult(tuple(hits), int(scanned["messages"]), int(scanned["bytes"]))
 
     async def history_read(self, session_id: str, checkpoint: str, offset: int | str = 0, *,
@@ -222,13 +209,16 @@ class RecallMixin:
         if cursor is not None:
             if offset != 0:
                 raise RecallArgumentError("cursor", "give offset or cursor, not both")
+            source = "cursor"
             index, char = decode_cursor(check_cursor(cursor), ref, "cursor")
         elif isinstance(offset, str):
+            source = "offset"
             index, char = decode_cursor(offset, ref)
         elif isinstance(offset, bool) or not isinstance(offset, int):
             raise RecallArgumentError("offset", f"must be an integer or a cursor, got "
                                                 f"{type(offset).__name__}")
         else:
+            source = None
             index, char = check_offset(offset), 0
         if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int):
             raise RecallArgumentError("budget_tokens", f"must be an integer, got "
@@ -240,40 +230,116 @@ class RecallMixin:
             _, first, last = await _node(db, conn, session_id, ref)
             span = {"session_id": session_id, "first_seq": first, "last_seq": last}
             total = int(await db.fetchval("history_count", conn=conn, **span) or 0)
-            counter = counter_for(run_model)
-            parts: list[str] = []
-            seqs: list[int] = []
-            used = 0
-            at, within = index, char
-            done = False
-            while not done and at < total:
+            if source is not None and index >= total:
+                raise RecallArgumentError(source, f"the cursor points past the last of the "
+                                                  f"{total} messages {ref} replaced")
+            page = _Page(counter_for(run_model), budget_tokens, index, char, source)
+            while not page.done and page.at < total:
                 rows = await db.fetch("history_originals", conn=conn, **span,
-                                      limit=_READ_BATCH, offset=at)
+                                      limit=_READ_BATCH, offset=page.at)
                 if not rows:
                     break
-                for row in rows:
-                    block = render_original(row["seq"], _payload(row["payload"]))[within:]
-                    tokens = counter.count_text(block)
-                    if used + tokens <= budget_tokens:
-                        parts.append(block)
-                        seqs.append(row["seq"])
-                        used += tokens
-                        at, within = at + 1, 0
-                        continue
-                    if not parts or used < budget_tokens // 2:
-                        # Too large for what is left: as much as fits, the rest next page.
-                        cut = fitting_prefix(block, budget_tokens - used, counter, at_least=1)
-                        parts.append(block[:cut])
-                        seqs.append(row["seq"])
-                        used += counter.count_text(block[:cut])
-                        within += cut
-                    done = True
-                    break
+                # Rendering and counting a large original takes the CPU for as long as its
+                # size: off the event loop, which answers every other request meanwhile.
+                await asyncio.to_thread(page.fill, rows)
+        at, within = page.at, page.within
         more = at < total
-        return ReadPage(checkpoint=ref, transcript="".join(parts), seqs=tuple(seqs),
-                        offset=index, next_offset=at if more else None,
+        # An offset names a whole message: past one this page cut, the next not begun, so a
+        # client paging by offset always moves on (the cursor resumes inside the cut one).
+        after = at + 1 if within else at
+        return ReadPage(checkpoint=ref, transcript="".join(page.parts), seqs=tuple(page.seqs),
+                        offset=index, next_offset=after if after < total else None,
                         cursor=encode_cursor(ref, at, within) if more else None,
-                        total_messages=total, tokens=used)
+                        total_messages=total, tokens=page.used)
+
+
+class _Page:
+    """A read page as it fills: whole originals while they fit, then as much of one too large
+    for what is left as fits (:meth:`fill`, one batch of originals at a time)."""
+
+    def __init__(self, counter: TokenCounter, budget: int, at: int, within: int,
+                 source: str | None) -> None:
+        self.counter, self.budget = counter, budget
+        self.at, self.within = at, within
+        self.source = source  # the argument that gave a position inside a message
+        self.parts: list[str] = []
+        self.seqs: list[int] = []
+        self.used = 0
+        self.done = False
+
+    def fill(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        for row in rows:
+            rendered = render_original(row["seq"], _payload(row["payload"]))
+            if self.within and self.within >= len(rendered):
+                raise RecallArgumentError(self.source or "offset", (
+                    f"the cursor points past the end of message seq {row['seq']} "
+                    f"({len(rendered)} code points)"))
+            block = rendered[self.within:]
+            room = self.budget - self.used
+            fits, tokens = _fitting(block, room, self.counter)
+            if fits == len(block):
+                self.parts.append(block)
+                self.seqs.append(row["seq"])
+                self.used += tokens
+                self.at, self.within = self.at + 1, 0
+                continue
+            if not self.parts or self.used < self.budget // 2:
+                # Too large for what is left: as much as fits, the rest next page.
+                cut = max(fits, 1)
+                self.parts.append(block[:cut])
+                self.seqs.append(row["seq"])
+                self.used += tokens if cut == fits else self.counter.count_text(block[:cut])
+                self.within += cut
+            self.done = True
+            return
+
+
+# How many code points per token the first look at a block assumes; a block that fits in fewer
+# tokens than that many code points allow is looked at again, four times as long.
+_PROBE_CHARS_PER_TOKEN = 8
+
+
+def _fitting(block: str, room: int, counter: TokenCounter) -> tuple[int, int]:
+    """(code points, tokens) of the longest prefix of ``block`` within ``room`` tokens: all of
+    it when it fits. Counts no more of the block than about ``room`` tokens' worth, however long
+    the block (a 3 MB line counted whole on every page made reading it quadratic)."""
+    probe = max(room, 1) * _PROBE_CHARS_PER_TOKEN
+    while probe < len(block):
+        if counter.count_text(block[:probe]) > room:
+            block = block[:probe]
+            break
+        probe *= 4
+    else:
+        tokens = counter.count_text(block)
+        if tokens <= room:
+            return len(block), tokens
+    fits = fitting_prefix(block, room, counter) if room > 0 else 0
+    return fits, counter.count_text(block[:fits])
+
+
+async def _ranked(db: Connector, conn: AsyncConnection, span: dict[str, Any], query: str,
+                  words: list[str], messages: int) -> list[tuple[int, str, str]]:
+    """(seq, node, snippet) of the originals holding any of ``words`` but not the whole query,
+    best first: each word's newest holders are the candidates, the database says which words
+    each holds, and :func:`rank` orders them (the same integers, so the same order, on both
+    backends)."""
+    seqs: set[int] = set()
+    for word in words:
+        rows = await db.fetch(db.variant("history_search_word"), conn=conn, **span, word=word,
+                              pattern=_like_pattern(word), phrase=_fts_phrase(word),
+                              cap=RANKED_CANDIDATES_PER_WORD)
+        seqs.update(int(r["seq"]) for r in rows)
+    if not seqs:
+        return []
+    ordered = sorted(seqs)
+    rows = await db.fetch(db.variant("history_search_held"), conn=conn,
+                          session_id=span["session_id"], query=query,
+                          seq_list=ordered, seqs=json.dumps(ordered),
+                          word_list=words, words=json.dumps(words),
+                          before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS)
+    found = {int(r["seq"]): (str(r["ref"]), str(r["snippet"])) for r in rows}
+    best = rank((Candidate(int(r["seq"]), int(r["held"])) for r in rows), words, messages)
+    return [(seq, *found[seq]) for seq in best]
 
 
 async def _session(db: Connector, conn: AsyncConnection, session_id: str,

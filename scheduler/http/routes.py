@@ -279,7 +279,8 @@ def add_routes(app: FastAPI) -> None:
             limit: Annotated[int, Query(description="at most this many hits (1-100)")]
             = DEFAULT_SEARCH_LIMIT) -> dict[str, Any]:
         """The messages compaction replaced in this session that hold ``query`` (exact,
-        case-insensitive substring; newest first), then those sharing its words."""
+        case-insensitive substring; newest first), then those holding its words (most of them
+        first)."""
         # A name that is not one (a typo, a NUL) is refused by name before any read; a
         # well-formed name this session lacks is 404.
         ref = None if checkpoint is None else str(parse_ref(checkpoint))

@@ -307,8 +307,10 @@ class ReadOut(BaseModel):
     transcript: str = Field(description="the originals as a transcript, contents verbatim")
     seqs: list[int]
     offset: int
-    next_offset: int | None = Field(description="the message index the next page starts at "
-                                                "(null: this was the last page)")
+    next_offset: int | None = Field(description="the index of the first message this page "
+                                                "did not begin, always past offset (the rest of "
+                                                "a message the page cut is read with cursor; "
+                                                "null: no such message)")
     cursor: str | None = Field(description="the next page's exact start, to pass as cursor "
                                            "(null: this was the last page)")
     total_messages: int

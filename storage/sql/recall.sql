@@ -48,34 +48,14 @@ FROM (SELECT o.seq, o.node_seq, o.body FROM recall_originals o
 JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
 ORDER BY c.seq DESC;
 
--- name: history_search_fuzzy_pg(session_id, first_seq, last_seq, tsquery, pattern, candidates, word_list, limit)
--- postgres-only: to_tsquery and arrays are PostgreSQL's; SQLite ranks FTS5 matches by bm25
--- (history_search_fuzzy_sqlite).
--- Messages sharing words with the query but not holding it whole: the newest candidates the
--- full-text index finds, ordered by how many of the query's words each holds (ranking every
--- match of a common word would read them all, and ts_rank would parse each body again).
--- body_tsv is the stored vector (migration 0012): a walk of the session's originals reads it
--- instead of computing it row by row.
-SELECT c.seq, n.ref, c.body
-FROM (SELECT o.seq, o.node_seq, o.body FROM recall_originals o
-      WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
-        AND o.body_tsv @@ to_tsquery('simple', :tsquery)
-        AND NOT o.body ILIKE :pattern
-      ORDER BY o.seq DESC
-      LIMIT :candidates) c
-JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
-ORDER BY (SELECT count(*) FROM unnest(CAST(:word_list AS text[])) w
-          WHERE strpos(lower(c.body), w) > 0) DESC, c.seq DESC
-LIMIT :limit;
-
--- name: history_search_exact_sqlite(session_id, first_seq, last_seq, query, phrase, before, width, limit)
+-- name: history_search_exact_sqlite(session_id, first_seq, last_seq, query, phrase, needles, before, width, limit)
 -- sqlite-only: recall_fts is an FTS5 table, which only SQLite has (PostgreSQL:
 -- history_search_exact_pg).
 -- Substring matches through the trigram FTS5 index (a phrase of trigrams is a substring,
 -- case-insensitive), newest first; queries under three characters are matched by instr().
-SELECT o.seq, n.ref,
-       substr(o.body, max(1, instr(lower(o.body), lower(:query)) - :before), :width)
-         AS snippet
+-- compactd_fold and compactd_snippet (storage.recall_text, registered on every connection)
+-- fold case as PostgreSQL's lower() does, and cut past a NUL.
+SELECT o.seq, n.ref, compactd_snippet(o.body, :needles, :before, :width) AS snippet
 FROM recall_originals o
 JOIN recall_nodes n ON n.session_id = o.session_id AND n.seq = o.node_seq
 WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
@@ -83,22 +63,66 @@ WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
             THEN o.seq IN (SELECT seq FROM recall_fts
                            WHERE recall_fts MATCH :phrase AND session_id = :session_id)
             ELSE 1 END)
-  AND instr(lower(o.body), lower(:query)) > 0
+  AND instr(compactd_fold(o.body), compactd_fold(:query)) > 0
 ORDER BY o.seq DESC
 LIMIT :limit;
 
--- name: history_search_fuzzy_sqlite(session_id, first_seq, last_seq, query, fts_words, limit)
--- sqlite-only: FTS5 MATCH and bm25 are SQLite's (PostgreSQL: history_search_fuzzy_pg).
--- Messages sharing words (three characters or more) with the query, by bm25.
-SELECT o.seq, n.ref, o.body
-FROM (SELECT seq, bm25(recall_fts) AS score FROM recall_fts
-      WHERE recall_fts MATCH :fts_words AND session_id = :session_id) f
-JOIN recall_originals o ON o.session_id = :session_id AND o.seq = f.seq
-JOIN recall_nodes n ON n.session_id = o.session_id AND n.seq = o.node_seq
-WHERE o.seq BETWEEN :first_seq AND :last_seq
-  AND instr(lower(o.body), lower(:query)) = 0
-ORDER BY f.score, o.seq DESC
-LIMIT :limit;
+-- name: history_search_word_pg(session_id, first_seq, last_seq, pattern, cap)
+-- postgres-only: the trigram GIN index answers ILIKE (SQLite: history_search_word_sqlite).
+-- The ranked stage's candidates for one word: the newest cap originals holding it (a
+-- case-insensitive substring). Asked word by word, each planned for its own pattern: a rare
+-- word goes through the trigram index, a common one walks the session backwards.
+SELECT o.seq FROM recall_originals o
+WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
+  AND o.body ILIKE :pattern
+ORDER BY o.seq DESC
+LIMIT :cap;
+
+-- name: history_search_word_sqlite(session_id, first_seq, last_seq, word, phrase, cap)
+-- sqlite-only: FTS5 MATCH is SQLite's (PostgreSQL: history_search_word_pg).
+-- The ranked stage's candidates for one word (of three code points or more, folded): the newest
+-- cap originals holding it, found through the trigram FTS5 index and checked with the folding
+-- PostgreSQL's ILIKE applies.
+SELECT o.seq FROM recall_originals o
+WHERE o.session_id = :session_id AND o.seq BETWEEN :first_seq AND :last_seq
+  AND o.seq IN (SELECT seq FROM recall_fts
+                WHERE recall_fts MATCH :phrase AND session_id = :session_id)
+  AND instr(compactd_fold(o.body), :word) > 0
+ORDER BY o.seq DESC
+LIMIT :cap;
+
+-- name: history_search_held_pg(session_id, seq_list, word_list, query, before, width)
+-- postgres-only: arrays and unnest are PostgreSQL's (SQLite: history_search_held_sqlite).
+-- For each candidate that does not hold the whole query (an exact hit): which of the query's
+-- folded words it holds (bit i for word i), and a snippet cut around the first of them.
+-- storage.recall_text.rank orders them, the same on both backends.
+SELECT c.seq, n.ref,
+       (SELECT coalesce(sum(1 << (w.i - 1)::int), 0)::int
+        FROM unnest(CAST(:word_list AS text[])) WITH ORDINALITY w(word, i)
+        WHERE strpos(c.folded, w.word) > 0) AS held,
+       substr(c.body, greatest(1, coalesce(
+                (SELECT min(strpos(c.folded, w)) FROM unnest(CAST(:word_list AS text[])) w
+                 WHERE strpos(c.folded, w) > 0), 1) - :before), :width) AS snippet
+FROM (SELECT o.seq, o.node_seq, o.body, lower(o.body) AS folded FROM recall_originals o
+      WHERE o.session_id = :session_id AND o.seq = ANY(CAST(:seq_list AS bigint[]))) c
+JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
+WHERE strpos(c.folded, lower(:query)) = 0;
+
+-- name: history_search_held_sqlite(session_id, seqs, words, query, before, width)
+-- sqlite-only: compactd_fold and compactd_snippet are functions compactd registers on its
+-- SQLite connections (PostgreSQL: history_search_held_pg); the lists come as JSON arrays.
+-- For each candidate that does not hold the whole query (an exact hit): which of the query's
+-- folded words it holds (bit i for word i), and a snippet cut around the first of them.
+WITH c AS MATERIALIZED (
+  SELECT o.seq, o.node_seq, o.body, compactd_fold(o.body) AS folded FROM recall_originals o
+  WHERE o.session_id = :session_id AND o.seq IN (SELECT value FROM json_each(:seqs)))
+SELECT c.seq, n.ref,
+       (SELECT coalesce(sum(1 << w.key), 0) FROM json_each(:words) w
+        WHERE instr(c.folded, w.value) > 0) AS held,
+       compactd_snippet(c.body, :words, :before, :width) AS snippet
+FROM c
+JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
+WHERE instr(c.folded, compactd_fold(:query)) = 0;
 
 -- name: history_count(session_id, first_seq, last_seq)
 -- How many originals a node stands for.
@@ -134,6 +158,8 @@ SELECT compactd_recall_index(:session_id, :seq, :kind, CAST(:payload AS json));
 -- sqlite-only: the SQLite trigger's first step (json_each is SQLite's; PostgreSQL does this in
 -- compactd_recall_index). The originals this replace is the first to replace, with their text:
 -- content (a string, or its text blocks), then each tool call's name and arguments.
+-- json_extract ends a text at a NUL, so each NUL escape (\u0000, not an escaped backslash
+-- before "u0000": those are set aside first, as U+FFFF) is read as a space (migration 0014).
 INSERT OR IGNORE INTO recall_originals (session_id, seq, node_seq, body, bytes)
 SELECT session_id, seq, node_seq, body, length(CAST(body AS BLOB)) FROM (
   SELECT session_id, seq, node_seq,
@@ -150,7 +176,11 @@ SELECT session_id, seq, node_seq, body, length(CAST(body AS BLOB)) FROM (
                                 || json_extract(c.value, '$[2]'), char(10))
             FROM json_each(e.payload, '$.tool_calls') c) AS calls
     FROM json_each(:payload, '$.replaces') r
-    JOIN events e ON e.session_id = :session_id AND e.seq = r.value AND e.kind = 'message'));
+    JOIN (SELECT session_id, seq, kind,
+                 replace(replace(replace(payload, '\\', char(65535)), '\u0000', ' '),
+                         char(65535), '\\') AS payload
+          FROM events) e
+      ON e.session_id = :session_id AND e.seq = r.value AND e.kind = 'message'));
 
 -- name: recall_index_node(session_id, seq, kind, payload)!
 -- sqlite-only: the SQLite trigger's second step (PostgreSQL: compactd_recall_index). The node,
@@ -188,3 +218,4 @@ INSERT INTO recall_fts (session_id, seq, body) VALUES (:session_id, :seq, :body)
 -- sqlite-only: keeps the FTS5 table (SQLite's) in step with recall_originals, run by its
 -- delete trigger; PostgreSQL's GIN indexes keep themselves.
 DELETE FROM recall_fts WHERE session_id = :session_id AND seq = :seq;
+

@@ -154,3 +154,42 @@ def test_bad_input_exits_2_naming_the_argument_and_writes_nothing(env: dict[str,
     for args, named in cases:
         assert_refused(env, args, named)
     assert _rows(env) == before
+
+
+def test_the_embedded_default_folds_unicode_case_and_finds_text_after_a_nul(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    """SQLite's own lower() folds ASCII only and its JSON reader ends a text at a NUL: neither
+    may hide a replaced message from a search on the embedded default."""
+    config = tmp_path / "compactd.yaml"
+    config.write_text("summarization:\n  trigger: [{type: tokens, value: 500}]\n"
+                      "  keep: {type: messages, value: 2}\n")
+    cli_env["COMPACTD_CONFIG"] = str(config)
+    messages = [{"role": "user", "content": "Read the archive header."},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "c1", "type": "function",
+                    "function": {"name": "read", "arguments": '{"path": "a.bin"}'}}]},
+                {"role": "tool", "tool_call_id": "c1",
+                 "content": "MAGIC\x00\x00 trailer: zanzibar-7731 checksum ok"},
+                {"role": "assistant", "content": "Die Übergröße des Archivs ist das Problem."},
+                *({"role": "user" if i % 2 else "assistant", "content": f"step {i} " * 40}
+                  for i in range(12)),
+                {"role": "user", "content": "What next?"}]
+    path = tmp_path / "nul.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in messages))
+    run(cli_env, "migrate")
+    run(cli_env, "ingest", str(path), "--session", "s1")
+    compacted = json.loads(run(cli_env, "compact", "s1", "--inline", "--json").stdout)
+    assert compacted["outcome"] == "committed" and 3 in compacted["replaced_seqs"], compacted
+    found = json.loads(run(cli_env, "history", "search", "s1", "zanzibar-7731", "--json").stdout)
+    assert [(h["seq"], h["exact"]) for h in found["hits"]] == [(3, True)], found
+    assert "zanzibar-7731 checksum" in found["hits"][0]["snippet"]
+    words = json.loads(run(cli_env, "history", "search", "s1", "checksum trailer",
+                           "--json").stdout)
+    assert [h["seq"] for h in words["hits"]] == [3], words
+    for query in ("übergröße", "ÜBERGRÖßE DES"):
+        folded = json.loads(run(cli_env, "history", "search", "s1", query, "--json").stdout)
+        assert [(h["seq"], h["exact"]) for h in folded["hits"]] == [(4, True)], (query, folded)
+    # the original reads back whole, NULs included
+    page = json.loads(run(cli_env, "history", "read", "s1", found["hits"][0]["checkpoint"],
+                          "--budget-tokens", "100000", "--json").stdout)
+    assert "MAGIC\x00\x00 trailer: zanzibar-7731" in page["transcript"]

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
+from tests.support.api import TOKEN_A, TOKEN_B, appends_while, bearer, start_api
 from tests.support.stack import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -62,18 +62,7 @@ def test_another_tenant_is_answered_while_a_4_mb_append_is_counted(
     a = threading.Thread(target=tenant_a)
     a.start()
     in_flight.wait(30)
-    during: list[float] = []
-    with httpx.Client(base_url=url, headers=bearer(TOKEN_B), timeout=600) as http:
-        n = 0
-        while a.is_alive():
-            started = time.monotonic()
-            step = http.post("/v1/sessions/b-small/messages",
-                             json={"messages": [{"role": "user", "content": f"b{n}"}]})
-            assert step.status_code == 200, step.text
-            took = time.monotonic() - started
-            if in_flight.is_set():
-                during.append(took)
-            n += 1
+    during = appends_while(url, TOKEN_B, "b-small", a, in_flight)
     a.join()
     answer = outcome["answer"]
     assert isinstance(answer, httpx.Response) and answer.status_code == 200, answer

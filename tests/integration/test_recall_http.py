@@ -4,6 +4,7 @@ naming the argument with nothing written, and ``GET /v1/tools``."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from storage.messages import parse_openai
+from storage.recall import encode_cursor
 from storage.recall_bounds import MAX_SEARCH_LIMIT
 from storage.store import Store
 from tests.integration import test_recall_store as recall_store
@@ -162,3 +164,51 @@ async def test_tools_lists_both_forms_and_takes_a_token(api: Served) -> None:
     assert names == {t["name"] for t in response.json()["anthropic"]} == {
         "history_search", "history_read"}
     assert (await api.http.get("/v1/tools")).status_code == 401
+
+
+async def test_paging_by_offset_always_moves_on_and_ends(api: Served) -> None:
+    """A page that ends inside its first message cannot name that message again as the next
+    offset: a client paging by offset would read it forever."""
+    ref = (await _search(api, "a-session", query=NEEDLE)).json()["hits"][0]["checkpoint"]
+    whole = (await _read(api, "a-session", checkpoint=ref, budget_tokens=100_000)).json()
+    offsets, offset, cut = [], 0, 0
+    for _ in range(whole["total_messages"] + 1):
+        page = (await _read(api, "a-session", checkpoint=ref, offset=offset,
+                            budget_tokens=64)).json()
+        offsets.append(offset)
+        cut += page["cursor"] is not None and _cursor_position(page["cursor"])[1] > 0
+        if page["next_offset"] is None:
+            break
+        assert page["next_offset"] > offset, page
+        offset = page["next_offset"]
+    else:
+        raise AssertionError(f"paging by offset did not end: {offsets}")
+    # every message was begun on some page, and some pages were cut inside one
+    assert offsets == sorted(set(offsets)) and cut > 0
+    assert len(offsets) <= whole["total_messages"]
+
+
+async def test_a_cursor_edited_past_its_message_or_the_last_one_is_refused(api: Served) -> None:
+    ref = (await _search(api, "a-session", query=NEEDLE)).json()["hits"][0]["checkpoint"]
+    page = (await _read(api, "a-session", checkpoint=ref, budget_tokens=64)).json()
+    assert page["cursor"] is not None
+    index, within = _cursor_position(page["cursor"])
+    total = page["total_messages"]
+    before = await row_counts(_store(api))
+    for edited in (encode_cursor(ref, index, within + 10_000_000),
+                   encode_cursor(ref, total, 0), encode_cursor(ref, total + 5, 3)):
+        refused = await _read(api, "a-session", checkpoint=ref, cursor=edited)
+        assert refused.status_code == 422, refused.text
+        body = refused.json()
+        assert body["field"] == "query.cursor" and "past" in body["message"], body
+    assert await row_counts(_store(api)) == before
+    # the cursor as returned still reads on
+    assert (await _read(api, "a-session", checkpoint=ref, cursor=page["cursor"])
+            ).status_code == 200
+
+
+def _cursor_position(cursor: str) -> tuple[int, int]:
+    body = cursor.removeprefix("hr1.")
+    _, index, within = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode(
+        ).rsplit(":", 2)
+    return int(index), int(within)

@@ -235,5 +235,5 @@ async def test_searches_are_planned_for_their_own_values_however_often_they_run(
             "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
             "WHERE statement LIKE '%FROM recall_originals o%' "
             "AND statement NOT LIKE '%pg_prepared_statements%'"))).all()
-    assert len(plans) == 2, "the exact and the fuzzy search, prepared on this connection"
+    assert len(plans) == 3, "the exact search and the ranked stage's two, prepared here"
     assert [(p.generic_plans, p.custom_plans >= 12) for p in plans] == [(0, True)] * len(plans)

@@ -188,8 +188,8 @@ async def _search(store: Store, form: str, query: str, **params: Any) -> list[tu
     words = query.lower().split()
     rows = await store.db.fetch(name, **{
         **EVERYWHERE, "query": query, "limit": 10, "before": 1, "width": 3,
-        "pattern": f"%{query}%", "phrase": f'"{query}"', "candidates": 10, "word_list": words,
-        "tsquery": " | ".join(words), "fts_words": " OR ".join(f'"{w}"' for w in words),
+        "pattern": f"%{query}%", "phrase": f'"{query}"', "needles": json.dumps([query.lower()]),
+        "word": query.lower(), "cap": 10, "word_list": words, "words": json.dumps(words),
         **params})
     return [tuple(r.values()) for r in rows]
 
@@ -249,22 +249,40 @@ async def _exact(store: Store) -> None:
         (3, "c3-4", " Ne")]
 
 
-async def _fuzzy(store: Store) -> None:
-    await store.append("s1", [user("alpha beta"), user("beta gamma"), user("alpha beta gamma")])
+async def _replaced(store: Store, *texts: str) -> None:
+    """``texts`` appended after "a" and "b" (seqs 1, 2) and all of them replaced by c1-N."""
+    await store.append("s1", [user(text) for text in texts])
     claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
     await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
                        replacements=[Replacement(
-                           seqs=(1, 2, 3, 4, 5), kind=NodeKind.CHECKPOINT, tokens=3,
-                           journal_kind="compaction/summary",
+                           seqs=tuple(range(1, len(texts) + 3)), kind=NodeKind.CHECKPOINT,
+                           tokens=3, journal_kind="compaction/summary",
                            payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
-    # sharing words but not holding the query whole; the message holding it is not a fuzzy hit
-    rows = await _search(store, "history_search_fuzzy", "alpha beta gamma")
-    assert sorted(r[0] for r in rows) == [3, 4]
-    assert all(r[1] == "c1-5" for r in rows)
-    assert await _search(store, "history_search_fuzzy", "zeta omega") == []
 
 
-for _form, _check in (("history_search_exact", _exact), ("history_search_fuzzy", _fuzzy)):
+async def _word(store: Store) -> None:
+    await _replaced(store, "Beta one", "no", "alphabet", "ÜBERGRÖSSE beta")
+    # the newest cap originals holding the word as a case-insensitive substring
+    assert await _search(store, "history_search_word", "beta") == [(6,), (3,)]
+    assert await _search(store, "history_search_word", "beta", cap=1) == [(6,)]
+    assert await _search(store, "history_search_word", "beta", last_seq=5) == [(3,)]
+    assert await _search(store, "history_search_word", "übergrösse") == [(6,)]
+    assert await _search(store, "history_search_word", "zeta") == []
+
+
+async def _held(store: Store) -> None:
+    await _replaced(store, "alpha beta", "beta gamma", "alpha beta gamma", "Gamma only")
+    rows = await _search(store, "history_search_held", "alpha beta gamma",
+                         seq_list=[3, 4, 5, 6], seqs=json.dumps([3, 4, 5, 6]),
+                         before=0, width=5)
+    # bit i: word i of the list held; the message holding the whole query is left out; the
+    # snippet starts at the first word held
+    assert sorted(rows) == [(3, "c1-6", 0b011, "alpha"), (4, "c1-6", 0b110, "beta "),
+                            (6, "c1-6", 0b100, "Gamma")]
+
+
+for _form, _check in (("history_search_exact", _exact), ("history_search_word", _word),
+                      ("history_search_held", _held)):
     for _suffix in ("pg", "sqlite"):
         case(f"{_form}_{_suffix}")(_check)
 
@@ -323,12 +341,12 @@ async def _recall_index_node(store: Store) -> None:
 @case("recall_fts_add")
 async def _recall_fts_add(store: Store) -> None:
     await _checkpointed(store)  # the trigger indexed the originals "a" and "b"
-    found: dict[str, Any] = {"name": "history_search_fuzzy_sqlite", **EVERYWHERE, "query": "x",
-             "fts_words": '"zebra"', "limit": 10}
+    found: dict[str, Any] = {"name": "history_search_word_sqlite", **EVERYWHERE, "word": "a",
+                             "phrase": '"zebra"', "cap": 10}
     assert await store.db.fetch(**found) == []
     # the index is what the search reads: an entry added for seq 1 finds the original
     await store.db.execute("recall_fts_add", session_id="s1", seq=1, body="zebra crossing")
-    assert [tuple(r.values()) for r in await store.db.fetch(**found)] == [(1, "c1-2", "a")]
+    assert [tuple(r.values()) for r in await store.db.fetch(**found)] == [(1,)]
 
 
 @case("recall_fts_drop")

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 import yaml
 
 from tests.support.stack import Stack, wait_until
@@ -45,3 +48,21 @@ def start_api(stack: Stack, name: str = "api", *, api: Mapping[str, Any] | None 
         raise AssertionError(f"{name} exited {proc.returncode}:\n{stack.log(name)[-3000:]}")
     assert isinstance(found, re.Match)
     return found.group(1)
+
+
+def appends_while(url: str, token: str, session: str, busy: threading.Thread,
+                  during: threading.Event) -> list[float]:
+    """Append one short user message to ``session`` after another until ``busy`` ends; the
+    seconds each append took that ended while ``during`` was set."""
+    took: list[float] = []
+    with httpx.Client(base_url=url, headers=bearer(token), timeout=600) as http:
+        n = 0
+        while busy.is_alive():
+            started = time.monotonic()
+            step = http.post(f"/v1/sessions/{session}/messages",
+                             json={"messages": [{"role": "user", "content": f"b{n}"}]})
+            assert step.status_code == 200, step.text
+            if during.is_set():
+                took.append(time.monotonic() - started)
+            n += 1
+    return took
