@@ -74,6 +74,15 @@ class Connector:
         """Run a write; the rows it changed."""
         raise NotImplementedError
 
+    async def execute_many(self, name: str, *, conn: AsyncConnection,
+                           rows: list[dict[str, Any]]) -> None:
+        """Run a write once per parameter set of ``rows``, inside ``conn``'s transaction."""
+        if rows:
+            await conn.execute(self._text(name), rows)
+
+    def _text(self, name: str) -> Any:
+        raise NotImplementedError
+
     def insert(self, table: sa.Table) -> Any:
         """``INSERT`` with the dialect's ``ON CONFLICT`` clauses."""
         raise NotImplementedError
@@ -156,6 +165,9 @@ class PostgresConnector(Connector):
     def insert(self, table: sa.Table) -> Any:
         return pg_insert(table)
 
+    def _text(self, name: str) -> Any:
+        return _named_text(name)
+
     async def wait_for_row_lock(self, conn: AsyncConnection, wait_s: float) -> None:
         await self.execute("set_lock_wait", conn=conn, ms=f"{max(1, int(wait_s * 1000))}ms")
 
@@ -195,6 +207,9 @@ class SQLiteConnector(Connector):
 
     def insert(self, table: sa.Table) -> Any:
         return sqlite_insert(table)
+
+    def _text(self, name: str) -> Any:
+        return _sqlite_text(name)
 
     @contextlib.asynccontextmanager
     async def _connection(self, name: str, conn: AsyncConnection | None

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from storage.errors import StorageError
 from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
 from storage.records import Replacement, SessionInfo
 from storage.surface import NewNode, Surface, surface_after_commit
@@ -49,7 +50,24 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSUR
                                 bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
     if isinstance(scope, Outcome):
         return scope
-    return await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
+    outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
+    if outcome.pruned or outcome.outcome == RunStatus.COMMITTED:
+        await index_replaced(deps, session_id)
+    return outcome
+
+
+async def index_replaced(deps: Deps, session_id: str) -> None:
+    """Index the text of what the run's commits replaced: after them, in transactions of its
+    own that never take the session's row. What is left (this fails, the worker dies first) is
+    found by a scan until the beat sweep indexes it."""
+    if not deps.config.worker.recall_index:
+        return
+    try:
+        await deps.store.index_recall(session_id)
+    except StorageError as exc:
+        logger.warning("recall: indexing after the run failed; the sweep will index it",
+                       extra={"action": "recall.index_failed", "session_id": session_id,
+                              "error": str(exc)})
 
 
 async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:

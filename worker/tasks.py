@@ -23,7 +23,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from storage.errors import ConfigError
+from storage.errors import ConfigError, StorageError
 from storage.kinds import FailureClass, ItemState, RunStatus, Trigger
 from storage.records import utcnow
 from worker import logs
@@ -36,7 +36,7 @@ from worker.pressure import Runway
 from worker.run import AUTOMATIC_TRIGGERS, Outcome
 from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
-from worker.sweeps import least_runways, reap_leases, sweep_pressure
+from worker.sweeps import index_recall, least_runways, reap_leases, sweep_pressure
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,12 @@ def sweep(self: Task) -> int:
 
     async def go(deps: Deps) -> tuple[int, list[Runway], dt.datetime | None]:
         result = await sweep_pressure(deps.store, config, enqueuer)
+        try:
+            await index_recall(deps.store, config)
+        except StorageError as exc:
+            # The pressure sweep's work is done; the next sweep indexes what this one did not.
+            logger.warning("recall indexing in the sweep failed: %s", exc,
+                           extra={"action": "sweep.recall_index_failed"})
         flagged = await deps.store.flagged_sessions()
         metrics().flagged_sessions.set(len(flagged))
         runways = await least_runways(deps.store, config)
