@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from storage import sql
 from storage.connectors import Connector
 from storage.database import transaction
 from storage.errors import DatabaseUnavailable, DeadlinePassed, LockNotAvailable, StorageError
@@ -61,6 +62,27 @@ class NodeRecall:
     ref: str | None
     first: int | None
     last: int | None
+
+
+def sqlite_recall_triggers() -> tuple[str, ...]:
+    """SQLite's recall triggers as storage/sql has them now: the events trigger records each
+    replace node and its pending originals; the FTS5 table takes an original's text when it is
+    indexed, and drops it with the original. (PostgreSQL's commit function records the node
+    itself, and its GIN indexes keep themselves.)"""
+    return (
+        f"""CREATE TRIGGER compactd_recall AFTER INSERT ON events
+        WHEN NEW.kind IN ('checkpoint', 'pruned') BEGIN
+        {sql.as_trigger_body("recall_index_originals")};
+        {sql.as_trigger_body("recall_index_node")};
+        END""",
+        f"""CREATE TRIGGER compactd_recall_fts AFTER UPDATE OF body ON recall_originals
+        WHEN OLD.body IS NULL AND NEW.body IS NOT NULL BEGIN
+        {sql.as_trigger_body("recall_fts_add")};
+        END""",
+        f"""CREATE TRIGGER compactd_recall_fts_delete AFTER DELETE ON recall_originals BEGIN
+        {sql.as_trigger_body("recall_fts_drop", row="OLD")};
+        END""",
+    )
 
 
 def node_recall(message: Mapping[str, Any]) -> NodeRecall:

@@ -15,6 +15,7 @@ from them.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from typing import Any
 from storage.errors import StorageError
 from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
 from storage.records import Replacement, SessionInfo
+from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
 from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.boundary import resolve_keep
@@ -43,31 +45,67 @@ logger = logging.getLogger(__name__)
 
 async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSURE,
                   force: bool = False, keep: str | Clause | None = None, task_id: str | None = None,
-                  bulk_job_id: str | None = None, rate_per_s: float | None = None) -> Outcome:
-    """Run one compaction of ``session_id`` to its end; never raises for a failed run."""
+                  bulk_job_id: str | None = None, rate_per_s: float | None = None,
+                  index_in_background: bool = False) -> Outcome:
+    """Run one compaction of ``session_id`` to its end; never raises for a failed run. Then
+    index what it replaced for recall: before returning, or with ``index_in_background`` (a
+    worker's task, whose slot the next run wants) by the process's indexer."""
     keep_clause = parse_keep_text(keep) if isinstance(keep, str) else keep
     scope = await RunScope.open(deps, session_id, trigger=trigger, task_id=task_id,
                                 bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
     if isinstance(scope, Outcome):
         return scope
     outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
-    if outcome.pruned or outcome.outcome == RunStatus.COMMITTED:
-        await index_replaced(deps, session_id)
+    if deps.config.worker.recall_index and (outcome.pruned
+                                            or outcome.outcome == RunStatus.COMMITTED):
+        if index_in_background:
+            if deps.indexer is None:
+                deps.indexer = BackgroundIndexer(deps.store)
+            deps.indexer.add(session_id)
+        else:
+            await index_replaced(deps.store, session_id)
     return outcome
 
 
-async def index_replaced(deps: Deps, session_id: str) -> None:
-    """Index the text of what the run's commits replaced: after them, in transactions of its
-    own that never take the session's row. What is left (this fails, the worker dies first) is
+async def index_replaced(store: Store, session_id: str) -> None:
+    """Index the text of what a run's commits replaced: after them, in transactions of its own
+    that never take the session's row. What is left (this fails, the worker dies first) is
     found by a scan until the beat sweep indexes it."""
-    if not deps.config.worker.recall_index:
-        return
     try:
-        await deps.store.index_recall(session_id)
+        await store.index_recall(session_id)
     except StorageError as exc:
         logger.warning("recall: indexing after the run failed; the sweep will index it",
                        extra={"action": "recall.index_failed", "session_id": session_id,
                               "error": str(exc)})
+
+
+class BackgroundIndexer:
+    """A worker process's recall indexing: the sessions whose runs committed, indexed one at a
+    time by one task on the process's loop, so a run's slot is free as soon as its end is
+    committed and indexing never runs more than once at a time per process."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._sessions: dict[str, None] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, session_id: str) -> None:
+        self._sessions[session_id] = None
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._sessions:
+            session_id = next(iter(self._sessions))
+            del self._sessions[session_id]
+            await index_replaced(self.store, session_id)
+
+    async def aclose(self) -> None:
+        """Stop; what is left is indexed by the beat sweep."""
+        self._sessions.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait([self._task])
 
 
 async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:

@@ -80,7 +80,7 @@ def run(self: Task, session_id: str, trigger: str = Trigger.PRESSURE, force: boo
             with logs.bind(session_id=session_id, task_id=task_id):
                 outcome = await compact(deps, session_id, trigger=trigger, force=force,
                                         keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
-                                        rate_per_s=rate_per_s)
+                                        rate_per_s=rate_per_s, index_in_background=True)
             return outcome
         finally:
             if trigger in AUTOMATIC_TRIGGERS:

@@ -1,7 +1,7 @@
 """Compactions per second of real worker processes against a slow model.
 
     python tests/bench/throughput.py --json OUT.json [--workers 1,2,4] [--sessions 600]
-        [--concurrency 64] [--latency 1.0] [--layout merge|recallable]
+        [--concurrency 64] [--latency 1.0] [--layout merge|recallable] [--recall-index on|off]
 
 The fake provider runs as a subprocess (``python -m tests.support.fake_provider --latency 1.0``),
 so the workers talk to it over real HTTP through the real SDKs and do not share its CPU with the
@@ -24,6 +24,10 @@ Reported per worker count:
   divided by the compactions. The model's own work happens in the fake's process, so this is all
   compactd: Celery, storage, planning, prompt building and the SDK's request handling.
 * ``worker_rss_mb``: the largest resident set of one worker process, sampled during the run.
+
+``--recall-index off`` turns off the indexing of what the runs replaced (``worker.recall_index``;
+the commits still record it): run it in alternating pairs with ``on`` to see what recall's index
+costs the worker.
 
 Every session uses one summary call (``trim_tokens_to_summarize`` above the range) after a prune,
 so with latency L and C slots a worker's ceiling is C / L compactions per second (under
@@ -186,7 +190,8 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
     stack = Stack(pg, broker, home / f"workers{workers}", fake_url=fake_url,
                   summarization={**POLICY, "layout": args.layout},
                   worker={"concurrency": args.concurrency, "sweep_interval_s": 3600,
-                          "reap_interval_s": 3600, "lease_s": 120})
+                          "reap_interval_s": 3600, "lease_s": 120,
+                          "recall_index": args.recall_index == "on"})
     try:
         procs = [stack.start_worker(f"w{i}", concurrency=args.concurrency, ready_timeout=60)
                  for i in range(workers)]
@@ -219,7 +224,8 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
     ideal = in_flight / args.latency if args.latency else None
     cpu_ms = (cpu_after - cpu_before) * 1000 / max(1, len(committed))
     return {
-        "workers": workers, "layout": args.layout, "concurrency": args.concurrency,
+        "workers": workers, "layout": args.layout, "recall_index": args.recall_index,
+        "concurrency": args.concurrency,
         "latency_s": args.latency,
         "sessions": len(ids), "committed": len(committed),
         "other_outcomes": len(rows) - len(committed),
@@ -247,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run, at most")
     parser.add_argument("--layout", choices=("merge", "recallable"), default="merge",
                         help="summarization.layout of every session")
+    parser.add_argument("--recall-index", choices=("on", "off"), default="on",
+                        help="index what the runs replaced for history_search after each run")
     parser.add_argument("--database-url", default=os.environ.get(
         "COMPACTD_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/compactd_bench"))
     parser.add_argument("--redis-url", default=os.environ.get(

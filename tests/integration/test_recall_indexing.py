@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import random
-import string
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +22,7 @@ from storage.messages import parse_openai
 from storage.recall_index import MAX_INDEXED_BYTES
 from storage.store import Store
 from tests.conftest import compactd_cmd
+from tests.support.bulky import access_log, high_entropy
 from worker.orchestration import compact
 from worker.runtime import Deps, open_deps
 from worker.settings import Config, Settings, build_config
@@ -35,37 +34,9 @@ BIG_NEEDLE = "ERR-5c1e77: shard 0042 lost its lease"
 NUL_NEEDLE = "checksum mismatch in /srv/blob/part-00017"
 
 
-def _high_entropy(size: int, seed: int = 26) -> str:
-    """``size`` characters of distinct random tokens (a log of ids, hashes), one per line."""
-    rng = random.Random(seed)
-    alphabet = string.ascii_letters + string.digits
-    lines, total = [], 0
-    while total < size:
-        line = "".join(rng.choices(alphabet, k=31))
-        lines.append(line)
-        total += len(line) + 1
-    return "\n".join(lines)[:size]
-
-
-def _access_log(size: int, seed: int) -> str:
-    """``size`` characters of a web server's log: few distinct words (under PostgreSQL's
-    tsvector limit, so the code before issue 26 indexed it in the commit, and slowly), with
-    one error line past the head the surface keeps."""
-    rng = random.Random(seed)
-    lines, total = [], 0
-    while total < size:
-        line = (f"2026-12-06T01:{rng.randrange(60):02d}:{rng.randrange(60):02d}Z "
-                f"worker-{rng.randrange(32)} GET /api/items/{rng.randrange(5000)} "
-                f"status={rng.choice((200, 200, 200, 404, 500))} took={rng.randrange(400)}ms")
-        lines.append(line)
-        total += len(line) + 1
-    text = "\n".join(lines)
-    return text[:70_000] + f"\nERR-{seed}-lease-lost\n" + text[70_000:size]
-
-
 @functools.cache
 def _big_result() -> str:
-    body = _high_entropy(2 * 1024 * 1024)
+    body = high_entropy(2 * 1024 * 1024)
     # Past what the surface keeps of a pruned result (its head and tail), inside the prefix the
     # index keeps verbatim.
     at = 64 * 1024
@@ -209,7 +180,7 @@ async def test_appends_do_not_wait_while_a_commit_prunes_ten_megabytes(
     (four 2.5 MB results: 3.6 s), and the agent's appends waited for it. A compaction runs in
     its own process (``compactd compact --inline``) while the agent appends."""
     store = Store.from_url(db_url)
-    results = {f"read_log_{i}": _access_log(2_500_000, seed=i) for i in range(4)}
+    results = {f"read_log_{i}": access_log(2_500_000, seed=i) for i in range(4)}
     try:
         await store.create_session("s1", tenant="acme", context_window=10_000_000,
                                    policy=POLICY)

@@ -178,7 +178,8 @@ SPAN: dict[str, Any] = {"session_id": "s1", "first_seq": 1, "last_seq": 2}
 EVERYWHERE: dict[str, Any] = {"session_id": "s1", "first_seq": 0, "last_seq": 2**63 - 1}
 
 
-async def _checkpointed(store: Store) -> None:
+async def _recorded(store: Store) -> None:
+    """Seqs 1 and 2 replaced by checkpoint c1-2, their text not indexed yet."""
     claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
     await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
                        replacements=[Replacement(
@@ -186,6 +187,11 @@ async def _checkpointed(store: Store) -> None:
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "summary",
                                     "meta": {"checkpoint": True, "recall": {"ref": "c1-2"}}})])
+
+
+async def _checkpointed(store: Store) -> None:
+    """The same, indexed."""
+    await _recorded(store)
     await store.index_recall("s1")
 
 
@@ -314,17 +320,6 @@ async def _recall_index(store: Store) -> None:
     assert await store.db.fetchrow("history_node", session_id="s1", ref="c1-2") is not None
     assert await store.index_recall("s1") == 2
     assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (2, 2)
-
-
-async def _recorded(store: Store) -> None:
-    """Seqs 1 and 2 replaced by checkpoint c1-2, their text not indexed yet."""
-    claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
-    await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
-                       replacements=[Replacement(
-                           seqs=(1, 2), kind=NodeKind.CHECKPOINT, tokens=3,
-                           journal_kind="compaction/summary",
-                           payload={"role": "user", "content": "summary",
-                                    "meta": {"checkpoint": True, "recall": {"ref": "c1-2"}}})])
 
 
 @case("recall_pending_sessions")

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from storage import sql
-from storage.recall_index import node_recall
+from storage.recall_index import node_recall, sqlite_recall_triggers
 
 REVISION = "0010"
 revision: str = REVISION
@@ -48,23 +48,7 @@ _SQLITE_FTS = """
 CREATE VIRTUAL TABLE recall_fts USING fts5(
   session_id UNINDEXED, seq UNINDEXED, body, tokenize = 'trigram')
 """
-# SQLite has no functions: its triggers run the named statements of storage/sql/recall.sql,
-# which the backfill below runs too.
-_SQLITE_TRIGGERS = (
-    f"""CREATE TRIGGER compactd_recall AFTER INSERT ON events
-    WHEN NEW.kind IN ('checkpoint', 'pruned') BEGIN
-    {sql.as_trigger_body("recall_index_originals")};
-    {sql.as_trigger_body("recall_index_node")};
-    END""",
-    f"""CREATE TRIGGER compactd_recall_fts AFTER UPDATE OF body ON recall_originals
-    WHEN OLD.body IS NULL AND NEW.body IS NOT NULL BEGIN
-    {sql.as_trigger_body("recall_fts_add")};
-    END""",
-    f"""CREATE TRIGGER compactd_recall_fts_delete AFTER DELETE ON recall_originals BEGIN
-    {sql.as_trigger_body("recall_fts_drop", row="OLD")};
-    END""",
-)
-# What the SQLite trigger runs for one replace event.
+# What the SQLite trigger runs for one replace event (the backfill runs it too).
 _SQLITE_STEPS = ("recall_index_originals", "recall_index_node")
 
 
@@ -115,7 +99,7 @@ def upgrade() -> None:
             op.execute(sql.function_definition(name))
     else:
         op.execute(_SQLITE_FTS)
-        for statement in _SQLITE_TRIGGERS:
+        for statement in sqlite_recall_triggers():
             op.execute(statement)
     record = sa.text(sql.NAMED_TEXT["recall_index"])
     steps = [sa.text(sql.NAMED_TEXT[name]) for name in _SQLITE_STEPS]

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from storage import sql
+from storage.recall_index import sqlite_recall_triggers
 
 revision: str = "0013"
 down_revision: str | None = "0012"
@@ -40,24 +41,6 @@ _COMMIT_0011 = ("compactd_commit(text, text, bigint, timestamptz, bigint[], int[
                 " json[], int[], text[], json[], bigint[], bigint[], json, bigint[], bigint[])")
 _PENDING_INDEX = ("CREATE INDEX IF NOT EXISTS ix_recall_originals_pending ON recall_originals"
                   " (session_id, seq) WHERE body IS NULL")
-
-
-def _sqlite_triggers() -> tuple[str, ...]:
-    """SQLite's recall triggers as storage/sql has them now (revision 0010 creates the same)."""
-    return (
-        f"""CREATE TRIGGER compactd_recall AFTER INSERT ON events
-        WHEN NEW.kind IN ('checkpoint', 'pruned') BEGIN
-        {sql.as_trigger_body("recall_index_originals")};
-        {sql.as_trigger_body("recall_index_node")};
-        END""",
-        f"""CREATE TRIGGER compactd_recall_fts AFTER UPDATE OF body ON recall_originals
-        WHEN OLD.body IS NULL AND NEW.body IS NOT NULL BEGIN
-        {sql.as_trigger_body("recall_fts_add")};
-        END""",
-        f"""CREATE TRIGGER compactd_recall_fts_delete AFTER DELETE ON recall_originals BEGIN
-        {sql.as_trigger_body("recall_fts_drop", row="OLD")};
-        END""",
-    )
 
 
 def upgrade() -> None:
@@ -78,7 +61,7 @@ def upgrade() -> None:
         if any(c["name"] == "body" and c["notnull"] for c in columns):
             with op.batch_alter_table("recall_originals", recreate="always") as batch:
                 batch.alter_column("body", existing_type=sa.Text, nullable=True)
-        for statement in _sqlite_triggers():
+        for statement in sqlite_recall_triggers():
             op.execute(statement)
     op.execute(_PENDING_INDEX)
 
