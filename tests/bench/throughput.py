@@ -23,6 +23,9 @@ Reported per worker count:
 * ``cpu_ms_per_compaction``: the workers' CPU time (user + system, from /proc) over the run,
   divided by the compactions. The model's own work happens in the fake's process, so this is all
   compactd: Celery, storage, planning, prompt building and the SDK's request handling.
+* ``recall_pending_at_end``: replaced originals not yet indexed when the last run ended (the
+  workers index after each run, in the background); ``recall_index_lag_s``: how long after that
+  until none is left; ``cpu_ms_per_compaction_indexed`` counts the workers' CPU until then.
 * ``worker_rss_mb``: the largest resident set of one worker process, sampled during the run.
 
 ``--recall-index off`` turns off the indexing of what the runs replaced (``worker.recall_index``;
@@ -55,6 +58,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import sqlalchemy as sa  # noqa: E402
 
 from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
@@ -103,6 +108,17 @@ async def ingest(url: str, count: int, prefix: str) -> list[str]:
     finally:
         await store.close()
     return ids
+
+
+async def pending_originals(url: str) -> int:
+    """Replaced originals whose text is not indexed yet."""
+    store = Store.from_url(url, pool_size=1)
+    try:
+        async with store.engine.connect() as conn:
+            return int((await conn.execute(sa.text(
+                "SELECT count(*) FROM recall_originals WHERE body IS NULL"))).scalar_one())
+    finally:
+        await store.close()
 
 
 async def run_rows(url: str) -> list[tuple[str, float, float]]:
@@ -209,6 +225,15 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
                        timeout=args.timeout, interval=1.0,
                        what=f"{len(ids)} runs with {workers} worker(s)")
             cpu_after = sum(cpu_s(pid) for pid in pids)
+            pending_at_end = asyncio.run(pending_originals(pg))
+            lag_started = time.monotonic()
+            if args.recall_index == "on":
+                # The workers index in the background: wait until they have caught up.
+                wait_until(lambda: asyncio.run(pending_originals(pg)) == 0,
+                           timeout=args.timeout, interval=0.5,
+                           what="the recall index to catch up")
+            index_lag_s = time.monotonic() - lag_started if pending_at_end else 0.0
+            cpu_indexed = sum(cpu_s(pid) for pid in pids)
             sampler.stop.set()
             sampler.join()
         finally:
@@ -236,6 +261,10 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
         "in_flight": in_flight,
         "efficiency": round(rate / ideal, 3) if ideal else None,
         "cpu_ms_per_compaction": round(cpu_ms, 2),
+        "cpu_ms_per_compaction_indexed": round(
+            (cpu_indexed - cpu_before) * 1000 / max(1, len(committed)), 2),
+        "recall_pending_at_end": pending_at_end,
+        "recall_index_lag_s": round(index_lag_s, 2),
         "worker_rss_mb": round(sampler.peak, 1),
     }
 
