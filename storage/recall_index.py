@@ -31,6 +31,7 @@ from storage import sql
 from storage.connectors import Connector
 from storage.database import transaction
 from storage.errors import DatabaseUnavailable, DeadlinePassed, LockNotAvailable, StorageError
+from storage.kinds import NodeKind
 from storage.messages import META_RECALL
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def sqlite_recall_triggers() -> tuple[str, ...]:
     itself, and its GIN indexes keep themselves.)"""
     return (
         f"""CREATE TRIGGER compactd_recall AFTER INSERT ON events
-        WHEN NEW.kind IN ('checkpoint', 'pruned') BEGIN
+        WHEN NEW.kind IN ('{NodeKind.CHECKPOINT.value}', '{NodeKind.PRUNED.value}') BEGIN
         {sql.as_trigger_body("recall_index_originals")};
         {sql.as_trigger_body("recall_index_node")};
         END""",
