@@ -43,8 +43,9 @@ MAX_INDEXED_BYTES = 256 * 1024
 INDEXED_PREFIX_BYTES = 128 * 1024
 # A longer whitespace-separated token of the rest is not a word anyone searches for.
 MAX_WORD_CHARS = 128
-# Pending originals read per statement: bodies are bounded, payloads are not.
-INDEX_BATCH = 16
+# Pending originals read per statement (and written per transaction): fewer round trips per
+# run; bodies are bounded, payloads are not.
+INDEX_BATCH = 32
 # Sessions with pending originals one sweep looks at.
 SWEEP_SESSIONS = 100
 # The newest pending originals a search scans (in the span it covers): pending is the moment

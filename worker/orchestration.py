@@ -42,6 +42,10 @@ from worker.runtime import Deps
 
 logger = logging.getLogger(__name__)
 
+# Sessions a worker process indexes at once after their runs: indexing waits mostly on the
+# database's round trips, and one at a time fell behind the runs.
+INDEXERS = 4
+
 
 async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSURE,
                   force: bool = False, keep: str | Clause | None = None, task_id: str | None = None,
@@ -80,19 +84,21 @@ async def index_replaced(store: Store, session_id: str) -> None:
 
 
 class BackgroundIndexer:
-    """A worker process's recall indexing: the sessions whose runs committed, indexed one at a
-    time by one task on the process's loop, so a run's slot is free as soon as its end is
-    committed and indexing never runs more than once at a time per process."""
+    """A worker process's recall indexing: the sessions whose runs committed, indexed by at
+    most ``INDEXERS`` tasks on the process's loop (each a session at a time), so a run's slot is
+    free as soon as its end is committed and indexing holds few connections."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._sessions: dict[str, None] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def add(self, session_id: str) -> None:
         self._sessions[session_id] = None
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain())
+        if len(self._tasks) < INDEXERS:
+            task = asyncio.create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
         while self._sessions:
@@ -103,9 +109,11 @@ class BackgroundIndexer:
     async def aclose(self) -> None:
         """Stop; what is left is indexed by the beat sweep."""
         self._sessions.clear()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.wait([self._task])
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
 
 async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
