@@ -45,6 +45,8 @@ class Connector:
     encodes_appends: bool
     #: A claim waits for the session's row lock (PostgreSQL), rather than the database's.
     locks_rows: bool
+    #: Writes a batch of rows as array parameters in one statement (PostgreSQL).
+    takes_arrays: bool
     #: The shortest word the text index finds (SQLite's FTS5 indexes trigrams).
     shortest_indexed_word: int
     #: The suffix of this backend's form of a query the two spell differently.
@@ -117,6 +119,7 @@ class PostgresConnector(Connector):
 
     encodes_appends = True
     locks_rows = True
+    takes_arrays = True
     shortest_indexed_word = 1
     variant_suffix = "pg"
 
@@ -187,6 +190,7 @@ class PostgresConnector(Connector):
 class SQLiteConnector(Connector):
     encodes_appends = False
     locks_rows = False
+    takes_arrays = False
     shortest_indexed_word = 3
     variant_suffix = "sqlite"
 

@@ -237,6 +237,11 @@ class RecallIndexMixin:
 
     async def _store_bodies(self, session_id: str, bodies: Sequence[_Body], limit: int) -> None:
         """One short transaction: the texts, then the bytes of the nodes they belong to."""
+        if self.db.takes_arrays:
+            await self.db.execute("recall_set_bodies", session_id=session_id,
+                                  seqs=[b.seq for b in bodies], sizes=[b.bytes for b in bodies],
+                                  bodies=[indexed_text(b.text, limit) for b in bodies])
+            return
         async with transaction(self.engine) as conn:
             await self.db.execute_many("recall_set_body", conn=conn, rows=[
                 {"session_id": session_id, "seq": b.seq, "bytes": b.bytes,

@@ -222,13 +222,31 @@ WHERE o.session_id = :session_id AND o.body IS NULL
 ORDER BY o.seq
 LIMIT :limit;
 
+-- name: recall_set_bodies(session_id, seqs, bodies, sizes)!
+-- postgres-only: arrays and a data-modifying WITH are PostgreSQL's; SQLite runs recall_set_body
+-- once per original and recall_node_bytes once per node, in one transaction.
+-- Originals' indexed texts and the sizes of their whole texts, and each node's bytes grown by
+-- those of its originals indexed here, in one autocommit statement; an original indexed
+-- already (by another indexer meanwhile) keeps what it has and adds nothing.
+WITH done AS (
+  UPDATE recall_originals o SET body = v.body, bytes = v.size
+  FROM unnest(CAST(:seqs AS bigint[]), CAST(:bodies AS text[]), CAST(:sizes AS int[]))
+       AS v(seq, body, size)
+  WHERE o.session_id = :session_id AND o.seq = v.seq AND o.body IS NULL
+  RETURNING o.node_seq, o.bytes)
+UPDATE recall_nodes n SET bytes = n.bytes + d.bytes
+FROM (SELECT node_seq, sum(bytes) AS bytes FROM done GROUP BY node_seq) d
+WHERE n.session_id = :session_id AND n.seq = d.node_seq;
+
 -- name: recall_set_body(session_id, seq, body, bytes)!
+-- sqlite-only: PostgreSQL writes a batch in one statement (recall_set_bodies).
 -- An original's indexed text and the size of its whole text; an original indexed already (by
 -- another indexer meanwhile) keeps what it has.
 UPDATE recall_originals SET body = :body, bytes = :bytes
 WHERE session_id = :session_id AND seq = :seq AND body IS NULL;
 
 -- name: recall_node_bytes(session_id, seq)!
+-- sqlite-only: PostgreSQL adds the bytes in recall_set_bodies.
 -- A node's bytes: those of its originals indexed so far.
 UPDATE recall_nodes
 SET bytes = (SELECT coalesce(sum(o.bytes), 0) FROM recall_originals o

@@ -359,6 +359,17 @@ async def _recall_set_body(store: Store) -> None:
                                                    limit=5)] == [2]
 
 
+@case("recall_set_bodies")
+async def _recall_set_bodies(store: Store) -> None:
+    await _recorded(store)
+    for _ in range(2):  # an original indexed already keeps its text and adds no bytes
+        await store.db.execute("recall_set_bodies", session_id="s1", seqs=[1, 2],
+                               bodies=["zebra", "yak"], sizes=[7, 5])
+    assert await _search(store, "history_search_exact", "zebra") == [(1, "c1-2", "zeb")]
+    assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (2, 12)
+    assert await store.db.fetch("recall_pending_originals", session_id="s1", limit=5) == []
+
+
 @case("recall_node_bytes")
 async def _recall_node_bytes(store: Store) -> None:
     await _recorded(store)
