@@ -46,6 +46,9 @@ MAX_WORD_CHARS = 128
 # Pending originals read per statement (and written per transaction): fewer round trips per
 # run; bodies are bounded, payloads are not.
 INDEX_BATCH = 32
+# Indexed text written per transaction, at most (one original's always fits): a transaction's
+# text index entries go to the log at its commit, and the appends committing behind it wait.
+WRITE_BYTES = 512 * 1024
 # Sessions with pending originals one sweep looks at.
 SWEEP_SESSIONS = 100
 # The newest pending originals a search scans (in the span it covers): pending is the moment
@@ -201,7 +204,8 @@ class RecallIndexMixin:
                 text = searchable_text(_payload(row["payload"]))
                 bodies.append(_Body(int(row["seq"]), int(row["node_seq"]), text,
                                     len(text.encode("utf-8"))))
-            await self._write_bodies(session_id, bodies)
+            for chunk in _chunks(bodies):
+                await self._write_bodies(session_id, chunk)
             done += len(rows)
             if len(rows) < want:
                 break
@@ -270,6 +274,20 @@ def json_fragment_text(fragment: str) -> str:
 
     text = _ESCAPE.sub(decode, fragment)
     return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _chunks(bodies: Sequence[_Body]) -> list[list[_Body]]:
+    """``bodies`` in runs of at most ``WRITE_BYTES`` of indexed text (one body at least)."""
+    chunks: list[list[_Body]] = []
+    size = WRITE_BYTES
+    for body in bodies:
+        cost = min(body.bytes, MAX_INDEXED_BYTES)
+        if size + cost > WRITE_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(body)
+        size += cost
+    return chunks
 
 
 def _payload(raw: Any) -> dict[str, Any]:
