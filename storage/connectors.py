@@ -45,6 +45,8 @@ class Connector:
     encodes_appends: bool
     #: A claim waits for the session's row lock (PostgreSQL), rather than the database's.
     locks_rows: bool
+    #: Writes a batch of rows as array parameters in one statement (PostgreSQL).
+    takes_arrays: bool
     #: The suffix of this backend's form of a query the two spell differently.
     variant_suffix: str
 
@@ -70,6 +72,15 @@ class Connector:
     async def execute(self, name: str, *, conn: AsyncConnection | None = None,
                       **params: Any) -> int:
         """Run a write; the rows it changed."""
+        raise NotImplementedError
+
+    async def execute_many(self, name: str, *, conn: AsyncConnection,
+                           rows: list[dict[str, Any]]) -> None:
+        """Run a write once per parameter set of ``rows``, inside ``conn``'s transaction."""
+        if rows:
+            await conn.execute(self._text(name), rows)
+
+    def _text(self, name: str) -> Any:
         raise NotImplementedError
 
     def insert(self, table: sa.Table) -> Any:
@@ -106,6 +117,7 @@ class PostgresConnector(Connector):
 
     encodes_appends = True
     locks_rows = True
+    takes_arrays = True
     variant_suffix = "pg"
 
     def __init__(self, engine: AsyncEngine, *, kept: int = 1) -> None:
@@ -153,6 +165,9 @@ class PostgresConnector(Connector):
     def insert(self, table: sa.Table) -> Any:
         return pg_insert(table)
 
+    def _text(self, name: str) -> Any:
+        return _named_text(name)
+
     async def wait_for_row_lock(self, conn: AsyncConnection, wait_s: float) -> None:
         await self.execute("set_lock_wait", conn=conn, ms=f"{max(1, int(wait_s * 1000))}ms")
 
@@ -172,6 +187,7 @@ class PostgresConnector(Connector):
 class SQLiteConnector(Connector):
     encodes_appends = False
     locks_rows = False
+    takes_arrays = False
     variant_suffix = "sqlite"
 
     def __init__(self, engine: AsyncEngine) -> None:
@@ -191,6 +207,9 @@ class SQLiteConnector(Connector):
 
     def insert(self, table: sa.Table) -> Any:
         return sqlite_insert(table)
+
+    def _text(self, name: str) -> Any:
+        return _sqlite_text(name)
 
     @contextlib.asynccontextmanager
     async def _connection(self, name: str, conn: AsyncConnection | None

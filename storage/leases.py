@@ -31,6 +31,7 @@ from storage.errors import (
 )
 from storage.jobs import bulk_item_state
 from storage.kinds import FailureClass, ItemState, JournalKind, RunStatus
+from storage.recall_index import node_recall
 from storage.records import (
     Busy,
     Claim,
@@ -313,6 +314,7 @@ class LeasesMixin:
         (BEGIN, the run row, COMMIT), with appends waiting on the session row meanwhile. None
         where the backend has no such function."""
         placed = any(rep.placed for rep in replacements)
+        recalls = [node_recall(rep.payload) for rep in replacements]
         params: dict[str, Any] = {
             "session_id": session_id, "run_id": run_id, "fence": fence, "now": now,
             "seqs": wanted, "counts": [len(rep.seqs) for rep in replacements],
@@ -326,7 +328,11 @@ class LeasesMixin:
             "end_payload": dumps(_end_payload(run_id, end)) if end is not None else None,
             # NULL unless a replacement is placed: compactd_commit then writes in one batch.
             "before": [rep.before for rep in replacements] if placed else None,
-            "after": [rep.after for rep in replacements] if placed else None}
+            "after": [rep.after for rep in replacements] if placed else None,
+            # What each node states about itself for recall, read here: the payload may hold
+            # what no JSON operator of PostgreSQL reads (a NUL).
+            "refs": [r.ref for r in recalls], "firsts": [r.first for r in recalls],
+            "lasts": [r.last for r in recalls]}
 
         def failed(exc: BaseException) -> CompactdError | None:
             """compactd's own error for the function's SQLSTATEs; None for any other error,

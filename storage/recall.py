@@ -38,6 +38,7 @@ from storage.recall_bounds import (
     check_offset,
     check_query,
 )
+from storage.recall_index import PENDING_SCANNED, json_escaped, json_fragment_text
 from storage.recall_text import (
     SNIPPET_BEFORE_CHARS,
     SNIPPET_CHARS,
@@ -190,6 +191,18 @@ class RecallMixin:
                                   pattern=_like_pattern(query), phrase=_fts_phrase(query),
                                   needles=json.dumps([fold(query)]))
             hits = [SearchHit(r["ref"], r["seq"], r["snippet"], True) for r in rows]
+            # Originals the index has not taken yet (storage.recall_index) are scanned as
+            # appended, and their hits join the exact ones, newest first.
+            escaped = json_escaped(query)
+            pending = await db.fetch(db.variant("history_search_pending"), conn=conn, **span,
+                                     escaped=escaped, pattern=_like_pattern(escaped),
+                                     before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS,
+                                     scan=PENDING_SCANNED, limit=limit)
+            if pending:
+                hits = sorted(hits + [SearchHit(r["ref"], r["seq"],
+                                                json_fragment_text(r["snippet"]), True)
+                                      for r in pending],
+                              key=lambda h: h.seq, reverse=True)[:limit]
             words = ranked_words(query)
             if len(hits) < limit and words:
                 ranked = await _ranked(db, conn, span, query, words, int(scanned["messages"]))

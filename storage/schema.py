@@ -234,9 +234,10 @@ manual_requests = sa.Table(
     sa.Column("queued_at", UTCDateTime, nullable=False),
 )
 
-# Recall (migration 0010): what compaction replaced, kept searchable. Filled by a trigger on the
-# insert of every replace event (a checkpoint or a pruned node), never by the append path, so
-# only what was replaced is indexed and an append costs nothing more.
+# Recall (migration 0010): what compaction replaced, kept searchable. Recorded by the commit of
+# every replace event (a checkpoint or a pruned node) and indexed after it (migration 0014),
+# never by the append path, so only what was replaced is indexed and an append costs nothing
+# more.
 #
 # One row per replace node: the name its footer gives it (``c12-340``, ``r57``), the span of
 # original seqs it stands for, and how many originals (and their bytes) it was the first to
@@ -255,17 +256,19 @@ recall_nodes = sa.Table(
     sa.Index("ix_recall_nodes_ref", "session_id", "ref"),
 )
 
-# One row per original message a replace took off the surface: its searchable text (content,
-# text blocks, tool calls' names and arguments) and the node that first replaced it. The text
+# One row per original message a replace took off the surface: the node that first replaced
+# it, and its searchable text (content, text blocks, tool calls' names and arguments, bounded:
+# storage.recall_index), NULL until it is indexed after the commit (migration 0014). The text
 # indexes are not declared here (``UNMANAGED_SCHEMA``): PostgreSQL's are trigram and full-text
-# GIN indexes on this column, SQLite's an FTS5 table beside it.
+# GIN indexes on this column, SQLite's an FTS5 table beside it; nor is the partial index of the
+# pending rows.
 recall_originals = sa.Table(
     "recall_originals", metadata,
     sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
               primary_key=True),
     sa.Column("seq", sa.BigInteger, primary_key=True),
     sa.Column("node_seq", sa.BigInteger, nullable=False),
-    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("body", sa.Text, nullable=True),
     sa.Column("bytes", sa.Integer, nullable=False),
 )
 
@@ -273,7 +276,7 @@ recall_originals = sa.Table(
 # tables, GIN indexes with operator classes and expressions, PostgreSQL's stored tsvector of
 # recall_originals): ``alembic check`` leaves them be.
 UNMANAGED_SCHEMA = ("recall_fts", "ix_recall_originals_trgm", "ix_recall_originals_tsv",
-                    "body_tsv")
+                    "ix_recall_originals_pending", "body_tsv")
 
 
 def unmanaged(name: str | None) -> bool:

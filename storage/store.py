@@ -52,6 +52,7 @@ from storage.messages import (
     without_reserved,
 )
 from storage.recall import RecallMixin
+from storage.recall_index import RecallIndexMixin
 from storage.records import (
     GROWTH_WINDOW_S,
     AppendResult,
@@ -124,7 +125,7 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
                           links=BatchLinks(messages))
 
 
-class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin):
+class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin):
     """Sessions, the event log and the surface."""
 
     def __init__(self, engine: AsyncEngine, *, kept_connections: int = 1) -> None:

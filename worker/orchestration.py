@@ -15,13 +15,16 @@ from them.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 from collections.abc import Sequence
 from typing import Any
 
+from storage.errors import StorageError
 from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
 from storage.records import Replacement, SessionInfo
+from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
 from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.boundary import resolve_keep
@@ -39,17 +42,78 @@ from worker.runtime import Deps
 
 logger = logging.getLogger(__name__)
 
+# Sessions a worker process indexes at once after their runs: indexing waits mostly on the
+# database's round trips, and one at a time fell behind the runs.
+INDEXERS = 4
+
 
 async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSURE,
                   force: bool = False, keep: str | Clause | None = None, task_id: str | None = None,
-                  bulk_job_id: str | None = None, rate_per_s: float | None = None) -> Outcome:
-    """Run one compaction of ``session_id`` to its end; never raises for a failed run."""
+                  bulk_job_id: str | None = None, rate_per_s: float | None = None,
+                  index_in_background: bool = False) -> Outcome:
+    """Run one compaction of ``session_id`` to its end; never raises for a failed run. Then
+    index what it replaced for recall: before returning, or with ``index_in_background`` (a
+    worker's task, whose slot the next run wants) by the process's indexer."""
     keep_clause = parse_keep_text(keep) if isinstance(keep, str) else keep
     scope = await RunScope.open(deps, session_id, trigger=trigger, task_id=task_id,
                                 bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
     if isinstance(scope, Outcome):
         return scope
-    return await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
+    outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
+    if deps.config.worker.recall_index and (outcome.pruned
+                                            or outcome.outcome == RunStatus.COMMITTED):
+        if index_in_background:
+            if deps.indexer is None:
+                deps.indexer = BackgroundIndexer(deps.store)
+            deps.indexer.add(session_id)
+        else:
+            await index_replaced(deps.store, session_id)
+    return outcome
+
+
+async def index_replaced(store: Store, session_id: str) -> None:
+    """Index the text of what a run's commits replaced: after them, in transactions of its own
+    that never take the session's row. What is left (this fails, the worker dies first) is
+    found by a scan until the beat sweep indexes it."""
+    try:
+        await store.index_recall(session_id)
+    except StorageError as exc:
+        logger.warning("recall: indexing after the run failed; the sweep will index it",
+                       extra={"action": "recall.index_failed", "session_id": session_id,
+                              "error": str(exc)})
+
+
+class BackgroundIndexer:
+    """A worker process's recall indexing: the sessions whose runs committed, indexed by at
+    most ``INDEXERS`` tasks on the process's loop (each a session at a time), so a run's slot is
+    free as soon as its end is committed and indexing holds few connections."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._sessions: dict[str, None] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def add(self, session_id: str) -> None:
+        self._sessions[session_id] = None
+        if len(self._tasks) < INDEXERS:
+            task = asyncio.create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        while self._sessions:
+            session_id = next(iter(self._sessions))
+            del self._sessions[session_id]
+            await index_replaced(self.store, session_id)
+
+    async def aclose(self) -> None:
+        """Stop; what is left is indexed by the beat sweep."""
+        self._sessions.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
 
 async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:

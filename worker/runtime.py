@@ -90,8 +90,12 @@ class Deps:
     models: Any = None  # worker.llm client registry, created on first use
     breaker: Breaker | None = None  # the summary candidates' circuits (worker.llm.breaker)
     clock: Callable[[], Any] = utcnow
+    # The process's recall indexer (worker.orchestration.BackgroundIndexer), made on first use.
+    indexer: Any = None
 
     async def aclose(self) -> None:
+        if self.indexer is not None:
+            await self.indexer.aclose()
         if self.models is not None and hasattr(self.models, "aclose"):
             await self.models.aclose()
         if self.redis is not None:

@@ -122,6 +122,11 @@ class WorkerConfig(_Strict):
     signal_ttl_s: float = Field(default=120.0, gt=0)
     unavailable_model_s: float = Field(default=300.0, gt=0)
     local_fallback: bool = True
+    # Index the text of what a run replaced right after the run (and in the beat sweep), for
+    # history_search. Off, the commits still record what they replaced (history_read serves it)
+    # but only the newest replaced originals are found, by a scan; the benchmarks turn it off to
+    # measure what the index costs.
+    recall_index: bool = True
     attribution_header: str = "x-compactd-purpose"
     attribution_value: str = "compaction"
     metrics_port: int = Field(default=9540, ge=0, le=65535)

@@ -6,6 +6,8 @@
   bounded batches), after storing the thresholds of sessions new or changed since the last sweep.
 * :func:`least_runways` lists every growing session's runway, which the sweep task exports as
   metrics and ``compactd status`` shows.
+* :func:`index_recall` indexes the text of replaced originals no worker indexed after its
+  commit (``storage.recall_index``).
 * :func:`reap_leases` closes expired leases (the run becomes ``abandoned`` and its orphan
   ``compaction/start`` is ended) and re-enqueues the sessions still over their trigger, unless
   the loop guard is cooling them down.
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 # Sessions whose thresholds one transaction stores: after a configuration change every session
 # is resolved once, and a larger batch spends fewer round trips on it.
 RESOLVE_BATCH = 1000
+# Replaced originals one sweep indexes at most: a sweep that finds a backlog (a database
+# migrated with a long history) works it off over several sweeps.
+RECALL_SWEEP_ORIGINALS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,19 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
             if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
                 await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.REAP))
     return reaped
+
+
+async def index_recall(store: Store, config: Config) -> int:
+    """Index what commits replaced and no worker indexed after them (a worker that died between
+    its commit and the indexing, or a database migrated from before recall's indexing moved off
+    the commit): at most ``RECALL_SWEEP_ORIGINALS`` a sweep."""
+    if not config.worker.recall_index:
+        return 0
+    indexed = await store.index_recall(max_originals=RECALL_SWEEP_ORIGINALS)
+    if indexed:
+        logger.info("sweep indexed replaced originals for recall",
+                    extra={"action": "sweep.recall_index", "indexed": indexed})
+    return indexed
 
 
 async def least_runways(store: Store, config: Config, *, now: dt.datetime | None = None,

@@ -24,7 +24,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from storage.errors import ConfigError
+from storage.errors import ConfigError, StorageError
 from storage.kinds import FailureClass, ItemState, RunStatus, Trigger
 from storage.records import utcnow
 from worker import logs
@@ -37,7 +37,7 @@ from worker.pressure import Runway
 from worker.run import AUTOMATIC_TRIGGERS, Outcome
 from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
-from worker.sweeps import least_runways, reap_leases, sweep_pressure
+from worker.sweeps import index_recall, least_runways, reap_leases, sweep_pressure
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def run(self: Task, session_id: str, trigger: str = Trigger.PRESSURE, force: boo
             with logs.bind(session_id=session_id, task_id=task_id):
                 outcome = await compact(deps, session_id, trigger=trigger, force=force,
                                         keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
-                                        rate_per_s=rate_per_s)
+                                        rate_per_s=rate_per_s, index_in_background=True)
             return outcome
         finally:
             if trigger in AUTOMATIC_TRIGGERS:
@@ -127,6 +127,12 @@ def sweep(self: Task) -> int:
 
     async def go(deps: Deps) -> tuple[int, list[Runway], dt.datetime | None]:
         result = await sweep_pressure(deps.store, config, enqueuer)
+        try:
+            await index_recall(deps.store, config)
+        except StorageError as exc:
+            # The pressure sweep's work is done; the next sweep indexes what this one did not.
+            logger.warning("recall indexing in the sweep failed: %s", exc,
+                           extra={"action": "sweep.recall_index_failed"})
         flagged = await deps.store.flagged_sessions()
         metrics().flagged_sessions.set(len(flagged))
         runways = await least_runways(deps.store, config)

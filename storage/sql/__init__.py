@@ -27,8 +27,7 @@ from typing import Any
 import aiosql
 from aiosql.types import SQLOperationType
 
-FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit", "compactd_recall_body",
-             "compactd_recall_index", "compactd_recall_trigger")
+FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit", "compactd_recall_index")
 
 _HERE = resources.files(__name__)
 _QUERIES_TEXT = "\n\n".join(

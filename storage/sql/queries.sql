@@ -54,14 +54,15 @@ SELECT * FROM compactd_append(:session_id, :payloads, :tokens, :now, :call_ids, 
 -- takes the general path.
 SELECT * FROM compactd_claim(:session_id, :run_id, :owner, :trigger, :expires, :now, :task_id);
 
--- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after)^
+-- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts)^
 -- postgres-only: calls compactd_commit (functions/compactd_commit.sql); the SQLite connector
 -- commits with separate statements in its transaction.
 SELECT * FROM compactd_commit(:session_id, :run_id, :fence, :now, :seqs, :counts, :kinds,
                               :payloads, :tokens, :journal_kinds, :journals, :expected_pos,
-                              :expected_seq, :end_payload, :before, :after);
+                              :expected_seq, :end_payload, :before, :after, :refs, :firsts,
+                              :lasts);
 
--- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, item_state, item_done)^
+-- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, item_state, item_done)^
 -- postgres-only: a data-modifying WITH around compactd_commit. The commit that ends its run: the
 -- run row's result and its bulk item's ride on the call. The run row's UPDATE waits for the call
 -- (EXISTS on its result), so the session row is locked before the run row, as everywhere else,
@@ -71,7 +72,7 @@ SELECT * FROM compactd_commit(:session_id, :run_id, :fence, :now, :seqs, :counts
 WITH c AS (SELECT * FROM compactd_commit(:session_id, :run_id, :fence, :now, :seqs, :counts,
                                          :kinds, :payloads, :tokens, :journal_kinds, :journals,
                                          :expected_pos, :expected_seq, :end_payload, :before,
-                                         :after)),
+                                         :after, :refs, :firsts, :lasts)),
      r AS (UPDATE compaction_runs
               SET status = :status, failure_class = :failure_class, error = :error,
                   tokens_before = :tokens_before, tokens_after = :tokens_after, model = :model,

@@ -124,6 +124,47 @@ FROM c
 JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
 WHERE instr(c.folded, compactd_fold(:query)) = 0;
 
+-- name: history_search_pending_pg(session_id, first_seq, last_seq, escaped, pattern, before, width, scan, limit)
+-- postgres-only: strpos and ILIKE are PostgreSQL's (SQLite: history_search_pending_sqlite).
+-- Originals whose text is not indexed yet (the commit that replaced them has, the indexer after
+-- it not yet): the newest :scan of them are scanned for the query in their payloads as
+-- appended, newest first. The payload is JSON text, so the query is given JSON-escaped
+-- (:escaped; :pattern is its LIKE pattern) and the snippet is cut from the JSON text; no JSON
+-- operator reads it, as none could read a payload holding a NUL.
+SELECT c.seq, n.ref,
+       substr(c.raw, greatest(1, strpos(lower(c.raw), lower(:escaped)) - :before), :width)
+         AS snippet
+FROM (SELECT o.seq, o.node_seq, CAST(e.payload AS text) AS raw
+      FROM (SELECT seq, node_seq FROM recall_originals
+            WHERE session_id = :session_id AND body IS NULL
+              AND seq BETWEEN :first_seq AND :last_seq
+            ORDER BY seq DESC
+            LIMIT :scan) o
+      JOIN events e ON e.session_id = :session_id AND e.seq = o.seq) c
+JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
+WHERE c.raw ILIKE :pattern
+ORDER BY c.seq DESC
+LIMIT :limit;
+
+-- name: history_search_pending_sqlite(session_id, first_seq, last_seq, escaped, before, width, scan, limit)
+-- sqlite-only: compactd_fold is registered on compactd's SQLite connections (PostgreSQL: history_search_pending_pg).
+-- The same scan of the originals not indexed yet, in their payloads as appended, folded as the
+-- index is.
+SELECT c.seq, n.ref,
+       substr(c.raw, max(1, instr(compactd_fold(c.raw), compactd_fold(:escaped)) - :before),
+              :width) AS snippet
+FROM (SELECT o.seq, o.node_seq, CAST(e.payload AS TEXT) AS raw
+      FROM (SELECT seq, node_seq FROM recall_originals
+            WHERE session_id = :session_id AND body IS NULL
+              AND seq BETWEEN :first_seq AND :last_seq
+            ORDER BY seq DESC
+            LIMIT :scan) o
+      JOIN events e ON e.session_id = :session_id AND e.seq = o.seq) c
+JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = c.node_seq
+WHERE instr(compactd_fold(c.raw), compactd_fold(:escaped)) > 0
+ORDER BY c.seq DESC
+LIMIT :limit;
+
 -- name: history_count(session_id, first_seq, last_seq)
 -- How many originals a node stands for.
 SELECT count(*) FROM recall_originals
@@ -139,64 +180,49 @@ ORDER BY o.seq
 LIMIT :limit OFFSET :offset;
 
 
--- Indexing (migration 0010): each replace event is indexed as it is inserted, by a trigger
--- running these statements with the event row's columns for parameters; the migration's
--- backfill runs the same statements for the replace events already in the log, in seq order.
+-- Recording (migration 0014): each replace node is recorded in the transaction of the commit
+-- that writes it, without reading a payload: the node, and its originals as pending rows
+-- (body NULL). PostgreSQL's compactd_commit calls compactd_recall_index; SQLite's commit path
+-- fires the recall trigger, which runs recall_index_originals and recall_index_node with the
+-- event row's columns for parameters. The originals' text is indexed after the commit
+-- (storage/recall_index.py: recall_pending_originals, recall_set_body, recall_node_bytes).
 
 -- name: recall_replace_events()
--- Every replace event, in the order the trigger would have indexed them.
+-- Every replace event, in the order the commits recorded them (migration 0010's backfill).
 SELECT session_id, seq, kind, payload FROM events
 WHERE kind IN ('checkpoint', 'pruned')
 ORDER BY session_id, seq;
 
--- name: recall_index(session_id, seq, kind, payload)$
--- postgres-only: calls compactd_recall_index (functions/compactd_recall_index.sql), which the
--- PostgreSQL trigger calls too; SQLite runs recall_index_originals and recall_index_node.
-SELECT compactd_recall_index(:session_id, :seq, :kind, CAST(:payload AS json));
+-- name: recall_index(session_id, seq, kind, ref, first, last, replaces)$
+-- postgres-only: calls compactd_recall_index (functions/compactd_recall_index.sql), which
+-- compactd_commit calls too; SQLite runs recall_index_originals and recall_index_node.
+SELECT compactd_recall_index(:session_id, :seq, :kind, :ref, :first, :last,
+                             CAST(:replaces AS bigint[]));
 
 -- name: recall_index_originals(session_id, seq, payload)!
 -- sqlite-only: the SQLite trigger's first step (json_each is SQLite's; PostgreSQL does this in
--- compactd_recall_index). The originals this replace is the first to replace, with their text:
--- content (a string, or its text blocks), then each tool call's name and arguments.
--- json_extract ends a text at a NUL, so each NUL escape (\u0000, not an escaped backslash
--- before "u0000": those are set aside first, as U+FFFF) is read as a space (migration 0014).
+-- compactd_recall_index). The originals this replace is the first to replace, pending: the
+-- originals' own payloads are not read.
 INSERT OR IGNORE INTO recall_originals (session_id, seq, node_seq, body, bytes)
-SELECT session_id, seq, node_seq, body, length(CAST(body AS BLOB)) FROM (
-  SELECT session_id, seq, node_seq,
-         coalesce(content || char(10) || calls, content, calls, '') AS body
-  FROM (
-    SELECT e.session_id AS session_id, e.seq AS seq, :seq AS node_seq,
-           CASE json_type(e.payload, '$.content')
-             WHEN 'text' THEN json_extract(e.payload, '$.content')
-             WHEN 'array' THEN (SELECT group_concat(json_extract(b.value, '$.text'), char(10))
-                                FROM json_each(e.payload, '$.content') b
-                                WHERE json_extract(b.value, '$.type') = 'text')
-           END AS content,
-           (SELECT group_concat(json_extract(c.value, '$[1]') || ' '
-                                || json_extract(c.value, '$[2]'), char(10))
-            FROM json_each(e.payload, '$.tool_calls') c) AS calls
-    FROM json_each(:payload, '$.replaces') r
-    JOIN (SELECT session_id, seq, kind,
-                 replace(replace(replace(payload, '\\', char(65535)), '\u0000', ' '),
-                         char(65535), '\\') AS payload
-          FROM events) e
-      ON e.session_id = :session_id AND e.seq = r.value AND e.kind = 'message'));
+SELECT e.session_id, e.seq, :seq, NULL, 0
+FROM json_each(:payload, '$.replaces') r
+JOIN events e ON e.session_id = :session_id AND e.seq = r.value AND e.kind = 'message';
 
 -- name: recall_index_node(session_id, seq, kind, payload)!
 -- sqlite-only: the SQLite trigger's second step (PostgreSQL: compactd_recall_index). The node,
 -- named by its footer's ref (from its span for a node written before footers), with the span
 -- its meta.recall states (first, last), else the union of the spans it replaced, and the
--- originals it was the first to replace.
+-- originals it was the first to replace (their bytes are counted as they are indexed).
 INSERT OR IGNORE INTO recall_nodes (session_id, seq, ref, first_seq, last_seq, messages, bytes)
 SELECT :session_id, :seq,
        coalesce(json_extract(:payload, '$.message.meta.recall.ref'),
                 CASE WHEN :kind = 'pruned' THEN 'r' || coalesce(m.first, u.first)
                      ELSE 'c' || coalesce(m.first, u.first) || '-'
                           || coalesce(m.last, u.last) END),
-       coalesce(m.first, u.first), coalesce(m.last, u.last), u.messages, u.bytes
+       coalesce(m.first, u.first), coalesce(m.last, u.last), u.messages, 0
 FROM (SELECT min(coalesce(n.first_seq, r.value)) AS first,
              max(coalesce(n.last_seq, r.value)) AS last,
-             count(o.seq) AS messages, coalesce(sum(o.bytes), 0) AS bytes
+             count(o.seq) AS messages
       FROM json_each(:payload, '$.replaces') r
       LEFT JOIN recall_nodes n ON n.session_id = :session_id AND n.seq = r.value
       LEFT JOIN recall_originals o ON o.session_id = :session_id AND o.seq = r.value
@@ -209,9 +235,55 @@ FROM (SELECT min(coalesce(n.first_seq, r.value)) AS first,
                   THEN json_extract(:payload, '$.message.meta.recall.last') END AS last) m
 WHERE coalesce(m.first, u.first) IS NOT NULL;
 
+-- name: recall_pending_sessions(limit)
+-- Sessions with originals not yet indexed (the partial index ix_recall_originals_pending).
+SELECT DISTINCT session_id FROM recall_originals WHERE body IS NULL LIMIT :limit;
+
+-- name: recall_pending_originals(session_id, limit)
+-- A session's originals not yet indexed, oldest first, with their payloads as appended.
+SELECT o.seq, o.node_seq, e.payload
+FROM recall_originals o
+JOIN events e ON e.session_id = o.session_id AND e.seq = o.seq
+WHERE o.session_id = :session_id AND o.body IS NULL
+ORDER BY o.seq
+LIMIT :limit;
+
+-- name: recall_set_bodies(session_id, seqs, bodies, sizes)!
+-- postgres-only: arrays and a data-modifying WITH are PostgreSQL's; SQLite runs recall_set_body
+-- once per original and recall_node_bytes once per node, in one transaction.
+-- Originals' indexed texts and the sizes of their whole texts, and each node's bytes grown by
+-- those of its originals indexed here, in one autocommit statement; an original indexed
+-- already (by another indexer meanwhile) keeps what it has and adds nothing.
+WITH done AS (
+  UPDATE recall_originals o SET body = v.body, bytes = v.size
+  FROM unnest(CAST(:seqs AS bigint[]), CAST(:bodies AS text[]), CAST(:sizes AS int[]))
+       AS v(seq, body, size)
+  WHERE o.session_id = :session_id AND o.seq = v.seq AND o.body IS NULL
+  RETURNING o.node_seq, o.bytes)
+UPDATE recall_nodes n SET bytes = n.bytes + d.bytes
+FROM (SELECT node_seq, sum(bytes) AS bytes FROM done GROUP BY node_seq) d
+WHERE n.session_id = :session_id AND n.seq = d.node_seq;
+
+-- name: recall_set_body(session_id, seq, body, bytes)!
+-- sqlite-only: PostgreSQL writes a batch in one statement (recall_set_bodies).
+-- An original's indexed text and the size of its whole text; an original indexed already (by
+-- another indexer meanwhile) keeps what it has.
+UPDATE recall_originals SET body = :body, bytes = :bytes
+WHERE session_id = :session_id AND seq = :seq AND body IS NULL;
+
+-- name: recall_node_bytes(session_id, seq)!
+-- sqlite-only: PostgreSQL adds the bytes in recall_set_bodies.
+-- A node's bytes: those of its originals indexed so far.
+UPDATE recall_nodes
+SET bytes = (SELECT coalesce(sum(o.bytes), 0) FROM recall_originals o
+             WHERE o.session_id = recall_nodes.session_id
+               AND o.seq BETWEEN recall_nodes.first_seq AND recall_nodes.last_seq
+               AND o.node_seq = recall_nodes.seq)
+WHERE session_id = :session_id AND seq = :seq;
+
 -- name: recall_fts_add(session_id, seq, body)!
 -- sqlite-only: keeps the FTS5 table (SQLite's) in step with recall_originals, run by its
--- insert trigger; PostgreSQL's GIN indexes keep themselves.
+-- trigger when an original's text is indexed; PostgreSQL's GIN indexes keep themselves.
 INSERT INTO recall_fts (session_id, seq, body) VALUES (:session_id, :seq, :body);
 
 -- name: recall_fts_drop(session_id, seq)!

@@ -63,7 +63,8 @@ def test_search_finds_the_dropped_fact_and_read_pages_it_back(env: dict[str, str
     # 2,000, each a process), and the default page is read below.
     read = ["history", "read", "s1", top["checkpoint"], "--budget-tokens", "8000", "--json"]
     transcript, pages, args = "", 0, read
-    for pages in range(1, 51):
+    while pages < 50:
+        pages += 1
         page = json.loads(run(env, *args).stdout)
         transcript += page["transcript"]
         if page["cursor"] is None:

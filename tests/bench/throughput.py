@@ -1,7 +1,7 @@
 """Compactions per second of real worker processes against a slow model.
 
     python tests/bench/throughput.py --json OUT.json [--workers 1,2,4] [--sessions 600]
-        [--concurrency 64] [--latency 1.0] [--layout merge|recallable]
+        [--concurrency 64] [--latency 1.0] [--layout merge|recallable] [--recall-index on|off]
 
 The fake provider runs as a subprocess (``python -m tests.support.fake_provider --latency 1.0``),
 so the workers talk to it over real HTTP through the real SDKs and do not share its CPU with the
@@ -23,7 +23,14 @@ Reported per worker count:
 * ``cpu_ms_per_compaction``: the workers' CPU time (user + system, from /proc) over the run,
   divided by the compactions. The model's own work happens in the fake's process, so this is all
   compactd: Celery, storage, planning, prompt building and the SDK's request handling.
+* ``recall_pending_at_end``: replaced originals not yet indexed when the last run ended (the
+  workers index after each run, in the background); ``recall_index_lag_s``: how long after that
+  until none is left; ``cpu_ms_per_compaction_indexed`` counts the workers' CPU until then.
 * ``worker_rss_mb``: the largest resident set of one worker process, sampled during the run.
+
+``--recall-index off`` turns off the indexing of what the runs replaced (``worker.recall_index``;
+the commits still record it): run it in alternating pairs with ``on`` to see what recall's index
+costs the worker.
 
 Every session uses one summary call (``trim_tokens_to_summarize`` above the range) after a prune,
 so with latency L and C slots a worker's ceiling is C / L compactions per second (under
@@ -51,6 +58,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import sqlalchemy as sa  # noqa: E402
 
 from scheduler.samples import coding_session  # noqa: E402
 from storage.messages import Message, parse_openai  # noqa: E402
@@ -99,6 +108,17 @@ async def ingest(url: str, count: int, prefix: str) -> list[str]:
     finally:
         await store.close()
     return ids
+
+
+async def pending_originals(url: str) -> int:
+    """Replaced originals whose text is not indexed yet."""
+    store = Store.from_url(url, pool_size=1)
+    try:
+        async with store.engine.connect() as conn:
+            return int((await conn.execute(sa.text(
+                "SELECT count(*) FROM recall_originals WHERE body IS NULL"))).scalar_one())
+    finally:
+        await store.close()
 
 
 async def run_rows(url: str) -> list[tuple[str, float, float]]:
@@ -186,7 +206,8 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
     stack = Stack(pg, broker, home / f"workers{workers}", fake_url=fake_url,
                   summarization={**POLICY, "layout": args.layout},
                   worker={"concurrency": args.concurrency, "sweep_interval_s": 3600,
-                          "reap_interval_s": 3600, "lease_s": 120})
+                          "reap_interval_s": 3600, "lease_s": 120,
+                          "recall_index": args.recall_index == "on"})
     try:
         procs = [stack.start_worker(f"w{i}", concurrency=args.concurrency, ready_timeout=60)
                  for i in range(workers)]
@@ -204,6 +225,15 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
                        timeout=args.timeout, interval=1.0,
                        what=f"{len(ids)} runs with {workers} worker(s)")
             cpu_after = sum(cpu_s(pid) for pid in pids)
+            pending_at_end = asyncio.run(pending_originals(pg))
+            lag_started = time.monotonic()
+            if args.recall_index == "on":
+                # The workers index in the background: wait until they have caught up.
+                wait_until(lambda: asyncio.run(pending_originals(pg)) == 0,
+                           timeout=args.timeout, interval=0.5,
+                           what="the recall index to catch up")
+            index_lag_s = time.monotonic() - lag_started if pending_at_end else 0.0
+            cpu_indexed = sum(cpu_s(pid) for pid in pids)
             sampler.stop.set()
             sampler.join()
         finally:
@@ -219,7 +249,8 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
     ideal = in_flight / args.latency if args.latency else None
     cpu_ms = (cpu_after - cpu_before) * 1000 / max(1, len(committed))
     return {
-        "workers": workers, "layout": args.layout, "concurrency": args.concurrency,
+        "workers": workers, "layout": args.layout, "recall_index": args.recall_index,
+        "concurrency": args.concurrency,
         "latency_s": args.latency,
         "sessions": len(ids), "committed": len(committed),
         "other_outcomes": len(rows) - len(committed),
@@ -230,6 +261,10 @@ def measure(args: argparse.Namespace, fake_url: str, workers: int, home: Path
         "in_flight": in_flight,
         "efficiency": round(rate / ideal, 3) if ideal else None,
         "cpu_ms_per_compaction": round(cpu_ms, 2),
+        "cpu_ms_per_compaction_indexed": round(
+            (cpu_indexed - cpu_before) * 1000 / max(1, len(committed)), 2),
+        "recall_pending_at_end": pending_at_end,
+        "recall_index_lag_s": round(index_lag_s, 2),
         "worker_rss_mb": round(sampler.peak, 1),
     }
 
@@ -247,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run, at most")
     parser.add_argument("--layout", choices=("merge", "recallable"), default="merge",
                         help="summarization.layout of every session")
+    parser.add_argument("--recall-index", choices=("on", "off"), default="on",
+                        help="index what the runs replaced for history_search after each run")
     parser.add_argument("--database-url", default=os.environ.get(
         "COMPACTD_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/compactd_bench"))
     parser.add_argument("--redis-url", default=os.environ.get(

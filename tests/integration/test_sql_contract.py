@@ -123,7 +123,8 @@ def _prune_of_seq_1() -> dict[str, Any]:
                                      "replaces": [1], "run_id": "r1"})],
             "tokens": [1], "journal_kinds": [JournalKind.PRUNE],
             "journals": [json.dumps({"run_id": "r1", "replaced_seqs": [1]})],
-            "expected_pos": [1], "expected_seq": [1], "before": None, "after": None}
+            "expected_pos": [1], "expected_seq": [1], "before": None, "after": None,
+            "refs": ["r1"], "firsts": [1], "lasts": [1]}
 
 
 @case("commit")
@@ -132,6 +133,11 @@ async def _commit(store: Store) -> None:
     row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None)
     assert row is not None and row["lease_run_id"] == "r1" and row["surface_version"] == 2
     assert (await store.read_surface("s1")).nodes[0].kind == NodeKind.PRUNED
+    # the node recorded for recall by the name and span the caller stated, its original pending
+    row = await store.db.fetchrow("history_node", session_id="s1", ref="r1")
+    assert row is not None and (row["first_seq"], row["last_seq"]) == (1, 1)
+    assert [r["seq"] for r in await store.db.fetch("recall_pending_originals", session_id="s1",
+                                                   limit=5)] == [1]
 
 
 @case("commit_ending")
@@ -172,7 +178,8 @@ SPAN: dict[str, Any] = {"session_id": "s1", "first_seq": 1, "last_seq": 2}
 EVERYWHERE: dict[str, Any] = {"session_id": "s1", "first_seq": 0, "last_seq": 2**63 - 1}
 
 
-async def _checkpointed(store: Store) -> None:
+async def _recorded(store: Store) -> None:
+    """Seqs 1 and 2 replaced by checkpoint c1-2, their text not indexed yet."""
     claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
     await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
                        replacements=[Replacement(
@@ -180,6 +187,12 @@ async def _checkpointed(store: Store) -> None:
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "summary",
                                     "meta": {"checkpoint": True, "recall": {"ref": "c1-2"}}})])
+
+
+async def _checkpointed(store: Store) -> None:
+    """The same, indexed."""
+    await _recorded(store)
+    await store.index_recall("s1")
 
 
 async def _search(store: Store, form: str, query: str, **params: Any) -> list[tuple[Any, ...]]:
@@ -241,6 +254,7 @@ async def _exact(store: Store) -> None:
                            seqs=(3, 4), kind=NodeKind.CHECKPOINT, tokens=3,
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
+    await store.index_recall("s1")
     # newest first, case-insensitive, the snippet cut around the match; the node named from
     # its span when its footer names none
     assert await _search(store, "history_search_exact", "NEEDLE") == [
@@ -258,6 +272,7 @@ async def _replaced(store: Store, *texts: str) -> None:
                            seqs=tuple(range(1, len(texts) + 3)), kind=NodeKind.CHECKPOINT,
                            tokens=3, journal_kind="compaction/summary",
                            payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
+    await store.index_recall("s1")
 
 
 async def _word(store: Store) -> None:
@@ -311,11 +326,103 @@ async def _unindexed(store: Store) -> dict[str, Any]:
 @case("recall_index")
 async def _recall_index(store: Store) -> None:
     event = await _unindexed(store)
+    params = {"session_id": "s1", "seq": event["seq"], "kind": event["kind"], "ref": None,
+              "first": None, "last": None, "replaces": [1, 2]}
     for _ in range(2):  # a second run adds nothing
-        await store.db.fetch("recall_index", **event)
+        await store.db.fetch("recall_index", **params)
         assert await store.db.fetchval("history_count", **SPAN) == 2
+        # recorded, the text pending: no bytes yet
         assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (
-            2, 2)
+            2, 0)
+    # named from its span when no name is stated
+    assert await store.db.fetchrow("history_node", session_id="s1", ref="c1-2") is not None
+    assert await store.index_recall("s1") == 2
+    assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (2, 2)
+
+
+@case("recall_pending_sessions")
+async def _recall_pending_sessions(store: Store) -> None:
+    assert await store.db.fetch("recall_pending_sessions", limit=5) == []
+    await _recorded(store)
+    assert [r["session_id"] for r in await store.db.fetch("recall_pending_sessions",
+                                                          limit=5)] == ["s1"]
+
+
+@case("recall_pending_originals")
+async def _recall_pending_originals(store: Store) -> None:
+    await _recorded(store)
+    rows = await store.db.fetch("recall_pending_originals", session_id="s1", limit=1)
+    assert [(r["seq"], r["node_seq"]) for r in rows] == [(1, 5)]
+    payload = rows[0]["payload"]
+    assert (json.loads(payload) if isinstance(payload, str) else payload)["content"] == "a"
+
+
+async def _set_body(store: Store, seq: int, body: str, size: int) -> None:
+    async with transaction(store.engine) as conn:
+        await store.db.execute_many("recall_set_body", conn=conn, rows=[
+            {"session_id": "s1", "seq": seq, "body": body, "bytes": size}])
+        await store.db.execute_many("recall_node_bytes", conn=conn, rows=[
+            {"session_id": "s1", "seq": 5}])
+
+
+@case("recall_set_body")
+async def _recall_set_body(store: Store) -> None:
+    await _recorded(store)
+    await _set_body(store, 1, "zebra", 7)
+    # an original indexed already keeps its text
+    await _set_body(store, 1, "yak", 9)
+    assert await _search(store, "history_search_exact", "zebra") == [(1, "c1-2", "zeb")]
+    assert await _search(store, "history_search_exact", "yak") == []
+    assert [r["seq"] for r in await store.db.fetch("recall_pending_originals", session_id="s1",
+                                                   limit=5)] == [2]
+
+
+@case("recall_set_bodies")
+async def _recall_set_bodies(store: Store) -> None:
+    await _recorded(store)
+    for _ in range(2):  # an original indexed already keeps its text and adds no bytes
+        await store.db.execute("recall_set_bodies", session_id="s1", seqs=[1, 2],
+                               bodies=["zebra", "yak"], sizes=[7, 5])
+    assert await _search(store, "history_search_exact", "zebra") == [(1, "c1-2", "zeb")]
+    assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (2, 12)
+    assert await store.db.fetch("recall_pending_originals", session_id="s1", limit=5) == []
+
+
+@case("recall_node_bytes")
+async def _recall_node_bytes(store: Store) -> None:
+    await _recorded(store)
+    await _set_body(store, 2, "b", 5)
+    assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (2, 5)
+    await _set_body(store, 1, "a", 3)
+    assert tuple((await store.db.fetchrow("history_scanned", **SPAN) or {}).values()) == (2, 8)
+
+
+async def _pending_scan(store: Store) -> None:
+    await store.append("s1", [user('say "Needle"\nhere'), user("nothing")])
+    claim = await store.claim("s1", owner="w", trigger="manual", lease_s=60)
+    await store.commit("s1", run_id=claim.run_id, fence=claim.fence,  # type: ignore[union-attr]
+                       replacements=[Replacement(
+                           seqs=seqs, kind=NodeKind.CHECKPOINT, tokens=3,
+                           journal_kind="compaction/summary",
+                           payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})
+                           for seqs in ((1, 2), (3, 4))])
+    escaped = json.dumps('"needle"', ensure_ascii=False)[1:-1]
+    like = escaped.replace("\\", "\\\\")  # LIKE's own escape character
+    found = {**EVERYWHERE, "escaped": escaped, "pattern": f"%{like}%", "before": 1,
+             "width": 4, "scan": 10, "limit": 10}
+    name = f"history_search_pending_{store.db.variant_suffix}"
+    # the payload as appended, JSON-escaped query and all, case-insensitive
+    assert [tuple(r.values()) for r in await store.db.fetch(name, **found)] == [
+        (3, "c3-4", ' \\"N')]
+    # only the newest :scan pending originals are scanned
+    assert await store.db.fetch(name, **{**found, "scan": 1}) == []
+    # an indexed original is no longer pending
+    await store.index_recall("s1")
+    assert await store.db.fetch(name, **found) == []
+
+
+for _suffix in ("pg", "sqlite"):
+    case(f"history_search_pending_{_suffix}")(_pending_scan)
 
 
 @case("recall_index_originals")
@@ -358,6 +465,7 @@ async def _recall_fts_drop(store: Store) -> None:
                            seqs=(3,), kind=NodeKind.CHECKPOINT, tokens=3,
                            journal_kind="compaction/summary",
                            payload={"role": "user", "content": "s", "meta": {"checkpoint": True}})])
+    await store.index_recall("s1")
     assert len(await _search(store, "history_search_exact", "findable")) == 1
     assert await store.db.execute("recall_fts_drop", session_id="s1", seq=3) == 1
     assert await _search(store, "history_search_exact", "findable") == []

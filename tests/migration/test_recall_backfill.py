@@ -1,4 +1,5 @@
-"""Migration 0010 indexes the replaces committed before it, as its trigger indexes new ones."""
+"""Migration 0010 records the replaces committed before it as commits record new ones (the
+originals pending), and the indexer then indexes them as it indexes a commit's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sqlalchemy as sa
 
 from storage.database import create_engine
 from storage.migrate import upgrade
+from storage.store import Store
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 BEFORE_RECALL = "0008"
@@ -73,12 +75,24 @@ async def _read(url: str) -> tuple[list[tuple[object, ...]], list[tuple[object, 
     return nodes, originals
 
 
+async def _index(url: str) -> int:
+    store = Store.from_url(url)
+    try:
+        return await store.index_recall()
+    finally:
+        await store.close()
+
+
 def test_replaces_before_the_migration_are_indexed(url: str) -> None:
     upgrade(url, BEFORE_RECALL)
     if url.startswith("postgresql"):
         pytest.importorskip("asyncpg")
     asyncio.run(_fill(url))
     upgrade(url)
+    nodes, originals = asyncio.run(_read(url))
+    assert nodes == [(4, "r3", 3, 3, 1, 0), (5, "c1-3", 1, 3, 2, 0)]
+    assert originals == [(1, 5, None, 0), (2, 5, None, 0), (3, 4, None, 0)]
+    assert asyncio.run(_index(url)) == 3
     nodes, originals = asyncio.run(_read(url))
     assert nodes == [(4, "r3", 3, 3, 1, 4), (5, "c1-3", 1, 3, 2, len(BODY1) + 23)]
     assert originals == [(1, 5, BODY1, len(BODY1)),

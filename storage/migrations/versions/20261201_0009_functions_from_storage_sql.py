@@ -15,9 +15,9 @@ The earlier revisions (0002, 0003, 0004, 0007, 0008) no longer carry function te
 function is written once in the tree, and a new database gets all three here, as storage/sql
 has them now. Downgrading below this revision drops them (no store runs below the head
 revision). A later revision that changes one of these files creates the new text for databases
-migrated before the change; this one creates the new text too. So revision 0011's sixteen-
+migrated before the change; this one creates the new text too. So revision 0014's nineteen-
 argument ``compactd_commit`` is created here on a new database, and dropped below here with the
-fourteen-argument one this revision created before 0011.
+fourteen- and sixteen-argument ones this revision created before 0011 and 0014.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ _SIGNATURES = (
     " text[], json[], bigint[], bigint[], json)",
     "compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[], json[], int[],"
     " text[], json[], bigint[], bigint[], json, bigint[], bigint[])",
+    "compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[], json[], int[],"
+    " text[], json[], bigint[], bigint[], json, bigint[], bigint[], text[], bigint[], bigint[])",
 )
 
 

@@ -4,9 +4,9 @@ Revision ID: 0010
 Revises: 0009
 Create Date: 2026-12-01
 
-Two tables (``storage.schema.recall_nodes``, ``recall_originals``) filled by a trigger on the
-insert of every replace event, in the same transaction as the commit that writes it. The append
-path is untouched: only what a checkpoint or a prune takes off the surface is indexed.
+Two tables (``storage.schema.recall_nodes``, ``recall_originals``), filled as each replace
+commits. The append path is untouched: only what a checkpoint or a prune takes off the surface
+is recorded.
 
 * ``recall_nodes``: each replace node's name (its ``meta.recall.ref`` as its footer gives it;
   computed from its span for a node written before footers) and the span of original seqs it
@@ -17,12 +17,11 @@ path is untouched: only what a checkpoint or a prune takes off the surface is in
 
 Text indexes: on PostgreSQL ``pg_trgm`` GIN (substring ``ILIKE``) and a ``simple`` full-text
 GIN (fuzzy); on SQLite an FTS5 table with the trigram tokenizer, kept by triggers. Existing
-replace events are indexed in seq order, as the trigger would have, by the same statements
-(the PostgreSQL functions are in ``storage/sql/functions/``, SQLite's trigger steps in
-``storage/sql/recall.sql``), as storage/sql has them now: revision 0011 changed
-``compactd_recall_index`` and the SQLite trigger's ``recall_index_node`` step for databases
-migrated before it, and a new database gets the changed text here (a node written before
-0011 states the span the union gives, so the backfill indexes what it indexed before).
+replace events are recorded in seq order as the commits record them now (revision 0014: the
+node and its originals, pending; ``storage.recall_index`` indexes their text afterwards), by
+the same function (``storage/sql/functions/``) on PostgreSQL and the same trigger steps
+(``storage/sql/recall.sql``) on SQLite, as storage/sql has them now: revisions 0011 and 0014
+changed them for databases migrated before them, and a new database gets the changed text here.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from storage import sql
+from storage.recall_index import node_recall, sqlite_recall_triggers
 
 REVISION = "0010"
 revision: str = REVISION
@@ -41,35 +41,15 @@ down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_FUNCTIONS = ("compactd_recall_body", "compactd_recall_index", "compactd_recall_trigger")
-
-_PG_TRIGGER = """
-CREATE TRIGGER compactd_recall AFTER INSERT ON events FOR EACH ROW
-WHEN (NEW.kind IN ('checkpoint', 'pruned')) EXECUTE FUNCTION compactd_recall_trigger()
-"""
+# PostgreSQL records a node in compactd_commit (revision 0014), which calls this function.
+_FUNCTIONS = ("compactd_recall_index",)
 
 _SQLITE_FTS = """
 CREATE VIRTUAL TABLE recall_fts USING fts5(
   session_id UNINDEXED, seq UNINDEXED, body, tokenize = 'trigram')
 """
-# SQLite has no functions: its triggers run the named statements of storage/sql/recall.sql,
-# which the backfill below runs too.
-_SQLITE_TRIGGERS = (
-    f"""CREATE TRIGGER compactd_recall AFTER INSERT ON events
-    WHEN NEW.kind IN ('checkpoint', 'pruned') BEGIN
-    {sql.as_trigger_body("recall_index_originals")};
-    {sql.as_trigger_body("recall_index_node")};
-    END""",
-    f"""CREATE TRIGGER compactd_recall_fts AFTER INSERT ON recall_originals BEGIN
-    {sql.as_trigger_body("recall_fts_add")};
-    END""",
-    f"""CREATE TRIGGER compactd_recall_fts_delete AFTER DELETE ON recall_originals BEGIN
-    {sql.as_trigger_body("recall_fts_drop", row="OLD")};
-    END""",
-)
-# What the trigger runs for one replace event, per dialect.
-_INDEX_STEPS = {"postgresql": ("recall_index",),
-                "sqlite": ("recall_index_originals", "recall_index_node")}
+# What the SQLite trigger runs for one replace event (the backfill runs it too).
+_SQLITE_STEPS = ("recall_index_originals", "recall_index_node")
 
 
 def _tables() -> None:
@@ -92,7 +72,7 @@ def _tables() -> None:
         sa.Column("session_id", sa.String(255), nullable=False),
         sa.Column("seq", sa.BigInteger, nullable=False),
         sa.Column("node_seq", sa.BigInteger, nullable=False),
-        sa.Column("body", sa.Text, nullable=False),
+        sa.Column("body", sa.Text, nullable=True),
         sa.Column("bytes", sa.Integer, nullable=False),
         sa.ForeignKeyConstraint(["session_id"], ["sessions.id"], ondelete="CASCADE",
                                 name="fk_recall_originals_session_id_sessions"),
@@ -117,26 +97,30 @@ def upgrade() -> None:
                    " WITH (fastupdate = on, gin_pending_list_limit = 256)")
         for name in _FUNCTIONS:
             op.execute(sql.function_definition(name))
-        op.execute(_PG_TRIGGER)
     else:
         op.execute(_SQLITE_FTS)
-        for statement in _SQLITE_TRIGGERS:
+        for statement in sqlite_recall_triggers():
             op.execute(statement)
-    steps = [sa.text(sql.NAMED_TEXT[name])
-             for name in _INDEX_STEPS[bind.dialect.name]]
+    record = sa.text(sql.NAMED_TEXT["recall_index"])
+    steps = [sa.text(sql.NAMED_TEXT[name]) for name in _SQLITE_STEPS]
     for event in bind.execute(sa.text(sql.NAMED_TEXT["recall_replace_events"])).mappings().all():
         payload = event["payload"]
-        params = {**event, "payload": payload if isinstance(payload, str) else json.dumps(payload)}
-        for step in steps:
-            bind.execute(step, params)
+        text = payload if isinstance(payload, str) else json.dumps(payload)
+        if bind.dialect.name == "postgresql":
+            node = json.loads(text)
+            stated = node_recall(node.get("message") or {})
+            bind.execute(record, {**event, "ref": stated.ref, "first": stated.first,
+                                  "last": stated.last,
+                                  "replaces": [int(q) for q in node.get("replaces") or ()]})
+        else:
+            for step in steps:
+                bind.execute(step, {**event, "payload": text})
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute("DROP TRIGGER IF EXISTS compactd_recall ON events")
-        op.execute("DROP FUNCTION IF EXISTS compactd_recall_trigger()")
-        op.execute("DROP FUNCTION IF EXISTS compactd_recall_index(text, bigint, text, json)")
-        op.execute("DROP FUNCTION IF EXISTS compactd_recall_body(json)")
+        op.execute("DROP FUNCTION IF EXISTS compactd_recall_index(text, bigint, text, text,"
+                   " bigint, bigint, bigint[])")
     else:
         for name in ("compactd_recall", "compactd_recall_fts", "compactd_recall_fts_delete"):
             op.execute(f"DROP TRIGGER IF EXISTS {name}")

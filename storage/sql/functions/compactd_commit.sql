@@ -11,7 +11,10 @@
 -- in one batch after every check. Errors, before anything is kept: CD404 no such session;
 -- CD409 the fence or run moved (DETAIL: the current fence); CD410 the surface changed (DETAIL
 -- prefix, or order:i / contiguous:i / before:i / after:i for the 1-based replacement i).
-CREATE OR REPLACE FUNCTION compactd_commit(p_session text, p_run_id text, p_fence bigint, p_now timestamp with time zone, p_seqs bigint[], p_counts integer[], p_kinds text[], p_payloads json[], p_tokens integer[], p_journal_kinds text[], p_journals json[], p_expected_pos bigint[], p_expected_seq bigint[], p_end json, p_before bigint[], p_after bigint[])
+-- p_refs[i], p_firsts[i], p_lasts[i]: node i's recall name and span as its meta.recall states
+-- them (NULL: none stated). Each node is recorded for recall (compactd_recall_index) without
+-- reading a payload; the originals' text is indexed after the commit, outside the row lock.
+CREATE OR REPLACE FUNCTION compactd_commit(p_session text, p_run_id text, p_fence bigint, p_now timestamp with time zone, p_seqs bigint[], p_counts integer[], p_kinds text[], p_payloads json[], p_tokens integer[], p_journal_kinds text[], p_journals json[], p_expected_pos bigint[], p_expected_seq bigint[], p_end json, p_before bigint[], p_after bigint[], p_refs text[], p_firsts bigint[], p_lasts bigint[])
  RETURNS SETOF sessions
  LANGUAGE plpgsql
 AS $function$
@@ -157,6 +160,11 @@ BEGIN
         SELECT p_session, next_seq + 2 * j, p_kinds[j], p_payloads[j], p_tokens[j], p_run_id,
                p_now
           FROM generate_series(1, n) AS j;
+        FOR i IN 1..n LOOP
+            PERFORM compactd_recall_index(p_session, next_seq + 2 * i, p_kinds[i], p_refs[i],
+                                          p_firsts[i], p_lasts[i],
+                                          p_seqs[offs[i] + 1:offs[i] + p_counts[i]]);
+        END LOOP;
         IF NOT placed THEN
             DELETE FROM surface f WHERE f.session_id = p_session AND f.seq = ANY (p_seqs);
             INSERT INTO surface (session_id, position, seq, tokens)

@@ -1,0 +1,210 @@
+"""Recall's index is built after the commit, never in it (issue 26), on PostgreSQL and SQLite.
+
+A tool result holding a NUL, and one of 2 MB of distinct tokens (more than PostgreSQL takes in
+one tsvector), are compacted by the orchestration a worker runs: the prune commits, and
+history_search finds both originals, by their needles, whether or not their text is indexed
+yet. A run whose worker never indexed (it died between its commit and the indexing) is found
+by a scan until the beat sweep indexes it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from storage.messages import parse_openai
+from storage.recall_index import MAX_INDEXED_BYTES
+from storage.store import Store
+from tests.conftest import compactd_cmd
+from tests.support.bulky import access_log, high_entropy
+from worker.orchestration import compact
+from worker.runtime import Deps, open_deps
+from worker.settings import Config, Settings, build_config
+from worker.sweeps import index_recall
+
+POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
+          "keep": {"type": "messages", "value": 4}}
+BIG_NEEDLE = "ERR-5c1e77: shard 0042 lost its lease"
+NUL_NEEDLE = "checksum mismatch in /srv/blob/part-00017"
+
+
+@functools.cache
+def _big_result() -> str:
+    body = high_entropy(2 * 1024 * 1024)
+    # Past what the surface keeps of a pruned result (its head and tail), inside the prefix the
+    # index keeps verbatim.
+    at = 64 * 1024
+    return body[:at] + "\n" + BIG_NEEDLE + "\n" + body[at:]
+
+
+@functools.cache
+def _nul_result() -> str:
+    # The NUL sits in the head the pruned result keeps on the surface, so the pruned node's own
+    # payload holds one too; the needle is past it, outside the surface's head and tail.
+    return ("binary dump\x00header\x00\n" + "row of plain log text\n" * 3000 + NUL_NEEDLE + "\n"
+            + "more plain log text\n" * 3000)
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function",
+                            "function": {"name": name, "arguments": arguments}}]}
+
+
+def _messages(results: dict[str, str]) -> list[dict[str, Any]]:
+    """A user request, then one tool call and its result per entry of ``results`` (seqs 3, 5,
+    ...), then a short exchange."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "collect the logs"}]
+    for i, (name, content) in enumerate(results.items()):
+        messages += [_call(f"c{i}", name, f"{{\"part\": {i}}}"),
+                     {"role": "tool", "tool_call_id": f"c{i}", "name": name, "content": content}]
+    return [*messages, {"role": "assistant", "content": "Read. Shard 42 and part 17 look wrong."},
+            {"role": "user", "content": "what went wrong?"}]
+
+
+def _both() -> dict[str, str]:
+    return {"read_log": _big_result(), "dump_blob": _nul_result()}
+
+
+def _config(db_url: str, *, recall_index: bool = True) -> Config:
+    return build_config({"worker": {"recall_index": recall_index}},
+                        settings=Settings(database_url=db_url, broker_url="memory://"))
+
+
+@pytest.fixture
+async def deps(db_url: str) -> AsyncIterator[Deps]:
+    async with open_deps(_config(db_url), owner="recall-index-test") as opened:
+        yield opened
+
+
+async def _append_and_compact(deps: Deps, session_id: str,
+                              results: dict[str, str] | None = None) -> None:
+    """The session appended and compacted by the worker's orchestration: every large tool
+    result pruned, in a commit that must not fail."""
+    store = deps.store
+    results = results or _both()
+    await store.create_session(session_id, tenant="acme", context_window=2_000_000,
+                               policy=POLICY)
+    await store.append(session_id, [parse_openai(m) for m in _messages(results)])
+    outcome = await compact(deps, session_id, trigger="pressure")
+    assert outcome.outcome == "committed", outcome.to_json()
+    assert outcome.pruned == len(results), outcome.to_json()
+    assert (await store.verify(session_id)).ok
+
+
+async def _pending(store: Store, session_id: str) -> int:
+    rows = await store.db.fetch("recall_pending_originals", session_id=session_id, limit=100)
+    return len(rows)
+
+
+async def _assert_found(store: Store, session_id: str, needle: str, seq: int,
+                        original: str) -> None:
+    result = await store.history_search(session_id, needle, tenant="acme")
+    # (random text shares short words with any query: only the exact hits are judged)
+    assert [(h.seq, h.checkpoint) for h in result.hits if h.exact] == [(seq, f"r{seq}")], (
+        needle, result)
+    assert needle in result.hits[0].snippet
+    # the name reads back the original byte-exact, NUL and all
+    page = await store.history_read(session_id, f"r{seq}", budget_tokens=100_000)
+    assert page.seqs[0] == seq
+    if len(original) < 100_000:
+        assert original in page.transcript
+
+
+async def test_a_tool_result_with_a_nul_compacts_and_is_found(deps: Deps) -> None:
+    """Issue 26, item 1: the commit failed on PostgreSQL (22P05); on SQLite the text after
+    the NUL could not be searched."""
+    await _append_and_compact(deps, "s1", {"dump_blob": _nul_result()})
+    assert await _pending(deps.store, "s1") == 0  # indexed right after the run
+    await _assert_found(deps.store, "s1", NUL_NEEDLE, 3, _nul_result())
+    # the words past the NUL are indexed as words too
+    words = await deps.store.history_search("s1", "blob checksum part-00017", tenant="acme")
+    assert [h.seq for h in words.hits] == [3], words
+
+
+async def test_two_megabytes_of_distinct_tokens_compact_and_are_found(deps: Deps) -> None:
+    """Issue 26, item 2: past PostgreSQL's tsvector limit (54000) the prune commit rolled
+    back, and so did every later run."""
+    await _append_and_compact(deps, "s1", {"read_log": _big_result()})
+    assert await _pending(deps.store, "s1") == 0
+    await _assert_found(deps.store, "s1", BIG_NEEDLE, 3, _big_result())
+
+
+async def test_the_index_holds_a_bounded_text_per_original(deps: Deps) -> None:
+    await _append_and_compact(deps, "s1")
+    big = 3
+    sizes = await deps.store.db.fetch("history_scanned", session_id="s1", first_seq=big,
+                                      last_seq=big)
+    # the scanned bytes count the whole original; the index keeps at most its bound
+    assert int(sizes[0]["bytes"]) > 2 * 1024 * 1024
+    async with deps.store.engine.connect() as conn:
+        held = (await conn.execute(sa.text(
+            "SELECT length(body) FROM recall_originals WHERE session_id = 's1' AND seq = :seq"),
+            {"seq": big})).scalar_one()
+    assert held <= MAX_INDEXED_BYTES
+
+
+async def test_originals_no_worker_indexed_are_found_and_the_sweep_indexes_them(
+        db_url: str) -> None:
+    """The state a worker leaves when it dies between its commit and the indexing: the
+    commit recorded what it replaced, nothing is indexed."""
+    async with open_deps(_config(db_url, recall_index=False), owner="dies-after-commit") as d:
+        await _append_and_compact(d, "s1")
+        assert await _pending(d.store, "s1") == 2
+        # found by the scan of what is not indexed yet
+        await _assert_found(d.store, "s1", BIG_NEEDLE, 3, _big_result())
+        await _assert_found(d.store, "s1", NUL_NEEDLE, 5, _nul_result())
+    config = _config(db_url)
+    store = Store.from_url(db_url)
+    try:
+        assert await index_recall(store, config) == 2
+        assert await _pending(store, "s1") == 0
+        await _assert_found(store, "s1", BIG_NEEDLE, 3, _big_result())
+        await _assert_found(store, "s1", NUL_NEEDLE, 5, _nul_result())
+        assert await index_recall(store, config) == 0
+    finally:
+        await store.close()
+
+
+@pytest.mark.timed
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_appends_do_not_wait_while_a_commit_prunes_ten_megabytes(
+        db_url: str, cli_env: dict[str, str]) -> None:
+    """Issue 26, item 3: the commit held the session's row while it indexed what it pruned
+    (four 2.5 MB results: 3.6 s), and the agent's appends waited for it. A compaction runs in
+    its own process (``compactd compact --inline``) while the agent appends."""
+    store = Store.from_url(db_url)
+    results = {f"read_log_{i}": access_log(2_500_000, seed=i) for i in range(4)}
+    try:
+        await store.create_session("s1", tenant="acme", context_window=10_000_000,
+                                   policy=POLICY)
+        await store.append("s1", [parse_openai(m) for m in _messages(results)])
+        cli_env["COMPACTD_DATABASE_URL"] = db_url
+        run = await asyncio.create_subprocess_exec(
+            *compactd_cmd(), "compact", "s1", "--inline", "--json", env=cli_env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        waited: list[float] = []
+        done = asyncio.create_task(run.communicate())
+        n = 0
+        while not done.done():
+            started = time.perf_counter()
+            await store.append("s1", [parse_openai({"role": "user", "content": f"step {n}"})])
+            waited.append(time.perf_counter() - started)
+            n += 1
+            await asyncio.sleep(0.01)
+        out, err = await done
+        assert run.returncode == 0, err.decode()
+        outcome = json.loads(out)
+        assert (outcome["outcome"], outcome["pruned"]) == ("committed", 4), outcome
+        assert max(waited) < 1.0, sorted(waited)[-5:]
+        for i in range(4):
+            found = await store.history_search("s1", f"ERR-{i}-lease-lost", tenant="acme")
+            assert [h.seq for h in found.hits if h.exact] == [3 + 2 * i], found
+    finally:
+        await store.close()
