@@ -36,8 +36,9 @@ from storage.messages import META_RECALL
 
 logger = logging.getLogger(__name__)
 
-# The text one original contributes to the index, in UTF-8 bytes: PostgreSQL refuses a
-# tsvector past 1 MB, and the vector of a text takes at most about three times its bytes.
+# The text one original contributes to the index, in UTF-8 bytes: the index's work (trigram
+# entries, the FTS5 table) grows with it, and a search needs a bounded text, not the original
+# (history_read serves that from the log).
 MAX_INDEXED_BYTES = 256 * 1024
 # Of which the verbatim prefix (substrings are found in it); the rest holds distinct words.
 INDEXED_PREFIX_BYTES = 128 * 1024

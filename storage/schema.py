@@ -259,9 +259,9 @@ recall_nodes = sa.Table(
 # One row per original message a replace took off the surface: the node that first replaced
 # it, and its searchable text (content, text blocks, tool calls' names and arguments, bounded:
 # storage.recall_index), NULL until it is indexed after the commit (migration 0014). The text
-# indexes are not declared here (``UNMANAGED_SCHEMA``): PostgreSQL's are trigram and full-text
-# GIN indexes on this column, SQLite's an FTS5 table beside it; nor is the partial index of the
-# pending rows.
+# indexes are not declared here (``UNMANAGED_SCHEMA``): PostgreSQL's is a trigram GIN index on
+# this column (its full-text one went in migration 0015), SQLite's an FTS5 table beside it; nor
+# is the partial index of the pending rows.
 recall_originals = sa.Table(
     "recall_originals", metadata,
     sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
