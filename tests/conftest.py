@@ -69,6 +69,16 @@ def worker_redis_url(url: str, worker: str) -> str:
     return parsed._replace(path=f"/{db}").geturl()
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` with the longest files first (tests/support/schedule.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.support.schedule import LongestFileFirst
+
+    return LongestFileFirst(config, log)
+
+
 PG_URL = worker_database_url(BASE_PG_URL, XDIST_WORKER)
 REDIS_URL = worker_redis_url(BASE_REDIS_URL, XDIST_WORKER)
 

@@ -1,0 +1,68 @@
+"""The order pytest-xdist hands test files to its workers: the longest first.
+
+``--dist loadfile`` queues files by their number of tests, most first. Here the many-test files
+are quick (a parametrized table of pure cases) and the few-test ones are the slowest (a worker
+killed and restarted in a loop, a venv built and installed), so they all came last: one worker
+ran the last of them alone while the other had nothing left. Queued by their expected time,
+longest first, the files that start last are short ones and both workers end together.
+
+The expected time of a file is its figure in ``file_seconds.json`` (seconds per file from a
+whole run); only the order matters, so a stale figure costs balance, never a result. A file
+missing from it (a new one) is guessed from its directory and number of tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+from xdist.scheduler import LoadFileScheduling
+from xdist.workermanage import WorkerController
+
+FIGURES = Path(__file__).with_name("file_seconds.json")
+# Seconds per test for a file without a figure, by its directory under tests/: the acceptance
+# tests start processes, the unit tests do no I/O.
+PER_TEST_GUESS = {"acceptance": 15.0, "migration": 3.0, "integration": 1.0, "unit": 0.05}
+
+
+def load_figures(path: Path = FIGURES) -> dict[str, float]:
+    return {str(name): float(seconds) for name, seconds in json.loads(path.read_text()).items()}
+
+
+def expected_seconds(nodeids: Mapping[str, int], figures: Mapping[str, float]
+                     ) -> dict[str, float]:
+    """Each file's expected time: its figure, else a guess from its directory and its
+    ``nodeids[file]`` tests."""
+    out = {}
+    for file, count in nodeids.items():
+        if file in figures:
+            out[file] = figures[file]
+        else:
+            parts = Path(file).parts
+            kind = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+            out[file] = count * PER_TEST_GUESS.get(kind, 1.0)
+    return out
+
+
+def longest_first(files: list[str], expected: Mapping[str, float]) -> list[str]:
+    """The files by expected time, longest first; ties keep their given order."""
+    return sorted(files, key=lambda file: -expected[file])
+
+
+class LongestFileFirst(LoadFileScheduling):
+    """``--dist loadfile`` with its queue in :func:`longest_first` order."""
+
+    _ordered = False
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        # schedule() fills the whole queue before its first assignment: it is reordered there,
+        # once; a file given back by a crashed worker is queued again at the end, as before.
+        if not self._ordered:
+            self._ordered = True
+            counts = Counter({file: len(unit) for file, unit in self.workqueue.items()})
+            expected = expected_seconds(counts, load_figures())
+            for file in longest_first(list(self.workqueue), expected):
+                self.workqueue.move_to_end(file)
+        super()._assign_work_unit(node)

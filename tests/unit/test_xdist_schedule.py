@@ -1,0 +1,42 @@
+"""The order ``--dist loadfile`` hands files to the xdist workers: longest expected time first
+(tests/support/schedule.py), so the slow few-test files no longer come last."""
+
+from __future__ import annotations
+
+from tests.support.schedule import (
+    FIGURES,
+    expected_seconds,
+    load_figures,
+    longest_first,
+)
+from tests.support.stack import REPO
+
+
+def test_files_are_queued_by_their_figure_longest_first_not_by_their_number_of_tests() -> None:
+    counts = {"tests/unit/test_table.py": 200, "tests/acceptance/test_loop.py": 1,
+              "tests/integration/test_store.py": 40}
+    figures = {"tests/unit/test_table.py": 2.0, "tests/acceptance/test_loop.py": 90.0,
+               "tests/integration/test_store.py": 12.0}
+    expected = expected_seconds(counts, figures)
+    assert longest_first(list(counts), expected) == [
+        "tests/acceptance/test_loop.py", "tests/integration/test_store.py",
+        "tests/unit/test_table.py"]
+
+
+def test_a_file_without_a_figure_is_guessed_from_its_directory_and_its_tests() -> None:
+    counts = {"tests/unit/test_many.py": 100, "tests/acceptance/test_new.py": 2,
+              "tests/integration/test_known.py": 3}
+    expected = expected_seconds(counts, {"tests/integration/test_known.py": 10.0})
+    assert longest_first(list(counts), expected) == [
+        "tests/acceptance/test_new.py", "tests/integration/test_known.py",
+        "tests/unit/test_many.py"]
+    # equal times keep the given order
+    assert longest_first(["b", "a"], {"a": 1.0, "b": 1.0}) == ["b", "a"]
+
+
+def test_every_figure_names_a_test_file_that_exists() -> None:
+    figures = load_figures()
+    assert figures, FIGURES
+    missing = [name for name in figures if not (REPO / name).is_file()]
+    assert missing == [], f"{FIGURES.name} names files that are gone: {missing}"
+    assert all(seconds > 0 for seconds in figures.values())
