@@ -16,6 +16,7 @@ import pytest
 
 from scheduler.samples import coding_session
 from storage.records import RunRecord
+from tests.support.db import Db
 from tests.support.fake_provider import FakeProvider
 from tests.support.probes import query
 from tests.support.services import empty_database, flush_redis
@@ -36,8 +37,11 @@ def test_urgent_runs_start_before_queued_pressure_runs(pg_schema: str, redis_url
     pressure = [f"pressure-{i}" for i in range(EACH)]
     with FakeProvider() as fake, Stack(pg_schema, redis_url, tmp_path, fake_url=fake.url,
                                        summarization=POLICY) as stack:
-        for i, sid in enumerate(pressure + urgent):
-            stack.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=i).messages)
+        # Seeded through the store, not a CLI process per session; the runs are queued through
+        # the CLI below.
+        with Db(pg_schema) as db:
+            for i, sid in enumerate(pressure + urgent):
+                db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=i).messages)
         # Loaded in turns, each queue's first message before the other's.
         for p, u in zip(pressure, urgent, strict=True):
             assert stack.cli_json("signal", p)["enqueued"], p
