@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from storage.errors import StorageError
@@ -45,6 +46,12 @@ logger = logging.getLogger(__name__)
 # Sessions a worker process indexes at once after their runs: indexing waits mostly on the
 # database's round trips, and one at a time fell behind the runs.
 INDEXERS = 4
+# How long a session's indexing may wait for its process to have fewer runs in flight: the
+# bound of the index's lag while a worker stays busy (until then a search scans the newest
+# pending originals instead, storage.recall_index.PENDING_SCANNED).
+INDEX_DEFER_S = 30.0
+# How often a deferred indexer looks again.
+INDEX_RECHECK_S = 0.25
 
 
 async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSURE,
@@ -59,12 +66,19 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSUR
                                 bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
     if isinstance(scope, Outcome):
         return scope
-    outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
+    deps.runs_in_flight += 1
+    try:
+        outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
+    finally:
+        deps.runs_in_flight -= 1
     if deps.config.worker.recall_index and (outcome.pruned
                                             or outcome.outcome == RunStatus.COMMITTED):
         if index_in_background:
             if deps.indexer is None:
-                deps.indexer = BackgroundIndexer(deps.store)
+                # Busy: at least half the process's task slots hold runs.
+                busy_at = max(1, deps.config.worker.concurrency // 2)
+                deps.indexer = BackgroundIndexer(
+                    deps.store, busy=lambda: deps.runs_in_flight >= busy_at)
             deps.indexer.add(session_id)
         else:
             await index_replaced(deps.store, session_id)
@@ -86,15 +100,24 @@ async def index_replaced(store: Store, session_id: str) -> None:
 class BackgroundIndexer:
     """A worker process's recall indexing: the sessions whose runs committed, indexed by at
     most ``INDEXERS`` tasks on the process's loop (each a session at a time), so a run's slot is
-    free as soon as its end is committed and indexing holds few connections."""
+    free as soon as its end is committed and indexing holds few connections.
 
-    def __init__(self, store: Store) -> None:
+    The runs go first: while ``busy()`` (the process has many runs in flight) a session waits,
+    up to ``defer_s`` after it was added, so a burst of compactions does not share the worker's
+    and the database's CPU with the index of the runs before it; the index catches up when the
+    burst thins out, or at the bound however busy the process stays."""
+
+    def __init__(self, store: Store, *, busy: Callable[[], bool] = lambda: False,
+                 defer_s: float = INDEX_DEFER_S, recheck_s: float = INDEX_RECHECK_S) -> None:
         self.store = store
-        self._sessions: dict[str, None] = {}
+        self._busy = busy
+        self._defer_s = defer_s
+        self._recheck_s = recheck_s
+        self._sessions: dict[str, float] = {}  # session -> when added (monotonic), oldest first
         self._tasks: set[asyncio.Task[None]] = set()
 
     def add(self, session_id: str) -> None:
-        self._sessions[session_id] = None
+        self._sessions.setdefault(session_id, time.monotonic())
         if len(self._tasks) < INDEXERS:
             task = asyncio.create_task(self._drain())
             self._tasks.add(task)
@@ -102,7 +125,11 @@ class BackgroundIndexer:
 
     async def _drain(self) -> None:
         while self._sessions:
-            session_id = next(iter(self._sessions))
+            session_id, added = next(iter(self._sessions.items()))
+            left = added + self._defer_s - time.monotonic()
+            if left > 0 and self._busy():
+                await asyncio.sleep(min(self._recheck_s, left))
+                continue
             del self._sessions[session_id]
             await index_replaced(self.store, session_id)
 

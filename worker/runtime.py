@@ -92,6 +92,8 @@ class Deps:
     clock: Callable[[], Any] = utcnow
     # The process's recall indexer (worker.orchestration.BackgroundIndexer), made on first use.
     indexer: Any = None
+    # Compaction runs in progress on this loop (the indexer defers to them).
+    runs_in_flight: int = 0
 
     async def aclose(self) -> None:
         if self.indexer is not None:

@@ -24,8 +24,9 @@ Reported per worker count:
   divided by the compactions. The model's own work happens in the fake's process, so this is all
   compactd: Celery, storage, planning, prompt building and the SDK's request handling.
 * ``recall_pending_at_end``: replaced originals not yet indexed when the last run ended (the
-  workers index after each run, in the background); ``recall_index_lag_s``: how long after that
-  until none is left; ``cpu_ms_per_compaction_indexed`` counts the workers' CPU until then.
+  workers index after each run, in the background, deferring to their runs while half their
+  slots hold one); ``recall_index_lag_s``: how long after that until none is left;
+  ``cpu_ms_per_compaction_indexed`` counts the workers' CPU until then.
 * ``worker_rss_mb``: the largest resident set of one worker process, sampled during the run.
 
 ``--recall-index off`` turns off the indexing of what the runs replaced (``worker.recall_index``;

@@ -23,7 +23,7 @@ from storage.recall_index import MAX_INDEXED_BYTES
 from storage.store import Store
 from tests.conftest import compactd_cmd
 from tests.support.bulky import access_log, high_entropy
-from worker.orchestration import compact
+from worker.orchestration import BackgroundIndexer, compact
 from worker.runtime import Deps, open_deps
 from worker.settings import Config, Settings, build_config
 from worker.sweeps import index_recall
@@ -72,8 +72,8 @@ def _both() -> dict[str, str]:
     return {"read_log": _big_result(), "dump_blob": _nul_result()}
 
 
-def _config(db_url: str, *, recall_index: bool = True) -> Config:
-    return build_config({"worker": {"recall_index": recall_index}},
+def _config(db_url: str, *, recall_index: bool = True, concurrency: int = 64) -> Config:
+    return build_config({"worker": {"recall_index": recall_index, "concurrency": concurrency}},
                         settings=Settings(database_url=db_url, broker_url="memory://"))
 
 
@@ -96,6 +96,23 @@ async def _append_and_compact(deps: Deps, session_id: str,
     assert outcome.outcome == "committed", outcome.to_json()
     assert outcome.pruned == len(results), outcome.to_json()
     assert (await store.verify(session_id)).ok
+
+
+async def _compact_in_background(deps: Deps, session_id: str, results: dict[str, str]) -> None:
+    """As a worker's task compacts: the indexing left to the process's indexer."""
+    store = deps.store
+    await store.create_session(session_id, tenant="acme", context_window=2_000_000,
+                               policy=POLICY)
+    await store.append(session_id, [parse_openai(m) for m in _messages(results)])
+    outcome = await compact(deps, session_id, trigger="pressure", index_in_background=True)
+    assert (outcome.outcome, outcome.pruned) == ("committed", len(results)), outcome.to_json()
+
+
+async def _until_indexed(store: Store, session_id: str, within_s: float = 30.0) -> None:
+    give_up = time.monotonic() + within_s
+    while await _pending(store, session_id):
+        assert time.monotonic() < give_up, f"{session_id} not indexed in {within_s} s"
+        await asyncio.sleep(0.05)
 
 
 async def _pending(store: Store, session_id: str) -> int:
@@ -172,6 +189,35 @@ async def test_originals_no_worker_indexed_are_found_and_the_sweep_indexes_them(
         await store.close()
 
 
+async def test_a_busy_worker_indexes_once_its_runs_thin_out(db_url: str) -> None:
+    """A worker's indexing defers to its runs: while half its task slots hold runs, what a run
+    replaced stays pending (and is found by the scan); it is indexed when they are fewer."""
+    async with open_deps(_config(db_url, concurrency=4), owner="busy-worker") as deps:
+        deps.runs_in_flight = 2  # two other runs of the process's four slots in progress
+        await _compact_in_background(deps, "s1", {"dump_blob": _nul_result()})
+        assert deps.indexer is not None
+        await asyncio.sleep(2.0)  # (indexing this one original takes a fraction of that)
+        assert await _pending(deps.store, "s1") == 1
+        await _assert_found(deps.store, "s1", NUL_NEEDLE, 3, _nul_result())
+        deps.runs_in_flight = 1
+        await _until_indexed(deps.store, "s1")
+        await _assert_found(deps.store, "s1", NUL_NEEDLE, 3, _nul_result())
+
+
+async def test_a_worker_that_stays_busy_indexes_at_the_bound(db_url: str) -> None:
+    async with open_deps(_config(db_url, recall_index=False), owner="left-pending") as d:
+        await _append_and_compact(d, "s1")  # its originals left pending
+        indexer = BackgroundIndexer(d.store, busy=lambda: True, defer_s=1.5, recheck_s=0.05)
+        try:
+            indexer.add("s1")
+            await asyncio.sleep(0.5)
+            assert await _pending(d.store, "s1") == 2  # deferred: the process stays busy
+            await _until_indexed(d.store, "s1", within_s=15.0)  # yet indexed at the bound
+        finally:
+            await indexer.aclose()
+        await _assert_found(d.store, "s1", BIG_NEEDLE, 3, _big_result())
+
+
 @pytest.mark.timed
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_appends_do_not_wait_while_a_commit_prunes_ten_megabytes(
@@ -208,3 +254,23 @@ async def test_appends_do_not_wait_while_a_commit_prunes_ten_megabytes(
             assert [h.seq for h in found.hits if h.exact] == [3 + 2 * i], found
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_pending_originals_are_no_entries_of_the_trigram_index(deps: Deps) -> None:
+    """Revision 0017: the originals a commit records pending are not in the trigram GIN index,
+    so no commit merges the index's pending list under its session's row; the searches still
+    go through the index (each one's ILIKE implies the index's condition)."""
+    await _append_and_compact(deps, "s1")
+    async with deps.store.engine.connect() as conn:
+        definition = (await conn.execute(sa.text(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_recall_originals_trgm'"
+        ))).scalar_one()
+        assert definition.endswith("WHERE (body IS NOT NULL)"), definition
+        # The searches' condition on the text, alone: nothing but the index can serve it
+        # once a full scan is ruled out.
+        await conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
+        plan = "\n".join(r[0] for r in (await conn.execute(sa.text(
+            "EXPLAIN SELECT seq FROM recall_originals WHERE body ILIKE :pattern"),
+            {"pattern": "%shard%"})).all())
+        assert "ix_recall_originals_trgm" in plan, plan
