@@ -67,6 +67,7 @@ class SessionInfo:
     over_sweep: bool | None = None
     growth_rate: float = 0.0
     compacted_version: int | None = None
+    lead_s: float = 0.0
 
     def growth_rate_at(self, now: dt.datetime) -> float:
         """Tokens per second the session is growing by (see :data:`GROWTH_WINDOW_S`)."""
@@ -194,6 +195,7 @@ class RunEnd:
     candidates: list[dict[str, Any]] | None = None
     stages: dict[str, Any] | None = None
     range_seqs: list[int] | None = None
+    signalled_at: dt.datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +221,7 @@ class RunRecord:
     started_at: dt.datetime
     heartbeat_at: dt.datetime | None
     finished_at: dt.datetime | None
+    signalled_at: dt.datetime | None = None
 
     @property
     def finished(self) -> bool:

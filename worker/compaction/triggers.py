@@ -32,6 +32,11 @@ class Pressure:
         return {"tokens": self.tokens, "messages": self.messages,
                 "fraction": None if self.fraction is None else round(self.fraction, 6)}
 
+    def ahead_by(self, tokens: int, context_window: int | None) -> Pressure:
+        """The pressure once the session has grown by ``tokens`` (its lead's growth)."""
+        return self if tokens <= 0 else _pressure(self.tokens + tokens, self.messages,
+                                                 context_window)
+
     def reduced_by(self, tokens: int, context_window: int | None) -> Pressure:
         """The pressure after replacements saved ``tokens`` (node count unchanged)."""
         return _pressure(self.tokens - tokens, self.messages, context_window)
