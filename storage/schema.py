@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
-from storage.records import RunRecord, SessionInfo
+from storage.records import YOUNG_GROWTH_MAX_FACTOR, RunRecord, SessionInfo
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -60,13 +60,15 @@ JSONText = sa.JSON(none_as_null=True)
 # SQLite turns ``expr >= column`` around when it matches a query to an index. The report's
 # growth is never negative (``SessionInfo.reported_tokens``): both of its cases are listed
 # instead of a GREATEST the two backends spell differently. Each token measure counts the
-# growth the session's lead stands for (``summarization.lead``): the flag then holds every
-# session that fires early, and ``worker.pressure`` narrows it with the lead's cap.
+# growth the session's lead stands for (``summarization.lead``), at the most a young session's
+# rate is scaled by (``records.unbiased_growth_rate``): the flag then holds every session that
+# fires early, and ``worker.pressure`` narrows it.
+_LEAD_GROWTH = f"growth_rate * lead_s * {YOUNG_GROWTH_MAX_FACTOR}"
 OVER_SWEEP_SQL = (
-    "sweep_tokens <= surface_tokens + envelope_tokens + growth_rate * lead_s"
-    " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + growth_rate * lead_s"
+    f"sweep_tokens <= surface_tokens + envelope_tokens + {_LEAD_GROWTH}"
+    f" OR sweep_tokens <= reported_input_tokens + reported_output_tokens + {_LEAD_GROWTH}"
     " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + surface_tokens"
-    " + envelope_tokens - reported_base_tokens + growth_rate * lead_s"
+    f" + envelope_tokens - reported_base_tokens + {_LEAD_GROWTH}"
     " OR sweep_messages <= surface_messages")
 
 sessions = sa.Table(

@@ -101,7 +101,7 @@ def growth_tokens(info: SessionInfo, policy: Policy, config: Config,
                   now: dt.datetime | None = None) -> int:
     """The tokens the session grows by over its lead at its current rate, capped
     (``worker.compaction.lead``): what its pressure counts when it decides whether to fire."""
-    return lead_tokens(info.growth_rate_at(now or utcnow()), session_lead_s(info, config),
+    return lead_tokens(info.growth_at(now or utcnow()), session_lead_s(info, config),
                        policy.threshold_tokens())
 
 

@@ -184,3 +184,31 @@ def test_the_reported_usage_counts_the_lead_too() -> None:
                                reported_output_tokens=0, reported_base_tokens=5_000)
     assert wants_run(info, config(), T0)
     assert not wants_run(info, config(lead=0), T0)
+
+
+def test_a_young_sessions_rate_is_unbiased_up_to_a_bound() -> None:
+    from storage.records import (
+        GROWTH_WINDOW_S,
+        YOUNG_GROWTH_MAX_FACTOR,
+        next_growth_rate,
+        unbiased_growth_rate,
+    )
+
+    # 100 tokens every second from creation: the stored rate climbs toward 100.
+    rate = 0.0
+    for _ in range(60):
+        rate = next_growth_rate(rate, 100, 1.0)
+    assert rate < 40
+    assert unbiased_growth_rate(rate, 60.0) == pytest.approx(100, rel=0.02)
+    # An old session's rate is taken as it is; an instant's history at most times the bound.
+    assert unbiased_growth_rate(10.0, 20 * GROWTH_WINDOW_S) == pytest.approx(10.0)
+    assert unbiased_growth_rate(10.0, 0.0) == 10.0 * YOUNG_GROWTH_MAX_FACTOR
+    assert unbiased_growth_rate(10.0, 1.0) == 10.0 * YOUNG_GROWTH_MAX_FACTOR
+
+
+def test_a_young_growing_session_fires_on_its_real_rate() -> None:
+    # Sixty seconds old, stored rate 37 (about 94 a second in truth): 9,100 + 94 x 10 fires.
+    info = session(9_100, 37.0, 10.0, created_at=T0 - dt.timedelta(seconds=60))
+    assert wants_run(info, config(), T0)
+    assert not wants_run(dataclasses.replace(info, created_at=T0 - dt.timedelta(hours=1)),
+                         config(), T0)

@@ -32,10 +32,11 @@ depends_on: str | Sequence[str] | None = None
 
 # As storage.schema.OVER_SWEEP_SQL has it at this revision.
 OVER = (
-    "sweep_tokens <= surface_tokens + envelope_tokens + growth_rate * lead_s"
-    " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + growth_rate * lead_s"
+    "sweep_tokens <= surface_tokens + envelope_tokens + growth_rate * lead_s * 5"
+    " OR sweep_tokens <= reported_input_tokens + reported_output_tokens"
+    " + growth_rate * lead_s * 5"
     " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + surface_tokens"
-    " + envelope_tokens - reported_base_tokens + growth_rate * lead_s"
+    " + envelope_tokens - reported_base_tokens + growth_rate * lead_s * 5"
     " OR sweep_messages <= surface_messages")
 # As revision 0005 created it.
 OVER_0005 = (
