@@ -171,17 +171,15 @@ def wants_run(info: SessionInfo, config: Config, now: dt.datetime | None = None)
     """Over the summary trigger or clearing's own: what an append or a signal wakes a run for.
     Sweeps do not look for clearing: the next append signals again, and a session whose old
     results are all cleared would otherwise be read by a run every sweep interval."""
-    policy = session_policy(info, config)
-    return should_run(lead_pressure(info, policy, config, now), policy)[0]
+    return explain(info, config, now)[0]
 
 
-def explain(info: SessionInfo, config: Config) -> tuple[bool, str, Pressure]:
+def explain(info: SessionInfo, config: Config, now: dt.datetime | None = None
+            ) -> tuple[bool, str, Pressure]:
     policy = session_policy(info, config)
     pressure = session_pressure(info, policy)
-    ahead = growth_tokens(info, policy, config)
-    fired, reason = should_run(pressure.ahead_by(ahead, policy.context_window), policy)
-    if ahead:
-        reason += f"; counting {ahead} tokens of growth over its lead"
+    fired, reason = should_run(pressure, policy,
+                               lead_tokens=growth_tokens(info, policy, config, now))
     return fired, reason, pressure
 
 

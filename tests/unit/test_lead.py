@@ -212,3 +212,14 @@ def test_a_young_growing_session_fires_on_its_real_rate() -> None:
     assert wants_run(info, config(), T0)
     assert not wants_run(dataclasses.replace(info, created_at=T0 - dt.timedelta(hours=1)),
                          config(), T0)
+
+
+def test_the_lead_moves_the_summary_trigger_not_clearings() -> None:
+    # The plan judges clearing on the pressure as it is: waking a run for it early would end as
+    # nothing to do.
+    c = build_config({"summarization": {
+        "trigger": {"type": "tokens", "value": 20_000}, "keep": {"type": "messages", "value": 2},
+        "clear_tool_uses": {"enabled": True, "trigger": 9_000}}})
+    assert not wants_run(session(8_500, 100.0, 10.0), c, T0)
+    assert wants_run(session(9_001, 100.0, 10.0), c, T0)
+    assert wants_run(session(19_000, 100.0, 10.0), c, T0)
