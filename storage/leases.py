@@ -522,7 +522,9 @@ def _commit_update(replaced: bool, ended: bool) -> Any:
                       surface_tokens=_c.surface_tokens + sa.bindparam("b_tokens"),
                       surface_messages=_c.surface_messages + sa.bindparam("b_nodes"),
                       reported_input_tokens=None, reported_version=None,
-                      compacted_version=_c.surface_version + 1)
+                      compacted_version=_c.surface_version + 1,
+                      compacted_tokens=(_c.surface_tokens + sa.bindparam("b_tokens")
+                                        + _c.envelope_tokens))
     if ended:
         values.update(lease_owner=None, lease_run_id=None, lease_expires_at=None)
     return (t.sessions.update().where(_c.id == sa.bindparam("b_id")).values(**values)

@@ -87,6 +87,7 @@ class SessionInfo:
     growth_rate: float = 0.0
     compacted_version: int | None = None
     lead_s: float = 0.0
+    compacted_tokens: int | None = None
 
     def growth_rate_at(self, now: dt.datetime) -> float:
         """Tokens per second the session is growing by (see :data:`GROWTH_WINDOW_S`)."""

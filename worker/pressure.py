@@ -101,8 +101,10 @@ def growth_tokens(info: SessionInfo, policy: Policy, config: Config,
                   now: dt.datetime | None = None) -> int:
     """The tokens the session grows by over its lead at its current rate, capped
     (``worker.compaction.lead``): what its pressure counts when it decides whether to fire."""
+    grown = (None if info.compacted_tokens is None
+             else session_pressure(info, policy).tokens - info.compacted_tokens)
     return lead_tokens(info.growth_at(now or utcnow()), session_lead_s(info, config),
-                       policy.threshold_tokens())
+                       policy.threshold_tokens(), grown)
 
 
 def lead_pressure(info: SessionInfo, policy: Policy, config: Config,

@@ -223,3 +223,16 @@ def test_the_lead_moves_the_summary_trigger_not_clearings() -> None:
     assert not wants_run(session(8_500, 100.0, 10.0), c, T0)
     assert wants_run(session(9_001, 100.0, 10.0), c, T0)
     assert wants_run(session(19_000, 100.0, 10.0), c, T0)
+
+
+def test_after_a_checkpoint_the_lead_counts_only_what_the_session_grew_since() -> None:
+    # A checkpoint left 8,000 of a 10,000 trigger: the session fires no earlier than halfway
+    # to the trigger from there (9,000), however fast it grows, so each compaction relieves it.
+    assert lead_tokens(100.0, 30.0, 10_000, grown_tokens=0) == 0
+    assert lead_tokens(100.0, 30.0, 10_000, grown_tokens=700) == 700
+    assert lead_tokens(100.0, 5.0, 10_000, grown_tokens=700) == 500
+    c = config()
+    assert not wants_run(session(8_100, 100.0, 30.0, compacted_tokens=8_000), c, T0)
+    assert not wants_run(session(8_999, 100.0, 30.0, compacted_tokens=8_000), c, T0)
+    assert wants_run(session(9_000, 100.0, 30.0, compacted_tokens=8_000), c, T0)
+    assert wants_run(session(8_100, 100.0, 30.0), c, T0)  # never compacted: the lead's cap

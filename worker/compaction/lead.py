@@ -59,11 +59,18 @@ def percentile(values: Sequence[float], share: float = LEAD_PERCENTILE) -> float
     return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
-def lead_tokens(rate_per_s: float, lead_s: float, threshold_tokens: float | None) -> int:
+def lead_tokens(rate_per_s: float, lead_s: float, threshold_tokens: float | None,
+                grown_tokens: int | None = None) -> int:
     """The tokens a session growing at ``rate_per_s`` adds over ``lead_s``, which its pressure
     counts when deciding whether to fire: at most ``LEAD_MAX_SHARE`` of ``threshold_tokens``
-    (the lowest token count its trigger fires at); 0 with no growth, no lead or no token
-    threshold (a messages-only trigger)."""
+    (the lowest token count its trigger fires at), and at most ``grown_tokens``, what it grew
+    since its last checkpoint left it (None: never compacted). A checkpoint that leaves a
+    session near its trigger then does not fire it again at once: it fires no earlier than
+    halfway from what the checkpoint left to the trigger, and each compaction relieves it. 0
+    with no growth, no lead or no token threshold (a messages-only trigger)."""
     if rate_per_s <= 0 or lead_s <= 0 or not threshold_tokens:
         return 0
-    return int(min(rate_per_s * lead_s, LEAD_MAX_SHARE * threshold_tokens))
+    ahead = min(rate_per_s * lead_s, LEAD_MAX_SHARE * threshold_tokens)
+    if grown_tokens is not None:
+        ahead = min(ahead, max(0, grown_tokens))
+    return int(ahead)

@@ -12,7 +12,10 @@ the configured one (``summarization.lead``). The append copies its pool's lead o
 (``sessions.lead_s``) with a primary-key read, so the hot path never reads runs, and the sweep's
 flag counts the growth the lead stands for: ``over_sweep`` is re-created with it (a stored
 generated column cannot change its expression in place), and with it its partial index.
-Sessions from before this revision have a lead of 0 until their next append.
+The commits that replace part of the surface record what they left (``sessions.compacted_tokens``):
+a session fires early by at most what it grew since, so a checkpoint that leaves it near its
+trigger does not fire it again at once. Sessions from before this revision have a lead of 0
+until their next append.
 """
 
 from __future__ import annotations
@@ -75,10 +78,12 @@ def upgrade() -> None:
     )
     op.add_column("sessions", sa.Column("lead_s", sa.Float(), nullable=False,
                                         server_default=sa.text("0")))
+    op.add_column("sessions", sa.Column("compacted_tokens", sa.BigInteger(), nullable=True))
     op.add_column("compaction_runs", sa.Column("signalled_at", UTCDateTime(), nullable=True))
     _over_sweep(OVER)
     if op.get_bind().dialect.name == "postgresql":
         op.execute(sql.function_definition("compactd_append"))
+        op.execute(sql.function_definition("compactd_commit"))
 
 
 def downgrade() -> None:
@@ -86,5 +91,6 @@ def downgrade() -> None:
     revision 0009 below it (no store runs below the head revision)."""
     _over_sweep(OVER_0005)
     op.drop_column("compaction_runs", "signalled_at")
+    op.drop_column("sessions", "compacted_tokens")
     op.drop_column("sessions", "lead_s")
     op.drop_table("checkpoint_leads")
