@@ -22,6 +22,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from storage.errors import StorageError
 from storage.kinds import Trigger
 from storage.records import ReapedLease, SessionInfo, utcnow
 from storage.store import Store
@@ -63,7 +64,12 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
             seen[basis] = sweep_thresholds(info, config)
         return seen[basis]
 
-    await refresh_leads(store, config, now=now)
+    try:
+        await refresh_leads(store, config, now=now)
+    except StorageError as exc:
+        # The sessions over their trigger come first; the leads stay as a worker last stored.
+        logger.warning("the sweep did not refresh the checkpoint leads: %s", exc,
+                       extra={"action": "sweep.lead_refresh_failed"})
     while True:
         n = await store.resolve_sweep_thresholds(key=key, resolve=resolve, limit=batch)
         resolved += n
