@@ -37,7 +37,7 @@ from worker.compaction.planner import plan
 from worker.compaction.recall_tools import check_read, check_search, tools_document
 from worker.cost import usage_cost
 from worker.limits import parse_rate
-from worker.pressure import session_policy
+from worker.pressure import growth_tokens, session_policy
 from worker.settings import Config
 
 KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
@@ -55,7 +55,8 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     policy = session_policy(info, config)
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                   reported_input_tokens=info.reported_tokens, run_model=info.run_model,
-                  now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope)
+                  now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope,
+                  lead_tokens=growth_tokens(info, policy, config))
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
     if args.json:
         emit(body)

@@ -11,6 +11,7 @@ from storage.kinds import RunStatus
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from worker.cost import Price, total_usage, usage_cost
+from worker.lead import lead_used
 from worker.pressure import session_policy
 from worker.settings import Config
 from worker.sweeps import least_runways
@@ -58,8 +59,10 @@ async def status(store: Store, *, since: dt.datetime | None = None,
 
 async def session_status(store: Store, session_id: str, *, limit: int = 20,
                          config: Config | None = None,
-                         prices: Mapping[str, Price] | None = None) -> dict[str, Any]:
-    """One session's status; costs at ``prices`` (default: the configuration's)."""
+                         prices: Mapping[str, Price] | None = None,
+                         lead_config: Config | None = None) -> dict[str, Any]:
+    """One session's status; costs at ``prices`` (default: the configuration's); the lead it
+    fires by under ``lead_config`` (default: ``config``), with why."""
     info = await store.get_session(session_id)
     now = utcnow()
     if prices is None:
@@ -74,6 +77,9 @@ async def session_status(store: Store, session_id: str, *, limit: int = 20,
                  for r in await store.session_runs(session_id, limit=limit)],
         "cost": await session_cost(store, session_id, prices),
     }
+    lead_config = lead_config or config
+    if lead_config is not None:
+        body["lead"] = (await lead_used(store, info, lead_config, now)).to_json()
     if config is not None:
         body["policy"] = _policy_of(info, config)
     return body
@@ -188,6 +194,8 @@ def render_status(body: dict[str, Any]) -> str:
             lines.append(f"  leased: {_render_lease(body['lease'])}")
         if body["flagged"]:
             lines.append(f"  FLAGGED: {body['flagged']['reason']}")
+        if body.get("lead"):
+            lines.append(f"  lead: {body['lead']['seconds']:g} s ({body['lead']['why']})")
         for warning in (body.get("policy") or {}).get("warnings", ()):
             lines.append(f"  WARNING: {warning}")
         if body.get("cost"):

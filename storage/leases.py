@@ -465,7 +465,7 @@ class LeasesMixin:
 _s, _c, _r = t.surface.c, t.sessions.c, t.compaction_runs.c
 # The run row's result, column by column, as every way of ending a run writes it.
 _RUN_END_COLUMNS = ("status", "failure_class", "error", "tokens_before", "tokens_after", "model",
-                    "usage", "candidates", "stages", "range_seqs")
+                    "usage", "candidates", "stages", "range_seqs", "signalled_at")
 _RUN_JSON_COLUMNS = frozenset(c for c in _RUN_END_COLUMNS
                               if isinstance(t.compaction_runs.c[c].type, sa.JSON))
 
@@ -474,7 +474,8 @@ def _run_end_values(end: RunEnd) -> dict[str, Any]:
     values = {"status": end.outcome, "failure_class": end.failure_class, "error": end.error,
               "tokens_before": end.tokens_before, "tokens_after": end.tokens_after,
               "model": end.model, "usage": end.usage, "candidates": end.candidates,
-              "stages": end.stages, "range_seqs": end.range_seqs}
+              "stages": end.stages, "range_seqs": end.range_seqs,
+              "signalled_at": end.signalled_at}
     return {column: values[column] for column in _RUN_END_COLUMNS}
 
 
@@ -521,7 +522,9 @@ def _commit_update(replaced: bool, ended: bool) -> Any:
                       surface_tokens=_c.surface_tokens + sa.bindparam("b_tokens"),
                       surface_messages=_c.surface_messages + sa.bindparam("b_nodes"),
                       reported_input_tokens=None, reported_version=None,
-                      compacted_version=_c.surface_version + 1)
+                      compacted_version=_c.surface_version + 1,
+                      compacted_tokens=(_c.surface_tokens + sa.bindparam("b_tokens")
+                                        + _c.envelope_tokens))
     if ended:
         values.update(lease_owner=None, lease_run_id=None, lease_expires_at=None)
     return (t.sessions.update().where(_c.id == sa.bindparam("b_id")).values(**values)

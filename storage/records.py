@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,24 @@ def decayed_growth_rate(rate: float, seconds_since: float) -> float:
     """The stored rate as it stands ``seconds_since`` the last append: as if an empty append had
     been made now, so an idle session's rate falls off instead of keeping its last value."""
     return rate * GROWTH_WINDOW_S / (GROWTH_WINDOW_S + max(0.0, seconds_since))
+
+
+# A young session's stored rate still climbs from 0: after T seconds of steady growth it holds
+# about ``1 - exp(-T / W)`` of it, which a lead counted on it would undercount most for the
+# sessions a compressed run (a benchmark, a fast agent) has. What the lead counts divides that
+# out, by at most this factor: a session that appended its whole history at once (an ingest) is
+# not read as growing at that history over an instant. The sweep's stored flag multiplies by it
+# (``storage.schema.OVER_SWEEP_SQL``), so it holds every session the lead fires.
+YOUNG_GROWTH_MAX_FACTOR = 5
+
+
+def unbiased_growth_rate(rate: float, age_s: float) -> float:
+    """``rate`` (the stored one, decayed to now) as a steady rate for a session that has been
+    appending for ``age_s`` seconds."""
+    if age_s <= 0:
+        return rate * YOUNG_GROWTH_MAX_FACTOR
+    return rate * min(float(YOUNG_GROWTH_MAX_FACTOR),
+                      1.0 / -math.expm1(-age_s / GROWTH_WINDOW_S))
 
 
 def next_growth_rate(rate: float, added: int, seconds_since: float) -> float:
@@ -67,11 +86,20 @@ class SessionInfo:
     over_sweep: bool | None = None
     growth_rate: float = 0.0
     compacted_version: int | None = None
+    lead_s: float = 0.0
+    compacted_tokens: int | None = None
 
     def growth_rate_at(self, now: dt.datetime) -> float:
         """Tokens per second the session is growing by (see :data:`GROWTH_WINDOW_S`)."""
         since = self.last_append_at or self.created_at
         return decayed_growth_rate(self.growth_rate, (now - since).total_seconds())
+
+    def growth_at(self, now: dt.datetime) -> float:
+        """The growth rate the lead counts: :meth:`growth_rate_at`, unbiased for a young
+        session (:func:`unbiased_growth_rate`)."""
+        last = self.last_append_at or self.created_at
+        return unbiased_growth_rate(self.growth_rate_at(now),
+                                    (last - self.created_at).total_seconds())
 
     def compacted_since(self, version: int) -> bool:
         """Whether a commit replaced part of the surface after ``version`` (appends do not
@@ -194,6 +222,7 @@ class RunEnd:
     candidates: list[dict[str, Any]] | None = None
     stages: dict[str, Any] | None = None
     range_seqs: list[int] | None = None
+    signalled_at: dt.datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +248,7 @@ class RunRecord:
     started_at: dt.datetime
     heartbeat_at: dt.datetime | None
     finished_at: dt.datetime | None
+    signalled_at: dt.datetime | None = None
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
-from storage.records import RunRecord, SessionInfo
+from storage.records import YOUNG_GROWTH_MAX_FACTOR, RunRecord, SessionInfo
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -59,12 +59,16 @@ JSONText = sa.JSON(none_as_null=True)
 # ``worker.pressure.session_pressure``); NULL thresholds never match. Thresholds on the left:
 # SQLite turns ``expr >= column`` around when it matches a query to an index. The report's
 # growth is never negative (``SessionInfo.reported_tokens``): both of its cases are listed
-# instead of a GREATEST the two backends spell differently.
+# instead of a GREATEST the two backends spell differently. Each token measure counts the
+# growth the session's lead stands for (``summarization.lead``), at the most a young session's
+# rate is scaled by (``records.unbiased_growth_rate``): the flag then holds every session that
+# fires early, and ``worker.pressure`` narrows it.
+_LEAD_GROWTH = f"growth_rate * lead_s * {YOUNG_GROWTH_MAX_FACTOR}"
 OVER_SWEEP_SQL = (
-    "sweep_tokens <= surface_tokens + envelope_tokens"
-    " OR sweep_tokens <= reported_input_tokens + reported_output_tokens"
+    f"sweep_tokens <= surface_tokens + envelope_tokens + {_LEAD_GROWTH}"
+    f" OR sweep_tokens <= reported_input_tokens + reported_output_tokens + {_LEAD_GROWTH}"
     " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + surface_tokens"
-    " + envelope_tokens - reported_base_tokens"
+    f" + envelope_tokens - reported_base_tokens + {_LEAD_GROWTH}"
     " OR sweep_messages <= surface_messages")
 
 sessions = sa.Table(
@@ -125,6 +129,12 @@ sessions = sa.Table(
     # none yet). A usage report built on an older version describes a request the compaction
     # has since shrunk; one built on this version or later, with plain appends since, does not.
     sa.Column("compacted_version", sa.BigInteger, nullable=True),
+    # The lead of the session's pool (``checkpoint_leads``) as its last append read it: the
+    # seconds from a signal to the checkpoint it asks for, which its growth is counted over.
+    sa.Column("lead_s", sa.Float, nullable=False, server_default=sa.text("0")),
+    # The surface and envelope tokens the last commit that replaced part of the surface left
+    # (NULL: none yet): the lead fires a session early by at most what it grew since.
+    sa.Column("compacted_tokens", sa.BigInteger, nullable=True),
     sa.Index(None, "tenant"),
     sa.Index(None, "lease_expires_at"),
     sa.Index(None, "sweep_key"),
@@ -193,6 +203,9 @@ compaction_runs = sa.Table(
     sa.Column("started_at", UTCDateTime, nullable=False),
     sa.Column("heartbeat_at", UTCDateTime, nullable=True),
     sa.Column("finished_at", UTCDateTime, nullable=True),
+    # When the pressure signal that asked for an automatic run was marked: a committed
+    # checkpoint's ``finished_at`` less this is what the lead is measured from.
+    sa.Column("signalled_at", UTCDateTime, nullable=True),
     sa.Index(None, "session_id", "started_at"),
     sa.Index(None, "status", "started_at"),
     sa.Index(None, "task_id"),
@@ -220,6 +233,20 @@ bulk_items = sa.Table(
     sa.Column("run_id", sa.String(36), nullable=True),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.Index(None, "job_id", "state"),
+)
+
+# The lead each summary pool fires by (migration 0016): ``pool`` is a run model's name (its
+# sessions share a candidate chain), ``*`` every run, ``""`` sessions without a run model. Written
+# by the beat sweep and by workers after their commits (``worker.lead``), read by the append
+# with a primary-key lookup; ``source`` says where ``lead_s`` came from (auto, configured, off).
+checkpoint_leads = sa.Table(
+    "checkpoint_leads", metadata,
+    sa.Column("pool", sa.String(255), primary_key=True),
+    sa.Column("lead_s", sa.Float, nullable=False),
+    sa.Column("source", sa.String(16), nullable=False),
+    sa.Column("runs", sa.Integer, nullable=False),
+    sa.Column("p90_s", sa.Float, nullable=True),
+    sa.Column("measured_at", UTCDateTime, nullable=False),
 )
 
 # Manual-run de-duplication: the task of the manual compaction queued for a session and not yet

@@ -39,6 +39,7 @@ from storage.errors import (
 from storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
 from storage.jobs import JobsMixin
 from storage.kinds import REPLACE_KINDS, NodeKind
+from storage.leads import LeadsMixin, pool_lead
 from storage.leases import LeasesMixin
 from storage.messages import (
     ANSWERED,
@@ -125,7 +126,7 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
                           links=BatchLinks(messages))
 
 
-class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin):
+class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin, LeadsMixin):
     """Sessions, the event log and the surface."""
 
     def __init__(self, engine: AsyncEngine, *, kept_connections: int = 1) -> None:
@@ -378,7 +379,7 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin):
                         surface_version=c.surface_version + 1,
                         surface_tokens=c.surface_tokens + total,
                         surface_messages=c.surface_messages + n, last_append_at=now,
-                        growth_rate=_next_growth_rate(total, now))
+                        growth_rate=_next_growth_rate(total, now), lead_s=pool_lead())
                 .returning(*SESSION_COLUMNS))).first()
             if row is None:
                 raise SessionNotFound(session_id)

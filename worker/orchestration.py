@@ -34,10 +34,11 @@ from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
+from worker.lead import refresh_after_checkpoint
 from worker.llm.fallback import SummaryRequest
 from worker.metrics import metrics
 from worker.passes import run_pass
-from worker.pressure import read_pressure, session_policy, session_pressure
+from worker.pressure import growth_tokens, read_pressure, session_policy, session_pressure
 from worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunScope
 from worker.runtime import Deps
 
@@ -71,6 +72,10 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSUR
         outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
     finally:
         deps.runs_in_flight -= 1
+    if (outcome.outcome == RunStatus.COMMITTED and outcome.signalled_at is not None
+            and Stage.SUMMARY in outcome.stages):
+        # A new measure of the time to a checkpoint: the lead the append reads follows it.
+        await refresh_after_checkpoint(deps.store, deps.config)
     if deps.config.worker.recall_index and (outcome.pruned
                                             or outcome.outcome == RunStatus.COMMITTED):
         if index_in_background:
@@ -220,10 +225,12 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
     history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
     if manual and not force:
         force, keep = True, keep or resolve_keep(policy)
+    now = deps.clock()
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
-                now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope,
-                defer_summary=defer_summary)
+                now=now, force=force, keep_override=keep, envelope=info.envelope,
+                defer_summary=defer_summary,
+                lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now))
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:

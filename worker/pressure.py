@@ -17,8 +17,9 @@ from functools import lru_cache
 from typing import Any
 
 from storage.errors import ConfigError
-from storage.records import SessionInfo
+from storage.records import SessionInfo, utcnow
 from storage.surface import Surface
+from worker.compaction.lead import lead_tokens
 from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
 from worker.compaction.triggers import Pressure, should_compact, should_run
 from worker.settings import Config
@@ -90,6 +91,32 @@ def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
                     fraction=tokens / window if window else None)
 
 
+def session_lead_s(info: SessionInfo, config: Config) -> float:
+    """The seconds ``info``'s session fires early by (``worker.lead``): the configured lead,
+    else its pool's as its last append read it."""
+    return info.lead_s if config.lead is None else config.lead
+
+
+def growth_tokens(info: SessionInfo, policy: Policy, config: Config,
+                  now: dt.datetime | None = None) -> int:
+    """The tokens the session grows by over its lead at its current rate, capped
+    (``worker.compaction.lead``): what its pressure counts when it decides whether to fire."""
+    grown = (None if info.compacted_tokens is None
+             else session_pressure(info, policy).tokens - info.compacted_tokens)
+    return lead_tokens(info.growth_at(now or utcnow()), session_lead_s(info, config),
+                       policy.threshold_tokens(), grown)
+
+
+def lead_pressure(info: SessionInfo, policy: Policy, config: Config,
+                  now: dt.datetime | None = None) -> Pressure:
+    """The session's pressure when a checkpoint asked for now would land: what every automatic
+    decision (the append's signal, the sweep, the reaper, the follow-up) fires on. The sweep's
+    stored flag counts the uncapped growth over the same lead, so it holds every session this
+    fires."""
+    return session_pressure(info, policy).ahead_by(growth_tokens(info, policy, config, now),
+                                                   policy.context_window)
+
+
 def read_pressure(info: SessionInfo, surface: Surface, policy: Policy) -> Pressure:
     """Pressure of the surface a run read, with the session's envelope and usage report: what
     a plan made on that read replaces tokens from. ``info`` may be older than the read (the
@@ -135,24 +162,26 @@ def sorted_runways(infos: Iterable[SessionInfo], config: Config, now: dt.datetim
     return sorted((r for r in found if r is not None), key=lambda r: (r.seconds, r.session))
 
 
-def over_trigger(info: SessionInfo, config: Config) -> bool:
-    """Over the summary trigger: what sweeps and the reaper look for."""
+def over_trigger(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:
+    """Over the summary trigger when a checkpoint would land: what sweeps and the reaper look
+    for."""
     policy = session_policy(info, config)
-    return should_compact(session_pressure(info, policy), policy)[0]
+    return should_compact(lead_pressure(info, policy, config, now), policy)[0]
 
 
-def wants_run(info: SessionInfo, config: Config) -> bool:
+def wants_run(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:
     """Over the summary trigger or clearing's own: what an append or a signal wakes a run for.
     Sweeps do not look for clearing: the next append signals again, and a session whose old
     results are all cleared would otherwise be read by a run every sweep interval."""
-    policy = session_policy(info, config)
-    return should_run(session_pressure(info, policy), policy)[0]
+    return explain(info, config, now)[0]
 
 
-def explain(info: SessionInfo, config: Config) -> tuple[bool, str, Pressure]:
+def explain(info: SessionInfo, config: Config, now: dt.datetime | None = None
+            ) -> tuple[bool, str, Pressure]:
     policy = session_policy(info, config)
     pressure = session_pressure(info, policy)
-    fired, reason = should_run(pressure, policy)
+    fired, reason = should_run(pressure, policy,
+                               lead_tokens=growth_tokens(info, policy, config, now))
     return fired, reason, pressure
 
 

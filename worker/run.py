@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class Outcome:
     usage: dict[str, Any] | None = None
     # Who released the run's lease (``compactd lease release --by``), when an operator ended it.
     released_by: str | None = None
+    # When the pressure signal an automatic run answers was marked (the lead is measured from
+    # it to the checkpoint's commit: ``worker.lead``); None for other runs.
+    signalled_at: dt.datetime | None = None
 
     @property
     def failed(self) -> bool:
@@ -114,7 +118,7 @@ class Outcome:
                       stages={"stages": self.stages, "pruned": self.pruned,
                               "rounds": self.rounds,
                               "rate_wait_s": round(self.rate_wait_s, 3)},
-                      range_seqs=self.replaced_seqs or None)
+                      range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at)
 
 
 class RunFailed(Exception):
@@ -159,7 +163,9 @@ class RunScope:
         self.bulk_job_id = bulk_job_id
         self.rate_per_s = rate_per_s
         self.out = Outcome(claim.session.id, claim.run_id, RunStatus.NOTHING_TO_DO,
-                           trigger=trigger)
+                           trigger=trigger,
+                           signalled_at=(claim.session.signal_at
+                                         if trigger in AUTOMATIC_TRIGGERS else None))
         self._lease: _KeptLease | None = None
 
     @classmethod

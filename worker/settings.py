@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from storage.database import embedded_url
 from storage.errors import ConfigError
 from storage.ids import ID_PATTERN, MAX_INT32
+from worker.compaction.lead import parse_lead
 from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
 from worker.cost import Price
 
@@ -217,6 +218,9 @@ class Config:
     models: tuple[ModelSpec, ...] = ()
     default_model: str | None = None
     policy: Policy = field(default_factory=Policy)
+    # ``summarization.lead``: None measures it (auto), else the seconds a growing session fires
+    # early by (0: at its trigger). Fleet-wide, not a session's: ``worker.lead``.
+    lead: float | None = None
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     # USD per million tokens, by configured model name (see worker.cost). Out of the hash (a
@@ -306,8 +310,13 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
             raise ConfigError(f"models[{i}].name: duplicate model name {name!r}")
     if file_config.default_model and file_config.default_model not in [*names, LOCAL_MODEL]:
         raise ConfigError(f"default_model: {file_config.default_model!r} is not in models")
+    summarization = raw.get("summarization")
+    lead: float | None = None
     try:
-        policy = parse_policy(raw.get("summarization"))
+        if isinstance(summarization, Mapping) and "lead" in summarization:
+            lead = parse_lead(summarization["lead"])
+            summarization = {k: v for k, v in summarization.items() if k != "lead"}
+        policy = parse_policy(summarization)
         # Sessions of a configured run model take its window: their keep is judged against
         # it now, not found re-firing the trigger in production.
         check_keep_below_trigger(policy, "summarization", [
@@ -327,7 +336,7 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         else "filesystem://",
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
-        policy=policy, worker=worker, api=file_config.api, prices=prices,
+        policy=policy, lead=lead, worker=worker, api=file_config.api, prices=prices,
         log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
 

@@ -1,7 +1,9 @@
 """Beat sweeps: Postgres is the truth, signals are hints. The worker's beat tasks run them.
 
-* :func:`sweep_pressure` enqueues the sessions over their trigger with no live lease, no cool-down
-  and no fresh signal, so a lost signal or a flushed Redis costs at most two sweep intervals. It
+* :func:`sweep_pressure` refreshes the lead each pool fires by (``worker.lead``), then enqueues
+  the sessions over their trigger (counting their growth over that lead) with no live lease, no
+  cool-down and no fresh signal, so a lost signal or a flushed Redis costs at most two sweep
+  intervals. It
   reads only the sessions an index holds as over their stored thresholds (``SKIP LOCKED``, in
   bounded batches), after storing the thresholds of sessions new or changed since the last sweep.
 * :func:`least_runways` lists every growing session's runway, which the sweep task exports as
@@ -20,10 +22,12 @@ import json
 import logging
 from dataclasses import dataclass
 
+from storage.errors import StorageError
 from storage.kinds import Trigger
 from storage.records import ReapedLease, SessionInfo, utcnow
 from storage.store import Store
 from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
+from worker.lead import refresh_leads
 from worker.pressure import Runway, over_trigger, sorted_runways, sweep_key, sweep_thresholds
 from worker.settings import Config
 
@@ -60,6 +64,12 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
             seen[basis] = sweep_thresholds(info, config)
         return seen[basis]
 
+    try:
+        await refresh_leads(store, config, now=now)
+    except StorageError as exc:
+        # The sessions over their trigger come first; the leads stay as a worker last stored.
+        logger.warning("the sweep did not refresh the checkpoint leads: %s", exc,
+                       extra={"action": "sweep.lead_refresh_failed"})
     while True:
         n = await store.resolve_sweep_thresholds(key=key, resolve=resolve, limit=batch)
         resolved += n
@@ -70,7 +80,7 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
     enqueued: list[str] = []
     while True:
         chosen, after = await store.select_for_sweep(
-            decide=lambda info: over_trigger(info, config), now=now, limit=w.sweep_batch,
+            decide=lambda info: over_trigger(info, config, now), now=now, limit=w.sweep_batch,
             after_id=after, fresh_signal_s=w.sweep_interval_s)
         batches += 1
         for info in chosen:
@@ -94,7 +104,7 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
                               "run_id": lease.run_id, "owner": lease.owner})
         info = await store.get_session(lease.session_id)
         cooling = info.cooldown_until is not None and info.cooldown_until > now
-        if over_trigger(info, config) and not cooling:
+        if over_trigger(info, config, now) and not cooling:
             # The dead run's signal mark would block signals until its TTL: replace it.
             await store.clear_signal(info.id)
             if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):

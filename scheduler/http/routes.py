@@ -216,7 +216,8 @@ def add_routes(app: FastAPI) -> None:
              responses=_COMMON, tags=["sessions"])
     async def get_status(info: Owned, api: ApiDep) -> dict[str, Any]:
         """The session's totals, lease, loop-guard flag and recent runs (newest first)."""
-        return await session_status(api.store, info.id, prices=api.config.prices)
+        return await session_status(api.store, info.id, prices=api.config.prices,
+                                    lead_config=api.config)
 
     @app.post(API_PREFIX + "/sessions/{session_id}/messages", response_model=StepOut,
               operation_id="appendMessages",

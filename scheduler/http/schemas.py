@@ -275,6 +275,9 @@ class StatusOut(BaseModel):
     cost: dict[str, Any] | None = Field(
         default=None, description="every run of the session at the server's configured "
                                   "prices: usd, basis, by_candidate, billed_runs")
+    lead: dict[str, Any] | None = Field(
+        default=None, description="the lead the session fires early by and why: seconds, "
+                                  "source (auto, configured, off, no_growth), why, runs, p90_s")
 
 
 class HealthOut(BaseModel):

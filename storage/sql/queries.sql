@@ -62,7 +62,7 @@ SELECT * FROM compactd_commit(:session_id, :run_id, :fence, :now, :seqs, :counts
                               :expected_seq, :end_payload, :before, :after, :refs, :firsts,
                               :lasts);
 
--- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, item_state, item_done)^
+-- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, signalled_at, item_state, item_done)^
 -- postgres-only: a data-modifying WITH around compactd_commit. The commit that ends its run: the
 -- run row's result and its bulk item's ride on the call. The run row's UPDATE waits for the call
 -- (EXISTS on its result), so the session row is locked before the run row, as everywhere else,
@@ -77,7 +77,8 @@ WITH c AS (SELECT * FROM compactd_commit(:session_id, :run_id, :fence, :now, :se
               SET status = :status, failure_class = :failure_class, error = :error,
                   tokens_before = :tokens_before, tokens_after = :tokens_after, model = :model,
                   usage = :usage, candidates = :candidates, stages = :stages,
-                  range_seqs = :range_seqs, finished_at = :now, heartbeat_at = :now
+                  range_seqs = :range_seqs, signalled_at = :signalled_at,
+                  finished_at = :now, heartbeat_at = :now
             WHERE id = :run_id::text AND EXISTS (SELECT FROM c)
            RETURNING bulk_job_id),
      b AS (UPDATE bulk_items AS i SET state = :item_state, run_id = :run_id::text,

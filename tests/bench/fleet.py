@@ -529,6 +529,8 @@ def run_fleet(args: argparse.Namespace, transcripts: list[Transcript], fake_url:
     policy = {"trigger": {"type": "fraction", "value": TRIGGER_FRACTION},
               "keep": {"type": "fraction", "value": KEEP_FRACTION}, "model_name": RUN_MODEL,
               "trim_tokens_to_summarize": 4 * args.window}
+    if args.lead is not None:
+        policy["lead"] = args.lead
     with Stack(args.database_url, args.redis_url, home / f"fleet-{agents}", fake_url=fake_url,
                summarization=policy, worker=worker_settings(args)) as stack:
         pids = [stack.start_worker(f"w{i}", concurrency=args.concurrency, ready_timeout=90).pid
@@ -949,6 +951,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--transcripts", type=Path,
                         help="folder of *.jsonl transcripts (default ../shared/corpus beside "
                         "the repository, else generated coding sessions)")
+    parser.add_argument("--lead", type=lambda v: v if v == "auto" else float(v), default=None,
+                        help="summarization.lead: auto, or seconds (0: fire at the trigger); "
+                        "default: compactd's own")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--plots", type=Path, help="write the PNG charts into this folder")

@@ -140,6 +140,9 @@ async def _commit(store: Store) -> None:
                                                    limit=5)] == [1]
 
 
+SIGNALLED_AT = dt.datetime(2026, 12, 6, 4, 0, tzinfo=dt.UTC)
+
+
 @case("commit_ending")
 async def _commit_ending(store: Store) -> None:
     lease = await _claimed(store)
@@ -147,12 +150,12 @@ async def _commit_ending(store: Store) -> None:
         "commit_ending", **lease, **_prune_of_seq_1(),
         end_payload=json.dumps({"run_id": "r1", "outcome": "succeeded"}), status="succeeded",
         failure_class=None, error=None, tokens_before=10, tokens_after=6, model="m", usage=None,
-        candidates=None, stages=None, range_seqs=json.dumps([1]), item_state="done",
-        item_done="done")
+        candidates=None, stages=None, range_seqs=json.dumps([1]), signalled_at=SIGNALLED_AT,
+        item_state="done", item_done="done")
     assert row is not None and row["lease_run_id"] is None
     run = await store.get_run("r1")
-    assert run is not None and (run.status, run.tokens_after, run.range_seqs) == (
-        "succeeded", 6, [1])
+    assert run is not None and (run.status, run.tokens_after, run.range_seqs,
+                                run.signalled_at) == ("succeeded", 6, [1], SIGNALLED_AT)
 
 
 @case("set_timeouts")

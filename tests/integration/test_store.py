@@ -336,6 +336,9 @@ async def test_commit_refuses_a_changed_range_but_accepts_appends(store: Store) 
     assert after.seqs[-1] == 8 and after.nodes[-1].message.text == "appended during the model call"
     assert info.surface_messages == 5
     assert (await store.verify("s1")).ok
+    # What the commit left, which the lead's growth is counted from (worker.compaction.lead).
+    assert info.compacted_tokens == info.surface_tokens + info.envelope_tokens
+    assert (await store.get_session("s1")).compacted_tokens == info.compacted_tokens
 
 
 async def test_renew_and_finish(store: Store) -> None:

@@ -65,6 +65,9 @@ class PlanInputs:
     force: bool
     keep_override: Clause | None
     envelope: dict[str, Any] | None
+    # The session's growth over its lead (``worker.compaction.lead``): the trigger is judged on
+    # the pressure when a checkpoint asked for now would land, as the signal that fired it was.
+    lead_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +145,8 @@ class Plan:
 def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int = 0,
          reported_input_tokens: int | None = None, run_model: str | None = None,
          now: datetime, force: bool = False, keep_override: Clause | None = None,
-         envelope: dict[str, Any] | None = None, defer_summary: bool = False) -> Plan:
+         envelope: dict[str, Any] | None = None, defer_summary: bool = False,
+         lead_tokens: int = 0) -> Plan:
     """Plan one compaction round of ``nodes`` under ``policy`` (resolved to the run model's
     window). ``force`` ignores the trigger and, unless ``keep_override`` is given, the keep
     policy. Token counts are the nodes' stored counts; only edited and split text is counted.
@@ -150,9 +154,12 @@ def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int =
     ``defer_summary``: when there is something to prune, stop there (``summary_deferred`` says
     whether a summary would follow). A worker commits the prunes and plans the surface they
     make, whose summarize step is the one it runs; planning it on the virtual surface first was
-    work thrown away."""
+    work thrown away.
+
+    ``lead_tokens``: what the session grows by before a checkpoint asked for now lands; the
+    trigger counts it (a run fired early by its lead is not refused as under the trigger)."""
     inputs = PlanInputs(tuple(nodes), policy, envelope_tokens, reported_input_tokens, run_model,
-                        now, force, keep_override, envelope)
+                        now, force, keep_override, envelope, max(0, lead_tokens))
     return _plan(inputs, defer_summary=defer_summary)
 
 
@@ -194,7 +201,10 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     pressure = measure(nodes, envelope_tokens=inputs.envelope_tokens,
                        reported_input_tokens=inputs.reported_input_tokens,
                        context_window=window)
-    fired, reason = should_compact(pressure, policy)
+    lead = inputs.lead_tokens
+    fired, reason = should_compact(pressure.ahead_by(lead, window), policy)
+    if lead:
+        reason += f"; counting {lead} tokens of growth over its lead"
 
     def done(prune: tuple[PruneAction, ...], after: int,
              step: SummarizeStep | RecallablePass | None, why: str | None,
@@ -221,7 +231,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     if not summary_due:
         return done(actions, after.tokens, None,
                     f"only clear_tool_uses fired; the summary trigger did not: {reason}")
-    if not inputs.force and not should_compact(after, policy)[0]:
+    if not inputs.force and not should_compact(after.ahead_by(lead, window), policy)[0]:
         return done(actions, after.tokens, None,
                     "pruning alone brought pressure under the trigger")
 

@@ -32,6 +32,11 @@ class Pressure:
         return {"tokens": self.tokens, "messages": self.messages,
                 "fraction": None if self.fraction is None else round(self.fraction, 6)}
 
+    def ahead_by(self, tokens: int, context_window: int | None) -> Pressure:
+        """The pressure once the session has grown by ``tokens`` (its lead's growth)."""
+        return self if tokens <= 0 else _pressure(self.tokens + tokens, self.messages,
+                                                 context_window)
+
     def reduced_by(self, tokens: int, context_window: int | None) -> Pressure:
         """The pressure after replacements saved ``tokens`` (node count unchanged)."""
         return _pressure(self.tokens - tokens, self.messages, context_window)
@@ -89,9 +94,15 @@ def should_clear(pressure: Pressure, policy: Policy) -> bool:
     return policy.enabled and clear.enabled and pressure.tokens > clear.trigger
 
 
-def should_run(pressure: Pressure, policy: Policy) -> tuple[bool, str]:
-    """Whether an automatic run is worth waking for: the summary trigger, or clearing's own."""
-    fired, reason = should_compact(pressure, policy)
+def should_run(pressure: Pressure, policy: Policy, *, lead_tokens: int = 0
+               ) -> tuple[bool, str]:
+    """Whether an automatic run is worth waking for: the summary trigger, or clearing's own.
+    ``lead_tokens`` (the growth over the session's lead, ``worker.compaction.lead``) counts
+    toward the summary trigger only: the plan judges clearing on the pressure as it is."""
+    fired, reason = should_compact(pressure.ahead_by(lead_tokens, policy.context_window),
+                                   policy)
+    if lead_tokens:
+        reason += f"; counting {lead_tokens} tokens of growth over its lead"
     if fired or not should_clear(pressure, policy):
         return fired, reason
     return True, (f"clear_tool_uses tokens>{policy.clear_tool_uses.trigger} "

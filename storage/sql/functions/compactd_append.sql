@@ -3,7 +3,8 @@
 -- message and field: CD404 no such session; CD001 a tool-call id reused while its call is open;
 -- CD002 a result whose call was never made; CD003 a call already answered. DETAIL is the call
 -- id, HINT the message's 0-based index in the batch. growth_rate: records.next_growth_rate
--- over a window of 120 s (records.GROWTH_WINDOW_S).
+-- over a window of 120 s (records.GROWTH_WINDOW_S). lead_s: the lead of the session's pool
+-- (checkpoint_leads, by run model, else '*'), two primary-key reads (worker.lead).
 CREATE OR REPLACE FUNCTION compactd_append(p_session text, p_payloads json[], p_tokens integer[], p_now timestamp with time zone, p_call_ids text[], p_call_idx integer[], p_call_result_idx integer[], p_ext_ids text[], p_ext_idx integer[])
  RETURNS SETOF sessions
  LANGUAGE plpgsql
@@ -26,7 +27,10 @@ BEGIN
            last_append_at = p_now,
            growth_rate = (growth_rate * 120 + (SELECT coalesce(sum(t), 0) FROM unnest(p_tokens) t))
                          / (120 + greatest(0, extract(epoch FROM
-                               p_now - coalesce(last_append_at, created_at))))
+                               p_now - coalesce(last_append_at, created_at)))),
+           lead_s = coalesce((SELECT l.lead_s FROM checkpoint_leads l
+                               WHERE l.pool = coalesce(sessions.run_model, '')),
+                             (SELECT l.lead_s FROM checkpoint_leads l WHERE l.pool = '*'), 0)
      WHERE id = p_session
     RETURNING * INTO s;
     IF NOT FOUND THEN

@@ -188,6 +188,8 @@ BEGIN
            reported_version = CASE WHEN n > 0 THEN NULL ELSE reported_version END,
            compacted_version = CASE WHEN n > 0 THEN surface_version + 1
                                     ELSE compacted_version END,
+           compacted_tokens = CASE WHEN n > 0 THEN surface_tokens + d_tokens + envelope_tokens
+                                   ELSE compacted_tokens END,
            lease_owner = CASE WHEN p_end IS NULL THEN lease_owner END,
            lease_run_id = CASE WHEN p_end IS NULL THEN lease_run_id END,
            lease_expires_at = CASE WHEN p_end IS NULL THEN lease_expires_at END

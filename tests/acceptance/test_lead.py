@@ -1,0 +1,121 @@
+"""The lead on the user's path (issue 27, item 1): a runtime appends a growing session through
+the client, a real worker (Celery, PostgreSQL, Redis) summarizes through the fake provider over
+HTTP, and the checkpoint lands before the session reaches its trigger; with ``lead: 0`` it
+fires at the trigger and lands after it, as before the lead existed.
+
+The lead is measured from the worker's own runs (auto, the default): a first session's run is
+the measure. Its summary call is made slower than the growing session's (the fake's latency),
+so the lead measured covers the growing session's run with room on a loaded machine: the test
+shows the mechanism (fire early by growth x measured lead, land before the trigger), not how
+close the percentile comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from scheduler.client import CompactdClient
+from storage.leads import ALL_POOLS
+from tests.support.db import Db
+from tests.support.stack import Stack
+from worker.settings import load_config
+
+pytestmark = pytest.mark.slow
+
+MakeStack = Callable[..., Stack]
+
+TRIGGER = 4_000
+POLICY = {"trigger": {"type": "tokens", "value": TRIGGER},
+          "keep": {"type": "messages", "value": 4}, "model_name": "fake-gpt",
+          "trim_tokens_to_summarize": 16_000}
+STEP_WORDS = 12  # about 60 tokens a step
+STEP_S = 0.2
+MAX_STEPS = 400
+
+
+@dataclass
+class Trace:
+    signalled_at_tokens: int | None = None  # the context when the append that fired was made
+    landed_at_tokens: int | None = None  # the context the agent held when the checkpoint landed
+
+
+def turn(i: int) -> dict[str, str]:
+    role = "user" if i % 2 == 0 else "assistant"
+    return {"role": role, "content": f"step {i}: " + " ".join(f"word{i}x{j}"
+                                                             for j in range(STEP_WORDS))}
+
+
+async def grow(stack: Stack, session_id: str) -> Trace:
+    """Append a step every ``STEP_S`` until a compaction's checkpoint is picked up."""
+    trace = Trace()
+    held = 0
+    async with CompactdClient(load_config(env=stack.env)) as client:
+        handle = await client.create_session(session_id, run_model="fake-gpt",
+                                             context_window=128_000)
+        for i in range(MAX_STEPS):
+            if await handle.poll() is not None:
+                trace.landed_at_tokens = held
+                return trace
+            step = await handle.append([turn(i)])
+            if step.signalled:
+                trace.signalled_at_tokens = step.tokens
+            # A checkpoint committed between the poll and this append shrinks what it returns:
+            # what the agent held before it is the largest seen.
+            held = max(held, step.tokens)
+            await asyncio.sleep(STEP_S)
+    raise AssertionError(f"{session_id}: no checkpoint landed in {MAX_STEPS} steps ({trace})")
+
+
+def test_a_growing_session_fires_early_by_the_measured_lead_and_lands_before_its_trigger(
+        make_stack: MakeStack, clean_pg: str, fake) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack(summarization=POLICY)
+    stack.start_worker("w1", concurrency=2)
+    fake.latency_s = 4.0
+    first = asyncio.run(grow(stack, "first"))
+    # Nothing measured yet: it fires at its trigger and lands after it, as before the lead.
+    assert first.signalled_at_tokens is not None and first.signalled_at_tokens >= TRIGGER
+    assert first.landed_at_tokens is not None and first.landed_at_tokens > TRIGGER
+    with Db(clean_pg) as db:
+        [run] = db.runs("first")
+        assert run.signalled_at is not None and run.finished_at is not None
+        measured = db.run(lambda s: s.read_leads([ALL_POOLS]))[ALL_POOLS]
+        assert measured.source == "auto" and measured.runs == 1
+        assert measured.lead_s == pytest.approx(
+            (run.finished_at - run.signalled_at).total_seconds())
+        assert measured.lead_s >= 4.0
+
+        fake.latency_s = 0.1
+        grown = asyncio.run(grow(stack, "grown"))
+        assert grown.signalled_at_tokens is not None and grown.signalled_at_tokens < TRIGGER, \
+            grown
+        assert grown.landed_at_tokens is not None and grown.landed_at_tokens < TRIGGER, grown
+        [run] = db.runs("grown")
+        assert run.status == "committed" and run.trigger == "pressure"
+        assert run.tokens_before is not None and run.tokens_before < TRIGGER
+
+    status = stack.cli_json("status", "grown", "--json")
+    assert status["lead"]["source"] == "auto", status["lead"]
+    assert status["lead"]["why"].startswith("auto from "), status["lead"]
+    assert status["lead"]["seconds"] >= 4.0
+    text = stack.cli("status", "grown").stdout
+    assert "lead: " in text and "auto from " in text
+
+
+def test_with_lead_0_a_session_fires_at_its_trigger_as_before(
+        make_stack: MakeStack, clean_pg: str, fake) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack(summarization={**POLICY, "lead": 0})
+    stack.start_worker("w1", concurrency=2)
+    fake.latency_s = 4.0
+    asyncio.run(grow(stack, "first"))
+    fake.latency_s = 0.1
+    grown = asyncio.run(grow(stack, "grown"))
+    # The same runs as above measured, and still: at the trigger, landing after it.
+    assert grown.signalled_at_tokens is not None and grown.signalled_at_tokens >= TRIGGER
+    assert grown.landed_at_tokens is not None and grown.landed_at_tokens >= TRIGGER
+    status = stack.cli_json("status", "grown", "--json")
+    assert status["lead"] == {"seconds": 0.0, "source": "off", "runs": None, "p90_s": None,
+                              "why": "off (summarization.lead: 0): fires at its trigger"}

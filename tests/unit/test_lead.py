@@ -1,0 +1,238 @@
+"""The lead (issue 27, item 1): its configuration, its measure, and the firing rule every
+automatic decision shares: the append's signal, the sweep, the follow-up and the run's plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+import pytest
+import yaml
+
+from storage.errors import ConfigError
+from storage.leads import ALL_POOLS
+from storage.records import SessionInfo
+from storage.surface import SurfaceNode
+from tests.unit.compaction_helpers import user
+from worker.compaction.lead import LEAD_MAX_SHARE, lead_tokens, parse_lead, percentile
+from worker.compaction.planner import plan
+from worker.compaction.policy import PolicyError, parse_policy
+from worker.lead import measure_leads
+from worker.pressure import explain, growth_tokens, over_trigger, session_policy, wants_run
+from worker.settings import Config, build_config
+
+T0 = dt.datetime(2026, 12, 6, 4, 0, tzinfo=dt.UTC)
+TRIGGER = {"trigger": {"type": "tokens", "value": 10_000},
+           "keep": {"type": "messages", "value": 2}}
+
+
+def config(**summarization: Any) -> Config:
+    return build_config({"summarization": {**TRIGGER, **summarization}})
+
+
+def session(tokens: int, rate: float, lead_s: float, **fields: Any) -> SessionInfo:
+    values: dict[str, Any] = {
+        "id": "s1", "tenant": "default", "run_model": "gpt-4o", "context_window": 128_000,
+        "envelope": None, "envelope_tokens": 0, "policy": None, "surface_version": 1,
+        "surface_tokens": tokens, "surface_messages": 10, "last_seq": 10, "last_position": 10,
+        "reported_input_tokens": None, "reported_version": None,
+        "reported_output_tokens": None, "reported_base_tokens": None, "signal_at": None,
+        "lease_owner": None, "lease_run_id": None, "lease_expires_at": None, "lease_fence": 0,
+        "cooldown_until": None, "flagged_reason": None, "flagged_at": None,
+        "created_at": T0 - dt.timedelta(hours=1), "last_append_at": T0,
+        "growth_rate": rate, "lead_s": lead_s}
+    values.update(fields)
+    return SessionInfo(**values)
+
+
+# ---------------------------------------------------------------------------- configuration
+
+@pytest.mark.parametrize(("value", "lead"), [("auto", None), (0, 0.0), (12, 12.0), (2.5, 2.5)])
+def test_the_lead_is_auto_or_seconds(value: Any, lead: float | None) -> None:
+    assert config(lead=value).lead == lead
+
+
+def test_the_default_lead_is_auto() -> None:
+    assert build_config({}).lead is None
+    assert config().lead is None
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, "soon", "10", True, False, None, [5], {"s": 1},
+                                   float("nan"), float("inf")])
+def test_a_bad_lead_is_a_load_time_error_naming_the_key(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^summarization\.lead: "):
+        config(lead=value)
+
+
+def test_the_lead_from_yaml_text() -> None:
+    raw = yaml.safe_load("summarization:\n  lead: -3\n")
+    with pytest.raises(ConfigError, match=r"summarization\.lead: .*not negative, got -3"):
+        build_config(raw)
+
+
+def test_a_session_cannot_set_its_own_lead() -> None:
+    # The lead is the fleet's (measured per pool), not a session's override.
+    with pytest.raises(PolicyError, match=r"^policy\.lead: unknown key"):
+        parse_policy({"lead": 5}, path="policy")
+
+
+def test_parse_lead_names_the_path_it_is_given() -> None:
+    with pytest.raises(PolicyError, match=r"^x\.lead: "):
+        parse_lead("never", "x.lead")
+
+
+# ---------------------------------------------------------------------------- the measure
+
+def test_the_percentile_is_the_nearest_rank() -> None:
+    assert percentile([5.0]) == 5.0
+    assert percentile([float(s) for s in range(1, 11)]) == 9.0
+    assert percentile([float(s) for s in range(1, 11)], 0.5) == 5.0
+    assert percentile([3.0, 1.0, 2.0], 0.9) == 3.0
+    with pytest.raises(ValueError):
+        percentile([])
+
+
+def test_auto_measures_every_pool_from_one_run_and_a_pool_from_five() -> None:
+    rows = measure_leads(config(), {"gpt-4o": [1.0, 2.0, 3.0], "m2": [1.0] * 4 + [9.0]}, T0)
+    by_pool = {r.pool: r for r in rows}
+    assert set(by_pool) == {ALL_POOLS, "m2"}
+    assert by_pool["m2"].lead_s == 9.0 and by_pool["m2"].runs == 5
+    assert by_pool[ALL_POOLS].runs == 8 and by_pool[ALL_POOLS].source == "auto"
+    assert measure_leads(config(), {}, T0) == []
+
+
+@pytest.mark.parametrize(("lead", "source"), [(7, "configured"), (0, "off")])
+def test_a_configured_lead_is_stored_for_every_pool(lead: float, source: str) -> None:
+    rows = measure_leads(config(lead=lead), {"gpt-4o": [100.0] * 9}, T0)
+    assert [(r.pool, r.lead_s, r.source) for r in rows] == [(ALL_POOLS, lead, source)]
+
+
+# ---------------------------------------------------------------------------- the firing rule
+
+@pytest.mark.parametrize(("rate", "lead_s", "threshold", "expected"), [
+    (100.0, 10.0, 10_000, 1_000),
+    (0.0, 10.0, 10_000, 0),        # no growth history: fires as it always did
+    (100.0, 0.0, 10_000, 0),       # lead 0: today's rule
+    (100.0, 10.0, None, 0),        # a messages-only trigger has no tokens to move
+    (1_000.0, 60.0, 10_000, int(LEAD_MAX_SHARE * 10_000)),  # capped
+])
+def test_lead_tokens(rate: float, lead_s: float, threshold: float | None,
+                     expected: int) -> None:
+    assert lead_tokens(rate, lead_s, threshold) == expected
+
+
+# (tokens, rate per s, the pool's lead as the append stored it, summarization.lead, fires)
+CASES = [
+    (9_000, 100.0, 10.0, "auto", True),    # 9,000 + 100 x 10 reaches 10,000
+    (8_999, 100.0, 10.0, "auto", False),
+    (9_000, 100.0, 10.0, 0, False),        # lead 0: today's behaviour
+    (10_000, 100.0, 10.0, 0, True),
+    (9_000, 0.0, 10.0, "auto", False),     # no growth history: as today
+    (10_000, 0.0, 10.0, "auto", True),
+    (9_000, 100.0, 0.0, 10, True),         # configured, whatever the pool measured
+    (9_000, 100.0, 60.0, 5, False),
+    (4_000, 10_000.0, 60.0, "auto", False),  # the cap: never below half the trigger
+    (5_000, 10_000.0, 60.0, "auto", True),
+]
+
+
+@pytest.mark.parametrize(("tokens", "rate", "stored", "lead", "fires"), CASES)
+def test_every_automatic_decision_counts_the_lead(tokens: int, rate: float, stored: float,
+                                                  lead: Any, fires: bool) -> None:
+    c = config(lead=lead)
+    info = session(tokens, rate, stored)
+    assert wants_run(info, c, T0) is fires
+    assert over_trigger(info, c, T0) is fires
+    # The run's plan accepts what fired: predicted tokens at pickup reach the trigger.
+    policy = session_policy(info, c)
+    nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=tokens // 10)
+             for i in range(10)]
+    result = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
+                  lead_tokens=growth_tokens(info, policy, c, T0))
+    assert result.fired is fires
+    assert (result.summarize is not None) is fires
+
+
+def test_a_run_fired_early_is_refused_by_a_plan_that_ignores_the_lead() -> None:
+    # What the plan did before the lead: an early signal would end as nothing to do.
+    info = session(9_000, 100.0, 10.0)
+    policy = session_policy(info, config())
+    nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=900)
+             for i in range(10)]
+    assert not plan(nodes, policy=policy, now=T0, run_model="gpt-4o").fired
+    fired = plan(nodes, policy=policy, now=T0, run_model="gpt-4o", lead_tokens=1_000)
+    assert fired.fired and "1000 tokens of growth over its lead" in fired.reason
+
+
+def test_an_idle_session_stops_counting_its_old_growth() -> None:
+    # The stored rate decays with the time since the last append (records.decayed_growth_rate).
+    info = session(9_000, 100.0, 10.0)
+    assert wants_run(info, config(), T0)
+    assert not wants_run(info, config(), T0 + dt.timedelta(minutes=10))
+
+
+def test_explain_says_the_lead_was_counted() -> None:
+    fired, why, pressure = explain(session(9_100, 100.0, 10.0, last_append_at=None,
+                                           created_at=dt.datetime.now(dt.UTC)), config())
+    assert fired and pressure.tokens == 9_100
+    assert "tokens of growth over its lead" in why
+
+
+def test_the_reported_usage_counts_the_lead_too() -> None:
+    info = dataclasses.replace(session(5_000, 100.0, 10.0), reported_input_tokens=9_000,
+                               reported_output_tokens=0, reported_base_tokens=5_000)
+    assert wants_run(info, config(), T0)
+    assert not wants_run(info, config(lead=0), T0)
+
+
+def test_a_young_sessions_rate_is_unbiased_up_to_a_bound() -> None:
+    from storage.records import (
+        GROWTH_WINDOW_S,
+        YOUNG_GROWTH_MAX_FACTOR,
+        next_growth_rate,
+        unbiased_growth_rate,
+    )
+
+    # 100 tokens every second from creation: the stored rate climbs toward 100.
+    rate = 0.0
+    for _ in range(60):
+        rate = next_growth_rate(rate, 100, 1.0)
+    assert rate < 40
+    assert unbiased_growth_rate(rate, 60.0) == pytest.approx(100, rel=0.02)
+    # An old session's rate is taken as it is; an instant's history at most times the bound.
+    assert unbiased_growth_rate(10.0, 20 * GROWTH_WINDOW_S) == pytest.approx(10.0)
+    assert unbiased_growth_rate(10.0, 0.0) == 10.0 * YOUNG_GROWTH_MAX_FACTOR
+    assert unbiased_growth_rate(10.0, 1.0) == 10.0 * YOUNG_GROWTH_MAX_FACTOR
+
+
+def test_a_young_growing_session_fires_on_its_real_rate() -> None:
+    # Sixty seconds old, stored rate 37 (about 94 a second in truth): 9,100 + 94 x 10 fires.
+    info = session(9_100, 37.0, 10.0, created_at=T0 - dt.timedelta(seconds=60))
+    assert wants_run(info, config(), T0)
+    assert not wants_run(dataclasses.replace(info, created_at=T0 - dt.timedelta(hours=1)),
+                         config(), T0)
+
+
+def test_the_lead_moves_the_summary_trigger_not_clearings() -> None:
+    # The plan judges clearing on the pressure as it is: waking a run for it early would end as
+    # nothing to do.
+    c = build_config({"summarization": {
+        "trigger": {"type": "tokens", "value": 20_000}, "keep": {"type": "messages", "value": 2},
+        "clear_tool_uses": {"enabled": True, "trigger": 9_000}}})
+    assert not wants_run(session(8_500, 100.0, 10.0), c, T0)
+    assert wants_run(session(9_001, 100.0, 10.0), c, T0)
+    assert wants_run(session(19_000, 100.0, 10.0), c, T0)
+
+
+def test_after_a_checkpoint_the_lead_counts_only_what_the_session_grew_since() -> None:
+    # A checkpoint left 8,000 of a 10,000 trigger: the session fires no earlier than halfway
+    # to the trigger from there (9,000), however fast it grows, so each compaction relieves it.
+    assert lead_tokens(100.0, 30.0, 10_000, grown_tokens=0) == 0
+    assert lead_tokens(100.0, 30.0, 10_000, grown_tokens=700) == 700
+    assert lead_tokens(100.0, 5.0, 10_000, grown_tokens=700) == 500
+    c = config()
+    assert not wants_run(session(8_100, 100.0, 30.0, compacted_tokens=8_000), c, T0)
+    assert not wants_run(session(8_999, 100.0, 30.0, compacted_tokens=8_000), c, T0)
+    assert wants_run(session(9_000, 100.0, 30.0, compacted_tokens=8_000), c, T0)
+    assert wants_run(session(8_100, 100.0, 30.0), c, T0)  # never compacted: the lead's cap

@@ -1,0 +1,76 @@
+"""The lead: how early a growing session fires so that its checkpoint lands as its context
+reaches the trigger, not some steps after it. Pure: no I/O.
+
+A checkpoint lands a while after the signal that asks for it (the queue, the claim, the summary
+call, the commit). A session firing at its trigger spends that while over it, and every step
+it takes there sends the tokens over the trigger again. Firing when its tokens plus its growth
+over that while reach the trigger lands the checkpoint about when the context gets there. The
+while is measured (``LEAD_PERCENTILE`` of recent runs' signal-to-commit times) or configured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from worker.compaction.policy import PolicyError
+
+# The share of recent runs whose checkpoint the lead covers: a median lead lands half of the
+# checkpoints late; the slowest tenth is left to the cap and the trigger's own margin.
+LEAD_PERCENTILE = 0.9
+# A pool's own runs give its lead once it has this many; until then it takes every pool's, which
+# the first measured run gives (the percentile of a few runs is their slowest: early, not late).
+LEAD_MIN_RUNS = 5
+# The runs a lead is measured on: the newest this many within ``LEAD_SAMPLE_S``, so the lead
+# follows the load the workers have now.
+LEAD_SAMPLE_RUNS = 200
+LEAD_SAMPLE_S = 3600.0
+# The lead brings the firing point down by at most this share of the trigger's tokens. A session
+# growing a trigger's worth within one lead would otherwise fire again as soon as a checkpoint
+# lands and summarize little each time; capped, it fires at half its trigger and lands late,
+# which the loop guard and the next run still handle.
+LEAD_MAX_SHARE = 0.5
+
+# ``summarization.lead``'s value for a measured lead.
+AUTO = "auto"
+
+
+def parse_lead(value: Any, path: str = "summarization.lead") -> float | None:
+    """``auto`` (None: measured), or the configured seconds (0: fire at the trigger, as before
+    the lead existed)."""
+    if value == AUTO and isinstance(value, str):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PolicyError(path, f"must be auto or a number of seconds (0 turns it off), "
+                                f"got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise PolicyError(path, f"must be auto or a finite number of seconds, not negative, "
+                                f"got {value!r}")
+    return float(value)
+
+
+def percentile(values: Sequence[float], share: float = LEAD_PERCENTILE) -> float:
+    """The nearest-rank percentile: the smallest value at least ``share`` of ``values`` do not
+    exceed. ``values`` must not be empty."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+
+def lead_tokens(rate_per_s: float, lead_s: float, threshold_tokens: float | None,
+                grown_tokens: int | None = None) -> int:
+    """The tokens a session growing at ``rate_per_s`` adds over ``lead_s``, which its pressure
+    counts when deciding whether to fire: at most ``LEAD_MAX_SHARE`` of ``threshold_tokens``
+    (the lowest token count its trigger fires at), and at most ``grown_tokens``, what it grew
+    since its last checkpoint left it (None: never compacted). A checkpoint that leaves a
+    session near its trigger then does not fire it again at once: it fires no earlier than
+    halfway from what the checkpoint left to the trigger, and each compaction relieves it. 0
+    with no growth, no lead or no token threshold (a messages-only trigger)."""
+    if rate_per_s <= 0 or lead_s <= 0 or not threshold_tokens:
+        return 0
+    ahead = min(rate_per_s * lead_s, LEAD_MAX_SHARE * threshold_tokens)
+    if grown_tokens is not None:
+        ahead = min(ahead, max(0, grown_tokens))
+    return int(ahead)
