@@ -68,6 +68,18 @@ class RunsMixin:
         async with connection(self.engine) as conn:
             return [run_from_row(row) for row in await conn.execute(stmt, params)]
 
+    async def claim_to_commit_durations(self, model: str | None, *, since: dt.datetime,
+                                        limit: int = 64) -> list[float]:
+        """Seconds from claim to end of the newest committed runs since ``since`` that wrote a
+        summary with ``model``, newest first; of every model's when none did (a provider may
+        report its model under another name than the one configured). One indexed read."""
+        rows = await self.db.fetch("recent_summary_runs", status=RunStatus.COMMITTED,
+                                   since=since, limit=limit)
+        spans = [(r["model"], (r["finished_at"] - r["started_at"]).total_seconds())
+                 for r in rows]
+        mine = [s for m, s in spans if m == model]
+        return mine or [s for _, s in spans]
+
     async def run_counts(self, *, since: dt.datetime | None = None
                          ) -> dict[tuple[str, str | None], int]:
         """Runs by (status, failure_class)."""

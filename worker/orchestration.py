@@ -27,6 +27,7 @@ from storage.records import Replacement, SessionInfo
 from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
 from worker.chains import Summarizers, run_chain, summary_request
+from worker.compaction.arrivals import Arrivals
 from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
@@ -36,6 +37,7 @@ from worker.compaction.triggers import should_compact
 from worker.llm.fallback import SummaryRequest
 from worker.metrics import metrics
 from worker.passes import run_pass
+from worker.pickup import predict_arrivals
 from worker.pressure import read_pressure, session_policy, session_pressure
 from worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunScope
 from worker.runtime import Deps
@@ -129,6 +131,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
     surface: Surface | None = None
+    arrivals: Arrivals | None = None
     for round_no in range(policy.max_rounds):
         out.rounds = round_no + 1
         surface = await store.read_surface(info.id, reuse=surface)
@@ -136,8 +139,12 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         if first:
             # What the run starts from is what it read: appends may have come after the claim.
             out.tokens_before = read_pressure(info, surface, policy).tokens
+            if keep is None and not force:
+                # An explicit keep is taken as given; a forced reduction has no keep.
+                arrivals = await predict_arrivals(deps, info, policy, surface.nodes)
+                out.arrivals = arrivals.to_json() if arrivals is not None else None
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                        manual=manual and first, defer_summary=True)
+                        manual=manual and first, defer_summary=True, arrivals=arrivals)
         if current.prune:
             info = await _commit_prunes(scope, current)
             out.pruned += len(current.prune)
@@ -152,7 +159,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                     version=info.surface_version, last_seq=info.last_seq
                 ) or await store.read_surface(info.id, reuse=surface)
                 current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                                manual=manual and first)
+                                manual=manual and first, arrivals=arrivals)
             if not current.compacts:
                 metrics().prune_only.inc()
         if not current.compacts:
@@ -187,7 +194,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
-          keep: Clause | None, manual: bool = False, defer_summary: bool = False) -> Plan:
+          keep: Clause | None, manual: bool = False, defer_summary: bool = False,
+          arrivals: Arrivals | None = None) -> Plan:
     """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
     without it ignores only the trigger: someone asked for this compaction, but the recent
     history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
@@ -196,7 +204,7 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope,
-                defer_summary=defer_summary)
+                defer_summary=defer_summary, arrivals=arrivals)
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:

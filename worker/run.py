@@ -76,6 +76,9 @@ class Outcome:
     usage: dict[str, Any] | None = None
     # Who released the run's lease (``compactd lease release --by``), when an operator ended it.
     released_by: str | None = None
+    # What the run expected the agent to append before the pickup (keep_at: pickup), when it
+    # kept less by it.
+    arrivals: dict[str, Any] | None = None
 
     @property
     def failed(self) -> bool:
@@ -93,7 +96,7 @@ class Outcome:
                 "replaced_seqs": self.replaced_seqs, "model": self.model,
                 "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
                 "rate_wait_s": round(self.rate_wait_s, 3), "usage": self.usage,
-                "error": self.error, "candidates": self.candidates}
+                "error": self.error, "candidates": self.candidates, "arrivals": self.arrivals}
 
     def brief(self) -> dict[str, Any]:
         """The outcome at a glance, which the Celery task returns (Flower's result column).
@@ -113,7 +116,8 @@ class Outcome:
                       model=self.model, usage=self.usage, candidates=self.candidates or None,
                       stages={"stages": self.stages, "pruned": self.pruned,
                               "rounds": self.rounds,
-                              "rate_wait_s": round(self.rate_wait_s, 3)},
+                              "rate_wait_s": round(self.rate_wait_s, 3),
+                              **({"arrivals": self.arrivals} if self.arrivals else {})},
                       range_seqs=self.replaced_seqs or None)
 
 
