@@ -141,7 +141,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
             out.tokens_before = read_pressure(info, surface, policy).tokens
             if keep is None and not force:
                 # An explicit keep is taken as given; a forced reduction has no keep.
-                arrivals = await predict_arrivals(deps, info, policy, surface.nodes)
+                arrivals = await predict_arrivals(store, deps.config, info, policy,
+                                                  surface.nodes, deps.clock())
                 out.arrivals = arrivals.to_json() if arrivals is not None else None
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                         manual=manual and first, defer_summary=True, arrivals=arrivals)
