@@ -26,7 +26,7 @@ from typing import Any
 
 from storage.database import deadline
 from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
-from storage.kinds import FailureClass, JournalKind, RunStatus, Trigger
+from storage.kinds import FailureClass, JournalKind, NodeKind, RunStatus, Trigger
 from storage.leases import REAPER
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from worker import logs
@@ -79,6 +79,8 @@ class Outcome:
     # What the run expected the agent to append before the pickup (keep_at: pickup), when it
     # kept less by it.
     arrivals: dict[str, Any] | None = None
+    # Seconds from the claim to the run's first checkpoint commit.
+    claim_to_commit_s: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -117,7 +119,9 @@ class Outcome:
                       stages={"stages": self.stages, "pruned": self.pruned,
                               "rounds": self.rounds,
                               "rate_wait_s": round(self.rate_wait_s, 3),
-                              **({"arrivals": self.arrivals} if self.arrivals else {})},
+                              **({"arrivals": self.arrivals} if self.arrivals else {}),
+                              **({"claim_to_commit_s": round(self.claim_to_commit_s, 3)}
+                                 if self.claim_to_commit_s is not None else {})},
                       range_seqs=self.replaced_seqs or None)
 
 
@@ -165,6 +169,7 @@ class RunScope:
         self.out = Outcome(claim.session.id, claim.run_id, RunStatus.NOTHING_TO_DO,
                            trigger=trigger)
         self._lease: _KeptLease | None = None
+        self.claimed_at: Any = None  # the clock's time the claim was made at
 
     @classmethod
     async def open(cls, deps: Deps, session_id: str, *, trigger: str,
@@ -173,10 +178,11 @@ class RunScope:
         """The scope of a new run of ``session_id``, or the outcome of a run that could not
         start (nothing to do, or ``busy``: another run holds the lease)."""
         deadline_at = asyncio.get_running_loop().time() + deps.config.worker.deadline_s
+        claimed_at = deps.clock()
         with deadline(deadline_at):
             claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger,
                                            lease_s=deps.config.worker.lease_s,
-                                           now=deps.clock(), task_id=task_id,
+                                           now=claimed_at, task_id=task_id,
                                            bulk_job_id=bulk_job_id)
         if isinstance(claim, Skipped):
             return _counted(Outcome(session_id, None, RunStatus.NOTHING_TO_DO, trigger=trigger,
@@ -185,8 +191,10 @@ class RunScope:
             return _counted(Outcome(session_id, claim.run_id, RunStatus.FAILED, FailureClass.BUSY,
                                     trigger=trigger,
                                     error=f"leased by {claim.holder}"))
-        return cls(deps, claim, trigger=trigger, deadline_at=deadline_at,
-                   bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
+        scope = cls(deps, claim, trigger=trigger, deadline_at=deadline_at,
+                    bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
+        scope.claimed_at = claimed_at
+        return scope
 
     async def run(self, pipeline: Callable[[], Awaitable[None]]) -> Outcome:
         """Run ``pipeline`` under the lease and the deadline, and end the run: whatever way it
@@ -258,6 +266,12 @@ class RunScope:
         and the lease stops renewing first. A failed commit is ``commit`` failure of ``what``,
         unless the lease, the surface or the deadline is what refused it."""
         end = None
+        if self.out.claim_to_commit_s is None and self.claimed_at is not None and any(
+                r.kind == NodeKind.CHECKPOINT for r in replacements):
+            # What the agent waits for from the claim to a checkpoint it can pick up: a later
+            # round's commit is not, nor a prune's (keep_at: pickup expects it of new runs).
+            self.out.claim_to_commit_s = max(
+                0.0, (self.deps.clock() - self.claimed_at).total_seconds())
         if final:
             end = self.out.run_end()
             await self._kept().stop()
