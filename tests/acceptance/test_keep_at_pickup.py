@@ -154,3 +154,8 @@ def test_the_tail_at_the_pickup_is_the_keep_under_pickup_and_larger_under_claim(
     assert statistics.median(at_claim) >= KEEP + 2 * SUMMARY_S / STEP_S - MEDIAN_TOLERANCE, \
         report
     assert statistics.median(at_claim) > statistics.median(at_pickup) + MEDIAN_TOLERANCE, report
+    # What a run expected is in its session's status; the claim session's runs expected none.
+    shown = {r["run_id"]: r["arrivals"] for r in stack.cli_json("status", "pickup")["runs"]}
+    assert any(shown.get(run_id) == arrivals for run_id, arrivals in expected.items()
+               if arrivals), shown
+    assert not any(r["arrivals"] for r in stack.cli_json("status", "claim")["runs"])
