@@ -139,8 +139,10 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         if first:
             # What the run starts from is what it read: appends may have come after the claim.
             out.tokens_before = read_pressure(info, surface, policy).tokens
-            if keep is None and not force:
-                # An explicit keep is taken as given; a forced reduction has no keep.
+            if keep is None and not force and out.trigger in AUTOMATIC_TRIGGERS:
+                # An explicit keep is taken as given, a forced reduction has no keep, and a
+                # manual or bulk run keeps the policy's tail of a session that may be idle
+                # (its growth rate can still carry an ingest's burst).
                 arrivals = await predict_arrivals(store, deps.config, info, policy,
                                                   surface.nodes, deps.clock())
                 out.arrivals = arrivals.to_json() if arrivals is not None else None
