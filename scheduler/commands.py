@@ -37,6 +37,7 @@ from worker.compaction.planner import plan
 from worker.compaction.recall_tools import check_read, check_search, tools_document
 from worker.cost import usage_cost
 from worker.limits import parse_rate
+from worker.pickup import predict_arrivals
 from worker.pressure import growth_tokens, session_policy
 from worker.settings import Config
 
@@ -52,11 +53,15 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     async with open_store(config, reads=args.session) as store:
         info = await store.get_session(args.session)
         surface = await store.read_surface(args.session)
-    policy = session_policy(info, config)
+        policy = session_policy(info, config)
+        now = utcnow()
+        # What a worker's run would expect to arrive before its pickup (keep_at: pickup).
+        arrivals = (None if keep is not None or args.force else
+                    await predict_arrivals(store, config, info, policy, surface.nodes, now))
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                   reported_input_tokens=info.reported_tokens, run_model=info.run_model,
-                  now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope,
-                  lead_tokens=growth_tokens(info, policy, config))
+                  now=now, force=args.force, keep_override=keep, envelope=info.envelope,
+                  lead_tokens=growth_tokens(info, policy, config), arrivals=arrivals)
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
     if args.json:
         emit(body)
@@ -66,6 +71,10 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         f"messages" + (f", {p.fraction:.1%} of the window" if p.fraction is not None else ""))
     say(f"trigger: {'fired' if result.fired else 'not fired'} - {result.reason}"
         + (" (forced)" if args.force else ""))
+    if arrivals is not None:
+        say(f"keep_at pickup: {arrivals.messages} messages ({arrivals.tokens} tokens) expected "
+            f"before the pickup ({arrivals.rate_tokens_per_s:.1f} tokens/s for "
+            f"{arrivals.seconds:.1f} s); the kept tail is smaller by them")
     if result.prune:
         saved = sum(a.tokens_before - a.tokens_after for a in result.prune)
         say(f"prune: {len(result.prune)} tool results, saving {saved} tokens "

@@ -182,7 +182,9 @@ def _run_full(run: RunRecord) -> dict[str, Any]:
             "tokens_after": run.tokens_after, "model": run.model, "usage": run.usage,
             "finished_at": run.finished_at.isoformat() if run.finished_at else None,
             "candidates": failures,
-            "stages": (run.stages or {}).get("stages", []) if run.stages else []}
+            "stages": (run.stages or {}).get("stages", []) if run.stages else [],
+            # What the run expected to arrive before its pickup (keep_at: pickup).
+            "arrivals": (run.stages or {}).get("arrivals")}
 
 
 def render_status(body: dict[str, Any]) -> str:

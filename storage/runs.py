@@ -68,6 +68,18 @@ class RunsMixin:
         async with connection(self.engine) as conn:
             return [run_from_row(row) for row in await conn.execute(stmt, params)]
 
+    async def claim_to_commit_durations(self, model: str | None, *, since: dt.datetime,
+                                        limit: int = 64) -> list[float]:
+        """Seconds from the claim to the first checkpoint's commit (a run that recorded none:
+        to its end) of the newest committed runs since ``since`` that wrote a summary with
+        ``model``, newest first; of every model's when none did (a provider may report its
+        model under another name than the one configured). One indexed read."""
+        rows = await self.db.fetch("recent_summary_runs", status=RunStatus.COMMITTED,
+                                   since=since, limit=limit)
+        spans = [(r["model"], _claim_to_commit(r)) for r in rows]
+        mine = [s for m, s in spans if m == model]
+        return mine or [s for _, s in spans]
+
     async def run_counts(self, *, since: dt.datetime | None = None
                          ) -> dict[tuple[str, str | None], int]:
         """Runs by (status, failure_class)."""
@@ -110,6 +122,13 @@ class RunsMixin:
             return [session_from_row(row) for row in await conn.execute(
                 sa.select(*SESSION_COLUMNS).where(c.lease_run_id.is_not(None))
                 .order_by(c.lease_expires_at))]
+
+
+def _claim_to_commit(row: Any) -> float:
+    recorded = (row["stages"] or {}).get("claim_to_commit_s")
+    if isinstance(recorded, int | float):
+        return float(recorded)
+    return float((row["finished_at"] - row["started_at"]).total_seconds())
 
 
 @functools.lru_cache(maxsize=64)

@@ -28,6 +28,7 @@ from storage.records import Replacement, SessionInfo
 from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
 from worker.chains import Summarizers, run_chain, summary_request
+from worker.compaction.arrivals import Arrivals
 from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
@@ -38,6 +39,7 @@ from worker.lead import refresh_after_checkpoint
 from worker.llm.fallback import SummaryRequest
 from worker.metrics import metrics
 from worker.passes import run_pass
+from worker.pickup import predict_arrivals
 from worker.pressure import growth_tokens, read_pressure, session_policy, session_pressure
 from worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunScope
 from worker.runtime import Deps
@@ -161,6 +163,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
     surface: Surface | None = None
+    arrivals: Arrivals | None = None
     for round_no in range(policy.max_rounds):
         out.rounds = round_no + 1
         surface = await store.read_surface(info.id, reuse=surface)
@@ -168,8 +171,15 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         if first:
             # What the run starts from is what it read: appends may have come after the claim.
             out.tokens_before = read_pressure(info, surface, policy).tokens
+            if keep is None and not force and out.trigger in AUTOMATIC_TRIGGERS:
+                # An explicit keep is taken as given, a forced reduction has no keep, and a
+                # manual or bulk run keeps the policy's tail of a session that may be idle
+                # (its growth rate can still carry an ingest's burst).
+                arrivals = await predict_arrivals(store, deps.config, info, policy,
+                                                  surface.nodes, deps.clock())
+                out.arrivals = arrivals.to_json() if arrivals is not None else None
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                        manual=manual and first, defer_summary=True)
+                        manual=manual and first, defer_summary=True, arrivals=arrivals)
         if current.prune:
             info = await _commit_prunes(scope, current)
             out.pruned += len(current.prune)
@@ -184,7 +194,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                     version=info.surface_version, last_seq=info.last_seq
                 ) or await store.read_surface(info.id, reuse=surface)
                 current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                                manual=manual and first)
+                                manual=manual and first, arrivals=arrivals)
             if not current.compacts:
                 metrics().prune_only.inc()
         if not current.compacts:
@@ -219,7 +229,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
-          keep: Clause | None, manual: bool = False, defer_summary: bool = False) -> Plan:
+          keep: Clause | None, manual: bool = False, defer_summary: bool = False,
+          arrivals: Arrivals | None = None) -> Plan:
     """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
     without it ignores only the trigger: someone asked for this compaction, but the recent
     history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
@@ -229,7 +240,7 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=now, force=force, keep_override=keep, envelope=info.envelope,
-                defer_summary=defer_summary,
+                defer_summary=defer_summary, arrivals=arrivals,
                 lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now))
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from storage.database import deadline
 from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
-from storage.kinds import FailureClass, JournalKind, RunStatus, Trigger
+from storage.kinds import FailureClass, JournalKind, NodeKind, RunStatus, Trigger
 from storage.leases import REAPER
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from worker import logs
@@ -80,6 +80,11 @@ class Outcome:
     # When the pressure signal an automatic run answers was marked (the lead is measured from
     # it to the checkpoint's commit: ``worker.lead``); None for other runs.
     signalled_at: dt.datetime | None = None
+    # What the run expected the agent to append before the pickup (keep_at: pickup), when it
+    # kept less by it.
+    arrivals: dict[str, Any] | None = None
+    # Seconds from the claim to the run's first checkpoint commit.
+    claim_to_commit_s: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -97,7 +102,7 @@ class Outcome:
                 "replaced_seqs": self.replaced_seqs, "model": self.model,
                 "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
                 "rate_wait_s": round(self.rate_wait_s, 3), "usage": self.usage,
-                "error": self.error, "candidates": self.candidates}
+                "error": self.error, "candidates": self.candidates, "arrivals": self.arrivals}
 
     def brief(self) -> dict[str, Any]:
         """The outcome at a glance, which the Celery task returns (Flower's result column).
@@ -117,7 +122,10 @@ class Outcome:
                       model=self.model, usage=self.usage, candidates=self.candidates or None,
                       stages={"stages": self.stages, "pruned": self.pruned,
                               "rounds": self.rounds,
-                              "rate_wait_s": round(self.rate_wait_s, 3)},
+                              "rate_wait_s": round(self.rate_wait_s, 3),
+                              **({"arrivals": self.arrivals} if self.arrivals else {}),
+                              **({"claim_to_commit_s": round(self.claim_to_commit_s, 3)}
+                                 if self.claim_to_commit_s is not None else {})},
                       range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at)
 
 
@@ -167,6 +175,7 @@ class RunScope:
                            signalled_at=(claim.session.signal_at
                                          if trigger in AUTOMATIC_TRIGGERS else None))
         self._lease: _KeptLease | None = None
+        self.claimed_at: Any = None  # the clock's time the claim was made at
 
     @classmethod
     async def open(cls, deps: Deps, session_id: str, *, trigger: str,
@@ -175,10 +184,11 @@ class RunScope:
         """The scope of a new run of ``session_id``, or the outcome of a run that could not
         start (nothing to do, or ``busy``: another run holds the lease)."""
         deadline_at = asyncio.get_running_loop().time() + deps.config.worker.deadline_s
+        claimed_at = deps.clock()
         with deadline(deadline_at):
             claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger,
                                            lease_s=deps.config.worker.lease_s,
-                                           now=deps.clock(), task_id=task_id,
+                                           now=claimed_at, task_id=task_id,
                                            bulk_job_id=bulk_job_id)
         if isinstance(claim, Skipped):
             return _counted(Outcome(session_id, None, RunStatus.NOTHING_TO_DO, trigger=trigger,
@@ -187,8 +197,10 @@ class RunScope:
             return _counted(Outcome(session_id, claim.run_id, RunStatus.FAILED, FailureClass.BUSY,
                                     trigger=trigger,
                                     error=f"leased by {claim.holder}"))
-        return cls(deps, claim, trigger=trigger, deadline_at=deadline_at,
-                   bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
+        scope = cls(deps, claim, trigger=trigger, deadline_at=deadline_at,
+                    bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
+        scope.claimed_at = claimed_at
+        return scope
 
     async def run(self, pipeline: Callable[[], Awaitable[None]]) -> Outcome:
         """Run ``pipeline`` under the lease and the deadline, and end the run: whatever way it
@@ -260,6 +272,12 @@ class RunScope:
         and the lease stops renewing first. A failed commit is ``commit`` failure of ``what``,
         unless the lease, the surface or the deadline is what refused it."""
         end = None
+        if self.out.claim_to_commit_s is None and self.claimed_at is not None and any(
+                r.kind == NodeKind.CHECKPOINT for r in replacements):
+            # What the agent waits for from the claim to a checkpoint it can pick up: a later
+            # round's commit is not, nor a prune's (keep_at: pickup expects it of new runs).
+            self.out.claim_to_commit_s = max(
+                0.0, (self.deps.clock() - self.claimed_at).total_seconds())
         if final:
             end = self.out.run_end()
             await self._kept().stop()

@@ -43,6 +43,16 @@ SELECT * FROM compaction_runs
  ORDER BY started_at DESC, id DESC
  LIMIT :limit;
 
+-- name: recent_summary_runs(status, since, limit)
+-- The newest runs that wrote a summary (a model is recorded), with their claim, end and stages
+-- (the first checkpoint's commit): what a run expects its own claim-to-commit to take
+-- (keep_at: pickup), on the (status, started_at) index.
+SELECT model, started_at, finished_at, stages FROM compaction_runs
+ WHERE status = :status AND started_at >= :since AND model IS NOT NULL
+   AND finished_at IS NOT NULL
+ ORDER BY started_at DESC
+ LIMIT :limit;
+
 -- name: append(session_id, payloads, tokens, now, call_ids, call_idx, call_result_idx, ext_ids, ext_idx)^
 -- postgres-only: calls compactd_append (functions/compactd_append.sql); the SQLite connector
 -- appends with separate statements in its transaction.

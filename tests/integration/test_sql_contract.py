@@ -16,7 +16,7 @@ from storage import sql
 from storage.database import transaction
 from storage.kinds import JournalKind, NodeKind
 from storage.migrate import HEAD_REVISION
-from storage.records import Replacement, utcnow
+from storage.records import Claim, Replacement, RunEnd, utcnow
 from storage.store import Store
 from tests.unit.compaction_helpers import user
 
@@ -91,6 +91,41 @@ async def _session_runs(store: Store) -> None:
     assert rows[0]["started_at"] == now
     assert await store.db.fetch("session_runs", session_id="s1", status="running",
                                 since=now + HOUR, limit=10) == []
+
+
+async def _ended_run(store: Store, session_id: str, start: dt.datetime, seconds: float,
+                     model: str | None, outcome: str = "committed",
+                     stages: dict[str, Any] | None = None) -> None:
+    claim = await store.claim(session_id, owner="w", trigger="pressure", lease_s=600, now=start)
+    assert isinstance(claim, Claim)
+    assert await store.finish(session_id, run_id=claim.run_id, fence=claim.fence,
+                              end=RunEnd(outcome=outcome, model=model, stages=stages),
+                              now=start + dt.timedelta(seconds=seconds))
+
+
+@case("recent_summary_runs")
+async def _recent_summary_runs(store: Store) -> None:
+    now = utcnow()
+    await _ended_run(store, "s1", now - 3 * HOUR, 9.0, "m")  # too old
+    await _ended_run(store, "s1", now - dt.timedelta(seconds=60), 2.5, "m")
+    await _ended_run(store, "s1", now - dt.timedelta(seconds=50), 1.0, None)  # a prune only
+    await _ended_run(store, "s1", now - dt.timedelta(seconds=40), 7.0, "m", "failed")
+    await _ended_run(store, "s1", now - dt.timedelta(seconds=30), 4.0, "other")
+    # Two rounds: its first checkpoint was committed 1.5 s after the claim.
+    await _ended_run(store, "s1", now - dt.timedelta(seconds=20), 3.0, "m",
+                     stages={"rounds": 2, "claim_to_commit_s": 1.5})
+    rows = await store.db.fetch("recent_summary_runs", status="committed", since=now - HOUR,
+                                limit=10)
+    assert [(r["model"], (r["finished_at"] - r["started_at"]).total_seconds())
+            for r in rows] == [("m", 3.0), ("other", 4.0), ("m", 2.5)]
+    assert rows[0]["stages"]["claim_to_commit_s"] == 1.5
+    assert len(await store.db.fetch("recent_summary_runs", status="committed",
+                                    since=now - HOUR, limit=1)) == 1
+    # The store's reading: the model's own, else every model's; the first commit where known.
+    assert await store.claim_to_commit_durations("m", since=now - HOUR) == [1.5, 2.5]
+    assert await store.claim_to_commit_durations("renamed", since=now - HOUR) == [
+        1.5, 4.0, 2.5]
+    assert await store.claim_to_commit_durations("m", since=now) == []
 
 
 @case("append")

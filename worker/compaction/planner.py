@@ -29,9 +29,11 @@ from typing import Any
 from storage.messages import Message
 from storage.surface import SurfaceNode
 from storage.tokens import TokenCounter, counter_for
+from worker.compaction.arrivals import Arrivals, keep_at_pickup
 from worker.compaction.boundary import (
     Selection,
     protected,
+    resolve_keep,
     select_range,
     unsafe_boundaries,
 )
@@ -68,6 +70,9 @@ class PlanInputs:
     # The session's growth over its lead (``worker.compaction.lead``): the trigger is judged on
     # the pressure when a checkpoint asked for now would land, as the signal that fired it was.
     lead_tokens: int = 0
+    # What the agent is expected to append before it picks the checkpoint up (keep_at: pickup);
+    # None keeps the policy's tail as it stands at the read.
+    arrivals: Arrivals | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +144,8 @@ class Plan:
                           else None),
             "nothing_to_do": self.nothing_to_do,
             "why_no_summary": self.why_no_summary,
+            "arrivals": (self.inputs.arrivals.to_json() if self.inputs.arrivals is not None
+                         else None),
         }
 
 
@@ -146,10 +153,14 @@ def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int =
          reported_input_tokens: int | None = None, run_model: str | None = None,
          now: datetime, force: bool = False, keep_override: Clause | None = None,
          envelope: dict[str, Any] | None = None, defer_summary: bool = False,
-         lead_tokens: int = 0) -> Plan:
+         lead_tokens: int = 0, arrivals: Arrivals | None = None) -> Plan:
     """Plan one compaction round of ``nodes`` under ``policy`` (resolved to the run model's
     window). ``force`` ignores the trigger and, unless ``keep_override`` is given, the keep
     policy. Token counts are the nodes' stored counts; only edited and split text is counted.
+
+    ``arrivals``: what the agent is expected to append before it picks the checkpoint up; the
+    kept tail is smaller by it, so the tail at the pickup is the keep (a forced run's maximal
+    reduction has no keep to measure, and takes none).
 
     ``defer_summary``: when there is something to prune, stop there (``summary_deferred`` says
     whether a summary would follow). A worker commits the prunes and plans the surface they
@@ -159,7 +170,7 @@ def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int =
     ``lead_tokens``: what the session grows by before a checkpoint asked for now lands; the
     trigger counts it (a run fired early by its lead is not refused as under the trigger)."""
     inputs = PlanInputs(tuple(nodes), policy, envelope_tokens, reported_input_tokens, run_model,
-                        now, force, keep_override, envelope, max(0, lead_tokens))
+                        now, force, keep_override, envelope, max(0, lead_tokens), arrivals)
     return _plan(inputs, defer_summary=defer_summary)
 
 
@@ -242,13 +253,23 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     step: SummarizeStep | RecallablePass | str
     if policy.layout == "recallable":
         step = plan_pass(surface, policy=policy, counter=counter, run_model=inputs.run_model,
-                         envelope_tokens=inputs.envelope_tokens, keep=inputs.keep_override,
+                         envelope_tokens=inputs.envelope_tokens, keep=_kept_clause(inputs),
                          force=inputs.force)
     else:
         step = _summarize(surface, inputs, counter)
     if isinstance(step, str):
         return done(actions, after.tokens, None, step)
     return done(actions, after.tokens, step, None)
+
+
+def _kept_clause(inputs: PlanInputs) -> Clause | None:
+    """The keep the selection cuts by: the override, else the policy's; with ``arrivals``,
+    smaller by them. None: a forced run's maximal reduction, or the policy's keep as is."""
+    if (inputs.arrivals is None or inputs.policy.keep_at != "pickup"
+            or (inputs.force and inputs.keep_override is None)):
+        return inputs.keep_override
+    keep = resolve_keep(inputs.policy, inputs.keep_override)
+    return keep_at_pickup(keep, inputs.arrivals, inputs.policy.context_window)
 
 
 @lru_cache(maxsize=32)
@@ -262,7 +283,7 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     policy = inputs.policy
     unsafe = unsafe_boundaries(surface)
     minimum = _empty_checkpoint_tokens(policy.render, inputs.run_model)
-    keep = inputs.keep_override
+    keep = _kept_clause(inputs)
     selection = select_range(surface, keep=keep, policy=policy, force=inputs.force,
                              min_tokens=minimum, unsafe=unsafe)
     if selection.nothing_to_do is not None:

@@ -29,6 +29,9 @@ KINDS = ("tokens", "messages", "fraction")
 RENDERS = ("durable_context", "compacted_summary", "langchain")
 STRATEGIES = ("chunk", "shrink")
 LAYOUTS = ("merge", "recallable")
+# Where the keep is measured: at the pickup (the tail the agent holds when it picks the
+# checkpoint up, what it appended during the run included) or at the claim (the run's read).
+KEEP_AT = ("pickup", "claim")
 
 DEFAULT_KEEP_MESSAGES = 20
 DEFAULT_RETAIN_RATIO = 0.16
@@ -128,6 +131,7 @@ class Policy:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     index_summary_tokens: int = DEFAULT_INDEX_SUMMARY_TOKENS
     index_max_tokens: int = DEFAULT_INDEX_MAX_TOKENS
+    keep_at: str = "pickup"
     # Set by ``resolve``: the run model's window, and whether clauses were dropped.
     context_window: int | None = None
     dropped: tuple[str, ...] = ()
@@ -231,7 +235,7 @@ class Policy:
             "render": self.render, "replay_mode": self.replay_mode, "strategy": self.strategy,
             "layout": self.layout, "chunk_tokens": self.chunk_tokens,
             "index_summary_tokens": self.index_summary_tokens,
-            "index_max_tokens": self.index_max_tokens,
+            "index_max_tokens": self.index_max_tokens, "keep_at": self.keep_at,
         }
         if self.keep is not None:
             out["keep"] = {"type": self.keep.kind, "value": self.keep.value}
@@ -245,7 +249,7 @@ _TOP_KEYS = {
     "enabled", "model_name", "trigger", "keep", "trim_tokens_to_summarize", "summary_prompt",
     "skill_file_read_tool_names", "skills_path", "prune", "clear_tool_uses", "retain_ratio",
     "max_summary_tokens", "max_rounds", "render", "replay_mode", "strategy", "layout",
-    "chunk_tokens", "index_summary_tokens", "index_max_tokens",
+    "chunk_tokens", "index_summary_tokens", "index_max_tokens", "keep_at",
 }
 _PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
 _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs",
@@ -317,6 +321,8 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
         changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
     if "layout" in raw:
         changes["layout"] = _choice(raw["layout"], LAYOUTS, f"{path}.layout")
+    if "keep_at" in raw:
+        changes["keep_at"] = _choice(raw["keep_at"], KEEP_AT, f"{path}.keep_at")
     for key in ("chunk_tokens", "index_summary_tokens", "index_max_tokens"):
         if key in raw:
             changes[key] = _count(raw[key], f"{path}.{key}")

@@ -1,0 +1,208 @@
+"""keep_at: pickup: the range a plan chooses given what the agent is expected to append before
+it picks the checkpoint up, and what no expectation may ever make it summarize."""
+
+from __future__ import annotations
+
+import pytest
+from compaction_helpers import NOW, ai, nodes, sys, tool, user
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.compaction.arrivals import (
+    Arrivals,
+    claim_to_commit_s,
+    expected_arrivals,
+    keep_at_pickup,
+    tokens_per_message,
+)
+from worker.compaction.boundary import protected, unsafe_boundaries
+from worker.compaction.planner import plan
+from worker.compaction.policy import Clause, Policy, PolicyError, parse_policy
+
+TOKENS = 100  # every node's size, so a token budget is a count of nodes
+
+
+def _policy(keep: Clause, keep_at: str = "pickup", trigger: int = 1_000) -> Policy:
+    return Policy(trigger=((Clause("tokens", trigger),),), keep=keep, keep_at=keep_at,
+                  trim_tokens_to_summarize=None)
+
+
+def _steps(count: int, *, first: int = 0) -> list:
+    """``count`` closed tool steps: an assistant call and its result each."""
+    out = []
+    for i in range(first, first + count):
+        out += [ai("", (f"c{i}", "t")), tool(f"c{i}", f"result {i}")]
+    return out
+
+
+def _surface(*messages):
+    return nodes(*messages, tokens=[TOKENS] * len(messages))
+
+
+def _arrive(messages: int = 0, tokens: int = 0) -> Arrivals:
+    return Arrivals(tokens=tokens, messages=messages, seconds=1.0, rate_tokens_per_s=tokens)
+
+
+def _replaced(surface, policy: Policy, arrivals: Arrivals | None = None, **kw) -> list[int]:
+    step = plan(surface, policy=policy, now=NOW, arrivals=arrivals, **kw).summarize
+    assert step is not None
+    return list(step.replace_seqs)
+
+
+def _kept_after(surface, replaced: list[int]) -> int:
+    """Nodes after the replaced run: the tail the checkpoint is followed by at the read."""
+    last = max(replaced)
+    return sum(1 for n in surface if n.seq > last)
+
+
+# system, the request, 12 closed steps (24 nodes): seqs 1, 2, 3..26
+LONG = _surface(sys(), user("do the task"), *_steps(12))
+
+
+@pytest.mark.parametrize(("keep", "arrivals", "kept"), [
+    # messages 8: 8 kept at the read (the claim's range), fewer by the messages expected
+    (Clause("messages", 8), None, 8),
+    (Clause("messages", 8), _arrive(messages=0), 8),
+    (Clause("messages", 8), _arrive(messages=2), 6),
+    (Clause("messages", 8), _arrive(messages=4), 4),
+    # an odd count would cut a step in two: the cut moves toward the head (one more kept)
+    (Clause("messages", 8), _arrive(messages=3), 6),
+    # more expected than the keep: nothing kept (never less than zero)
+    (Clause("messages", 8), _arrive(messages=8), 0),
+    (Clause("messages", 8), _arrive(messages=50), 0),
+    # a token budget of 8 nodes less the tokens expected
+    (Clause("tokens", 8 * TOKENS), _arrive(tokens=4 * TOKENS), 4),
+    # 399 tokens hold 3 nodes, a cut inside a step: it moves toward the head
+    (Clause("tokens", 8 * TOKENS), _arrive(tokens=4 * TOKENS + 1), 4),
+    (Clause("tokens", 8 * TOKENS), _arrive(tokens=5 * TOKENS + 1), 2),
+    (Clause("tokens", 8 * TOKENS), _arrive(tokens=100 * TOKENS), 0),
+], ids=lambda v: repr(v) if not isinstance(v, Arrivals) else f"{v.messages}m{v.tokens}t")
+def test_the_kept_tail_is_smaller_by_what_is_expected_to_arrive(keep, arrivals, kept) -> None:
+    replaced = _replaced(LONG, _policy(keep), arrivals)
+    assert _kept_after(LONG, replaced) == kept
+    assert replaced[0] == 3  # head-anchored after the system message and the rescued request
+
+
+def test_a_fraction_keep_is_a_token_budget_of_the_window() -> None:
+    policy = Policy(trigger=((Clause("tokens", 1_000),),), keep=Clause("fraction", 0.008),
+                    trim_tokens_to_summarize=None).resolve(100_000)  # 800 tokens: 8 nodes
+    assert _kept_after(LONG, _replaced(LONG, policy)) == 8
+    assert _kept_after(LONG, _replaced(LONG, policy, _arrive(tokens=4 * TOKENS))) == 4
+
+
+def test_keep_at_claim_reproduces_the_range_without_an_expectation() -> None:
+    for keep in (Clause("messages", 8), Clause("tokens", 800)):
+        today = plan(LONG, policy=_policy(keep, "claim"), now=NOW)
+        claimed = plan(LONG, policy=_policy(keep, "claim"), now=NOW,
+                       arrivals=_arrive(messages=4, tokens=400))
+        assert claimed.summarize == today.summarize
+        assert claimed.summarize is not None
+
+
+def test_an_explicit_override_is_smaller_too_but_a_forced_reduction_takes_no_expectation(
+        ) -> None:
+    policy = _policy(Clause("messages", 8))
+    override = _replaced(LONG, policy, _arrive(messages=4), force=True,
+                         keep_override=Clause("messages", 10))
+    assert _kept_after(LONG, override) == 6
+    forced = plan(LONG, policy=policy, now=NOW, force=True).summarize
+    forced_expecting = plan(LONG, policy=policy, now=NOW, force=True,
+                            arrivals=_arrive(messages=4)).summarize
+    assert forced_expecting == forced
+
+
+def test_the_latest_user_request_is_never_summarized_however_much_is_expected() -> None:
+    surface = _surface(sys(), user("old"), *_steps(6), user("the request now"),
+                       *_steps(1, first=6))
+    latest = surface[-3].seq
+    replaced = _replaced(surface, _policy(Clause("messages", 4)), _arrive(messages=40))
+    assert latest not in replaced
+    assert replaced == [n.seq for n in surface[1:-3]]
+
+
+def test_an_open_call_is_never_summarized_however_much_is_expected() -> None:
+    # The open call sits before the last closed step: that step could be summarized, the open
+    # call's message cannot, so the range stops before it.
+    surface = _surface(sys(), user("go"), *_steps(5), ai("", ("open", "t")),
+                       *_steps(2, first=5))
+    opened = surface[12].seq
+    replaced = _replaced(surface, _policy(Clause("messages", 4)), _arrive(messages=40))
+    assert opened not in replaced
+    assert max(replaced) < opened
+
+
+def test_a_pinned_message_is_never_summarized_however_much_is_expected() -> None:
+    pinned = user("remember: the deploy key is in vault", pinned=True)
+    surface = _surface(sys(), user("go"), *_steps(3), pinned, *_steps(6, first=3))
+    replaced = _replaced(surface, _policy(Clause("messages", 4)), _arrive(messages=40))
+    assert surface[8].seq not in replaced
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.integers(1, 10), keep=st.integers(1, 12), expected=st.integers(0, 30),
+       open_at=st.one_of(st.none(), st.integers(0, 9)), pin_at=st.one_of(st.none(),
+                                                                        st.integers(0, 9)))
+def test_no_expectation_makes_a_range_the_safety_rules_forbid(steps, keep, expected, open_at,
+                                                               pin_at) -> None:
+    messages = [sys(), user("go")]
+    for i in range(steps):
+        if i == open_at:
+            messages.append(ai("", (f"open{i}", "t")))
+        if i == pin_at:
+            messages.append(user(f"pinned {i}", pinned=True))
+        messages += _steps(1, first=i)
+    surface = _surface(*messages)
+    result = plan(surface, policy=_policy(Clause("messages", keep)), now=NOW,
+                  arrivals=_arrive(messages=expected, tokens=expected * TOKENS))
+    if result.summarize is None:
+        return
+    index = {n.seq: i for i, n in enumerate(surface)}
+    replaced = [index[s] for s in result.summarize.replace_seqs]
+    guard = protected(surface)
+    unsafe = unsafe_boundaries(surface)
+    assert not any(guard[i] for i in replaced)
+    assert replaced == list(range(replaced[0], replaced[-1] + 1))
+    assert not unsafe[replaced[0]] and not unsafe[replaced[-1] + 1]
+    # Never more kept than the policy asked at the read: an expectation only takes away.
+    claimed = plan(surface, policy=_policy(Clause("messages", keep)), now=NOW).summarize
+    if claimed is not None:
+        assert replaced[-1] >= index[claimed.replace_seqs[-1]]
+
+
+@pytest.mark.parametrize(("durations", "seconds"), [
+    ([], None),
+    ([2.0], 2.0),
+    ([1.0, 2.0, 3.0, 4.0], 3.0),
+    ([4.0, 1.0, 3.0, 2.0], 3.0),  # any order
+    ([1.0] * 9 + [60.0], 1.0),  # one straggler does not set the expectation
+    ([1.0, float("nan"), -3.0], 1.0),  # nothing a clock could not have measured
+])
+def test_claim_to_commit_is_a_high_percentile_of_recent_durations(durations, seconds) -> None:
+    assert claim_to_commit_s(durations) == seconds
+
+
+def test_expected_arrivals_convert_tokens_to_messages_at_the_recent_size() -> None:
+    surface = nodes(sys("x" * 4000), user("go"), *_steps(4), tokens=[5000] + [50] * 9)
+    assert tokens_per_message(surface) == 50  # the system message is not what arrives
+    got = expected_arrivals(40.0, 3.0, surface)
+    assert (got.tokens, got.messages) == (120, 2)
+    assert expected_arrivals(0.0, 3.0, surface).messages == 0
+    assert expected_arrivals(float("nan"), 3.0, surface).tokens == 0
+    assert expected_arrivals(40.0, 3.0, nodes(sys())).messages == 0
+
+
+def test_keep_at_pickup_never_keeps_less_than_zero() -> None:
+    big = _arrive(messages=99, tokens=99_999)
+    assert keep_at_pickup(Clause("messages", 6), big, None) == Clause("messages", 0)
+    assert keep_at_pickup(Clause("tokens", 600), big, None) == Clause("tokens", 0)
+    assert keep_at_pickup(Clause("fraction", 0.1), _arrive(tokens=300), 10_000) == Clause(
+        "tokens", 700)
+
+
+def test_keep_at_is_pickup_or_claim_and_anything_else_is_refused_by_name() -> None:
+    assert Policy().keep_at == "pickup"
+    assert parse_policy({"keep_at": "claim"}).keep_at == "claim"
+    assert parse_policy(parse_policy({"keep_at": "claim"}).to_config()).keep_at == "claim"
+    for bad in ("land", "", None, 1, ["pickup"]):
+        with pytest.raises(PolicyError, match=r"^summarization\.keep_at: must be one of"):
+            parse_policy({"keep_at": bad})

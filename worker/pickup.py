@@ -1,0 +1,64 @@
+"""What a run expects the agent to append before it picks the checkpoint up (``keep_at:
+pickup``): the session's growth rate, kept by every append, times the claim-to-commit time of
+recent runs of the same summary model, read once per run.
+
+The claim-to-commit time is this module's own statistic: the lead time of a pressure signal
+(signal to checkpoint) is measured elsewhere and includes the wait in the queue, which comes
+before the claim and so before the read the kept tail is cut from.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Sequence
+
+from storage.errors import StorageError
+from storage.records import SessionInfo
+from storage.store import Store
+from storage.surface import SurfaceNode
+from worker.compaction.arrivals import Arrivals, claim_to_commit_s, expected_arrivals
+from worker.compaction.policy import Policy
+from worker.llm.candidates import candidate_order
+from worker.settings import Config
+
+logger = logging.getLogger(__name__)
+
+# How far back the claim-to-commit durations are read: recent enough to follow a model whose
+# latency changed, long enough that a quiet fleet still has some.
+RECENT_RUNS_S = 3600.0
+RECENT_RUNS = 64
+
+
+async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInfo,
+                                  policy: Policy, now: dt.datetime) -> float | None:
+    """The expected claim-to-commit seconds of a run of ``info`` (None: no recent run, or
+    the read failed; the run then keeps at the claim)."""
+    first = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
+                            models=config.models, default_model=config.default_model,
+                            local_fallback=config.worker.local_fallback)
+    model = first[0].model_id if first else None
+    since = now - dt.timedelta(seconds=RECENT_RUNS_S)
+    try:
+        durations = await store.claim_to_commit_durations(model, since=since,
+                                                               limit=RECENT_RUNS)
+    except StorageError as exc:
+        logger.warning("keep_at: recent runs unreadable; keeping at the claim",
+                       extra={"action": "keep_at.unread", "error": str(exc)})
+        return None
+    return claim_to_commit_s(durations)
+
+
+async def predict_arrivals(store: Store, config: Config, info: SessionInfo, policy: Policy,
+                           nodes: Sequence[SurfaceNode], now: dt.datetime) -> Arrivals | None:
+    """What the agent is expected to append before the pickup, or None when the run keeps at
+    the claim: ``keep_at: claim``, a session not growing, or no run to learn the time from."""
+    if policy.keep_at != "pickup":
+        return None
+    rate = info.growth_rate_at(now)
+    if rate <= 0:
+        return None
+    seconds = await claim_to_commit_seconds(store, config, info, policy, now)
+    if seconds is None:
+        return None
+    return expected_arrivals(rate, seconds, nodes)
