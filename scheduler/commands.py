@@ -55,7 +55,8 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     policy = session_policy(info, config)
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                   reported_input_tokens=info.reported_tokens, run_model=info.run_model,
-                  now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope)
+                  now=utcnow(), force=args.force, keep_override=keep, envelope=info.envelope,
+                  edits_may_wait=not args.force, last_append_at=info.last_append_at)
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
     if args.json:
         emit(body)

@@ -31,6 +31,7 @@ from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
+from worker.compaction.pruning import PruneAction
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
 from worker.llm.fallback import SummaryRequest
@@ -128,6 +129,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         manual, force = True, False
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
+    # Safety before cost: an overflow or forced run commits its edits at once.
+    edits_may_wait = not force and out.trigger != Trigger.OVERFLOW
     surface: Surface | None = None
     for round_no in range(policy.max_rounds):
         out.rounds = round_no + 1
@@ -137,8 +140,13 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
             # What the run starts from is what it read: appends may have come after the claim.
             out.tokens_before = read_pressure(info, surface, policy).tokens
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                        manual=manual and first, defer_summary=True)
-        if current.prune:
+                        manual=manual and first, defer_summary=True,
+                        edits_may_wait=edits_may_wait)
+        if current.prune_held is not None:
+            # Not committed here: the checkpoint's commit carries them, or a later run's.
+            logger.info("model-free edits wait for a summary",
+                        extra={"action": "compaction.edits_held", "reason": current.prune_held})
+        elif current.prune:
             info = await _commit_prunes(scope, current)
             out.pruned += len(current.prune)
             out.stages.append(Stage.PRUNE)
@@ -157,7 +165,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                 metrics().prune_only.inc()
         if not current.compacts:
             if round_no == 0 and not out.pruned:
-                out.error = current.nothing_to_do or current.why_no_summary
+                out.error = current.prune_held or current.nothing_to_do or current.why_no_summary
             break
         last_round = round_no + 1 >= policy.max_rounds
         if current.recall_pass is not None:
@@ -187,7 +195,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
-          keep: Clause | None, manual: bool = False, defer_summary: bool = False) -> Plan:
+          keep: Clause | None, manual: bool = False, defer_summary: bool = False,
+          edits_may_wait: bool = False) -> Plan:
     """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
     without it ignores only the trigger: someone asked for this compaction, but the recent
     history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
@@ -196,19 +205,23 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=deps.clock(), force=force, keep_override=keep, envelope=info.envelope,
-                defer_summary=defer_summary)
+                defer_summary=defer_summary, edits_may_wait=edits_may_wait,
+                last_append_at=info.last_append_at)
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:
-    reps = [Replacement(seqs=(a.seq,), kind=NodeKind.PRUNED, payload=a.message.to_payload(),
+    info = await scope.commit(_prune_replacements(current.prune), what="the prunes")
+    metrics().tokens_saved.labels(Stage.PRUNE).inc(sum(a.saved for a in current.prune))
+    return info
+
+
+def _prune_replacements(actions: Sequence[PruneAction]) -> list[Replacement]:
+    return [Replacement(seqs=(a.seq,), kind=NodeKind.PRUNED, payload=a.message.to_payload(),
                         tokens=a.tokens_after, journal_kind=JournalKind.PRUNE,
                         journal={"seq": a.seq, "tokens_before": a.tokens_before,
                                  "tokens_after": a.tokens_after, "saved": a.saved,
                                  "edits": list(a.edits)})
-            for a in current.prune]
-    info = await scope.commit(reps, what="the prunes")
-    metrics().tokens_saved.labels(Stage.PRUNE).inc(sum(a.saved for a in current.prune))
-    return info
+            for a in actions]
 
 
 class _Calls:
@@ -272,16 +285,23 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
     assert step is not None
     message = checkpoint_for(step, summary, policy, run_id=scope.claim.run_id)
     tokens = checkpoint_tokens(message, info.run_model)
-    last_replaced = step.replace_seqs[-1]
+    # Held edits ride in this commit: those inside the range are replaced with it (the summary
+    # read their edited text), the others are replaced beside it.
+    held = current.prune if current.prune_held is not None else ()
+    in_range = set(step.replace_seqs)
+    riding = [a for a in held if a.seq not in in_range]
+    named = {step.replace_seqs[-1], *(a.seq for a in riding)}
     expected: list[tuple[int, int]] = []
     for node in surface.nodes:
         expected.append((node.position, node.seq))
-        if node.seq == last_replaced:
+        named.discard(node.seq)
+        if not named:
             break
     # Decide before committing whether this round ends the run, so compaction/end can go in
     # the same transaction as the checkpoint (a crash then never leaves a committed checkpoint
     # behind an open start).
-    saved = step.replaced_tokens - tokens
+    # The range's tokens were counted with the held edits applied; what they save is saved too.
+    saved = step.replaced_tokens - tokens + sum(a.saved for a in held)
     # Measured on the surface the plan replaced nodes of, not on ``info``: the claim's row (or
     # the last commit's) does not count what was appended before the read, and the prediction
     # would fall below what the checkpoint leaves, even below zero.
@@ -289,7 +309,11 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
     predicted = now_pressure.reduced_by(saved, policy.context_window)
     relieved = not should_compact(predicted, policy)[0]
     final = relieved or not final_if_relieved
+    kept = (list(out.replaced_seqs), list(out.stages), out.pruned)
     out.replaced_seqs.extend(step.replace_seqs)
+    if riding and Stage.PRUNE not in out.stages:
+        out.stages.append(Stage.PRUNE)
+    out.pruned += len(riding)
     out.stages.append(Stage.SUMMARY)
     out.summary = summary
     journal = {"text": summary, "replaced_tokens": step.replaced_tokens, "tokens": tokens,
@@ -304,14 +328,17 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
         out.outcome = RunStatus.COMMITTED
         out.tokens_after = predicted.tokens
     try:
-        info = await scope.commit([rep], what="the checkpoint", expected=expected, final=final)
+        info = await scope.commit([*_prune_replacements(riding), rep], what="the checkpoint",
+                                  expected=expected, final=final)
     except BaseException:
         # Not committed: the outcome keeps only what was.
-        out.replaced_seqs = out.replaced_seqs[:-len(step.replace_seqs)]
-        out.stages.pop()
+        out.replaced_seqs, out.stages, out.pruned = kept
         out.tokens_after = durable_tokens
         raise
-    metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved))
+    pruned_saved = sum(a.saved for a in riding)
+    if pruned_saved:
+        metrics().tokens_saved.labels(Stage.PRUNE).inc(pruned_saved)
+    metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved - pruned_saved))
     out.tokens_after = session_pressure(info, policy).tokens
     if final:
         await _loop_guard(scope.deps, out, info, policy)
