@@ -55,7 +55,7 @@ CLEARED_PLACEHOLDER = "[cleared]"
 # A model-free edit (a prune, a clearing) commits on its own only when it frees this many tokens
 # while the agent's cache is warm; under it, it rides with the next summary's commit. The README's
 # "Cache breaks" derives it from what the re-send of the tokens after the edit costs.
-DEFAULT_CLEAR_AT_LEAST = 5_000
+DEFAULT_CLEAR_AT_LEAST = 6_400
 # How long the agent's provider keeps a cached prefix after its last use: Anthropic's default
 # entries live 5 minutes (OpenAI documents 5 to 10 minutes of inactivity); past it the agent's
 # next request is uncached anyway, so an edit then costs no re-send.
