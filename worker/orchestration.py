@@ -31,7 +31,7 @@ from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
-from worker.compaction.pruning import PruneAction
+from worker.compaction.pruning import prune_replacements, riding_actions
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
 from worker.llm.fallback import SummaryRequest
@@ -210,18 +210,9 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:
-    info = await scope.commit(_prune_replacements(current.prune), what="the prunes")
+    info = await scope.commit(prune_replacements(current.prune), what="the prunes")
     metrics().tokens_saved.labels(Stage.PRUNE).inc(sum(a.saved for a in current.prune))
     return info
-
-
-def _prune_replacements(actions: Sequence[PruneAction]) -> list[Replacement]:
-    return [Replacement(seqs=(a.seq,), kind=NodeKind.PRUNED, payload=a.message.to_payload(),
-                        tokens=a.tokens_after, journal_kind=JournalKind.PRUNE,
-                        journal={"seq": a.seq, "tokens_before": a.tokens_before,
-                                 "tokens_after": a.tokens_after, "saved": a.saved,
-                                 "edits": list(a.edits)})
-            for a in actions]
 
 
 class _Calls:
@@ -288,8 +279,7 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
     # Held edits ride in this commit: those inside the range are replaced with it (the summary
     # read their edited text), the others are replaced beside it.
     held = current.prune if current.prune_held is not None else ()
-    in_range = set(step.replace_seqs)
-    riding = [a for a in held if a.seq not in in_range]
+    riding = riding_actions(held, step.replace_seqs)
     named = {step.replace_seqs[-1], *(a.seq for a in riding)}
     expected: list[tuple[int, int]] = []
     for node in surface.nodes:
@@ -328,7 +318,7 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
         out.outcome = RunStatus.COMMITTED
         out.tokens_after = predicted.tokens
     try:
-        info = await scope.commit([*_prune_replacements(riding), rep], what="the checkpoint",
+        info = await scope.commit([*prune_replacements(riding), rep], what="the checkpoint",
                                   expected=expected, final=final)
     except BaseException:
         # Not committed: the outcome keeps only what was.

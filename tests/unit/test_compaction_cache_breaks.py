@@ -97,13 +97,14 @@ def test_with_no_summary_possible_the_edits_commit_alone():
     assert result.prune and result.summarize is None and result.prune_held is None
 
 
-def test_the_recallable_layout_commits_edits_alone():
+def test_under_the_recallable_layout_held_edits_ride_with_the_pass():
     policy = parse_policy({"trigger": ["tokens", 3000], "keep": {"type": "messages", "value": 1},
                            "layout": "recallable", "index_max_tokens": 400,
                            "clear_at_least": 10**6}).resolve(None)
     result = plan(_big_result_surface(), policy=policy, now=NOW, edits_may_wait=True,
-                  last_append_at=WARM)
-    assert result.prune and result.prune_held is None
+                  last_append_at=WARM, defer_summary=True)
+    assert result.prune and result.prune_held is not None
+    assert result.recall_pass is not None and not result.summary_deferred
 
 
 @pytest.mark.parametrize(

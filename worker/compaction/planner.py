@@ -234,11 +234,9 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     actions = tuple(merge_actions(sized, cleared))
     saved = sum(a.saved for a in actions)
     after = pressure.reduced_by(saved, window)
-    # The recallable layout's pass commits its own replacements; edits there commit alone.
     held = (hold_edits(saved, policy=policy, pressure_tokens=pressure.tokens,
                        last_append_at=inputs.last_append_at, now=inputs.now,
-                       forced=not inputs.edits_may_wait)
-            if actions and policy.layout == "merge" else None)
+                       forced=not inputs.edits_may_wait) if actions else None)
     if not summary_due:
         return done(actions, after.tokens, None,
                     f"only clear_tool_uses fired; the summary trigger did not: {reason}",
