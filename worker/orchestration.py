@@ -1,8 +1,10 @@
 """One compaction, as a pipeline: the pure policy joined to storage and the models.
 
-claim -> read -> plan -> prune (commit the prunes) -> summarize (no transaction open) ->
-validate -> commit the checkpoint (fence ours, range unchanged) -> measure again -> further
-rounds, bounded; a session that keeps compacting without relief is flagged (the loop guard).
+claim -> read -> plan -> prune (commit the prunes that pay for the agent's cache break, see
+:mod:`worker.compaction.cache_breaks`; the others ride in the checkpoint's commit) -> summarize
+(no transaction open) -> validate -> commit the checkpoint (fence ours, range unchanged) ->
+measure again -> further rounds, bounded; a session that keeps compacting without relief is
+flagged (the loop guard).
 Under ``layout: recallable`` a round is a pass of that layout (:mod:`worker.passes`): its
 calls concurrent, its commits left to right.
 

@@ -44,9 +44,9 @@ def _journal(stack: Stack, session: str) -> list[EventRecord]:
 
 
 def _finished_runs(stack: Stack, session: str, count: int) -> list[RunRecord]:
-    def done() -> list[RunRecord] | None:
+    def done() -> list[RunRecord]:
         runs = _runs(stack, session)
-        return runs if len(runs) >= count and all(r.finished for r in runs) else None
+        return runs if len(runs) >= count and all(r.finished for r in runs) else []
     return wait_until(done, timeout=90, what=f"{count} finished run(s) of {session}")
 
 
@@ -95,19 +95,15 @@ def test_a_small_clearing_waits_for_the_summary_and_rides_in_its_commit(
     assert stack.cli_json("verify", "s1")["ok"]
 
 
-def test_a_large_clearing_commits_alone(make_stack: MakeStack, fake: Any) -> None:
-    stack = _start(make_stack, clear_at_least=LARGE)
-    assert stack.cli_json("signal", "s1")["enqueued"]
-    [run] = _finished_runs(stack, "s1", 1)
-    assert run.status == "committed" and run.stages is not None, run
-    assert run.stages["stages"] == ["prune"], run.stages
-    assert len(_cleared(stack, "s1")) > 3 and fake.requests == []
-
-
-def test_a_small_clearing_commits_alone_once_the_agents_cache_is_cold(
-        make_stack: MakeStack, fake: Any) -> None:
-    stack = _start(make_stack, clear_at_least=SMALL, cache_ttl_s=1)
-    time.sleep(1.5)  # no append for longer than the cache lives
+@pytest.mark.parametrize(("policy", "idle_s"), [
+    pytest.param({"clear_at_least": LARGE}, 0.0, id="it-frees-enough"),
+    # No append for longer than the cache lives: the agent re-sends everything anyway.
+    pytest.param({"clear_at_least": SMALL, "cache_ttl_s": 1}, 1.5, id="the-cache-is-cold"),
+])
+def test_a_clearing_commits_alone_when_it_frees_enough_or_the_cache_is_cold(
+        make_stack: MakeStack, fake: Any, policy: dict[str, Any], idle_s: float) -> None:
+    stack = _start(make_stack, **policy)
+    time.sleep(idle_s)
     assert stack.cli_json("signal", "s1")["enqueued"]
     [run] = _finished_runs(stack, "s1", 1)
     assert run.status == "committed" and run.stages is not None, run
