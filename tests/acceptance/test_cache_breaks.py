@@ -62,9 +62,10 @@ def _start(make_stack: MakeStack, **policy: Any) -> Stack:
     return stack
 
 
+@pytest.mark.parametrize("layout", ["merge", "recallable"])
 def test_a_small_clearing_waits_for_the_summary_and_rides_in_its_commit(
-        make_stack: MakeStack, fake: Any) -> None:
-    stack = _start(make_stack, clear_at_least=SMALL)
+        make_stack: MakeStack, fake: Any, layout: str) -> None:
+    stack = _start(make_stack, clear_at_least=SMALL, layout=layout)
     version = stack.cli_json("surface", "s1")["version"]
     assert stack.cli_json("signal", "s1")["enqueued"]
     [held] = _finished_runs(stack, "s1", 1)
