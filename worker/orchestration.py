@@ -1,8 +1,10 @@
 """One compaction, as a pipeline: the pure policy joined to storage and the models.
 
-claim -> read -> plan -> prune (commit the prunes) -> summarize (no transaction open) ->
-validate -> commit the checkpoint (fence ours, range unchanged) -> measure again -> further
-rounds, bounded; a session that keeps compacting without relief is flagged (the loop guard).
+claim -> read -> plan -> prune (commit the prunes that pay for the agent's cache break, see
+:mod:`worker.compaction.cache_breaks`; the others ride in the checkpoint's commit) -> summarize
+(no transaction open) -> validate -> commit the checkpoint (fence ours, range unchanged) ->
+measure again -> further rounds, bounded; a session that keeps compacting without relief is
+flagged (the loop guard).
 Under ``layout: recallable`` a round is a pass of that layout (:mod:`worker.passes`): its
 calls concurrent, its commits left to right.
 
@@ -33,6 +35,7 @@ from worker.compaction.boundary import resolve_keep
 from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
+from worker.compaction.pruning import prune_replacements, riding_actions
 from worker.compaction.render import checkpoint_tokens
 from worker.compaction.triggers import should_compact
 from worker.lead import refresh_after_checkpoint
@@ -162,6 +165,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         manual, force = True, False
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
+    # Safety before cost: an overflow or forced run commits its edits at once.
+    edits_may_wait = not force and out.trigger != Trigger.OVERFLOW
     surface: Surface | None = None
     arrivals: Arrivals | None = None
     for round_no in range(policy.max_rounds):
@@ -179,8 +184,13 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                                                   surface.nodes, deps.clock())
                 out.arrivals = arrivals.to_json() if arrivals is not None else None
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                        manual=manual and first, defer_summary=True, arrivals=arrivals)
-        if current.prune:
+                        manual=manual and first, defer_summary=True, arrivals=arrivals,
+                        edits_may_wait=edits_may_wait)
+        if current.prune_held is not None:
+            # Not committed here: the checkpoint's commit carries them, or a later run's.
+            logger.info("model-free edits wait for a summary",
+                        extra={"action": "compaction.edits_held", "reason": current.prune_held})
+        elif current.prune:
             info = await _commit_prunes(scope, current)
             out.pruned += len(current.prune)
             out.stages.append(Stage.PRUNE)
@@ -199,7 +209,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                 metrics().prune_only.inc()
         if not current.compacts:
             if round_no == 0 and not out.pruned:
-                out.error = current.nothing_to_do or current.why_no_summary
+                out.error = current.prune_held or current.nothing_to_do or current.why_no_summary
             break
         last_round = round_no + 1 >= policy.max_rounds
         if current.recall_pass is not None:
@@ -230,7 +240,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
           keep: Clause | None, manual: bool = False, defer_summary: bool = False,
-          arrivals: Arrivals | None = None) -> Plan:
+          arrivals: Arrivals | None = None, edits_may_wait: bool = False) -> Plan:
     """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
     without it ignores only the trigger: someone asked for this compaction, but the recent
     history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
@@ -241,17 +251,12 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=now, force=force, keep_override=keep, envelope=info.envelope,
                 defer_summary=defer_summary, arrivals=arrivals,
-                lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now))
+                lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now),
+                edits_may_wait=edits_may_wait, last_append_at=info.last_append_at)
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:
-    reps = [Replacement(seqs=(a.seq,), kind=NodeKind.PRUNED, payload=a.message.to_payload(),
-                        tokens=a.tokens_after, journal_kind=JournalKind.PRUNE,
-                        journal={"seq": a.seq, "tokens_before": a.tokens_before,
-                                 "tokens_after": a.tokens_after, "saved": a.saved,
-                                 "edits": list(a.edits)})
-            for a in current.prune]
-    info = await scope.commit(reps, what="the prunes")
+    info = await scope.commit(prune_replacements(current.prune), what="the prunes")
     metrics().tokens_saved.labels(Stage.PRUNE).inc(sum(a.saved for a in current.prune))
     return info
 
@@ -317,16 +322,22 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
     assert step is not None
     message = checkpoint_for(step, summary, policy, run_id=scope.claim.run_id)
     tokens = checkpoint_tokens(message, info.run_model)
-    last_replaced = step.replace_seqs[-1]
+    # Held edits ride in this commit: those inside the range are replaced with it (the summary
+    # read their edited text), the others are replaced beside it.
+    held = current.prune if current.prune_held is not None else ()
+    riding = riding_actions(held, step.replace_seqs)
+    named = {step.replace_seqs[-1], *(a.seq for a in riding)}
     expected: list[tuple[int, int]] = []
     for node in surface.nodes:
         expected.append((node.position, node.seq))
-        if node.seq == last_replaced:
+        named.discard(node.seq)
+        if not named:
             break
     # Decide before committing whether this round ends the run, so compaction/end can go in
     # the same transaction as the checkpoint (a crash then never leaves a committed checkpoint
     # behind an open start).
-    saved = step.replaced_tokens - tokens
+    # The range's tokens were counted with the held edits applied; what they save is saved too.
+    saved = step.replaced_tokens - tokens + sum(a.saved for a in held)
     # Measured on the surface the plan replaced nodes of, not on ``info``: the claim's row (or
     # the last commit's) does not count what was appended before the read, and the prediction
     # would fall below what the checkpoint leaves, even below zero.
@@ -334,7 +345,11 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
     predicted = now_pressure.reduced_by(saved, policy.context_window)
     relieved = not should_compact(predicted, policy)[0]
     final = relieved or not final_if_relieved
+    kept = (list(out.replaced_seqs), list(out.stages), out.pruned)
     out.replaced_seqs.extend(step.replace_seqs)
+    if riding and Stage.PRUNE not in out.stages:
+        out.stages.append(Stage.PRUNE)
+    out.pruned += len(riding)
     out.stages.append(Stage.SUMMARY)
     out.summary = summary
     journal = {"text": summary, "replaced_tokens": step.replaced_tokens, "tokens": tokens,
@@ -349,14 +364,17 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
         out.outcome = RunStatus.COMMITTED
         out.tokens_after = predicted.tokens
     try:
-        info = await scope.commit([rep], what="the checkpoint", expected=expected, final=final)
+        info = await scope.commit([*prune_replacements(riding), rep], what="the checkpoint",
+                                  expected=expected, final=final)
     except BaseException:
         # Not committed: the outcome keeps only what was.
-        out.replaced_seqs = out.replaced_seqs[:-len(step.replace_seqs)]
-        out.stages.pop()
+        out.replaced_seqs, out.stages, out.pruned = kept
         out.tokens_after = durable_tokens
         raise
-    metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved))
+    pruned_saved = sum(a.saved for a in riding)
+    if pruned_saved:
+        metrics().tokens_saved.labels(Stage.PRUNE).inc(pruned_saved)
+    metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved - pruned_saved))
     out.tokens_after = session_pressure(info, policy).tokens
     if final:
         await _loop_guard(scope.deps, out, info, policy)

@@ -33,6 +33,7 @@ from worker.chains import ChainFailed, Summarizers, Written, run_chain, summary_
 from worker.compaction.planner import Plan
 from worker.compaction.policy import Policy
 from worker.compaction.prompt import SummaryCall, build_index_prompt
+from worker.compaction.pruning import PruneAction, prune_replacements, riding_actions
 from worker.compaction.recallable import (
     IndexStep,
     RecallablePass,
@@ -130,8 +131,9 @@ async def run_pass(scope: RunScope, current: Plan, surface: Surface, policy: Pol
     state_task = asyncio.create_task(run_chain(
         scope, _StateChain(p.state, policy, info), p.state.existing_summary or None,
         summarizers))
+    held = current.prune if current.prune_held is not None else ()
     try:
-        return await _commits(scope, p, indexes, state_task, surface, policy, info,
+        return await _commits(scope, p, indexes, state_task, surface, policy, info, held,
                               final_if_relieved=final_if_relieved)
     finally:
         for task in (*indexes, state_task):
@@ -142,9 +144,12 @@ async def run_pass(scope: RunScope, current: Plan, surface: Surface, policy: Pol
 async def _commits(scope: RunScope, p: RecallablePass,
                    indexes: Sequence[asyncio.Task[tuple[str | None, Written | None]]],
                    state_task: asyncio.Task[Written], surface: Surface, policy: Policy,
-                   info: SessionInfo, *, final_if_relieved: bool) -> tuple[SessionInfo, bool]:
+                   info: SessionInfo, held: Sequence[PruneAction], *,
+                   final_if_relieved: bool) -> tuple[SessionInfo, bool]:
     """Commit the pass left to right once every chain has ended: one commit of the index
-    checkpoints and the state; the index checkpoints alone when the state's chain failed."""
+    checkpoints and the state; the index checkpoints alone when the state's chain failed.
+    ``held``: model-free edits that wait for this commit (those whose node it does not
+    replace go in it, ahead of the checkpoints)."""
     out, run_id = scope.out, scope.claim.run_id
     await asyncio.wait([*indexes, state_task])
     nodes: list[tuple[Message, dict[str, Any]]] = []  # in commit_replacements' order
@@ -180,6 +185,8 @@ async def _commits(scope: RunScope, p: RecallablePass,
         reps = [replace(rep, journal={"text": message.meta.get("summary"), **journal,
                                       "tokens": rep.tokens})
                 for rep, (message, journal) in zip(reps, nodes, strict=True)]
+        riding = riding_actions(held, (q for rep in reps for q in rep.seqs))
+        reps = [*prune_replacements(riding), *reps]
         saved = sum(_tokens_of(surface, rep) for rep in reps) - sum(r.tokens for r in reps)
         # Whether this commit ends the run is decided before it, so compaction/end goes in
         # its transaction: a pass that relieved the session (or the last round's).
@@ -187,7 +194,7 @@ async def _commits(scope: RunScope, p: RecallablePass,
         final = failed is None and (not should_compact(predicted, policy)[0]
                                     or not final_if_relieved)
         info = await _commit(scope, reps, surface, final=final, predicted=predicted.tokens,
-                             what="the recallable pass")
+                             what="the recallable pass", pruned=len(riding))
         metrics().tokens_saved.labels(Stage.SUMMARY).inc(max(0, saved))
         scope.out.tokens_after = session_pressure(info, policy).tokens
         if final:
@@ -198,7 +205,7 @@ async def _commits(scope: RunScope, p: RecallablePass,
 
 
 async def _commit(scope: RunScope, reps: list[Replacement], surface: Surface, *, final: bool,
-                  predicted: int, what: str) -> SessionInfo:
+                  predicted: int, what: str, pruned: int = 0) -> SessionInfo:
     """One commit of the pass, checked against the prefix of ``surface`` through the last node
     it names; the outcome counts it only once it is written."""
     out = scope.out
@@ -209,9 +216,13 @@ async def _commit(scope: RunScope, reps: list[Replacement], surface: Surface, *,
         named.discard(node.seq)
         if not named:
             break
-    seqs = [q for r in reps for q in r.seqs]
-    kept = (list(out.replaced_seqs), list(out.stages), out.outcome, out.tokens_after)
+    seqs = [q for r in reps[pruned:] for q in r.seqs]
+    kept = (list(out.replaced_seqs), list(out.stages), out.outcome, out.tokens_after,
+            out.pruned)
     out.replaced_seqs.extend(seqs)
+    out.pruned += pruned
+    if pruned and Stage.PRUNE not in out.stages:
+        out.stages.append(Stage.PRUNE)
     if Stage.SUMMARY not in out.stages:
         out.stages.append(Stage.SUMMARY)
     out.outcome = RunStatus.COMMITTED
@@ -221,7 +232,7 @@ async def _commit(scope: RunScope, reps: list[Replacement], surface: Surface, *,
         info = await scope.commit(reps, what=what, expected=expected, final=final)
     except BaseException:
         # Not committed: the outcome keeps only what was.
-        out.replaced_seqs, out.stages, out.outcome, out.tokens_after = kept
+        out.replaced_seqs, out.stages, out.outcome, out.tokens_after, out.pruned = kept
         raise
     return info
 

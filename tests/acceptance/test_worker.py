@@ -295,7 +295,9 @@ def test_kill_9_during_model_call_is_reaped_and_recompacted(
     the call do not relieve it), and the restarted worker compacts it. Looped."""
     lease_s = 2.0
     stack = make_stack(
-        summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 5000}]},
+        # clear_at_least 0: the prunes commit before the call however little they free.
+        summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 5000}],
+                       "clear_at_least": 0},
         worker={"lease_s": lease_s, "reap_interval_s": 0.25, "sweep_interval_s": 3600})
     sessions = [f"k{i:02d}" for i in range(KILL_LOOPS)]
     for i, sid in enumerate(sessions):

@@ -155,7 +155,7 @@ DEFAULT_SIDES = ("langchain", "before", "after")
 # issue 27's mechanisms off, "after" leaves compactd's defaults; a mechanism adds its switch to
 # "before" (off) when it lands, and the two sides then differ by it.
 COMPACTD_SIDES: dict[str, dict[str, Any]] = {
-    "before": {"lead": 0, "keep_at": "claim"},
+    "before": {"lead": 0, "keep_at": "claim", "clear_at_least": 0},
     "after": {},
     "recallable": {"layout": "recallable"},
 }

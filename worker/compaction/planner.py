@@ -37,6 +37,7 @@ from worker.compaction.boundary import (
     select_range,
     unsafe_boundaries,
 )
+from worker.compaction.cache_breaks import hold_edits
 from worker.compaction.policy import Clause, Policy
 from worker.compaction.prompt import SummaryCall, message_body, plan_calls
 from worker.compaction.pruning import (
@@ -73,6 +74,10 @@ class PlanInputs:
     # What the agent is expected to append before it picks the checkpoint up (keep_at: pickup);
     # None keeps the policy's tail as it stands at the read.
     arrivals: Arrivals | None = None
+    # Model-free edits may wait for the summary's commit (see cache_breaks); False for the
+    # runs that never wait (overflow, forced) and for callers that commit edits alone.
+    edits_may_wait: bool = False
+    last_append_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +129,9 @@ class Plan:
     summary_deferred: bool = False
     # Under ``layout: recallable``, the pass that stands where ``summarize`` would.
     recall_pass: RecallablePass | None = None
+    # Why ``prune`` does not commit on its own (cache_breaks.hold_edits): it rides with
+    # ``summarize``'s commit, or, with no summary, waits for a later run's.
+    prune_held: str | None = None
 
     @property
     def compacts(self) -> bool:
@@ -146,6 +154,7 @@ class Plan:
             "why_no_summary": self.why_no_summary,
             "arrivals": (self.inputs.arrivals.to_json() if self.inputs.arrivals is not None
                          else None),
+            "prune_held": self.prune_held,
         }
 
 
@@ -153,7 +162,8 @@ def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int =
          reported_input_tokens: int | None = None, run_model: str | None = None,
          now: datetime, force: bool = False, keep_override: Clause | None = None,
          envelope: dict[str, Any] | None = None, defer_summary: bool = False,
-         lead_tokens: int = 0, arrivals: Arrivals | None = None) -> Plan:
+         lead_tokens: int = 0, arrivals: Arrivals | None = None,
+         edits_may_wait: bool = False, last_append_at: datetime | None = None) -> Plan:
     """Plan one compaction round of ``nodes`` under ``policy`` (resolved to the run model's
     window). ``force`` ignores the trigger and, unless ``keep_override`` is given, the keep
     policy. Token counts are the nodes' stored counts; only edited and split text is counted.
@@ -168,9 +178,14 @@ def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int =
     work thrown away.
 
     ``lead_tokens``: what the session grows by before a checkpoint asked for now lands; the
-    trigger counts it (a run fired early by its lead is not refused as under the trigger)."""
+    trigger counts it (a run fired early by its lead is not refused as under the trigger).
+    ``edits_may_wait``: the edits wait for a summary's commit unless they pay for breaking the
+    agent's cache (``prune_held`` says why they wait; ``last_append_at`` says how warm the cache
+    is). Held edits relieve nothing by themselves, so the summary is planned, on the surface
+    they make, whenever the summary trigger fired."""
     inputs = PlanInputs(tuple(nodes), policy, envelope_tokens, reported_input_tokens, run_model,
-                        now, force, keep_override, envelope, max(0, lead_tokens), arrivals)
+                        now, force, keep_override, envelope, max(0, lead_tokens), arrivals,
+                        edits_may_wait, last_append_at)
     return _plan(inputs, defer_summary=defer_summary)
 
 
@@ -219,14 +234,15 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
 
     def done(prune: tuple[PruneAction, ...], after: int,
              step: SummarizeStep | RecallablePass | None, why: str | None,
-             deferred: bool = False) -> Plan:
+             deferred: bool = False, held: str | None = None) -> Plan:
         nothing = why if step is None and not prune else None
         return Plan(pressure=pressure, fired=fired, reason=reason, forced=inputs.force,
                     prune=prune, tokens_after_prune=after,
                     summarize=step if isinstance(step, SummarizeStep) else None,
                     nothing_to_do=nothing, why_no_summary=why if step is None else None,
                     planned_at=inputs.now, inputs=inputs, summary_deferred=deferred,
-                    recall_pass=step if isinstance(step, RecallablePass) else None)
+                    recall_pass=step if isinstance(step, RecallablePass) else None,
+                    prune_held=held if prune else None)
 
     summary_due = fired or inputs.force
     if not summary_due and not should_clear(pressure, policy):
@@ -239,14 +255,18 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     actions = tuple(merge_actions(sized, cleared))
     saved = sum(a.saved for a in actions)
     after = pressure.reduced_by(saved, window)
+    held = (hold_edits(saved, policy=policy, pressure_tokens=pressure.tokens,
+                       last_append_at=inputs.last_append_at, now=inputs.now,
+                       forced=not inputs.edits_may_wait) if actions else None)
     if not summary_due:
         return done(actions, after.tokens, None,
-                    f"only clear_tool_uses fired; the summary trigger did not: {reason}")
-    if not inputs.force and not should_compact(after.ahead_by(lead, window), policy)[0]:
+                    f"only clear_tool_uses fired; the summary trigger did not: {reason}",
+                    held=held)
+    if not inputs.force and held is None and not should_compact(after.ahead_by(lead, window), policy)[0]:
         return done(actions, after.tokens, None,
                     "pruning alone brought pressure under the trigger")
 
-    if defer_summary and actions:
+    if defer_summary and actions and held is None:
         return done(actions, after.tokens, None, "planned after the prunes are committed",
                     deferred=True)
     surface = apply_actions(nodes, actions)
@@ -258,8 +278,10 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     else:
         step = _summarize(surface, inputs, counter)
     if isinstance(step, str):
+        # No summary to ride with while the session is over its trigger: the edits are the
+        # relief there is, and commit alone.
         return done(actions, after.tokens, None, step)
-    return done(actions, after.tokens, step, None)
+    return done(actions, after.tokens, step, None, held=held)
 
 
 def _kept_clause(inputs: PlanInputs) -> Clause | None:

@@ -55,6 +55,14 @@ PRUNE_TAIL_CHARS = 1024
 # What a pruned tool result holds in place of its middle; it counts toward the pruned length.
 PRUNE_MARKER = "\n\n[... tool result middle pruned ...]\n\n"
 CLEARED_PLACEHOLDER = "[cleared]"
+# A model-free edit (a prune, a clearing) commits on its own only when it frees this many tokens
+# while the agent's cache is warm; under it, it rides with the next summary's commit. The README's
+# "Cache breaks" derives it from what the re-send of the tokens after the edit costs.
+DEFAULT_CLEAR_AT_LEAST = 6_400
+# How long the agent's provider keeps a cached prefix after its last use: Anthropic's default
+# entries live 5 minutes (OpenAI documents 5 to 10 minutes of inactivity); past it the agent's
+# next request is uncached anyway, so an edit then costs no re-send.
+DEFAULT_CACHE_TTL_S = 300.0
 
 
 class PolicyError(ValueError):
@@ -98,7 +106,11 @@ class PruneConfig:
 @dataclass(frozen=True, slots=True)
 class ClearToolUsesConfig:
     """LangChain's ClearToolUsesEdit: above ``trigger`` tokens, clear all but ``keep`` results.
-    Its trigger is its own: it fires a model-free run whether or not the summary trigger has."""
+    Its trigger is its own: it fires a model-free run whether or not the summary trigger has.
+
+    ``clear_at_least`` is LangChain's: the clearing stops once it has reclaimed that many
+    tokens (0: it clears all it may). Whether what a clearing or a prune freed commits on its
+    own is ``Policy.clear_at_least``'s question, Anthropic's sense of the name."""
 
     enabled: bool = False
     trigger: int = 100_000
@@ -132,6 +144,8 @@ class Policy:
     index_summary_tokens: int = DEFAULT_INDEX_SUMMARY_TOKENS
     index_max_tokens: int = DEFAULT_INDEX_MAX_TOKENS
     keep_at: str = "pickup"
+    clear_at_least: int = DEFAULT_CLEAR_AT_LEAST
+    cache_ttl_s: float = DEFAULT_CACHE_TTL_S
     # Set by ``resolve``: the run model's window, and whether clauses were dropped.
     context_window: int | None = None
     dropped: tuple[str, ...] = ()
@@ -236,6 +250,7 @@ class Policy:
             "layout": self.layout, "chunk_tokens": self.chunk_tokens,
             "index_summary_tokens": self.index_summary_tokens,
             "index_max_tokens": self.index_max_tokens, "keep_at": self.keep_at,
+            "clear_at_least": self.clear_at_least, "cache_ttl_s": self.cache_ttl_s,
         }
         if self.keep is not None:
             out["keep"] = {"type": self.keep.kind, "value": self.keep.value}
@@ -250,6 +265,7 @@ _TOP_KEYS = {
     "skill_file_read_tool_names", "skills_path", "prune", "clear_tool_uses", "retain_ratio",
     "max_summary_tokens", "max_rounds", "render", "replay_mode", "strategy", "layout",
     "chunk_tokens", "index_summary_tokens", "index_max_tokens", "keep_at",
+    "clear_at_least", "cache_ttl_s",
 }
 _PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
 _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs",
@@ -326,6 +342,11 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
     for key in ("chunk_tokens", "index_summary_tokens", "index_max_tokens"):
         if key in raw:
             changes[key] = _count(raw[key], f"{path}.{key}")
+    if "clear_at_least" in raw:
+        changes["clear_at_least"] = _count(raw["clear_at_least"], f"{path}.clear_at_least",
+                                           allow_zero=True)
+    if "cache_ttl_s" in raw:
+        changes["cache_ttl_s"] = _seconds(raw["cache_ttl_s"], f"{path}.cache_ttl_s")
     out = replace(policy, **changes)
     check_layout_sizes(out, path, given=changes)
     if check_keep:
@@ -579,6 +600,13 @@ def _count(value: Any, path: str, *, allow_zero: bool = False) -> int:
         raise PolicyError(path, f"must be {'non-negative' if allow_zero else 'positive'}, "
                                 f"got {value!r}")
     return int(v)
+
+
+def _seconds(value: Any, path: str) -> float:
+    v = _number(value, path)
+    if v < 0:
+        raise PolicyError(path, f"must be non-negative seconds, got {value!r}")
+    return v
 
 
 def _bool(value: Any, path: str) -> bool:

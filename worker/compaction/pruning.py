@@ -31,8 +31,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.kinds import NodeKind
+from storage.kinds import JournalKind, NodeKind
 from storage.messages import META_PRUNED, Message
+from storage.records import Replacement
 from storage.surface import SurfaceNode
 from storage.tokens import TokenCounter
 from worker.compaction.boundary import pair_results
@@ -232,6 +233,25 @@ def merge_actions(first: Iterable[PruneAction], then: Iterable[PruneAction]) -> 
                              edits=earlier.edits + action.edits)
         by_seq[action.seq] = action
     return [by_seq[s] for s in sorted(by_seq)]
+
+
+def prune_replacements(actions: Iterable[PruneAction]) -> list[Replacement]:
+    """The commit's replacements of ``actions``, each journaled with the tokens it saved."""
+    return [Replacement(seqs=(a.seq,), kind=NodeKind.PRUNED, payload=a.message.to_payload(),
+                        tokens=a.tokens_after, journal_kind=JournalKind.PRUNE,
+                        journal={"seq": a.seq, "tokens_before": a.tokens_before,
+                                 "tokens_after": a.tokens_after, "saved": a.saved,
+                                 "edits": list(a.edits)})
+            for a in actions]
+
+
+def riding_actions(actions: Sequence[PruneAction], replaced: Iterable[int]
+                   ) -> list[PruneAction]:
+    """The held ``actions`` a summary's commit applies beside its own replacements: those
+    whose node it does not replace (the others it replaces whole, its summary having read
+    their edited text)."""
+    gone = set(replaced)
+    return [a for a in actions if a.seq not in gone]
 
 
 def apply_actions(nodes: Sequence[SurfaceNode], actions: Iterable[PruneAction]
