@@ -28,7 +28,7 @@ from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
 from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.boundary import resolve_keep
-from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
+from worker.compaction.planner import Plan, checkpoint_for, plan, refill, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
 from worker.compaction.render import checkpoint_tokens
@@ -235,6 +235,9 @@ class _Calls:
         return self.step.calls
 
     def request(self, index: int, running: str | None) -> SummaryRequest:
+        if index > 0 and running is not None:
+            # The summary before this call is known now: the calls left reserve its size.
+            self.plan = refill(self.plan, index, running)
         step = self.step
         # Intermediate summaries only have to fit the cap; the final one must also be strictly
         # smaller than everything it replaces.
