@@ -292,7 +292,12 @@ async def _summarize(scope: RunScope, current: Plan, surface: Surface, policy: P
     calls = _Calls(current, policy, info, _shared(current, surface, policy, info, summarizers))
     written = await run_chain(scope, calls, calls.step.existing_summary or None, summarizers)
     scope.out.model = written.model
-    return written.text, calls.plan, written.usage
+    made = calls.plan
+    if calls.shared is not None:
+        # The journal names the calls made: one, reading the whole range.
+        made = dataclasses.replace(made, summarize=dataclasses.replace(
+            calls.step, calls=tuple(calls.calls)))
+    return written.text, made, written.usage
 
 
 def _shared(current: Plan, surface: Surface, policy: Policy, info: SessionInfo,

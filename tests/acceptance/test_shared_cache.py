@@ -18,7 +18,7 @@ import pytest
 
 from scheduler.client import CompactdClient
 from tests.support.db import Db
-from tests.support.fake_provider import Behaviour, FakeProvider, RequestRecord
+from tests.support.fake_provider import FakeProvider, RequestRecord
 from tests.support.stack import Stack
 from worker.compaction.sharing import WIRE_KEYS
 from worker.settings import load_config
@@ -62,17 +62,17 @@ async def _served(stack: Stack, sid: str) -> list[dict[str, Any]]:
     """The surface as compactd serves it to the runtime, with the keys a provider is sent."""
     async with CompactdClient(load_config(env=stack.env)) as client:
         handle = await client.get_session(sid)
-        return [{k: m[k] for k in WIRE_KEYS if m.get(k) is not None}
-                for m in await handle.surface()]
+        return [{k: m[k] for k in WIRE_KEYS if k in m} for m in await handle.surface()]
 
 
 async def _openai_request(fake: FakeProvider, served: list[dict[str, Any]], cache_key: str
                           ) -> None:
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}, *served]
+    tools: list[Any] = TOOLS
     async with openai.AsyncOpenAI(api_key=KEY, base_url=fake.openai_base_url, max_retries=0,
                                   default_headers={AGENT: "1"}) as sdk:
-        await sdk.chat.completions.create(
-            model="fake-gpt", messages=[{"role": "system", "content": SYSTEM}, *served],
-            tools=TOOLS, prompt_cache_key=cache_key, max_completion_tokens=16)  # type: ignore[arg-type]
+        await sdk.chat.completions.create(model="fake-gpt", messages=messages, tools=tools,
+                                          prompt_cache_key=cache_key, max_completion_tokens=16)
 
 
 async def _anthropic_request(fake: FakeProvider, served: list[dict[str, Any]]) -> None:
@@ -83,12 +83,13 @@ async def _anthropic_request(fake: FakeProvider, served: list[dict[str, Any]]) -
     last = messages[-1]
     messages[-1] = {**last, "content": [{"type": "text", "text": last["content"],
                                          "cache_control": BREAKPOINT}]}
+    system: list[Any] = [{"type": "text", "text": SYSTEM, "cache_control": BREAKPOINT}]
+    sent: list[Any] = messages
+    tools: list[Any] = ANTHROPIC_TOOLS
     async with anthropic.AsyncAnthropic(api_key=KEY, base_url=fake.anthropic_base_url,
                                         max_retries=0, default_headers={AGENT: "1"}) as sdk:
-        await sdk.messages.create(
-            model="fake-claude", max_tokens=16, tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
-            system=[{"type": "text", "text": SYSTEM, "cache_control": BREAKPOINT}],  # type: ignore[list-item]
-            messages=messages)  # type: ignore[arg-type]
+        await sdk.messages.create(model="fake-claude", max_tokens=16, tools=tools,
+                                  system=system, messages=sent)
 
 
 def _canonical(value: Any) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from compaction_helpers import COUNTER, NOW, ai, ckpt, nodes, sys, tool, user
 
@@ -252,7 +254,7 @@ def test_calls_after_the_first_fill_their_budget_around_the_summary_they_follow(
     # a refilled call reads as much as its budget allows: the next unit would not fit
     overhead = prompt_overhead(policy, COUNTER)
     reserve = summary_tokens(summary, COUNTER)
-    for call, following in zip(made[1:], made[2:], strict=False):
+    for call, following in itertools.pairwise(made[1:]):
         used = sum(p.tokens for p in call.pieces)
         head = following.pieces[0]
         ids = {c.id for c in head.message.tool_calls}
@@ -276,7 +278,7 @@ def test_a_call_that_continues_a_split_message_is_not_repacked():
                     ai("z"))
     policy = _policy(trim_tokens_to_summarize=1000, max_summary_tokens=150,
                      prune={"enabled": False})
-    current, made = _run_refilled(surface, policy, "w " * 10)
+    _current, made = _run_refilled(surface, policy, "w " * 10)
     parts = [p for call in made for p in call.pieces if p.seq == 4]
     assert "".join(p.message.text for p in parts) == big
     assert [p.part for p in parts] == list(range(1, len(parts) + 1))

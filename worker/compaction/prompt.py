@@ -29,9 +29,9 @@ whose call is not in the input) is sent as a user turn holding its ``<turn>`` el
   slack), the most a valid summary can be, and once call k-1 has answered, the calls from k on
   are packed again reserving its summary's actual size (:func:`refill_calls`), so each call reads
   as much as its budget allows and never more. The plan's calls are therefore the most a run
-  makes; the run may make fewer. A tool-call group bigger than one call is split between messages (the
-  call loses verbatim form); a single message bigger than one call is split into parts on code
-  points, each labelled ``part i/n``, never dropped.
+  makes; the run may make fewer. A tool-call group bigger than one call is split between
+  messages (the call loses verbatim form); a single message bigger than one call is split into
+  parts on code points, each labelled ``part i/n``, never dropped.
 * ``strategy: shrink``: the range shrinks, from its tail, to the longest tool-pair-safe prefix one
   call can read; the rest stays on the surface for a later round. The only exception is a first
   tool-call group that alone exceeds a call: it cannot shrink further, so it is chunked.

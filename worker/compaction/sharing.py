@@ -91,8 +91,7 @@ class SharedCall:
 def served_messages(nodes: Sequence[SurfaceNode]) -> list[dict[str, Any]]:
     """The surface as the runtime is served it and sends it (checkpoints rendered as stored,
     the authority contract placed), with the keys a provider is sent."""
-    return [{k: m[k] for k in WIRE_KEYS if m.get(k) is not None}
-            for m in render_surface(nodes)]
+    return [{k: m[k] for k in WIRE_KEYS if k in m} for m in render_surface(nodes)]
 
 
 def prefix_end(nodes: Sequence[SurfaceNode]) -> int:

@@ -426,8 +426,9 @@ def with_breakpoints(system: str, messages: list[dict[str, Any]], control: dict[
     if len(out) >= 2:
         last = out[-2]
         content = last["content"]
-        parts = ([{"type": "text", "text": content}] if isinstance(content, str)
-                 else [dict(b) for b in content])
+        parts: list[dict[str, Any]] = ([{"type": "text", "text": content}]
+                                       if isinstance(content, str)
+                                       else [dict(b) for b in content])
         if parts:
             parts[-1] = {**parts[-1], "cache_control": dict(control)}
             out[-2] = {**last, "content": parts}
