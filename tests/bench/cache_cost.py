@@ -164,7 +164,8 @@ DEFAULT_SIDES = ("langchain", "before", "after")
 COMPACTD_SIDES: dict[str, dict[str, Any]] = {
     "before": {"share_cache": False},
     "after": {},
-    "recallable": {"layout": "recallable"},
+    # Its index calls have an instruction of their own: on the summary fake, as before.
+    "recallable": {"layout": "recallable", "model_name": SUMMARY_MODEL},
 }
 CACHE_RULES = ("openai", "anthropic")
 # USD per million tokens: a model of each provider whose cache rule is applied. List prices as
