@@ -150,12 +150,20 @@ def test_shrink_reads_what_one_call_can_and_defers_the_rest():
     assert step.calls[0].seqs == step.replace_seqs
 
 
-def test_a_message_bigger_than_the_budget_is_split_not_dropped():
-    big = "line of output with <markup> & more\n" * 400
-    surface = nodes(sys(), user("task"), ai("", ("c1", "cat")), tool("c1", big), user("u2"),
+BIG = "line of output with <markup> & more\n" * 400
+
+
+def _big_result():
+    """A surface whose one tool result (seq 4) is larger than a call, and a policy for it."""
+    surface = nodes(sys(), user("task"), ai("", ("c1", "cat")), tool("c1", BIG), user("u2"),
                     ai("z"))
-    policy = _policy(trim_tokens_to_summarize=1000, max_summary_tokens=150,
-                     prune={"enabled": False})
+    return surface, _policy(trim_tokens_to_summarize=1000, max_summary_tokens=150,
+                            prune={"enabled": False})
+
+
+def test_a_message_bigger_than_the_budget_is_split_not_dropped():
+    big = BIG
+    surface, policy = _big_result()
     step = plan(surface, policy=policy, now=NOW).summarize
     assert step is not None
     parts = [p for call in step.calls for p in call.pieces if p.seq == 4]
@@ -273,12 +281,8 @@ def test_a_summary_as_large_as_the_reserve_leaves_the_planned_calls():
 
 
 def test_a_call_that_continues_a_split_message_is_not_repacked():
-    big = "line of output with <markup> & more\n" * 400
-    surface = nodes(sys(), user("task"), ai("", ("c1", "cat")), tool("c1", big), user("u2"),
-                    ai("z"))
-    policy = _policy(trim_tokens_to_summarize=1000, max_summary_tokens=150,
-                     prune={"enabled": False})
+    surface, policy = _big_result()
     _current, made = _run_refilled(surface, policy, "w " * 10)
     parts = [p for call in made for p in call.pieces if p.seq == 4]
-    assert "".join(p.message.text for p in parts) == big
+    assert "".join(p.message.text for p in parts) == BIG
     assert [p.part for p in parts] == list(range(1, len(parts) + 1))
