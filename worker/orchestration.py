@@ -34,7 +34,7 @@ from worker.compaction.planner import Plan, checkpoint_for, plan, refill, replan
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
 from worker.compaction.render import checkpoint_tokens
-from worker.compaction.sharing import SharedCall, shared_call
+from worker.compaction.sharing import SharedCall, cache_readable, shared_call
 from worker.compaction.triggers import should_compact
 from worker.llm.fallback import SummaryRequest
 from worker.metrics import metrics
@@ -302,12 +302,13 @@ async def _summarize(scope: RunScope, current: Plan, surface: Surface, policy: P
 
 def _shared(current: Plan, surface: Surface, policy: Policy, info: SessionInfo,
             summarizers: Summarizers) -> SharedCall | None:
-    """The call sharing the agent's cache, when it applies: the switch is on and the first
-    candidate is the session's own run model (a different summary model has another cache)."""
+    """The call sharing the agent's cache, when it applies: the switch is on, the first
+    candidate is the session's own run model (a different summary model has another cache) and
+    its provider can read the runtime's cache."""
     step = current.summarize
     first = summarizers.candidates[0] if summarizers.candidates else None
     if (step is None or not policy.share_cache or first is None or first.is_local
-            or first.name != info.run_model):
+            or first.name != info.run_model or not cache_readable(first.provider, info.envelope)):
         return None
     return shared_call(surface.nodes, step.replace_seqs, policy, info.envelope,
                        info.envelope_tokens, counter_for(info.run_model))

@@ -14,6 +14,7 @@ from worker.compaction.render import render_surface
 from worker.compaction.sharing import (
     WIRE_KEYS,
     CacheHints,
+    cache_readable,
     kept_note,
     prefix_end,
     shared_call,
@@ -117,3 +118,12 @@ def test_an_anthropic_call_carries_the_runtimes_breakpoints_and_none_on_the_inst
         {"type": "text", "text": "done", "cache_control": control}]}
     assert marked[2] == messages[2] == {"role": "user",
                                         "content": "Summarize the conversation above."}
+
+
+def test_an_anthropic_call_shares_only_with_the_runtimes_breakpoints():
+    # Anthropic caches at breakpoints only: without them a shared call would read nothing
+    # cached and pay the whole surface; OpenAI caches long prefixes on its own.
+    assert cache_readable("openai", None) and cache_readable("openai-compatible", {})
+    assert not cache_readable("anthropic", None)
+    assert not cache_readable("anthropic", {"prompt_cache_key": "k"})
+    assert cache_readable("anthropic", {"cache_control": {"type": "ephemeral"}})

@@ -88,6 +88,15 @@ class SharedCall:
     input_tokens: int  # estimated: envelope, served messages, instruction
 
 
+def cache_readable(provider: str, envelope: Mapping[str, Any] | None) -> bool:
+    """Whether a call on ``provider`` can read the runtime's cache: OpenAI caches every long
+    prefix on its own; Anthropic caches only at breakpoints, so without the runtime's
+    ``cache_control`` there is no entry to read and a shared call would pay the whole surface
+    at the full price."""
+    hints = CacheHints.of(envelope)
+    return provider != "anthropic" or (hints is not None and hints.cache_control is not None)
+
+
 def served_messages(nodes: Sequence[SurfaceNode]) -> list[dict[str, Any]]:
     """The surface as the runtime is served it and sends it (checkpoints rendered as stored,
     the authority contract placed), with the keys a provider is sent."""
