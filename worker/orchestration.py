@@ -18,6 +18,7 @@ from them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -29,14 +30,16 @@ from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
 from storage.records import Replacement, SessionInfo
 from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
+from storage.tokens import counter_for
 from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.arrivals import Arrivals
 from worker.compaction.boundary import resolve_keep
-from worker.compaction.planner import Plan, checkpoint_for, plan, replan_smaller
+from worker.compaction.planner import Plan, checkpoint_for, plan, refill, replan_smaller
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
 from worker.compaction.pruning import prune_replacements, riding_actions
 from worker.compaction.render import checkpoint_tokens
+from worker.compaction.sharing import SharedCall, cache_readable, shared_call
 from worker.compaction.triggers import should_compact
 from worker.lead import refresh_after_checkpoint
 from worker.llm.fallback import SummaryRequest
@@ -218,7 +221,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
             if relieved:
                 await _loop_guard(deps, out, info, policy)
         else:
-            summary, current, usage = await _summarize(scope, current, policy, info)
+            summary, current, usage = await _summarize(scope, current, surface, policy, info)
             info, relieved = await _commit_checkpoint(scope, current, surface, summary, usage,
                                                       policy, info,
                                                       final_if_relieved=not last_round)
@@ -264,15 +267,21 @@ async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:
 class _Calls:
     """The summarizer calls of one merge step (a :class:`~worker.chains.Chain`).
 
-    A context-length error on the first call re-plans once with half the budget (every replaced
-    message still reaches an input: smaller calls, or with ``shrink`` a smaller range); later
-    calls are budget-sized already, so an error there moves on to the next candidate.
+    With ``shared`` (:mod:`worker.compaction.sharing`), one call that begins with the runtime's
+    last request reads the whole range; a context-length error on it falls back to the planned
+    calls. A context-length error on the first planned call re-plans once with half the budget
+    (every replaced message still reaches an input: smaller calls, or with ``shrink`` a smaller
+    range); later calls are budget-sized already, so an error there moves on to the next
+    candidate. Once a call has answered, the calls after it are packed again around its summary
+    (:func:`~worker.compaction.planner.refill`).
     """
 
-    def __init__(self, current: Plan, policy: Policy, info: SessionInfo) -> None:
+    def __init__(self, current: Plan, policy: Policy, info: SessionInfo,
+                 shared: SharedCall | None = None) -> None:
         self.plan = current
         self.policy = policy
         self.info = info
+        self.shared = shared
         self.shrunk = False
 
     @property
@@ -282,10 +291,26 @@ class _Calls:
 
     @property
     def calls(self) -> Sequence[SummaryCall]:
+        if self.shared is not None:
+            planned = self.step.calls
+            return (SummaryCall(0, tuple(p for call in planned for p in call.pieces),
+                                self.shared.input_tokens, planned[0].summary_seqs),)
         return self.step.calls
 
     def request(self, index: int, running: str | None) -> SummaryRequest:
         step = self.step
+        if self.shared is not None:
+            shared = self.shared
+            call = self.calls[0]
+            planned = summary_request(call, running, policy=self.policy, info=self.info,
+                                      skills=step.skills, has_history=step.has_history,
+                                      recall=step.recall, below=step.replaced_tokens)
+            return dataclasses.replace(planned, chat=shared.chat, tools=shared.tools,
+                                       cache=shared.cache)
+        if index > 0 and running is not None:
+            # The summary before this call is known now: the calls left reserve its size.
+            self.plan = refill(self.plan, index, running)
+            step = self.step
         # Intermediate summaries only have to fit the cap; the final one must also be strictly
         # smaller than everything it replaces.
         final = index == len(step.calls) - 1
@@ -295,7 +320,14 @@ class _Calls:
                                below=step.replaced_tokens if final else None)
 
     def shrink(self, index: int, request: SummaryRequest) -> SummaryRequest | None:
-        if index != 0 or self.shrunk:
+        if index != 0:
+            return None
+        if self.shared is not None:
+            # The agent's request plus the instruction is over what the model takes: the
+            # planned calls, each within the summarizer's budget, read the range instead.
+            self.shared = None
+            return self.request(0, request.existing_summary)
+        if self.shrunk:
             return None
         smaller = replan_smaller(self.plan)
         if smaller.summarize is None:
@@ -304,13 +336,32 @@ class _Calls:
         return self.request(0, request.existing_summary)
 
 
-async def _summarize(scope: RunScope, current: Plan, policy: Policy, info: SessionInfo
-                     ) -> tuple[str, Plan, dict[str, Any] | None]:
-    calls = _Calls(current, policy, info)
-    written = await run_chain(scope, calls, calls.step.existing_summary or None,
-                              Summarizers.of(scope, info.run_model, policy.model_name))
+async def _summarize(scope: RunScope, current: Plan, surface: Surface, policy: Policy,
+                     info: SessionInfo) -> tuple[str, Plan, dict[str, Any] | None]:
+    summarizers = Summarizers.of(scope, info.run_model, policy.model_name)
+    calls = _Calls(current, policy, info, _shared(current, surface, policy, info, summarizers))
+    written = await run_chain(scope, calls, calls.step.existing_summary or None, summarizers)
     scope.out.model = written.model
-    return written.text, calls.plan, written.usage
+    made = calls.plan
+    if calls.shared is not None:
+        # The journal names the calls made: one, reading the whole range.
+        made = dataclasses.replace(made, summarize=dataclasses.replace(
+            calls.step, calls=tuple(calls.calls)))
+    return written.text, made, written.usage
+
+
+def _shared(current: Plan, surface: Surface, policy: Policy, info: SessionInfo,
+            summarizers: Summarizers) -> SharedCall | None:
+    """The call sharing the agent's cache, when it applies: the switch is on, the first
+    candidate is the session's own run model (a different summary model has another cache) and
+    its provider can read the runtime's cache."""
+    step = current.summarize
+    first = summarizers.candidates[0] if summarizers.candidates else None
+    if (step is None or not policy.share_cache or first is None or first.is_local
+            or first.name != info.run_model or not cache_readable(first.provider, info.envelope)):
+        return None
+    return shared_call(surface.nodes, step.replace_seqs, policy, info.envelope,
+                       info.envelope_tokens, counter_for(info.run_model))
 
 
 async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, summary: str,

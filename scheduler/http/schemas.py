@@ -46,6 +46,9 @@ class EnvelopeIn(_Body):
 
     system: str | None = None
     tools: list[dict[str, Any]] | None = None
+    # The runtime's cache hints, which a summary call sharing its cache sends as it does.
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
+    cache_control: dict[str, Any] | None = None
 
 
 class SessionIn(_Body):

@@ -174,8 +174,10 @@ ANTHROPIC_PREFIX = {
 
 def test_replay_mode_sends_the_runtimes_last_request_then_the_instruction(
         make_stack: Callable[..., Stack], fake: FakeProvider, db: Db) -> None:
+    # Sharing off: with it, the run model's call begins with the whole served surface (the
+    # kept tail too: tests/acceptance/test_shared_cache.py); replay mode sends the range.
     stack = make_stack(summarization={"keep": {"type": "messages", "value": 2},
-                                      "replay_mode": True},
+                                      "replay_mode": True, "share_cache": False},
                        worker={"local_fallback": False})
     fake.script(Behaviour(model="fake-gpt", expect_prefix=OPENAI_PREFIX),
                 Behaviour(model="fake-claude", expect_prefix=ANTHROPIC_PREFIX))

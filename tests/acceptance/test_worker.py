@@ -114,9 +114,10 @@ def assert_journal_closed(db: Db, session_id: str) -> None:
 def test_two_workers_one_session_exactly_one_commits(
         make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
     stack = make_stack(summarization=POLICY)
-    # Three summary calls of 1.5 s: the first run still holds its worker when the second
-    # message arrives, however far apart the two CLI processes start.
-    fake.latency_s = 1.5
+    # A summary call of 4.5 s (the run model summarizes in one call that shares the agent's
+    # cache): the first run still holds its worker when the second message arrives, however
+    # far apart the two CLI processes start.
+    fake.latency_s = 4.5
     stack.ingest("s1", coding_session(steps=20, big_output_lines=30).messages)
     # One slot each: a worker busy with the first run cannot take the second (prefetch of one,
     # late acks), so each worker receives one of the two runs.

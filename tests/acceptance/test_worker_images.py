@@ -23,7 +23,10 @@ def test_a_queued_run_sends_the_summarizer_the_image_references(
         make_stack: Callable[..., Stack], fake: FakeProvider) -> None:
     stack = make_stack(summarization={"trigger": [{"type": "tokens", "value": 100_000}],
                                       "keep": {"type": "messages", "value": 2},
-                                      "model_name": "fake-gpt"})
+                                      "model_name": "fake-gpt",
+                                      # A shared call sends what the runtime sends, its images
+                                      # too: this is the transcript the summarizer reads else.
+                                      "share_cache": False})
     stack.start_worker("w1", concurrency=1)
     messages = [
         {"role": "user", "content": [

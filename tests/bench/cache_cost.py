@@ -12,8 +12,11 @@ Each session is replayed step by step (an assistant message with what follows it
 one, as a runtime appends it). After every step the agent sends its model request to the agent's
 fake provider (``tests/support/fake_provider.py``, a process of its own, prefix cache on) over
 HTTP through the official openai SDK, with a stable ``prompt_cache_key`` per session; the request
-is the session's system prompt plus what the side would send. Summary calls go to a second fake
-(``fake-mini``), which keeps their bodies, so what reached a summarizer can be checked.
+is the session's system prompt plus what the side would send. LangChain's summary calls go to a
+second fake (``fake-mini``), which keeps their bodies; compactd's go where its run model is, the
+agent's fake (the agent's cache, its summary calls' bodies kept), so what reached a summarizer
+can be checked. A compactd session registers the agent's system prompt and cache key as its
+envelope (its trigger raised by the envelope's tokens, so it still counts the conversation only).
 
 Sides, all with the same trigger (tokens of the conversation, system prompt not counted), keep
 (``--keep`` messages), summarizer input budget (``--trim``), run-model window (``--window``),
@@ -48,8 +51,10 @@ Cache rules, applied to the same requests:
   system prompt, one on the request's last message, where agent runtimes put them), a hit only on
   an earlier breakpoint's prefix within 20 blocks (messages here) before a breakpoint, entries
   living 5 minutes from their last use, nothing cached under 1,024 tokens; reads at 0.1x input,
-  writes (everything after the hit up to the last breakpoint) at 1.25x. The summary calls set no
-  breakpoints, so under this rule they read nothing from the cache.
+  writes (everything after the hit up to the last breakpoint) at 1.25x. A compactd summary call
+  that shares the agent's cache (``summarization.share_cache``) begins with the agent's request
+  and its breakpoints, so it reads that request's entry: under this rule it is counted as reading
+  what the fake found cached; every other summary call sets no breakpoints and reads nothing.
 
 Per side, trigger and profile (sums over sessions; ``sessions`` has them per session), and per
 rule under ``rules``:
@@ -108,6 +113,7 @@ from scheduler import args as cli_types  # noqa: E402
 from scheduler.client import CompactdClient, parse_messages  # noqa: E402
 from storage.errors import ConfigError  # noqa: E402
 from storage.kinds import RunStatus  # noqa: E402
+from storage.store import envelope_tokens  # noqa: E402
 from storage.tokens import counter_for  # noqa: E402
 from tests.bench.common import (  # noqa: E402
     DEFAULT_CORPUS,
@@ -138,8 +144,9 @@ from tests.support.fake_provider import (  # noqa: E402
     request_segments,
 )
 from tests.support.services import flush_redis, reset_database  # noqa: E402
-from tests.support.stack import Stack  # noqa: E402
+from tests.support.stack import Stack, fake_models  # noqa: E402
 from worker.compaction.policy import DEFAULT_INDEX_MAX_TOKENS  # noqa: E402
+from worker.compaction.prompt import SUMMARY_RULES  # noqa: E402
 from worker.cost import Billed, Price, cost_usd  # noqa: E402
 from worker.settings import load_config  # noqa: E402
 
@@ -155,9 +162,10 @@ DEFAULT_SIDES = ("langchain", "before", "after")
 # issue 27's mechanisms off, "after" leaves compactd's defaults; a mechanism adds its switch to
 # "before" (off) when it lands, and the two sides then differ by it.
 COMPACTD_SIDES: dict[str, dict[str, Any]] = {
-    "before": {"lead": 0, "keep_at": "claim", "clear_at_least": 0},
+    "before": {"lead": 0, "keep_at": "claim", "clear_at_least": 0, "share_cache": False},
     "after": {},
-    "recallable": {"layout": "recallable"},
+    # Its index calls have an instruction of their own: on the summary fake, as before.
+    "recallable": {"layout": "recallable", "model_name": SUMMARY_MODEL},
 }
 CACHE_RULES = ("openai", "anthropic")
 # USD per million tokens: a model of each provider whose cache rule is applied. List prices as
@@ -179,6 +187,9 @@ IDLE_SAMPLES = 3
 COVERAGE_MIN_CHARS = 40
 COVERAGE_SNIPPET_CHARS = 300
 COUNTS = PrefixCache()  # the fake's own per-segment counting, memoized
+# Text every compactd summary instruction holds and no agent request does: how the agent's fake
+# tells the summary calls compactd's run model makes from the agent's own requests.
+SUMMARY_MARK = SUMMARY_RULES.splitlines()[0]
 
 
 # ----------------------------------------------------------------------------- cache rules
@@ -383,14 +394,18 @@ class Usage:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    shared_calls: int = 0  # calls that began with the agent's request (its cache key)
+    shared_cached: int = 0
 
 
 def summarizer_usage(records: Iterable[dict[str, Any]]) -> Usage:
-    """The summary calls in the fake's log: every answered request not the agent's."""
+    """The summary calls in the fakes' logs: every answered request not the agent's."""
     calls = [r for r in records if AGENT_HEADER not in r["headers"] and r["status"] == 200]
+    shared = [r for r in calls if (r.get("body") or {}).get("prompt_cache_key")]
     return Usage(len(calls), sum(r["input_tokens"] or 0 for r in calls),
                  sum(r["cached_tokens"] or 0 for r in calls),
-                 sum(r["output_tokens"] or 0 for r in calls))
+                 sum(r["output_tokens"] or 0 for r in calls), len(shared),
+                 sum(r["cached_tokens"] or 0 for r in shared))
 
 
 def summary_inputs(records: Iterable[dict[str, Any]]) -> str:
@@ -426,8 +441,10 @@ def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
                                inputs + "\n" + html.unescape(finals))
     for rule, rep in out["rules"].items():
         price = PRICES[rule][1]
-        # The summary calls set no cache breakpoints: only the openai rule caches them.
-        s_cached = summary.cached_tokens if rule == "openai" else 0
+        # A summary call that begins with the agent's request carries its breakpoints (system,
+        # last message) and reads the entry that request wrote: under Anthropic's rule it reads
+        # what the fake found cached. Other summary calls set none and read nothing there.
+        s_cached = summary.cached_tokens if rule == "openai" else summary.shared_cached
         agent_usd = cost_usd(Billed(input=total.input_tokens, cached=rep["agent_cached_tokens"],
                                 cache_write=rep["agent_cache_write_tokens"]), price)
         summarizer_usd = cost_usd(Billed(input=summary.input_tokens, cached=s_cached,
@@ -439,7 +456,8 @@ def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
                     "agent_cost_usd": round(agent_usd, 4),
                     "summarizer_cost_usd": round(summarizer_usd, 4)})
     out.update({
-        "summarizer_calls": summary.calls, "summarizer_input_tokens": summary.input_tokens,
+        "summarizer_calls": summary.calls, "summarizer_shared_calls": summary.shared_calls,
+        "summarizer_input_tokens": summary.input_tokens,
         "summarizer_output_tokens": summary.output_tokens,
         "cost_usd": {rule: rep["cost_usd"] for rule, rep in out["rules"].items()},
         "seconds": round(seconds, 1),
@@ -462,6 +480,11 @@ class Fakes:
         """Fresh logs and caches; the agent answers after ``think_s``, every summary call after
         ``latency_s`` with ``summary_text``."""
         self.agent.reset()
+        # compactd's summary calls with the run model reach the agent's fake (its cache is the
+        # agent's): the same answer as on the summary fake. First: the agent's matches them too.
+        self.agent.script(Behaviour(model=AGENT_MODEL, contains=SUMMARY_MARK, output="text",
+                                    text=summary_text, latency_s=latency_s, times=-1,
+                                    keep_body=True))
         self.agent.script(Behaviour(model=AGENT_MODEL, output="text", text=AGENT_ANSWER,
                                     latency_s=think_s, times=-1))
         self.summary.reset()
@@ -511,8 +534,9 @@ async def run_langchain(sessions: Sequence[Session], args: argparse.Namespace, t
 
 
 def compactd_policy(args: argparse.Namespace, side: str, trigger: int) -> dict[str, Any]:
+    # No summary model: the session's run model summarizes (compactd's default), on the agent's
+    # fake, where a call sharing the agent's cache reads it.
     policy: dict[str, Any] = {
-        "model_name": SUMMARY_MODEL,
         "trigger": {"type": "tokens", "value": trigger},
         "keep": {"type": "messages", "value": args.keep},
         "trim_tokens_to_summarize": args.trim,
@@ -525,10 +549,22 @@ def compactd_policy(args: argparse.Namespace, side: str, trigger: int) -> dict[s
     return policy
 
 
+def session_envelope(session: Session, agent: Agent) -> dict[str, Any] | None:
+    """What the agent sends besides the surface: its system prompt and its cache key (None when
+    its system prompt is not one text message, which the envelope cannot hold)."""
+    if len(session.system) != 1 or not isinstance(session.system[0].get("content"), str):
+        return None
+    return {"system": session.system[0]["content"], "prompt_cache_key": agent.cache_key}
+
+
 async def compactd_session(client: CompactdClient, session: Session, agent: Agent) -> None:
-    # No envelope: the trigger counts the conversation only, as LangChain's does.
-    handle = await client.create_session(session.name, run_model=AGENT_MODEL,
-                                         context_window=agent.window)
+    envelope = session_envelope(session, agent)
+    # The trigger counts the conversation only, as LangChain's does: pressure counts the
+    # envelope too, so the session's trigger is raised by it.
+    extra = envelope_tokens(envelope, AGENT_MODEL)
+    handle = await client.create_session(
+        session.name, run_model=AGENT_MODEL, context_window=agent.window, envelope=envelope,
+        policy={"trigger": {"type": "tokens", "value": agent.trigger + extra}} if extra else None)
     held: list[dict[str, Any]] = []
     for step in session.steps:
         messages = parse_messages([wire(m) for m in step])
@@ -578,8 +614,11 @@ async def drain(stack: Stack) -> bool:
 def run_compactd(side: str, sessions: Sequence[Session], args: argparse.Namespace,
                  trigger: int, fakes: Fakes, home: Path) -> dict[str, Agent] | str:
     """The side's agents, or why it is not available (the policy refused its keys)."""
+    # The run model is the agent's (its fake, its cache); the summary model the summary fake's.
+    models = [m for m in fake_models(fakes.summary.url) if m["name"] != AGENT_MODEL]
+    models += [m for m in fake_models(fakes.agent.url) if m["name"] == AGENT_MODEL]
     stack = Stack(args.database_url, args.redis_url, home / f"{side}-{trigger}",
-                  fake_url=fakes.summary.url,
+                  fake_url=fakes.summary.url, models=models,
                   summarization=compactd_policy(args, side, trigger),
                   worker={"concurrency": args.concurrency})
     try:
@@ -604,7 +643,8 @@ def run_side(side: str, sessions: Sequence[Session], args: argparse.Namespace, t
               else run_compactd(side, sessions, args, trigger, fakes, home))
     if isinstance(agents, str):
         return agents
-    records = fakes.summary.requests(bodies=True)
+    records = [*fakes.summary.requests(bodies=True),
+               *(r for r in fakes.agent.requests(bodies=True) if r.get("body"))]
     return side_report(agents, summarizer_usage(records), time.perf_counter() - started,
                        summary_inputs(records))
 

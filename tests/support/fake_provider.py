@@ -133,6 +133,9 @@ class Behaviour:
     # ``output="text"``: each "{quote}" in ``text`` becomes the first match of this pattern in
     # the last tool result in the request ("" when nothing matches).
     quote: str | None = None
+    # Record the body of the requests it answers, whether or not the fake keeps bodies (the
+    # few summary calls among an agent's many large requests).
+    keep_body: bool = False
 
     def __post_init__(self) -> None:
         if self.output not in OUTPUTS:
@@ -447,7 +450,8 @@ async def _model_call(state: _State, request: web.Request, api: str) -> web.Stre
         headers={k.lower(): v for k, v in request.headers.items()}, body_bytes=len(raw),
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         received_at=time.time(), received_t=time.monotonic() - state.started,
-        behaviour=behaviour.describe(), body=body if state.keep_bodies else None)
+        behaviour=behaviour.describe(),
+        body=body if state.keep_bodies or behaviour.keep_body else None)
     if behaviour.expect_prefix is not None:
         record.prefix_ok = begins_with(body, behaviour.expect_prefix)
         if not record.prefix_ok:

@@ -39,7 +39,7 @@ from worker.compaction.boundary import (
 )
 from worker.compaction.cache_breaks import hold_edits
 from worker.compaction.policy import Clause, Policy
-from worker.compaction.prompt import SummaryCall, message_body, plan_calls
+from worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
 from worker.compaction.pruning import (
     PruneAction,
     apply_actions,
@@ -203,6 +203,21 @@ def replan_smaller(previous: Plan, factor: float = 0.5) -> Plan:
     base = min(limit, largest) if limit is not None else largest
     smaller = replace(inputs.policy, trim_tokens_to_summarize=max(1, int(base * factor)))
     return _plan(replace(inputs, policy=smaller))
+
+
+def refill(previous: Plan, index: int, running: str) -> Plan:
+    """``previous`` with its calls from ``index`` on packed again around the summary call
+    ``index - 1`` wrote (``running``): :func:`worker.compaction.prompt.refill_calls`."""
+    step = previous.summarize
+    if step is None or not 0 < index < len(step.calls):
+        return previous
+    inputs = previous.inputs
+    surface = apply_actions(inputs.nodes, previous.prune)
+    calls = refill_calls(surface, unsafe_boundaries(surface), step.calls, index, running,
+                         inputs.policy, counter_for(inputs.run_model), inputs.envelope_tokens)
+    if calls == step.calls:
+        return previous
+    return replace(previous, summarize=replace(step, calls=calls))
 
 
 def checkpoint_recall(first: int, last: int) -> dict[str, Any]:

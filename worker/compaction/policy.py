@@ -138,6 +138,9 @@ class Policy:
     max_rounds: int = 3
     render: str = "durable_context"
     replay_mode: bool = False
+    # A summary call made with the session's own run model begins with the runtime's last
+    # request (worker.sharing), so the provider reads its input from the agent's prompt cache.
+    share_cache: bool = True
     strategy: str = "chunk"
     layout: str = "merge"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -246,7 +249,8 @@ class Policy:
                 "clear_at_least": self.clear_tool_uses.clear_at_least,
                 "placeholder": self.clear_tool_uses.placeholder},
             "max_summary_tokens": self.max_summary_tokens, "max_rounds": self.max_rounds,
-            "render": self.render, "replay_mode": self.replay_mode, "strategy": self.strategy,
+            "render": self.render, "replay_mode": self.replay_mode,
+            "share_cache": self.share_cache, "strategy": self.strategy,
             "layout": self.layout, "chunk_tokens": self.chunk_tokens,
             "index_summary_tokens": self.index_summary_tokens,
             "index_max_tokens": self.index_max_tokens, "keep_at": self.keep_at,
@@ -263,8 +267,8 @@ class Policy:
 _TOP_KEYS = {
     "enabled", "model_name", "trigger", "keep", "trim_tokens_to_summarize", "summary_prompt",
     "skill_file_read_tool_names", "skills_path", "prune", "clear_tool_uses", "retain_ratio",
-    "max_summary_tokens", "max_rounds", "render", "replay_mode", "strategy", "layout",
-    "chunk_tokens", "index_summary_tokens", "index_max_tokens", "keep_at",
+    "max_summary_tokens", "max_rounds", "render", "replay_mode", "share_cache", "strategy",
+    "layout", "chunk_tokens", "index_summary_tokens", "index_max_tokens", "keep_at",
     "clear_at_least", "cache_ttl_s",
 }
 _PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
@@ -333,6 +337,8 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
         changes["render"] = _choice(raw["render"], RENDERS, f"{path}.render")
     if "replay_mode" in raw:
         changes["replay_mode"] = _bool(raw["replay_mode"], f"{path}.replay_mode")
+    if "share_cache" in raw:
+        changes["share_cache"] = _bool(raw["share_cache"], f"{path}.share_cache")
     if "strategy" in raw:
         changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
     if "layout" in raw:

@@ -51,6 +51,7 @@ from tenacity.stop import stop_base
 from storage.kinds import ModelFailure
 from storage.messages import Message
 from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
+from worker.compaction.sharing import CacheHints
 from worker.llm.breaker import Breaker
 from worker.llm.candidates import Candidate
 from worker.llm.errors import (
@@ -93,15 +94,18 @@ class SummaryRequest:
     max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
     validate: Validator | None = None
     local: LocalSummarizer | None = None
+    # The runtime's cache hints, for a call that begins with its last request (sharing).
+    cache: CacheHints | None = None
 
     @classmethod
     def of(cls, chat: Sequence[ChatMessage], messages: Sequence[Message] = (),
            existing_summary: str | None = None, max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
            validate: Validator | None = None, tools: Sequence[Tool] = (),
-           local: LocalSummarizer | None = None) -> SummaryRequest:
+           local: LocalSummarizer | None = None, cache: CacheHints | None = None
+           ) -> SummaryRequest:
         return cls(chat=tuple(dict(m) for m in chat), messages=tuple(messages),
                    existing_summary=existing_summary, max_tokens=max_tokens, validate=validate,
-                   tools=tuple(dict(t) for t in tools), local=local)
+                   tools=tuple(dict(t) for t in tools), local=local, cache=cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +348,8 @@ class _Run:
         loop = asyncio.get_running_loop()
         policy, rng, max_tokens = self.retry, self.rng, self.request.max_tokens
         tools = self.request.tools
+        # Only a shared call carries hints; a provider that takes none is never passed any.
+        hints: dict[str, Any] = {"cache": self.request.cache} if self.request.cache else {}
         # tenacity's retrying object stays in a reference cycle after the call (its iteration
         # state holds its own bound methods), so all its callbacks reach waits for the garbage
         # collector (a failed call's error too: see the except below). They reach only this
@@ -371,7 +377,7 @@ class _Run:
 
         async def call() -> Completion:
             counter.n += 1
-            return await provider.complete(held[0], max_tokens=max_tokens, tools=tools)
+            return await provider.complete(held[0], max_tokens=max_tokens, tools=tools, **hints)
 
         retrying = AsyncRetrying(
             stop=(stop_after_attempt(policy.max_attempts)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pydantic
 
 from storage.kinds import ModelFailure
+from worker.compaction.sharing import CacheHints
 from worker.llm.candidates import Availability, Candidate
 from worker.llm.errors import ProviderError, Unavailable
 from worker.llm.usage import Usage
@@ -107,7 +108,8 @@ class Provider(Protocol):
     candidate: Candidate
 
     async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int,
-                       tools: Sequence[Tool] = ()) -> Completion: ...
+                       tools: Sequence[Tool] = (), cache: CacheHints | None = None
+                       ) -> Completion: ...
 
     async def aclose(self) -> None: ...
 
@@ -201,12 +203,16 @@ class OpenAIChatProvider:
         self._max_output = max_output_tokens
 
     async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int,
-                       tools: Sequence[Tool] = ()) -> Completion:
+                       tools: Sequence[Tool] = (), cache: CacheHints | None = None
+                       ) -> Completion:
         import openai  # imported by build_provider already: a dictionary lookup
         limit = _cap(max_tokens, self._max_output)
         kwargs: dict[str, Any] = {self._token_param: limit}
         if tools:
             kwargs["tools"] = [openai_tool(t) for t in tools]
+        if cache is not None and cache.prompt_cache_key:
+            # The runtime's key routes the call to the cache its requests filled.
+            kwargs["prompt_cache_key"] = cache.prompt_cache_key
         with sdk_errors(openai, _openai_body):
             raw = await self._client.chat.completions.with_raw_response.create(
                 model=self.candidate.model_id, messages=[dict(m) for m in chat],  # type: ignore[misc]
@@ -339,10 +345,15 @@ class AnthropicProvider:
         self._max_output = max_output_tokens
 
     async def complete(self, chat: Sequence[ChatMessage], *, max_tokens: int,
-                       tools: Sequence[Tool] = ()) -> Completion:
+                       tools: Sequence[Tool] = (), cache: CacheHints | None = None
+                       ) -> Completion:
         import anthropic  # imported by build_provider already: a dictionary lookup
         system, messages = anthropic_messages(chat)
         kwargs: dict[str, Any] = {"system": system} if system else {}
+        if cache is not None and cache.cache_control:
+            blocks, messages = with_breakpoints(system, messages, cache.cache_control)
+            if blocks:
+                kwargs["system"] = blocks
         if tools:
             kwargs["tools"] = [anthropic_tool(t) for t in tools]
         with sdk_errors(anthropic, _anthropic_body):
@@ -401,6 +412,27 @@ def anthropic_messages(chat: Sequence[ChatMessage]) -> tuple[str, list[dict[str,
         if blocks:
             out.append({"role": role, "content": blocks})
     return "\n\n".join(system), out
+
+
+def with_breakpoints(system: str, messages: list[dict[str, Any]], control: dict[str, Any]
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A shared call's system and messages with the runtime's breakpoints: where an Anthropic
+    runtime puts them, on its system prompt (one text block) and on the last block of its
+    request's last message, which in a shared call is the message before the instruction. The
+    call then reads the entry the runtime's last request wrote; the instruction after it sets
+    none (nothing reads a summary call's prompt again)."""
+    blocks = [{"type": "text", "text": system, "cache_control": dict(control)}] if system else []
+    out = list(messages)
+    if len(out) >= 2:
+        last = out[-2]
+        content = last["content"]
+        parts: list[dict[str, Any]] = ([{"type": "text", "text": content}]
+                                       if isinstance(content, str)
+                                       else [dict(b) for b in content])
+        if parts:
+            parts[-1] = {**parts[-1], "cache_control": dict(control)}
+            out[-2] = {**last, "content": parts}
+    return blocks, out
 
 
 def _anthropic_blocks(content: object) -> list[dict[str, Any]]:
