@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage.connectors import connector_for
+from storage.deletion import DeletionMixin
 from storage.database import (
     connection,
     create_engine,
@@ -125,7 +126,7 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
                           links=BatchLinks(messages))
 
 
-class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin):
+class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin, DeletionMixin):
     """Sessions, the event log and the surface."""
 
     def __init__(self, engine: AsyncEngine, *, kept_connections: int = 1) -> None:
