@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -77,13 +77,29 @@ class DeletionMixin:
         async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
                            nowait: bool = False) -> SessionInfo: ...
 
+    @overload
     async def delete_session(self, session_id: str, *, tenant: str | None = None,
                              batch: int = DELETE_BATCH_ROWS, now: dt.datetime | None = None
-                             ) -> DeletionResult:
+                             ) -> DeletionResult: ...
+
+    @overload
+    async def delete_session(self, session_id: str, *, tenant: str | None = None,
+                             batch: int = DELETE_BATCH_ROWS, now: dt.datetime | None = None,
+                             idle_before: dt.datetime) -> DeletionResult | None: ...
+
+    async def delete_session(self, session_id: str, *, tenant: str | None = None,
+                             batch: int = DELETE_BATCH_ROWS, now: dt.datetime | None = None,
+                             idle_before: dt.datetime | None = None) -> DeletionResult | None:
         """Delete the session and every row of it. With ``tenant``, a session of another tenant
-        is not found (and nothing is deleted). SessionNotFound when there is none."""
+        is not found (and nothing is deleted). With ``idle_before`` (retention), only a session
+        with no append since then and no live lease: None, and nothing deleted, for one that is
+        not. SessionNotFound when there is none."""
         now = now or utcnow()
-        cancelled = await self._begin_delete(session_id, tenant=tenant, now=now)
+        try:
+            cancelled = await self._begin_delete(session_id, tenant=tenant, now=now,
+                                                 idle_before=idle_before)
+        except _InUse:
+            return None
         rows: dict[str, int] = {table.name: 0 for table in SESSION_TABLES}
         while True:
             # A pass over every table; appends meanwhile add rows, so passes go on until one
@@ -110,8 +126,8 @@ class DeletionMixin:
             rows["sessions"] = result.rowcount or 0
         return DeletionResult(session_id=session_id, rows=rows, cancelled_run=cancelled)
 
-    async def _begin_delete(self, session_id: str, *, tenant: str | None, now: dt.datetime
-                            ) -> str | None:
+    async def _begin_delete(self, session_id: str, *, tenant: str | None, now: dt.datetime,
+                            idle_before: dt.datetime | None) -> str | None:
         """Fence the session off: its run in flight ends ``cancelled``, its lease becomes the
         deletion's. The id of the run cancelled, if any."""
         c, r = t.sessions.c, t.compaction_runs.c
@@ -119,6 +135,10 @@ class DeletionMixin:
             info = await self._session(conn, session_id, lock=True)
             if tenant is not None and info.tenant != tenant:
                 raise SessionNotFound(session_id)
+            if idle_before is not None and (
+                    (info.last_append_at or info.created_at) >= idle_before
+                    or (info.lease_expires_at is not None and info.lease_expires_at > now)):
+                raise _InUse()
             cancelled = None
             if info.lease_run_id is not None:
                 result = await conn.execute(
@@ -202,6 +222,10 @@ class DeletionMixin:
         async with connection(self.engine) as conn:
             return [BeatRun(r.name, r.finished_at, r.result or {})
                     for r in await conn.execute(stmt)]
+
+
+class _InUse(Exception):
+    """The session appended or took a lease since retention picked it."""
 
 
 def _batch_delete(table: sa.Table) -> Any:

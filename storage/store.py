@@ -21,7 +21,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage.connectors import connector_for
-from storage.deletion import DeletionMixin
 from storage.database import (
     connection,
     create_engine,
@@ -30,6 +29,7 @@ from storage.database import (
     transaction,
     translate,
 )
+from storage.deletion import DeletionMixin
 from storage.errors import (
     CompactdError,
     InvalidMessage,
