@@ -20,6 +20,7 @@ from storage.errors import LeaseLost, SessionNotFound
 from storage.messages import parse_openai
 from storage.records import Claim, Replacement, utcnow
 from storage.store import Store
+from tests.support.tables import session_row_counts, session_tables
 from worker.orchestration import compact
 from worker.retention import RETENTION_RUN, purge_expired
 from worker.runtime import Deps, open_deps
@@ -27,34 +28,6 @@ from worker.settings import RetentionConfig, Settings, build_config
 
 POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
           "keep": {"type": "messages", "value": 12}}
-
-
-async def _session_tables(store: Store) -> dict[str, str]:
-    """Every table of the live database with a column naming a session, and that column: the
-    schema's tables (``storage.schema.metadata``) and what migrations create beside them (SQLite's
-    FTS5 table), read from the database itself so a table added later is listed too."""
-    async with snapshot(store.engine) as conn:
-        def tables(sync: Any) -> dict[str, str]:
-            inspector = sa.inspect(sync)
-            found = {}
-            for name in inspector.get_table_names():
-                columns = {c["name"] for c in inspector.get_columns(name)}
-                if "session_id" in columns:
-                    found[name] = "session_id"
-                elif name == "sessions":
-                    found[name] = "id"
-            return found
-        return await conn.run_sync(tables)
-
-
-async def _rows_of(store: Store, session_id: str) -> dict[str, int]:
-    out = {}
-    async with snapshot(store.engine) as conn:
-        for name, column in (await _session_tables(store)).items():
-            out[name] = int((await conn.execute(
-                sa.text(f"SELECT count(*) FROM {name} WHERE {column} = :s"),  # noqa: S608
-                {"s": session_id})).scalar() or 0)
-    return out
 
 
 async def _full_session(deps: Deps, session_id: str, tenant: str) -> None:
@@ -82,25 +55,25 @@ async def test_after_delete_no_row_of_the_session_remains_in_any_table(deps: Dep
     store = deps.store
     await _full_session(deps, "gone", "acme")
     await _full_session(deps, "kept", "acme")
-    tables = await _session_tables(store)
+    tables = await session_tables(store)
     # Every table of the schema holding a session's rows is one the deletion walks.
     schema_tables = {table.name for table in t.metadata.sorted_tables if "session_id" in table.c}
     assert schema_tables == {table.name for table in SESSION_TABLES}
     assert schema_tables <= tables.keys()
-    before = await _rows_of(store, "gone")
+    before = await session_row_counts(store, "gone")
     populated = {name for name, n in before.items() if n}
     # The session really had rows everywhere the schema has room for them.
     assert populated == set(tables), sorted(set(tables) - populated)
     assert schema_tables | {"sessions"} <= populated
-    kept = await _rows_of(store, "kept")
+    kept = await session_row_counts(store, "kept")
 
     async with CompactdClient(deps.config, store=store) as client:
         result = await client.delete("gone")
     assert result.rows["events"] == before["events"] and result.rows["sessions"] == 1
 
-    after = await _rows_of(store, "gone")
+    after = await session_row_counts(store, "gone")
     assert after == dict.fromkeys(tables, 0), {k: n for k, n in after.items() if n}
-    assert await _rows_of(store, "kept") == kept
+    assert await session_row_counts(store, "kept") == kept
     assert (await store.verify("kept")).ok
     with pytest.raises(SessionNotFound):
         await store.get_session("gone")
@@ -112,22 +85,22 @@ async def test_after_delete_no_row_of_the_session_remains_in_any_table(deps: Dep
 async def test_a_deletion_in_small_batches_deletes_the_same(deps: Deps) -> None:
     store = deps.store
     await _full_session(deps, "gone", "acme")
-    tables = await _session_tables(store)
+    tables = await session_tables(store)
     result = await store.delete_session("gone", batch=3)
     assert result.rows["events"] > 3 * 10
-    assert await _rows_of(store, "gone") == dict.fromkeys(tables, 0)
+    assert await session_row_counts(store, "gone") == dict.fromkeys(tables, 0)
 
 
 async def test_another_tenants_session_is_not_found_and_nothing_is_deleted(deps: Deps) -> None:
     store = deps.store
     await _full_session(deps, "theirs", "acme")
-    before = await _rows_of(store, "theirs")
+    before = await session_row_counts(store, "theirs")
     async with CompactdClient(deps.config, store=store) as client:
         with pytest.raises(SessionNotFound):
             await client.delete("theirs", tenant="globex")
         with pytest.raises(SessionNotFound):
             await client.delete("nobody", tenant="acme")
-    assert await _rows_of(store, "theirs") == before
+    assert await session_row_counts(store, "theirs") == before
     assert (await store.get_session("theirs")).lease_owner is None
 
 
@@ -170,7 +143,7 @@ async def test_a_commit_after_the_deletion_finds_no_session(store: Store) -> Non
     with pytest.raises(SessionNotFound):
         await store.commit("busy", run_id=claim.run_id, fence=claim.fence,
                            replacements=[replacement], now=utcnow())
-    assert await _rows_of(store, "busy") == dict.fromkeys(await _session_tables(store), 0)
+    assert await session_row_counts(store, "busy") == dict.fromkeys(await session_tables(store), 0)
 
 
 async def test_appends_during_a_deletion_are_deleted_with_it(store: Store) -> None:
@@ -179,7 +152,7 @@ async def test_appends_during_a_deletion_are_deleted_with_it(store: Store) -> No
     await store._begin_delete("live", tenant=None, now=utcnow(), idle_before=None)
     await store.append("live", [parse_openai({"role": "user", "content": "b"})] * 5)
     await store.delete_session("live", batch=2)
-    assert await _rows_of(store, "live") == dict.fromkeys(await _session_tables(store), 0)
+    assert await session_row_counts(store, "live") == dict.fromkeys(await session_tables(store), 0)
 
 
 async def _age(store: Store, session_id: str, days: float) -> None:
@@ -206,8 +179,8 @@ async def test_retention_purges_old_originals_and_idle_sessions_only(deps: Deps)
         await store.clear_manual(sid, f"task-{sid}")
     await _age(store, "old", 10)
     await _age(store, "idle", 40)
-    fresh = await _rows_of(store, "fresh")
-    old_rows = await _rows_of(store, "old")
+    fresh = await session_row_counts(store, "fresh")
+    old_rows = await session_row_counts(store, "old")
     idle_originals = await _originals(store, "idle")
     assert await _originals(store, "old") > 0
 
@@ -218,12 +191,12 @@ async def test_retention_purges_old_originals_and_idle_sessions_only(deps: Deps)
     assert result.originals == old_rows["recall_originals"] + idle_originals
     assert await _originals(store, "old") == 0
     # Nothing else of the old session went: its log still replays.
-    assert {k: n for k, n in (await _rows_of(store, "old")).items()
+    assert {k: n for k, n in (await session_row_counts(store, "old")).items()
             if k not in ("recall_originals", "recall_fts")} == {
         k: n for k, n in old_rows.items() if k not in ("recall_originals", "recall_fts")}
     assert (await store.verify("old")).ok
-    assert await _rows_of(store, "idle") == dict.fromkeys(await _session_tables(store), 0)
-    assert await _rows_of(store, "fresh") == fresh
+    assert await session_row_counts(store, "idle") == dict.fromkeys(await session_tables(store), 0)
+    assert await session_row_counts(store, "fresh") == fresh
     [run] = await store.beat_runs([RETENTION_RUN])
     assert run.result == result.to_json()
     assert (utcnow() - run.finished_at).total_seconds() < 60
