@@ -50,8 +50,8 @@ SESSION_TABLES: tuple[sa.Table, ...] = tuple(sorted(
 @dataclass(frozen=True, slots=True)
 class DeletionResult:
     session_id: str
-    # Rows deleted per table (the session row under "sessions"); what the final transaction's
-    # cascade removed is counted under the table that held it only as far as it was counted.
+    # Rows deleted per table (the session row under "sessions"), but for those appended during
+    # the deletion that the final transaction's cascade removed.
     rows: dict[str, int] = field(default_factory=dict)
     cancelled_run: str | None = None
 

@@ -146,15 +146,8 @@ def test_a_deletion_cancels_the_run_in_flight_which_commits_nothing(
     deleted = stack.cli_json("delete", "doomed")
     assert deleted["cancelled_run"] == held.id, deleted
 
-    def task_line() -> dict[str, Any] | None:
-        for line in stack.log("w1").splitlines():
-            if line.startswith("{") and f"compaction.run[{held.task_id}]" in line:
-                entry: dict[str, Any] = json.loads(line)
-                if entry["logger"] == "celery.app.trace":
-                    return entry
-        return None
-
-    entry = wait_until(task_line, timeout=60, what="the held run's task to end")
+    entry = wait_until(lambda: stack.task_ended("w1", held.task_id), timeout=60,
+                       what="the held run's task to end")
     # The run ended cancelled, as asked: its task succeeds and says who ended it.
     assert entry["level"] == "info" and " succeeded in " in entry["msg"], entry
     assert "'failure_class': 'cancelled'" in entry["msg"], entry["msg"]
