@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler import check, commands, leases
+from scheduler import check, commands, deletion, leases
 from scheduler.args import positive_int
 from scheduler.output import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, emit, open_store, redact_url, say
 from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.register(sub)
     leases.register(sub)
+    deletion.register(sub)
     check.register(sub)
     return parser
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from scheduler.args import parse_keep
 from scheduler.intake import SignalResult, accept_signal, parse_signal
+from storage.deletion import DeletionResult
 from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
 from storage.kinds import FailureClass, RunStatus, SignalReason, Trigger
@@ -223,6 +224,17 @@ class CompactdClient:
         await _warm_counter(info.run_model)
         return SessionHandle(self, info, created=created)
 
+    async def delete(self, session_id: str, *, tenant: str | None = None) -> DeletionResult:
+        """Delete the session and every row of it: its log, surface, recall index, runs,
+        journal, queued manual request and pending signal. A run in flight ends ``cancelled``
+        and commits nothing. With ``tenant``, another tenant's session is not found and nothing
+        is deleted. SessionNotFound when there is no such session."""
+        check_session_id(session_id)
+        if tenant is not None:
+            check_tenant(tenant)
+        await self._ensure_schema()
+        return await self.store.delete_session(session_id, tenant=tenant)
+
     async def get_session(self, session_id: str) -> SessionHandle:
         check_session_id(session_id)
         await self._ensure_schema()
@@ -366,6 +378,10 @@ class SessionHandle:
         run = await self._wait_for_run(queued.task_id, timeout_s)
         return run_result(run, self._config.prices)
 
+    async def delete(self) -> DeletionResult:
+        """Delete this session and every row of it (:meth:`CompactdClient.delete`)."""
+        return await self.client.delete(self.id, tenant=self.info.tenant)
+
     async def report_overflow(self, *, wait: bool = True, timeout_s: float = 60.0
                               ) -> OverflowResult:
         """The provider said the context overflowed: force a compaction now.
@@ -476,6 +492,9 @@ class Client:
     def get_session(self, session_id: str) -> SyncSession:
         handle = self._loop.submit(lambda: self._async.get_session(session_id))
         return SyncSession(self._loop, handle)
+
+    def delete(self, session_id: str, *, tenant: str | None = None) -> DeletionResult:
+        return self._loop.submit(lambda: self._async.delete(session_id, tenant=tenant))
 
 
 async def _open(config: Config | None) -> CompactdClient:

@@ -7,12 +7,14 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
+from storage.deletion import BeatRun
 from storage.kinds import RunStatus
 from storage.records import RunRecord, SessionInfo, utcnow
 from storage.store import Store
 from worker.cost import Price, total_usage, usage_cost
 from worker.lead import lead_used
 from worker.pressure import session_policy
+from worker.retention import RETENTION_RUN
 from worker.settings import Config
 from worker.sweeps import least_runways
 
@@ -54,7 +56,15 @@ async def status(store: Store, *, since: dt.datetime | None = None,
         if config is not None else [],
         "costliest": await costliest_sessions(
             store, config.prices if config is not None else {}, since=since),
+        # When retention's purge last ran and what it removed (null: never).
+        "retention": next((_beat_run(run) for run in await store.beat_runs([RETENTION_RUN])),
+                          None),
     }
+
+
+def _beat_run(run: BeatRun) -> dict[str, Any]:
+    return {"last_run_at": run.finished_at.isoformat(),
+            "age_s": _seconds(utcnow() - run.finished_at), "purged": run.result}
 
 
 async def session_status(store: Store, session_id: str, *, limit: int = 20,
@@ -236,6 +246,14 @@ def render_status(body: dict[str, Any]) -> str:
         lines.append(f"  {r['session']}: runway {r['runway_s']:g} s, {r['tokens']}/{r['window']} "
                      f"tokens, growing {r['rate_per_s']:g} tokens/s")
     lines.extend(render_costliest(body.get("costliest", [])))
+    retention = body.get("retention")
+    if retention is None:
+        lines.append("retention: never ran")
+    else:
+        purged = retention["purged"]
+        lines.append(f"retention: last ran {retention['last_run_at'][:19]} "
+                     f"({retention['age_s']:g} s ago), purged {purged.get('originals', 0)} "
+                     f"originals and {purged.get('sessions', 0)} idle sessions")
     lines.append(f"recent runs: {len(body['recent'])}")
     for run in body["recent"]:
         what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")

@@ -299,6 +299,15 @@ recall_originals = sa.Table(
     sa.Column("bytes", sa.Integer, nullable=False),
 )
 
+# The last run of each beat task that records itself (migration 0018): retention's purge, so
+# `compactd status` can say when it last ran and what it removed.
+beat_runs = sa.Table(
+    "beat_runs", metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("finished_at", UTCDateTime, nullable=False),
+    sa.Column("result", JSONText, nullable=True),
+)
+
 # Objects migrations create that the models cannot describe (an FTS5 table and its shadow
 # tables, a GIN index with an operator class, a partial index): ``alembic check`` leaves them be.
 UNMANAGED_SCHEMA = ("recall_fts", "ix_recall_originals_trgm", "ix_recall_originals_pending")

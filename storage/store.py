@@ -29,6 +29,7 @@ from storage.database import (
     transaction,
     translate,
 )
+from storage.deletion import DeletionMixin
 from storage.errors import (
     CompactdError,
     InvalidMessage,
@@ -126,7 +127,8 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
                           links=BatchLinks(messages))
 
 
-class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin, LeadsMixin):
+class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin, LeadsMixin,
+            DeletionMixin):
     """Sessions, the event log and the surface."""
 
     def __init__(self, engine: AsyncEngine, *, kept_connections: int = 1) -> None:

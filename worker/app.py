@@ -19,7 +19,15 @@ from click.core import ParameterSource
 from kombu import Exchange, Queue
 
 from worker import broker, logs
-from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_REAP, TASK_RUN, TASK_SWEEP
+from worker.keys import (
+    QUEUE_BULK,
+    QUEUE_PRESSURE,
+    QUEUE_URGENT,
+    TASK_REAP,
+    TASK_RETENTION,
+    TASK_RUN,
+    TASK_SWEEP,
+)
 from worker.settings import Config, broker_dirs, load_config
 
 # How much longer than the longest task a Redis message stays invisible before redelivery.
@@ -98,12 +106,16 @@ def celery_settings(config: Config) -> dict[str, Any]:
                         (QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)],
         "task_routes": {TASK_RUN: {"queue": QUEUE_PRESSURE},
                         TASK_SWEEP: {"queue": QUEUE_PRESSURE},
-                        TASK_REAP: {"queue": QUEUE_PRESSURE}},
+                        TASK_REAP: {"queue": QUEUE_PRESSURE},
+                        TASK_RETENTION: {"queue": QUEUE_PRESSURE}},
         "beat_schedule": {
             "sweep": {"task": TASK_SWEEP, "schedule": w.sweep_interval_s,
                       "options": {"expires": w.sweep_interval_s}},
             "reap": {"task": TASK_REAP, "schedule": w.reap_interval_s,
                      "options": {"expires": w.reap_interval_s}},
+            **({"retention": {"task": TASK_RETENTION, "schedule": config.retention.interval_s,
+                              "options": {"expires": config.retention.interval_s}}}
+               if config.retention.enabled else {}),
         },
         "beat_schedule_filename": str(config.home / "celerybeat-schedule"),
         # compactd's own structured logging (worker.logs) is installed by the setup_logging

@@ -10,6 +10,7 @@ QUEUES = (QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)
 TASK_RUN = "compaction.run"
 TASK_SWEEP = "compaction.sweep"
 TASK_REAP = "compaction.reap"
+TASK_RETENTION = "retention.purge"
 
 RATE_PREFIX = "compactd:rate:"
 RATE_PROVIDER = "provider"  # the global model-call meter

@@ -94,6 +94,14 @@ class Metrics:
             "From a session's pending-signal mark to the end of the automatic run that "
             "committed its checkpoint.",
             ["trigger"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.retention_purged = Counter(
+            "compactd_retention_purged",
+            "What retention's purge deleted: recall originals past retention.originals_days, "
+            "sessions idle past retention.sessions_idle_days, and those sessions' rows.",
+            ["what"], registry=registry)
+        self.retention_last_run = Gauge(
+            "compactd_retention_last_run_timestamp_seconds",
+            "When retention's purge last finished (Unix time).", registry=registry)
         self.fleet = FleetCollector()
         registry.register(self.fleet)
 

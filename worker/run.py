@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.database import deadline
-from storage.errors import DeadlinePassed, LeaseLost, StorageError, SurfaceChanged
+from storage.deletion import DELETED_ERROR, DELETER
+from storage.errors import (
+    DeadlinePassed,
+    LeaseLost,
+    SessionNotFound,
+    StorageError,
+    SurfaceChanged,
+)
 from storage.kinds import FailureClass, JournalKind, NodeKind, RunStatus, Trigger
 from storage.leases import REAPER
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
@@ -142,6 +149,9 @@ def failure_of(exc: BaseException, *, past_deadline: bool, deadline_s: float
     passed, a failed write (a lock wait or a statement the deadline ended) is the deadline's
     doing: ``cancelled``."""
     passed = f"the run passed its deadline ({deadline_s:g} s)"
+    if isinstance(exc, SessionNotFound):
+        # Deleted under the run (`compactd delete`): the commit found no session.
+        return FailureClass.CANCELLED, DELETED_ERROR
     if isinstance(exc, TimeoutError | DeadlinePassed):
         return FailureClass.CANCELLED, passed
     if isinstance(exc, LeaseLost):
@@ -234,7 +244,7 @@ class RunScope:
                     with contextlib.suppress(Exception):
                         await asyncio.shield(self._end_failed())
                 raise
-            except (TimeoutError, StorageError, RunFailed) as exc:
+            except (TimeoutError, StorageError, RunFailed, SessionNotFound) as exc:
                 if out.ended:
                     # The run's end is committed: what failed after it (the loop guard's
                     # bookkeeping) does not make it a failed run.
@@ -320,6 +330,11 @@ class RunScope:
                     and out.failure_class == FailureClass.ABANDONED):
                 out.error = run.error
                 out.released_by = await self._released_by()
+            if run is None or run.failure_class == FailureClass.CANCELLED:
+                # A deletion of the session took the lease and ended the run, or has deleted
+                # its row already (storage.deletion): the run ended as asked.
+                out.fail(FailureClass.CANCELLED, DELETED_ERROR)
+                out.released_by = DELETER
         if run is not None and run.status == RunStatus.COMMITTED:
             out.outcome, out.failure_class, out.error = RunStatus.COMMITTED, None, None
             out.ended = True
@@ -340,6 +355,10 @@ class RunScope:
         """End the run's journal; if even that fails, the lease expires and the reaper ends it."""
         try:
             await self._end_failed()
+        except SessionNotFound:
+            # Deleted under the run: nothing of it is left to end.
+            self.out.fail(FailureClass.CANCELLED, DELETED_ERROR)
+            self.out.released_by = DELETER
         except StorageError as exc:
             logger.warning("could not record the end of a failed run; the reaper will",
                            extra={"action": "compaction.finish_failed", "error": str(exc)})

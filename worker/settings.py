@@ -182,12 +182,32 @@ class ApiConfig(_Strict):
     cpu_processes: int = Field(default=1, ge=0, le=64)
 
 
+_DAYS = Field(default=None, gt=0, strict=True)
+
+
+class RetentionConfig(_Strict):
+    """``retention:``, what the beat's purge deletes (unset: kept for ever). ``originals_days``:
+    the recall index's originals (the text of what compaction replaced, kept searchable) of
+    messages appended longer ago; ``sessions_idle_days``: whole sessions with no append for
+    that long, with everything of them (as ``compactd delete``). ``interval_s``: how often the
+    purge runs."""
+
+    originals_days: float | None = _DAYS
+    sessions_idle_days: float | None = _DAYS
+    interval_s: float = Field(default=3600.0, gt=0, strict=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.originals_days is not None or self.sessions_idle_days is not None
+
+
 class FileConfig(_Strict):
     models: tuple[ModelSpec, ...] = ()
     default_model: str | None = None
     worker: WorkerConfig = WorkerConfig()
     api: ApiConfig = ApiConfig()
     prices: dict[str, PriceSpec] = Field(default_factory=dict)
+    retention: RetentionConfig = RetentionConfig()
 
 
 class Settings(BaseSettings):
@@ -226,6 +246,7 @@ class Config:
     # USD per million tokens, by configured model name (see worker.cost). Out of the hash (a
     # dict has none): a Config keys caches, and prices change no cached object.
     prices: Mapping[str, Price] = field(default_factory=dict, hash=False)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     log_format: str = "auto"
     log_level: str = "INFO"
     config_path: str | None = None
@@ -289,7 +310,8 @@ def read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-_FILE_KEYS = {"models", "default_model", "summarization", "worker", "api", "prices"}
+_FILE_KEYS = {"models", "default_model", "summarization", "worker", "api", "prices",
+              "retention"}
 
 
 def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
@@ -337,6 +359,7 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
         policy=policy, lead=lead, worker=worker, api=file_config.api, prices=prices,
+        retention=file_config.retention,
         log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
 

@@ -29,11 +29,12 @@ from storage.kinds import FailureClass, ItemState, RunStatus, Trigger
 from storage.records import utcnow
 from worker import logs
 from worker.enqueue import Enqueuer, broker_errors, follow_up
-from worker.keys import TASK_REAP, TASK_RUN, TASK_SWEEP
+from worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP
 from worker.llm.providers import import_sdks
 from worker.metrics import FleetSnapshot, metrics, serve
 from worker.orchestration import compact
 from worker.pressure import Runway
+from worker.retention import purge_expired
 from worker.run import AUTOMATIC_TRIGGERS, Outcome
 from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from worker.settings import Config, load_config
@@ -164,6 +165,21 @@ def reap(self: Task) -> int:
         return len(reaped)
 
     return process_loop(config).run(go)
+
+
+@shared_task(name=TASK_RETENTION, bind=True, ignore_result=True)
+def retention(self: Task) -> dict[str, int]:
+    config = _config(self.app)
+
+    async def go(deps: Deps) -> dict[str, int]:
+        return (await purge_expired(deps.store, config.retention)).to_json()
+
+    purged = process_loop(config).run(go)
+    m = metrics()
+    for what in ("originals", "sessions", "session_rows"):
+        m.retention_purged.labels(what).inc(purged[what])
+    m.retention_last_run.set(time.time())
+    return purged
 
 
 # The log context of the compaction.run a task thread is running, from task_prerun to

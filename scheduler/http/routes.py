@@ -16,6 +16,7 @@ from scheduler.http.bodies import decode_append, in_body
 from scheduler.http.schemas import (
     AppendIn,
     CompactIn,
+    DeletedOut,
     ErrorOut,
     HealthOut,
     OverflowIn,
@@ -218,6 +219,19 @@ def add_routes(app: FastAPI) -> None:
         """The session's totals, lease, loop-guard flag and recent runs (newest first)."""
         return await session_status(api.store, info.id, prices=api.config.prices,
                                     lead_config=api.config)
+
+    @app.delete(API_PREFIX + "/sessions/{session_id}", response_model=DeletedOut,
+                operation_id="deleteSession", responses=_COMMON, tags=["sessions"])
+    async def delete_session(session_id: SessionId, tenant: Tenant, api: ApiDep) -> DeletedOut:
+        """Delete the session and every row of it (log, surface, recall index, runs, journal,
+        pending signal); a run in flight ends cancelled. Another tenant's session is not found,
+        and nothing of it is deleted."""
+        api.forget(session_id)
+        try:
+            result = await api.client.delete(session_id, tenant=tenant)
+        finally:
+            api.forget(session_id)
+        return DeletedOut(**result.to_json())
 
     @app.post(API_PREFIX + "/sessions/{session_id}/messages", response_model=StepOut,
               operation_id="appendMessages",

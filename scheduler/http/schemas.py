@@ -72,6 +72,15 @@ class SessionOut(BaseModel):
     created: bool
 
 
+class DeletedOut(BaseModel):
+    """A deleted session: the rows removed per table, and the run in flight it cancelled."""
+
+    session: str
+    deleted: bool
+    rows: dict[str, int]
+    cancelled_run: str | None
+
+
 # The three wire shapes, documented (and so reachable by schema-driven fuzzers); the importers
 # of ``storage.messages`` validate each message against the shape ``format`` names.
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "null"},

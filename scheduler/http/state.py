@@ -127,6 +127,9 @@ class Api:
             self._sessions.clear()
         self._sessions[info.id] = info
 
+    def forget(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
     def handle(self, info: SessionInfo) -> SessionHandle:
         return SessionHandle(self.client, info)
 

@@ -357,15 +357,8 @@ def test_an_operator_release_ends_the_task_as_a_success_not_a_failure(
     out = stack.cli_json("lease", "release", "rel", "--run", held.id, "--by", "alice")
     assert out["released"] is True, out
 
-    def task_line() -> dict[str, Any] | None:
-        for line in stack.log("w1").splitlines():
-            if line.startswith("{") and f"compaction.run[{held.task_id}]" in line:
-                entry: dict[str, Any] = json.loads(line)
-                if entry["logger"] == "celery.app.trace":
-                    return entry
-        return None
-
-    entry = wait_until(task_line, timeout=60, what="the held run's task to end")
+    entry = wait_until(lambda: stack.task_ended("w1", held.task_id), timeout=60,
+                       what="the held run's task to end")
     assert entry["level"] == "info" and " succeeded in " in entry["msg"], entry
     assert "'released_by': 'alice'" in entry["msg"], entry["msg"]
     assert "CompactionFailed" not in stack.log("w1")

@@ -146,6 +146,16 @@ class Stack:
         path = self.home / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def task_ended(self, name: str, task_id: str | None) -> dict[str, Any] | None:
+        """Celery's own JSON line saying how the ``compaction.run`` task ``task_id`` ended in
+        worker ``name``'s log (succeeded or raised), None until it has."""
+        for line in self.log(name).splitlines():
+            if line.startswith("{") and f"compaction.run[{task_id}]" in line:
+                entry: dict[str, Any] = json.loads(line)
+                if entry["logger"] == "celery.app.trace":
+                    return entry
+        return None
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name, None)
         if proc is None or proc.poll() is not None:

@@ -1,0 +1,54 @@
+"""``retention:``: a positive number of days or nothing, refused at load naming the key; the
+beat runs the purge only when something is to be purged, as often as ``interval_s`` says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from storage.errors import ConfigError
+from worker.app import celery_settings
+from worker.keys import TASK_RETENTION
+from worker.settings import Settings, build_config, load_config
+
+SETTINGS = Settings(database_url="sqlite:///x.sqlite3", broker_url="memory://")
+
+
+@pytest.mark.parametrize("key", ["originals_days", "sessions_idle_days", "interval_s"])
+@pytest.mark.parametrize("value", [0, -1, -0.5, "30", "thirty", True, float("inf"),
+                                   float("nan"), [1], {"days": 1}])
+def test_a_retention_that_is_not_a_positive_number_names_its_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=rf"^retention\.{key}: "):
+        build_config({"retention": {key: value}}, settings=SETTINGS)
+
+
+def test_an_unknown_retention_key_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^retention\.originals: unknown key"):
+        build_config({"retention": {"originals": 3}}, settings=SETTINGS)
+
+
+@pytest.mark.parametrize(("retention", "scheduled"), [
+    ({}, None),
+    ({"interval_s": 60}, None),
+    ({"originals_days": 30}, 3600.0),
+    ({"sessions_idle_days": 0.5, "interval_s": 120}, 120.0),
+])
+def test_the_beat_runs_the_purge_only_when_retention_is_set(
+        retention: dict[str, Any], scheduled: float | None) -> None:
+    config = build_config({"retention": retention}, settings=SETTINGS)
+    entry = celery_settings(config)["beat_schedule"].get("retention")
+    if scheduled is None:
+        assert entry is None
+        return
+    assert entry["task"] == TASK_RETENTION and entry["schedule"] == scheduled
+    assert celery_settings(config)["task_routes"][TASK_RETENTION] == {
+        "queue": "compaction.pressure"}
+
+
+def test_the_example_config_shows_every_retention_key() -> None:
+    example = Path(__file__).resolve().parents[2] / "ops" / "compactd.example.yaml"
+    retention = load_config({}, path=str(example)).retention
+    assert (retention.originals_days, retention.sessions_idle_days, retention.interval_s) == (
+        90, 365, 3600)
