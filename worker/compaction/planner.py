@@ -277,7 +277,8 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         return done(actions, after.tokens, None,
                     f"only clear_tool_uses fired; the summary trigger did not: {reason}",
                     held=held)
-    if not inputs.force and held is None and not should_compact(after.ahead_by(lead, window), policy)[0]:
+    if (not inputs.force and held is None
+            and not should_compact(after.ahead_by(lead, window), policy)[0]):
         return done(actions, after.tokens, None,
                     "pruning alone brought pressure under the trigger")
 
