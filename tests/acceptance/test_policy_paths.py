@@ -151,7 +151,9 @@ def test_force_and_overflow_reduce_a_session_whose_only_tool_call_is_old(
 
 def test_clearing_old_tool_results_runs_on_its_own_trigger(make_stack: MakeStack,
                                                            fake: Any) -> None:
-    stack = make_stack(summarization={**MANUAL_ONLY, "clear_tool_uses": {
+    # clear_at_least 0: a clearing this small would otherwise wait to ride in a summary's
+    # commit (tests/acceptance/test_cache_breaks.py); here it is the only run there is.
+    stack = make_stack(summarization={**MANUAL_ONLY, "clear_at_least": 0, "clear_tool_uses": {
         "enabled": True, "trigger": 2000, "keep": 1}})
     stack.ingest("s1", coding_session(steps=12, big_output_lines=30).messages)
     before = stack.cli_json("surface", "s1")

@@ -476,7 +476,10 @@ def test_redis_restarted_during_a_run_loses_nothing(clean_pg: str, fake: FakePro
     broker = PrivateRedis(tmp_path)
     broker.start()
     stack = Stack(clean_pg, broker.url, tmp_path / "stack", fake_url=fake.url,
-                  summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 3000}]},
+                  # lead 0: an ingest reads as growth, and a lead would have the sweep fire
+                  # r-after, which must stay under its trigger for the CLI's run below.
+                  summarization={**ONE_CALL, "lead": 0,
+                                 "trigger": [{"type": "tokens", "value": 3000}]},
                   worker={"sweep_interval_s": 1.0, "reap_interval_s": 1.0, "lease_s": 10})
     try:
         fake.script(Behaviour(model="fake-gpt", latency_s=6.0, times=1))
