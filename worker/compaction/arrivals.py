@@ -22,6 +22,7 @@ from typing import Any
 
 from storage.messages import META_CHECKPOINT
 from storage.surface import SurfaceNode
+from worker.compaction.lead import percentile as nearest_rank
 from worker.compaction.policy import Clause
 
 # The claim-to-commit duration a run expects: a high percentile of recent runs', since the
@@ -52,11 +53,8 @@ def claim_to_commit_s(durations: Sequence[float],
                       percentile: float = CLAIM_TO_COMMIT_PERCENTILE) -> float | None:
     """The ``percentile`` of ``durations`` (seconds, any order; nearest rank), None when there
     are none: with no run to learn from, a run keeps at the claim."""
-    ordered = sorted(d for d in durations if math.isfinite(d) and d >= 0)
-    if not ordered:
-        return None
-    rank = max(1, math.ceil(percentile * len(ordered)))
-    return ordered[rank - 1]
+    usable = [d for d in durations if math.isfinite(d) and d >= 0]
+    return nearest_rank(usable, percentile) if usable else None
 
 
 def tokens_per_message(nodes: Sequence[SurfaceNode], recent: int = RECENT_MESSAGES
