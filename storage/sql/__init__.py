@@ -9,12 +9,15 @@ placeholders for SQLAlchemy's ``text()``. A query whose docstring has a ``postgr
 spell one statement differently, ``<name>_pg`` and ``<name>_sqlite`` are its two forms, and the
 connector picks its own (:meth:`storage.connectors.Connector.variant`).
 
-``functions/<name>.sql`` is the current definition of each PL/pgSQL function, in
+``functions/<name>.sql`` is the definition of each PL/pgSQL function, in
 ``pg_get_functiondef``'s form: the migrations create the functions from these files, and
-tests/migration compares what the database runs with them. Each exists once: the revision that
-first creates a function creates it as this file has it now, and a revision that changes it
-creates it again for a database migrated before the change (no store runs below the head
-revision, so no revision keeps an older text).
+tests/migration compares what the database runs with them. A function's name carries its
+version (``compactd_claim_v2``) and its text never changes once a release shipped it: a change
+is a new version, created by a new revision beside the old one, so the workers and clients of
+the previous release keep calling theirs through a rolling upgrade; a revision of a later
+release drops the old version (expand, then contract: ops/RUNBOOK.md, "Upgrades"). The
+unversioned ``compactd_claim`` and its kin are the first generation, which the releases up to
+revision 0018 call and revisions 0009 to 0016 create.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from typing import Any
 import aiosql
 from aiosql.types import SQLOperationType
 
-FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit", "compactd_recall_index")
+# The versions this code calls (queries.sql, recall.sql).
+FUNCTIONS = ("compactd_append_v2", "compactd_claim_v2", "compactd_commit_v2",
+             "compactd_recall_index_v2")
+# The versions the previous release calls, kept by the migrations until a later release's
+# contract revision drops them: a worker or client still on that release runs on the new schema.
+PREVIOUS_RELEASE_FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit",
+                              "compactd_recall_index")
 
 _HERE = resources.files(__name__)
 _QUERIES_TEXT = "\n\n".join(
@@ -113,3 +122,13 @@ def function_definition(name: str) -> str:
 def _uncommented(path: Any) -> str:
     text = path.read_text(encoding="utf-8")
     return "\n".join(line for line in text.splitlines() if not line.startswith("--")).strip()
+
+
+def function_signature(name: str) -> str:
+    """``name(type, ...)``: the function of file ``name`` as ``DROP FUNCTION`` names it (the
+    types of its parameters, in order)."""
+    match = re.search(r"CREATE OR REPLACE FUNCTION (\w+)\((.*?)\)\n", function_definition(name))
+    if match is None:
+        raise ValueError(f"storage/sql/functions/{name}.sql has no CREATE FUNCTION line")
+    types = [parameter.split(None, 1)[1] for parameter in match.group(2).split(", ")]
+    return f"{match.group(1)}({', '.join(types)})"

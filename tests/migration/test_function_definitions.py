@@ -1,5 +1,6 @@
 """The functions PostgreSQL runs are the ones storage/sql defines: after the migrations,
-``pg_get_functiondef`` of each equals its file, and compactd has no other function."""
+``pg_get_functiondef`` of each equals its file, and compactd has no other function than the
+versions this code calls and those the previous release calls."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import asyncpg
 import pytest
 
 from storage.migrate import upgrade
-from storage.sql import FUNCTIONS, function_definition
+from storage.sql import FUNCTIONS, PREVIOUS_RELEASE_FUNCTIONS, function_definition
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 
@@ -48,8 +49,8 @@ async def _definitions(url: str) -> dict[str, str]:
 
 def test_the_database_runs_the_functions_of_storage_sql(migrated_pg: str) -> None:
     running = asyncio.run(_definitions(migrated_pg))
-    assert sorted(running) == sorted(FUNCTIONS)
-    for name in FUNCTIONS:
+    assert sorted(running) == sorted(FUNCTIONS + PREVIOUS_RELEASE_FUNCTIONS)
+    for name in FUNCTIONS + PREVIOUS_RELEASE_FUNCTIONS:
         assert running[name] == normalized(function_definition(name)), (
             f"{name}: the migrations create another definition than "
             f"storage/sql/functions/{name}.sql")

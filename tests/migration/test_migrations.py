@@ -76,7 +76,7 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
     # Every revision adds to the sessions row the code reads, so the function is dropped from a
     # current schema rather than the schema being left at the revision before it.
     upgrade(empty_pg)
-    _execute(empty_pg, "DROP FUNCTION compactd_claim")
+    _execute(empty_pg, "DROP FUNCTION compactd_claim_v2")
 
     async def claim() -> object:
         store = Store.from_url(empty_pg)
@@ -117,7 +117,7 @@ def test_a_commit_on_a_schema_without_the_commit_function_says_run_migrate(empty
     from storage.store import Store
 
     upgrade(empty_pg)
-    _execute(empty_pg, "DROP FUNCTION compactd_commit")
+    _execute(empty_pg, "DROP FUNCTION compactd_commit_v2")
 
     async def attempt() -> None:
         store = Store.from_url(empty_pg)
