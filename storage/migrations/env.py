@@ -24,10 +24,38 @@ def _include_name(name: str | None, type_: str, _parents: object) -> bool:
     return not (type_ in ("table", "index", "column") and unmanaged(name))
 
 
+def _refuse_irreversible(connection: Connection) -> None:
+    """Refuse, before any step runs, a downgrade that passes a revision whose module states
+    why it cannot be undone (``DOWNGRADE_REFUSED``) and does not go to base: SQLite's DDL is not
+    transactional under Alembic, so a refusal raised by the step itself would leave the steps
+    above it done."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from alembic.script.revision import RevisionError
+    from alembic.util import CommandError
+
+    destination = context.get_revision_argument()
+    if destination is None:  # base: nothing is left that a release runs
+        return
+    current = MigrationContext.configure(connection).get_current_revision()
+    if current is None or current == destination:
+        return
+    script = ScriptDirectory.from_config(config)
+    try:
+        passed = list(script.iterate_revisions(current, destination))
+    except RevisionError:  # not below the current revision: an upgrade
+        return
+    for rev in passed:
+        refused = getattr(rev.module, "DOWNGRADE_REFUSED", None)
+        if refused and rev.revision != destination:
+            raise CommandError(f"downgrade to {destination} refused: {refused}")
+
+
 def _configure(connection: Connection) -> None:
     context.configure(connection=connection, target_metadata=target_metadata,
                       compare_type=True, render_as_batch=connection.dialect.name == "sqlite",
                       include_name=_include_name)
+    _refuse_irreversible(connection)
     with context.begin_transaction():
         context.run_migrations()
 

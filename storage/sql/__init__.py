@@ -17,7 +17,8 @@ is a new version, created by a new revision beside the old one, so the workers a
 the previous release keep calling theirs through a rolling upgrade; a revision of a later
 release drops the old version (expand, then contract: ops/RUNBOOK.md, "Upgrades"). The
 unversioned ``compactd_claim`` and its kin are the first generation, which the releases up to
-revision 0018 call and revisions 0009 to 0016 create.
+revision 0018 call and revisions 0009 to 0016 create; ``functions/<revision>/`` keeps the text
+of that generation a database at that revision ran, where a later revision replaced it.
 """
 
 from __future__ import annotations
@@ -114,9 +115,14 @@ def sqlite_text(name: str) -> str:
     return NAMED_TEXT[name]
 
 
-def function_definition(name: str) -> str:
-    """The ``CREATE OR REPLACE FUNCTION`` statement of ``name`` (its comment lines dropped)."""
-    return _uncommented(_HERE.joinpath("functions", f"{name}.sql"))
+def function_definition(name: str, revision: str | None = None) -> str:
+    """The ``CREATE OR REPLACE FUNCTION`` statement of ``name`` (its comment lines dropped); with
+    ``revision``, the text a database at that revision ran (``functions/<revision>/``), which a
+    later revision's downgrade restores: the first generation changed under its own name before
+    functions were versioned."""
+    folder = _HERE.joinpath("functions") if revision is None else _HERE.joinpath(
+        "functions", revision)
+    return _uncommented(folder.joinpath(f"{name}.sql"))
 
 
 def _uncommented(path: Any) -> str:

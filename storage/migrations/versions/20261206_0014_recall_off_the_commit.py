@@ -37,6 +37,15 @@ down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# The releases before this revision recorded recall in a trigger on events that kept every
+# original's text, with functions of their own that no revision keeps: no release could run on
+# the schema this downgrade would leave. Base (an empty schema) stays allowed.
+DOWNGRADE_REFUSED = (
+    "revision 0014 (recall off the commit) cannot be undone: the releases before it need "
+    "recall's trigger and their own SQL functions, which are not kept. Downgrade no further "
+    "than 0014, restore a backup taken before the upgrade past 0013, or downgrade to base (an "
+    "empty schema). Nothing was changed.")
+
 _COMMIT_0011 = ("compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[],"
                 " json[], int[], text[], json[], bigint[], bigint[], json, bigint[], bigint[])")
 _PENDING_INDEX = ("CREATE INDEX IF NOT EXISTS ix_recall_originals_pending ON recall_originals"
@@ -67,6 +76,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """Only the pending index goes: no store runs below the head revision, and revisions 0009
-    and 0010 create the functions and triggers as storage/sql has them."""
+    """Refused unless the schema goes to base (migrations/env.py checks before any step runs;
+    this is for a caller that reaches the step anyway, such as offline SQL)."""
+    from alembic import context
+    from alembic.util import CommandError
+
+    if context.get_revision_argument() is not None:
+        raise CommandError(DOWNGRADE_REFUSED)
     op.execute("DROP INDEX IF EXISTS ix_recall_originals_pending")

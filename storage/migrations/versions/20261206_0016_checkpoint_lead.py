@@ -87,9 +87,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """The flag and its index as revision 0005 made them; the append function is dropped by
-    revision 0009 below it (no store runs below the head revision)."""
+    """The flag and its index as revision 0005 made them, and the append and commit functions
+    as revision 0015's release ran them (they read and write the columns dropped here)."""
     _over_sweep(OVER_0005)
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(sql.function_definition("compactd_append", "0015"))
+        op.execute(sql.function_definition("compactd_commit", "0015"))
     op.drop_column("compaction_runs", "signalled_at")
     op.drop_column("sessions", "compacted_tokens")
     op.drop_column("sessions", "lead_s")
