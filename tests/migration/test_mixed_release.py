@@ -1,0 +1,137 @@
+"""A rolling upgrade: the previous release's worker and client (commit bd287a3, revision 0018,
+calling the unversioned functions) run on the schema migrated to this release's head beside
+this release's worker and client, and every pairing compacts. Real Celery worker processes,
+PostgreSQL and Redis; the previous release's code comes from the repository's history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import asyncpg
+import pytest
+
+from scheduler.samples import coding_session
+from storage.migrate import HEAD_REVISION, upgrade
+from tests.support.db import Db
+from tests.support.releases import PREVIOUS_RELEASE, release_tree
+from tests.support.services import create_database_sync, drop_database_sync, with_database
+from tests.support.stack import Stack, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+
+# A trigger no ingest here reaches: every run is the manual one the test asks for.
+POLICY = {"trigger": [{"type": "tokens", "value": 1_000_000}],
+          "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
+          "trim_tokens_to_summarize": 16000}
+
+
+@pytest.fixture(scope="session")
+def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return release_tree(PREVIOUS_RELEASE, tmp_path_factory.mktemp(f"release-{PREVIOUS_RELEASE}"))
+
+
+@pytest.fixture
+def migrated(pg_url: str) -> Iterator[str]:
+    """A database of its own at this release's head, counting calls of its functions."""
+    url = with_database(pg_url, f"compactd_mix_{uuid.uuid4().hex[:8]}")
+    create_database_sync(url)
+    upgrade(url)
+    name = urlparse(url).path.lstrip("/")
+    _run(url, f"ALTER DATABASE \"{name}\" SET track_functions = 'pl'")
+    yield url
+    drop_database_sync(url)
+
+
+def _run(url: str, statement: str) -> object:
+    async def run() -> object:
+        conn = await asyncpg.connect(urlparse(url)._replace(scheme="postgresql").geturl())
+        try:
+            return await conn.fetch(statement)
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+def _calls(url: str) -> dict[str, int]:
+    rows = _run(url, "SELECT funcname, calls FROM pg_stat_user_functions"
+                     " WHERE funcname LIKE 'compactd%'")
+    return {r["funcname"]: r["calls"] for r in rows}  # type: ignore[attr-defined]
+
+
+def _ingest_and_compact(stack: Stack, session: str, env: dict[str, str], seed: int
+                        ) -> dict[str, object]:
+    path = stack.home / f"{session}.jsonl"
+    messages = coding_session(steps=12, big_output_lines=20, seed=seed).messages
+    path.write_text("".join(json.dumps(m) + "\n" for m in messages))
+    stack.cli("ingest", str(path), "--session", session, "--run-model", "fake-gpt", env=env)
+    out = stack.cli("compact", session, "--wait", "--json", env=env)
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def _committed_by(stack: Stack, worker: str) -> int:
+    return sum(1 for line in stack.log(worker).splitlines()
+               if "Task compaction.run[" in line and "succeeded" in line
+               and "committed" in line)
+
+
+def test_previous_and_current_releases_compact_on_the_new_schema(
+        migrated: str, clean_redis: str, fake, tmp_path: Path,  # type: ignore[no-untyped-def]
+        previous_release: Path) -> None:
+    assert _run(migrated, "SELECT version_num FROM alembic_version")[0][0] == HEAD_REVISION  # type: ignore[index]
+    stack = Stack(migrated, clean_redis, tmp_path / "stack", fake_url=fake.url,
+                  summarization=POLICY)
+    old = {"PYTHONPATH": str(previous_release)}
+    new = {"PYTHONPATH": stack.env["PYTHONPATH"]}
+    with stack:
+        # The old code is what runs: its own head revision, from the extracted tree.
+        head = stack.start("probe", [stack.python, "-c",
+                                     "import storage.migrate as m; print(m.__file__, "
+                                     "m.HEAD_REVISION)"], env=old)
+        head.wait(timeout=60)
+        assert f"{previous_release}" in stack.log("probe") and " 0018" in stack.log("probe"), \
+            stack.log("probe")
+
+        # 1. The previous release's client and worker, on the migrated schema.
+        stack.start_worker("old", concurrency=2, env=old)
+        result = _ingest_and_compact(stack, "old-old", old, seed=1)
+        assert result["outcome"] == "committed", (result, stack.log("old")[-3000:])
+        calls = wait_until(lambda: (c := _calls(migrated)).get("compactd_commit") and c,
+                           timeout=30, what="the previous release's commit to be counted")
+        assert calls.get("compactd_append", 0) > 0 and calls.get("compactd_claim", 0) > 0
+        assert not any(calls.get(f"{name}_v2") for name in ("compactd_append",
+                                                             "compactd_claim",
+                                                             "compactd_commit")), calls
+
+        # 2. This release's worker takes the previous release's client's runs.
+        stack.kill("old")
+        stack.start_worker("new", concurrency=2, env=new)
+        result = _ingest_and_compact(stack, "old-new", old, seed=2)
+        assert result["outcome"] == "committed", (result, stack.log("new")[-3000:])
+        assert _committed_by(stack, "new") == 1
+        calls = wait_until(lambda: (c := _calls(migrated)).get("compactd_commit_v2") and c,
+                           timeout=30, what="this release's commit to be counted")
+        assert calls.get("compactd_claim_v2", 0) > 0
+
+        # 3. And the previous release's worker takes this release's client's runs.
+        stack.kill("new")
+        stack.start_worker("old2", concurrency=2, env=old)
+        before = _calls(migrated).get("compactd_commit", 0)
+        result = _ingest_and_compact(stack, "new-old", new, seed=3)
+        assert result["outcome"] == "committed", (result, stack.log("old2")[-3000:])
+        assert _committed_by(stack, "old2") == 1
+        wait_until(lambda: _calls(migrated).get("compactd_commit", 0) > before, timeout=30,
+                   what="the previous release's worker's commit to be counted")
+        assert _calls(migrated).get("compactd_append_v2", 0) > 0
+
+    # Every session came out whole: its surface replays from its log.
+    with Db(migrated) as db:
+        for session in ("old-old", "old-new", "new-old"):
+            verified = db.verify(session)
+            assert verified.ok, (session, verified.problems)

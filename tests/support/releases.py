@@ -1,0 +1,64 @@
+"""Earlier releases' code, from the repository's own history, run by this venv's interpreter.
+
+``release_tree`` extracts the code of a commit (``git archive``: nothing is added to the
+repository, no worktree to clean up) and ``release_env`` puts it first on ``PYTHONPATH``, ahead
+of the editable install of the tree under test (whose finder comes after the path entries). The
+dependencies are this venv's; the releases named here declare the same ones.
+
+A missing history fails the test, never skips it: a mixed-release test that did not run old
+code has proved nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The release before versioned functions: the last commit at revision 0018, which calls the
+# unversioned compactd_claim and its kin.
+PREVIOUS_RELEASE = "bd287a3"
+# Releases whose head revision the chain still has as they had it (a downgrade's landing
+# places): 0015 before the checkpoint lead changed the append and the commit, 0017 before
+# the beat_runs table.
+RELEASE_AT = {"0015": "e746056", "0017": "e34ca83"}
+
+_PACKAGES = ("storage", "worker", "scheduler")
+
+
+def release_tree(commit: str, dest: Path) -> Path:
+    """The code of ``commit`` (its Python packages) under ``dest``, extracted once."""
+    if (dest / "storage").is_dir():
+        return dest
+    git = shutil.which("git")
+    if git is None:
+        pytest.fail(f"git is not installed: the test runs release {commit}'s code from the "
+                    f"repository's history (install git)")
+    known = subprocess.run([git, "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+                            f"{commit}^{{commit}}"], capture_output=True, text=True)
+    if known.returncode != 0:
+        pytest.fail(f"commit {commit} is not in the history of {REPO} ({known.stderr.strip()}"
+                    f"): the test runs that release's code; clone the repository with its "
+                    f"history (not a shallow or exported copy)")
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = dest / "release.tar"
+    subprocess.run([git, "-C", str(REPO), "archive", "--format=tar", "-o", str(archive),
+                    commit, *_PACKAGES], check=True, capture_output=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    archive.unlink()
+    return dest
+
+
+def release_env(tree: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (the environment by default) with ``tree`` first on the import path."""
+    base = dict(os.environ if env is None else env)
+    base["PYTHONPATH"] = str(tree)
+    return base
