@@ -34,7 +34,10 @@ def _refuse_irreversible(connection: Connection) -> None:
     from alembic.script.revision import RevisionError
     from alembic.util import CommandError
 
-    destination = context.get_revision_argument()
+    try:
+        destination = context.get_revision_argument()
+    except KeyError:  # no migration runs (alembic check)
+        return
     if destination is None:  # base: nothing is left that a release runs
         return
     current = MigrationContext.configure(connection).get_current_revision()
@@ -48,14 +51,20 @@ def _refuse_irreversible(connection: Connection) -> None:
     for rev in passed:
         refused = getattr(rev.module, "DOWNGRADE_REFUSED", None)
         if refused and rev.revision != destination:
-            raise CommandError(f"downgrade to {destination} refused: {refused}")
+            raise CommandError(f"downgrade to {destination} refused: {refused} Nothing was"
+                               " changed.")
 
 
 def _configure(connection: Connection) -> None:
+    # A transaction per revision: the locks a revision takes go with its commit instead of
+    # being held to the end of the chain, and a revision may leave its transaction for an
+    # autocommit block (storage.online_migrations: concurrent index builds, batched backfills).
     context.configure(connection=connection, target_metadata=target_metadata,
                       compare_type=True, render_as_batch=connection.dialect.name == "sqlite",
-                      include_name=_include_name)
+                      include_name=_include_name, transaction_per_migration=True)
     _refuse_irreversible(connection)
+    if connection.in_transaction():  # the check's read: each revision begins its own
+        connection.commit()
     with context.begin_transaction():
         context.run_migrations()
 

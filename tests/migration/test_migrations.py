@@ -92,7 +92,8 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
 
     from storage.migrate import alembic_config
 
-    command.downgrade(alembic_config(empty_pg), "0002")
+    # Revision 0019 creates the versions this code calls: undone and done again, it restores them.
+    command.downgrade(alembic_config(empty_pg), "0018")
     upgrade(empty_pg)
 
     async def claim_again() -> object:
@@ -178,34 +179,21 @@ def _execute(url: str, sql: str) -> None:
 
 def test_revision_0013_gives_compacted_sessions_their_current_version(tmp_path: Path) -> None:
     """A usage report built before the upgrade on a session already compacted is refused as
-    before (its compacted version is the current one); a session never compacted has none."""
-    import asyncio
+    before (its compacted version is the current one); a session never compacted has none.
+    (A downgrade past 0014 is refused, so the sessions are written at 0012 itself.)"""
     import sqlite3
-
-    from alembic import command
-
-    from storage.messages import Message
-    from storage.migrate import alembic_config
-    from storage.store import Store
 
     path = tmp_path / "m.sqlite3"
     url = f"sqlite:///{path}"
-    upgrade(url)
-
-    async def sessions() -> None:
-        store = Store.from_url(url)
-        try:
-            for sid in ("compacted", "plain"):
-                await store.create_session(sid)
-                await store.append(sid, [Message(role="user", content="hello")])
-        finally:
-            await store.close()
-
-    asyncio.run(sessions())
+    upgrade(url, "0012")
     with sqlite3.connect(path) as conn:
+        for sid in ("compacted", "plain"):
+            conn.execute("INSERT INTO sessions (id, tenant, envelope_tokens, surface_version,"
+                         " surface_tokens, surface_messages, last_seq, last_position,"
+                         " lease_fence, created_at) VALUES (?, 't', 0, 1, 1, 1, 1, 1, 0,"
+                         " '2026-12-06 00:00:00')", (sid,))
         conn.execute("INSERT INTO events (session_id, seq, kind, payload, tokens, created_at)"
                      " VALUES ('compacted', 99, 'pruned', '{}', 1, '2026-12-06 00:00:00')")
-    command.downgrade(alembic_config(url), "0012")
     upgrade(url)
     with sqlite3.connect(path) as conn:
         rows = dict(conn.execute("SELECT id, compacted_version FROM sessions").fetchall())

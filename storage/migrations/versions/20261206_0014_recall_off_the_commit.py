@@ -44,7 +44,7 @@ DOWNGRADE_REFUSED = (
     "revision 0014 (recall off the commit) cannot be undone: the releases before it need "
     "recall's trigger and their own SQL functions, which are not kept. Downgrade no further "
     "than 0014, restore a backup taken before the upgrade past 0013, or downgrade to base (an "
-    "empty schema). Nothing was changed.")
+    "empty schema).")
 
 _COMMIT_0011 = ("compactd_commit(text, text, bigint, timestamptz, bigint[], int[], text[],"
                 " json[], int[], text[], json[], bigint[], bigint[], json, bigint[], bigint[])")

@@ -1,0 +1,115 @@
+"""Schema changes that keep compactd running, for the revisions from 0019 on.
+
+A revision runs while the previous release's workers and clients still read and write the same
+tables (ops/RUNBOOK.md, "Upgrades"), so none may hold a table lock for longer than a catalog
+write:
+
+* :func:`add_column`: a column added nullable, or with a constant default, is a catalog change
+  on both backends; a ``NOT NULL`` column without a default, a volatile default or a stored
+  generated column (revisions 0005, 0012 and 0016 added one) rewrites the table under its
+  exclusive lock, and is refused here.
+* :func:`backfill`: the column's values written in batches of :data:`BATCH_ROWS` rows, each
+  committed on its own, so an append waits for one batch's row locks at most; resumable (the
+  batches take rows the condition still selects, and a rerun takes what is left).
+* :func:`create_index` / :func:`drop_index`: ``CONCURRENTLY`` on PostgreSQL, outside the
+  revision's transaction (Alembic's autocommit block), so writes go on while it builds; an
+  index an interrupted build left invalid is dropped and built again.
+
+SQLite (the embedded default, one process) has no concurrent writers to keep: the same calls
+run there as plain statements in the revision's transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+# Rows per backfill transaction: each batch's row locks are held only while it writes.
+BATCH_ROWS = 2000
+
+
+def _postgres() -> bool:
+    return bool(op.get_bind().dialect.name == "postgresql")
+
+
+def add_column(table: str, column: sa.Column[object]) -> None:
+    """Add ``column`` without rewriting ``table``; a column that would rewrite it is refused
+    (add it nullable, backfill it, and make it required in a later release's revision)."""
+    default = column.server_default
+    if column.computed is not None and column.computed.persisted:
+        raise ValueError(f"{table}.{column.name}: a stored generated column rewrites the table;"
+                         " add a plain column and backfill it")
+    if not column.nullable and default is None:
+        raise ValueError(f"{table}.{column.name}: NOT NULL without a default rewrites or fails"
+                         " on a populated table; add it nullable and backfill it")
+    if default is not None and not _constant(default):
+        raise ValueError(f"{table}.{column.name}: a volatile default rewrites the table; use a"
+                         " constant default and backfill")
+    op.add_column(table, column)
+
+
+def _constant(default: object) -> bool:
+    arg = getattr(default, "arg", None)
+    text = str(getattr(arg, "text", arg) if arg is not None else "").strip().lower()
+    return text not in ("", "now()", "current_timestamp") and "(" not in text
+
+
+def backfill(table: str, key: str, values: str, where: str, *,
+             batch_rows: int = BATCH_ROWS,
+             progress: Callable[[int], None] | None = None) -> int:
+    """``UPDATE table SET values`` on the rows ``where`` selects, ``batch_rows`` rows (by
+    ``key``, the primary key or a unique column) per committed transaction, until ``where``
+    selects none; ``where`` must stop selecting a row once it is written. ``progress`` is
+    called with the rows written so far after each batch commits. Returns the rows written."""
+    statement = sa.text(
+        f"UPDATE {table} SET {values} WHERE {key} IN"
+        f" (SELECT {key} FROM {table} WHERE {where} ORDER BY {key} LIMIT :batch_rows)")
+    if not _postgres():
+        # SQLite: one writer at a time anyway; the batches run in the revision's transaction.
+        return _batches(statement, batch_rows, progress)
+    with op.get_context().autocommit_block():
+        # Autocommit: each batch's UPDATE is a transaction of its own.
+        return _batches(statement, batch_rows, progress)
+
+
+def _batches(statement: sa.TextClause, batch_rows: int,
+             progress: Callable[[int], None] | None) -> int:
+    bind = op.get_bind()
+    done = 0
+    while True:
+        written = bind.execute(statement, {"batch_rows": batch_rows}).rowcount
+        done += written
+        if progress is not None and written:
+            progress(done)
+        if written < batch_rows:
+            return done
+
+
+def create_index(name: str, table: str, columns: Sequence[str | sa.TextClause], *,
+                 where: str | None = None, unique: bool = False) -> None:
+    """``CREATE INDEX CONCURRENTLY`` on PostgreSQL (outside the revision's transaction; an
+    invalid index a failed build left is dropped first), a plain ``CREATE INDEX`` on SQLite."""
+    if not _postgres():
+        op.create_index(name, table, list(columns), unique=unique, if_not_exists=True,
+                        sqlite_where=sa.text(where) if where else None)
+        return
+    with op.get_context().autocommit_block():
+        invalid = op.get_bind().execute(sa.text(
+            "SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE c.relname = :name AND NOT i.indisvalid"), {"name": name}).first()
+        if invalid is not None:
+            op.drop_index(name, table_name=table, postgresql_concurrently=True)
+        op.create_index(name, table, list(columns), unique=unique, if_not_exists=True,
+                        postgresql_concurrently=True,
+                        postgresql_where=sa.text(where) if where else None)
+
+
+def drop_index(name: str, table: str) -> None:
+    """``DROP INDEX CONCURRENTLY`` on PostgreSQL, a plain ``DROP INDEX`` on SQLite."""
+    if not _postgres():
+        op.drop_index(name, table_name=table, if_exists=True)
+        return
+    with op.get_context().autocommit_block():
+        op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
