@@ -126,7 +126,7 @@ async def _state(url: str) -> tuple[str | None, int, list[str]]:
     engine = create_engine(url)
     try:
         async with engine.connect() as conn:
-            names = set((await conn.run_sync(lambda c: sa.inspect(c).get_table_names())))
+            names = set(await conn.run_sync(lambda c: sa.inspect(c).get_table_names()))
             revision = (await conn.execute(sa.text("SELECT version_num FROM alembic_version"))
                         ).scalar() if "alembic_version" in names else None
             events = (await conn.execute(sa.text("SELECT count(*) FROM events"))).scalar() \
@@ -150,7 +150,7 @@ def test_a_populated_database_walks_head_base_head(url: str, landing_release: Pa
 
     # Past 0014 (to anything but base) is refused before any step: nothing changes.
     for destination in ("0013", "0004"):
-        with pytest.raises(CommandError, match="0014 .*cannot be undone.*Nothing was changed"):
+        with pytest.raises(CommandError, match=r"0014 .*cannot be undone.*Nothing was changed"):
             command.downgrade(config, destination)
         assert asyncio.run(_state(url))[:2] == (HEAD_REVISION, events)
 

@@ -145,8 +145,10 @@ def test_a_column_is_added_backfilled_and_indexed_online(url: str) -> None:
         assert all(done == visible for done, visible in seen), seen
     assert _query(url, "SELECT count(*) FROM sessions WHERE probe = last_seq") == ROWS
     # A rerun finds nothing left.
-    _as_revision(url, lambda: written.append(online.backfill(
-        "sessions", "id", "probe = last_seq", "probe IS NULL")))
+    def rerun() -> None:
+        written.append(online.backfill("sessions", "id", "probe = last_seq", "probe IS NULL"))
+
+    _as_revision(url, rerun)
     assert written[-1] == 0
 
     sent = _as_revision(url, lambda: online.create_index(
