@@ -21,10 +21,12 @@ run there as plain statements in the revision's transaction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
+from storage import sql
 
 # Rows per backfill transaction: each batch's row locks are held only while it writes.
 BATCH_ROWS = 2000
@@ -56,16 +58,20 @@ def _constant(default: object) -> bool:
     return text not in ("", "now()", "current_timestamp") and "(" not in text
 
 
-def backfill(table: str, key: str, values: str, where: str, *,
+def backfill(table: str, key: str, values: Mapping[str, str], where: str, *,
              batch_rows: int = BATCH_ROWS,
              progress: Callable[[int], None] | None = None) -> int:
-    """``UPDATE table SET values`` on the rows ``where`` selects, ``batch_rows`` rows (by
-    ``key``, the primary key or a unique column) per committed transaction, until ``where``
-    selects none; ``where`` must stop selecting a row once it is written. ``progress`` is
-    called with the rows written so far after each batch commits. Returns the rows written."""
-    statement = sa.text(
-        f"UPDATE {table} SET {values} WHERE {key} IN"
-        f" (SELECT {key} FROM {table} WHERE {where} ORDER BY {key} LIMIT :batch_rows)")
+    """Set each column of ``values`` to its SQL expression on the rows ``where`` selects,
+    ``batch_rows`` rows (by ``key``, the primary key or a unique column) per committed
+    transaction, until ``where`` selects none; ``where`` must stop selecting a row once it is
+    written. ``progress`` is called with the rows written so far after each batch commits.
+    Returns the rows written."""
+    rows = sa.table(table, sa.column(key), *(sa.column(name) for name in values))
+    batch = (sa.select(rows.c[key]).where(sa.text(where)).order_by(rows.c[key])
+             .limit(batch_rows).scalar_subquery())
+    statement = (sa.update(rows).where(rows.c[key].in_(batch))
+                 .values({name: sa.literal_column(expression)
+                          for name, expression in values.items()}))
     if not _postgres():
         # SQLite: one writer at a time anyway; the batches run in the revision's transaction.
         return _batches(statement, batch_rows, progress)
@@ -74,12 +80,12 @@ def backfill(table: str, key: str, values: str, where: str, *,
         return _batches(statement, batch_rows, progress)
 
 
-def _batches(statement: sa.TextClause, batch_rows: int,
+def _batches(statement: sa.Update, batch_rows: int,
              progress: Callable[[int], None] | None) -> int:
     bind = op.get_bind()
     done = 0
     while True:
-        written = bind.execute(statement, {"batch_rows": batch_rows}).rowcount
+        written = bind.execute(statement).rowcount
         done += written
         if progress is not None and written:
             progress(done)
@@ -96,9 +102,8 @@ def create_index(name: str, table: str, columns: Sequence[str | sa.TextClause], 
                         sqlite_where=sa.text(where) if where else None)
         return
     with op.get_context().autocommit_block():
-        invalid = op.get_bind().execute(sa.text(
-            "SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
-            " WHERE c.relname = :name AND NOT i.indisvalid"), {"name": name}).first()
+        invalid = op.get_bind().execute(sa.text(sql.NAMED_TEXT["invalid_index"]),
+                                        {"name": name}).first()
         if invalid is not None:
             op.drop_index(name, table_name=table, postgresql_concurrently=True)
         op.create_index(name, table, list(columns), unique=unique, if_not_exists=True,

@@ -7,6 +7,12 @@
 -- The health check's round trip.
 SELECT 1;
 
+-- name: invalid_index(name)$
+-- postgres-only: an index a failed CREATE INDEX CONCURRENTLY left invalid
+-- (storage.online_migrations drops it before building it again).
+SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+WHERE c.relname = :name AND NOT i.indisvalid;
+
 -- name: schema_revision()$
 -- The schema's Alembic revision: the embedded database is migrated when it is behind.
 SELECT version_num FROM alembic_version;

@@ -194,9 +194,10 @@ WHERE kind IN ('checkpoint', 'pruned')
 ORDER BY session_id, seq;
 
 -- name: recall_index(session_id, seq, kind, ref, first, last, replaces)$
--- postgres-only: calls compactd_recall_index_v2 (functions/compactd_recall_index_v2.sql), which
--- compactd_commit calls too; SQLite runs recall_index_originals and recall_index_node.
-SELECT compactd_recall_index_v2(:session_id, :seq, :kind, :ref, :first, :last,
+-- postgres-only: calls compactd_recall_index (functions/compactd_recall_index.sql), the
+-- function revision 0010's backfill creates and runs (the code's commit calls its later
+-- version itself); SQLite runs recall_index_originals and recall_index_node.
+SELECT compactd_recall_index(:session_id, :seq, :kind, :ref, :first, :last,
                              CAST(:replaces AS bigint[]));
 
 -- name: recall_index_originals(session_id, seq, payload)!

@@ -137,7 +137,7 @@ def test_a_column_is_added_backfilled_and_indexed_online(url: str) -> None:
 
     written: list[int] = []
     _as_revision(url, lambda: written.append(online.backfill(
-        "sessions", "id", "probe = last_seq", "probe IS NULL", batch_rows=1000,
+        "sessions", "id", {"probe": "last_seq"}, "probe IS NULL", batch_rows=1000,
         progress=progress)))
     assert written == [ROWS]
     assert [done for done, _ in seen] == [1000, 2000, ROWS]
@@ -146,7 +146,7 @@ def test_a_column_is_added_backfilled_and_indexed_online(url: str) -> None:
     assert _query(url, "SELECT count(*) FROM sessions WHERE probe = last_seq") == ROWS
     # A rerun finds nothing left.
     def rerun() -> None:
-        written.append(online.backfill("sessions", "id", "probe = last_seq", "probe IS NULL"))
+        written.append(online.backfill("sessions", "id", {"probe": "last_seq"}, "probe IS NULL"))
 
     _as_revision(url, rerun)
     assert written[-1] == 0

@@ -101,10 +101,7 @@ def upgrade() -> None:
         op.execute(_SQLITE_FTS)
         for statement in sqlite_recall_triggers():
             op.execute(statement)
-    # The function this revision creates, not the one the current code calls (recall.sql's
-    # recall_index calls a later version, which revision 0019 creates).
-    record = sa.text("SELECT compactd_recall_index(:session_id, :seq, :kind, :ref, :first,"
-                     " :last, CAST(:replaces AS bigint[]))")
+    record = sa.text(sql.NAMED_TEXT["recall_index"])
     steps = [sa.text(sql.NAMED_TEXT[name]) for name in _SQLITE_STEPS]
     for event in bind.execute(sa.text(sql.NAMED_TEXT["recall_replace_events"])).mappings().all():
         payload = event["payload"]
