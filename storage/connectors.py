@@ -460,10 +460,14 @@ def _commit_params(session_id: str, *, run_id: str, fence: int,
         "lasts": [r.last for r in recalls]}
     if end is None:
         return "commit", params
-    params.update({column: _json_or_none(value) if column in RUN_JSON_COLUMNS else value
-                   for column, value in run_end_values(end).items()},
-                  item_state=bulk_item_state(end.outcome), item_done=ItemState.DONE)
-    return "commit_ending", params
+    return "commit_ending", {**params, **_run_end_params(end)}
+
+
+def _run_end_params(end: RunEnd) -> dict[str, Any]:
+    """The run row's result and its bulk item's state, as ``commit_ending`` takes them."""
+    return {**{column: _json_or_none(value) if column in RUN_JSON_COLUMNS else value
+               for column, value in run_end_values(end).items()},
+            "item_state": bulk_item_state(end.outcome), "item_done": ItemState.DONE}
 
 
 def _commit_error(exc: BaseException, session_id: str, run_id: str, fence: int,

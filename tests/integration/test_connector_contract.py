@@ -18,7 +18,7 @@ import pytest
 from storage.errors import CompactdError
 from storage.kinds import NodeKind
 from storage.messages import Message, parse_openai
-from storage.records import Replacement, RunEnd
+from storage.records import Claim, Replacement, RunEnd
 from storage.store import Store
 
 T0 = dt.datetime(2026, 12, 6, 8, 0, tzinfo=dt.UTC)
@@ -84,6 +84,7 @@ async def script(store: Store) -> dict[str, Any]:
     seen["append_missing"] = await outcome(store.append("nope", messages()[:1], now=at(6)))
 
     claim = await store.claim("s1", owner="w1", trigger="pressure", lease_s=30, now=at(10))
+    assert isinstance(claim, Claim)
     seen["claim"] = claim
     seen["busy"] = await store.claim("s1", owner="w2", trigger="pressure", lease_s=30,
                                      now=at(11))
@@ -109,12 +110,14 @@ async def script(store: Store) -> dict[str, Any]:
     # A lease past its expiry: the next claim closes it first, the commit without an end keeps
     # the lease, and a later claim finds it live.
     second = await store.claim("s1", owner="w3", trigger="manual", lease_s=5, now=at(20))
+    assert isinstance(second, Claim)
     seen["claim_expired"] = await store.claim("s1", owner="w4", trigger="manual", lease_s=30,
                                               now=at(40))
     seen["commit_after_reclaim"] = await outcome(store.commit(
         "s1", run_id=second.run_id, fence=second.fence, now=at(41),
         replacements=[checkpoint((6, 7), "late")]))
     third = seen["claim_expired"]
+    assert isinstance(third, Claim)
     seen["commit_no_end"] = await store.commit(
         "s1", run_id=third.run_id, fence=third.fence, now=at(42),
         replacements=[checkpoint((6, 7), "upload and nightly")])
