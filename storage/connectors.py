@@ -1,12 +1,15 @@
 """The two backends behind one interface: where PostgreSQL and SQLite differ, and nowhere else.
 
-A connector runs the named queries of ``storage/sql`` and owns what one backend can do that the
-other cannot. :class:`PostgresConnector` runs them on asyncpg connections of the engine's pool
-(autocommit, one statement each, on a :class:`KeptConnections` connection when one is free) and
-does the append, the free claim and the commit in one call of compactd's SQL functions.
-:class:`SQLiteConnector` runs the portable queries through SQLAlchemy on the embedded file, and
-has no SQL functions: its ``*_call`` methods return None, and the store does that work with the
-general statements in its own transaction, which are the same on both backends.
+A connector runs the named queries of ``storage/sql`` and implements the operations the two
+backends run differently, each whole: the append, the claim, the commit, the writing of recall's
+index and the forms of its searches. :class:`PostgresConnector` runs the named queries on
+asyncpg connections of the engine's pool (autocommit, one statement each, on a
+:class:`KeptConnections` connection when one is free) and does the append, the free claim and
+the commit in one call of compactd's SQL functions. :class:`SQLiteConnector` runs the portable
+queries through SQLAlchemy on the embedded file, and does the append, the claim and the commit
+with the general statements of :mod:`storage.connectors_general` in one transaction (which
+PostgreSQL also runs for the claims its function leaves). Callers do not ask which backend
+they are on.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -24,12 +27,40 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage import sql
+from storage.connectors_general import (
+    CLAIM_LOCK_WAIT_S,
+    RUN_JSON_COLUMNS,
+    append_in,
+    claim_in,
+    commit_in,
+    end_payload,
+    journal_payload,
+    lease_lost,
+    node_payload,
+    prefix_changed,
+    refused,
+    row_stayed_locked,
+    run_end_values,
+)
 from storage.database import (
     KeptConnections,
     connection,
+    deadline_left_s,
+    driver_error,
     is_sqlite,
     transaction,
+    translate,
 )
+from storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
+from storage.jobs import bulk_item_state
+from storage.kinds import ItemState
+from storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
+from storage.recall_index import RecallBody, node_recall
+from storage.records import AppendResult, Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
+from storage.schema import dumps, session_from_record
+
+if TYPE_CHECKING:
+    from storage.store import PreparedAppend
 
 Row = Mapping[Any, Any]
 
@@ -43,14 +74,10 @@ class Connector:
     engine: AsyncEngine
     #: The append sends the batch as JSON text (:func:`storage.store.prepare_append`).
     encodes_appends: bool
-    #: A claim waits for the session's row lock (PostgreSQL), rather than the database's.
-    locks_rows: bool
-    #: Writes a batch of rows as array parameters in one statement (PostgreSQL).
-    takes_arrays: bool
     #: The suffix of this backend's form of a query the two spell differently.
     variant_suffix: str
 
-    def variant(self, name: str) -> str:
+    def _variant(self, name: str) -> str:
         """This backend's form of query ``name`` (``<name>_pg`` or ``<name>_sqlite`` in
         storage/sql)."""
         return f"{name}_{self.variant_suffix}"
@@ -90,25 +117,53 @@ class Connector:
     async def close(self) -> None:
         """Give back what the connector holds (the engine is its owner's to dispose of)."""
 
-    async def wait_for_row_lock(self, conn: AsyncConnection, wait_s: float) -> None:
-        """Bound the wait for row locks for the rest of ``conn``'s transaction."""
-
     async def plan_for_each_search(self, conn: AsyncConnection) -> None:
         """Plan the searches in the rest of ``conn``'s transaction for their own values, not
         once for any value (the query ``plan_for_each_search`` says why)."""
 
-    async def append_call(self, **params: Any) -> Row | None:
-        """The append in one call (``append`` in queries.sql); None: not on this backend."""
-        return None
+    # -------------------------------------------------------------------------------------
+    # the operations each backend implements whole
 
-    async def claim_call(self, **params: Any) -> Row | None:
-        """The free claim in one call (``claim_free``); None: not on this backend."""
-        return None
+    async def append(self, session_id: str, batch: PreparedAppend, now: dt.datetime, *,
+                     signal_if: Callable[[SessionInfo], bool] | None,
+                     signal_ttl_s: float) -> AppendResult:
+        """Store a prepared batch (prepared with ``encoded=self.encodes_appends``): gapless
+        seqs, the totals, the tool links; with ``signal_if``, the pending-signal mark when it
+        holds on the new totals and no mark younger than ``signal_ttl_s`` is set."""
+        raise NotImplementedError
 
-    async def commit_call(self, name: str, **params: Any) -> Row | None:
-        """The commit in one call (``commit`` or ``commit_ending``); None: not on this
-        backend."""
-        return None
+    async def claim(self, session_id: str, *, run_id: str, owner: str, trigger: str,
+                    lease_s: float, now: dt.datetime, task_id: str | None,
+                    bulk_job_id: str | None) -> Claim | Busy | Skipped:
+        """Take the lease on a session as run ``run_id`` (see :meth:`Store.claim`)."""
+        raise NotImplementedError
+
+    async def commit(self, session_id: str, *, run_id: str, fence: int,
+                     replacements: Sequence[Replacement],
+                     expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
+                     now: dt.datetime) -> SessionInfo:
+        """Apply checked replacements under the fence (see :meth:`Store.commit`)."""
+        raise NotImplementedError
+
+    async def write_recall_bodies(self, session_id: str, rows: Sequence[RecallBody]) -> None:
+        """Fill pending originals of recall's index with their indexed text, and the bytes of
+        the nodes they belong to, in one short transaction."""
+        raise NotImplementedError
+
+    # Recall's searches: each backend's form of the query takes the parameters it names (a
+    # LIKE pattern for PostgreSQL's trigram index, an FTS5 phrase for SQLite's).
+
+    async def search_exact(self, conn: AsyncConnection, **params: Any) -> list[Row]:
+        return await self.fetch(self._variant("history_search_exact"), conn=conn, **params)
+
+    async def search_pending(self, conn: AsyncConnection, **params: Any) -> list[Row]:
+        return await self.fetch(self._variant("history_search_pending"), conn=conn, **params)
+
+    async def search_word(self, conn: AsyncConnection, **params: Any) -> list[Row]:
+        return await self.fetch(self._variant("history_search_word"), conn=conn, **params)
+
+    async def search_held(self, conn: AsyncConnection, **params: Any) -> list[Row]:
+        return await self.fetch(self._variant("history_search_held"), conn=conn, **params)
 
 
 class PostgresConnector(Connector):
@@ -116,8 +171,6 @@ class PostgresConnector(Connector):
     and asyncpg runs them directly (its statement cache prepares each once per connection)."""
 
     encodes_appends = True
-    locks_rows = True
-    takes_arrays = True
     variant_suffix = "pg"
 
     def __init__(self, engine: AsyncEngine, *, kept: int = 1) -> None:
@@ -168,26 +221,103 @@ class PostgresConnector(Connector):
     def _text(self, name: str) -> Any:
         return _named_text(name)
 
-    async def wait_for_row_lock(self, conn: AsyncConnection, wait_s: float) -> None:
-        await self.execute("set_lock_wait", conn=conn, ms=f"{max(1, int(wait_s * 1000))}ms")
-
     async def plan_for_each_search(self, conn: AsyncConnection) -> None:
         await self.execute("plan_for_each_search", conn=conn)
 
-    async def append_call(self, **params: Any) -> Row | None:
-        return await self.fetchrow("append", **params)
+    async def append(self, session_id: str, batch: PreparedAppend, now: dt.datetime, *,
+                     signal_if: Callable[[SessionInfo], bool] | None,
+                     signal_ttl_s: float) -> AppendResult:
+        """One call of ``compactd_append`` (one round trip); the pending-signal mark is one more
+        autocommit statement, made only when the trigger fires and no mark is live (BEGIN and
+        COMMIT would be two more round trips on the runtime's critical path)."""
+        links, texts, tokens = batch.links, batch.texts, batch.tokens
+        assert links is not None and texts is not None
+        try:
+            row = await self.fetchrow(
+                "append", session_id=session_id, payloads=texts, tokens=list(tokens), now=now,
+                call_ids=[c[0] for c in links.calls], call_idx=[c[1] for c in links.calls],
+                call_result_idx=[c[2] for c in links.calls],
+                ext_ids=[e[0] for e in links.external], ext_idx=[e[1] for e in links.external])
+        except Exception as exc:
+            raise _append_error(exc) from None
+        if row is None:
+            raise SessionNotFound(session_id)
+        info = session_from_record(row)
+        signalled = False
+        if signal_if is not None and signal_if(info) and _signal_due(info, now, signal_ttl_s):
+            signalled = bool(await self.execute(
+                "mark_signal", session_id=session_id, now=now,
+                stale_before=now - dt.timedelta(seconds=signal_ttl_s)))
+        n = len(tokens)
+        return AppendResult(session=info, first_seq=info.last_seq - n + 1,
+                            last_seq=info.last_seq, tokens=tokens, signalled=signalled)
 
-    async def claim_call(self, **params: Any) -> Row | None:
-        return await self.fetchrow("claim_free", **params)
+    async def claim(self, session_id: str, *, run_id: str, owner: str, trigger: str,
+                    lease_s: float, now: dt.datetime, task_id: str | None,
+                    bulk_job_id: str | None) -> Claim | Busy | Skipped:
+        """A session with no lease in one call of ``compactd_claim``; a leased session, an
+        expired lease to close and a bulk item (which checks its job) with the general
+        statements, waiting for the session's row lock no longer than ``CLAIM_LOCK_WAIT_S``
+        (less when the run's deadline comes first)."""
+        try:
+            return await self._claim(session_id, run_id=run_id, owner=owner, trigger=trigger,
+                                     lease_s=lease_s, now=now, task_id=task_id,
+                                     bulk_job_id=bulk_job_id)
+        except LockNotAvailable:
+            raise row_stayed_locked(session_id) from None
 
-    async def commit_call(self, name: str, **params: Any) -> Row | None:
-        return await self.fetchrow(name, **params)
+    async def _claim(self, session_id: str, *, run_id: str, owner: str, trigger: str,
+                     lease_s: float, now: dt.datetime, task_id: str | None,
+                     bulk_job_id: str | None) -> Claim | Busy | Skipped:
+        expires = now + dt.timedelta(seconds=lease_s)
+        if bulk_job_id is None:
+            row = await self.fetchrow("claim_free", session_id=session_id, run_id=run_id,
+                                      owner=owner, trigger=trigger, expires=expires, now=now,
+                                      task_id=task_id)
+            if row is not None:
+                info = session_from_record(row)
+                if info.lease_run_id == run_id:
+                    return Claim(session=info, run_id=run_id, fence=info.lease_fence,
+                                 owner=owner, expires_at=expires)
+        async with transaction(self.engine) as conn:
+            left = deadline_left_s()
+            wait_s = CLAIM_LOCK_WAIT_S if left is None else min(CLAIM_LOCK_WAIT_S, left)
+            await self.execute("set_lock_wait", conn=conn, ms=f"{max(1, int(wait_s * 1000))}ms")
+            return await claim_in(conn, session_id, run_id=run_id, owner=owner, trigger=trigger,
+                                  lease_s=lease_s, now=now, task_id=task_id,
+                                  bulk_job_id=bulk_job_id)
+
+    async def commit(self, session_id: str, *, run_id: str, fence: int,
+                     replacements: Sequence[Replacement],
+                     expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
+                     now: dt.datetime) -> SessionInfo:
+        """The commit as one statement, in autocommit: a call of ``compactd_commit``, and with
+        ``end`` the run row's result and its bulk item's in the same statement
+        (``commit_ending``). As a transaction around the call that was three more round trips
+        (BEGIN, the run row, COMMIT), with appends waiting on the session row meanwhile."""
+        name, params = _commit_params(session_id, run_id=run_id, fence=fence,
+                                      replacements=replacements, expected=expected, end=end,
+                                      now=now)
+        try:
+            record = await self.fetchrow(name, **params)
+        except Exception as exc:
+            mapped = _commit_error(exc, session_id, run_id, fence, replacements)
+            if mapped is None:
+                raise  # translated like every driver error (lock timeout, lost connection)
+            raise mapped from None
+        if record is None:
+            raise SessionNotFound(session_id)
+        return session_from_record(record)
+
+    async def write_recall_bodies(self, session_id: str, rows: Sequence[RecallBody]) -> None:
+        # One statement with array parameters.
+        await self.execute("recall_set_bodies", session_id=session_id,
+                           seqs=[r.seq for r in rows], sizes=[r.bytes for r in rows],
+                           bodies=[r.body for r in rows])
 
 
 class SQLiteConnector(Connector):
     encodes_appends = False
-    locks_rows = False
-    takes_arrays = False
     variant_suffix = "sqlite"
 
     def __init__(self, engine: AsyncEngine) -> None:
@@ -210,6 +340,46 @@ class SQLiteConnector(Connector):
 
     def _text(self, name: str) -> Any:
         return _sqlite_text(name)
+
+    async def append(self, session_id: str, batch: PreparedAppend, now: dt.datetime, *,
+                     signal_if: Callable[[SessionInfo], bool] | None,
+                     signal_ttl_s: float) -> AppendResult:
+        """The general statements in one transaction, the pending-signal mark among them."""
+        async with transaction(self.engine) as conn:
+            return await append_in(conn, session_id, batch, now, signal_if=signal_if,
+                                   signal_ttl_s=signal_ttl_s,
+                                   mark_signal=functools.partial(self.execute, "mark_signal"))
+
+    async def claim(self, session_id: str, *, run_id: str, owner: str, trigger: str,
+                    lease_s: float, now: dt.datetime, task_id: str | None,
+                    bulk_job_id: str | None) -> Claim | Busy | Skipped:
+        """The general statements in one transaction, which waits for the database's write
+        lock as every write waits for it."""
+        async with transaction(self.engine) as conn:
+            return await claim_in(conn, session_id, run_id=run_id, owner=owner,
+                                  trigger=trigger, lease_s=lease_s, now=now, task_id=task_id,
+                                  bulk_job_id=bulk_job_id)
+
+    async def commit(self, session_id: str, *, run_id: str, fence: int,
+                     replacements: Sequence[Replacement],
+                     expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
+                     now: dt.datetime) -> SessionInfo:
+        """The general statements in one transaction (the recall trigger records each replace
+        node as the events are inserted)."""
+        async with transaction(self.engine) as conn:
+            return await commit_in(conn, session_id, run_id=run_id, fence=fence,
+                                   replacements=replacements, expected=expected, end=end,
+                                   now=now)
+
+    async def write_recall_bodies(self, session_id: str, rows: Sequence[RecallBody]) -> None:
+        # One statement per row, in one transaction (the FTS5 trigger indexes each body).
+        async with transaction(self.engine) as conn:
+            await self.execute_many("recall_set_body", conn=conn, rows=[
+                {"session_id": session_id, "seq": r.seq, "bytes": r.bytes, "body": r.body}
+                for r in rows])
+            await self.execute_many("recall_node_bytes", conn=conn, rows=[
+                {"session_id": session_id, "seq": seq}
+                for seq in sorted({r.node_seq for r in rows})])
 
     @contextlib.asynccontextmanager
     async def _connection(self, name: str, conn: AsyncConnection | None
@@ -259,3 +429,86 @@ def _sqlite_text(name: str, *datetimes: str) -> Any:
 def _named_text(name: str) -> Any:
     """A query as SQLAlchemy text, for a statement inside a transaction on PostgreSQL."""
     return sa.text(sql.postgres_text(name))
+
+
+def _commit_params(session_id: str, *, run_id: str, fence: int,
+                   replacements: Sequence[Replacement],
+                   expected: Sequence[tuple[int, int]] | None, end: RunEnd | None,
+                   now: dt.datetime) -> tuple[str, dict[str, Any]]:
+    """The query (``commit`` or ``commit_ending``) and its parameters: the replacements as
+    arrays, one element each."""
+    placed = any(rep.placed for rep in replacements)
+    recalls = [node_recall(rep.payload) for rep in replacements]
+    params: dict[str, Any] = {
+        "session_id": session_id, "run_id": run_id, "fence": fence, "now": now,
+        "seqs": [q for rep in replacements for q in rep.seqs],
+        "counts": [len(rep.seqs) for rep in replacements],
+        "kinds": [rep.kind for rep in replacements],
+        "payloads": [dumps(node_payload(rep, run_id)) for rep in replacements],
+        "tokens": [rep.tokens for rep in replacements],
+        "journal_kinds": [rep.journal_kind for rep in replacements],
+        "journals": [dumps(journal_payload(rep, run_id)) for rep in replacements],
+        "expected_pos": [pos for pos, _ in expected] if expected else None,
+        "expected_seq": [seq for _, seq in expected] if expected else None,
+        "end_payload": dumps(end_payload(run_id, end)) if end is not None else None,
+        # NULL unless a replacement is placed: compactd_commit then writes in one batch.
+        "before": [rep.before for rep in replacements] if placed else None,
+        "after": [rep.after for rep in replacements] if placed else None,
+        # What each node states about itself for recall, read here: the payload may hold
+        # what no JSON operator of PostgreSQL reads (a NUL).
+        "refs": [r.ref for r in recalls], "firsts": [r.first for r in recalls],
+        "lasts": [r.last for r in recalls]}
+    if end is None:
+        return "commit", params
+    return "commit_ending", {**params, **_run_end_params(end)}
+
+
+def _run_end_params(end: RunEnd) -> dict[str, Any]:
+    """The run row's result and its bulk item's state, as ``commit_ending`` takes them."""
+    return {**{column: _json_or_none(value) if column in RUN_JSON_COLUMNS else value
+               for column, value in run_end_values(end).items()},
+            "item_state": bulk_item_state(end.outcome), "item_done": ItemState.DONE}
+
+
+def _commit_error(exc: BaseException, session_id: str, run_id: str, fence: int,
+                  replacements: Sequence[Replacement]) -> CompactdError | None:
+    """compactd's own error for compactd_commit's SQLSTATEs; None for any other error, which
+    the caller re-raises for the usual translation (CD404 included)."""
+    pg = driver_error(exc)
+    code, detail = getattr(pg, "sqlstate", None), getattr(pg, "detail", None) or ""
+    if code == "CD409":
+        return lease_lost(session_id, run_id, fence, detail)
+    if code == "CD410":
+        if detail == "prefix":
+            return prefix_changed(session_id, run_id)
+        what, _, index = detail.partition(":")
+        return refused(replacements[int(index) - 1], what)
+    return None
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else dumps(value)
+
+
+_LINK_ERRORS = {
+    "CD001": (REUSED_OPEN, "tool_calls"),
+    "CD002": (ORPHAN, "tool_call_id"),
+    "CD003": (ANSWERED, "tool_call_id"),
+}
+
+
+def _append_error(exc: Exception) -> Exception:
+    pg = driver_error(exc)
+    code = getattr(pg, "sqlstate", None)
+    if code in _LINK_ERRORS:
+        reason, field = _LINK_ERRORS[code]
+        return InvalidMessage(reason.format(id=pg.detail),  # type: ignore[attr-defined]
+                              index=int(pg.hint), field=field)  # type: ignore[attr-defined]
+    if isinstance(exc, CompactdError):
+        return exc
+    return translate(exc)
+
+
+def _signal_due(info: SessionInfo, now: dt.datetime, ttl_s: float) -> bool:
+    """Skip the mark's round trip while a fresh one is already set."""
+    return info.signal_at is None or info.signal_at <= now - dt.timedelta(seconds=ttl_s)

@@ -121,25 +121,6 @@ class JobsMixin:
             await conn.execute(t.bulk_jobs.update().where(t.bulk_jobs.c.id == job_id)
                                .values(state=state, updated_at=utcnow()))
 
-    async def _bulk_item_done(self, conn: AsyncConnection, job_id: str, session_id: str) -> bool:
-        i = t.bulk_items.c
-        state = (await conn.execute(sa.select(i.state).where(
-            i.job_id == job_id, i.session_id == session_id))).scalar()
-        return state == ItemState.DONE
-
-    async def _settle_bulk_item(self, conn: AsyncConnection, run_id: str, session_id: str,
-                                outcome: str, now: dt.datetime) -> None:
-        """Record a bulk run's result on its item, in the transaction that ends the run."""
-        job_id = (await conn.execute(sa.select(t.compaction_runs.c.bulk_job_id).where(
-            t.compaction_runs.c.id == run_id))).scalar()
-        if job_id is None:
-            return
-        i = t.bulk_items.c
-        await conn.execute(
-            t.bulk_items.update()
-            .where(i.job_id == job_id, i.session_id == session_id, i.state != ItemState.DONE)
-            .values(state=bulk_item_state(outcome), run_id=run_id, updated_at=now))
-
     # ---------------------------------------------------------------------------------------
     # sweeps
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from storage import schema as t
-from storage.connectors import Connector
 from storage.database import connection, transaction
 from storage.kinds import RunStatus, Stage
+
+if TYPE_CHECKING:
+    from storage.connectors import Connector
 
 ALL_POOLS = "*"
 

@@ -186,18 +186,18 @@ class RecallMixin:
             around = {"before": SNIPPET_BEFORE_CHARS, "width": SNIPPET_CHARS}
             # Each backend's form takes the parameters it names: a LIKE pattern (PostgreSQL's
             # trigram index) or an FTS5 phrase (SQLite's).
-            rows = await db.fetch(db.variant("history_search_exact"), conn=conn, **span,
-                                  **around, query=query, limit=limit,
-                                  pattern=_like_pattern(query), phrase=_fts_phrase(query),
-                                  needles=json.dumps([fold(query)]))
+            rows = await db.search_exact(conn, **span, **around, query=query, limit=limit,
+                                         pattern=_like_pattern(query),
+                                         phrase=_fts_phrase(query),
+                                         needles=json.dumps([fold(query)]))
             hits = [SearchHit(r["ref"], r["seq"], r["snippet"], True) for r in rows]
             # Originals the index has not taken yet (storage.recall_index) are scanned as
             # appended, and their hits join the exact ones, newest first.
             escaped = json_escaped(query)
-            pending = await db.fetch(db.variant("history_search_pending"), conn=conn, **span,
-                                     escaped=escaped, pattern=_like_pattern(escaped),
-                                     before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS,
-                                     scan=PENDING_SCANNED, limit=limit)
+            pending = await db.search_pending(conn, **span, escaped=escaped,
+                                              pattern=_like_pattern(escaped),
+                                              before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS,
+                                              scan=PENDING_SCANNED, limit=limit)
             if pending:
                 hits = sorted(hits + [SearchHit(r["ref"], r["seq"],
                                                 json_fragment_text(r["snippet"]), True)
@@ -338,18 +338,16 @@ async def _ranked(db: Connector, conn: AsyncConnection, span: dict[str, Any], qu
     backends)."""
     seqs: set[int] = set()
     for word in words:
-        rows = await db.fetch(db.variant("history_search_word"), conn=conn, **span, word=word,
-                              pattern=_like_pattern(word), phrase=_fts_phrase(word),
-                              cap=RANKED_CANDIDATES_PER_WORD)
+        rows = await db.search_word(conn, **span, word=word, pattern=_like_pattern(word),
+                                    phrase=_fts_phrase(word), cap=RANKED_CANDIDATES_PER_WORD)
         seqs.update(int(r["seq"]) for r in rows)
     if not seqs:
         return []
     ordered = sorted(seqs)
-    rows = await db.fetch(db.variant("history_search_held"), conn=conn,
-                          session_id=span["session_id"], query=query,
-                          seq_list=ordered, seqs=json.dumps(ordered),
-                          word_list=words, words=json.dumps(words),
-                          before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS)
+    rows = await db.search_held(conn, session_id=span["session_id"], query=query,
+                                seq_list=ordered, seqs=json.dumps(ordered),
+                                word_list=words, words=json.dumps(words),
+                                before=SNIPPET_BEFORE_CHARS, width=SNIPPET_CHARS)
     found = {int(r["seq"]): (str(r["ref"]), str(r["snippet"])) for r in rows}
     best = rank((Candidate(int(r["seq"]), int(r["held"])) for r in rows), words, messages)
     return [(seq, *found[seq]) for seq in best]

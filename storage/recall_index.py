@@ -23,16 +23,17 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from storage import sql
-from storage.connectors import Connector
-from storage.database import transaction
 from storage.errors import DatabaseUnavailable, DeadlinePassed, LockNotAvailable, StorageError
 from storage.kinds import NodeKind
 from storage.messages import META_RECALL
+
+if TYPE_CHECKING:
+    from storage.connectors import Connector
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,16 @@ class NodeRecall:
     ref: str | None
     first: int | None
     last: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RecallBody:
+    """An original's indexed text, and the node it belongs to (whose bytes it adds to)."""
+
+    seq: int
+    node_seq: int
+    bytes: int
+    body: str
 
 
 def sqlite_recall_triggers() -> tuple[str, ...]:
@@ -242,18 +253,8 @@ class RecallIndexMixin:
 
     async def _store_bodies(self, session_id: str, bodies: Sequence[_Body], limit: int) -> None:
         """One short transaction: the texts, then the bytes of the nodes they belong to."""
-        if self.db.takes_arrays:
-            await self.db.execute("recall_set_bodies", session_id=session_id,
-                                  seqs=[b.seq for b in bodies], sizes=[b.bytes for b in bodies],
-                                  bodies=[indexed_text(b.text, limit) for b in bodies])
-            return
-        async with transaction(self.engine) as conn:
-            await self.db.execute_many("recall_set_body", conn=conn, rows=[
-                {"session_id": session_id, "seq": b.seq, "bytes": b.bytes,
-                 "body": indexed_text(b.text, limit)} for b in bodies])
-            await self.db.execute_many("recall_node_bytes", conn=conn, rows=[
-                {"session_id": session_id, "seq": seq}
-                for seq in sorted({b.node_seq for b in bodies})])
+        await self.db.write_recall_bodies(session_id, [
+            RecallBody(b.seq, b.node_seq, b.bytes, indexed_text(b.text, limit)) for b in bodies])
 
 
 def json_escaped(query: str) -> str:

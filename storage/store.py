@@ -10,7 +10,6 @@ connector's (``storage.connectors``); the SQL text is in ``storage/sql``.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,17 +20,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage.connectors import connector_for
+from storage.connectors_general import read_session
 from storage.database import (
     connection,
     create_engine,
-    driver_error,
     snapshot,
     transaction,
-    translate,
 )
 from storage.deletion import DeletionMixin
 from storage.errors import (
-    CompactdError,
     InvalidMessage,
     SessionExists,
     SessionNotFound,
@@ -40,17 +37,12 @@ from storage.errors import (
 from storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
 from storage.jobs import JobsMixin
 from storage.kinds import REPLACE_KINDS, NodeKind
-from storage.leads import LeadsMixin, pool_lead
+from storage.leads import LeadsMixin
 from storage.leases import LeasesMixin
 from storage.messages import (
-    ANSWERED,
-    ORPHAN,
-    REUSED_OPEN,
     BatchLinks,
     Message,
-    ToolLinks,
     from_payload,
-    referenced_call_ids,
     without_reserved,
 )
 from storage.recall import RecallMixin
@@ -233,10 +225,7 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin, Le
 
     async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
                        nowait: bool = False) -> SessionInfo:
-        row = (await conn.execute(_session_select(lock, nowait), {"b_id": session_id})).first()
-        if row is None:
-            raise SessionNotFound(session_id)
-        return session_from_row(row)
+        return await read_session(conn, session_id, lock=lock, nowait=nowait)
 
     async def list_sessions(self, *, tenant: str | None = None, run_model: str | None = None,
                             min_tokens: int | None = None, idle_before: dt.datetime | None = None,
@@ -357,93 +346,8 @@ class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin, Le
             batch = prepare_append(messages, run_model, encoded=self.db.encodes_appends)
         elif batch.run_model != run_model or (batch.texts is not None) != self.db.encodes_appends:
             raise ValueError("the batch was prepared for another run model or backend")
-        tokens = batch.tokens
-        n, total = len(tokens), sum(tokens)
-        info = await self._append_call(session_id, batch, now)
-        if info is not None:
-            signalled = False
-            if signal_if is not None and signal_if(info) and _signal_due(info, now, signal_ttl_s):
-                # One autocommit statement: BEGIN and COMMIT would be two more round trips on
-                # the runtime's critical path.
-                signalled = bool(await self.db.execute(
-                    "mark_signal", session_id=session_id, now=now,
-                    stale_before=now - dt.timedelta(seconds=signal_ttl_s)))
-            return AppendResult(session=info, first_seq=info.last_seq - n + 1,
-                                last_seq=info.last_seq, tokens=tokens, signalled=signalled)
-        stored, payloads = batch.messages, batch.payloads
-        assert stored is not None and payloads is not None
-        linked = list(referenced_call_ids(stored))
-        c = t.sessions.c
-        async with transaction(self.engine) as conn:
-            row = (await conn.execute(
-                t.sessions.update().where(c.id == session_id)
-                .values(last_seq=c.last_seq + n, last_position=c.last_position + n,
-                        surface_version=c.surface_version + 1,
-                        surface_tokens=c.surface_tokens + total,
-                        surface_messages=c.surface_messages + n, last_append_at=now,
-                        growth_rate=_next_growth_rate(total, now), lead_s=pool_lead())
-                .returning(*SESSION_COLUMNS))).first()
-            if row is None:
-                raise SessionNotFound(session_id)
-            info = session_from_row(row)
-            first_seq = info.last_seq - n + 1
-            first_position = info.last_position - n + 1
-            if linked:
-                await self._link_tool_calls(conn, session_id, stored, linked, first_seq)
-            await conn.execute(t.events.insert(), [
-                {"session_id": session_id, "seq": first_seq + i, "kind": NodeKind.MESSAGE,
-                 "payload": payloads[i], "tokens": tokens[i], "created_at": now}
-                for i in range(n)])
-            await conn.execute(t.surface.insert(), [
-                {"session_id": session_id, "position": first_position + i,
-                 "seq": first_seq + i, "tokens": tokens[i]} for i in range(n)])
-            signalled = False
-            if signal_if is not None and signal_if(info):
-                signalled = await self._mark_signal(conn, session_id, now, signal_ttl_s)
-        return AppendResult(session=info, first_seq=first_seq, last_seq=info.last_seq,
-                            tokens=tokens, signalled=signalled)
-
-    async def _append_call(self, session_id: str, batch: PreparedAppend,
-                           now: dt.datetime) -> SessionInfo | None:
-        """The append as one call of ``compactd_append`` (one round trip); None where the
-        backend has no such function."""
-        links = batch.links
-        if links is None or batch.texts is None:
-            return None
-        try:
-            row = await self.db.append_call(
-                session_id=session_id, payloads=batch.texts, tokens=list(batch.tokens), now=now,
-                call_ids=[c[0] for c in links.calls], call_idx=[c[1] for c in links.calls],
-                call_result_idx=[c[2] for c in links.calls],
-                ext_ids=[e[0] for e in links.external], ext_idx=[e[1] for e in links.external])
-        except Exception as exc:
-            raise _append_error(exc) from None
-        return None if row is None else session_from_record(row)
-
-    async def _link_tool_calls(self, conn: AsyncConnection, session_id: str,
-                               messages: Sequence[Message], linked: list[str],
-                               first_seq: int) -> None:
-        tc = t.tool_calls.c
-        rows = (await conn.execute(
-            sa.select(tc.call_id, tc.result_seq)
-            .where(tc.session_id == session_id, tc.call_id.in_(sorted(set(linked)))))).all()
-        ToolLinks(open_ids=[r.call_id for r in rows if r.result_seq is None],
-                  closed_ids=[r.call_id for r in rows]).check(messages)
-        links = BatchLinks(messages)
-        # Close the calls answered from before the batch first: the batch may issue their ids
-        # again (see ToolLinks).
-        if links.external:
-            await conn.execute(
-                t.tool_calls.update()
-                .where(tc.session_id == session_id, tc.call_id == sa.bindparam("b_call"),
-                       tc.result_seq.is_(None))
-                .values(result_seq=sa.bindparam("b_seq")),
-                [{"b_call": cid, "b_seq": first_seq + idx} for cid, idx in links.external])
-        if links.calls:
-            await conn.execute(t.tool_calls.insert(), [
-                {"session_id": session_id, "call_id": cid, "call_seq": first_seq + idx,
-                 "result_seq": None if ridx is None else first_seq + ridx}
-                for cid, idx, ridx in links.calls])
+        return await self.db.append(session_id, batch, now, signal_if=signal_if,
+                                    signal_ttl_s=signal_ttl_s)
 
     # ---------------------------------------------------------------------------------------
     # signals
@@ -647,51 +551,6 @@ _SURFACE_ROWS = (
 _EVENTS_BY_SEQ = (sa.select(_se.seq, _se.kind, _se.payload)
                   .where(_se.session_id == sa.bindparam("b_id"),
                          _se.seq.in_(sa.bindparam("b_seqs", expanding=True))))
-
-
-@functools.cache
-def _session_select(lock: bool, nowait: bool) -> Any:
-    # Built once per flag combination: constructing a 24-column statement on every call costs
-    # more than SQLAlchemy's cached compilation saves.
-    stmt = sa.select(*SESSION_COLUMNS).where(_sc.id == sa.bindparam("b_id"))
-    if lock:
-        stmt = stmt.with_for_update(nowait=nowait)
-    return stmt
-
-
-_LINK_ERRORS = {
-    "CD001": (REUSED_OPEN, "tool_calls"),
-    "CD002": (ORPHAN, "tool_call_id"),
-    "CD003": (ANSWERED, "tool_call_id"),
-}
-
-
-def _next_growth_rate(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
-    """``records.next_growth_rate`` on the row being updated, for the append of separate
-    statements (SQLite's: PostgreSQL's is in ``compactd_append``). SQLite stores naive UTC text,
-    which julianday reads; columns on the right of SET are the row before the update."""
-    c = t.sessions.c
-    since = (sa.func.julianday(sa.literal(now, t.UTCDateTime))
-             - sa.func.julianday(sa.func.coalesce(c.last_append_at, c.created_at))) * 86400.0
-    return sa.type_coerce((c.growth_rate * GROWTH_WINDOW_S + added)
-                          / (GROWTH_WINDOW_S + sa.func.max(0.0, since)), sa.Float)
-
-
-def _append_error(exc: Exception) -> Exception:
-    pg = driver_error(exc)
-    code = getattr(pg, "sqlstate", None)
-    if code in _LINK_ERRORS:
-        reason, field = _LINK_ERRORS[code]
-        return InvalidMessage(reason.format(id=pg.detail),  # type: ignore[attr-defined]
-                              index=int(pg.hint), field=field)  # type: ignore[attr-defined]
-    if isinstance(exc, CompactdError):
-        return exc
-    return translate(exc)
-
-
-def _signal_due(info: SessionInfo, now: dt.datetime, ttl_s: float) -> bool:
-    """Skip the mark's round trip while a fresh one is already set."""
-    return info.signal_at is None or info.signal_at <= now - dt.timedelta(seconds=ttl_s)
 
 
 def _message_of(seq: int, kind: str | None, payload: Any) -> dict[str, Any]:
