@@ -24,7 +24,7 @@ from scheduler.intake import parse_signal
 from scheduler.output import EXIT_FAILED, emit, open_store, say
 from scheduler.status import render_status, session_status, status
 from storage.errors import InvalidMessage, RecallArgumentError
-from storage.kinds import RunStatus, SignalReason, Trigger
+from storage.kinds import RunCause, RunStatus, SignalReason
 from storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
@@ -118,7 +118,7 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
 
         async with open_deps(config, owner=f"cli:{uuid.uuid4().hex[:8]}") as deps:
             await deps.store.get_session(args.session)
-            outcome = await compact(deps, args.session, trigger=Trigger.MANUAL, force=args.force,
+            outcome = await compact(deps, args.session, trigger=RunCause.MANUAL, force=args.force,
                                     keep=keep)
         result = {**outcome.to_json(), "cost": usage_cost(outcome.usage, config.prices)}
     else:

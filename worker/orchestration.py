@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from storage.errors import StorageError
-from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
+from storage.kinds import JournalKind, NodeKind, RunCause, RunStatus, Stage
 from storage.records import Replacement, SessionInfo
 from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
@@ -63,7 +63,7 @@ INDEX_DEFER_S = 30.0
 INDEX_RECHECK_S = 0.25
 
 
-async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSURE,
+async def compact(deps: Deps, session_id: str, *, trigger: str = RunCause.PRESSURE,
                   force: bool = False, keep: str | Clause | None = None, task_id: str | None = None,
                   bulk_job_id: str | None = None, rate_per_s: float | None = None,
                   index_in_background: bool = False) -> Outcome:
@@ -161,7 +161,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
     store = deps.store
     info = scope.claim.session
     manual = out.trigger in MANUAL_TRIGGERS
-    if out.trigger == Trigger.BULK and force:
+    if out.trigger == RunCause.BULK and force:
         # ``recompact --force`` re-applies the policy to sessions under their trigger: it
         # ignores the trigger as a manual run does and keeps the policy's tail, where a forced
         # run keeps only the newest turn (one session's operator may want that, a fleet never).
@@ -169,7 +169,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
     # Safety before cost: an overflow or forced run commits its edits at once.
-    edits_may_wait = not force and out.trigger != Trigger.OVERFLOW
+    edits_may_wait = not force and out.trigger != RunCause.OVERFLOW
     surface: Surface | None = None
     arrivals: Arrivals | None = None
     for round_no in range(policy.max_rounds):

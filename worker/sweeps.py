@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from storage.errors import StorageError
-from storage.kinds import Trigger
+from storage.kinds import RunCause
 from storage.records import ReapedLease, SessionInfo, utcnow
 from storage.store import Store
 from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
@@ -84,7 +84,7 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
             after_id=after, fresh_signal_s=w.sweep_interval_s)
         batches += 1
         for info in chosen:
-            await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.SWEEP))
+            await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.SWEEP))
             enqueued.append(info.id)
         if after is None:
             break
@@ -108,7 +108,7 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
             # The dead run's signal mark would block signals until its TTL: replace it.
             await store.clear_signal(info.id)
             if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
-                await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.REAP))
+                await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.REAP))
     return reaped
 
 

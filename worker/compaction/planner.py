@@ -122,7 +122,6 @@ class Plan:
     summarize: SummarizeStep | None
     nothing_to_do: str | None  # set when the plan neither prunes nor summarizes
     why_no_summary: str | None  # set when ``summarize`` is None
-    planned_at: datetime
     inputs: PlanInputs = field(repr=False)
     # Planned with ``defer_summary``: the prunes still leave the trigger fired, and the
     # summarize step is for the plan of the surface they make (``summarize`` is None here).
@@ -255,7 +254,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
                     prune=prune, tokens_after_prune=after,
                     summarize=step if isinstance(step, SummarizeStep) else None,
                     nothing_to_do=nothing, why_no_summary=why if step is None else None,
-                    planned_at=inputs.now, inputs=inputs, summary_deferred=deferred,
+                    inputs=inputs, summary_deferred=deferred,
                     recall_pass=step if isinstance(step, RecallablePass) else None,
                     prune_held=held if prune else None)
 
