@@ -33,7 +33,7 @@ from storage.recall_bounds import (
     MIN_READ_TOKENS,
 )
 from storage.records import utcnow
-from worker.compaction.planner import plan
+from worker.compaction.planner import Outlook, plan
 from worker.compaction.recall_tools import check_read, check_search, tools_document
 from worker.cost import usage_cost
 from worker.limits import parse_rate
@@ -61,8 +61,9 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                   reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                   now=now, force=args.force, keep_override=keep, envelope=info.envelope,
-                  lead_tokens=growth_tokens(info, policy, config), arrivals=arrivals,
-                  edits_may_wait=not args.force, last_append_at=info.last_append_at)
+                  outlook=Outlook(lead_tokens=growth_tokens(info, policy, config),
+                                  arrivals=arrivals, edits_may_wait=not args.force,
+                                  last_append_at=info.last_append_at))
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
     if args.json:
         emit(body)

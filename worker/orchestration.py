@@ -34,7 +34,15 @@ from storage.tokens import counter_for
 from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.arrivals import Arrivals
 from worker.compaction.boundary import resolve_keep
-from worker.compaction.planner import Plan, checkpoint_for, plan, refill, replan_smaller
+from worker.compaction.planner import (
+    NO_OUTLOOK,
+    Outlook,
+    Plan,
+    checkpoint_for,
+    plan,
+    refill,
+    replan_smaller,
+)
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
 from worker.compaction.pruning import prune_replacements, riding_actions
@@ -187,8 +195,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                                                   surface.nodes, deps.clock())
                 out.arrivals = arrivals.to_json() if arrivals is not None else None
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                        manual=manual and first, defer_summary=True, arrivals=arrivals,
-                        edits_may_wait=edits_may_wait)
+                        manual=manual and first, defer_summary=True,
+                        outlook=Outlook(arrivals=arrivals, edits_may_wait=edits_may_wait))
         if current.prune_held is not None:
             # Not committed here: the checkpoint's commit carries them, or a later run's.
             logger.info("model-free edits wait for a summary",
@@ -207,7 +215,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
                     version=info.surface_version, last_seq=info.last_seq
                 ) or await store.read_surface(info.id, reuse=surface)
                 current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                                manual=manual and first, arrivals=arrivals)
+                                manual=manual and first, outlook=Outlook(arrivals=arrivals))
             if not current.compacts:
                 metrics().prune_only.inc()
         if not current.compacts:
@@ -243,19 +251,21 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
           keep: Clause | None, manual: bool = False, defer_summary: bool = False,
-          arrivals: Arrivals | None = None, edits_may_wait: bool = False) -> Plan:
+          outlook: Outlook = NO_OUTLOOK) -> Plan:
     """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
     without it ignores only the trigger: someone asked for this compaction, but the recent
-    history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
+    history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``). The session's
+    lead and last append complete ``outlook``."""
     if manual and not force:
         force, keep = True, keep or resolve_keep(policy)
     now = deps.clock()
+    outlook = dataclasses.replace(
+        outlook, lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now),
+        last_append_at=info.last_append_at)
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=now, force=force, keep_override=keep, envelope=info.envelope,
-                defer_summary=defer_summary, arrivals=arrivals,
-                lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now),
-                edits_may_wait=edits_may_wait, last_append_at=info.last_append_at)
+                defer_summary=defer_summary, outlook=outlook)
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:

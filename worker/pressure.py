@@ -19,7 +19,6 @@ from typing import Any
 from storage.errors import ConfigError
 from storage.records import SessionInfo, utcnow
 from storage.surface import Surface
-from worker.compaction.kinds import Counter
 from worker.compaction.lead import lead_tokens
 from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
 from worker.compaction.triggers import Pressure, pressure_tokens, should_compact, should_run
@@ -193,6 +192,7 @@ def sweep_key(config: Config) -> str:
     return hashlib.sha256(basis.encode()).hexdigest()[:32]
 
 
-def sweep_thresholds(info: SessionInfo, config: Config) -> dict[Counter, int | None]:
-    """The stored thresholds the sweep selects on (see ``Policy.trigger_floors``)."""
-    return session_policy(info, config).trigger_floors()
+def sweep_thresholds(info: SessionInfo, config: Config) -> dict[str, int | None]:
+    """The stored thresholds the sweep selects on, by counter (see ``Policy.trigger_floors``)."""
+    floors = session_policy(info, config).trigger_floors()
+    return {counter.value: floor for counter, floor in floors.items()}

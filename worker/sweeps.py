@@ -56,9 +56,9 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
     resolved = 0
     batch = max(w.sweep_batch, RESOLVE_BATCH)
     # Most sessions share a few policies: resolve each (policy, model, window) once per sweep.
-    seen: dict[tuple[str, str | None, int | None], tuple[int | None, int | None]] = {}
+    seen: dict[tuple[str, str | None, int | None], dict[str, int | None]] = {}
 
-    def resolve(info: SessionInfo) -> tuple[int | None, int | None]:
+    def resolve(info: SessionInfo) -> dict[str, int | None]:
         basis = (json.dumps(info.policy, sort_keys=True), info.run_model, info.context_window)
         if basis not in seen:
             seen[basis] = sweep_thresholds(info, config)

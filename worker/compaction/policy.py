@@ -514,7 +514,7 @@ def keep_refires(policy: Policy, context_window: int | None) -> str | None:
 def _tail_meets(keep: Clause, clause: Clause, window: int | None) -> bool:
     if keep.kind == clause.kind:
         return keep.value >= clause.value
-    if window is None or keep.measure.counter is not clause.measure.counter:
+    if keep.measure.counter is not clause.measure.counter:
         return False
     kept, needed = keep.threshold(window), clause.threshold(window)
     return kept is not None and needed is not None and kept >= needed
