@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -185,15 +186,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         surface = await store.read_surface(info.id, reuse=surface)
         first = round_no == 0
         if first:
-            # What the run starts from is what it read: appends may have come after the claim.
-            out.tokens_before = read_pressure(info, surface, policy).tokens
-            if keep is None and not force and out.trigger in AUTOMATIC_TRIGGERS:
-                # An explicit keep is taken as given, a forced reduction has no keep, and a
-                # manual or bulk run keeps the policy's tail of a session that may be idle
-                # (its growth rate can still carry an ingest's burst).
-                arrivals = await predict_arrivals(store, deps.config, info, policy,
-                                                  surface.nodes, deps.clock())
-                out.arrivals = arrivals.to_json() if arrivals is not None else None
+            arrivals = await _first_read(scope, info, surface, policy, force=force, keep=keep)
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                         manual=manual and first, defer_summary=True,
                         outlook=Outlook(arrivals=arrivals, edits_may_wait=edits_may_wait))
@@ -202,22 +195,11 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
             logger.info("model-free edits wait for a summary",
                         extra={"action": "compaction.edits_held", "reason": current.prune_held})
         elif current.prune:
-            info = await _commit_prunes(scope, current)
-            out.pruned += len(current.prune)
-            out.stages.append(Stage.PRUNE)
-            # Durable whatever comes next: a run that fails later reports the surface it left.
-            out.tokens_after = session_pressure(info, policy).tokens
-            if current.summary_deferred:
-                # The pruned surface is known without a read, unless an append came in between.
-                surface = surface_after_commit(
-                    surface, [NewNode((a.seq,), NodeKind.PRUNED, a.message, a.tokens_after)
-                              for a in current.prune],
-                    version=info.surface_version, last_seq=info.last_seq
-                ) or await store.read_surface(info.id, reuse=surface)
-                current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                                manual=manual and first, outlook=Outlook(arrivals=arrivals))
-            if not current.compacts:
-                metrics().prune_only.inc()
+            info, current, surface = await _commit_round_prunes(
+                scope, current, surface, policy,
+                replan=functools.partial(_plan, deps, policy=policy, force=force and first,
+                                         keep=keep, manual=manual and first,
+                                         outlook=Outlook(arrivals=arrivals)))
         if not current.compacts:
             if round_no == 0 and not out.pruned:
                 out.error = current.prune_held or current.nothing_to_do or current.why_no_summary
@@ -266,6 +248,47 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=now, force=force, keep_override=keep, envelope=info.envelope,
                 defer_summary=defer_summary, outlook=outlook)
+
+
+async def _first_read(scope: RunScope, info: SessionInfo, surface: Surface, policy: Policy, *,
+                      force: bool, keep: Clause | None) -> Arrivals | None:
+    """What the run starts from is what it read: appends may have come after the claim. An
+    automatic run also expects what the agent appends before its pickup (keep_at: pickup)."""
+    deps, out = scope.deps, scope.out
+    out.tokens_before = read_pressure(info, surface, policy).tokens
+    if keep is not None or force or out.trigger not in AUTOMATIC_TRIGGERS:
+        # An explicit keep is taken as given, a forced reduction has no keep, and a manual or
+        # bulk run keeps the policy's tail of a session that may be idle (its growth rate can
+        # still carry an ingest's burst).
+        return None
+    arrivals = await predict_arrivals(deps.store, deps.config, info, policy, surface.nodes,
+                                      deps.clock())
+    out.arrivals = arrivals.to_json() if arrivals is not None else None
+    return arrivals
+
+
+async def _commit_round_prunes(scope: RunScope, current: Plan, surface: Surface, policy: Policy,
+                               *, replan: Callable[..., Plan]
+                               ) -> tuple[SessionInfo, Plan, Surface]:
+    """Commit a round's prunes on their own; with the summary deferred, plan it on the surface
+    they made (``replan``)."""
+    out = scope.out
+    info = await _commit_prunes(scope, current)
+    out.pruned += len(current.prune)
+    out.stages.append(Stage.PRUNE)
+    # Durable whatever comes next: a run that fails later reports the surface it left.
+    out.tokens_after = session_pressure(info, policy).tokens
+    if current.summary_deferred:
+        # The pruned surface is known without a read, unless an append came in between.
+        surface = surface_after_commit(
+            surface, [NewNode((a.seq,), NodeKind.PRUNED, a.message, a.tokens_after)
+                      for a in current.prune],
+            version=info.surface_version, last_seq=info.last_seq
+        ) or await scope.deps.store.read_surface(info.id, reuse=surface)
+        current = replan(surface, info)
+    if not current.compacts:
+        metrics().prune_only.inc()
+    return info, current, surface
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:

@@ -48,7 +48,7 @@ from worker.compaction.pruning import (
     prune_tool_results,
 )
 from worker.compaction.recall import checkpoint_ref, recall_meta, span_of
-from worker.compaction.recallable import RecallablePass, plan_pass
+from worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
 from worker.compaction.render import Skill, checkpoint_message
 from worker.compaction.skills import capture_skills
 from worker.compaction.triggers import Pressure, measure, should_clear, should_compact
@@ -296,17 +296,17 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         return done(actions, after.tokens, None, "planned after the prunes are committed",
                     deferred=True)
     surface = apply_actions(nodes, actions)
-    step: SummarizeStep | RecallablePass | str
+    step: SummarizeStep | RecallablePass | NoPlan
     if policy.layout == "recallable":
         step = plan_pass(surface, policy=policy, counter=counter, run_model=inputs.run_model,
                          envelope_tokens=inputs.envelope_tokens, keep=_kept_clause(inputs),
                          force=inputs.force)
     else:
         step = _summarize(surface, inputs, counter)
-    if isinstance(step, str):
+    if isinstance(step, NoPlan):
         # No summary to ride with while the session is over its trigger: the edits are the
         # relief there is, and commit alone.
-        return done(actions, after.tokens, None, step)
+        return done(actions, after.tokens, None, step.reason)
     return done(actions, after.tokens, step, None, held=held)
 
 
@@ -327,7 +327,7 @@ def _empty_checkpoint_tokens(render: str, run_model: str | None) -> int:
 
 
 def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCounter
-               ) -> SummarizeStep | str:
+               ) -> SummarizeStep | NoPlan:
     """The summarize step over the pruned surface, or why there is none."""
     policy = inputs.policy
     unsafe = unsafe_boundaries(surface)
@@ -336,14 +336,14 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     selection = select_range(surface, keep=keep, policy=policy, force=inputs.force,
                              min_tokens=minimum, unsafe=unsafe)
     if selection.nothing_to_do is not None:
-        return selection.nothing_to_do
+        return NoPlan(selection.nothing_to_do)
     start, end = selection.start, selection.end
 
     # Leading checkpoints carry the existing summary, unless it is too large to carry: then
     # they are read inline like messages (and split if need be), never dropped.
     calls = plan_calls(surface, start, end, unsafe, policy, counter, inputs.envelope_tokens)
     if isinstance(calls, str):
-        return calls
+        return NoPlan(calls)
     end, existing, strategy = calls.end, calls.existing, calls.strategy
 
     replaced = surface[start:end]
@@ -354,8 +354,8 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     minimum = max(minimum, framed_tokens("", (), policy, inputs.run_model,
                                          checkpoint_recall(*span)))
     if replaced_tokens <= minimum:
-        return (f"the run that fits the summarizer budget ({replaced_tokens} tokens) is not "
-                f"larger than an empty checkpoint ({minimum} tokens)")
+        return NoPlan(f"the run that fits the summarizer budget ({replaced_tokens} tokens) is "
+                      f"not larger than an empty checkpoint ({minimum} tokens)")
     skills = capture_skills(replaced, tool_names=policy.skill_file_read_tool_names,
                             skills_path=policy.skills_path)
     has_history = bool(existing) or any(message_body(node.message).strip() for node in replaced)
