@@ -61,6 +61,7 @@ from storage.records import (
     EventRecord,
     SessionInfo,
     VerifyResult,
+    growth_rate_after,
     utcnow,
 )
 from storage.runs import RunsMixin
@@ -673,8 +674,8 @@ def _next_growth_rate(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
     c = t.sessions.c
     since = (sa.func.julianday(sa.literal(now, t.UTCDateTime))
              - sa.func.julianday(sa.func.coalesce(c.last_append_at, c.created_at))) * 86400.0
-    return sa.type_coerce((c.growth_rate * GROWTH_WINDOW_S + added)
-                          / (GROWTH_WINDOW_S + sa.func.max(0.0, since)), sa.Float)
+    return sa.type_coerce(growth_rate_after(c.growth_rate, added, sa.func.max(0.0, since)),
+                          sa.Float)
 
 
 def _append_error(exc: Exception) -> Exception:
