@@ -34,7 +34,7 @@ from scheduler.client import WaitTimeout
 from scheduler.output import emit, open_store, say
 from storage.errors import InvalidMessage
 from storage.ids import id_problem
-from storage.kinds import ItemState, JobState, Trigger
+from storage.kinds import ItemState, JobState, RunCause
 from storage.records import BulkJob, utcnow
 from storage.store import Store
 from worker.app import client_app
@@ -191,7 +191,7 @@ async def fan_out(store: Store, enqueuer: Enqueuer, job: BulkJob, *, states: Seq
         for sid in ids:
             if rate_per_s:
                 await pacer.acquire(bulk_meter(job.id), rate_per_s)
-            await enqueuer.asend(RunRequest(sid, Trigger.BULK, force=force, bulk_job_id=job.id,
+            await enqueuer.asend(RunRequest(sid, RunCause.BULK, force=force, bulk_job_id=job.id,
                                             rate_per_s=rate_per_s))
         sent += len(ids)
         after = ids[-1]

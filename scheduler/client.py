@@ -33,7 +33,7 @@ from scheduler.intake import SignalResult, accept_signal, parse_signal
 from storage.deletion import DeletionResult
 from storage.errors import CompactdError, InvalidMessage, SessionNotFound
 from storage.ids import check_count, check_seconds, check_session_id, check_tenant
-from storage.kinds import FailureClass, RunStatus, SignalReason, Trigger
+from storage.kinds import FailureClass, RunCause, RunStatus, SignalReason
 from storage.messages import Message, check_json, check_message, parse
 from storage.migrate import ensure_schema
 from storage.recall import DEFAULT_READ_TOKENS, ReadPage, SearchResult
@@ -288,7 +288,7 @@ class SessionHandle:
             # next poll must report a compaction's commit, not our own append.
             self.version = result.version
         if result.signalled:
-            self.client.send_in_background(RunRequest(self.id, Trigger.PRESSURE))
+            self.client.send_in_background(RunRequest(self.id, RunCause.PRESSURE))
         fired = result.signalled or wants_run(result.session, self._config)
         return StepResult(version=result.version, first_seq=result.first_seq,
                           last_seq=result.last_seq, tokens=result.session.surface_tokens,
@@ -318,7 +318,7 @@ class SessionHandle:
             surface_version=built_on)
         if self._wants_signal(self.info) and await self.client.store.mark_signal(
                 self.id, ttl_s=self._config.worker.signal_ttl_s):
-            self.client.send_in_background(RunRequest(self.id, Trigger.PRESSURE))
+            self.client.send_in_background(RunRequest(self.id, RunCause.PRESSURE))
         return self.info
 
     async def poll(self, since_version: int | None = None) -> int | None:
@@ -369,7 +369,7 @@ class SessionHandle:
         clause = parse_keep(keep, "keep")
         queued = await enqueue_manual(
             self.client.store, self.client.enqueuer,
-            RunRequest(self.id, Trigger.MANUAL, force=force,
+            RunRequest(self.id, RunCause.MANUAL, force=force,
                        keep=None if clause is None else clause.to_text()),
             ttl_s=self._config.worker.signal_ttl_s)
         if not wait:
@@ -403,7 +403,7 @@ class SessionHandle:
                                   surface.version)
         start_version = surface.version
         task_id = await self.client.enqueuer.asend(
-            RunRequest(self.id, Trigger.OVERFLOW, force=True))
+            RunRequest(self.id, RunCause.OVERFLOW, force=True))
         if not wait:
             return OverflowResult(False, "queued", start_version, run={"task_id": task_id})
         run = await self._wait_for_run(task_id, timeout_s, retry_busy=True)
@@ -444,7 +444,7 @@ class SessionHandle:
                         raise WaitTimeout(f"session {self.id!r} stayed leased")
                     await asyncio.sleep(WAIT_POLL_S)
                 task_id = await self.client.enqueuer.asend(
-                    RunRequest(self.id, Trigger.OVERFLOW, force=True))
+                    RunRequest(self.id, RunCause.OVERFLOW, force=True))
             if asyncio.get_running_loop().time() >= deadline:
                 raise WaitTimeout(f"no result for task {task_id} within {timeout_s:g} s "
                                   "(is a worker running?)")

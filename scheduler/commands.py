@@ -24,7 +24,7 @@ from scheduler.intake import parse_signal
 from scheduler.output import EXIT_FAILED, emit, open_store, say
 from scheduler.status import render_status, session_status, status
 from storage.errors import InvalidMessage, RecallArgumentError
-from storage.kinds import RunStatus, SignalReason, Trigger
+from storage.kinds import RunCause, RunStatus, SignalReason
 from storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
@@ -33,7 +33,7 @@ from storage.recall_bounds import (
     MIN_READ_TOKENS,
 )
 from storage.records import utcnow
-from worker.compaction.planner import plan
+from worker.compaction.planner import Outlook, plan
 from worker.compaction.recall_tools import check_read, check_search, tools_document
 from worker.cost import usage_cost
 from worker.limits import parse_rate
@@ -61,8 +61,9 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                   reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                   now=now, force=args.force, keep_override=keep, envelope=info.envelope,
-                  lead_tokens=growth_tokens(info, policy, config), arrivals=arrivals,
-                  edits_may_wait=not args.force, last_append_at=info.last_append_at)
+                  outlook=Outlook(lead_tokens=growth_tokens(info, policy, config),
+                                  arrivals=arrivals, edits_may_wait=not args.force,
+                                  last_append_at=info.last_append_at))
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}
     if args.json:
         emit(body)
@@ -118,7 +119,7 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
 
         async with open_deps(config, owner=f"cli:{uuid.uuid4().hex[:8]}") as deps:
             await deps.store.get_session(args.session)
-            outcome = await compact(deps, args.session, trigger=Trigger.MANUAL, force=args.force,
+            outcome = await compact(deps, args.session, trigger=RunCause.MANUAL, force=args.force,
                                     keep=keep)
         result = {**outcome.to_json(), "cost": usage_cost(outcome.usage, config.prices)}
     else:

@@ -12,7 +12,7 @@ import datetime as dt
 
 from scheduler.output import emit, say
 from scheduler.samples import coding_session
-from storage.kinds import Stage, Trigger
+from storage.kinds import RunCause, Stage
 from storage.messages import parse_openai
 from worker.compaction.render import render_surface
 from worker.orchestration import compact
@@ -33,7 +33,7 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
         await store.create_session(session_id, context_window=DEMO_WINDOW, policy=DEMO_POLICY)
         appended = await store.append(session_id, [parse_openai(m) for m in sample.messages])
         before = appended.session
-        outcome = await compact(deps, session_id, trigger=Trigger.PRESSURE)
+        outcome = await compact(deps, session_id, trigger=RunCause.PRESSURE)
         surface = await store.read_surface(session_id)
         verified = await store.verify(session_id)
         rendered = render_surface(surface.nodes)

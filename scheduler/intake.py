@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from storage.errors import InvalidMessage
-from storage.kinds import SignalReason, Trigger
+from storage.kinds import RunCause, SignalReason
 from storage.records import utcnow
 from storage.store import Store
 from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
@@ -68,6 +68,6 @@ async def accept_signal(store: Store, config: Config, enqueuer: Enqueuer,
     if (info.signal_at is not None and info.signal_at > now - dt.timedelta(seconds=ttl_s)) or \
             not await store.mark_signal(info.id, ttl_s=ttl_s, now=now):
         return SignalResult(info.id, False, QUEUED)
-    task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.PRESSURE))
+    task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.PRESSURE))
     return SignalResult(info.id, True, why, task_id)
 

@@ -25,7 +25,6 @@ from storage.kinds import FailureClass, ItemState, JournalKind, NodeKind, RunSta
 from storage.leads import pool_lead
 from storage.messages import BatchLinks, Message, ToolLinks, referenced_call_ids
 from storage.records import (
-    GROWTH_WINDOW_S,
     AppendResult,
     Busy,
     Claim,
@@ -33,6 +32,7 @@ from storage.records import (
     RunEnd,
     SessionInfo,
     Skipped,
+    growth_rate_after,
 )
 from storage.schema import SESSION_COLUMNS, session_from_row
 from storage.surface import PlacementError, SurfaceRows, commit_seqs
@@ -147,8 +147,8 @@ def _next_growth_rate(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
     c = t.sessions.c
     since = (sa.func.julianday(sa.literal(now, t.UTCDateTime))
              - sa.func.julianday(sa.func.coalesce(c.last_append_at, c.created_at))) * 86400.0
-    return sa.type_coerce((c.growth_rate * GROWTH_WINDOW_S + added)
-                          / (GROWTH_WINDOW_S + sa.func.max(0.0, since)), sa.Float)
+    return sa.type_coerce(growth_rate_after(c.growth_rate, added, sa.func.max(0.0, since)),
+                          sa.Float)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -14,7 +14,12 @@ from storage import schema as t
 from storage.database import connection, transaction
 from storage.kinds import ItemState, JobState, RunStatus
 from storage.records import BulkJob, SessionInfo, utcnow
-from storage.schema import OVER_SWEEP_THRESHOLD, SESSION_COLUMNS, session_from_row
+from storage.schema import (
+    OVER_SWEEP_THRESHOLD,
+    SESSION_COLUMNS,
+    session_from_row,
+    sweep_floor_values,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -125,10 +130,12 @@ class JobsMixin:
     # sweeps
 
     async def resolve_sweep_thresholds(
-            self, *, key: str, resolve: Callable[[SessionInfo], tuple[int | None, int | None]],
+            self, *, key: str, resolve: Callable[[SessionInfo], Mapping[str, int | None]],
             limit: int = 1000) -> int:
         """Store the thresholds of up to ``limit`` sessions not yet resolved under ``key`` (new
-        sessions, changed policies, a changed configuration); how many it resolved.
+        sessions, changed policies, a changed configuration); how many it resolved. ``resolve``
+        gives a session's floor per counter (``worker.compaction.kinds.Counter``), each stored
+        in ``sessions.sweep_<counter>`` (:data:`storage.schema.SWEEP_FLOORS`).
 
         Rows other transactions hold are skipped: the next sweep resolves them. In steady state
         no row differs and this is one index probe."""
@@ -138,13 +145,14 @@ class JobsMixin:
                 sa.select(*SESSION_COLUMNS)
                 .where(sa.or_(c.sweep_key.is_(None), c.sweep_key < key, c.sweep_key > key))
                 .limit(limit).with_for_update(skip_locked=True))).all()
-            groups: dict[tuple[int | None, int | None], list[str]] = {}
+            groups: dict[tuple[tuple[str, int | None], ...], list[str]] = {}
             for row in rows:
-                groups.setdefault(resolve(session_from_row(row)), []).append(row.id)
-            # Sessions share a few policies: one statement per distinct pair of thresholds.
-            for (tokens, messages), ids in groups.items():
+                floors = sweep_floor_values(resolve(session_from_row(row)))
+                groups.setdefault(tuple(sorted(floors.items())), []).append(row.id)
+            # Sessions share a few policies: one statement per distinct set of thresholds.
+            for floors_key, ids in groups.items():
                 await conn.execute(t.sessions.update().where(c.id.in_(ids)).values(
-                    sweep_key=key, sweep_tokens=tokens, sweep_messages=messages))
+                    sweep_key=key, **dict(floors_key)))
         return len(rows)
 
     async def select_for_sweep(self, *, decide: Callable[[SessionInfo], bool],

@@ -13,7 +13,7 @@ The sets:
 * :class:`RunStatus`: a run row's ``status`` (a run's outcome once it has ended).
 * :class:`FailureClass`: why a failed run failed (``compaction_runs.failure_class``).
 * :class:`ModelFailure`: why one summarizer call failed (``worker.llm.errors``).
-* :class:`Trigger`: what started a run (``compaction_runs.trigger``, the Celery queue it takes).
+* :class:`RunCause`: what started a run (``compaction_runs.trigger``, the Celery queue it takes).
 * :class:`SignalReason`: why a runtime signalled pressure.
 * :class:`Stage`: the steps a run took (``Outcome.stages``, the tokens-saved metric's label).
 * :class:`JobState` and :class:`ItemState`: a bulk job's and its items' ``state``.
@@ -88,7 +88,7 @@ class ModelFailure(StrEnum):
 
 
 @unique
-class Trigger(StrEnum):
+class RunCause(StrEnum):
     PRESSURE = "pressure"  # a runtime's signal or append crossed the trigger
     SWEEP = "sweep"  # the periodic sweep found the session over its trigger
     REAP = "reap"  # the reaper closed an expired lease on a session still over it

@@ -48,8 +48,16 @@ def unbiased_growth_rate(rate: float, age_s: float) -> float:
 
 def next_growth_rate(rate: float, added: int, seconds_since: float) -> float:
     """The rate after an append of ``added`` tokens ``seconds_since`` the previous one (what the
-    append's UPDATE computes in SQL on both backends)."""
-    return (rate * GROWTH_WINDOW_S + added) / (GROWTH_WINDOW_S + max(0.0, seconds_since))
+    append's UPDATE computes: ``compactd_append`` on PostgreSQL, the statement
+    :func:`growth_rate_after` builds on SQLite)."""
+    return growth_rate_after(rate, added, max(0.0, seconds_since))
+
+
+def growth_rate_after(rate: Any, added: Any, elapsed_s: Any) -> Any:
+    """The growth rate's one Python form, on numbers or on SQL expressions alike (``elapsed_s``
+    already clamped at 0): ``storage/sql/functions/compactd_append.sql`` is its SQL form, and
+    ``tests/integration/test_pressure_contract.py`` holds the two equal."""
+    return (rate * GROWTH_WINDOW_S + added) / (GROWTH_WINDOW_S + elapsed_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -70,6 +71,20 @@ OVER_SWEEP_SQL = (
     " OR sweep_tokens <= reported_input_tokens + reported_output_tokens + surface_tokens"
     f" + envelope_tokens - reported_base_tokens + {_LEAD_GROWTH}"
     " OR sweep_messages <= surface_messages")
+
+# The counters a session keeps for its trigger kinds (``worker.compaction.kinds.Counter``), each
+# with the stored floor the sweep compares (``sweep_<counter>``) in ``OVER_SWEEP_SQL``.
+SWEEP_FLOORS = ("tokens", "messages")
+
+
+def sweep_floor_values(floors: Mapping[str, int | None]) -> dict[str, int | None]:
+    """``floors`` (one per counter) as the ``sweep_<counter>`` column values; a counter without
+    its column, or a column left out, is an error rather than a floor never stored."""
+    if set(floors) != set(SWEEP_FLOORS):
+        raise ValueError(f"sweep floors are given for {sorted(floors)}, the sessions table "
+                         f"stores {sorted(SWEEP_FLOORS)}")
+    return {f"sweep_{name}": floors[name] for name in SWEEP_FLOORS}
+
 
 sessions = sa.Table(
     "sessions", metadata,

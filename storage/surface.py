@@ -217,9 +217,6 @@ class SurfaceRows:
         """``(position, seq, tokens)`` in order."""
         return [(p, self._seq_at[p], self._tokens[self._seq_at[p]]) for p in self._positions]
 
-    def position_of(self, seq: int) -> int | None:
-        return self._position_of.get(seq)
-
 
 def replay(events: Iterable[LoggedEvent]) -> list[tuple[int, int]]:
     """The surface the log describes, as ``(seq, tokens)`` in order."""

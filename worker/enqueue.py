@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.kinds import Trigger
+from storage.kinds import RunCause
 from storage.records import SessionInfo, utcnow
 from storage.store import Store
 from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_RUN
@@ -26,9 +26,10 @@ from worker.pressure import over_trigger
 from worker.settings import Config
 
 TRIGGER_QUEUES: dict[str, str] = {
-    Trigger.OVERFLOW: QUEUE_URGENT, Trigger.MANUAL: QUEUE_URGENT,
-    Trigger.PRESSURE: QUEUE_PRESSURE, Trigger.SWEEP: QUEUE_PRESSURE, Trigger.REAP: QUEUE_PRESSURE,
-    Trigger.BULK: QUEUE_BULK,
+    RunCause.OVERFLOW: QUEUE_URGENT, RunCause.MANUAL: QUEUE_URGENT,
+    RunCause.PRESSURE: QUEUE_PRESSURE, RunCause.SWEEP: QUEUE_PRESSURE,
+    RunCause.REAP: QUEUE_PRESSURE,
+    RunCause.BULK: QUEUE_BULK,
 }
 
 
@@ -146,4 +147,4 @@ async def follow_up(store: Store, config: Config, enqueuer: Enqueuer, info: Sess
         return None
     if not await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
         return None
-    return await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.PRESSURE))
+    return await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.PRESSURE))

@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from storage.errors import StorageError
-from storage.kinds import JournalKind, NodeKind, RunStatus, Stage, Trigger
+from storage.kinds import JournalKind, NodeKind, RunCause, RunStatus, Stage
 from storage.records import Replacement, SessionInfo
 from storage.store import Store
 from storage.surface import NewNode, Surface, surface_after_commit
@@ -34,7 +35,15 @@ from storage.tokens import counter_for
 from worker.chains import Summarizers, run_chain, summary_request
 from worker.compaction.arrivals import Arrivals
 from worker.compaction.boundary import resolve_keep
-from worker.compaction.planner import Plan, checkpoint_for, plan, refill, replan_smaller
+from worker.compaction.planner import (
+    NO_OUTLOOK,
+    Outlook,
+    Plan,
+    checkpoint_for,
+    plan,
+    refill,
+    replan_smaller,
+)
 from worker.compaction.policy import Clause, Policy, parse_keep_text
 from worker.compaction.prompt import SummaryCall
 from worker.compaction.pruning import prune_replacements, riding_actions
@@ -63,7 +72,7 @@ INDEX_DEFER_S = 30.0
 INDEX_RECHECK_S = 0.25
 
 
-async def compact(deps: Deps, session_id: str, *, trigger: str = Trigger.PRESSURE,
+async def compact(deps: Deps, session_id: str, *, trigger: str = RunCause.PRESSURE,
                   force: bool = False, keep: str | Clause | None = None, task_id: str | None = None,
                   bulk_job_id: str | None = None, rate_per_s: float | None = None,
                   index_in_background: bool = False) -> Outcome:
@@ -161,7 +170,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
     store = deps.store
     info = scope.claim.session
     manual = out.trigger in MANUAL_TRIGGERS
-    if out.trigger == Trigger.BULK and force:
+    if out.trigger == RunCause.BULK and force:
         # ``recompact --force`` re-applies the policy to sessions under their trigger: it
         # ignores the trigger as a manual run does and keeps the policy's tail, where a forced
         # run keeps only the newest turn (one session's operator may want that, a fleet never).
@@ -169,7 +178,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
     policy = session_policy(info, deps.config)
     out.tokens_before = session_pressure(info, policy).tokens
     # Safety before cost: an overflow or forced run commits its edits at once.
-    edits_may_wait = not force and out.trigger != Trigger.OVERFLOW
+    edits_may_wait = not force and out.trigger != RunCause.OVERFLOW
     surface: Surface | None = None
     arrivals: Arrivals | None = None
     for round_no in range(policy.max_rounds):
@@ -177,39 +186,20 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         surface = await store.read_surface(info.id, reuse=surface)
         first = round_no == 0
         if first:
-            # What the run starts from is what it read: appends may have come after the claim.
-            out.tokens_before = read_pressure(info, surface, policy).tokens
-            if keep is None and not force and out.trigger in AUTOMATIC_TRIGGERS:
-                # An explicit keep is taken as given, a forced reduction has no keep, and a
-                # manual or bulk run keeps the policy's tail of a session that may be idle
-                # (its growth rate can still carry an ingest's burst).
-                arrivals = await predict_arrivals(store, deps.config, info, policy,
-                                                  surface.nodes, deps.clock())
-                out.arrivals = arrivals.to_json() if arrivals is not None else None
+            arrivals = await _first_read(scope, info, surface, policy, force=force, keep=keep)
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                        manual=manual and first, defer_summary=True, arrivals=arrivals,
-                        edits_may_wait=edits_may_wait)
+                        manual=manual and first, defer_summary=True,
+                        outlook=Outlook(arrivals=arrivals, edits_may_wait=edits_may_wait))
         if current.prune_held is not None:
             # Not committed here: the checkpoint's commit carries them, or a later run's.
             logger.info("model-free edits wait for a summary",
                         extra={"action": "compaction.edits_held", "reason": current.prune_held})
         elif current.prune:
-            info = await _commit_prunes(scope, current)
-            out.pruned += len(current.prune)
-            out.stages.append(Stage.PRUNE)
-            # Durable whatever comes next: a run that fails later reports the surface it left.
-            out.tokens_after = session_pressure(info, policy).tokens
-            if current.summary_deferred:
-                # The pruned surface is known without a read, unless an append came in between.
-                surface = surface_after_commit(
-                    surface, [NewNode((a.seq,), NodeKind.PRUNED, a.message, a.tokens_after)
-                              for a in current.prune],
-                    version=info.surface_version, last_seq=info.last_seq
-                ) or await store.read_surface(info.id, reuse=surface)
-                current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
-                                manual=manual and first, arrivals=arrivals)
-            if not current.compacts:
-                metrics().prune_only.inc()
+            info, current, surface = await _commit_round_prunes(
+                scope, current, surface, policy,
+                replan=functools.partial(_plan, deps, policy=policy, force=force and first,
+                                         keep=keep, manual=manual and first,
+                                         outlook=Outlook(arrivals=arrivals)))
         if not current.compacts:
             if round_no == 0 and not out.pruned:
                 out.error = current.prune_held or current.nothing_to_do or current.why_no_summary
@@ -243,19 +233,62 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,
           keep: Clause | None, manual: bool = False, defer_summary: bool = False,
-          arrivals: Arrivals | None = None, edits_may_wait: bool = False) -> Plan:
+          outlook: Outlook = NO_OUTLOOK) -> Plan:
     """``force`` ignores the trigger and the keep policy (overflow, ``--force``); a manual run
     without it ignores only the trigger: someone asked for this compaction, but the recent
-    history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``)."""
+    history the policy keeps stays (DeepSeek Harness's idle-session ``/compact``). The session's
+    lead and last append complete ``outlook``."""
     if manual and not force:
         force, keep = True, keep or resolve_keep(policy)
     now = deps.clock()
+    outlook = dataclasses.replace(
+        outlook, lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now),
+        last_append_at=info.last_append_at)
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                 now=now, force=force, keep_override=keep, envelope=info.envelope,
-                defer_summary=defer_summary, arrivals=arrivals,
-                lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now),
-                edits_may_wait=edits_may_wait, last_append_at=info.last_append_at)
+                defer_summary=defer_summary, outlook=outlook)
+
+
+async def _first_read(scope: RunScope, info: SessionInfo, surface: Surface, policy: Policy, *,
+                      force: bool, keep: Clause | None) -> Arrivals | None:
+    """What the run starts from is what it read: appends may have come after the claim. An
+    automatic run also expects what the agent appends before its pickup (keep_at: pickup)."""
+    deps, out = scope.deps, scope.out
+    out.tokens_before = read_pressure(info, surface, policy).tokens
+    if keep is not None or force or out.trigger not in AUTOMATIC_TRIGGERS:
+        # An explicit keep is taken as given, a forced reduction has no keep, and a manual or
+        # bulk run keeps the policy's tail of a session that may be idle (its growth rate can
+        # still carry an ingest's burst).
+        return None
+    arrivals = await predict_arrivals(deps.store, deps.config, info, policy, surface.nodes,
+                                      deps.clock())
+    out.arrivals = arrivals.to_json() if arrivals is not None else None
+    return arrivals
+
+
+async def _commit_round_prunes(scope: RunScope, current: Plan, surface: Surface, policy: Policy,
+                               *, replan: Callable[..., Plan]
+                               ) -> tuple[SessionInfo, Plan, Surface]:
+    """Commit a round's prunes on their own; with the summary deferred, plan it on the surface
+    they made (``replan``)."""
+    out = scope.out
+    info = await _commit_prunes(scope, current)
+    out.pruned += len(current.prune)
+    out.stages.append(Stage.PRUNE)
+    # Durable whatever comes next: a run that fails later reports the surface it left.
+    out.tokens_after = session_pressure(info, policy).tokens
+    if current.summary_deferred:
+        # The pruned surface is known without a read, unless an append came in between.
+        surface = surface_after_commit(
+            surface, [NewNode((a.seq,), NodeKind.PRUNED, a.message, a.tokens_after)
+                      for a in current.prune],
+            version=info.surface_version, last_seq=info.last_seq
+        ) or await scope.deps.store.read_surface(info.id, reuse=surface)
+        current = replan(surface, info)
+    if not current.compacts:
+        metrics().prune_only.inc()
+    return info, current, surface
 
 
 async def _commit_prunes(scope: RunScope, current: Plan) -> SessionInfo:

@@ -21,7 +21,7 @@ from storage.records import SessionInfo, utcnow
 from storage.surface import Surface
 from worker.compaction.lead import lead_tokens
 from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
-from worker.compaction.triggers import Pressure, should_compact, should_run
+from worker.compaction.triggers import Pressure, pressure_tokens, should_compact, should_run
 from worker.settings import Config
 
 # Published context windows of common run models, used only when neither the session nor the
@@ -82,10 +82,7 @@ def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
     """Pressure from the cached totals: surface (checkpoints included) plus envelope, or the
     provider's own count when it reported a larger one (``storage.schema``'s
     ``OVER_SWEEP_SQL`` is the same measure in SQL)."""
-    tokens = info.surface_tokens + info.envelope_tokens
-    reported = info.reported_tokens
-    if reported is not None and reported > tokens:
-        tokens = reported
+    tokens = pressure_tokens(info.surface_tokens, info.envelope_tokens, info.reported_tokens)
     window = policy.context_window
     return Pressure(tokens=tokens, messages=info.surface_messages,
                     fraction=tokens / window if window else None)
@@ -195,6 +192,7 @@ def sweep_key(config: Config) -> str:
     return hashlib.sha256(basis.encode()).hexdigest()[:32]
 
 
-def sweep_thresholds(info: SessionInfo, config: Config) -> tuple[int | None, int | None]:
-    """The stored thresholds the sweep selects on (see ``Policy.trigger_floors``)."""
-    return session_policy(info, config).trigger_floors()
+def sweep_thresholds(info: SessionInfo, config: Config) -> dict[str, int | None]:
+    """The stored thresholds the sweep selects on, by counter (see ``Policy.trigger_floors``)."""
+    floors = session_policy(info, config).trigger_floors()
+    return {counter.value: floor for counter, floor in floors.items()}

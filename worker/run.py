@@ -34,7 +34,7 @@ from storage.errors import (
     StorageError,
     SurfaceChanged,
 )
-from storage.kinds import FailureClass, JournalKind, NodeKind, RunStatus, Trigger
+from storage.kinds import FailureClass, JournalKind, NodeKind, RunCause, RunStatus
 from storage.leases import REAPER
 from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from worker import logs
@@ -48,8 +48,8 @@ from worker.runtime import Deps
 logger = logging.getLogger(__name__)
 
 # Triggers whose run answers a pressure signal: its end clears the session's signal mark.
-AUTOMATIC_TRIGGERS = (Trigger.PRESSURE, Trigger.SWEEP, Trigger.REAP)
-MANUAL_TRIGGERS = (Trigger.MANUAL,)
+AUTOMATIC_TRIGGERS = (RunCause.PRESSURE, RunCause.SWEEP, RunCause.REAP)
+MANUAL_TRIGGERS = (RunCause.MANUAL,)
 # How long after its deadline the loop cancels a run still waiting on something the deadline
 # does not reach by itself (the statements it does end on the server, cleanly, first).
 DEADLINE_OVERRUN_S = 1.0
@@ -67,7 +67,7 @@ class Outcome:
     run_id: str | None
     outcome: RunStatus  # committed, nothing_to_do or failed
     failure_class: FailureClass | None = None
-    trigger: str = Trigger.PRESSURE
+    trigger: str = RunCause.PRESSURE
     tokens_before: int | None = None
     tokens_after: int | None = None
     pruned: int = 0

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from storage.errors import StorageError
-from storage.kinds import Trigger
+from storage.kinds import RunCause
 from storage.records import ReapedLease, SessionInfo, utcnow
 from storage.store import Store
 from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
@@ -56,9 +56,9 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
     resolved = 0
     batch = max(w.sweep_batch, RESOLVE_BATCH)
     # Most sessions share a few policies: resolve each (policy, model, window) once per sweep.
-    seen: dict[tuple[str, str | None, int | None], tuple[int | None, int | None]] = {}
+    seen: dict[tuple[str, str | None, int | None], dict[str, int | None]] = {}
 
-    def resolve(info: SessionInfo) -> tuple[int | None, int | None]:
+    def resolve(info: SessionInfo) -> dict[str, int | None]:
         basis = (json.dumps(info.policy, sort_keys=True), info.run_model, info.context_window)
         if basis not in seen:
             seen[basis] = sweep_thresholds(info, config)
@@ -84,7 +84,7 @@ async def sweep_pressure(store: Store, config: Config, enqueuer: Enqueuer, *,
             after_id=after, fresh_signal_s=w.sweep_interval_s)
         batches += 1
         for info in chosen:
-            await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.SWEEP))
+            await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.SWEEP))
             enqueued.append(info.id)
         if after is None:
             break
@@ -108,7 +108,7 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
             # The dead run's signal mark would block signals until its TTL: replace it.
             await store.clear_signal(info.id)
             if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
-                await enqueue_marked(store, enqueuer, RunRequest(info.id, Trigger.REAP))
+                await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.REAP))
     return reaped
 
 

@@ -25,7 +25,7 @@ from celery.signals import (
 )
 
 from storage.errors import ConfigError, StorageError
-from storage.kinds import FailureClass, ItemState, RunStatus, Trigger
+from storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from storage.records import utcnow
 from worker import logs
 from worker.enqueue import Enqueuer, broker_errors, follow_up
@@ -59,7 +59,7 @@ def _config(app: Any) -> Config:
 
 
 @shared_task(name=TASK_RUN, bind=True, acks_late=True)
-def run(self: Task, session_id: str, trigger: str = Trigger.PRESSURE, force: bool = False,
+def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bool = False,
         keep: str | None = None, bulk_job_id: str | None = None,
         rate_per_s: float | None = None) -> dict[str, Any]:
     config = _config(self.app)
@@ -74,7 +74,7 @@ def run(self: Task, session_id: str, trigger: str = Trigger.PRESSURE, force: boo
     async def go(deps: Deps) -> Outcome:
         started_at = utcnow()
         outcome: Outcome | None = None
-        if trigger == Trigger.MANUAL and task_id:
+        if trigger == RunCause.MANUAL and task_id:
             # Started: a manual request from now on queues a run of its own.
             await deps.store.clear_manual(session_id, task_id)
         try:

@@ -24,7 +24,7 @@ from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from scheduler.langchain import CompactdMiddleware
-from storage.kinds import RunStatus, Trigger
+from storage.kinds import RunCause, RunStatus
 from storage.records import RunRecord
 from storage.store import Store
 from tests.integration.test_langchain_middleware import assert_tool_pairs_whole
@@ -112,7 +112,7 @@ def test_the_agent_recalls_a_detail_the_background_compaction_dropped(
     # The worker compacted, on runs the pressure signals queued: none ran in this process
     # (owners are host:pid), none was manual.
     committed = [r for r in runs if r.status == RunStatus.COMMITTED]
-    assert committed and all(r.trigger == Trigger.PRESSURE for r in committed), runs
+    assert committed and all(r.trigger == RunCause.PRESSURE for r in committed), runs
     assert all(r.owner and not r.owner.endswith(f":{os.getpid()}") for r in committed), runs
 
     # What the model was sent when asked: a checkpoint in place of the history, the detail gone.

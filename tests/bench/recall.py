@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from storage.kinds import NodeKind, RunStatus, Trigger  # noqa: E402
+from storage.kinds import NodeKind, RunCause, RunStatus  # noqa: E402
 from storage.messages import Message, parse, parse_openai  # noqa: E402
 from storage.migrate import upgrade  # noqa: E402
 from storage.recall import render_original  # noqa: E402
@@ -250,7 +250,7 @@ async def build(url: str, size: int, policy: dict[str, Any]) -> Built:
                                  [parse_openai(m) for m in messages[i:i + batch]], originals)
         while rounds < MAX_ROUNDS:
             rounds += 1
-            outcome = await compact(deps, session_id, trigger=Trigger.PRESSURE)
+            outcome = await compact(deps, session_id, trigger=RunCause.PRESSURE)
             if outcome.outcome != RunStatus.COMMITTED:
                 break
         assert (await deps.store.verify(session_id)).ok
@@ -278,7 +278,7 @@ async def ingest(deps: Deps, session: Session, policy: dict[str, Any]) -> Built:
         batch = [m for d in step for m in parse(wire(d), "openai")]
         appended = await append_tracked(store, session_id, batch, originals)
         if over_trigger(appended.session, deps.config):
-            outcome = await compact(deps, session_id, trigger=Trigger.PRESSURE)
+            outcome = await compact(deps, session_id, trigger=RunCause.PRESSURE)
             compactions += outcome.outcome == RunStatus.COMMITTED
             if outcome.failed:
                 failures.append(f"{outcome.failure_class}: {outcome.error}")

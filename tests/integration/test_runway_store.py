@@ -63,7 +63,8 @@ async def test_growing_sessions_leave_out_idle_ones_and_the_oldest_live_signal_i
     assert [s.id for s in await store.growing_sessions(now=now)] == ["busy"]
 
     # "busy" and "idle" are over their sweep thresholds, "new" (no append) is not.
-    await store.resolve_sweep_thresholds(key="k", resolve=lambda info: (10, None))
+    await store.resolve_sweep_thresholds(key="k",
+                                         resolve=lambda info: {"tokens": 10, "messages": None})
     assert await store.oldest_signal() is None
     first = now - dt.timedelta(seconds=40)
     assert await store.mark_signal("idle", ttl_s=60, now=first)

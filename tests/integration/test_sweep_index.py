@@ -15,6 +15,7 @@ from storage.records import SessionInfo
 from storage.store import Store
 from tests.integration.test_scheduler_decisions import make_config, over, user
 from tests.support.enqueuer import RecordingEnqueuer
+from worker.compaction.kinds import Counter
 from worker.compaction.policy import parse_policy
 from worker.pressure import over_trigger, sweep_key, sweep_thresholds
 from worker.settings import Settings, build_config
@@ -142,9 +143,12 @@ async def test_a_message_trigger_is_swept_on_the_message_count(db_url: str,
 ])
 def test_trigger_floors(trigger: Any, window: int | None,
                         floors: tuple[int | None, int | None]) -> None:
-    assert parse_policy({"trigger": trigger}).resolve(window).trigger_floors() == floors
+    tokens, messages = floors
+    assert parse_policy({"trigger": trigger}).resolve(window).trigger_floors() == {
+        Counter.TOKENS: tokens, Counter.MESSAGES: messages}
 
 
 def test_a_disabled_policy_is_never_swept() -> None:
     policy = parse_policy({"enabled": False, "trigger": {"type": "tokens", "value": 1}})
-    assert policy.resolve(None).trigger_floors() == (None, None)
+    assert policy.resolve(None).trigger_floors() == {Counter.TOKENS: None,
+                                                     Counter.MESSAGES: None}

@@ -16,7 +16,7 @@ from worker.compaction.arrivals import (
     tokens_per_message,
 )
 from worker.compaction.boundary import protected, unsafe_boundaries
-from worker.compaction.planner import plan
+from worker.compaction.planner import Outlook, plan
 from worker.compaction.policy import Clause, Policy, PolicyError, parse_policy
 
 TOKENS = 100  # every node's size, so a token budget is a count of nodes
@@ -44,7 +44,8 @@ def _arrive(messages: int = 0, tokens: int = 0) -> Arrivals:
 
 
 def _replaced(surface, policy: Policy, arrivals: Arrivals | None = None, **kw) -> list[int]:
-    step = plan(surface, policy=policy, now=NOW, arrivals=arrivals, **kw).summarize
+    step = plan(surface, policy=policy, now=NOW, outlook=Outlook(arrivals=arrivals),
+                **kw).summarize
     assert step is not None
     return list(step.replace_seqs)
 
@@ -94,7 +95,7 @@ def test_keep_at_claim_reproduces_the_range_without_an_expectation() -> None:
     for keep in (Clause("messages", 8), Clause("tokens", 800)):
         today = plan(LONG, policy=_policy(keep, "claim"), now=NOW)
         claimed = plan(LONG, policy=_policy(keep, "claim"), now=NOW,
-                       arrivals=_arrive(messages=4, tokens=400))
+                       outlook=Outlook(arrivals=_arrive(messages=4, tokens=400)))
         assert claimed.summarize == today.summarize
         assert claimed.summarize is not None
 
@@ -107,7 +108,7 @@ def test_an_explicit_override_is_smaller_too_but_a_forced_reduction_takes_no_exp
     assert _kept_after(LONG, override) == 6
     forced = plan(LONG, policy=policy, now=NOW, force=True).summarize
     forced_expecting = plan(LONG, policy=policy, now=NOW, force=True,
-                            arrivals=_arrive(messages=4)).summarize
+                            outlook=Outlook(arrivals=_arrive(messages=4))).summarize
     assert forced_expecting == forced
 
 
@@ -153,7 +154,8 @@ def test_no_expectation_makes_a_range_the_safety_rules_forbid(steps, keep, expec
         messages += _steps(1, first=i)
     surface = _surface(*messages)
     result = plan(surface, policy=_policy(Clause("messages", keep)), now=NOW,
-                  arrivals=_arrive(messages=expected, tokens=expected * TOKENS))
+                  outlook=Outlook(arrivals=_arrive(messages=expected,
+                                                   tokens=expected * TOKENS)))
     if result.summarize is None:
         return
     index = {n.seq: i for i, n in enumerate(surface)}

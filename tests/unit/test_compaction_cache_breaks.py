@@ -8,7 +8,7 @@ import pytest
 from compaction_helpers import NOW, ai, nodes, sys, tool, user
 
 from worker.compaction.cache_breaks import hold_edits
-from worker.compaction.planner import plan
+from worker.compaction.planner import Outlook, plan
 from worker.compaction.policy import (
     DEFAULT_CACHE_TTL_S,
     DEFAULT_CLEAR_AT_LEAST,
@@ -18,6 +18,9 @@ from worker.compaction.policy import (
 
 WARM = NOW - timedelta(seconds=10)
 COLD = NOW - timedelta(seconds=DEFAULT_CACHE_TTL_S + 1)
+# A run whose edits may wait for a summary, with the agent's cache warm or cold.
+WARM_WAITING = Outlook(edits_may_wait=True, last_append_at=WARM)
+COLD_WAITING = Outlook(edits_may_wait=True, last_append_at=COLD)
 
 
 def _policy(**raw):
@@ -64,16 +67,16 @@ def test_a_held_prune_does_not_count_as_relief_so_the_summary_carries_it():
                            "clear_at_least": 10**6}).resolve(None)
     alone = plan(surface, policy=policy, now=NOW)
     assert alone.summarize is None and alone.prune_held is None
-    held = plan(surface, policy=policy, now=NOW, edits_may_wait=True, last_append_at=WARM,
+    held = plan(surface, policy=policy, now=NOW, outlook=WARM_WAITING,
                 defer_summary=True)
     assert held.prune_held is not None and held.prune and not held.summary_deferred
     assert held.summarize is not None and 4 in held.summarize.replace_seqs
     assert held.to_json()["prune_held"] == held.prune_held
     # Cold, or a run that never waits: committed alone and planned after, as before.
-    for cold in (plan(surface, policy=policy, now=NOW, edits_may_wait=True, last_append_at=COLD,
+    for cold in (plan(surface, policy=policy, now=NOW, outlook=COLD_WAITING,
                       defer_summary=True),
-                 plan(surface, policy=policy, now=NOW, edits_may_wait=False,
-                      last_append_at=WARM, defer_summary=True)):
+                 plan(surface, policy=policy, now=NOW, outlook=Outlook(last_append_at=WARM),
+                      defer_summary=True)):
         assert cold.prune_held is None and cold.summarize is None
 
 
@@ -83,7 +86,7 @@ def test_a_held_clearing_with_no_summary_due_waits_with_nothing_planned():
     policy = parse_policy({"trigger": ["tokens", 10**6],
                            "clear_tool_uses": {"enabled": True, "trigger": 100, "keep": 1}}
                           ).resolve(None)
-    result = plan(surface, policy=policy, now=NOW, edits_may_wait=True, last_append_at=WARM)
+    result = plan(surface, policy=policy, now=NOW, outlook=WARM_WAITING)
     assert [a.seq for a in result.prune] == [3] and result.prune_held is not None
     assert not result.compacts
 
@@ -92,7 +95,7 @@ def test_with_no_summary_possible_the_edits_commit_alone():
     # Everything but the pruned result's own step is protected: no range to summarize.
     surface = nodes(sys(), user("read it"), ai("", ("c1", "cat")), tool("c1", "data " * 6000))
     policy = parse_policy({"trigger": ["tokens", 1000], "clear_at_least": 10**6}).resolve(None)
-    result = plan(surface, policy=policy, now=NOW, edits_may_wait=True, last_append_at=WARM)
+    result = plan(surface, policy=policy, now=NOW, outlook=WARM_WAITING)
     assert result.prune and result.summarize is None and result.prune_held is None
 
 
@@ -100,8 +103,8 @@ def test_under_the_recallable_layout_held_edits_ride_with_the_pass():
     policy = parse_policy({"trigger": ["tokens", 3000], "keep": {"type": "messages", "value": 1},
                            "layout": "recallable", "index_max_tokens": 400,
                            "clear_at_least": 10**6}).resolve(None)
-    result = plan(_big_result_surface(), policy=policy, now=NOW, edits_may_wait=True,
-                  last_append_at=WARM, defer_summary=True)
+    result = plan(_big_result_surface(), policy=policy, now=NOW, outlook=WARM_WAITING,
+                  defer_summary=True)
     assert result.prune and result.prune_held is not None
     assert result.recall_pass is not None and not result.summary_deferred
 

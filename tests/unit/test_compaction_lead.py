@@ -16,7 +16,7 @@ from storage.records import SessionInfo
 from storage.surface import SurfaceNode
 from tests.unit.compaction_helpers import user
 from worker.compaction.lead import LEAD_MAX_SHARE, lead_tokens, parse_lead, percentile
-from worker.compaction.planner import plan
+from worker.compaction.planner import Outlook, plan
 from worker.compaction.policy import PolicyError, parse_policy
 from worker.lead import measure_leads
 from worker.pressure import explain, growth_tokens, over_trigger, session_policy, wants_run
@@ -149,7 +149,7 @@ def test_every_automatic_decision_counts_the_lead(tokens: int, rate: float, stor
     nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=tokens // 10)
              for i in range(10)]
     result = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
-                  lead_tokens=growth_tokens(info, policy, c, T0))
+                  outlook=Outlook(lead_tokens=growth_tokens(info, policy, c, T0)))
     assert result.fired is fires
     assert (result.summarize is not None) is fires
 
@@ -161,7 +161,8 @@ def test_a_run_fired_early_is_refused_by_a_plan_that_ignores_the_lead() -> None:
     nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=900)
              for i in range(10)]
     assert not plan(nodes, policy=policy, now=T0, run_model="gpt-4o").fired
-    fired = plan(nodes, policy=policy, now=T0, run_model="gpt-4o", lead_tokens=1_000)
+    fired = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
+                 outlook=Outlook(lead_tokens=1_000))
     assert fired.fired and "1000 tokens of growth over its lead" in fired.reason
 
 

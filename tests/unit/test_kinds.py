@@ -21,10 +21,10 @@ from storage.kinds import (
     LayoutRole,
     ModelFailure,
     NodeKind,
+    RunCause,
     RunStatus,
     SignalReason,
     Stage,
-    Trigger,
 )
 from worker.run import USAGE_KINDS
 
@@ -38,7 +38,7 @@ COLUMN_SETS: dict[str, frozenset[str]] = {
     "status": frozenset(RunStatus),
     "failure_class": frozenset(FailureClass),
     "state": frozenset(ItemState) | frozenset(JobState),
-    "trigger": frozenset(Trigger),
+    "trigger": frozenset(RunCause),
 }
 _COLUMN = "|".join(COLUMN_SETS)
 
@@ -48,12 +48,12 @@ def test_a_member_is_the_plain_string_it_names() -> None:
     assert f"{JournalKind.END}" == "compaction/end"
     assert json.dumps({"outcome": RunStatus.FAILED, FailureClass.BUSY: [Stage.PRUNE]}) == \
         '{"outcome": "failed", "busy": ["prune"]}'
-    assert {"pressure": 1}[Trigger.PRESSURE] == 1  # hashes as its string
+    assert {"pressure": 1}[RunCause.PRESSURE] == 1  # hashes as its string
     assert set(REPLACE_KINDS) < set(NodeKind) and set(NodeKind) | set(JournalKind) == EVENT_KINDS
 
 
 def test_the_module_holds_every_set_the_issue_names() -> None:
-    assert set(SETS) == {NodeKind, JournalKind, RunStatus, FailureClass, ModelFailure, Trigger,
+    assert set(SETS) == {NodeKind, JournalKind, RunStatus, FailureClass, ModelFailure, RunCause,
                          SignalReason, Stage, JobState, ItemState, LayoutRole}
 
 
@@ -161,7 +161,7 @@ def test_the_alerts_and_the_runbook_match_metric_labels_by_members() -> None:
     that is no member would select nothing, silently."""
     usage = {kind.removesuffix("_tokens") for kind in USAGE_KINDS}
     labels = {"outcome": frozenset(RunStatus), "failure_class": frozenset(FailureClass),
-              "trigger": frozenset(Trigger), "stage": frozenset(Stage),
+              "trigger": frozenset(RunCause), "stage": frozenset(Stage),
               "kind": frozenset(ModelFailure) | usage}
     found = []
     for path in [*(ROOT / "ops" / "prometheus").rglob("*.y*ml"), ROOT / "ops" / "RUNBOOK.md"]:

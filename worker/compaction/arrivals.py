@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 from storage.messages import META_CHECKPOINT
 from storage.surface import SurfaceNode
+from worker.compaction.kinds import Counter
 from worker.compaction.lead import percentile as nearest_rank
 from worker.compaction.policy import Clause
 
@@ -42,6 +43,16 @@ class Arrivals:
     messages: int
     seconds: float  # the expected claim-to-commit duration
     rate_tokens_per_s: float  # the session's growth rate at the claim
+
+    def count(self, counter: Counter) -> int:
+        """What the arrivals add to ``counter``."""
+        match counter:
+            case Counter.TOKENS:
+                return self.tokens
+            case Counter.MESSAGES:
+                return self.messages
+            case _:
+                assert_never(counter)
 
     def to_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "messages": self.messages,
@@ -89,7 +100,6 @@ def keep_at_pickup(keep: Clause, arrivals: Arrivals, context_window: int | None)
     """The clause to keep at the read so the tail at the pickup is ``keep``: a count less the
     messages expected, a token budget (a ``fraction`` is one, of the window) less the tokens
     expected; never below zero."""
-    if keep.kind == "messages":
-        return Clause("messages", max(0, int(keep.value) - arrivals.messages))
-    budget = keep.value if keep.kind == "tokens" else keep.value * (context_window or 0)
-    return Clause("tokens", max(0, math.floor(budget) - arrivals.tokens))
+    counter = keep.measure.counter
+    budget = keep.threshold(context_window) or 0
+    return Clause(counter.value, max(0, math.floor(budget) - arrivals.count(counter)))

@@ -54,10 +54,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 from storage.kinds import NodeKind
 from storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
 from storage.surface import SurfaceNode
+from worker.compaction.kinds import Counter
 from worker.compaction.policy import Clause, Policy, effective_keep
 
 
@@ -171,15 +173,24 @@ def resolve_keep(policy: Policy, override: Clause | None = None) -> Clause:
 
 def keep_cut(nodes: Sequence[SurfaceNode], keep: Clause, context_window: int | None) -> int:
     """The boundary where the kept tail starts, before tool-pair safety."""
-    n = len(nodes)
-    if keep.kind == "messages":
-        return max(0, n - int(keep.value))
-    budget = keep.value if keep.kind == "tokens" else keep.value * (context_window or 0)
-    cut, kept = n, 0
-    while cut > 0 and kept + nodes[cut - 1].tokens <= budget:
-        kept += nodes[cut - 1].tokens
+    budget = keep.threshold(context_window) or 0
+    counter = keep.measure.counter
+    cut, kept = len(nodes), 0
+    while cut > 0 and kept + node_count(nodes[cut - 1], counter) <= budget:
+        kept += node_count(nodes[cut - 1], counter)
         cut -= 1
     return cut
+
+
+def node_count(node: SurfaceNode, counter: Counter) -> int:
+    """What one surface node adds to ``counter``."""
+    match counter:
+        case Counter.TOKENS:
+            return node.tokens
+        case Counter.MESSAGES:
+            return 1
+        case _:
+            assert_never(counter)
 
 
 def forced_cut(nodes: Sequence[SurfaceNode]) -> int:

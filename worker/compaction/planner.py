@@ -48,11 +48,33 @@ from worker.compaction.pruning import (
     prune_tool_results,
 )
 from worker.compaction.recall import checkpoint_ref, recall_meta, span_of
-from worker.compaction.recallable import RecallablePass, plan_pass
+from worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
 from worker.compaction.render import Skill, checkpoint_message
 from worker.compaction.skills import capture_skills
 from worker.compaction.triggers import Pressure, measure, should_clear, should_compact
 from worker.compaction.validation import framed_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """What a plan knows of the session beyond its surface: each mechanism that times a run
+    against the agent adds its field here, not a keyword to :func:`plan`."""
+
+    # The session's growth over its lead (``worker.compaction.lead``): the trigger is judged on
+    # the pressure when a checkpoint asked for now would land, as the signal that fired it was.
+    lead_tokens: int = 0
+    # What the agent is expected to append before it picks the checkpoint up (keep_at: pickup);
+    # None keeps the policy's tail as it stands at the read.
+    arrivals: Arrivals | None = None
+    # Model-free edits may wait for the summary's commit (see cache_breaks); False for the
+    # runs that never wait (overflow, forced) and for callers that commit edits alone.
+    edits_may_wait: bool = False
+    # The session's last append: how warm the agent's cache is (cache_breaks).
+    last_append_at: datetime | None = None
+
+
+# A session planned on its surface alone: no lead, no arrivals, edits commit on their own.
+NO_OUTLOOK = Outlook()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +90,7 @@ class PlanInputs:
     force: bool
     keep_override: Clause | None
     envelope: dict[str, Any] | None
-    # The session's growth over its lead (``worker.compaction.lead``): the trigger is judged on
-    # the pressure when a checkpoint asked for now would land, as the signal that fired it was.
-    lead_tokens: int = 0
-    # What the agent is expected to append before it picks the checkpoint up (keep_at: pickup);
-    # None keeps the policy's tail as it stands at the read.
-    arrivals: Arrivals | None = None
-    # Model-free edits may wait for the summary's commit (see cache_breaks); False for the
-    # runs that never wait (overflow, forced) and for callers that commit edits alone.
-    edits_may_wait: bool = False
-    last_append_at: datetime | None = None
+    outlook: Outlook = NO_OUTLOOK
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +135,6 @@ class Plan:
     summarize: SummarizeStep | None
     nothing_to_do: str | None  # set when the plan neither prunes nor summarizes
     why_no_summary: str | None  # set when ``summarize`` is None
-    planned_at: datetime
     inputs: PlanInputs = field(repr=False)
     # Planned with ``defer_summary``: the prunes still leave the trigger fired, and the
     # summarize step is for the plan of the surface they make (``summarize`` is None here).
@@ -152,8 +164,8 @@ class Plan:
                           else None),
             "nothing_to_do": self.nothing_to_do,
             "why_no_summary": self.why_no_summary,
-            "arrivals": (self.inputs.arrivals.to_json() if self.inputs.arrivals is not None
-                         else None),
+            "arrivals": (self.inputs.outlook.arrivals.to_json()
+                         if self.inputs.outlook.arrivals is not None else None),
             "prune_held": self.prune_held,
         }
 
@@ -162,30 +174,28 @@ def plan(nodes: Sequence[SurfaceNode], *, policy: Policy, envelope_tokens: int =
          reported_input_tokens: int | None = None, run_model: str | None = None,
          now: datetime, force: bool = False, keep_override: Clause | None = None,
          envelope: dict[str, Any] | None = None, defer_summary: bool = False,
-         lead_tokens: int = 0, arrivals: Arrivals | None = None,
-         edits_may_wait: bool = False, last_append_at: datetime | None = None) -> Plan:
+         outlook: Outlook = NO_OUTLOOK) -> Plan:
     """Plan one compaction round of ``nodes`` under ``policy`` (resolved to the run model's
     window). ``force`` ignores the trigger and, unless ``keep_override`` is given, the keep
     policy. Token counts are the nodes' stored counts; only edited and split text is counted.
 
-    ``arrivals``: what the agent is expected to append before it picks the checkpoint up; the
-    kept tail is smaller by it, so the tail at the pickup is the keep (a forced run's maximal
-    reduction has no keep to measure, and takes none).
+    ``outlook``: what the session does around the run. Its ``arrivals``, what the agent is
+    expected to append before it picks the checkpoint up, make the kept tail smaller, so the
+    tail at the pickup is the keep (a forced run's maximal reduction has no keep to measure,
+    and takes none). Its ``lead_tokens``, what the session grows by before a checkpoint asked
+    for now lands, count toward the trigger (a run fired early by its lead is not refused as
+    under the trigger). With ``edits_may_wait`` the edits wait for a summary's commit unless
+    they pay for breaking the agent's cache (``prune_held`` says why they wait;
+    ``last_append_at`` says how warm the cache is). Held edits relieve nothing by themselves,
+    so the summary is planned, on the surface they make, whenever the summary trigger fired.
 
     ``defer_summary``: when there is something to prune, stop there (``summary_deferred`` says
     whether a summary would follow). A worker commits the prunes and plans the surface they
     make, whose summarize step is the one it runs; planning it on the virtual surface first was
-    work thrown away.
-
-    ``lead_tokens``: what the session grows by before a checkpoint asked for now lands; the
-    trigger counts it (a run fired early by its lead is not refused as under the trigger).
-    ``edits_may_wait``: the edits wait for a summary's commit unless they pay for breaking the
-    agent's cache (``prune_held`` says why they wait; ``last_append_at`` says how warm the cache
-    is). Held edits relieve nothing by themselves, so the summary is planned, on the surface
-    they make, whenever the summary trigger fired."""
+    work thrown away."""
+    outlook = replace(outlook, lead_tokens=max(0, outlook.lead_tokens))
     inputs = PlanInputs(tuple(nodes), policy, envelope_tokens, reported_input_tokens, run_model,
-                        now, force, keep_override, envelope, max(0, lead_tokens), arrivals,
-                        edits_may_wait, last_append_at)
+                        now, force, keep_override, envelope, outlook)
     return _plan(inputs, defer_summary=defer_summary)
 
 
@@ -242,7 +252,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     pressure = measure(nodes, envelope_tokens=inputs.envelope_tokens,
                        reported_input_tokens=inputs.reported_input_tokens,
                        context_window=window)
-    lead = inputs.lead_tokens
+    lead = inputs.outlook.lead_tokens
     fired, reason = should_compact(pressure.ahead_by(lead, window), policy)
     if lead:
         reason += f"; counting {lead} tokens of growth over its lead"
@@ -255,7 +265,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
                     prune=prune, tokens_after_prune=after,
                     summarize=step if isinstance(step, SummarizeStep) else None,
                     nothing_to_do=nothing, why_no_summary=why if step is None else None,
-                    planned_at=inputs.now, inputs=inputs, summary_deferred=deferred,
+                    inputs=inputs, summary_deferred=deferred,
                     recall_pass=step if isinstance(step, RecallablePass) else None,
                     prune_held=held if prune else None)
 
@@ -271,8 +281,8 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     saved = sum(a.saved for a in actions)
     after = pressure.reduced_by(saved, window)
     held = (hold_edits(saved, policy=policy, pressure_tokens=pressure.tokens,
-                       last_append_at=inputs.last_append_at, now=inputs.now,
-                       forced=not inputs.edits_may_wait) if actions else None)
+                       last_append_at=inputs.outlook.last_append_at, now=inputs.now,
+                       forced=not inputs.outlook.edits_may_wait) if actions else None)
     if not summary_due:
         return done(actions, after.tokens, None,
                     f"only clear_tool_uses fired; the summary trigger did not: {reason}",
@@ -286,28 +296,29 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         return done(actions, after.tokens, None, "planned after the prunes are committed",
                     deferred=True)
     surface = apply_actions(nodes, actions)
-    step: SummarizeStep | RecallablePass | str
+    step: SummarizeStep | RecallablePass | NoPlan
     if policy.layout == "recallable":
         step = plan_pass(surface, policy=policy, counter=counter, run_model=inputs.run_model,
                          envelope_tokens=inputs.envelope_tokens, keep=_kept_clause(inputs),
                          force=inputs.force)
     else:
         step = _summarize(surface, inputs, counter)
-    if isinstance(step, str):
+    if isinstance(step, NoPlan):
         # No summary to ride with while the session is over its trigger: the edits are the
         # relief there is, and commit alone.
-        return done(actions, after.tokens, None, step)
+        return done(actions, after.tokens, None, step.reason)
     return done(actions, after.tokens, step, None, held=held)
 
 
 def _kept_clause(inputs: PlanInputs) -> Clause | None:
     """The keep the selection cuts by: the override, else the policy's; with ``arrivals``,
     smaller by them. None: a forced run's maximal reduction, or the policy's keep as is."""
-    if (inputs.arrivals is None or inputs.policy.keep_at != "pickup"
+    arrivals = inputs.outlook.arrivals
+    if (arrivals is None or inputs.policy.keep_at != "pickup"
             or (inputs.force and inputs.keep_override is None)):
         return inputs.keep_override
     keep = resolve_keep(inputs.policy, inputs.keep_override)
-    return keep_at_pickup(keep, inputs.arrivals, inputs.policy.context_window)
+    return keep_at_pickup(keep, arrivals, inputs.policy.context_window)
 
 
 @lru_cache(maxsize=32)
@@ -316,7 +327,7 @@ def _empty_checkpoint_tokens(render: str, run_model: str | None) -> int:
 
 
 def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCounter
-               ) -> SummarizeStep | str:
+               ) -> SummarizeStep | NoPlan:
     """The summarize step over the pruned surface, or why there is none."""
     policy = inputs.policy
     unsafe = unsafe_boundaries(surface)
@@ -325,14 +336,14 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     selection = select_range(surface, keep=keep, policy=policy, force=inputs.force,
                              min_tokens=minimum, unsafe=unsafe)
     if selection.nothing_to_do is not None:
-        return selection.nothing_to_do
+        return NoPlan(selection.nothing_to_do)
     start, end = selection.start, selection.end
 
     # Leading checkpoints carry the existing summary, unless it is too large to carry: then
     # they are read inline like messages (and split if need be), never dropped.
     calls = plan_calls(surface, start, end, unsafe, policy, counter, inputs.envelope_tokens)
     if isinstance(calls, str):
-        return calls
+        return NoPlan(calls)
     end, existing, strategy = calls.end, calls.existing, calls.strategy
 
     replaced = surface[start:end]
@@ -343,8 +354,8 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     minimum = max(minimum, framed_tokens("", (), policy, inputs.run_model,
                                          checkpoint_recall(*span)))
     if replaced_tokens <= minimum:
-        return (f"the run that fits the summarizer budget ({replaced_tokens} tokens) is not "
-                f"larger than an empty checkpoint ({minimum} tokens)")
+        return NoPlan(f"the run that fits the summarizer budget ({replaced_tokens} tokens) is "
+                      f"not larger than an empty checkpoint ({minimum} tokens)")
     skills = capture_skills(replaced, tool_names=policy.skill_file_read_tool_names,
                             skills_path=policy.skills_path)
     has_history = bool(existing) or any(message_body(node.message).strip() for node in replaced)

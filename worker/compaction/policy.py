@@ -18,14 +18,15 @@ clauses it cannot evaluate (with a warning), as DeerFlow does.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
+
+from worker.compaction.kinds import KINDS, Counter, Kind
+from worker.compaction.kinds import base as kind_values
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("tokens", "messages", "fraction")
 RENDERS = ("durable_context", "compacted_summary", "langchain")
 STRATEGIES = ("chunk", "shrink")
 LAYOUTS = ("merge", "recallable")
@@ -74,20 +75,35 @@ class PolicyError(ValueError):
         super().__init__(f"{path}: {reason}")
 
 
+def _kind_names() -> str:
+    return ", ".join(KINDS)
+
+
 @dataclass(frozen=True, slots=True)
 class Clause:
-    kind: Literal["tokens", "messages", "fraction"]
+    kind: str  # a name in ``worker.compaction.kinds.KINDS``
     value: float
 
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r} (expected {_kind_names()})")
+
+    @property
+    def measure(self) -> Kind:
+        """The kind's object: what every decision on this clause asks."""
+        return KINDS[self.kind]
+
+    def threshold(self, window: int | None) -> float | None:
+        """The count of the kind's counter at which this clause holds; None: not judgeable."""
+        return self.measure.threshold(self.value, window)
+
     def describe(self) -> str:
-        v = self.value if self.kind == "fraction" else int(self.value)
-        return f"{self.kind}>={v}"
+        return f"{self.kind}>={self.measure.written(self.value)}"
 
     def to_text(self) -> str:
         """``KIND:N``, the form :func:`parse_keep_text` reads back to an equal clause (a count
         is written whole, never in the exponent form ``:g`` gives a million)."""
-        v = repr(self.value) if self.kind == "fraction" else str(int(self.value))
-        return f"{self.kind}:{v}"
+        return f"{self.kind}:{self.measure.written(self.value)}"
 
 
 # A trigger is OR over groups; a group is AND over clauses. ``()`` means automatic compaction is
@@ -170,12 +186,12 @@ class Policy:
         dropped: list[str] = []
         groups: list[tuple[Clause, ...]] = []
         for group in self.trigger:
-            if any(c.kind == "fraction" for c in group):
+            if any(c.measure.needs_window for c in group):
                 dropped.append(" and ".join(c.describe() for c in group))
                 continue
             groups.append(group)
         keep = self.keep
-        if keep is not None and keep.kind == "fraction":
+        if keep is not None and keep.measure.needs_window:
             dropped.append(f"keep {keep.describe()}")
             keep = Clause("messages", DEFAULT_KEEP_MESSAGES)
         if dropped:
@@ -200,33 +216,26 @@ class Policy:
 
     def threshold_tokens(self) -> float | None:
         """The lowest token count at which some trigger group could fire (for sweeps/metrics)."""
-        lows = []
-        for group in self.trigger:
-            for c in group:
-                if c.kind == "tokens":
-                    lows.append(c.value)
-                elif c.kind == "fraction" and self.context_window:
-                    lows.append(c.value * self.context_window)
-        return min(lows) if lows else None
+        lows = [c.threshold(self.context_window) for group in self.trigger for c in group
+                if c.measure.counter is Counter.TOKENS]
+        return min((low for low in lows if low is not None), default=None)
 
-    def trigger_floors(self) -> tuple[int | None, int | None]:
-        """The lowest pressure tokens and the lowest message count at which the trigger can
-        fire, for a sweep that selects on stored columns: it fires only if tokens reach the
-        first or messages the second (None: never by that measure). Exact for OR lists of
-        single clauses and for one group; for an AND group that mixes tokens and messages only
-        its tokens count, so the floors select a superset that ``should_compact`` narrows."""
-        if not self.auto:
-            return None, None
-        tokens: list[int] = []
-        messages: list[int] = []
-        for group in self.trigger:
-            needs = [math.ceil(c.value * (self.context_window or 0) if c.kind == "fraction"
-                               else c.value) for c in group if c.kind != "messages"]
-            if needs:
-                tokens.append(max(needs))
-            else:
-                messages.append(max(math.ceil(c.value) for c in group))
-        return min(tokens, default=None), min(messages, default=None)
+    def trigger_floors(self) -> dict[Counter, int | None]:
+        """The lowest count of each counter at which the trigger can fire, for a sweep that
+        selects on stored columns: it fires only if some counter reaches its floor (None: never
+        by that counter). Exact for OR lists of single clauses and for one group; an AND group
+        over several counters is floored on its first counter alone (in ``Counter``'s order),
+        so the floors select a superset that ``should_compact`` narrows. A group with a clause
+        that cannot be judged (a fraction without a window) never fires and has no floor."""
+        lows: dict[Counter, list[int]] = {counter: [] for counter in Counter}
+        for group in self.trigger if self.auto else ():
+            floors = [(c.measure.counter, c.measure.floor(c.value, self.context_window))
+                      for c in group]
+            if any(floor is None for _, floor in floors):
+                continue
+            counter = min((counter for counter, _ in floors), key=list(Counter).index)
+            lows[counter].append(max(f for c, f in floors if c is counter and f is not None))
+        return {counter: min(found, default=None) for counter, found in lows.items()}
 
     def to_config(self) -> dict[str, Any]:
         """A ``summarization:`` mapping that parses back to this policy."""
@@ -404,7 +413,7 @@ def parse_trigger(raw: Any, path: str) -> Trigger:
             for kind, value in item.items():
                 if kind not in KINDS:
                     raise PolicyError(f"{where}.{kind}",
-                                      f"unknown trigger kind (expected {', '.join(KINDS)})")
+                                      f"unknown trigger kind (expected {_kind_names()})")
                 clauses.append(_clause(kind, value, f"{where}.{kind}"))
             groups.append(tuple(clauses))
         else:
@@ -433,7 +442,7 @@ def parse_clause(raw: Any, path: str) -> Clause:
         raise PolicyError(path, "expected {type: KIND, value: N} or [KIND, N]")
     if kind not in KINDS:
         raise PolicyError(f"{path}.type" if isinstance(raw, Mapping) else f"{path}[0]",
-                          f"unknown kind {kind!r} (expected {', '.join(KINDS)})")
+                          f"unknown kind {kind!r} (expected {_kind_names()})")
     return _clause(kind, value, value_path)
 
 
@@ -442,9 +451,9 @@ def parse_keep_text(text: str, path: str = "keep") -> Clause:
     reader of the form the CLI, the HTTP API, the client and the queued task pass along."""
     kind, sep, value = text.partition(":")
     if not sep:
-        raise PolicyError(path, f"expected KIND:N (messages, tokens or fraction), got {text!r}")
+        raise PolicyError(path, f"expected KIND:N ({_kind_names()}), got {text!r}")
     if kind not in KINDS:
-        raise PolicyError(path, f"unknown kind {kind!r} (expected {', '.join(KINDS)})")
+        raise PolicyError(path, f"unknown kind {kind!r} (expected {_kind_names()})")
     try:
         number = float(value)
     except ValueError:
@@ -454,9 +463,10 @@ def parse_keep_text(text: str, path: str = "keep") -> Clause:
 
 
 def _clause(kind: str, value: Any, path: str) -> Clause:
-    if kind == "fraction":
-        return Clause("fraction", _fraction(value, path))
-    return Clause(kind, _count(value, path))  # type: ignore[arg-type]
+    try:
+        return Clause(kind, KINDS[kind].check(value))
+    except ValueError as exc:
+        raise PolicyError(path, str(exc)) from None
 
 
 def effective_keep(keep: Clause | None, retain_ratio: float, context_window: int | None
@@ -466,7 +476,7 @@ def effective_keep(keep: Clause | None, retain_ratio: float, context_window: int
     if keep is None:
         return (Clause("fraction", retain_ratio) if context_window
                 else Clause("messages", DEFAULT_KEEP_MESSAGES))
-    if keep.kind == "fraction" and not context_window:
+    if keep.measure.needs_window and not context_window:
         return Clause("messages", DEFAULT_KEEP_MESSAGES)
     return keep
 
@@ -489,11 +499,11 @@ def keep_refires(policy: Policy, context_window: int | None) -> str | None:
     window = context_window if windowed and context_window != ANY_WINDOW else None
     keep = effective_keep(policy.keep, policy.retain_ratio, context_window)
     for g, group in enumerate(policy.trigger):
-        if not windowed and any(c.kind == "fraction" for c in group):
+        if not windowed and any(c.measure.needs_window for c in group):
             continue
         if all(_tail_meets(keep, clause, window) for clause in group):
             what = " and ".join(c.describe() for c in group)
-            source = " (retain_ratio)" if policy.keep is None and keep.kind == "fraction" else (
+            source = " (retain_ratio)" if policy.keep is None and keep.measure.needs_window else (
                 " (the default keep)" if policy.keep is None else "")
             of = f" of a {window}-token window" if window else ""
             return (f"keep {keep.describe()}{source} is not below trigger {what}{of} "
@@ -504,13 +514,10 @@ def keep_refires(policy: Policy, context_window: int | None) -> str | None:
 def _tail_meets(keep: Clause, clause: Clause, window: int | None) -> bool:
     if keep.kind == clause.kind:
         return keep.value >= clause.value
-    if window is None or "messages" in (keep.kind, clause.kind):
+    if keep.measure.counter is not clause.measure.counter:
         return False
-    return _tokens(keep, window) >= _tokens(clause, window)
-
-
-def _tokens(clause: Clause, window: int) -> float:
-    return clause.value * window if clause.kind == "fraction" else clause.value
+    kept, needed = keep.threshold(window), clause.threshold(window)
+    return kept is not None and needed is not None and kept >= needed
 
 
 def check_keep_below_trigger(policy: Policy, path: str,
@@ -582,30 +589,24 @@ def _is_pair(value: Any) -> bool:
 
 
 def _number(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PolicyError(path, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise PolicyError(path, f"must be a finite number, got {value!r} "
-                                "(a non-finite threshold never compares true)")
-    return float(value)
+    try:
+        return kind_values.number(value)
+    except ValueError as exc:
+        raise PolicyError(path, str(exc)) from None
 
 
 def _fraction(value: Any, path: str) -> float:
-    v = _number(value, path)
-    if not 0 < v <= 1:
-        hint = f" (write {v / 100:g} for {v:g}%)" if 1 < v <= 100 else ""
-        raise PolicyError(path, f"a fraction must be in (0, 1], got {value!r}{hint}")
-    return v
+    try:
+        return kind_values.fraction(value)
+    except ValueError as exc:
+        raise PolicyError(path, str(exc)) from None
 
 
 def _count(value: Any, path: str, *, allow_zero: bool = False) -> int:
-    v = _number(value, path)
-    if not float(v).is_integer():
-        raise PolicyError(path, f"must be an integer, got {value!r}")
-    if v < 0 or (v == 0 and not allow_zero):
-        raise PolicyError(path, f"must be {'non-negative' if allow_zero else 'positive'}, "
-                                f"got {value!r}")
-    return int(v)
+    try:
+        return kind_values.count(value, allow_zero=allow_zero)
+    except ValueError as exc:
+        raise PolicyError(path, str(exc)) from None
 
 
 def _seconds(value: Any, path: str) -> float:

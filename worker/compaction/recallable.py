@@ -68,6 +68,7 @@ from worker.compaction.policy import Clause, Policy
 from worker.compaction.prompt import (
     Budget,
     BudgetTooSmall,
+    CallPlan,
     SummaryCall,
     atoms,
     index_overhead,
@@ -259,29 +260,126 @@ def validate_index(text: str, step: IndexStep, policy: Policy, run_model: str | 
 # the plan
 
 
+@dataclass(frozen=True, slots=True)
+class NoPlan:
+    """Why a plan has no summarize step (said in ``why_no_summary``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The surface as the layout reads it, before the keep cut (see the module's docstring)."""
+
+    nodes: Sequence[SurfaceNode]
+    unsafe: list[bool]
+    guard: list[bool]
+    cut: int
+    checkpoints: list[int]
+    anchor: int  # the last checkpoint before the cut; -1 when none
+    prev: int | None  # the previous state
+
+    @property
+    def state_node(self) -> SurfaceNode | None:
+        return self.nodes[self.prev] if self.prev is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """What the state reads: the previous state and the index checkpoints newer than its span
+    (``lead``), then the stale run ``start``..``end`` as the calls take it."""
+
+    lead: list[SurfaceNode]
+    nodes: list[SurfaceNode]
+    calls: CallPlan
+    start: int
+    end: int
+
+    @property
+    def read(self) -> list[SurfaceNode]:
+        return self.nodes[:self.calls.end]
+
+
 def plan_pass(nodes: Sequence[SurfaceNode], *, policy: Policy, counter: TokenCounter,
               run_model: str | None, envelope_tokens: int, keep: Clause | None, force: bool
-              ) -> RecallablePass | str:
+              ) -> RecallablePass | NoPlan:
     """The pass over ``nodes`` (pruned already), or why there is none."""
+    layout = _read_layout(nodes, policy, keep=keep, force=force)
+    run = _stale_run(layout)
+    if isinstance(run, NoPlan):
+        return run
+    start, _ = run
+    # The run directly follows the previous state: the state is rewritten in place.
+    swap = layout.prev is not None and layout.prev == layout.anchor == start - 1
+    reading = _state_reading(layout, run, policy, counter, envelope_tokens)
+    if isinstance(reading, NoPlan):
+        return reading
+    run_tokens = sum(n.tokens for n in nodes[reading.start:reading.end])
+    plain = reading.end - reading.start == 1 or run_tokens * 2 < policy.chunk_tokens
+    mode = PLAIN if plain else SWAP if swap else INSERT
+    steps = () if plain else _index_steps(layout, reading, policy, counter, run_model,
+                                          swap=swap)
+    replace_seqs, after = _state_placement(layout, reading, steps, plain=plain, swap=swap)
+    new_index = sum(step.bound_tokens for step in steps)
+    rollup = _rollup(nodes, layout.checkpoints, min(start, layout.anchor + 1), layout.guard,
+                     layout.unsafe, policy, run_model, live=layout.prev if swap else None,
+                     index_total=sum(n.tokens for n in nodes[:layout.cut] if is_index(n)),
+                     adding=new_index)
+    replacing = set(replace_seqs)
+    rolled = (rollup.replaced_tokens, rollup.tokens) if rollup else (0, 0)
+    replaced = (sum(n.tokens for n in nodes if n.seq in replacing)
+                + sum(step.replaced_tokens for step in steps) + rolled[0])
+    written = new_index + rolled[1]
+    state = _state_step(reading, policy, run_model, replace_seqs, after,
+                        replaced=replaced, written=written)
+    if isinstance(state, NoPlan):
+        return state
+    gone = {q for step in steps for q in step.replace_seqs} | replacing
+    gone |= set(rollup.replace_seqs if rollup else ())
+    keep_seqs, deferred = _left(layout, gone)
+    return RecallablePass(mode=mode, rollup=rollup, chunks=steps, state=state,
+                          replaced_tokens=replaced, keep_seqs=keep_seqs,
+                          deferred_seqs=deferred)
+
+
+def _left(layout: _Layout, gone: set[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What the pass keeps, and of it the stale history a later pass takes."""
+    keep_seqs = tuple(n.seq for n in layout.nodes if n.seq not in gone)
+    deferred = tuple(n.seq for i, n in enumerate(layout.nodes[:layout.cut])
+                     if not layout.guard[i] and not is_checkpoint(n) and n.seq not in gone
+                     and i > layout.anchor)
+    return keep_seqs, deferred
+
+
+def _read_layout(nodes: Sequence[SurfaceNode], policy: Policy, *, keep: Clause | None,
+                 force: bool) -> _Layout:
     unsafe = unsafe_boundaries(nodes)
     cut = tail_cut(nodes, keep=keep, policy=policy, force=force, unsafe=unsafe)
-    guard = protected(nodes)
     checkpoints = [i for i in range(cut) if is_checkpoint(nodes[i])]
-    anchor = checkpoints[-1] if checkpoints else -1
     states = [i for i in checkpoints if not is_index(nodes[i])]
-    prev = states[-1] if states else None
-    runs = segments(nodes, anchor + 1, cut, guard, unsafe)
-    if not runs:
-        return ("no stale history before the kept tail: only index checkpoints, the state, "
-                "system, pinned or rescued nodes, or an unclosed tool-call step")
-    start, end = max(runs, key=lambda r: (sum(n.tokens for n in nodes[r[0]:r[1]]), -r[0]))
-    swap = prev is not None and prev == anchor and start == anchor + 1
+    return _Layout(nodes=nodes, unsafe=unsafe, guard=protected(nodes), cut=cut,
+                   checkpoints=checkpoints, anchor=checkpoints[-1] if checkpoints else -1,
+                   prev=states[-1] if states else None)
 
-    # What the state reads: the previous state, the index checkpoints newer than its span,
-    # then the run. The shrink strategy may shorten the run to what one state call reads.
-    state_node = nodes[prev] if prev is not None else None
+
+def _stale_run(layout: _Layout) -> tuple[int, int] | NoPlan:
+    """The largest run of stale history between protected nodes, as ``merge`` takes it."""
+    nodes = layout.nodes
+    runs = segments(nodes, layout.anchor + 1, layout.cut, layout.guard, layout.unsafe)
+    if not runs:
+        return NoPlan("no stale history before the kept tail: only index checkpoints, the "
+                      "state, system, pinned or rescued nodes, or an unclosed tool-call step")
+    return max(runs, key=lambda r: (sum(n.tokens for n in nodes[r[0]:r[1]]), -r[0]))
+
+
+def _state_reading(layout: _Layout, run: tuple[int, int], policy: Policy,
+                   counter: TokenCounter, envelope_tokens: int) -> _Reading | NoPlan:
+    """What the state reads: the previous state, the index checkpoints newer than its span,
+    then the run. The shrink strategy may shorten the run to what one state call reads."""
+    nodes, state_node = layout.nodes, layout.state_node
+    start, end = run
     newer_than = node_span(state_node)[1] if state_node is not None else -1
-    lagging = [nodes[i] for i in range(cut) if is_index(nodes[i])
+    lagging = [nodes[i] for i in range(layout.cut) if is_index(nodes[i])
                and node_span(nodes[i])[0] > newer_than]
     lead = ([state_node] if state_node is not None else []) + lagging
     reading = [*lead, *nodes[start:end]]
@@ -292,75 +390,63 @@ def plan_pass(nodes: Sequence[SurfaceNode], *, policy: Policy, counter: TokenCou
         calls = plan_calls(reading, 0, len(reading), read_unsafe,
                            replace(policy, strategy="chunk"), counter, envelope_tokens)
     if isinstance(calls, str):
-        return calls
-    end = start + calls.end - len(lead)
-    run_tokens = sum(n.tokens for n in nodes[start:end])
+        return NoPlan(calls)
+    return _Reading(lead=lead, nodes=reading, calls=calls, start=start,
+                    end=start + calls.end - len(lead))
 
-    plain = end - start == 1 or run_tokens * 2 < policy.chunk_tokens
-    mode = PLAIN if plain else SWAP if swap else INSERT
+
+def _index_steps(layout: _Layout, reading: _Reading, policy: Policy, counter: TokenCounter,
+                 run_model: str | None, *, swap: bool) -> tuple[IndexStep, ...]:
+    """The run's index checkpoints. One pass adds at most half of index_max_tokens (a first
+    pass over a long history would add far more): its chunks grow instead, so the next pass's
+    roll-up has the other half to work in."""
+    state_node = layout.state_node
     before = state_node.seq if swap and state_node else None
     size = policy.chunk_tokens
-    steps: tuple[IndexStep, ...] = ()
-    while not plain:
-        chunks = _chunks(nodes, start, end, size, unsafe, need_two=not swap)
-        steps = tuple(_index_step(nodes, c, policy, counter, run_model, unsafe, before=before)
-                      for c in chunks)
-        # One pass adds at most half of index_max_tokens (a first pass over a long history
-        # would add far more): its chunks grow instead, so the next pass's roll-up has the
-        # other half to work in.
+    while True:
+        chunks = _chunks(layout.nodes, reading.start, reading.end, size, layout.unsafe,
+                         need_two=not swap)
+        steps = tuple(_index_step(layout.nodes, c, policy, counter, run_model, layout.unsafe,
+                                  before=before) for c in chunks)
         added = sum(step.bound_tokens for step in steps)
         if len(steps) == 1 or added * 2 <= policy.index_max_tokens:
-            break
+            return steps
         size = math.ceil(size * added * 2 / policy.index_max_tokens) + 1
 
-    # The state's own replacement.
+
+def _state_placement(layout: _Layout, reading: _Reading, steps: Sequence[IndexStep], *,
+                     plain: bool, swap: bool) -> tuple[tuple[int, ...], int | None]:
+    """The state's own replacement: what it replaces, and the seq it goes after (insert)."""
+    state_node = layout.state_node
     if plain:
-        replace_seqs = tuple(n.seq for n in nodes[start:end])
+        replace_seqs = tuple(n.seq for n in layout.nodes[reading.start:reading.end])
         if swap and state_node is not None:
             replace_seqs = (state_node.seq, *replace_seqs)
-        after = None
-    elif swap and state_node is not None:
-        replace_seqs, after = (state_node.seq,), None
-    else:
-        replace_seqs, after = (), steps[-1].replace_seqs[-1]
-    replacing = set(replace_seqs)
-    state_replaced = sum(n.tokens for n in nodes if n.seq in replacing)
+        return replace_seqs, None
+    if swap and state_node is not None:
+        return (state_node.seq,), None
+    return (), steps[-1].replace_seqs[-1]
 
-    index_total = sum(n.tokens for n in nodes[:cut] if is_index(n))
-    new_index = sum(step.bound_tokens for step in steps)
-    rollup = _rollup(nodes, checkpoints, min(start, anchor + 1), guard, unsafe, policy,
-                     run_model, live=prev if swap else None, index_total=index_total,
-                     adding=new_index)
 
-    read = reading[:calls.end]
+def _state_step(reading: _Reading, policy: Policy, run_model: str | None,
+                replace_seqs: tuple[int, ...], after: int | None, *, replaced: int,
+                written: int) -> StateStep | NoPlan:
+    """The state checkpoint, when what the pass replaces leaves it room to shrink the surface."""
+    read, calls = reading.read, reading.calls
     skills = tuple(capture_skills(read, tool_names=policy.skill_file_read_tool_names,
                                   skills_path=policy.skills_path))
     span = (min(node_span(n)[0] for n in read), max(node_span(n)[1] for n in read))
-    replaced = (state_replaced + sum(step.replaced_tokens for step in steps)
-                + (rollup.replaced_tokens if rollup else 0))
-    written = new_index + (rollup.tokens if rollup else 0)
     room = replaced - written
     empty = framed_tokens("", skills, policy, run_model,
                           recall_meta(state_ref(*span), layout=LayoutRole.STATE))
     cap = min(policy.max_summary_tokens, room - empty - STATE_SLACK_TOKENS)
     if cap < MIN_STATE_TOKENS:
-        return (f"the pass would not shrink the surface: it replaces {replaced} tokens, its "
-                f"index checkpoints may cost {written}, and an empty state {empty}")
+        return NoPlan(f"the pass would not shrink the surface: it replaces {replaced} tokens, "
+                      f"its index checkpoints may cost {written}, and an empty state {empty}")
     has_history = bool(calls.existing) or any(message_body(n.message).strip() for n in read)
-    state = StateStep(replace_seqs=replace_seqs, after=after, calls=calls.calls,
-                      existing_summary=calls.existing, skills=skills, has_history=has_history,
-                      span=span, room_tokens=room, max_tokens=cap, strategy=calls.strategy)
-
-    gone = {q for step in steps for q in step.replace_seqs} | set(replace_seqs)
-    if rollup:
-        gone |= set(rollup.replace_seqs)
-    keep_seqs = tuple(n.seq for n in nodes if n.seq not in gone)
-    deferred = tuple(n.seq for i, n in enumerate(nodes[:cut])
-                     if not guard[i] and not is_checkpoint(n) and n.seq not in gone
-                     and i > anchor)
-    return RecallablePass(mode=mode, rollup=rollup, chunks=steps, state=state,
-                          replaced_tokens=replaced, keep_seqs=keep_seqs,
-                          deferred_seqs=deferred)
+    return StateStep(replace_seqs=replace_seqs, after=after, calls=calls.calls,
+                     existing_summary=calls.existing, skills=skills, has_history=has_history,
+                     span=span, room_tokens=room, max_tokens=cap, strategy=calls.strategy)
 
 
 def _chunks(nodes: Sequence[SurfaceNode], start: int, end: int, size: int,

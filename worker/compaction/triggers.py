@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 from storage.surface import SurfaceNode
+from worker.compaction.kinds import Counter
 from worker.compaction.policy import Clause, Policy
 
 
@@ -27,6 +29,16 @@ class Pressure:
     tokens: int
     messages: int
     fraction: float | None  # tokens / the run model's window; None without a known window
+
+    def count(self, counter: Counter) -> int:
+        """What ``counter`` stands at: the measure every kind of that counter compares."""
+        match counter:
+            case Counter.TOKENS:
+                return self.tokens
+            case Counter.MESSAGES:
+                return self.messages
+            case _:
+                assert_never(counter)
 
     def to_json(self) -> dict[str, int | float | None]:
         return {"tokens": self.tokens, "messages": self.messages,
@@ -46,10 +58,18 @@ def measure(nodes: Sequence[SurfaceNode], *, envelope_tokens: int = 0,
             reported_input_tokens: int | None = None,
             context_window: int | None = None) -> Pressure:
     """Pressure of a surface: node tokens plus the envelope, or the provider's count if larger."""
-    tokens = sum(node.tokens for node in nodes) + max(0, envelope_tokens)
-    if reported_input_tokens is not None and reported_input_tokens > tokens:
-        tokens = reported_input_tokens
+    tokens = pressure_tokens(sum(node.tokens for node in nodes), envelope_tokens,
+                             reported_input_tokens)
     return _pressure(tokens, len(nodes), context_window)
+
+
+def pressure_tokens(surface_tokens: int, envelope_tokens: int, reported_tokens: int | None
+                    ) -> int:
+    """The pressure in tokens: the surface and the envelope, or the provider's report of the
+    same request when it is larger (undercounting is what overflows). The one Python form of
+    it; ``storage.schema.OVER_SWEEP_SQL`` is the SQL one, held equal by a contract test."""
+    tokens = surface_tokens + max(0, envelope_tokens)
+    return reported_tokens if reported_tokens is not None and reported_tokens > tokens else tokens
 
 
 def _pressure(tokens: int, messages: int, context_window: int | None) -> Pressure:
@@ -58,13 +78,10 @@ def _pressure(tokens: int, messages: int, context_window: int | None) -> Pressur
 
 
 def clause_holds(clause: Clause, pressure: Pressure, context_window: int | None) -> bool:
-    if clause.kind == "tokens":
-        return pressure.tokens >= clause.value
-    if clause.kind == "messages":
-        return pressure.messages >= clause.value
-    # A fraction clause without a window cannot be evaluated; ``Policy.resolve`` drops it, and
-    # an unresolved one must not fire on a guess.
-    return bool(context_window) and pressure.tokens >= clause.value * (context_window or 0)
+    # A clause that cannot be judged (a fraction without a window) never fires on a guess;
+    # ``Policy.resolve`` drops it.
+    threshold = clause.threshold(context_window)
+    return threshold is not None and pressure.count(clause.measure.counter) >= threshold
 
 
 def should_compact(pressure: Pressure, policy: Policy) -> tuple[bool, str]:

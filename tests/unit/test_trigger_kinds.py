@@ -1,0 +1,84 @@
+"""The closed set of trigger and keep kinds: every kind is one object, every counter it can
+measure is counted wherever a decision reads it, and a kind without its object is refused by
+name rather than read as another unit."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from storage import schema
+from worker.compaction.arrivals import Arrivals
+from worker.compaction.kinds import KINDS, Counter, Kind, check_registry
+from worker.compaction.kinds.base import count
+from worker.compaction.policy import Clause, PolicyError, parse_policy
+from worker.compaction.triggers import Pressure, clause_holds
+
+
+def test_every_counter_has_its_sweep_floor_column_and_its_count_in_each_measure() -> None:
+    assert set(schema.SWEEP_FLOORS) == set(Counter)
+    for counter in Counter:
+        assert f"sweep_{counter}" in schema.sessions.c
+        assert f"sweep_{counter}" in schema.OVER_SWEEP_SQL
+    assert Pressure(tokens=7, messages=3, fraction=None).count(Counter.MESSAGES) == 3
+    assert Arrivals(tokens=7, messages=3, seconds=1.0, rate_tokens_per_s=1.0).count(
+        Counter.TOKENS) == 7
+    assert {f.name for f in fields(Pressure)} >= {c.value for c in Counter}
+
+
+def test_the_registry_holds_each_kind_under_its_own_name() -> None:
+    check_registry(KINDS)
+    assert list(KINDS) == ["tokens", "messages", "fraction"]
+    with pytest.raises(RuntimeError, match="registered as"):
+        check_registry({"turns": KINDS["messages"]})
+    with pytest.raises(RuntimeError, match="counter"):
+        check_registry({"tokens": KINDS["tokens"]})
+
+
+def test_a_kind_without_its_object_is_refused_by_name_not_read_as_tokens() -> None:
+    with pytest.raises(PolicyError, match=r"summarization\.trigger\.type: unknown kind 'turns'"):
+        parse_policy({"trigger": {"type": "turns", "value": 10}})
+    with pytest.raises(PolicyError, match=r"summarization\.trigger\.turns: unknown trigger kind"):
+        parse_policy({"trigger": {"turns": 10, "tokens": 4000}})
+    with pytest.raises(ValueError, match="unknown kind 'turns'"):
+        Clause("turns", 10)
+
+
+def test_a_kind_missing_a_hook_cannot_be_made() -> None:
+    class Half(Kind):
+        name = "half"
+        counter = Counter.MESSAGES
+
+        def check(self, value: Any) -> float:
+            return count(value)
+
+    with pytest.raises(TypeError, match="threshold"):
+        Half()  # type: ignore[abstract]
+
+
+@pytest.mark.parametrize(("clause", "window", "pressure", "holds"), [
+    (Clause("tokens", 100), None, (100, 1), True),
+    (Clause("tokens", 100), None, (99, 50), False),
+    (Clause("messages", 5), None, (10, 5), True),
+    (Clause("messages", 5), None, (10_000, 4), False),
+    (Clause("fraction", 0.5), 200, (100, 1), True),
+    (Clause("fraction", 0.5), 200, (99, 1), False),
+    (Clause("fraction", 0.5), None, (10**9, 10**6), False),  # no window: never on a guess
+])
+def test_a_clause_holds_on_its_own_counter(clause: Clause, window: int | None,
+                                           pressure: tuple[int, int], holds: bool) -> None:
+    tokens, messages = pressure
+    measured = Pressure(tokens=tokens, messages=messages, fraction=None)
+    assert clause_holds(clause, measured, window) is holds
+
+
+@pytest.mark.parametrize(("trigger", "floors"), [
+    ({"type": "messages", "value": 30}, {Counter.TOKENS: None, Counter.MESSAGES: 30}),
+    ({"type": "tokens", "value": 4000}, {Counter.TOKENS: 4000, Counter.MESSAGES: None}),
+    ({"type": "fraction", "value": 0.25}, {Counter.TOKENS: 1000, Counter.MESSAGES: None}),
+])
+def test_each_kind_floors_the_sweep_on_its_own_counter(trigger: Any,
+                                                       floors: dict[Counter, int | None]) -> None:
+    assert parse_policy({"trigger": trigger}).resolve(4000).trigger_floors() == floors

@@ -1,0 +1,38 @@
+"""The closed set of trigger and keep kinds: each is one object (``base.Kind``) in its own
+module, registered here by name.
+
+Adding a kind: a module here with its ``Kind`` subclass, a line in :data:`KINDS`, and its tests.
+A kind that measures something no :class:`~base.Counter` counts also needs the counter (a member,
+the append's increment on both backends, and the sweep's floor column in ``storage``).
+"""
+
+from __future__ import annotations
+
+from worker.compaction.kinds.base import Counter, Kind
+from worker.compaction.kinds.fraction import Fraction
+from worker.compaction.kinds.messages import Messages
+from worker.compaction.kinds.tokens import Tokens
+
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (Tokens(), Messages(), Fraction())}
+
+
+def kind_of(name: str) -> Kind:
+    """The kind named ``name``; ``KeyError`` for a name no kind has."""
+    return KINDS[name]
+
+
+def check_registry(kinds: dict[str, Kind]) -> None:
+    """Each kind is registered under its own name, and each counter has the kind of its own
+    name measuring it as it is (what a keep falls back to and ``keep_at_pickup`` writes)."""
+    for name, kind in kinds.items():
+        if kind.name != name:
+            raise RuntimeError(f"kind {kind.name!r} is registered as {name!r}")
+    for counter in Counter:
+        base = kinds.get(counter.value)
+        if base is None or base.counter is not counter or base.needs_window:
+            raise RuntimeError(f"counter {counter!r} has no kind of its own name measuring it")
+
+
+check_registry(KINDS)
+
+__all__ = ["KINDS", "Counter", "Kind", "check_registry", "kind_of"]
