@@ -20,6 +20,7 @@ with a smaller call budget after a provider's context-length error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -301,13 +302,36 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
 
 
 def _kept_clause(inputs: PlanInputs) -> Clause | None:
-    """The keep the selection cuts by: the override, else the policy's; with ``arrivals``,
-    smaller by them. None: a forced run's maximal reduction, or the policy's keep as is."""
-    if (inputs.arrivals is None or inputs.policy.keep_at != "pickup"
-            or (inputs.force and inputs.keep_override is None)):
-        return inputs.keep_override
-    keep = resolve_keep(inputs.policy, inputs.keep_override)
-    return keep_at_pickup(keep, inputs.arrivals, inputs.policy.context_window)
+    """The keep the selection cuts by: the override, else the policy's, in compactd's counts of
+    the nodes (:func:`_provider_scale`); with ``arrivals``, smaller by them. None: a forced
+    run's maximal reduction."""
+    if inputs.force and inputs.keep_override is None:
+        return None
+    policy = inputs.policy
+    keep = resolve_keep(policy, inputs.keep_override)
+    scale = _provider_scale(inputs)
+    if keep.kind != "messages" and scale > 1:
+        budget = keep.value if keep.kind == "tokens" else keep.value * (policy.context_window or 0)
+        keep = Clause("tokens", math.floor(budget / scale))
+    if inputs.arrivals is None or policy.keep_at != "pickup":
+        return keep
+    return keep_at_pickup(keep, inputs.arrivals, policy.context_window)
+
+
+def _provider_scale(inputs: PlanInputs) -> float:
+    """The provider's tokens per token compactd counts on the surface, by the runtime's report:
+    its count of the request less the envelope, over compactd's count of the nodes; 1 without a
+    larger report. The trigger is judged on the provider's count; a keep (and the window it is a
+    fraction of) is the provider's tokens too, so a tail cut by compactd's smaller counts keeps
+    more than the keep, and every checkpoint leaves the session that much nearer its trigger,
+    compacted again after a little growth and flagged by the loop guard. The whole difference
+    is put on the nodes: where the envelope is undercounted too, the tail keeps less, never
+    more."""
+    reported = inputs.reported_input_tokens
+    counted = sum(node.tokens for node in inputs.nodes)
+    if reported is None or counted <= 0:
+        return 1.0
+    return max(1.0, (reported - max(0, inputs.envelope_tokens)) / counted)
 
 
 @lru_cache(maxsize=32)
