@@ -47,7 +47,8 @@ Measured (JSON keys):
   surface re-read when the version moved), over the steps taken while any compaction was in
   flight; ``step_p99_ms_at_rest`` over the steps taken while none was (the first steps of a run
   are at rest: no session is over its trigger yet). Goal: busy <= 2x at rest.
-* ``compactions_per_s``: committed runs per second of the agents' phase.
+* ``compactions_per_s``: committed runs per second of the agents' phase;
+  ``compactions_per_agent``: committed runs of the agents' sessions, over the agents.
 * ``worker_cpu_percent`` (all workers, one core = 100) and ``worker_rss_mb`` (the largest one
   worker process reached), sampled with psutil.
 * ``urgent_wait_p99_s``: report_overflow to its committed run, the bound urgent runs are
@@ -326,7 +327,8 @@ class Sample:
 
 
 async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *, window: int,
-                think_scale: float, stop_at: float, rng: random.Random) -> None:
+                think_scale: float, stop_at: float, rng: random.Random,
+                report: str = "provider") -> None:
     session: SessionHandle = await client.create_session(
         log.session_id, run_model=RUN_MODEL, context_window=window,
         envelope={"system": transcript.system} if transcript.system else None)
@@ -341,6 +343,7 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
         return input_tokens_of(openai_request_body(RUN_MODEL, system + held))
 
     context = provider_count()
+    counted = envelope
     for step, step_tokens in zip(replay(transcript), itertools.cycle(transcript.step_tokens),
                                  strict=False):
         think = rng.uniform(*THINK_S) * think_scale
@@ -353,7 +356,7 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
         t0 = time.perf_counter()
         # The model call of the think time just answered: its input count, as the provider
         # reports it, then the turn it produced.
-        await session.report_usage(context)
+        await session.report_usage(context if report == "provider" else counted)
         result = await session.append(step)
         moved = await session.poll() is not None
         held.extend(step)
@@ -385,6 +388,7 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
                 log.pickups.append(time.time())
                 held = list(outcome.messages or [])
                 context = provider_count()
+                counted = (await client.store.get_session(session.id)).surface_tokens + envelope
                 log.context.append((time.time(), context))
             else:
                 log.overflow_failed += 1
@@ -475,7 +479,7 @@ async def drive(stack: Stack, transcripts: list[Transcript], worker_pids: list[i
         await asyncio.gather(*(
             agent(client, log, transcripts[i % len(transcripts)], window=args.window,
                   think_scale=args.think_scale, stop_at=stop_at,
-                  rng=random.Random(args.seed * 100_003 + i))
+                  rng=random.Random(args.seed * 100_003 + i), report=args.report)
             for i, log in enumerate(logs)))
         agents_ended = time.time()
         # What the agents set off is finished before anything is counted: no lease, nothing
@@ -531,6 +535,7 @@ def run_fleet(args: argparse.Namespace, transcripts: list[Transcript], fake_url:
               "trim_tokens_to_summarize": 4 * args.window}
     if args.lead is not None:
         policy["lead"] = args.lead
+    policy.update(args.summarization)
     with Stack(args.database_url, args.redis_url, home / f"fleet-{agents}", fake_url=fake_url,
                summarization=policy, worker=worker_settings(args)) as stack:
         pids = [stack.start_worker(f"w{i}", concurrency=args.concurrency, ready_timeout=90).pid
@@ -836,6 +841,10 @@ def measure(raw: Raw, args: argparse.Namespace) -> dict[str, Any]:
                                        else args.loop_guard_compactions),
         "duration_s": round(phase, 1),
         "latency_s": args.latency,
+        "report": args.report,
+        "summarization": dict(args.summarization),
+        "compactions_per_agent": _round(sum(len(commits.get(log.session_id, ()))
+                                            for log in raw.logs) / max(1, raw.agents), 2),
         "concurrency": args.concurrency,
         "window_tokens": args.window,
         "trigger_tokens": room.trigger,
@@ -928,6 +937,17 @@ def _save(fig: Any, path: Path) -> str:
 # ------------------------------------------------------------------------------------- main
 
 
+def setting(text: str) -> tuple[str, Any]:
+    """``KEY=JSON`` of ``--summarization``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{key}: the value is not JSON: {exc}") from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     count, seconds = cli_types.positive_int, cli_types.seconds
@@ -954,6 +974,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lead", type=lambda v: v if v == "auto" else float(v), default=None,
                         help="summarization.lead: auto, or seconds (0: fire at the trigger); "
                         "default: compactd's own")
+    parser.add_argument("--summarization", type=setting, action="append", default=[],
+                        metavar="KEY=JSON", help="a summarization setting for the processes' "
+                        "config, its value as JSON (share_cache=false, keep_at='\"claim\"', "
+                        "clear_at_least=0); repeatable")
+    parser.add_argument("--report", choices=("provider", "compactd"), default="provider",
+                        help="the usage an agent reports: the provider's count of its context "
+                        "(default), or compactd's own (a diagnostic: the measure before the "
+                        "agents counted their context themselves)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--plots", type=Path, help="write the PNG charts into this folder")

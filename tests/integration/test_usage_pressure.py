@@ -15,7 +15,9 @@ from storage.store import Store
 from tests.integration.test_http_api import A, api_config, serve_app
 from tests.integration.test_scheduler_decisions import deps_for, make_config, text, user
 from tests.support.enqueuer import RecordingEnqueuer
+from tests.support.fake_provider import input_tokens_of, openai_request_body
 from worker.orchestration import compact
+from worker.settings import Settings, build_config
 from worker.sweeps import sweep_pressure
 
 TRIGGER = 10_000
@@ -264,3 +266,43 @@ async def test_a_report_counts_when_only_appends_came_after_its_view(db_url: str
         info = await handle.report_usage(3100, 20)
         assert info.reported_input_tokens == 3100
         assert info.reported_tokens == 3100 + 20  # the other append is in the base already
+
+
+async def test_the_kept_tail_is_the_keep_as_the_provider_counts_it(db_url: str,
+                                                                    store: Store) -> None:
+    """The runtime reports its provider's count of each request, which is larger than
+    compactd's on short messages (the fake provider's rule: a quarter of the request body's
+    bytes, its JSON framing included). The trigger fires on that count, and the keep is the
+    provider's tokens too: the tail a checkpoint keeps, as the provider counts it, is at most
+    the keep. Cut by compactd's smaller counts, the tail kept more, and every checkpoint left
+    the session nearer its trigger than the policy says (the fleet's sessions were compacted
+    again after a few hundred tokens of growth, and the loop guard cooled them down)."""
+    trigger, keep = 3000, 1000
+    raw = {"summarization": {"trigger": {"type": "tokens", "value": trigger},
+                             "keep": {"type": "tokens", "value": keep}},
+           "worker": {"metrics_port": 0}}
+    config = build_config(raw, settings=Settings(database_url=db_url, broker_url="memory://"))
+
+    def provider_count(messages: list[dict[str, Any]]) -> int:
+        return input_tokens_of(openai_request_body("gpt-4o", messages))
+
+    async with CompactdClient(config, store=store, enqueuer=RecordingEnqueuer()) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        turn = 0
+        while True:
+            await handle.append([user(12, tag=f"q{turn}"), assistant(12)])
+            turn += 1
+            reported = provider_count(await handle.surface())
+            info = await handle.report_usage(reported)
+            if reported >= trigger:
+                break
+        counted = info.surface_tokens + info.envelope_tokens
+        assert reported > counted * 1.2, (reported, counted)  # the two counters differ
+
+        outcome = await compact(deps_for(config, store), "s1", trigger="pressure")
+        assert outcome.outcome == "committed", outcome
+        served = await handle.surface()
+        at = max(i for i, m in enumerate(served) if (m.get("meta") or {}).get("checkpoint"))
+        tail = served[at + 1:]
+        assert tail, served
+        assert provider_count(tail) - provider_count([]) <= keep

@@ -171,3 +171,24 @@ def test_planning_is_fast_enough_for_a_long_surface():
     result = plan(surface, policy=policy, now=NOW)
     assert time.perf_counter() - started < 0.5
     assert result.summarize is not None
+
+
+def test_a_token_keep_is_the_providers_tokens_when_it_counts_more():
+    """The runtime's report counts the request at twice compactd's count of its nodes (plus the
+    envelope): the tail kept is half the keep in compactd's counts, so it is the keep as the
+    provider counts it. A message count is no count of tokens and stays as it is."""
+    surface = _chat(turns=12, size=10)
+    counted = sum(n.tokens for n in surface)
+    tokens_keep = _policy(keep={"type": "tokens", "value": 120})
+
+    def kept(policy, reported=None):
+        step = plan(surface, policy=policy, envelope_tokens=300, reported_input_tokens=reported,
+                    now=NOW).summarize
+        assert step is not None
+        return sum(n.tokens for n in surface if n.seq in step.keep_seqs and n.seq > 1)
+
+    alone = kept(tokens_keep)
+    assert 60 < alone <= 120
+    assert kept(tokens_keep, reported=counted + 300) == alone  # the counts agree
+    assert kept(tokens_keep, reported=counted * 2 + 300) <= 60
+    assert kept(_policy(), reported=counted * 2 + 300) == kept(_policy())

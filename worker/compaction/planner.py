@@ -20,6 +20,7 @@ with a smaller call budget after a provider's context-length error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -38,6 +39,7 @@ from worker.compaction.boundary import (
     unsafe_boundaries,
 )
 from worker.compaction.cache_breaks import hold_edits
+from worker.compaction.kinds import Counter
 from worker.compaction.policy import Clause, Policy
 from worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
 from worker.compaction.pruning import (
@@ -311,14 +313,46 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
 
 
 def _kept_clause(inputs: PlanInputs) -> Clause | None:
-    """The keep the selection cuts by: the override, else the policy's; with ``arrivals``,
-    smaller by them. None: a forced run's maximal reduction, or the policy's keep as is."""
+    """The keep the selection cuts by: the override, else the policy's, in compactd's counts of
+    the nodes (:func:`_provider_scale`); with ``arrivals``, smaller by them. None: a forced
+    run's maximal reduction, or the policy's keep as is."""
+    if inputs.force and inputs.keep_override is None:
+        return None
+    policy = inputs.policy
     arrivals = inputs.outlook.arrivals
-    if (arrivals is None or inputs.policy.keep_at != "pickup"
-            or (inputs.force and inputs.keep_override is None)):
+    scale = _provider_scale(inputs)
+    pickup = arrivals is not None and policy.keep_at == "pickup"
+    if not pickup and scale <= 1:
         return inputs.keep_override
-    keep = resolve_keep(inputs.policy, inputs.keep_override)
-    return keep_at_pickup(keep, arrivals, inputs.policy.context_window)
+    keep = _in_counted_tokens(resolve_keep(policy, inputs.keep_override), scale,
+                              policy.context_window)
+    if arrivals is None or not pickup:
+        return keep
+    return keep_at_pickup(keep, arrivals, policy.context_window)
+
+
+def _in_counted_tokens(keep: Clause, scale: float, window: int | None) -> Clause:
+    """A keep of the tokens counter (the provider's tokens) in compactd's counts: over
+    ``scale``. A keep of another counter is as it was."""
+    if scale <= 1 or keep.measure.counter is not Counter.TOKENS:
+        return keep
+    return Clause(Counter.TOKENS.value, math.floor((keep.threshold(window) or 0) / scale))
+
+
+def _provider_scale(inputs: PlanInputs) -> float:
+    """The provider's tokens per token compactd counts on the surface, by the runtime's report:
+    its count of the request less the envelope, over compactd's count of the nodes; 1 without a
+    larger report. The trigger is judged on the provider's count; a keep (and the window it is a
+    fraction of) is the provider's tokens too, so a tail cut by compactd's smaller counts keeps
+    more than the keep, and every checkpoint leaves the session that much nearer its trigger,
+    compacted again after a little growth and flagged by the loop guard. The whole difference
+    is put on the nodes: where the envelope is undercounted too, the tail keeps less, never
+    more."""
+    reported = inputs.reported_input_tokens
+    counted = sum(node.tokens for node in inputs.nodes)
+    if reported is None or counted <= 0:
+        return 1.0
+    return max(1.0, (reported - max(0, inputs.envelope_tokens)) / counted)
 
 
 @lru_cache(maxsize=32)
