@@ -3,10 +3,11 @@ other code asks which backend it is on: not by the dialect's name, not by ``is_s
 URL's scheme, not by a connector method that answers None on one backend, and not by a
 connector's capability flags.
 
-Three modules below the connectors are named here, each for what it does on each backend and
+Four modules below the connectors are named here, each for what it does on each backend and
 nothing else: the engine and how its transactions begin (storage/database.py), a column type's
 binding (storage/schema.py), and the deployment's choice of an embedded broker beside an
-embedded database (worker/settings.py). Migrations build each backend's schema and are left out.
+embedded database (worker/settings.py), and the migrations' online helpers
+(storage/online_migrations.py). Migrations build each backend's schema and are left out.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ BELOW_THE_CONNECTORS = {
     "storage/database.py": "creates the engine and begins its transactions",
     "storage/schema.py": "binds an aware datetime as each dialect stores it",
     "worker/settings.py": "chooses the embedded broker for an embedded database",
+    "storage/online_migrations.py": "the migrations' helpers: CONCURRENTLY and autocommit "
+                                    "blocks exist on PostgreSQL only",
 }
 # Members a caller would branch on: methods that answered None where the backend lacked a
 # function, flags that said what the backend could do, and the suffix of a query's form.
