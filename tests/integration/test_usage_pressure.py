@@ -12,9 +12,9 @@ import pytest
 from scheduler.client import Client, CompactdClient
 from storage.errors import InvalidMessage
 from storage.store import Store
-from tests.integration.test_http_api import A, api_config, serve_app
-from tests.integration.test_scheduler_decisions import deps_for, make_config, text, user
+from tests.support.asgi import A, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
+from tests.support.scheduler_sessions import deps_for, make_config, text, user
 from worker.orchestration import compact
 from worker.sweeps import sweep_pressure
 
