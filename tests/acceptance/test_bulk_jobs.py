@@ -14,11 +14,12 @@ import pytest
 from storage.kinds import ItemState
 from storage.messages import parse_openai
 from storage.store import Store
-from tests.acceptance.test_scheduler import POLICY, _many_sessions
+from tests.support.stack_sessions import POLICY, many_sessions
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(180)
 async def test_items_that_fail_while_the_fan_out_sends_end_the_job(make_stack, fake) -> None:  # type: ignore[no-untyped-def]
     # Every model call is refused (401) and the local summarizer is off: each run fails within
@@ -28,7 +29,7 @@ async def test_items_that_fail_while_the_fan_out_sends_end_the_job(make_stack, f
     store = Store.from_url(stack.database_url)
     try:
         # Six steps: more than the policy's tail of six messages, so each run calls a model.
-        await _many_sessions(store, 4, steps=6)
+        await many_sessions(store, 4, steps=6)
         stack.start_worker("w1", concurrency=4)
         started = time.monotonic()
         out = stack.cli("recompact", "--force", "--rate", "1/s", "--chunk", "10", "--json",
@@ -45,12 +46,13 @@ async def test_items_that_fail_while_the_fan_out_sends_end_the_job(make_stack, f
         await store.close()
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(120)
 async def test_waiting_for_a_job_no_worker_consumes_gives_up(make_stack) -> None:  # type: ignore[no-untyped-def]
     stack = make_stack(summarization=POLICY)
     store = Store.from_url(stack.database_url)
     try:
-        await _many_sessions(store, 3, steps=0)
+        await many_sessions(store, 3, steps=0)
         started = time.monotonic()
         out = stack.cli("recompact", "--force", "--timeout", "2", check=False, timeout=60)
         assert out.returncode == 1 and time.monotonic() - started < 30

@@ -14,7 +14,7 @@ import pytest
 from storage.database import embedded_url
 from storage.store import Store
 from tests.conftest import run_cli as run
-from tests.integration.test_recall_store import NEEDLE, _messages
+from tests.support.recall_sample import NEEDLE, needle_messages
 from tests.support.tables import row_counts
 from worker.compaction.recall_tools import tools_document
 
@@ -32,7 +32,7 @@ def env(request: pytest.FixtureRequest, cli_env: dict[str, str], tmp_path: Path
                       "  keep: {type: messages, value: 12}\n")
     cli_env["COMPACTD_CONFIG"] = str(config)
     path = tmp_path / "s.jsonl"
-    path.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
+    path.write_text("".join(json.dumps(m) + "\n" for m in needle_messages()))
     run(cli_env, "migrate")
     run(cli_env, "ingest", str(path), "--session", "s1")
     compacted = json.loads(run(cli_env, "compact", "s1", "--inline", "--json").stdout)

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from scheduler.samples import coding_session
-from tests.acceptance.test_metrics_logs import scrape, value
-from tests.acceptance.test_worker import free_port
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.metrics import scrape, value
+from tests.support.probes import free_port
 from worker.cost import NO_USAGE, PRICED
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]

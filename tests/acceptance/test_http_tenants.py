@@ -34,6 +34,7 @@ def big_step() -> list[dict[str, Any]]:
               for i in range(TOOL_RESULTS))]
 
 
+@pytest.mark.timed
 def test_another_tenant_is_answered_while_a_4_mb_append_is_counted(
         make_stack) -> None:  # type: ignore[no-untyped-def]
     # The trigger is out of reach: nothing is queued, no worker is needed.

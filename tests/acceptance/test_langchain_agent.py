@@ -23,9 +23,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from scheduler.langchain import CompactdMiddleware
 from storage.store import Store
-from tests.integration.test_langchain_middleware import assert_tool_pairs_whole
 from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour
+from tests.support.langchain_agents import assert_tool_pairs_whole
 from worker.compaction.render import LANGCHAIN_PREFIX
 from worker.settings import load_config
 

@@ -27,9 +27,9 @@ from scheduler.langchain import CompactdMiddleware
 from storage.kinds import RunCause, RunStatus
 from storage.records import RunRecord
 from storage.store import Store
-from tests.integration.test_langchain_middleware import assert_tool_pairs_whole
 from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour
+from tests.support.langchain_agents import assert_tool_pairs_whole
 from worker.compaction.render import LANGCHAIN_PREFIX, render_surface
 from worker.settings import load_config
 

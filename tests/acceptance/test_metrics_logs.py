@@ -15,18 +15,17 @@ import json
 import random
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.samples import WORDS, coding_session
 from storage.kinds import JournalKind
 from storage.records import RunRecord, utcnow
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.metrics import scrape, value
 from tests.support.probes import free_port, query
 from tests.support.services import empty_database, flush_redis
 from tests.support.stack import Stack, wait_until
@@ -77,18 +76,6 @@ def _runs(url: str, session: str) -> list[RunRecord]:
 def _finished(url: str, session: str) -> RunRecord | None:
     runs = _runs(url, session)
     return runs[0] if runs and runs[0].finished else None
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
-          **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 @dataclass

@@ -24,16 +24,16 @@ import yaml
 from scheduler.samples import coding_session
 from storage.kinds import JournalKind, LayoutRole, NodeKind
 from storage.recall import render_original
-from tests.acceptance.test_worker import db
 from tests.conftest import REPO
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack, wait_until
+from tests.support.worker_stack import db
 from worker.compaction.prompt import INDEX_MARK, SECTIONS
 from worker.compaction.recall import layout_role
 
 pytestmark = pytest.mark.slow
-__all__ = ["db"]  # the fixture, shared with test_worker
+__all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
 
 MakeStack = Callable[..., Stack]
 
@@ -284,7 +284,7 @@ async def test_an_overflow_report_runs_a_pass(make_stack: MakeStack, fake: FakeP
     """A runtime's overflow report through the client: the forced plan is a pass (no prune
     applies here), so it is enqueued and answered with the smaller surface."""
     from scheduler.client import CompactdClient
-    from tests.acceptance.test_scheduler import config_of
+    from tests.support.stack_sessions import config_of
 
     stack = make_stack(summarization=RECALLABLE)
     stack.start_worker("w1", concurrency=4)

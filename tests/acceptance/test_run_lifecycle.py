@@ -25,17 +25,18 @@ from scheduler.client import CompactdClient
 from scheduler.samples import coding_session
 from storage.errors import ConfigError, SessionNotFound
 from storage.store import Store
-from tests.acceptance.test_metrics_logs import scrape, value
-from tests.acceptance.test_worker import db, enqueuer, free_port
 from tests.conftest import REPO, compactd_cmd, run_cli
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.metrics import scrape, value
+from tests.support.probes import free_port
 from tests.support.stack import FAKE_KEY_ENV, Stack, fake_models, wait_until
+from tests.support.worker_stack import db, enqueuer
 from worker.enqueue import RunRequest
 from worker.settings import load_config
 
 pytestmark = pytest.mark.slow
-__all__ = ["db"]  # the fixture, shared with test_worker
+__all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
 
 MakeStack = Callable[..., Stack]
 
@@ -137,6 +138,7 @@ def assert_cancelled_cleanly(run: Any, journal_ends: list[Any], *, lease: str | 
     assert (end.payload["outcome"], end.payload["failure_class"]) == ("failed", "cancelled")
 
 
+@pytest.mark.timed
 def test_a_run_held_past_its_deadline_by_a_lock_ends_cancelled(
         make_stack: MakeStack, fake: FakeProvider, db: Db, clean_pg: str) -> None:
     stack = make_stack(summarization=POLICY,
@@ -173,6 +175,7 @@ def test_a_run_held_past_its_deadline_by_a_lock_ends_cancelled(
     assert reported == [("failed", "cancelled")], reported
 
 
+@pytest.mark.timed
 def test_an_inline_run_on_sqlite_held_past_its_deadline_ends_cancelled(
         fake: FakeProvider, cli_env: dict[str, str], tmp_path: Path) -> None:
     # Longer than the worker's: the CLI imports the SDK on its first model call.

@@ -19,8 +19,8 @@ import pytest
 
 from scheduler.samples import coding_session
 from storage.records import utcnow
-from tests.acceptance.test_metrics_logs import scrape, value
 from tests.support.fake_provider import FakeProvider
+from tests.support.metrics import scrape, value
 from tests.support.probes import free_port, query
 from tests.support.services import empty_database, flush_redis
 from tests.support.stack import Stack, wait_until

@@ -31,21 +31,13 @@ from storage.messages import parse_openai
 from storage.records import Claim
 from storage.store import Store
 from tests.support.stack import Stack, wait_until
+from tests.support.stack_sessions import POLICY, TRIGGER, config_of, many_sessions
 from tests.support.tables import row_counts
 from worker.keys import QUEUES
-from worker.settings import Config, load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 T = TypeVar("T")
-TRIGGER = 2000
-POLICY = {"trigger": [{"type": "tokens", "value": TRIGGER}],
-          "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt"}
-
-
-def config_of(stack: Stack) -> Config:
-    """The configuration the stack's processes run with, for the client in this process."""
-    return load_config(env=stack.env)
 
 
 async def until(predicate: Callable[[], Awaitable[T]], *, timeout: float, what: str,
@@ -203,6 +195,7 @@ async def test_agent_loop_picks_up_checkpoints_and_never_waits(make_stack, fake)
 # 2. overflow recovery
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(120)
 async def test_report_overflow_gets_a_smaller_surface_or_a_prompt_no(make_stack, fake) -> None:  # type: ignore[no-untyped-def]
     fake.latency_s = 0.5
@@ -314,6 +307,7 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(120)
 async def test_a_flushed_redis_loses_no_compaction(clean_pg, private_redis, tmp_path, fake) -> None:  # type: ignore[no-untyped-def]
     sweep_s = 3.0
@@ -352,6 +346,7 @@ async def test_a_flushed_redis_loses_no_compaction(clean_pg, private_redis, tmp_
     assert took <= 2 * sweep_s + 1.0
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(120)
 async def test_the_reaper_requeues_a_session_whose_worker_died(make_stack) -> None:  # type: ignore[no-untyped-def]
     reap_s, lease_s = 1.0, 2.0
@@ -395,30 +390,12 @@ async def test_the_reaper_requeues_a_session_whose_worker_died(make_stack) -> No
 # 4. bulk recompaction
 
 
-async def _many_sessions(store: Store, n: int, *, tenants: tuple[str, ...] = ("default",),
-                         steps: int = 2) -> list[str]:
-    """``n`` small sessions, each a couple of tool steps a summary shrinks."""
-    ids = [f"bulk-{i:04d}" for i in range(n)]
-    sem = asyncio.Semaphore(8)
-
-    async def one(i: int, sid: str) -> None:
-        async with sem:
-            await store.create_session(sid, tenant=tenants[i % len(tenants)],
-                                       run_model="fake-gpt")
-            msgs = [parse_openai(m) for m in coding_session(
-                steps=steps, big_output_lines=30, seed=i, call_prefix=f"b{i}").messages]
-            await store.append(sid, msgs)
-
-    await asyncio.gather(*(one(i, sid) for i, sid in enumerate(ids)))
-    return ids
-
-
 @pytest.mark.timeout(120)
 async def test_recompact_dry_run_counts_and_enqueues_nothing(make_stack) -> None:  # type: ignore[no-untyped-def]
     stack = make_stack(summarization=POLICY)
     store = Store.from_url(stack.database_url)
     try:
-        await _many_sessions(store, 1000, tenants=("acme", "globex"), steps=0)
+        await many_sessions(store, 1000, tenants=("acme", "globex"), steps=0)
         out = stack.cli("recompact", "--dry-run", "--force")
         lines = out.stdout.splitlines()
         assert lines[0] == "1000 sessions match; nothing enqueued (dry run)"
@@ -449,6 +426,7 @@ def _max_in_window(times: list[float], window_s: float = 1.0) -> int:
     return best
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(240)
 async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once(  # type: ignore[no-untyped-def]
         make_stack, fake) -> None:
@@ -462,7 +440,7 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
     stack = make_stack(summarization={**POLICY, "share_cache": False}, worker={"lease_s": 3.0})
     store = Store.from_url(stack.database_url)
     try:
-        ids = await _many_sessions(store, n, steps=20)
+        ids = await many_sessions(store, n, steps=20)
         # A live session outside the job (its own summary model, so its calls are told apart).
         await store.create_session("live", tenant="live", run_model="fake-gpt",
                                    policy={"model_name": "fake-mini"})

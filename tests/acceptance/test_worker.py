@@ -9,7 +9,6 @@ subprocess per step would cost a second each. Runs are enqueued the way the sche
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import os
@@ -19,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,13 @@ from storage.store import Store
 from tests.conftest import missing
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.probes import free_port
 from tests.support.stack import Stack, wait_until
-from worker.app import make_app
-from worker.enqueue import Enqueuer, RunRequest
-from worker.settings import load_config
+from tests.support.worker_stack import db, enqueuer
+from worker.enqueue import RunRequest
 
 pytestmark = pytest.mark.slow
+__all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
 
 MakeStack = Callable[..., Stack]
 
@@ -49,22 +49,6 @@ POLICY = {"trigger": [{"type": "tokens", "value": 8000}], "keep": {"type": "mess
 # long and the tests can hold or slow exactly that call.
 ONE_CALL = {"keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
             "trim_tokens_to_summarize": 16000}
-
-
-@pytest.fixture
-def db(clean_pg: str) -> Iterator[Db]:
-    with Db(clean_pg) as handle:
-        yield handle
-
-
-@contextlib.contextmanager
-def enqueuer(stack: Stack) -> Iterator[Enqueuer]:
-    """Sends runs exactly as the scheduler does, on the stack's broker."""
-    app = make_app(load_config(env=stack.env))
-    try:
-        yield Enqueuer(app)
-    finally:
-        app.close()
 
 
 def finished_run(db: Db, task_id: str) -> RunRecord | None:
@@ -406,12 +390,6 @@ def test_every_candidate_returns_whitespace_fails_summary(
 
 # ------------------------------------------------------------------------------------------
 # 5. Redis restarted during a run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PrivateRedis:

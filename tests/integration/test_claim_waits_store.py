@@ -15,7 +15,7 @@ from storage.errors import DeadlinePassed, LockNotAvailable
 from storage.messages import parse_openai
 from storage.records import Claim
 from storage.store import Store
-from tests.integration.test_store_deadline import session_row_locked
+from tests.support.locks import session_row_locked
 
 
 @contextlib.asynccontextmanager

@@ -20,7 +20,7 @@ import pytest
 from scheduler.cli import main
 from storage.migrate import upgrade
 from storage.store import Store
-from tests.integration.test_http_api import A, api_config, serve_app
+from tests.support.asgi import A, api_config, serve_app
 from tests.support.services import (
     create_database_sync,
     drop_database_sync,

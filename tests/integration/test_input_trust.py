@@ -18,7 +18,7 @@ from storage.errors import InvalidMessage
 from storage.messages import MAX_NESTING_DEPTH, META_PRUNED, RESERVED_META, Message
 from storage.store import Store
 from storage.tokens import counter_for
-from tests.integration.test_http_api import A, Served, api_config, serve_app
+from tests.support.asgi import A, Served, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import FakeProvider
 from tests.support.tables import row_counts
@@ -367,8 +367,8 @@ async def test_the_langchain_middleware_raises_bad_input_instead_of_degrading(
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
     from scheduler.langchain import CompactdMiddleware
-    from tests.integration.test_langchain_middleware import AGENT_MODEL, agent_for, make_config
     from tests.support.fake_provider import Behaviour
+    from tests.support.langchain_agents import AGENT_MODEL, agent_for, make_config
 
     fake.script(Behaviour(model=AGENT_MODEL, output="text", text="done"))
     middleware = CompactdMiddleware(config=make_config(db_url, tmp_path))

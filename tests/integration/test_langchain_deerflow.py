@@ -21,7 +21,6 @@ from scheduler.client import CompactdClient
 from scheduler.langchain import CompactdMiddleware, to_compactd
 from storage.store import Store
 from tests.conftest import run_cli
-from tests.integration.test_langchain_middleware import compact_now, make_config
 from tests.support.chat_models import fake_chat_openai
 from tests.support.deerflow import (
     LOADED_SKILL,
@@ -35,6 +34,7 @@ from tests.support.deerflow import (
 )
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.langchain_agents import compact_now, make_config
 from worker.compaction.render import AUTHORITY_CONTRACT
 from worker.orchestration import compact
 from worker.runtime import open_deps

@@ -22,14 +22,14 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from scheduler.langchain import CompactdMiddleware
 from storage.store import Store
-from tests.integration.test_langchain_middleware import (
+from tests.support.chat_models import fake_chat_openai
+from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.langchain_agents import (
     AGENT_MODEL,
     assert_tool_pairs_whole,
     compact_now,
     make_config,
 )
-from tests.support.chat_models import fake_chat_openai
-from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.tables import row_counts
 from worker.compaction.recall_tools import tool_schemas
 

@@ -152,6 +152,7 @@ async def test_an_auth_error_moves_on_without_a_retry(fake: FakeProvider,
     assert fake.requests_for(model="a-model") == []
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 async def test_429_with_retry_after_waits_capped_then_succeeds(
         fake: FakeProvider, pool: ProviderPool, api: str) -> None:
@@ -236,6 +237,7 @@ async def test_malformed_json_moves_on(fake: FakeProvider, pool: ProviderPool) -
         ("m", "malformed", 1), ("local", None, 0)]
 
 
+@pytest.mark.timed
 async def test_a_hanging_candidate_does_not_pass_the_overall_deadline(
         fake: FakeProvider, pool: ProviderPool) -> None:
     fake.script(Behaviour(model="h-model", hang=True, times=-1))

@@ -1,5 +1,5 @@
 """history_search and history_read through the async and the sync client, on PostgreSQL and
-SQLite, over sessions a real compaction replaced (the fixture of test_recall_store)."""
+SQLite, over sessions a real compaction replaced (the fixture of tests/support/recall_sample.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from scheduler.client import Client, CompactdClient, SessionHandle
 from storage.errors import RecallArgumentError, RecallNotFound
 from storage.recall import ReadPage
 from storage.store import Store
-from tests.integration import test_recall_store as recall_store
 from tests.support.enqueuer import RecordingEnqueuer
+from tests.support.recall_sample import NEEDLE, compacted
 from tests.support.tables import row_counts
 from worker.settings import Settings, build_config
 
-NEEDLE = recall_store.NEEDLE
-compacted = recall_store.compacted  # the fixture: sessions s1 (acme) and s2 (globex)
+__all__ = ["compacted"]  # the fixture (tests/support/recall_sample.py)
 
 
 @pytest.fixture

@@ -15,14 +15,12 @@ from storage.messages import parse_openai
 from storage.recall import encode_cursor
 from storage.recall_bounds import MAX_SEARCH_LIMIT
 from storage.store import Store
-from tests.integration import test_recall_store as recall_store
-from tests.integration.test_http_api import A, B, Served, api_config, serve_app
+from tests.support.asgi import A, B, Served, api_config, serve_app
+from tests.support.recall_sample import NEEDLE, POLICY, needle_messages
 from tests.support.tables import row_counts
 from worker.compaction.recall_tools import tools_document
 from worker.orchestration import compact
 from worker.runtime import open_deps
-
-NEEDLE = recall_store.NEEDLE
 
 
 @pytest.fixture
@@ -31,9 +29,9 @@ async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     async with open_deps(config, owner="recall-http-test") as deps:
         for session_id, tenant in (("a-session", "tenant-a"), ("b-session", "tenant-b")):
             await deps.store.create_session(session_id, tenant=tenant, context_window=128_000,
-                                            policy=recall_store.POLICY)
+                                            policy=POLICY)
             await deps.store.append(session_id,
-                                    [parse_openai(m) for m in recall_store._messages()])
+                                    [parse_openai(m) for m in needle_messages()])
             outcome = await compact(deps, session_id, trigger="pressure")
             assert outcome.outcome == "committed", outcome.to_json()
     async for served in serve_app(config):

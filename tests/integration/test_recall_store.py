@@ -5,55 +5,20 @@ then searched and read back through storage."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from scheduler.samples import coding_session
 from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
 from storage.messages import parse_openai
 from storage.recall import encode_cursor, render_original
 from storage.recall_bounds import MAX_QUERY_BYTES
 from storage.store import Store
+from tests.support.recall_sample import NEEDLE, compacted, needle_messages
 from tests.support.tables import row_counts
-from worker.orchestration import compact
-from worker.runtime import open_deps
-from worker.settings import Settings, build_config
 
-POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
-          "keep": {"type": "messages", "value": 12}}
-NEEDLE = "ERR-7f3a9c: checksum mismatch in /srv/data/part-00017.parquet"
-
-
-def _messages(needle_at: int = 10) -> list[dict[str, Any]]:
-    sample = coding_session(steps=40).messages
-    # A fact the local summary drops: inside a long, ordinary tool result.
-    for i, m in enumerate(sample):
-        if i >= needle_at and m["role"] == "tool":
-            m["content"] = m["content"] + "\n" + NEEDLE + "\n"
-            break
-    return sample
-
-
-@pytest.fixture
-async def compacted(db_url: str) -> AsyncIterator[tuple[Store, list[dict[str, Any]]]]:
-    config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
-    sample = _messages()
-    async with open_deps(config, owner="recall-test") as deps:
-        for session_id, tenant in (("s1", "acme"), ("s2", "globex")):
-            await deps.store.create_session(session_id, tenant=tenant, context_window=128_000,
-                                            policy=POLICY)
-            await deps.store.append(session_id, [parse_openai(m) for m in sample])
-            outcome = await compact(deps, session_id, trigger="pressure")
-            assert outcome.outcome == "committed", outcome.to_json()
-            assert (await deps.store.verify(session_id)).ok
-    store = Store.from_url(db_url)
-    try:
-        yield store, sample
-    finally:
-        await store.close()
+__all__ = ["compacted"]  # the fixture (tests/support/recall_sample.py)
 
 
 async def _checkpoint_ref(store: Store, session_id: str) -> str:
@@ -155,7 +120,7 @@ async def test_another_tenant_or_session_finds_nothing(compacted) -> None:
         await store.history_read("nope", ref)
     # s2 is another session: its own originals only
     other = await store.history_search("s2", NEEDLE, tenant="globex")
-    assert other.hits and all(h.seq <= len(_messages()) for h in other.hits)
+    assert other.hits and all(h.seq <= len(needle_messages()) for h in other.hits)
 
 
 @pytest.mark.parametrize(("call", "argument"), [

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler.bulk import BulkFilter, fan_out, matching_sessions
-from scheduler.client import CompactdClient, SessionHandle
+from scheduler.client import CompactdClient
 from scheduler.intake import SignalPayload, accept_signal
 from scheduler.status import status
 from storage.errors import InvalidMessage, SessionNotFound
@@ -27,37 +27,22 @@ from storage.kinds import ItemState, JournalKind
 from storage.records import Claim, utcnow
 from storage.store import Store
 from tests.support.enqueuer import RecordingEnqueuer
+from tests.support.scheduler_sessions import (
+    TRIGGER,
+    deps_for,
+    make_config,
+    over,
+    parsed,
+    text,
+    user,
+)
 from worker.app import client_app
 from worker.enqueue import Enqueuer, RunRequest, follow_up
 from worker.keys import QUEUE_PRESSURE, TASK_RUN
-from worker.limits import JITTER_MARGIN, LocalLimiter, RedisLimiter
+from worker.limits import JITTER_MARGIN, RedisLimiter
 from worker.orchestration import compact
-from worker.runtime import Deps
-from worker.settings import Config, Settings, build_config
+from worker.settings import Config
 from worker.sweeps import reap_leases, sweep_pressure
-
-TRIGGER = 400
-
-
-def make_config(db_url: str, *, broker: str = "memory://", trigger: int = TRIGGER,
-                keep: int = 2, worker: dict[str, Any] | None = None) -> Config:
-    raw = {"summarization": {"trigger": {"type": "tokens", "value": trigger},
-                             "keep": {"type": "messages", "value": keep}},
-           "worker": {"metrics_port": 0, **(worker or {})}}
-    return build_config(raw, settings=Settings(database_url=db_url, broker_url=broker))
-
-
-WORDS = ("apple", "river", "stone", "cloud", "green", "table", "light", "house", "water", "paper")
-
-
-def text(tokens: int, tag: str = "") -> str:
-    # One token per word for these common words (o200k and cl100k); the tag keeps texts apart.
-    body = " ".join(WORDS[i % len(WORDS)] for i in range(tokens - 1 if tag else tokens))
-    return f"{tag} {body}" if tag else body
-
-
-def user(tokens: int, tag: str = "") -> dict[str, Any]:
-    return {"role": "user", "content": text(tokens, tag)}
 
 
 @pytest.fixture
@@ -77,13 +62,6 @@ async def client(config: Config, store: Store, enqueuer: RecordingEnqueuer
         yield c
 
 
-async def over(client: CompactdClient, sid: str = "s1", **kw: Any) -> SessionHandle:
-    """A session over the trigger whose signal mark is free (as after a lost signal)."""
-    handle = await client.create_session(sid, run_model="gpt-4o", **kw)
-    await client.store.append(sid, [_msg(user(TRIGGER + 50))])
-    return handle
-
-
 def tool_step(tokens: int, tag: str) -> list[dict[str, Any]]:
     """An assistant tool call and its result of about ``tokens`` tokens: what summaries shrink
     well (the local summarizer keeps a result's paths and errors, not its text)."""
@@ -92,16 +70,6 @@ def tool_step(tokens: int, tag: str) -> list[dict[str, Any]]:
                 {"id": call, "type": "function",
                  "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
             {"role": "tool", "tool_call_id": call, "name": "bash", "content": text(tokens, tag)}]
-
-
-def _msg(raw: dict[str, Any]) -> Any:
-    from storage.messages import parse_openai
-
-    return parse_openai(raw)
-
-
-def deps_for(config: Config, store: Store) -> Deps:
-    return Deps(config=config, store=store, limiter=LocalLimiter(), owner="test-worker")
 
 
 # ------------------------------------------------------------------------------------------
@@ -337,6 +305,7 @@ async def test_sweep_enqueues_only_idle_sessions_over_their_trigger(
     assert again.enqueued == ()
 
 
+@pytest.mark.timed
 async def test_sweep_skips_a_row_another_transaction_holds(clean_pg: str) -> None:
     config = make_config(clean_pg)
     enqueuer = RecordingEnqueuer()
@@ -471,7 +440,7 @@ async def test_loop_guard_leaves_manual_runs_alone(db_url: str, store: Store) ->
     await store.create_session("s1", run_model="gpt-4o", envelope=envelope)
     for round_no in range(3):
         for i in range(2):
-            await store.append("s1", [_msg(m) for m in tool_step(200, f"r{round_no}m{i}")])
+            await store.append("s1", [parsed(m) for m in tool_step(200, f"r{round_no}m{i}")])
         assert (await compact(deps, "s1", trigger="manual")).outcome == "committed"
     assert (await store.get_session("s1")).flagged_reason is None
 
@@ -543,7 +512,7 @@ async def test_a_bulk_item_under_its_trigger_is_skipped_and_force_keeps_the_poli
     deps = deps_for(config, store)
     for sid, tokens in (("over", 400), ("under", 150)):
         await store.create_session(sid, run_model="gpt-4o")
-        await store.append(sid, [_msg(m) for m in turns(12, tokens, sid)])
+        await store.append(sid, [parsed(m) for m in turns(12, tokens, sid)])
     job = await store.create_bulk_job(filter={}, session_ids=["over", "under"], force=False,
                                       rate_per_s=None)
     assert (await compact(deps, "over", trigger="bulk", bulk_job_id=job.id)).outcome == \
@@ -578,7 +547,7 @@ async def test_recompact_filters_select_sessions(store: Store, tmp_path: Any) ->
         ("c-idle", "globex", "gpt-4o", 800, 3), ("d-empty", "globex", "gpt-4o", 0, 0)]:
         await store.create_session(sid, tenant=tenant, run_model=model)
         if tokens:
-            await store.append(sid, [_msg(user(tokens))],
+            await store.append(sid, [parsed(user(tokens))],
                                now=now - dt.timedelta(hours=idle_h))
     session_file = tmp_path / "ids.txt"
     session_file.write_text("c-idle\n\n  a-big  \nghost\n")

@@ -18,7 +18,7 @@ import pytest
 from scheduler.client import Client, CompactdClient
 from storage.errors import ConfigError, InvalidMessage, SessionExists
 from storage.store import Store
-from tests.integration.test_http_api import A, B, Served, api_config, serve_app
+from tests.support.asgi import A, B, Served, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from worker.settings import Config, Settings, build_config
 

@@ -18,7 +18,7 @@ from storage.kinds import JournalKind, NodeKind
 from storage.migrate import HEAD_REVISION
 from storage.records import Claim, Replacement, RunEnd, utcnow
 from storage.store import Store
-from tests.unit.compaction_helpers import user
+from tests.support.surfaces import user
 
 Case = Callable[[Store], Awaitable[None]]
 CASES: dict[str, Case] = {}

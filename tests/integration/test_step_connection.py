@@ -15,7 +15,7 @@ import pytest
 from storage.errors import DatabaseUnavailable, InvalidMessage, SessionNotFound
 from storage.messages import parse_openai
 from storage.store import Store
-from tests.unit.compaction_helpers import user
+from tests.support.surfaces import user
 
 
 @pytest.fixture

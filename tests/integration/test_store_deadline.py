@@ -4,42 +4,17 @@ the connection stays usable, and past it a statement is refused before it is sen
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sqlite3
-from collections.abc import AsyncIterator
 
-import asyncpg
 import pytest
 
 from storage.database import deadline
 from storage.errors import DeadlinePassed, LockNotAvailable
 from storage.messages import parse_openai
 from storage.store import Store
+from tests.support.locks import session_row_locked
 
 # Far longer than the deadlines below: a wait that is not bounded shows as this timeout.
 UNBOUNDED_S = 20.0
-
-
-@contextlib.asynccontextmanager
-async def session_row_locked(db_url: str, session_id: str) -> AsyncIterator[None]:
-    """The session's row (PostgreSQL) or the database's write lock (SQLite), held by another
-    connection for the block."""
-    if db_url.startswith("sqlite"):
-        other = sqlite3.connect(db_url.split(":///", 1)[1], isolation_level=None)
-        other.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
-        return
-    conn = await asyncpg.connect(db_url)
-    try:
-        async with conn.transaction():
-            await conn.execute("SELECT 1 FROM sessions WHERE id = $1 FOR UPDATE", session_id)
-            yield
-    finally:
-        await conn.close()
 
 
 async def test_a_deadline_ends_a_lock_wait_and_the_store_goes_on(store: Store,

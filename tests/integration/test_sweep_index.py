@@ -13,8 +13,8 @@ import pytest
 from scheduler.client import CompactdClient
 from storage.records import SessionInfo
 from storage.store import Store
-from tests.integration.test_scheduler_decisions import make_config, over, user
 from tests.support.enqueuer import RecordingEnqueuer
+from tests.support.scheduler_sessions import make_config, over, user
 from worker.compaction.kinds import Counter
 from worker.compaction.policy import parse_policy
 from worker.pressure import over_trigger, sweep_key, sweep_thresholds

@@ -12,10 +12,10 @@ import pytest
 from scheduler.client import Client, CompactdClient
 from storage.errors import InvalidMessage
 from storage.store import Store
-from tests.integration.test_http_api import A, api_config, serve_app
-from tests.integration.test_scheduler_decisions import deps_for, make_config, text, user
+from tests.support.asgi import A, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import input_tokens_of, openai_request_body
+from tests.support.scheduler_sessions import deps_for, make_config, text, user
 from worker.orchestration import compact
 from worker.settings import Settings, build_config
 from worker.sweeps import sweep_pressure

@@ -4,10 +4,10 @@ it picks the checkpoint up, and what no expectation may ever make it summarize."
 from __future__ import annotations
 
 import pytest
-from compaction_helpers import NOW, ai, nodes, sys, tool, user
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
 from worker.compaction.arrivals import (
     Arrivals,
     claim_to_commit_s,

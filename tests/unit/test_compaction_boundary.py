@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from compaction_helpers import ai, ckpt, nodes, sys, tool, user
 
+from tests.support.surfaces import ai, ckpt, nodes, sys, tool, user
 from worker.compaction.boundary import (
     protected,
     resolve_keep,

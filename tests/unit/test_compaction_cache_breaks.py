@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from compaction_helpers import NOW, ai, nodes, sys, tool, user
 
+from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
 from worker.compaction.cache_breaks import hold_edits
 from worker.compaction.planner import Outlook, plan
 from worker.compaction.policy import (

@@ -14,7 +14,7 @@ from storage.errors import ConfigError
 from storage.leads import ALL_POOLS
 from storage.records import SessionInfo
 from storage.surface import SurfaceNode
-from tests.unit.compaction_helpers import user
+from tests.support.surfaces import user
 from worker.compaction.lead import LEAD_MAX_SHARE, lead_tokens, parse_lead, percentile
 from worker.compaction.planner import Outlook, plan
 from worker.compaction.policy import PolicyError, parse_policy

@@ -6,9 +6,9 @@ import json
 import time
 
 import pytest
-from compaction_helpers import NOW, ai, ckpt, nodes, sys, tool, user
 
 from storage.surface import SurfaceNode
+from tests.support.surfaces import NOW, ai, ckpt, nodes, sys, tool, user
 from worker.compaction.planner import checkpoint_for, plan, replan_smaller
 from worker.compaction.policy import Clause, parse_policy
 from worker.compaction.render import Skill, checkpoint_tokens

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from compaction_helpers import COUNTER, NOW, ai, ckpt, nodes, sys, tool, user
 
+from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, sys, tool, user
 from worker.compaction.planner import plan, refill
 from worker.compaction.policy import Clause, parse_policy
 from worker.compaction.prompt import (

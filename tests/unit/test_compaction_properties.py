@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from compaction_helpers import COUNTER, NOW, ai, ckpt, nodes, sys, tool, user
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from storage.messages import Message
 from storage.surface import SurfaceNode
 from tests.support.pairs import cut_problems, node_rows
+from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, sys, tool, user
 from worker.compaction.boundary import protected
 from worker.compaction.planner import Plan, checkpoint_for, plan
 from worker.compaction.policy import Clause, PolicyError, parse_policy

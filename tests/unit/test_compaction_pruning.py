@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from compaction_helpers import COUNTER, ai, nodes, tool, user
 
+from tests.support.surfaces import COUNTER, ai, nodes, tool, user
 from worker.compaction.policy import ClearToolUsesConfig, PruneConfig
 from worker.compaction.pruning import (
     PRUNE_MARKER,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from compaction_helpers import ckpt, nodes, sys, user
 
+from tests.support.surfaces import ckpt, nodes, sys, user
 from worker.compaction.render import (
     AUTHORITY_CONTRACT,
     COMPACTED_NOTE,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from compaction_helpers import COUNTER, NOW, ai, ckpt, nodes, tool, user
 
+from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, tool, user
 from worker.compaction.planner import plan
 from worker.compaction.policy import PolicyError, parse_policy
 from worker.compaction.render import render_surface

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from compaction_helpers import ai, ckpt, nodes, tool, user
 
+from tests.support.surfaces import ai, ckpt, nodes, tool, user
 from worker.compaction.render import Skill, render_text
 from worker.compaction.skills import MAX_SKILLS, capture_skills, frontmatter, skill_path
 

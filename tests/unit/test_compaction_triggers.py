@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from compaction_helpers import ai, ckpt, nodes, sys, user
 
+from tests.support.surfaces import ai, ckpt, nodes, sys, user
 from worker.compaction.policy import parse_policy
 from worker.compaction.triggers import Pressure, measure, should_compact
 

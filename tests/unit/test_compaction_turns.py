@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from compaction_helpers import ai, ckpt, tool, user
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage.messages import Message
+from tests.support.surfaces import ai, ckpt, tool, user
 from tests.support.turns import parse_turns
 from worker.compaction.policy import parse_policy
 from worker.compaction.prompt import (

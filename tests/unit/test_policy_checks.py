@@ -147,7 +147,7 @@ def test_tail_only_pruning_of_blocks_keeps_the_image_and_the_end() -> None:
 
 def _abandoned_call() -> list[Any]:
     """A call the runtime never answered, then 30 messages of later turns."""
-    from tests.unit.compaction_helpers import ai, nodes, sys, user
+    from tests.support.surfaces import ai, nodes, sys, user
 
     messages = [sys(), user("fix it"), ai(None, ("lost", "read_file"))]
     for i in range(15):
@@ -158,7 +158,7 @@ def _abandoned_call() -> list[Any]:
 @pytest.mark.parametrize(("force", "keep"), [(True, None), (False, None),
                                              (True, Clause("messages", 4))])
 def test_an_open_call_pins_only_itself(force: bool, keep: Clause | None) -> None:
-    from tests.unit.compaction_helpers import NOW
+    from tests.support.surfaces import NOW
     from worker.compaction.planner import plan
 
     surface = _abandoned_call()
@@ -171,7 +171,7 @@ def test_an_open_call_pins_only_itself(force: bool, keep: Clause | None) -> None
 
 
 def test_an_open_call_answered_in_part_keeps_its_results() -> None:
-    from tests.unit.compaction_helpers import NOW, ai, nodes, sys, tool, user
+    from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
     from worker.compaction.planner import plan
 
     messages = [sys(), user("go"), ai(None, ("a", "bash"), ("b", "bash")), user("x " * 50),
@@ -190,7 +190,7 @@ def test_an_open_call_answered_in_part_keeps_its_results() -> None:
 
 
 def _tool_steps(count: int, size: int) -> list[Any]:
-    from tests.unit.compaction_helpers import ai, nodes, sys, tool, user
+    from tests.support.surfaces import ai, nodes, sys, tool, user
 
     messages = [sys(), user("go")]
     for i in range(count):
@@ -200,7 +200,7 @@ def _tool_steps(count: int, size: int) -> list[Any]:
 
 @pytest.mark.parametrize(("clear_trigger", "cleared"), [(100, 3), (100_000, 0)])
 def test_clearing_fires_on_its_own_trigger(clear_trigger: int, cleared: int) -> None:
-    from tests.unit.compaction_helpers import NOW
+    from tests.support.surfaces import NOW
     from worker.compaction.planner import plan
     from worker.compaction.triggers import should_run
 

@@ -4,10 +4,10 @@ name their original, both outside the summary text, and the non-shrinking guard 
 from __future__ import annotations
 
 import pytest
-from compaction_helpers import COUNTER, NOW, ai, ckpt, nodes, tool, user
 
 from storage.messages import RESERVED_META
 from storage.surface import SurfaceNode
+from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, tool, user
 from worker.compaction.planner import checkpoint_for, checkpoint_recall, plan
 from worker.compaction.policy import ClearToolUsesConfig, PruneConfig, parse_policy
 from worker.compaction.pruning import clear_tool_uses, prune_tool_results

@@ -6,7 +6,6 @@ import time
 from typing import Any
 
 import pytest
-from compaction_helpers import ai, nodes, tool, user
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from storage.messages import Message
 from storage.surface import SurfaceNode
 from storage.tokens import counter_for
 from tests.support.pairs import cut_problems, node_rows
+from tests.support.surfaces import ai, nodes, tool, user
 from worker.compaction.boundary import unsafe_boundaries
 from worker.compaction.recall import (
     FOOTER_MAX_TOKENS,

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
-from compaction_helpers import NOW, ai, ckpt, nodes, sys, tool, user
 
 from storage.kinds import LayoutRole, NodeKind
 from storage.messages import from_payload
 from storage.records import Replacement
 from storage.surface import SurfaceNode, SurfaceRows
 from storage.tokens import counter_for
+from tests.support.surfaces import NOW, ai, ckpt, nodes, sys, tool, user
 from worker.compaction.boundary import unsafe_boundaries
 from worker.compaction.planner import plan
 from worker.compaction.policy import PolicyError, parse_policy
