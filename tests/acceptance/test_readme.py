@@ -13,6 +13,7 @@ configuration it mounts must load; tests/unit/test_ops_files.py validates the co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -174,3 +175,38 @@ def test_the_compose_block_names_files_that_exist_and_a_config_that_loads() -> N
     config = load_config({}, path=str(mounted))
     assert config.policy.model_name == "local"
     assert not any(m.api_key_env for m in config.models)
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    from packaging.requirements import Requirement
+
+    return {Requirement(r).name.lower().replace("_", "-") for r in requirements
+            if "extra ==" not in r}
+
+
+def test_the_langchain_extra_installs_what_the_readme_snippet_imports() -> None:
+    """`pip install '.[langchain]'` must bring every package the README's LangChain example
+    imports (it lacked langchain-openai): the extra's requirements and theirs, from pyproject
+    and the installed packages' metadata."""
+    import importlib.metadata
+    import tomllib
+
+    (snippet,) = [b for b in readme_blocks("### Your runtime: the client")
+                  if "CompactdMiddleware" in b]
+    modules = {m.split(".")[0] for m in re.findall(r"^(?:from|import) ([\w.]+)", snippet,
+                                                      flags=re.M)} - {"scheduler"}
+    assert modules == {"langchain", "langchain_openai", "langgraph"}, modules
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = _requirement_names(project["optional-dependencies"]["langchain"])
+    closure, todo = set(), list(wanted | _requirement_names(project["dependencies"]))
+    while todo:
+        name = todo.pop()
+        if name in closure:
+            continue
+        closure.add(name)
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            todo += _requirement_names(importlib.metadata.requires(name) or [])
+    distributions = importlib.metadata.packages_distributions()
+    for module in modules:
+        names = {d.lower().replace("_", "-") for d in distributions[module]}
+        assert names & closure, (module, names)
