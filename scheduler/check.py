@@ -107,5 +107,5 @@ async def cmd_check(args: argparse.Namespace, config: Config) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("check", help="validate the configuration and reach every model once")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_check)

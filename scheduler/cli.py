@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -164,38 +165,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compactd", description="Out-of-band context compaction for LLM agent runtimes.")
     parser.add_argument("--config", help="YAML config file (default: $COMPACTD_CONFIG)")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {importlib.metadata.version('compactd')}",
+                        help="print compactd's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("migrate", help="bring the database schema to the newest version")
     p.set_defaults(handler=cmd_migrate)
 
     p = sub.add_parser("ingest", help="append a JSON-lines transcript to a session")
-    p.add_argument("file")
-    p.add_argument("--session", required=True)
-    p.add_argument("--format", choices=FORMATS, default="openai")
+    p.add_argument("file", help="the transcript: one JSON message per line")
+    p.add_argument("--session", required=True,
+                   help="the session to append to (created when new)")
+    p.add_argument("--format", choices=FORMATS, default="openai",
+                   help="the messages' shape (default openai)")
     p.add_argument("--run-model", help="the model the agent talks to (its tokenizer counts)")
     p.add_argument("--context-window", type=positive_int,
                    help="the run model's context window in tokens")
-    p.add_argument("--tenant")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--tenant", help="the tenant the session belongs to (default: default)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_ingest)
 
     p = sub.add_parser("surface", help="print what the model sees for a session")
-    p.add_argument("session")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--render", choices=("durable_context", "compacted_summary", "langchain"))
+    p.add_argument("session", help="the session id")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    p.add_argument("--render", choices=("durable_context", "compacted_summary", "langchain"),
+                   help="how checkpoints are rendered (default: the configured render)")
     p.set_defaults(handler=cmd_surface)
 
     p = sub.add_parser("verify", help="replay the log and compare with the stored surface")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("session", nargs="?")
-    g.add_argument("--all", action="store_true")
-    p.add_argument("--json", action="store_true")
+    g.add_argument("session", nargs="?", help="the session id to verify")
+    g.add_argument("--all", action="store_true", help="verify every session")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_verify)
 
     p = sub.add_parser("demo", help="the embedded default, end to end")
-    p.add_argument("--steps", type=positive_int, default=60)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--steps", type=positive_int, default=60,
+                   help="agent steps in the generated session (default 60)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_demo)
 
     commands.register(sub)

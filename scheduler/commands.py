@@ -301,17 +301,17 @@ def _register_recall(sub: Any) -> None:
     history = sub.add_parser("history", help="recall what compaction replaced in a session")
     verbs = history.add_subparsers(dest="history_command", required=True, metavar="COMMAND")
     p = verbs.add_parser("search", help="search the originals compaction replaced")
-    p.add_argument("session")
+    p.add_argument("session", help="the session id")
     p.add_argument("query", help="an error line, an id, a path, words (exact matches first)")
     p.add_argument("--checkpoint", help="only what this checkpoint or pruned result replaced")
     p.add_argument("--limit", type=whole(1, MAX_SEARCH_LIMIT), default=DEFAULT_SEARCH_LIMIT,
                    help=f"at most this many hits (1-{MAX_SEARCH_LIMIT}, default "
                         f"{DEFAULT_SEARCH_LIMIT})")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_history_search)
 
     p = verbs.add_parser("read", help="read a checkpoint's or pruned result's originals, paged")
-    p.add_argument("session")
+    p.add_argument("session", help="the session id")
     p.add_argument("checkpoint", help="a checkpoint's or a pruned result's name (c12-340, r57)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--offset", type=count, default=0,
@@ -321,7 +321,7 @@ def _register_recall(sub: Any) -> None:
                    default=DEFAULT_READ_TOKENS,
                    help=f"most tokens on the page ({MIN_READ_TOKENS}-{MAX_READ_TOKENS}, "
                         f"default {DEFAULT_READ_TOKENS})")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_history_read)
 
     p = sub.add_parser("tools", help="the recall tools' schemas for a runtime's model")
@@ -333,15 +333,15 @@ def _register_recall(sub: Any) -> None:
 def register(sub: Any) -> None:
     """Add the compaction, scheduling and operations commands to ``sub``."""
     p = sub.add_parser("plan", help="dry run: what a compaction would do (writes nothing)")
-    p.add_argument("session")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("session", help="the session id")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.add_argument("--force", action="store_true", help="ignore the trigger and keep policy")
     p.add_argument("--keep", help=KEEP_HELP)
     p.set_defaults(handler=cmd_plan)
 
     p = sub.add_parser("compact", help="compact a session now")
-    p.add_argument("session")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("session", help="the session id")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.add_argument("--force", action="store_true", help="ignore the trigger and keep policy")
     p.add_argument("--keep", help=KEEP_HELP)
     how = p.add_mutually_exclusive_group()
@@ -353,27 +353,30 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_compact)
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")
-    p.add_argument("session")
+    p.add_argument("session", help="the session id")
     p.add_argument("--reason", default=SignalReason.PRESSURE, help=" | ".join(SignalReason))
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_signal)
 
     p = sub.add_parser("status", help="runs, failures, leases, loop-guard flags, bulk jobs")
-    p.add_argument("session", nargs="?")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("session", nargs="?", help="one session's runs and state (default: all)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.add_argument("--since", type=duration, help="only runs newer than this (e.g. 1h, 30m)")
-    p.add_argument("--limit", type=positive_int, default=20)
+    p.add_argument("--limit", type=positive_int, default=20,
+                   help="at most this many runs and sessions per list (default 20)")
     p.set_defaults(handler=cmd_status)
 
     p = sub.add_parser("recompact", help="bulk recompaction of many sessions")
-    p.add_argument("--tenant")
-    p.add_argument("--run-model")
-    p.add_argument("--min-tokens", type=count)
+    p.add_argument("--tenant", help="only this tenant's sessions")
+    p.add_argument("--run-model", help="only sessions of this run model")
+    p.add_argument("--min-tokens", type=count, help="only sessions with at least this many tokens")
     p.add_argument("--idle-for", type=duration,
                    help="only sessions without appends for this long (e.g. 1h)")
     p.add_argument("--session-file", help="a file of session ids, one per line")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="compact each session even under its trigger")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the sessions the filters select; enqueue nothing")
     p.add_argument("--rate", help="model calls per second across all workers, e.g. 20/s")
     p.add_argument("--resume", metavar="JOB", help="continue a bulk job")
     p.add_argument("--chunk", type=positive_int, default=100, help="sessions enqueued per chunk")
@@ -382,12 +385,12 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", type=float, metavar="S",
                    help="give up waiting when no session of the job finished for S seconds "
                         "(default 300; the job stays and --resume continues it)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_recompact)
 
     p = sub.add_parser("serve", help="the HTTP API for runtimes in any language")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port, default=8080)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=port, default=8080, help="port to listen on (default 8080)")
     p.set_defaults(handler=cmd_serve)
 
     _register_recall(sub)

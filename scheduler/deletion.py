@@ -50,11 +50,11 @@ async def cmd_delete(args: argparse.Namespace, config: Config) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("export", help="write a session's log as the JSON lines ingest reads")
-    p.add_argument("session")
+    p.add_argument("session", help="the session id")
     p.set_defaults(handler=cmd_export)
 
     p = sub.add_parser("delete", help="delete a session and every row of it")
-    p.add_argument("session")
+    p.add_argument("session", help="the session id")
     p.add_argument("--tenant", help="only if the session is this tenant's")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_delete)

@@ -42,9 +42,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("lease", help="operator actions on session leases")
     actions = p.add_subparsers(dest="lease_command", required=True, metavar="ACTION")
     r = actions.add_parser("release", help="end a session's lease now; its run is abandoned")
-    r.add_argument("session")
+    r.add_argument("session", help="the session id")
     r.add_argument("--run", metavar="RUN_ID",
                    help="release only if this run still holds the lease (from compactd status)")
     r.add_argument("--by", default="operator", help="who released it, kept in the journal")
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     r.set_defaults(handler=cmd_lease_release)
