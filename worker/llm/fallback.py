@@ -63,7 +63,7 @@ from worker.llm.errors import (
     Unavailable,
 )
 from worker.llm.local import summarize_local
-from worker.llm.providers import ChatMessage, Completion, Provider, Tool
+from worker.llm.provider import ChatMessage, Completion, Provider, Tool
 from worker.llm.usage import Usage
 from worker.settings import WorkerConfig
 
@@ -194,7 +194,7 @@ class SummaryOutcome:
 
 
 class ProviderSource(Protocol):
-    """Where providers come from (a :class:`~worker.llm.providers.ProviderPool`)."""
+    """Where providers come from (a :class:`~worker.llm.pool.ProviderPool`)."""
 
     def get(self, candidate: Candidate) -> Provider: ...
 
