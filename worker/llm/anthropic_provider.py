@@ -114,28 +114,35 @@ def anthropic_messages(chat: Sequence[ChatMessage]) -> tuple[str, list[dict[str,
                 str(b.get("text", "")) for b in _anthropic_blocks(content)))
             continue
         if role == "tool":
-            result: dict[str, Any] = {"type": "tool_result",
-                                      "tool_use_id": message.get("tool_call_id")}
-            if content:
-                result["content"] = (content if isinstance(content, str)
-                                     else _anthropic_blocks(content))
-            last = out[-1] if out else None
-            if (last is not None and last["role"] == "user" and isinstance(last["content"], list)
-                    and all(b.get("type") == "tool_result" for b in last["content"])):
-                last["content"].append(result)
-            else:
-                out.append({"role": "user", "content": [result]})
+            _add_tool_result(out, message, content)
             continue
-        role = "assistant" if role == "assistant" else "user"
-        calls = message.get("tool_calls") or ()
-        if isinstance(content, str) and not calls:
-            if content:
-                out.append({"role": role, "content": content})
-            continue
-        blocks = _anthropic_blocks(content) + [_tool_use(c) for c in calls]
-        if blocks:
-            out.append({"role": role, "content": blocks})
+        turn = _turn("assistant" if role == "assistant" else "user", message, content)
+        if turn is not None:
+            out.append(turn)
     return "\n\n".join(system), out
+
+
+def _add_tool_result(out: list[dict[str, Any]], message: ChatMessage, content: Any) -> None:
+    """A tool result joins the user turn of results before it, or opens one."""
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.get("tool_call_id")}
+    if content:
+        result["content"] = content if isinstance(content, str) else _anthropic_blocks(content)
+    last = out[-1] if out else None
+    if (last is not None and last["role"] == "user" and isinstance(last["content"], list)
+            and all(b.get("type") == "tool_result" for b in last["content"])):
+        last["content"].append(result)
+    else:
+        out.append({"role": "user", "content": [result]})
+
+
+def _turn(role: str, message: ChatMessage, content: Any) -> dict[str, Any] | None:
+    """A user or assistant turn, its tool calls ``tool_use`` blocks after its text; None when
+    it has nothing in it."""
+    calls = message.get("tool_calls") or ()
+    if isinstance(content, str) and not calls:
+        return {"role": role, "content": content} if content else None
+    blocks = _anthropic_blocks(content) + [_tool_use(c) for c in calls]
+    return {"role": role, "content": blocks} if blocks else None
 
 
 def with_breakpoints(system: str, messages: list[dict[str, Any]], control: dict[str, Any]

@@ -40,33 +40,32 @@ def status_error(status: int, headers: Mapping[str, str], error: Mapping[str, An
     reason = f"HTTP {status}" + (f" {label}" if label else "")
     should_retry = (headers.get("x-should-retry") or "").lower()
     transient = True if should_retry == "true" else False if should_retry == "false" else None
-    kind: ModelFailure
-    retry_after = None
-    if status in (400, 413) and (code == "context_length_exceeded"
-                                 or any(m in message for m in _CONTEXT_MARKERS)):
-        kind = ModelFailure.CONTEXT_LENGTH
-        if code != "context_length_exceeded":
-            reason += " (prompt is too long)"
-    elif status in (401, 403):
-        kind = ModelFailure.AUTH
-    elif status == 404:
-        kind = ModelFailure.NOT_FOUND
-    elif status == 408:
-        kind = ModelFailure.TIMEOUT
-    elif status == 429 and (code in _QUOTA_CODES or etype in _QUOTA_CODES):
-        kind = ModelFailure.QUOTA
-    elif status == 429:
-        kind = ModelFailure.RATE_LIMITED
-        retry_after = retry_after_s(headers)
-    elif status == 409 or status >= 500:
-        kind = ModelFailure.SERVER
-        retry_after = retry_after_s(headers)
-    else:
-        kind = ModelFailure.BAD_REQUEST
+    kind = _status_kind(status, etype, code, message)
     if kind == ModelFailure.CONTEXT_LENGTH:
         transient = False
+        if code != "context_length_exceeded":
+            reason += " (prompt is too long)"
+    retry_after = (retry_after_s(headers)
+                   if kind in (ModelFailure.RATE_LIMITED, ModelFailure.SERVER) else None)
     return ProviderError(kind, reason, status=status, retry_after_s=retry_after,
                          request_id=request_id, transient=transient)
+
+
+_KIND_OF_STATUS = {401: ModelFailure.AUTH, 403: ModelFailure.AUTH, 404: ModelFailure.NOT_FOUND,
+                   408: ModelFailure.TIMEOUT}
+
+
+def _status_kind(status: int, etype: str | None, code: str | None, message: str
+                 ) -> ModelFailure:
+    if status in (400, 413) and (code == "context_length_exceeded"
+                                 or any(m in message for m in _CONTEXT_MARKERS)):
+        return ModelFailure.CONTEXT_LENGTH
+    if status == 429:
+        quota = code in _QUOTA_CODES or etype in _QUOTA_CODES
+        return ModelFailure.QUOTA if quota else ModelFailure.RATE_LIMITED
+    if status == 409 or status >= 500:
+        return ModelFailure.SERVER
+    return _KIND_OF_STATUS.get(status, ModelFailure.BAD_REQUEST)
 
 
 def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> float | None:

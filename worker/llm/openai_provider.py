@@ -9,7 +9,7 @@ module: see :mod:`worker.llm.providers`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pydantic
@@ -126,6 +126,16 @@ def openai_completion(parsed: Any, request_id: str | None) -> Completion:
     if message is None:
         raise refused(ModelFailure.MALFORMED, "the first choice has no message")
     finish = getattr(choice, "finish_reason", None)
+    text = _message_text(message, refused)
+    failure = _no_summary(message, text, finish)
+    if failure is not None:
+        raise refused(*failure)
+    return Completion(text=text, model=str(getattr(parsed, "model", "") or ""), usage=usage,
+                      request_id=request_id, stop_reason=finish, truncated=finish == "length")
+
+
+def _message_text(message: Any, refused: Callable[[ModelFailure, str], ProviderError]) -> str:
+    """The text of a response message; refused when it has a part that is not text."""
     if getattr(message, "audio", None) is not None:
         raise refused(ModelFailure.NON_TEXT, "the output has an audio part")
     content = message.content
@@ -135,19 +145,23 @@ def openai_completion(parsed: Any, request_id: str | None) -> Completion:
             raise refused(ModelFailure.NON_TEXT,
                           f"the output has {kinds_text(kinds - {'text'})} parts")
         content = "".join(str(part.get("text", "")) for part in content)
-    text = content if isinstance(content, str) else ""
+    return content if isinstance(content, str) else ""
+
+
+def _no_summary(message: Any, text: str, finish: str | None) -> tuple[ModelFailure, str] | None:
+    """Why a message with this text is no summary (a refusal, tool calls or reasoning only),
+    or None."""
     if getattr(message, "refusal", None) and not text.strip():
-        raise refused(ModelFailure.REFUSED, "the model refused")
+        return ModelFailure.REFUSED, "the model refused"
     if finish == "content_filter":
-        raise refused(ModelFailure.REFUSED, "the content filter stopped the output")
+        return ModelFailure.REFUSED, "the content filter stopped the output"
     if not text.strip():
         extra = getattr(message, "model_extra", None) or {}
         if getattr(message, "tool_calls", None) or getattr(message, "function_call", None):
-            raise refused(ModelFailure.NON_TEXT, "the output is tool calls only")
+            return ModelFailure.NON_TEXT, "the output is tool calls only"
         if extra.get("reasoning_content") or extra.get("reasoning"):
-            raise refused(ModelFailure.NON_TEXT, "the output is reasoning only")
-    return Completion(text=text, model=str(getattr(parsed, "model", "") or ""), usage=usage,
-                      request_id=request_id, stop_reason=finish, truncated=finish == "length")
+            return ModelFailure.NON_TEXT, "the output is reasoning only"
+    return None
 
 
 def openai_tool(tool: Tool) -> dict[str, Any]:
