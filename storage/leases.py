@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
+from storage.bulk_jobs import bulk_item_state
 from storage.connectors import Connector
 from storage.database import deadline_left_s, driver_error, transaction
 from storage.errors import (
@@ -29,7 +30,6 @@ from storage.errors import (
     LockNotAvailable,
     SurfaceChanged,
 )
-from storage.jobs import bulk_item_state
 from storage.kinds import FailureClass, ItemState, JournalKind, RunStatus
 from storage.recall_index import node_recall
 from storage.records import (
@@ -63,7 +63,7 @@ class LeasesMixin:
     engine: AsyncEngine
     db: Connector
 
-    if TYPE_CHECKING:  # provided by Store and JobsMixin
+    if TYPE_CHECKING:  # provided by Store and BulkJobsMixin
         async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
                            nowait: bool = False) -> SessionInfo: ...
 

@@ -1,6 +1,6 @@
 """Ask the candidates for a summary, in order, until one writes text the policy accepts.
 
-Per candidate (DeerFlow's ``_asummarize_with``, with DESIGN's retry rules):
+Per candidate (after DeerFlow's ``_asummarize_with``, with these retry rules):
 
 * building its client, calling it, extracting text, the non-empty check and the policy's
   ``validate`` can each fail; any failure moves on to the next candidate, recorded with its kind;
