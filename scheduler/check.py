@@ -20,7 +20,8 @@ from scheduler.output import EXIT_FAILED, EXIT_OK, emit, redact_url, say
 from storage.kinds import ModelFailure
 from worker.llm.candidates import Candidate
 from worker.llm.errors import ProviderError
-from worker.llm.providers import Attribution, BuildError, build_provider
+from worker.llm.provider import Attribution, BuildError
+from worker.llm.providers import build_provider
 from worker.settings import Config, ModelSpec
 
 # The longest one model's check waits for its answer (less when the model's timeout_s is less).

@@ -375,7 +375,7 @@ class SessionHandle:
         if not wait:
             return {"session": self.id, "outcome": "queued", "task_id": queued.task_id,
                     "coalesced": queued.coalesced}
-        run = await self._wait_for_run(queued.task_id, timeout_s)
+        run = await self.wait_for_run(queued.task_id, timeout_s)
         return run_result(run, self._config.prices)
 
     async def delete(self) -> DeletionResult:
@@ -406,7 +406,7 @@ class SessionHandle:
             RunRequest(self.id, RunCause.OVERFLOW, force=True))
         if not wait:
             return OverflowResult(False, "queued", start_version, run={"task_id": task_id})
-        run = await self._wait_for_run(task_id, timeout_s, retry_busy=True)
+        run = await self.wait_for_run(task_id, timeout_s, retry_busy=True)
         result = run_result(run, self._config.prices)
         failed = f"{result['outcome']}" + (
             f" ({result['failure_class']})" if result["failure_class"] else "") + (
@@ -422,7 +422,7 @@ class SessionHandle:
                                   tokens_after=result["tokens_after"])
         return OverflowResult(False, failed, start_version, run=result)
 
-    async def _wait_for_run(self, task_id: str, timeout_s: float, *,
+    async def wait_for_run(self, task_id: str, timeout_s: float, *,
                             retry_busy: bool = False) -> RunRecord:
         """Wait for the run of ``task_id`` to end (its row in PostgreSQL is the result).
 

@@ -9,13 +9,19 @@ ends by recalling a planted fact the checkpoint dropped from the originals the l
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
+from typing import Any
 
 from scheduler.output import emit, say
-from scheduler.samples import coding_session
+from scheduler.samples import SampleSession, coding_session
 from storage.kinds import RunCause, Stage
 from storage.messages import parse_openai
+from storage.recall import SearchHit
+from storage.records import SessionInfo, VerifyResult
+from storage.surface import Surface
 from worker.compaction.render import render_surface
 from worker.orchestration import compact
+from worker.run import Outcome
 from worker.runtime import open_deps
 from worker.settings import Config
 
@@ -25,14 +31,42 @@ DEMO_POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
                "keep": {"type": "messages", "value": 12}}
 
 
+@dataclass
+class _Demo:
+    """What the demo did and found, for either output."""
+
+    session_id: str
+    before: SessionInfo
+    outcome: Outcome
+    surface: Surface
+    verified: VerifyResult
+    checkpoint: dict[str, Any] | None
+    kept: list[str]
+    planted: list[str]
+    recalled: tuple[str, SearchHit | None] | None
+
+    @property
+    def ok(self) -> bool:
+        return (not self.outcome.failed and self.verified.ok
+                and (self.recalled is None or self.recalled[1] is not None))
+
+
 async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
+    demo = await _run(config, steps)
+    if as_json:
+        _emit_json(demo, config)
+    else:
+        _say_text(demo, config)
+    return 0 if demo.ok else 1
+
+
+async def _run(config: Config, steps: int) -> _Demo:
     sample = coding_session(steps=steps)
     session_id = "demo-" + dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-%f")
     async with open_deps(config, owner="compactd-demo") as deps:
         store = deps.store
         await store.create_session(session_id, context_window=DEMO_WINDOW, policy=DEMO_POLICY)
         appended = await store.append(session_id, [parse_openai(m) for m in sample.messages])
-        before = appended.session
         outcome = await compact(deps, session_id, trigger=RunCause.PRESSURE)
         surface = await store.read_surface(session_id)
         verified = await store.verify(session_id)
@@ -42,28 +76,40 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
                           None)
         planted = [f for facts in sample.facts.values() for f in facts]
         kept = [f for f in planted if checkpoint and f in str(checkpoint["content"])]
-        # A detail the summary dropped: a planted fact on the surface nowhere (not in the
-        # checkpoint, not in the kept tail), else a line of a tool's output naming one.
-        shown = "\n".join(str(m) for m in rendered)
-        dropped = [f for f in planted if f not in shown] or [
-            line.strip() for m in sample.messages if m.get("role") == "tool"
-            for line in str(m.get("content") or "").splitlines()
-            if line.strip() not in shown and any(f in line for f in planted)]
+        dropped = _dropped(sample, planted, rendered)
         recalled = None
         if checkpoint is not None and dropped:
             found = await store.history_search(session_id, dropped[0], limit=1)
             recalled = (dropped[0], found.hits[0] if found.hits else None)
-    ok = not outcome.failed and verified.ok and (recalled is None or recalled[1] is not None)
-    if as_json:
-        emit({"session": session_id, "database": config.database_url,
-              "messages_before": before.surface_messages, "tokens_before": before.surface_tokens,
-              "messages_after": len(surface.nodes), "tokens_after": surface.tokens,
-              "outcome": outcome.to_json(), "verified": verified.ok,
-              "facts_kept": len(kept), "facts_planted": len(planted),
-              "recalled": None if recalled is None else {
-                  "detail": recalled[0],
-                  "hit": recalled[1].to_json() if recalled[1] is not None else None}})
-        return 0 if ok else 1
+    return _Demo(session_id, appended.session, outcome, surface, verified, checkpoint, kept,
+                 planted, recalled)
+
+
+def _dropped(sample: SampleSession, planted: list[str],
+             rendered: list[dict[str, Any]]) -> list[str]:
+    """Details the summary dropped: planted facts on the surface nowhere (not in the
+    checkpoint, not in the kept tail), else lines of a tool's output naming one."""
+    shown = "\n".join(str(m) for m in rendered)
+    return [f for f in planted if f not in shown] or [
+        line.strip() for m in sample.messages if m.get("role") == "tool"
+        for line in str(m.get("content") or "").splitlines()
+        if line.strip() not in shown and any(f in line for f in planted)]
+
+
+def _emit_json(demo: _Demo, config: Config) -> None:
+    before, surface, recalled = demo.before, demo.surface, demo.recalled
+    emit({"session": demo.session_id, "database": config.database_url,
+          "messages_before": before.surface_messages, "tokens_before": before.surface_tokens,
+          "messages_after": len(surface.nodes), "tokens_after": surface.tokens,
+          "outcome": demo.outcome.to_json(), "verified": demo.verified.ok,
+          "facts_kept": len(demo.kept), "facts_planted": len(demo.planted),
+          "recalled": None if recalled is None else {
+              "detail": recalled[0],
+              "hit": recalled[1].to_json() if recalled[1] is not None else None}})
+
+
+def _say_text(demo: _Demo, config: Config) -> None:
+    before, outcome = demo.before, demo.outcome
     say(f"compactd demo - embedded default: {config.database_url}")
     say(f"  a generated coding-agent session: {before.surface_messages} messages, "
         f"{before.surface_tokens} tokens (trigger: 20000 tokens, keep the last 12 messages)")
@@ -77,23 +123,25 @@ async def run_demo(config: Config, *, steps: int, as_json: bool) -> int:
         say(f"  stage 2, summary ({outcome.model} summarizer): {len(outcome.replaced_seqs)} "
             "nodes replaced by one checkpoint")
     say(f"  tokens: {outcome.tokens_before} -> {outcome.tokens_after} "
-        f"({len(surface.nodes)} nodes now); log replay check: "
-        f"{'ok' if verified.ok else 'FAILED'}")
-    say(f"  planted facts still in the checkpoint: {len(kept)}/{len(planted)}")
-    if checkpoint is not None:
+        f"({len(demo.surface.nodes)} nodes now); log replay check: "
+        f"{'ok' if demo.verified.ok else 'FAILED'}")
+    say(f"  planted facts still in the checkpoint: {len(demo.kept)}/{len(demo.planted)}")
+    if demo.checkpoint is not None:
         say("")
         say("checkpoint the agent reads at its next step:")
         say("-" * 72)
-        say(str(checkpoint["content"]))
+        say(str(demo.checkpoint["content"]))
         say("-" * 72)
-    if recalled is not None:
-        detail, hit = recalled
-        say("")
-        say(f"recall: {detail!r} is on the surface no more; history_search finds it "
-            + (f"in the originals of {hit.checkpoint}, message {hit.seq}:" if hit else
-               "nowhere (the index missed it)"))
-        if hit is not None:
-            for line in hit.snippet.splitlines()[:3]:
-                say(f"  | {line}")
-            say(f"  (history_read(checkpoint=\"{hit.checkpoint}\") returns the whole original)")
-    return 0 if ok else 1
+    if demo.recalled is not None:
+        _say_recall(*demo.recalled)
+
+
+def _say_recall(detail: str, hit: SearchHit | None) -> None:
+    say("")
+    say(f"recall: {detail!r} is on the surface no more; history_search finds it "
+        + (f"in the originals of {hit.checkpoint}, message {hit.seq}:" if hit else
+           "nowhere (the index missed it)"))
+    if hit is not None:
+        for line in hit.snippet.splitlines()[:3]:
+            say(f"  | {line}")
+        say(f"  (history_read(checkpoint=\"{hit.checkpoint}\") returns the whole original)")

@@ -198,30 +198,39 @@ def _run_full(run: RunRecord) -> dict[str, Any]:
 
 
 def render_status(body: dict[str, Any]) -> str:
+    """One session's status (``status --session``), else the fleet's, as text."""
+    lines = _session_lines(body) if "session" in body else _fleet_lines(body)
+    return "\n".join(lines) + "\n"
+
+
+def _session_lines(body: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    if "session" in body:
-        lines.append(f"session {body['session']}: version {body['version']}, {body['tokens']} "
-                     f"tokens in {body['messages']} nodes (+{body['envelope_tokens']} envelope)")
-        if body["lease"]:
-            lines.append(f"  leased: {_render_lease(body['lease'])}")
-        if body["flagged"]:
-            lines.append(f"  FLAGGED: {body['flagged']['reason']}")
-        if body.get("lead"):
-            lines.append(f"  lead: {body['lead']['seconds']:g} s ({body['lead']['why']})")
-        for warning in (body.get("policy") or {}).get("warnings", ()):
-            lines.append(f"  WARNING: {warning}")
-        if body.get("cost"):
-            lines.append(f"  cost: {_render_cost(body['cost'])} over "
-                         f"{body['cost']['billed_runs']} runs that billed a provider "
-                         f"({body['cost']['basis']})")
-        for run in body["runs"]:
-            what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")
-            lines.append(f"  {run['started_at'][:19]}  {run['trigger']:<8} {what:<24} "
-                         f"{run['tokens_before'] or ''}->{run['tokens_after'] or ''}  "
-                         f"{_render_cost(run.get('cost'))}".rstrip())
-            for c in run["candidates"]:
-                lines.append(f"      {c['candidate']}: {c['kind']} - {c['reason']}")
-        return "\n".join(lines) + "\n"
+    lines.append(f"session {body['session']}: version {body['version']}, {body['tokens']} "
+                 f"tokens in {body['messages']} nodes (+{body['envelope_tokens']} envelope)")
+    if body["lease"]:
+        lines.append(f"  leased: {_render_lease(body['lease'])}")
+    if body["flagged"]:
+        lines.append(f"  FLAGGED: {body['flagged']['reason']}")
+    if body.get("lead"):
+        lines.append(f"  lead: {body['lead']['seconds']:g} s ({body['lead']['why']})")
+    for warning in (body.get("policy") or {}).get("warnings", ()):
+        lines.append(f"  WARNING: {warning}")
+    if body.get("cost"):
+        lines.append(f"  cost: {_render_cost(body['cost'])} over "
+                     f"{body['cost']['billed_runs']} runs that billed a provider "
+                     f"({body['cost']['basis']})")
+    for run in body["runs"]:
+        what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")
+        lines.append(f"  {run['started_at'][:19]}  {run['trigger']:<8} {what:<24} "
+                     f"{run['tokens_before'] or ''}->{run['tokens_after'] or ''}  "
+                     f"{_render_cost(run.get('cost'))}".rstrip())
+        for c in run["candidates"]:
+            lines.append(f"      {c['candidate']}: {c['kind']} - {c['reason']}")
+    return lines
+
+
+def _fleet_lines(body: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     runs = body["runs"]
     failed = runs[RunStatus.FAILED]
     lines.append(f"runs: {runs[RunStatus.COMMITTED]} committed, "
@@ -259,7 +268,7 @@ def render_status(body: dict[str, Any]) -> str:
         what = run["status"] + (f" ({run['failure_class']})" if run["failure_class"] else "")
         lines.append(f"  {run['started_at'][:19]}  {run['session']:<20} {run['trigger']:<8} "
                      f"{what}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _render_lease(lease: dict[str, Any]) -> str:

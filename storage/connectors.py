@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
 from storage import sql
+from storage.bulk_jobs import bulk_item_state
 from storage.connectors_general import (
     CLAIM_LOCK_WAIT_S,
     RUN_JSON_COLUMNS,
@@ -52,7 +53,6 @@ from storage.database import (
     translate,
 )
 from storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
-from storage.jobs import bulk_item_state
 from storage.kinds import ItemState
 from storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
 from storage.recall_index import RecallBody, node_recall

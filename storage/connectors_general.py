@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage import schema as t
+from storage.bulk_jobs import bulk_item_state
 from storage.errors import LeaseLost, LockNotAvailable, SessionNotFound, SurfaceChanged
-from storage.jobs import bulk_item_state
 from storage.kinds import FailureClass, ItemState, JournalKind, NodeKind, RunStatus
 from storage.leads import pool_lead
 from storage.messages import BatchLinks, Message, ToolLinks, referenced_call_ids

@@ -50,12 +50,6 @@ def check(url: str) -> None:
     command.check(alembic_config(url))
 
 
-def head_revision(url: str) -> str | None:
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
-
-
 async def ensure_schema(engine: AsyncEngine, url: str) -> None:
     """Migrate the embedded SQLite file to head when it is behind (it has no operator)."""
     import sqlalchemy as sa

@@ -1,9 +1,12 @@
-"""The repository: the only code that builds SQL.
+"""The repository: sessions, the event log and the surface here, the other rows in the mixins
+below; like all SQL, theirs is built in storage/ and nowhere else.
 
 :class:`Store` wraps one async engine. Every method is one short transaction (or one read), takes
 plain values, returns the records of ``storage.records`` and raises only compactd exceptions.
-Lease, run-record and bulk-job operations live in the mixins of ``storage.leases``,
-``storage.runs`` and ``storage.jobs``. What differs between PostgreSQL and SQLite is the
+Leases, run records, bulk jobs, sweeps, loop-guard flags, recall, the recall index, leads and
+deletion live in the mixins of ``storage.leases``, ``storage.runs``, ``storage.bulk_jobs``,
+``storage.sweeps``, ``storage.loop_guard``, ``storage.recall``, ``storage.recall_index``,
+``storage.leads`` and ``storage.deletion``. What differs between PostgreSQL and SQLite is the
 connector's (``storage.connectors``); the SQL text is in ``storage/sql``.
 """
 
@@ -19,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from storage import schema as t
+from storage.bulk_jobs import BulkJobsMixin
 from storage.connectors import connector_for
 from storage.connectors_general import read_session
 from storage.database import (
@@ -35,10 +39,10 @@ from storage.errors import (
     StorageError,
 )
 from storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
-from storage.jobs import JobsMixin
 from storage.kinds import REPLACE_KINDS, NodeKind
 from storage.leads import LeadsMixin
 from storage.leases import LeasesMixin
+from storage.loop_guard import LoopGuardMixin
 from storage.messages import (
     BatchLinks,
     Message,
@@ -64,6 +68,7 @@ from storage.surface import (
     SurfaceNode,
     replay,
 )
+from storage.sweeps import SweepsMixin
 from storage.tokens import counter_for
 
 _SESSION_CACHE_MAX = 10_000
@@ -119,8 +124,8 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
                           links=BatchLinks(messages))
 
 
-class Store(LeasesMixin, RunsMixin, JobsMixin, RecallMixin, RecallIndexMixin, LeadsMixin,
-            DeletionMixin):
+class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, RecallMixin,
+            RecallIndexMixin, LeadsMixin, DeletionMixin):
     """Sessions, the event log and the surface."""
 
     def __init__(self, engine: AsyncEngine, *, kept_connections: int = 1) -> None:

@@ -24,7 +24,7 @@ import base64
 import hashlib
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from typing import Any, Protocol
@@ -145,9 +145,6 @@ class _FramedCounter:
                 # Opaque blocks are sent as they are; their JSON is the best estimate we have.
                 total += self.count_text(_compact_json(block))
         return total
-
-    def count_messages(self, messages: Iterable[Message]) -> int:
-        return sum(self.count_message(m) for m in messages)
 
 
 class TiktokenCounter(_FramedCounter):

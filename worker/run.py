@@ -41,7 +41,7 @@ from worker import logs
 from worker.cost import USAGE_KINDS, Billed, cost_parts
 from worker.keys import RATE_PROVIDER, bulk_meter
 from worker.limits import MeteredProviders
-from worker.llm.providers import ProviderPool
+from worker.llm.pool import ProviderPool
 from worker.metrics import metrics
 from worker.runtime import Deps
 

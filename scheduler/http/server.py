@@ -1,6 +1,7 @@
 """The HTTP API of ``compactd serve``: the runtime contract for runtimes in any language.
 
-Every route under ``/v1`` is the Python client's call of the same name (``scheduler.client``)::
+Every route under ``/v1`` answers as the Python client's call of the same name
+(``scheduler.client``) does, or as ``compactd status`` does for the status::
 
     PUT  /v1/sessions/{id}             create the session, or open it (updates envelope, policy)
     GET  /v1/sessions/{id}             status: totals, lease, loop-guard flag, recent runs

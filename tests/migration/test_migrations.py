@@ -59,9 +59,12 @@ def test_check_fails_on_drift(tmp_path: Path) -> None:
 
 
 def test_head_constant_matches_alembic(tmp_path: Path) -> None:
-    from storage.migrate import HEAD_REVISION, head_revision
+    from alembic.script import ScriptDirectory
 
-    assert head_revision(f"sqlite:///{tmp_path / 'x.sqlite3'}") == HEAD_REVISION
+    from storage.migrate import HEAD_REVISION, alembic_config
+
+    scripts = ScriptDirectory.from_config(alembic_config(f"sqlite:///{tmp_path / 'x.sqlite3'}"))
+    assert scripts.get_current_head() == HEAD_REVISION
 
 
 def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:

@@ -19,7 +19,7 @@ from worker.compaction.sharing import (
     prefix_end,
     shared_call,
 )
-from worker.llm.providers import anthropic_messages, with_breakpoints
+from worker.llm.anthropic_provider import anthropic_messages, with_breakpoints
 from worker.settings import load_config
 
 REPO = Path(__file__).resolve().parents[2]

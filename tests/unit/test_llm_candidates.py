@@ -12,7 +12,9 @@ import pytest
 
 from worker.llm.candidates import Availability, Candidate, candidate_order
 from worker.llm.errors import Unavailable
-from worker.llm.providers import Attribution, Provider, ProviderPool, build_provider
+from worker.llm.pool import ProviderPool
+from worker.llm.provider import Attribution, Provider
+from worker.llm.providers import build_provider
 from worker.settings import ModelSpec, WorkerConfig
 
 MODELS = (
@@ -162,7 +164,8 @@ def test_the_worker_imports_an_sdk_only_when_a_client_of_its_kind_is_built() -> 
     code = (
         "import sys, worker.tasks, worker.app\n"
         "from worker.llm.candidates import Candidate\n"
-        "from worker.llm.providers import Attribution, build_provider\n"
+        "from worker.llm.provider import Attribution\n"
+        "from worker.llm.providers import build_provider\n"
         "from worker.settings import ModelSpec\n"
         "assert not {'openai', 'anthropic'} & set(sys.modules), 'imported at start'\n"
         "spec = ModelSpec(name='mini', provider='openai', model='gpt-4o-mini')\n"

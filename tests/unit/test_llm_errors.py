@@ -7,7 +7,7 @@ import random
 import pytest
 
 from worker.llm.fallback import compute_backoff
-from worker.llm.providers import retry_after_s, status_error
+from worker.llm.http_errors import retry_after_s, status_error
 
 
 @pytest.mark.parametrize(("status", "headers", "error", "kind", "transient"), [

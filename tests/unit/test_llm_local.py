@@ -27,7 +27,8 @@ def session(steps: int, seed: int) -> tuple[list[Message], dict[str, list[str]]]
 
 
 def input_tokens(messages: list[Message], existing: str | None = None) -> int:
-    return COUNTER.count_messages(messages) + (COUNTER.count_text(existing) if existing else 0)
+    return (sum(COUNTER.count_message(m) for m in messages)
+            + (COUNTER.count_text(existing) if existing else 0))
 
 
 @pytest.mark.parametrize(("steps", "seed"), [(5, 1), (12, 2), (40, 7), (80, 11), (200, 13)])

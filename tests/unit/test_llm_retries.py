@@ -12,7 +12,7 @@ import pytest
 from worker.llm.candidates import Candidate
 from worker.llm.errors import ProviderError
 from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
-from worker.llm.providers import ChatMessage, Completion, Usage
+from worker.llm.provider import ChatMessage, Completion, Usage
 from worker.settings import ModelSpec
 
 CANDIDATE = Candidate.from_spec(ModelSpec(name="m", provider="openai"))

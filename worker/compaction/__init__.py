@@ -1,4 +1,5 @@
-"""The pure compaction policy: pipeline steps 1 to 7 of DESIGN.md.
+"""The pure compaction policy: when to compact, what to prune and what to summarize, the summary
+prompt, and whether a summary is acceptable.
 
 Plain data in (surface nodes with token counts, a resolved policy, ``now``), plain data out (a
 plan, prompts, a validation verdict). Nothing here imports Celery, SQLAlchemy, Redis or an HTTP or

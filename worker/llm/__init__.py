@@ -23,7 +23,8 @@ from worker.llm.fallback import (
     summarize,
 )
 from worker.llm.local import SECTIONS, summarize_local
-from worker.llm.providers import Attribution, Completion, ProviderPool
+from worker.llm.pool import ProviderPool
+from worker.llm.provider import Attribution, Completion
 from worker.llm.usage import Usage
 
 __all__ = [

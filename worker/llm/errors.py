@@ -1,12 +1,12 @@
 """What can go wrong when a summary is asked of a model, as data the orchestration can record.
 
-Every SDK exception is translated into a :class:`ProviderError` at the provider boundary
-(``worker.llm.providers``), so the fallback and everything above it never catch an ``openai`` or
-``anthropic`` exception. A failure has a *kind* (a :class:`storage.kinds.ModelFailure`: one
-word, stable, safe to store and count) and a *reason* (a short sentence built by compactd from
-status codes and error codes, never the provider's response body, which can echo the prompt).
-When every candidate fails, the fallback raises its own
-:class:`worker.llm.fallback.SummaryFailed`, which carries the attempts.
+Every SDK exception is translated into a :class:`ProviderError` at the provider boundary (each
+provider module its own SDK's, with ``worker.llm.http_errors``), so the fallback and everything
+above it never catch an ``openai`` or ``anthropic`` exception. A failure has a *kind* (a
+:class:`storage.kinds.ModelFailure`: one word, stable, safe to store and count) and a *reason*
+(a short sentence built by compactd from status codes and error codes, never the provider's
+response body, which can echo the prompt). When every candidate fails, the fallback raises its
+own :class:`worker.llm.fallback.SummaryFailed`, which carries the attempts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Ask the candidates for a summary, in order, until one writes text the policy accepts.
 
-Per candidate (DeerFlow's ``_asummarize_with``, with DESIGN's retry rules):
+Per candidate (after DeerFlow's ``_asummarize_with``, with these retry rules):
 
 * building its client, calling it, extracting text, the non-empty check and the policy's
   ``validate`` can each fail; any failure moves on to the next candidate, recorded with its kind;
@@ -63,7 +63,7 @@ from worker.llm.errors import (
     Unavailable,
 )
 from worker.llm.local import summarize_local
-from worker.llm.providers import ChatMessage, Completion, Provider, Tool
+from worker.llm.provider import ChatMessage, Completion, Provider, Tool
 from worker.llm.usage import Usage
 from worker.settings import WorkerConfig
 
@@ -194,7 +194,7 @@ class SummaryOutcome:
 
 
 class ProviderSource(Protocol):
-    """Where providers come from (a :class:`~worker.llm.providers.ProviderPool`)."""
+    """Where providers come from (a :class:`~worker.llm.pool.ProviderPool`)."""
 
     def get(self, candidate: Candidate) -> Provider: ...
 

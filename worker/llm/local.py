@@ -28,10 +28,10 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from storage.messages import META_CHECKPOINT, META_PINNED, Message
+from storage.messages import META_CHECKPOINT, META_PINNED, Message, ToolCall
 from storage.tokens import TokenCounter, counter_for, fitting_prefix
 from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
 from worker.llm.errors import LocalSummaryError
@@ -238,18 +238,7 @@ def _assistant(facts: _Facts, index: int, message: Message) -> None:
         term = next(g for g in match.groups() if g)
         if not find_paths(term):
             facts.concepts[term.strip()] += 1
-    edited = []
-    for call in message.tool_calls:
-        facts.tools[call.name] += 1
-        args_paths = find_paths(call.arguments)
-        action = "edited" if _EDIT_TOOL.search(call.name) else "read" if re.search(
-            r"read|view|open|cat", call.name, re.IGNORECASE) else "used"
-        for path in args_paths:
-            facts.paths.setdefault(path, _PathInfo()).add(action)
-            if action == "edited":
-                edited.append(path)
-        for value in _argument_ids(call.arguments):
-            facts.ids.setdefault(value, None)
+    edited = [path for call in message.tool_calls for path in _tool_call(facts, call)]
     if edited or re.search(r"\bfix", text, re.IGNORECASE):
         # The first change after an error is recorded as how it was addressed.
         how = (f"edited {', '.join(edited)}" if edited else "") + (
@@ -258,6 +247,20 @@ def _assistant(facts: _Facts, index: int, message: Message) -> None:
             if info.fix is None and info.index < index and how.strip():
                 info.fix = how.strip()
 
+
+def _tool_call(facts: _Facts, call: ToolCall) -> list[str]:
+    """One tool call's name, paths and identifiers into ``facts``; the paths it edited."""
+    facts.tools[call.name] += 1
+    action = "edited" if _EDIT_TOOL.search(call.name) else "read" if re.search(
+        r"read|view|open|cat", call.name, re.IGNORECASE) else "used"
+    edited = []
+    for path in find_paths(call.arguments):
+        facts.paths.setdefault(path, _PathInfo()).add(action)
+        if action == "edited":
+            edited.append(path)
+    for value in _argument_ids(call.arguments):
+        facts.ids.setdefault(value, None)
+    return edited
 
 def _tool_result(facts: _Facts, index: int, message: Message) -> None:
     text = message.text
@@ -415,43 +418,17 @@ def _merge_previous(facts: _Facts, previous: Sequence[str]) -> dict[str, list[_I
                 "earlier summary: " + _clip(raw, 600), 35, keys, ", ".join(keys) or None))
             continue
         requests.extend(parsed.get("Primary Request and Intent", []))
-        for line in parsed.get("Key Technical Concepts", []):
-            if tools := _TOOLS_LINE.match(line):
-                for name, count in _TOOL_COUNT.findall(tools.group(1)):
-                    facts.tools[name] += int(count)
-            elif terms := _TERMS_LINE.match(line):
-                for term in terms.group(1).split(", "):
-                    if term.strip():
-                        facts.concepts[term.strip()] += 1
-            else:
-                extra["Key Technical Concepts"].append(_old_item(line, 30))
-        for line in parsed.get("Files and Code", []):
-            found = find_paths(line)
-            if not found:
-                extra["Files and Code"].append(_old_item(line, 30))
-            actions = _ACTIONS.search(line)
-            for path in found:
-                info = paths.setdefault(path, _PathInfo(in_tool_result=True))
-                for action in (actions.group(1).split(", ") if actions else ()):
-                    info.add(action.strip())
-        for line in parsed.get("Errors and Fixes", []):
-            names = find_exception_names(line)
-            if names and names[0] not in facts.old_errors:
-                facts.old_errors[names[0]] = line
-            elif not names:
-                extra["Errors and Fixes"].append(_old_item(line, 30))
+        extra["Key Technical Concepts"].extend(
+            _merge_concepts(facts, parsed.get("Key Technical Concepts", [])))
+        extra["Files and Code"].extend(_merge_files(paths, parsed.get("Files and Code", [])))
+        extra["Errors and Fixes"].extend(
+            _merge_errors(facts, parsed.get("Errors and Fixes", [])))
         if not facts.had_assistant:
             extra["Pending Jobs"].extend(_old_item(x, 60) for x in parsed.get("Pending Jobs", []))
         for section in ("Current Work", "Next Step"):
             if not _has_new(facts, section):
                 extra[section].extend(_old_item(x, 70) for x in parsed.get(section, []))
-        for line in parsed.get("Critical Context", []):
-            if found_ids := _IDS_LINE.match(line):
-                ids.update(dict.fromkeys(i.strip() for i in found_ids.group(1).split(",")
-                                         if i.strip()))
-            else:
-                extra["Critical Context"].append(
-                    _old_item(line, 75 if line.startswith("pinned:") else 40))
+        extra["Critical Context"].extend(_merge_context(ids, parsed.get("Critical Context", [])))
     for path, info in facts.paths.items():
         merged = paths.setdefault(path, _PathInfo())
         merged.in_tool_result |= info.in_tool_result
@@ -461,6 +438,61 @@ def _merge_previous(facts: _Facts, previous: Sequence[str]) -> dict[str, list[_I
     facts.ids = {**ids, **facts.ids}
     facts.requests = list(dict.fromkeys([*requests, *facts.requests]))
     return extra
+
+
+def _merge_concepts(facts: _Facts, lines: Sequence[str]) -> list[_Item]:
+    """An older summary's tool counts and terms added to ``facts``; its other lines."""
+    other = []
+    for line in lines:
+        if tools := _TOOLS_LINE.match(line):
+            for name, count in _TOOL_COUNT.findall(tools.group(1)):
+                facts.tools[name] += int(count)
+        elif terms := _TERMS_LINE.match(line):
+            for term in terms.group(1).split(", "):
+                if term.strip():
+                    facts.concepts[term.strip()] += 1
+        else:
+            other.append(_old_item(line, 30))
+    return other
+
+
+def _merge_files(paths: dict[str, _PathInfo], lines: Sequence[str]) -> list[_Item]:
+    """An older summary's paths and their actions added to ``paths``; lines naming none."""
+    other = []
+    for line in lines:
+        found = find_paths(line)
+        if not found:
+            other.append(_old_item(line, 30))
+        actions = _ACTIONS.search(line)
+        for path in found:
+            info = paths.setdefault(path, _PathInfo(in_tool_result=True))
+            for action in (actions.group(1).split(", ") if actions else ()):
+                info.add(action.strip())
+    return other
+
+
+def _merge_errors(facts: _Facts, lines: Sequence[str]) -> list[_Item]:
+    """An older summary's errors by exception name into ``facts``; lines naming none."""
+    other = []
+    for line in lines:
+        names = find_exception_names(line)
+        if names and names[0] not in facts.old_errors:
+            facts.old_errors[names[0]] = line
+        elif not names:
+            other.append(_old_item(line, 30))
+    return other
+
+
+def _merge_context(ids: dict[str, None], lines: Sequence[str]) -> list[_Item]:
+    """An older summary's identifiers added to ``ids``; its other context lines."""
+    other = []
+    for line in lines:
+        if found_ids := _IDS_LINE.match(line):
+            ids.update(dict.fromkeys(i.strip() for i in found_ids.group(1).split(",")
+                                     if i.strip()))
+        else:
+            other.append(_old_item(line, 75 if line.startswith("pinned:") else 40))
+    return other
 
 
 def _carried(text: str) -> tuple[str, ...]:
@@ -473,28 +505,52 @@ def _old_item(text: str, priority: float) -> _Item:
 
 
 def _sections(facts: _Facts, previous: Sequence[str]) -> dict[str, list[_Item]]:
+    """Every section's items: an older summary's first (:func:`_merge_previous`), then this
+    range's."""
     s = _merge_previous(facts, previous)
+    s["Primary Request and Intent"].extend(_request_items(facts))
+    s["Key Technical Concepts"].extend(_concept_items(facts))
+    s["Files and Code"].extend(_file_items(facts))
+    s["Errors and Fixes"].extend(_error_items(facts))
+    s["Pending Jobs"].extend(_pending_items(facts))
+    s["Current Work"].extend(_current_items(facts))
+    s["Next Step"].extend(_next_step_items(facts))
+    s["Critical Context"].extend(_context_items(facts))
+    for name in SECTIONS:  # an item an older summary and this range both state, once
+        s[name] = _unique(s[name])
+    return s
 
-    # Primary Request and Intent: the first request matters most, later ones refine it.
-    for n, request in enumerate(facts.requests):
-        s["Primary Request and Intent"].append(_Item(request, 90 if n == 0 else 60 - n * 0.01))
 
+def _request_items(facts: _Facts) -> list[_Item]:
+    # The first request matters most, later ones refine it.
+    return [_Item(request, 90 if n == 0 else 60 - n * 0.01)
+            for n, request in enumerate(facts.requests)]
+
+
+def _concept_items(facts: _Facts) -> list[_Item]:
+    items = []
     if facts.tools:
         tools = ", ".join(f"{name} x{count}" for name, count in sorted(
             facts.tools.items(), key=lambda kv: (-kv[1], kv[0])))
-        s["Key Technical Concepts"].append(_Item(f"tools used: {tools}", 45))
+        items.append(_Item(f"tools used: {tools}", 45))
     concepts = [t for t, _ in sorted(facts.concepts.items(), key=lambda kv: (-kv[1], kv[0]))
                 if t not in facts.errors and t not in facts.old_errors and t not in facts.ids]
     if concepts:
-        s["Key Technical Concepts"].append(
-            _Item("terms: " + ", ".join(concepts[:MAX_CONCEPTS]), 40))
+        items.append(_Item("terms: " + ", ".join(concepts[:MAX_CONCEPTS]), 40))
+    return items
 
+
+def _file_items(facts: _Facts) -> list[_Item]:
+    items = []
     for n, (path, info) in enumerate(facts.paths.items()):
         label = f"{path} ({', '.join(info.actions)})" if info.actions else path
         required = info.in_tool_result
-        s["Files and Code"].append(_Item(label, (100 if required else 50) - n * 1e-4,
-                                         (path,) if required else (), path))
+        items.append(_Item(label, (100 if required else 50) - n * 1e-4,
+                           (path,) if required else (), path))
+    return items
 
+
+def _error_items(facts: _Facts) -> list[_Item]:
     errors: list[_Item] = []
     kept_old: set[str] = set()
     for name, line in facts.old_errors.items():
@@ -505,44 +561,53 @@ def _sections(facts: _Facts, previous: Sequence[str]) -> dict[str, list[_Item]]:
         keys = tuple(find_exception_names(line))
         errors.append(_Item(line, 100, keys, ", ".join(keys)))
     for name, error in facts.errors.items():
-        if name in kept_old:
-            continue
-        parts = [name]
-        if error.where:
-            parts.append(f"in {error.where}")
-        if error.line and error.line != name:
-            parts.append(f"- {error.line}")
-        parts.append(f"-> then: {error.fix}" if error.fix else "-> no change followed yet")
-        if error.recurred:
-            parts.append("(seen again after the change)")
-        keys = (name,) if error.in_tool_result else ()
-        errors.append(_Item(" ".join(parts), 100 if error.in_tool_result else 70, keys, name))
+        if name not in kept_old:
+            errors.append(_error_item(name, error))
     for n, item in enumerate(errors):
         item.priority -= n * 1e-4
-    s["Errors and Fixes"].extend(errors)
+    return errors
 
-    for n, job in enumerate(dict.fromkeys(facts.pending)):
-        s["Pending Jobs"].append(_Item(job, 65 + n * 0.01))
-    if facts.current:
-        s["Current Work"].append(_Item(facts.current, 80))
+
+def _error_item(name: str, error: _ErrorInfo) -> _Item:
+    parts = [name]
+    if error.where:
+        parts.append(f"in {error.where}")
+    if error.line and error.line != name:
+        parts.append(f"- {error.line}")
+    parts.append(f"-> then: {error.fix}" if error.fix else "-> no change followed yet")
+    if error.recurred:
+        parts.append("(seen again after the change)")
+    keys = (name,) if error.in_tool_result else ()
+    return _Item(" ".join(parts), 100 if error.in_tool_result else 70, keys, name)
+
+
+def _pending_items(facts: _Facts) -> list[_Item]:
+    return [_Item(job, 65 + n * 0.01) for n, job in enumerate(dict.fromkeys(facts.pending))]
+
+
+def _current_items(facts: _Facts) -> list[_Item]:
+    return [_Item(facts.current, 80)] if facts.current else []
+
+
+def _next_step_items(facts: _Facts) -> list[_Item]:
+    items = []
     if facts.unanswered:
         # A request nobody answered yet comes before whatever the assistant planned.
-        s["Next Step"].append(_Item(f"answer the latest request: {facts.unanswered[-1]}", 80))
+        items.append(_Item(f"answer the latest request: {facts.unanswered[-1]}", 80))
     if facts.next_step:
-        s["Next Step"].append(_Item(facts.next_step, 78))
+        items.append(_Item(facts.next_step, 78))
+    return items
 
-    for pinned in facts.pinned:
-        s["Critical Context"].append(_Item(f"pinned: {pinned}", 75))
+
+def _context_items(facts: _Facts) -> list[_Item]:
+    items = [_Item(f"pinned: {pinned}", 75) for pinned in facts.pinned]
     if facts.ids:
         ids = list(facts.ids)[:MAX_IDS]
-        s["Critical Context"].append(_Item("identifiers: " + ", ".join(ids), 72))
+        items.append(_Item("identifiers: " + ", ".join(ids), 72))
     decisions = list(dict.fromkeys(facts.decisions))[-MAX_DECISIONS:]
-    for n, decision in enumerate(decisions):
-        s["Critical Context"].append(_Item(f"decision: {decision}", 50 + n * 0.01))
-
-    for name in SECTIONS:  # an item an older summary and this range both state, once
-        s[name] = _unique(s[name])
-    return s
+    items.extend(_Item(f"decision: {decision}", 50 + n * 0.01)
+                 for n, decision in enumerate(decisions))
+    return items
 
 
 def _unique(items: list[_Item]) -> list[_Item]:
@@ -618,51 +683,42 @@ class _Fitter:
                 f"the eight empty sections need {base} tokens, the budget is {budget}")
         work = {name: [_Row(item, item.text) for item in items]
                 for name, items in self.sections.items()}
+        # The steps of the class docstring, cheapest loss first; the first that fits ends it.
+        steps: list[Callable[[_Work], _Work]] = [
+            lambda rows: _clipped(rows, ITEM_CHARS),
+            lambda rows: _clipped(rows, SHORT_ITEM_CHARS),
+            lambda rows: self._without_optional(rows, base, budget),
+            _bare_facts,
+            _joined_facts,
+        ]
+        for step in steps:
+            if self._total(base, work) <= budget:
+                return _render_rows(work)
+            work = step(work)
+        if self._total(base, work) <= budget:
+            return _render_rows(work)
+        return _render_rows(self._earliest_facts(work, budget - base))
 
-        def total() -> int:
-            return base + sum(self._cost(row.text) for rows in work.values() for row in rows)
+    def _total(self, base: int, work: _Work) -> int:
+        return base + sum(self._cost(row.text) for rows in work.values() for row in rows)
 
-        def render() -> str:
-            return _render({name: [row.text for row in rows] for name, rows in work.items()})
-
-        if total() <= budget:
-            return render()
-        for limit in (ITEM_CHARS, SHORT_ITEM_CHARS):
-            for rows in work.values():
-                for row in rows:
-                    row.text = _clip_keeping(row.item, row.text, limit)
-            if total() <= budget:
-                return render()
-        # Drop optional items, lowest priority first.
+    def _without_optional(self, work: _Work, base: int, budget: int) -> _Work:
+        """Optional items dropped, lowest priority first, until the rest fits."""
         optional = sorted((row.item.priority, name, n) for name, rows in work.items()
                           for n, row in enumerate(rows) if not row.item.keys)
-        current = total()
+        current = self._total(base, work)
         dropped: set[tuple[str, int]] = set()
         for _, name, n in optional:
             if current <= budget:
                 break
             current -= self._cost(work[name][n].text)
             dropped.add((name, n))
-        work = {name: [row for n, row in enumerate(rows) if (name, n) not in dropped]
+        return {name: [row for n, row in enumerate(rows) if (name, n) not in dropped]
                 for name, rows in work.items()}
-        if total() <= budget:
-            return render()
-        # Must-keep items: their bare facts, then one joined line per section.
-        for rows in work.values():
-            for row in rows:
-                if row.item.short:
-                    row.text = row.item.short
-        if total() <= budget:
-            return render()
-        for name, rows in work.items():
-            keys = list(dict.fromkeys(k for row in rows for k in row.item.keys))
-            joined = ", ".join(keys)
-            work[name] = [_Row(_Item(joined, 100, tuple(keys)), joined)] if keys else []
-        if total() <= budget:
-            return render()
-        # Last resort: keep the earliest facts that fit, the section with fewer first
-        # (exception names, a handful, before a directory listing's worth of paths).
-        room = budget - base
+
+    def _earliest_facts(self, work: _Work, room: int) -> _Work:
+        """Last resort: keep the earliest facts that fit, the section with fewer first
+        (exception names, a handful, before a directory listing's worth of paths)."""
         for name in sorted(SECTIONS, key=lambda n: sum(len(r.item.keys) for r in work[n])):
             rows = work.get(name) or []
             if not rows:
@@ -674,7 +730,40 @@ class _Fitter:
                 kept.append(key)
             room -= self._cost(", ".join(kept)) if kept else 0
             work[name] = [_Row(rows[0].item, ", ".join(kept))] if kept else []
-        return render()
+        return work
+
+
+_Work = dict[str, list[_Row]]
+
+
+def _render_rows(work: _Work) -> str:
+    return _render({name: [row.text for row in rows] for name, rows in work.items()})
+
+
+def _clipped(work: _Work, limit: int) -> _Work:
+    for rows in work.values():
+        for row in rows:
+            row.text = _clip_keeping(row.item, row.text, limit)
+    return work
+
+
+def _bare_facts(work: _Work) -> _Work:
+    """Must-keep items shortened to their bare facts."""
+    for rows in work.values():
+        for row in rows:
+            if row.item.short:
+                row.text = row.item.short
+    return work
+
+
+def _joined_facts(work: _Work) -> _Work:
+    """One line per section: the bare facts of its items, joined."""
+    joined_work: _Work = {}
+    for name, rows in work.items():
+        keys = list(dict.fromkeys(k for row in rows for k in row.item.keys))
+        joined = ", ".join(keys)
+        joined_work[name] = [_Row(_Item(joined, 100, tuple(keys)), joined)] if keys else []
+    return joined_work
 
 
 def _clip_keeping(item: _Item, text: str, limit: int) -> str:

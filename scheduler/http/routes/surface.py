@@ -1,0 +1,90 @@
+"""A session's messages: append one step's (the client's ``append``) and read the surface.
+
+The read is the store's own ``poll`` and ``read_surface``, not the client's ``surface``: the
+answer carries the version and token count beside the messages, and an ``If-None-Match`` that
+still matches is answered 304 from the version alone."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from scheduler.http.bodies import decode_append, in_body
+from scheduler.http.routes.common import API_PREFIX, COMMON, WITH_BODY, Owned
+from scheduler.http.schemas import AppendIn, RenderForm, StepOut, SurfaceOut
+from scheduler.http.state import OFFLOAD_BYTES, ApiDep
+from storage.errors import InvalidMessage
+from worker.compaction.render import render_surface
+
+router = APIRouter(prefix=API_PREFIX, tags=["sessions"])
+
+_ETAG = {"ETag": {"description": "the surface version, quoted", "schema": {"type": "string"}}}
+
+
+def _etag(version: int) -> str:
+    return f'"{version}"'
+
+
+def _matches(if_none_match: str, version: int) -> bool:
+    for tag in if_none_match.split(","):
+        tag = tag.strip()
+        if tag == "*":
+            return True
+        if tag.startswith("W/"):
+            tag = tag[2:]
+        if tag.strip('"') == str(version):
+            return True
+    return False
+
+
+@router.post("/sessions/{session_id}/messages", response_model=StepOut,
+             operation_id="appendMessages",
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/json": {"schema": AppendIn.model_json_schema()}}}},
+             responses=WITH_BODY)
+async def append(info: Owned, api: ApiDep, request: Request) -> StepOut:
+    """Append one step's messages in one transaction. When the trigger fires, one compaction
+    is enqueued (the first append of a burst does it); the step never waits for it."""
+    # The body is read here rather than by FastAPI so that a large one is decoded,
+    # validated and counted off the event loop (AppendIn is still what it must match).
+    raw = await request.body()
+    content_type = request.headers.get("content-type")
+    batch = await api.offload(raw, content_type, info.run_model) \
+        if len(raw) > OFFLOAD_BYTES else \
+        decode_append(raw, content_type, info.run_model, encoded=api.store.db.encodes_appends)
+    try:
+        step = await api.handle(info).append(batch)
+    except InvalidMessage as exc:
+        raise in_body(exc, "messages") from None
+    return StepOut(**step.to_json())
+
+
+@router.get("/sessions/{session_id}/surface", response_model=SurfaceOut,
+            operation_id="readSurface",
+            # The messages keep the shape of `compactd surface --json`: absent keys stay absent.
+            response_model_exclude_unset=True,
+            responses={**COMMON,
+                       200: {"description": "the surface", "headers": _ETAG},
+                       304: {"description": "unchanged since the version in If-None-Match",
+                             "headers": _ETAG}})
+async def surface(info: Owned, api: ApiDep,
+                  render: Annotated[RenderForm | None, Query(
+                      description="how checkpoints read (default: the session's form)")]
+                  = None,
+                  if_none_match: Annotated[str | None, Header()] = None) -> Any:
+    """The messages the model should see now, checkpoints rendered. With
+    ``If-None-Match: "<version>"`` an unchanged surface costs one primary-key read."""
+    if if_none_match:
+        version = await api.store.poll(info.id, None)
+        if version is not None and _matches(if_none_match, version):
+            return Response(status_code=304, headers={"ETag": _etag(version)})
+    current = await api.store.read_surface(info.id)
+    # Encoded here, not through the response model: its encoder refuses values nested
+    # deeper than ~255 levels, and a row stored before input depth was bounded must still
+    # be served.
+    return JSONResponse({"session": info.id, "version": current.version,
+                         "tokens": current.tokens,
+                         "messages": render_surface(current.nodes, render)},
+                        headers={"ETag": _etag(current.version)})
