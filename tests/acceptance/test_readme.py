@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 import pytest
 
 from tests.support.services import drop_database_sync, flush_redis, with_database
-from tests.support.stack import REPO
+from tests.support.stack import REPO, wait_until
 
 README = REPO / "README.md"
 VENV_BIN = Path(sys.executable).parent
@@ -125,18 +125,18 @@ def test_running_it_for_real_on_one_host_runs_as_written(pg_url: str, redis_url:
         assert re.search(r"\b[1-9]\d* summary checkpoint", output), output + logs
         # Flower started with the block's credentials and refuses a request without them.
         root = f"http://127.0.0.1:{flower_port}/"
-        deadline = time.monotonic() + 60
-        while True:
+        def refused_without_credentials() -> bool:
             try:
                 urllib.request.urlopen(root, timeout=5)
             except urllib.error.HTTPError as exc:
                 assert exc.code == 401, exc
-                break
+                return True
             except OSError:
-                assert time.monotonic() < deadline, logs
-                time.sleep(0.5)
-                continue
+                return False  # not listening yet
             pytest.fail("Flower answered without credentials")
+
+        wait_until(refused_without_credentials, timeout=60, interval=0.5,
+                   what=f"Flower on port {flower_port}{logs}")
         request = urllib.request.Request(root, headers={
             "Authorization": "Basic YWRtaW46Y2hhbmdlLW1l"})  # admin:change-me
         assert urllib.request.urlopen(request, timeout=10).status == 200
