@@ -86,8 +86,8 @@ def celery_settings(config: Config) -> dict[str, Any]:
         "worker_enable_soft_shutdown_on_idle": False,
         # Most of a compaction is waiting on a model: one process runs many on a threads pool,
         # each thread handing its coroutine to the process's single event loop. Celery uses
-        # worker_pool when the command line gives no -P, so `celery -A worker.app worker` runs
-        # threads ("concurrency: 64 (thread)" in its banner); an explicit -P overrides it.
+        # worker_pool when the command line gives no -P, so `celery -A worker.app worker`
+        # runs threads ("concurrency: 64 (thread)" in its banner); an explicit -P overrides it.
         "worker_pool": "threads",
         "worker_concurrency": w.concurrency,
         # Time limits (enforced by the prefork pool; on the threads pool the orchestration's own
@@ -177,8 +177,8 @@ def _worker_app() -> Celery:
 
 
 def __getattr__(name: str) -> Any:
-    # ``celery -A worker.app`` reads ``worker.app.app``: the worker's app, with its hooks, is
-    # built then, and never in a process that imports this module for the functions above.
+    # ``celery -A worker.app`` reads ``worker.app.app``: the worker's app, with its hooks,
+    # is built then, and never in a process that imports this module for the functions above.
     if name == "app":
         return _worker_app()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

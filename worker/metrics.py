@@ -82,9 +82,9 @@ class Metrics:
             ["candidate", "kind"], registry=registry)
         self.cost_usd = Counter(
             "compactd_cost_usd",
-            "USD the summary calls cost at the configured prices (worker.cost), by candidate "
-            "and kind (input: fresh input; cached; cache_write; output). A candidate without "
-            "a price is not counted.",
+            "USD the summary calls cost at the configured prices (worker.cost), by "
+            "candidate and kind (input: fresh input; cached; cache_write; output). A "
+            "candidate without a price is not counted.",
             ["candidate", "kind"], registry=registry)
         self.in_flight = Gauge(
             "compactd_runs_in_flight", "Compaction runs in progress in this worker.",

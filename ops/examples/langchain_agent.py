@@ -2,7 +2,7 @@
 
     pip install 'compactd[langchain]' langchain-openai
     export OPENAI_API_KEY=sk-...        # OPENAI_BASE_URL for any OpenAI-compatible server
-    celery -A worker.app worker &       # the background compaction (same COMPACTD_* settings)
+    celery -A worker.app worker &   # the background compaction (same COMPACTD_* settings)
     python ops/examples/langchain_agent.py
 
 With no ``COMPACTD_*`` settings it runs on the embedded default (a SQLite file in the current

@@ -1,6 +1,6 @@
 """Flower in a real browser: Debian's chromium, headless, driven by Playwright (no downloaded
-browser). A real worker and ``celery -A worker.app flower`` on Redis; a compaction fails because
-every candidate answers whitespace; an operator logs in with basic auth and finds the failed
+browser). A real worker and ``celery -A worker.app flower`` on Redis; a compaction fails
+because every candidate answers whitespace; an operator logs in with basic auth and finds the failed
 ``compaction.run`` and its failure class on the tasks page. The screenshot is kept under
 test-artifacts/ (gitignored).
 """

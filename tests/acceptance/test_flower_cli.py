@@ -1,5 +1,6 @@
-"""``celery -A worker.app flower`` as an operator types it: credentials from any of the places
-Flower reads options (environment, command line, ``flowerconfig.py``), and no start without."""
+"""``celery -A worker.app flower`` as an operator types it: credentials from any of the
+places Flower reads options (environment, command line, ``flowerconfig.py``), and no start
+without."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 The suite's own environment has the dev extra, whose tools bring packages of their own, so an
 import that only works because of them passes every other test and fails for a user. One did:
 kombu's Redis transport imports `packaging`, which kombu declares only under its `redis` extra,
-and `celery -A worker.app worker` died at start on a plain install (the Docker image's too).
+and `celery -A worker.app worker` died at start on a plain install (the Docker image's
+too).
 Here a fresh venv gets `pip install` of a copy of the repository, and its interpreter, with the
 repository off its path, imports every module and runs a queued compaction through a worker.
 """
@@ -19,12 +20,17 @@ from pathlib import Path
 
 import pytest
 
+import scheduler
+import storage
+import worker
 from scheduler.samples import coding_session
 from tests.support.stack import REPO, Stack
 
 pytestmark = pytest.mark.timeout(600)
 
-PACKAGES = ("storage", "worker", "scheduler")
+# Each package's folder, and its import name (pyproject maps the folders to the names).
+PACKAGES = {"storage": storage.__name__, "worker": worker.__name__,
+            "scheduler": scheduler.__name__}
 # A module that needs an extra: the plain install leaves it out on purpose.
 NEEDS_AN_EXTRA = {"scheduler.langchain"}
 COPY_IGNORES = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
@@ -48,12 +54,15 @@ def plain_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _modules() -> list[str]:
     names = []
-    for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            if "migrations" in path.parts:  # alembic runs these as scripts
-                continue
-            parts = path.relative_to(REPO).with_suffix("").parts
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    for folder, package in PACKAGES.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if "migrations" in path.parts or "public" in path.parts:
+                continue  # alembic runs the migrations as scripts; public/ is another package's
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            names.append(".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts))))
+    # The compactd namespace's own modules (compactd.client): see pyproject's package-dir.
+    public = REPO / "scheduler" / "public"
+    names += [f"compactd.{path.stem}" for path in sorted(public.glob("*.py"))]
     return [name for name in names if name not in NEEDS_AN_EXTRA]
 
 

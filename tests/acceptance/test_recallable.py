@@ -1,7 +1,8 @@
 """The ``recallable`` layout on the user's path: ``summarization.layout: recallable`` in the
-config file, a real ``celery -A worker.app worker`` on PostgreSQL and Redis, the fake provider
-over HTTP (index calls and state calls answered as a model would, or failed on purpose), runs
-asked for through the CLI; and ``compactd compact --inline`` on the embedded SQLite.
+config file, a real ``celery -A worker.app worker`` on PostgreSQL and Redis, the fake
+provider over HTTP (index calls and state calls answered as a model would, or failed on
+purpose), runs asked for through the CLI; and ``compactd compact --inline`` on the embedded
+SQLite.
 
 After every pass: the log replays to the surface, the surface is a valid layout (index
 checkpoints, then one state), the index checkpoints of earlier passes are byte-identical, and

@@ -1,8 +1,8 @@
 """A run's lifecycle tells the truth: what a worker, the CLI and the client report about a run is
 what it committed, and every run ends within its deadline.
 
-Real processes: ``celery -A worker.app worker`` subprocesses and the CLI against real PostgreSQL
-and Redis, the fake provider over HTTP.
+Real processes: ``celery -A worker.app worker`` subprocesses and the CLI against real
+PostgreSQL and Redis, the fake provider over HTTP.
 """
 
 from __future__ import annotations

@@ -448,8 +448,8 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
             steps=20, big_output_lines=30, call_prefix="live").messages])
 
         # No worker yet: the first half of the fan-out piles up on compaction.bulk.
-        first = stack.start("recompact-1", [sys.executable, "-m", "scheduler.cli", "recompact",
-                                            "--tenant", "default", "--force", "--rate",
+        first = stack.start("recompact-1", [sys.executable, "-m", "scheduler.cli",
+                                            "recompact", "--tenant", "default", "--force", "--rate",
                                             f"{rate}/s", "--chunk", "10", "--json"])
 
         async def half_enqueued() -> str | None:
@@ -470,7 +470,8 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
         stuck = await store.claim(stuck_id, owner="dead-worker", trigger="pressure", lease_s=5.0)
         assert isinstance(stuck, Claim)
         resume = subprocess.Popen(
-            [sys.executable, "-m", "scheduler.cli", "recompact", "--resume", job_id, "--json"],
+            [sys.executable, "-m", "scheduler.cli", "recompact", "--resume", job_id,
+             "--json"],
             env=stack.env, cwd=stack.home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         try:

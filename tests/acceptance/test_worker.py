@@ -1,5 +1,5 @@
-"""The worker with real processes: ``celery -A worker.app worker`` subprocesses, real Redis and
-PostgreSQL, the fake provider over HTTP.
+"""The worker with real processes: ``celery -A worker.app worker`` subprocesses, real Redis
+and PostgreSQL, the fake provider over HTTP.
 
 Sessions are seeded and inspected through the store directly (``tests.support.db``): a CLI
 subprocess per step would cost a second each. Runs are enqueued the way the scheduler does
@@ -520,8 +520,8 @@ def test_worker_survives_a_redis_outage_with_a_run_in_flight(
                   worker={"lease_s": 10})
     try:
         fake.script(Behaviour(model="fake-gpt", latency_s=8.0, times=1))
-        worker = stack.start("w1", [stack.python, "-m", "celery", "-A", "worker.app", "worker",
-                                    "-Q", "compaction.urgent,compaction.pressure,"
+        worker = stack.start("w1", [stack.python, "-m", "celery", "-A", "worker.app",
+                                    "worker", "-Q", "compaction.urgent,compaction.pressure,"
                                     "compaction.bulk", "--concurrency", "4", "-l", "INFO"])
         wait_until(lambda: worker.poll() is not None or "ready" in stack.log("w1"),
                    timeout=60, what="the worker to be ready")

@@ -5,12 +5,12 @@
 
 An agent appends to its session at ``--rate`` messages per second, one append at a time, through
 the store (on PostgreSQL, one call of the ``compactd_append`` function). A real worker process
-(``celery -A worker.app worker``) compacts the same session: each round the benchmark appends for
-``--window`` seconds with no run in flight, then enqueues a manual compaction and keeps appending
-until the run has ended. The fake provider (a subprocess, ``--latency`` seconds per call) holds
-each run's model call, so most of a run is the wait the lease protocol keeps outside any
-transaction; the claim, the prune and checkpoint commits take the session row briefly, and an
-append that arrives then waits for them.
+(``celery -A worker.app worker``) compacts the same session: each round the benchmark
+appends for ``--window`` seconds with no run in flight, then enqueues a manual compaction
+and keeps appending until the run has ended. The fake provider (a subprocess, ``--latency``
+seconds per call) holds each run's model call, so most of a run is the wait the lease
+protocol keeps outside any transaction; the claim, the prune and checkpoint commits take
+the session row briefly, and an append that arrives then waits for them.
 
 Each append's latency runs from when it was due (the rate's schedule), so an append that waits
 holds back those due after it and they count the wait too. An append counts as "during a run"

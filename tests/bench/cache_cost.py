@@ -30,8 +30,8 @@ much the fake chose to write:
   state. Its agent calls answer at once (nothing it does depends on time); the seconds its
   summary calls take are its agent's stall.
 * ``before``: compactd with every switch of issue 27's mechanisms off, a REAL worker
-  (``celery -A worker.app worker``, PostgreSQL, Redis) compacting in the background. The agent
-  appends the step through the runtime client, polls, and re-reads the surface only when the
+  (``celery -A worker.app worker``, PostgreSQL, Redis) compacting in the background. The
+  agent appends the step through the runtime client, polls, and re-reads the surface only when the
   version moved; its request is the surface it holds. It never waits for a compaction.
 * ``after``: the same with compactd's defaults (``COMPACTD_SIDES``). While the two sides set the
   same policy, ``after`` is not run again: its report is ``before``'s, marked ``same_as``.

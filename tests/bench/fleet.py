@@ -6,9 +6,10 @@
 
 What runs: ``--agents`` asyncio tasks in this process, each an agent driven through the real
 runtime client (``scheduler.client.CompactdClient``, one per process as a runtime has it),
-``--workers`` real ``celery -A worker.app worker`` processes (threads pool, ``--concurrency``
-slots each) and one ``celery beat``, PostgreSQL, Redis, and the fake provider in a process of its
-own answering every summary call after ``--latency`` seconds, over HTTP through the openai SDK.
+``--workers`` real ``celery -A worker.app worker`` processes (threads pool,
+``--concurrency`` slots each) and one ``celery beat``, PostgreSQL, Redis, and the fake
+provider in a process of its own answering every summary call after ``--latency`` seconds,
+over HTTP through the openai SDK.
 
 Each agent replays a real transcript (every ``*.jsonl`` under ``--transcripts``, by default
 ``../shared/corpus`` beside the repository, else, in a clone without it, coding sessions

@@ -8,9 +8,9 @@ so the workers talk to it over real HTTP through the real SDKs and do not share 
 measurement. For each worker count the benchmark empties the database (PostgreSQL:
 ``COMPACTD_TEST_DATABASE_URL``, which it TRUNCATEs, so never point it at real data) and the Redis
 database (``COMPACTD_TEST_REDIS_URL``, flushed), ingests ``--sessions`` generated coding sessions of
-about 20k tokens each through the store, starts the workers (``celery -A worker.app worker``, the
-threads pool, ``--concurrency`` each), enqueues one pressure run per session at once, and waits for
-every run to end.
+about 20k tokens each through the store, starts the workers (``celery -A worker.app
+worker``, the threads pool, ``--concurrency`` each), enqueues one pressure run per session at
+once, and waits for every run to end.
 
 Reported per worker count:
 

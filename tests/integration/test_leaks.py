@@ -97,7 +97,8 @@ import json, sys
 import kombu.transport
 aliases = dict(kombu.transport.TRANSPORT_ALIASES)
 import scheduler.client
-imported = {"worker.app": "worker.app" in sys.modules, "celery": "celery" in sys.modules,
+imported = {"worker.app": "worker.app" in sys.modules,
+            "celery": "celery" in sys.modules,
             "aliases_kept": dict(kombu.transport.TRANSPORT_ALIASES) == aliases}
 from worker.enqueue import RunRequest
 client = scheduler.client.CompactdClient()

@@ -27,7 +27,8 @@ sys.meta_path.insert(0, Blocker())
 for name in BANNED:
     sys.modules.pop(name, None)
 import worker.compaction
-for info in pkgutil.walk_packages(worker.compaction.__path__, "worker.compaction."):
+package = worker.compaction
+for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
     importlib.import_module(info.name)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in BANNED)
 assert not leaked, leaked

@@ -66,7 +66,8 @@ def test_compose_has_every_service_with_image_command_and_environment() -> None:
     assert _command(services["migrate"]) == ["compactd", "migrate"]
     for name in ("worker", "beat", "flower"):
         # --quiet: no start-up banner, so the process's output is JSON lines only.
-        assert _command(services[name])[:5] == ["celery", "--quiet", "-A", "worker.app", name]
+        assert _command(services[name])[:5] == ["celery", "--quiet", "-A", "worker.app",
+                                                name]
     # Only workers call models, so only they get provider keys.
     assert "OPENAI_API_KEY" in services["worker"]["environment"]
     for name in ("migrate", "beat", "flower"):
