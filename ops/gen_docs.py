@@ -136,8 +136,8 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def configuration_reference() -> str:
-    from worker.compaction import policy as policy_module
-    from worker.settings import _FILE_KEYS, FileConfig, Settings
+    from compactd.worker.compaction import policy as policy_module
+    from compactd.worker.settings import _FILE_KEYS, FileConfig, Settings
 
     comments = example_comments(EXAMPLE.read_text(encoding="utf-8"))
     out = [HEADER.format(source="worker/settings.py and worker/compaction/policy.py"),
@@ -169,9 +169,9 @@ def configuration_reference() -> str:
         out += [f"### `{name}`\n", *table, *_model_rows(nested, prefix, comments), ""]
     defaults = policy_module.Policy()
     out += ["### `summarization`\n",
-            "Parsed by `worker.compaction.policy.parse_policy`; a session's own policy takes the "
-            "same keys. `trigger` and `keep` take DeerFlow's and LangChain's forms (see the "
-            "guide); `lead` is fleet-wide (`auto`, seconds, or `0`; default `auto`).\n", *table]
+            "Parsed by `compactd.worker.compaction.policy.parse_policy`; a session's own "
+            "policy takes the same keys. `trigger` and `keep` take DeerFlow's and LangChain's "
+            "forms (see the guide); `lead` is fleet-wide (`auto`, seconds, or `0`; default `auto`).\n", *table]
     nested_keys = {"prune": (policy_module._PRUNE_KEYS, defaults.prune),
                    "clear_tool_uses": (policy_module._CLEAR_KEYS, defaults.clear_tool_uses)}
     fields = {f.name: f for f in dataclasses.fields(policy_module.Policy)}
@@ -215,8 +215,8 @@ def _one_line(text: str | None) -> str:
 
 
 def http_reference() -> str:
-    from scheduler.http.server import create_app
-    from worker.settings import Settings, build_config
+    from compactd.scheduler.http.server import create_app
+    from compactd.worker.settings import Settings, build_config
 
     with tempfile.TemporaryDirectory() as home:
         # One tenant with a placeholder token digest: the app refuses to build without a token.

@@ -10,9 +10,9 @@ import math
 import re
 from collections.abc import Callable
 
-from storage.errors import InvalidMessage
-from storage.ids import MAX_INT32
-from worker.compaction.policy import Clause, PolicyError, parse_keep_text
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.ids import MAX_INT32
+from compactd.worker.compaction.policy import Clause, PolicyError, parse_keep_text
 
 MAX_DURATION_S = 36_500 * 86_400  # a century
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day)?\s*$")

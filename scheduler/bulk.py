@@ -29,19 +29,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.args import parse_duration
-from scheduler.client import WaitTimeout
-from scheduler.output import emit, open_store, say
-from storage.errors import InvalidMessage
-from storage.ids import id_problem
-from storage.kinds import ItemState, JobState, RunCause
-from storage.records import BulkJob, utcnow
-from storage.store import Store
-from worker.app import client_app
-from worker.enqueue import Enqueuer, RunRequest
-from worker.keys import QUEUE_BULK, bulk_meter
-from worker.limits import LocalLimiter
-from worker.settings import Config
+from compactd.scheduler.args import parse_duration
+from compactd.scheduler.client import WaitTimeout
+from compactd.scheduler.output import emit, open_store, say
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.ids import id_problem
+from compactd.storage.kinds import ItemState, JobState, RunCause
+from compactd.storage.records import BulkJob, utcnow
+from compactd.storage.store import Store
+from compactd.worker.app import client_app
+from compactd.worker.enqueue import Enqueuer, RunRequest
+from compactd.worker.keys import QUEUE_BULK, bulk_meter
+from compactd.worker.limits import LocalLimiter
+from compactd.worker.settings import Config
 
 PROGRESS_EVERY_S = 0.5
 # Session ids a dry run prints (``--json`` lists them all).

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.output import EXIT_FAILED, EXIT_OK, emit, redact_url, say
-from storage.kinds import ModelFailure
-from worker.llm.candidates import Candidate
-from worker.llm.errors import ProviderError
-from worker.llm.provider import Attribution, BuildError
-from worker.llm.providers import build_provider
-from worker.settings import Config, ModelSpec
+from compactd.scheduler.output import EXIT_FAILED, EXIT_OK, emit, redact_url, say
+from compactd.storage.kinds import ModelFailure
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.llm.errors import ProviderError
+from compactd.worker.llm.provider import Attribution, BuildError
+from compactd.worker.llm.providers import build_provider
+from compactd.worker.settings import Config, ModelSpec
 
 # The longest one model's check waits for its answer (less when the model's timeout_s is less).
 CHECK_TIMEOUT_S = 20.0

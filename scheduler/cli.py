@@ -15,18 +15,26 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler import check, commands, deletion, leases
-from scheduler.args import positive_int
-from scheduler.output import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, emit, open_store, redact_url, say
-from storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
-from storage.ids import check_id, check_session_id, check_tenant
-from storage.messages import FORMATS, ToolLinks, read_jsonl
-from storage.migrate import upgrade_async
-from worker import logs
-from worker.compaction.render import render_surface
-from worker.enqueue import broker_errors
-from worker.pressure import check_session_policy
-from worker.settings import Config, load_config
+from compactd.scheduler import check, commands, deletion, leases
+from compactd.scheduler.args import positive_int
+from compactd.scheduler.output import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    emit,
+    open_store,
+    redact_url,
+    say,
+)
+from compactd.storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
+from compactd.storage.ids import check_id, check_session_id, check_tenant
+from compactd.storage.messages import FORMATS, ToolLinks, read_jsonl
+from compactd.storage.migrate import upgrade_async
+from compactd.worker import logs
+from compactd.worker.compaction.render import render_surface
+from compactd.worker.enqueue import broker_errors
+from compactd.worker.pressure import check_session_policy
+from compactd.worker.settings import Config, load_config
 
 Handler = Callable[[argparse.Namespace, Config], Coroutine[Any, Any, int]]
 
@@ -152,7 +160,7 @@ async def cmd_verify(args: argparse.Namespace, config: Config) -> int:
 async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     # Imported here for start-up time: the demo loads the whole worker pipeline, which no other
     # command of this module needs.
-    from scheduler.demo import run_demo
+    from compactd.scheduler.demo import run_demo
 
     return await run_demo(config, steps=args.steps, as_json=args.json)
 

@@ -28,28 +28,28 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from scheduler.args import parse_keep
-from scheduler.intake import SignalResult, accept_signal, parse_signal
-from storage.deletion import DeletionResult
-from storage.errors import CompactdError, InvalidMessage, SessionNotFound
-from storage.ids import check_count, check_seconds, check_session_id, check_tenant
-from storage.kinds import FailureClass, RunCause, RunStatus, SignalReason
-from storage.messages import Message, check_json, check_message, parse
-from storage.migrate import ensure_schema
-from storage.recall import DEFAULT_READ_TOKENS, ReadPage, SearchResult
-from storage.recall_bounds import DEFAULT_SEARCH_LIMIT
-from storage.records import RunRecord, SessionInfo, utcnow
-from storage.store import PreparedAppend, Store
-from storage.tokens import counter_for
-from worker.compaction.planner import plan
-from worker.compaction.policy import Clause
-from worker.compaction.recall import parse_ref
-from worker.compaction.render import render_surface
-from worker.cost import Price, usage_cost
-from worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
-from worker.pressure import check_session_policy, session_policy, wants_run
-from worker.runtime import EventLoopThread
-from worker.settings import Config, load_config
+from compactd.scheduler.args import parse_keep
+from compactd.scheduler.intake import SignalResult, accept_signal, parse_signal
+from compactd.storage.deletion import DeletionResult
+from compactd.storage.errors import CompactdError, InvalidMessage, SessionNotFound
+from compactd.storage.ids import check_count, check_seconds, check_session_id, check_tenant
+from compactd.storage.kinds import FailureClass, RunCause, RunStatus, SignalReason
+from compactd.storage.messages import Message, check_json, check_message, parse
+from compactd.storage.migrate import ensure_schema
+from compactd.storage.recall import DEFAULT_READ_TOKENS, ReadPage, SearchResult
+from compactd.storage.recall_bounds import DEFAULT_SEARCH_LIMIT
+from compactd.storage.records import RunRecord, SessionInfo, utcnow
+from compactd.storage.store import PreparedAppend, Store
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.planner import plan
+from compactd.worker.compaction.policy import Clause
+from compactd.worker.compaction.recall import parse_ref
+from compactd.worker.compaction.render import render_surface
+from compactd.worker.cost import Price, usage_cost
+from compactd.worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
+from compactd.worker.pressure import check_session_policy, session_policy, wants_run
+from compactd.worker.runtime import EventLoopThread
+from compactd.worker.settings import Config, load_config
 
 WAIT_POLL_S = 0.05
 # A signal's send starts this long after the append that set the mark: the publish runs in a
@@ -137,7 +137,7 @@ class CompactdClient:
         self._own_store = store is None
         if enqueuer is None:
             # Imported here: a runtime that passes its own enqueuer never loads Celery.
-            from worker.app import client_app
+            from compactd.worker.app import client_app
 
             enqueuer = Enqueuer(client_app(self.config))
         self.enqueuer = enqueuer

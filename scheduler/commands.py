@@ -9,7 +9,7 @@ import sys
 import uuid
 from typing import Any
 
-from scheduler.args import (
+from compactd.scheduler.args import (
     count,
     duration,
     parse_duration,
@@ -19,27 +19,27 @@ from scheduler.args import (
     seconds,
     whole,
 )
-from scheduler.client import CompactdClient
-from scheduler.intake import parse_signal
-from scheduler.output import EXIT_FAILED, emit, open_store, say
-from scheduler.status import render_status, session_status, status
-from storage.errors import InvalidMessage, RecallArgumentError
-from storage.kinds import RunCause, RunStatus, SignalReason
-from storage.recall_bounds import (
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.intake import parse_signal
+from compactd.scheduler.output import EXIT_FAILED, emit, open_store, say
+from compactd.scheduler.status import render_status, session_status, status
+from compactd.storage.errors import InvalidMessage, RecallArgumentError
+from compactd.storage.kinds import RunCause, RunStatus, SignalReason
+from compactd.storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
     MAX_READ_TOKENS,
     MAX_SEARCH_LIMIT,
     MIN_READ_TOKENS,
 )
-from storage.records import utcnow
-from worker.compaction.planner import Outlook, plan
-from worker.compaction.recall_tools import check_read, check_search, tools_document
-from worker.cost import usage_cost
-from worker.limits import parse_rate
-from worker.pickup import predict_arrivals
-from worker.pressure import growth_tokens, session_policy
-from worker.settings import Config
+from compactd.storage.records import utcnow
+from compactd.worker.compaction.planner import Outlook, plan
+from compactd.worker.compaction.recall_tools import check_read, check_search, tools_document
+from compactd.worker.cost import usage_cost
+from compactd.worker.limits import parse_rate
+from compactd.worker.pickup import predict_arrivals
+from compactd.worker.pressure import growth_tokens, session_policy
+from compactd.worker.settings import Config
 
 KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
 
@@ -114,8 +114,8 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
     keep_text = None if keep is None else keep.to_text()
     if args.inline:
         # Imported here for start-up time: only --inline runs the worker's pipeline.
-        from worker.orchestration import compact
-        from worker.runtime import open_deps
+        from compactd.worker.orchestration import compact
+        from compactd.worker.runtime import open_deps
 
         async with open_deps(config, owner=f"cli:{uuid.uuid4().hex[:8]}") as deps:
             await deps.store.get_session(args.session)
@@ -199,7 +199,7 @@ def _since(text: str | None) -> dt.datetime | None:
 
 async def cmd_recompact(args: argparse.Namespace, config: Config) -> int:
     # Imported here for start-up time: the bulk fan-out loads Celery's app.
-    from scheduler.bulk import BulkFilter, run_recompact
+    from compactd.scheduler.bulk import BulkFilter, run_recompact
 
 
     try:
@@ -219,7 +219,7 @@ async def cmd_recompact(args: argparse.Namespace, config: Config) -> int:
 
 async def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     # Imported here for start-up time: FastAPI and uvicorn load only for the server.
-    from scheduler.http import serve
+    from compactd.scheduler.http import serve
 
     await serve(config, host=args.host, port=args.port)
     return 0

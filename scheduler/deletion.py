@@ -7,10 +7,10 @@ import argparse
 import sys
 from typing import Any
 
-from scheduler.client import CompactdClient
-from scheduler.output import EXIT_OK, emit, open_store, say
-from storage.schema import dumps
-from worker.settings import Config
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.output import EXIT_OK, emit, open_store, say
+from compactd.storage.schema import dumps
+from compactd.worker.settings import Config
 
 # Messages one read of an export returns: a session's log can be far larger than memory wants.
 EXPORT_PAGE = 1000

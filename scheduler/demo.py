@@ -12,18 +12,18 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.output import emit, say
-from scheduler.samples import SampleSession, coding_session
-from storage.kinds import RunCause, Stage
-from storage.messages import parse_openai
-from storage.recall import SearchHit
-from storage.records import SessionInfo, VerifyResult
-from storage.surface import Surface
-from worker.compaction.render import render_surface
-from worker.orchestration import compact
-from worker.run import Outcome
-from worker.runtime import open_deps
-from worker.settings import Config
+from compactd.scheduler.output import emit, say
+from compactd.scheduler.samples import SampleSession, coding_session
+from compactd.storage.kinds import RunCause, Stage
+from compactd.storage.messages import parse_openai
+from compactd.storage.recall import SearchHit
+from compactd.storage.records import SessionInfo, VerifyResult
+from compactd.storage.surface import Surface
+from compactd.worker.compaction.render import render_surface
+from compactd.worker.orchestration import compact
+from compactd.worker.run import Outcome
+from compactd.worker.runtime import open_deps
+from compactd.worker.settings import Config
 
 DEMO_WINDOW = 128_000
 # The demo session's own policy: low enough that the sample (about 60k tokens) is over it.

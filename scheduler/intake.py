@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from storage.errors import InvalidMessage
-from storage.kinds import RunCause, SignalReason
-from storage.records import utcnow
-from storage.store import Store
-from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
-from worker.pressure import explain
-from worker.settings import Config
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.kinds import RunCause, SignalReason
+from compactd.storage.records import utcnow
+from compactd.storage.store import Store
+from compactd.worker.enqueue import Enqueuer, RunRequest, enqueue_marked
+from compactd.worker.pressure import explain
+from compactd.worker.settings import Config
 
 QUEUED = "a compaction is already queued or running"
 

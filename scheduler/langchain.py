@@ -3,7 +3,7 @@
 A drop-in alternative to ``SummarizationMiddleware`` that never blocks a step on a summary::
 
     from langchain.agents import create_agent
-    from scheduler.langchain import CompactdMiddleware
+    from compactd.scheduler.langchain import CompactdMiddleware
 
     agent = create_agent(model, tools=tools, system_prompt=SYSTEM,
                          middleware=[CompactdMiddleware()], checkpointer=InMemorySaver())
@@ -85,18 +85,18 @@ from langchain_core.tools import BaseTool, StructuredTool, ToolException
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from scheduler.client import CompactdClient, SessionHandle, StepResult
-from storage.errors import (
+from compactd.scheduler.client import CompactdClient, SessionHandle, StepResult
+from compactd.storage.errors import (
     BadInput,
     CompactdError,
     RecallArgumentError,
     RecallNotFound,
     SessionNotFound,
 )
-from storage.kinds import NodeKind
-from storage.messages import langchain_meta
-from worker.compaction.policy import RENDERS, PolicyError, parse_policy
-from worker.compaction.recall_tools import (
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import langchain_meta
+from compactd.worker.compaction.policy import RENDERS, PolicyError, parse_policy
+from compactd.worker.compaction.recall_tools import (
     ReadArgs,
     SearchArgs,
     check_tool_call,
@@ -104,9 +104,9 @@ from worker.compaction.recall_tools import (
     search_result_text,
     tool_schemas,
 )
-from worker.compaction.render import AUTHORITY_CONTRACT, append_text, needs_contract
-from worker.runtime import EventLoopThread
-from worker.settings import Config, load_config
+from compactd.worker.compaction.render import AUTHORITY_CONTRACT, append_text, needs_contract
+from compactd.worker.runtime import EventLoopThread
+from compactd.worker.settings import Config, load_config
 
 logger = logging.getLogger(__name__)
 

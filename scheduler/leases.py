@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scheduler.output import emit, open_store, say
-from worker.settings import Config
+from compactd.scheduler.output import emit, open_store, say
+from compactd.worker.settings import Config
 
 
 async def cmd_lease_release(args: argparse.Namespace, config: Config) -> int:

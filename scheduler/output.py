@@ -13,11 +13,11 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from storage.database import database_exists
-from storage.errors import SessionNotFound
-from storage.migrate import ensure_schema
-from storage.store import Store
-from worker.settings import Config
+from compactd.storage.database import database_exists
+from compactd.storage.errors import SessionNotFound
+from compactd.storage.migrate import ensure_schema
+from compactd.storage.store import Store
+from compactd.worker.settings import Config
 
 EXIT_OK = 0
 EXIT_FAILED = 1

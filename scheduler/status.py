@@ -7,16 +7,16 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from storage.deletion import BeatRun
-from storage.kinds import RunStatus
-from storage.records import RunRecord, SessionInfo, utcnow
-from storage.store import Store
-from worker.cost import Price, total_usage, usage_cost
-from worker.lead import lead_used
-from worker.pressure import session_policy
-from worker.retention import RETENTION_RUN
-from worker.settings import Config
-from worker.sweeps import least_runways
+from compactd.storage.deletion import BeatRun
+from compactd.storage.kinds import RunStatus
+from compactd.storage.records import RunRecord, SessionInfo, utcnow
+from compactd.storage.store import Store
+from compactd.worker.cost import Price, total_usage, usage_cost
+from compactd.worker.lead import lead_used
+from compactd.worker.pressure import session_policy
+from compactd.worker.retention import RETENTION_RUN
+from compactd.worker.settings import Config
+from compactd.worker.sweeps import least_runways
 
 # Sessions ``compactd status`` lists by least runway.
 RUNWAY_SHOWN = 10

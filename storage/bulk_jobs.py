@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import schema as t
-from storage.database import connection, transaction
-from storage.kinds import ItemState, JobState, RunStatus
-from storage.records import BulkJob, utcnow
+from compactd.storage import schema as t
+from compactd.storage.database import connection, transaction
+from compactd.storage.kinds import ItemState, JobState, RunStatus
+from compactd.storage.records import BulkJob, utcnow
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

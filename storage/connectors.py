@@ -25,10 +25,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from storage import schema as t
-from storage import sql
-from storage.bulk_jobs import bulk_item_state
-from storage.connectors_general import (
+from compactd.storage import schema as t
+from compactd.storage import sql
+from compactd.storage.bulk_jobs import bulk_item_state
+from compactd.storage.connectors_general import (
     CLAIM_LOCK_WAIT_S,
     RUN_JSON_COLUMNS,
     append_in,
@@ -43,7 +43,7 @@ from storage.connectors_general import (
     row_stayed_locked,
     run_end_values,
 )
-from storage.database import (
+from compactd.storage.database import (
     KeptConnections,
     connection,
     deadline_left_s,
@@ -52,15 +52,23 @@ from storage.database import (
     transaction,
     translate,
 )
-from storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
-from storage.kinds import ItemState
-from storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
-from storage.recall_index import RecallBody, node_recall
-from storage.records import AppendResult, Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
-from storage.schema import dumps, session_from_record
+from compactd.storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
+from compactd.storage.kinds import ItemState
+from compactd.storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
+from compactd.storage.recall_index import RecallBody, node_recall
+from compactd.storage.records import (
+    AppendResult,
+    Busy,
+    Claim,
+    Replacement,
+    RunEnd,
+    SessionInfo,
+    Skipped,
+)
+from compactd.storage.schema import dumps, session_from_record
 
 if TYPE_CHECKING:
-    from storage.store import PreparedAppend
+    from compactd.storage.store import PreparedAppend
 
 Row = Mapping[Any, Any]
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import schema as t
-from storage.bulk_jobs import bulk_item_state
-from storage.errors import LeaseLost, LockNotAvailable, SessionNotFound, SurfaceChanged
-from storage.kinds import FailureClass, ItemState, JournalKind, NodeKind, RunStatus
-from storage.leads import pool_lead
-from storage.messages import BatchLinks, Message, ToolLinks, referenced_call_ids
-from storage.records import (
+from compactd.storage import schema as t
+from compactd.storage.bulk_jobs import bulk_item_state
+from compactd.storage.errors import LeaseLost, LockNotAvailable, SessionNotFound, SurfaceChanged
+from compactd.storage.kinds import FailureClass, ItemState, JournalKind, NodeKind, RunStatus
+from compactd.storage.leads import pool_lead
+from compactd.storage.messages import BatchLinks, Message, ToolLinks, referenced_call_ids
+from compactd.storage.records import (
     AppendResult,
     Busy,
     Claim,
@@ -34,11 +34,11 @@ from storage.records import (
     Skipped,
     growth_rate_after,
 )
-from storage.schema import SESSION_COLUMNS, session_from_row
-from storage.surface import PlacementError, SurfaceRows, commit_seqs
+from compactd.storage.schema import SESSION_COLUMNS, session_from_row
+from compactd.storage.surface import PlacementError, SurfaceRows, commit_seqs
 
 if TYPE_CHECKING:
-    from storage.store import PreparedAppend
+    from compactd.storage.store import PreparedAppend
 
 # How long a targeted claim waits for the session row another transaction holds (an append, a
 # usage report, another claim, a commit: each for milliseconds), in the row's lock queue; the

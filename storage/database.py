@@ -22,8 +22,8 @@ from sqlalchemy import event
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from storage import sql
-from storage.errors import (
+from compactd.storage import sql
+from compactd.storage.errors import (
     BadInput,
     CompactdError,
     DatabaseUnavailable,
@@ -33,8 +33,8 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
-from storage.recall_text import fold, snippet
-from storage.schema import dumps
+from compactd.storage.recall_text import fold, snippet
+from compactd.storage.schema import dumps
 
 SQLITE_FILENAME = "compactd.sqlite3"
 SQLITE_BUSY_TIMEOUT_MS = 30_000

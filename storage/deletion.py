@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, overload
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from storage import schema as t
-from storage.database import connection, snapshot, transaction
-from storage.errors import SessionNotFound
-from storage.kinds import FailureClass, NodeKind, RunStatus
-from storage.messages import from_payload, without_reserved
-from storage.records import SessionInfo, utcnow
+from compactd.storage import schema as t
+from compactd.storage.database import connection, snapshot, transaction
+from compactd.storage.errors import SessionNotFound
+from compactd.storage.kinds import FailureClass, NodeKind, RunStatus
+from compactd.storage.messages import from_payload, without_reserved
+from compactd.storage.records import SessionInfo, utcnow
 
 # Rows one transaction of a deletion removes from one table: a few milliseconds of work,
 # so a writer queued behind it (SQLite's database lock, a PostgreSQL page) waits no longer.

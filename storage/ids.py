@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any
 
-from storage.errors import InvalidMessage
+from compactd.storage.errors import InvalidMessage
 
 MAX_ID_LENGTH = 255  # the columns' length
 MAX_INT32 = 2_147_483_647  # the largest value an INTEGER column holds (context_window, usage)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage import schema as t
-from storage.database import connection, transaction
-from storage.kinds import RunStatus, Stage
+from compactd.storage import schema as t
+from compactd.storage.database import connection, transaction
+from compactd.storage.kinds import RunStatus, Stage
 
 if TYPE_CHECKING:
-    from storage.connectors import Connector
+    from compactd.storage.connectors import Connector
 
 ALL_POOLS = "*"
 

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from storage import schema as t
-from storage.connectors_general import (
+from compactd.storage import schema as t
+from compactd.storage.connectors_general import (
     CLAIM_LOCK_WAIT_S,
     abandon_run,
     close_abandoned,
     row_stayed_locked,
     write_end,
 )
-from storage.database import deadline_left_s, transaction
-from storage.errors import DeadlinePassed
-from storage.records import (
+from compactd.storage.database import deadline_left_s, transaction
+from compactd.storage.errors import DeadlinePassed
+from compactd.storage.records import (
     Busy,
     Claim,
     ReapedLease,
@@ -42,7 +42,7 @@ from storage.records import (
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from storage.connectors import Connector
+    from compactd.storage.connectors import Connector
 
 __all__ = ["CLAIM_LOCK_WAIT_S", "REAPER", "LeasesMixin", "check_replacements"]
 

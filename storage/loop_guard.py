@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from storage import schema as t
-from storage.database import connection, transaction
-from storage.records import SessionInfo, utcnow
-from storage.schema import SESSION_COLUMNS, session_from_row
+from compactd.storage import schema as t
+from compactd.storage.database import connection, transaction
+from compactd.storage.records import SessionInfo, utcnow
+from compactd.storage.schema import SESSION_COLUMNS, session_from_row
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

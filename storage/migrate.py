@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage.database import normalize_url, translated
+from compactd.storage.database import normalize_url, translated
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -23,7 +23,7 @@ HEAD_REVISION = "0019"
 def alembic_config(url: str) -> Config:
     from alembic.config import Config
 
-    ini = resources.files("storage").joinpath("alembic.ini")
+    ini = resources.files("compactd.storage").joinpath("alembic.ini")
     # stdout as it is now: alembic binds its default when first imported, and a caller that
     # swapped sys.stdout then (a redirect, a test capture) may have closed that stream since.
     config = Config(str(ini), stdout=sys.stdout)
@@ -54,7 +54,7 @@ async def ensure_schema(engine: AsyncEngine, url: str) -> None:
     """Migrate the embedded SQLite file to head when it is behind (it has no operator)."""
     import sqlalchemy as sa
 
-    from storage import sql
+    from compactd.storage import sql
 
     try:
         async with engine.connect() as conn:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from storage import sql
+from compactd.storage import sql
 
 # Rows per backfill transaction: each batch's row locks are held only while it writes.
 BATCH_ROWS = 2000

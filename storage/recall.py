@@ -26,10 +26,10 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from storage.connectors import Connector
-from storage.database import snapshot
-from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
-from storage.recall_bounds import (
+from compactd.storage.connectors import Connector
+from compactd.storage.database import snapshot
+from compactd.storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
+from compactd.storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
     check_budget_tokens,
@@ -38,8 +38,8 @@ from storage.recall_bounds import (
     check_offset,
     check_query,
 )
-from storage.recall_index import PENDING_SCANNED, json_escaped, json_fragment_text
-from storage.recall_text import (
+from compactd.storage.recall_index import PENDING_SCANNED, json_escaped, json_fragment_text
+from compactd.storage.recall_text import (
     SNIPPET_BEFORE_CHARS,
     SNIPPET_CHARS,
     Candidate,
@@ -47,7 +47,7 @@ from storage.recall_text import (
     rank,
     ranked_words,
 )
-from storage.tokens import TokenCounter, counter_for, fitting_prefix
+from compactd.storage.tokens import TokenCounter, counter_for, fitting_prefix
 
 # The ranked stage looks at the newest this many originals holding each of the query's words
 # (not the newest holding any): a message holding every rare word is a candidate however many

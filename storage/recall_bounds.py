@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from storage.errors import RecallArgumentError
+from compactd.storage.errors import RecallArgumentError
 
 DEFAULT_SEARCH_LIMIT = 5
 MAX_SEARCH_LIMIT = 100

@@ -27,13 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage import sql
-from storage.errors import DatabaseUnavailable, DeadlinePassed, LockNotAvailable, StorageError
-from storage.kinds import NodeKind
-from storage.messages import META_RECALL
+from compactd.storage import sql
+from compactd.storage.errors import (
+    DatabaseUnavailable,
+    DeadlinePassed,
+    LockNotAvailable,
+    StorageError,
+)
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import META_RECALL
 
 if TYPE_CHECKING:
-    from storage.connectors import Connector
+    from compactd.storage.connectors import Connector
 
 logger = logging.getLogger(__name__)
 

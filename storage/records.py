@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.kinds import RunStatus
+from compactd.storage.kinds import RunStatus
 
 
 def utcnow() -> dt.datetime:

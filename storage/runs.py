@@ -13,12 +13,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from storage import schema as t
-from storage.connectors import Connector
-from storage.database import connection
-from storage.kinds import RunStatus
-from storage.records import RunRecord, SessionInfo
-from storage.schema import (
+from compactd.storage import schema as t
+from compactd.storage.connectors import Connector
+from compactd.storage.database import connection
+from compactd.storage.kinds import RunStatus
+from compactd.storage.records import RunRecord, SessionInfo
+from compactd.storage.schema import (
     RUN_COLUMNS,
     SESSION_COLUMNS,
     run_from_record,

@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
-from storage.records import YOUNG_GROWTH_MAX_FACTOR, RunRecord, SessionInfo
+from compactd.storage.records import YOUNG_GROWTH_MAX_FACTOR, RunRecord, SessionInfo
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",

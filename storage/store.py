@@ -21,37 +21,37 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from storage import schema as t
-from storage.bulk_jobs import BulkJobsMixin
-from storage.connectors import connector_for
-from storage.connectors_general import read_session
-from storage.database import (
+from compactd.storage import schema as t
+from compactd.storage.bulk_jobs import BulkJobsMixin
+from compactd.storage.connectors import connector_for
+from compactd.storage.connectors_general import read_session
+from compactd.storage.database import (
     connection,
     create_engine,
     snapshot,
     transaction,
 )
-from storage.deletion import DeletionMixin
-from storage.errors import (
+from compactd.storage.deletion import DeletionMixin
+from compactd.storage.errors import (
     InvalidMessage,
     SessionExists,
     SessionNotFound,
     StorageError,
 )
-from storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
-from storage.kinds import REPLACE_KINDS, NodeKind
-from storage.leads import LeadsMixin
-from storage.leases import LeasesMixin
-from storage.loop_guard import LoopGuardMixin
-from storage.messages import (
+from compactd.storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
+from compactd.storage.kinds import REPLACE_KINDS, NodeKind
+from compactd.storage.leads import LeadsMixin
+from compactd.storage.leases import LeasesMixin
+from compactd.storage.loop_guard import LoopGuardMixin
+from compactd.storage.messages import (
     BatchLinks,
     Message,
     from_payload,
     without_reserved,
 )
-from storage.recall import RecallMixin
-from storage.recall_index import RecallIndexMixin
-from storage.records import (
+from compactd.storage.recall import RecallMixin
+from compactd.storage.recall_index import RecallIndexMixin
+from compactd.storage.records import (
     GROWTH_WINDOW_S,
     AppendResult,
     EventRecord,
@@ -59,17 +59,17 @@ from storage.records import (
     VerifyResult,
     utcnow,
 )
-from storage.runs import RunsMixin
-from storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
-from storage.surface import (
+from compactd.storage.runs import RunsMixin
+from compactd.storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
+from compactd.storage.surface import (
     LoggedEvent,
     ReplayError,
     Surface,
     SurfaceNode,
     replay,
 )
-from storage.sweeps import SweepsMixin
-from storage.tokens import counter_for
+from compactd.storage.sweeps import SweepsMixin
+from compactd.storage.tokens import counter_for
 
 _SESSION_CACHE_MAX = 10_000
 

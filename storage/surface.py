@@ -37,8 +37,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.kinds import REPLACE_KINDS, NodeKind
-from storage.messages import Message
+from compactd.storage.kinds import REPLACE_KINDS, NodeKind
+from compactd.storage.messages import Message
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from storage import schema as t
-from storage.database import transaction
-from storage.records import SessionInfo, utcnow
-from storage.schema import (
+from compactd.storage import schema as t
+from compactd.storage.database import transaction
+from compactd.storage.records import SessionInfo, utcnow
+from compactd.storage.schema import (
     OVER_SWEEP_THRESHOLD,
     SESSION_COLUMNS,
     session_from_row,

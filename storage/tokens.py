@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import tiktoken
 
-from storage.messages import Message
+from compactd.storage.messages import Message
 
 MESSAGE_FRAMING_TOKENS = 3
 NAME_TOKENS = 1
@@ -53,7 +53,7 @@ _load_lock = threading.Lock()
 
 
 def _load_ranks(name: str) -> dict[bytes, int]:
-    data = resources.files("storage").joinpath(f"data/{name}.tiktoken").read_bytes()
+    data = resources.files("compactd.storage").joinpath(f"data/{name}.tiktoken").read_bytes()
     if hashlib.sha256(data).hexdigest() != ENCODING_SHA256[name]:
         raise RuntimeError(f"the shipped {name} encoding file is corrupt (sha256 mismatch)")
     ranks: dict[bytes, int] = {}

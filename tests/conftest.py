@@ -120,7 +120,7 @@ def redis_url() -> str:
 
 
 def _migrate(url: str) -> None:
-    from storage.migrate import upgrade
+    from compactd.storage.migrate import upgrade
 
     upgrade(url)
 
@@ -167,7 +167,7 @@ def db_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def store(db_url: str) -> AsyncIterator[object]:
-    from storage.store import Store
+    from compactd.storage.store import Store
 
     st = Store.from_url(db_url)
     try:
@@ -186,7 +186,7 @@ def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 
 
 def compactd_cmd() -> list[str]:
-    return [sys.executable, "-m", "scheduler.cli"]
+    return [sys.executable, "-m", "compactd.scheduler.cli"]
 
 
 def run_cli(env: dict[str, str], *args: str, check: bool = True,

@@ -1,4 +1,4 @@
-"""The Celery app: ``celery -A worker.app worker | beat | flower``.
+"""The Celery app: ``celery -A compactd.worker.app worker | beat | flower``.
 
 Built from the process's configuration (``COMPACTD_*`` environment and the YAML file) when Celery
 asks for ``worker.app.app``, not when this module is imported. Clients that only enqueue (the CLI,
@@ -18,8 +18,8 @@ from celery.signals import setup_logging
 from click.core import ParameterSource
 from kombu import Exchange, Queue
 
-from worker import broker, logs
-from worker.keys import (
+from compactd.worker import broker, logs
+from compactd.worker.keys import (
     QUEUE_BULK,
     QUEUE_PRESSURE,
     QUEUE_URGENT,
@@ -28,7 +28,7 @@ from worker.keys import (
     TASK_RUN,
     TASK_SWEEP,
 )
-from worker.settings import Config, broker_dirs, load_config
+from compactd.worker.settings import Config, broker_dirs, load_config
 
 # How much longer than the longest task a Redis message stays invisible before redelivery.
 VISIBILITY_MARGIN_S = 300
@@ -86,7 +86,7 @@ def celery_settings(config: Config) -> dict[str, Any]:
         "worker_enable_soft_shutdown_on_idle": False,
         # Most of a compaction is waiting on a model: one process runs many on a threads pool,
         # each thread handing its coroutine to the process's single event loop. Celery uses
-        # worker_pool when the command line gives no -P, so `celery -A worker.app worker`
+        # worker_pool when the command line gives no -P, so `celery -A compactd.worker.app worker`
         # runs threads ("concurrency: 64 (thread)" in its banner); an explicit -P overrides it.
         "worker_pool": "threads",
         "worker_concurrency": w.concurrency,
@@ -134,7 +134,7 @@ def make_app(config: Config, *, with_tasks: bool = False) -> Celery:
     app.conf.update(celery_settings(config))
     app.conf.compactd_config = config
     if with_tasks:
-        app.conf.imports = ("worker.tasks",)
+        app.conf.imports = ("compactd.worker.tasks",)
     return app
 
 
@@ -170,14 +170,14 @@ def _given_on_command_line(option: str) -> bool:
 
 @cache
 def _worker_app() -> Celery:
-    from worker import flower  # noqa: F401  (connects Flower's defaults)
+    from compactd.worker import flower  # noqa: F401  (connects Flower's defaults)
 
     setup_logging.connect(_logging)
     return make_app(load_config(), with_tasks=True)
 
 
 def __getattr__(name: str) -> Any:
-    # ``celery -A worker.app`` reads ``worker.app.app``: the worker's app, with its hooks,
+    # ``celery -A compactd.worker.app`` reads ``worker.app.app``: the worker's app, with its hooks,
     # is built then, and never in a process that imports this module for the functions above.
     if name == "app":
         return _worker_app()

@@ -29,11 +29,11 @@ from kombu.utils.collections import HashedSeq
 from kombu.utils.scheduling import priority_cycle
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worker.keys import QUEUES
+from compactd.worker.keys import QUEUES
 
 SCHEMES = ("redis", "rediss")
 # The Redis channel's ``queue_order_strategy`` (a broker transport option): see UrgentFirst.
-QUEUE_ORDER = "worker.broker:UrgentFirst"
+QUEUE_ORDER = "compactd.worker.broker:UrgentFirst"
 
 
 class UrgentFirst(priority_cycle):

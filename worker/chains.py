@@ -15,17 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from storage.kinds import FailureClass
-from storage.records import SessionInfo
-from worker.compaction.policy import Policy
-from worker.compaction.prompt import SummaryCall, build_prompt, request_tools
-from worker.compaction.render import Skill
-from worker.compaction.validation import validate_summary
-from worker.llm.breaker import Breaker
-from worker.llm.candidates import Candidate, candidate_order
-from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
-from worker.metrics import metrics
-from worker.run import RunFailed, RunScope
+from compactd.storage.kinds import FailureClass
+from compactd.storage.records import SessionInfo
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.prompt import SummaryCall, build_prompt, request_tools
+from compactd.worker.compaction.render import Skill
+from compactd.worker.compaction.validation import validate_summary
+from compactd.worker.llm.breaker import Breaker
+from compactd.worker.llm.candidates import Candidate, candidate_order
+from compactd.worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
+from compactd.worker.metrics import metrics
+from compactd.worker.run import RunFailed, RunScope
 
 
 class Chain(Protocol):

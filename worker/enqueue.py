@@ -18,12 +18,12 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.kinds import RunCause
-from storage.records import SessionInfo, utcnow
-from storage.store import Store
-from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_RUN
-from worker.pressure import over_trigger
-from worker.settings import Config
+from compactd.storage.kinds import RunCause
+from compactd.storage.records import SessionInfo, utcnow
+from compactd.storage.store import Store
+from compactd.worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, QUEUES, TASK_RUN
+from compactd.worker.pressure import over_trigger
+from compactd.worker.settings import Config
 
 TRIGGER_QUEUES: dict[str, str] = {
     RunCause.OVERFLOW: QUEUE_URGENT, RunCause.MANUAL: QUEUE_URGENT,

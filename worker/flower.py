@@ -1,4 +1,4 @@
-"""Flower with compactd's defaults: ``celery -A worker.app flower``.
+"""Flower with compactd's defaults: ``celery -A compactd.worker.app flower``.
 
 Flower 2.x reads its options, later ones winning, from its defaults, ``FLOWER_*`` environment
 variables (``FLOWER_BASIC_AUTH=user:password[,user2:password2]``), a ``flowerconfig.py`` in the
@@ -100,8 +100,8 @@ def apply_defaults(options: Any, *, env: Any = None) -> None:
 def _use_compactd_logging() -> None:
     from tornado.log import LogFormatter
 
-    from worker import logs
-    from worker.settings import load_config
+    from compactd.worker import logs
+    from compactd.worker.settings import load_config
 
     root = logging.getLogger()
     for handler in list(root.handlers):

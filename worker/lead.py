@@ -16,19 +16,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from storage.errors import StorageError
-from storage.leads import ALL_POOLS, LeadRow, pool_of
-from storage.records import SessionInfo, utcnow
-from storage.store import Store
-from worker.compaction.lead import (
+from compactd.storage.errors import StorageError
+from compactd.storage.leads import ALL_POOLS, LeadRow, pool_of
+from compactd.storage.records import SessionInfo, utcnow
+from compactd.storage.store import Store
+from compactd.worker.compaction.lead import (
     LEAD_MIN_RUNS,
     LEAD_PERCENTILE,
     LEAD_SAMPLE_RUNS,
     LEAD_SAMPLE_S,
     percentile,
 )
-from worker.pressure import session_lead_s
-from worker.settings import Config
+from compactd.worker.pressure import session_lead_s
+from compactd.worker.settings import Config
 
 logger = logging.getLogger(__name__)
 

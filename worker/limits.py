@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from worker.keys import RATE_PREFIX
+from compactd.worker.keys import RATE_PREFIX
 
 # KEYS[1] = meter key; ARGV = now_s, interval_s, burst_s. Returns the wait in seconds and the
 # slot reserved (the schedule time it was given), as strings.

@@ -82,7 +82,7 @@ class Metrics:
             ["candidate", "kind"], registry=registry)
         self.cost_usd = Counter(
             "compactd_cost_usd",
-            "USD the summary calls cost at the configured prices (worker.cost), by "
+            "USD the summary calls cost at the configured prices (compactd.worker.cost), by "
             "candidate and kind (input: fresh input; cached; cache_write; output). A "
             "candidate without a price is not counted.",
             ["candidate", "kind"], registry=registry)

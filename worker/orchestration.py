@@ -26,16 +26,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from storage.errors import StorageError
-from storage.kinds import JournalKind, NodeKind, RunCause, RunStatus, Stage
-from storage.records import Replacement, SessionInfo
-from storage.store import Store
-from storage.surface import NewNode, Surface, surface_after_commit
-from storage.tokens import counter_for
-from worker.chains import Summarizers, run_chain, summary_request
-from worker.compaction.arrivals import Arrivals
-from worker.compaction.boundary import resolve_keep
-from worker.compaction.planner import (
+from compactd.storage.errors import StorageError
+from compactd.storage.kinds import JournalKind, NodeKind, RunCause, RunStatus, Stage
+from compactd.storage.records import Replacement, SessionInfo
+from compactd.storage.store import Store
+from compactd.storage.surface import NewNode, Surface, surface_after_commit
+from compactd.storage.tokens import counter_for
+from compactd.worker.chains import Summarizers, run_chain, summary_request
+from compactd.worker.compaction.arrivals import Arrivals
+from compactd.worker.compaction.boundary import resolve_keep
+from compactd.worker.compaction.planner import (
     NO_OUTLOOK,
     Outlook,
     Plan,
@@ -44,20 +44,20 @@ from worker.compaction.planner import (
     refill,
     replan_smaller,
 )
-from worker.compaction.policy import Clause, Policy, parse_keep_text
-from worker.compaction.prompt import SummaryCall
-from worker.compaction.pruning import prune_replacements, riding_actions
-from worker.compaction.render import checkpoint_tokens
-from worker.compaction.sharing import SharedCall, cache_readable, shared_call
-from worker.compaction.triggers import should_compact
-from worker.lead import refresh_after_checkpoint
-from worker.llm.fallback import SummaryRequest
-from worker.metrics import metrics
-from worker.passes import run_pass
-from worker.pickup import predict_arrivals
-from worker.pressure import growth_tokens, read_pressure, session_policy, session_pressure
-from worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunScope
-from worker.runtime import Deps
+from compactd.worker.compaction.policy import Clause, Policy, parse_keep_text
+from compactd.worker.compaction.prompt import SummaryCall
+from compactd.worker.compaction.pruning import prune_replacements, riding_actions
+from compactd.worker.compaction.render import checkpoint_tokens
+from compactd.worker.compaction.sharing import SharedCall, cache_readable, shared_call
+from compactd.worker.compaction.triggers import should_compact
+from compactd.worker.lead import refresh_after_checkpoint
+from compactd.worker.llm.fallback import SummaryRequest
+from compactd.worker.metrics import metrics
+from compactd.worker.passes import run_pass
+from compactd.worker.pickup import predict_arrivals
+from compactd.worker.pressure import growth_tokens, read_pressure, session_policy, session_pressure
+from compactd.worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunScope
+from compactd.worker.runtime import Deps
 
 logger = logging.getLogger(__name__)
 

@@ -24,17 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.kinds import LayoutRole, RunStatus, Stage
-from storage.messages import Message
-from storage.records import Replacement, SessionInfo
-from storage.surface import Surface
-from storage.tokens import counter_for
-from worker.chains import ChainFailed, Summarizers, Written, run_chain, summary_request
-from worker.compaction.planner import Plan
-from worker.compaction.policy import Policy
-from worker.compaction.prompt import SummaryCall, build_index_prompt
-from worker.compaction.pruning import PruneAction, prune_replacements, riding_actions
-from worker.compaction.recallable import (
+from compactd.storage.kinds import LayoutRole, RunStatus, Stage
+from compactd.storage.messages import Message
+from compactd.storage.records import Replacement, SessionInfo
+from compactd.storage.surface import Surface
+from compactd.storage.tokens import counter_for
+from compactd.worker.chains import ChainFailed, Summarizers, Written, run_chain, summary_request
+from compactd.worker.compaction.planner import Plan
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.prompt import SummaryCall, build_index_prompt
+from compactd.worker.compaction.pruning import PruneAction, prune_replacements, riding_actions
+from compactd.worker.compaction.recallable import (
     IndexStep,
     RecallablePass,
     StateStep,
@@ -43,12 +43,12 @@ from worker.compaction.recallable import (
     state_checkpoint,
     validate_index,
 )
-from worker.compaction.triggers import should_compact
-from worker.llm.fallback import SummaryRequest
-from worker.llm.local import summarize_local_index
-from worker.metrics import metrics
-from worker.pressure import read_pressure, session_pressure
-from worker.run import RunScope
+from compactd.worker.compaction.triggers import should_compact
+from compactd.worker.llm.fallback import SummaryRequest
+from compactd.worker.llm.local import summarize_local_index
+from compactd.worker.metrics import metrics
+from compactd.worker.pressure import read_pressure, session_pressure
+from compactd.worker.run import RunScope
 
 
 @dataclass

@@ -13,14 +13,14 @@ import datetime as dt
 import logging
 from collections.abc import Sequence
 
-from storage.errors import StorageError
-from storage.records import SessionInfo
-from storage.store import Store
-from storage.surface import SurfaceNode
-from worker.compaction.arrivals import Arrivals, claim_to_commit_s, expected_arrivals
-from worker.compaction.policy import Policy
-from worker.llm.candidates import candidate_order
-from worker.settings import Config
+from compactd.storage.errors import StorageError
+from compactd.storage.records import SessionInfo
+from compactd.storage.store import Store
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.arrivals import Arrivals, claim_to_commit_s, expected_arrivals
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.llm.candidates import candidate_order
+from compactd.worker.settings import Config
 
 logger = logging.getLogger(__name__)
 

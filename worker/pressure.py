@@ -16,13 +16,23 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from storage.errors import ConfigError
-from storage.records import SessionInfo, utcnow
-from storage.surface import Surface
-from worker.compaction.lead import lead_tokens
-from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
-from worker.compaction.triggers import Pressure, pressure_tokens, should_compact, should_run
-from worker.settings import Config
+from compactd.storage.errors import ConfigError
+from compactd.storage.records import SessionInfo, utcnow
+from compactd.storage.surface import Surface
+from compactd.worker.compaction.lead import lead_tokens
+from compactd.worker.compaction.policy import (
+    Policy,
+    PolicyError,
+    check_keep_below_trigger,
+    parse_policy,
+)
+from compactd.worker.compaction.triggers import (
+    Pressure,
+    pressure_tokens,
+    should_compact,
+    should_run,
+)
+from compactd.worker.settings import Config
 
 # Published context windows of common run models, used only when neither the session nor the
 # configuration names one (a fraction trigger is otherwise dropped). Longest prefix wins.

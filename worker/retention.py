@@ -17,11 +17,11 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import asdict, dataclass
 
-from storage.deletion import DELETE_BATCH_ROWS
-from storage.errors import SessionNotFound
-from storage.records import utcnow
-from storage.store import Store
-from worker.settings import RetentionConfig
+from compactd.storage.deletion import DELETE_BATCH_ROWS
+from compactd.storage.errors import SessionNotFound
+from compactd.storage.records import utcnow
+from compactd.storage.store import Store
+from compactd.worker.settings import RetentionConfig
 
 # The name its runs are recorded under (beat_runs.name).
 RETENTION_RUN = "retention"

@@ -25,25 +25,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.database import deadline
-from storage.deletion import DELETED_ERROR, DELETER
-from storage.errors import (
+from compactd.storage.database import deadline
+from compactd.storage.deletion import DELETED_ERROR, DELETER
+from compactd.storage.errors import (
     DeadlinePassed,
     LeaseLost,
     SessionNotFound,
     StorageError,
     SurfaceChanged,
 )
-from storage.kinds import FailureClass, JournalKind, NodeKind, RunCause, RunStatus
-from storage.leases import REAPER
-from storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
-from worker import logs
-from worker.cost import USAGE_KINDS, Billed, cost_parts
-from worker.keys import RATE_PROVIDER, bulk_meter
-from worker.limits import MeteredProviders
-from worker.llm.pool import ProviderPool
-from worker.metrics import metrics
-from worker.runtime import Deps
+from compactd.storage.kinds import FailureClass, JournalKind, NodeKind, RunCause, RunStatus
+from compactd.storage.leases import REAPER
+from compactd.storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
+from compactd.worker import logs
+from compactd.worker.cost import USAGE_KINDS, Billed, cost_parts
+from compactd.worker.keys import RATE_PROVIDER, bulk_meter
+from compactd.worker.limits import MeteredProviders
+from compactd.worker.llm.pool import ProviderPool
+from compactd.worker.metrics import metrics
+from compactd.worker.runtime import Deps
 
 logger = logging.getLogger(__name__)
 

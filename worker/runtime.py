@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from storage.errors import ConfigError
-from storage.records import utcnow
-from storage.store import Store
-from worker.limits import Limiter, LocalLimiter, RedisLimiter
-from worker.llm.breaker import Breaker, BreakerLimits, LocalBreaker, RedisBreaker
-from worker.settings import Config
+from compactd.storage.errors import ConfigError
+from compactd.storage.records import utcnow
+from compactd.storage.store import Store
+from compactd.worker.limits import Limiter, LocalLimiter, RedisLimiter
+from compactd.worker.llm.breaker import Breaker, BreakerLimits, LocalBreaker, RedisBreaker
+from compactd.worker.settings import Config
 
 T = TypeVar("T")
 
@@ -128,7 +128,7 @@ async def build_deps(config: Config, *, owner: str | None = None,
     else:
         store = Store.from_url(config.database_url, pool_size=pool_size)
     if config.embedded:
-        from storage.migrate import ensure_schema
+        from compactd.storage.migrate import ensure_schema
 
         await ensure_schema(store.engine, config.database_url)
     redis = None

@@ -23,12 +23,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from storage.database import embedded_url
-from storage.errors import ConfigError
-from storage.ids import ID_PATTERN, MAX_INT32
-from worker.compaction.lead import parse_lead
-from worker.compaction.policy import Policy, PolicyError, check_keep_below_trigger, parse_policy
-from worker.cost import Price
+from compactd.storage.database import embedded_url
+from compactd.storage.errors import ConfigError
+from compactd.storage.ids import ID_PATTERN, MAX_INT32
+from compactd.worker.compaction.lead import parse_lead
+from compactd.worker.compaction.policy import (
+    Policy,
+    PolicyError,
+    check_keep_below_trigger,
+    parse_policy,
+)
+from compactd.worker.cost import Price
 
 LOCAL_MODEL = "local"
 

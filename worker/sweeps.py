@@ -22,14 +22,20 @@ import json
 import logging
 from dataclasses import dataclass
 
-from storage.errors import StorageError
-from storage.kinds import RunCause
-from storage.records import ReapedLease, SessionInfo, utcnow
-from storage.store import Store
-from worker.enqueue import Enqueuer, RunRequest, enqueue_marked
-from worker.lead import refresh_leads
-from worker.pressure import Runway, over_trigger, sorted_runways, sweep_key, sweep_thresholds
-from worker.settings import Config
+from compactd.storage.errors import StorageError
+from compactd.storage.kinds import RunCause
+from compactd.storage.records import ReapedLease, SessionInfo, utcnow
+from compactd.storage.store import Store
+from compactd.worker.enqueue import Enqueuer, RunRequest, enqueue_marked
+from compactd.worker.lead import refresh_leads
+from compactd.worker.pressure import (
+    Runway,
+    over_trigger,
+    sorted_runways,
+    sweep_key,
+    sweep_thresholds,
+)
+from compactd.worker.settings import Config
 
 logger = logging.getLogger(__name__)
 

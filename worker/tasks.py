@@ -24,21 +24,21 @@ from celery.signals import (
     worker_ready,
 )
 
-from storage.errors import ConfigError, StorageError
-from storage.kinds import FailureClass, ItemState, RunCause, RunStatus
-from storage.records import utcnow
-from worker import logs
-from worker.enqueue import Enqueuer, broker_errors, follow_up
-from worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP
-from worker.llm.providers import import_sdks
-from worker.metrics import FleetSnapshot, metrics, serve
-from worker.orchestration import compact
-from worker.pressure import Runway
-from worker.retention import purge_expired
-from worker.run import AUTOMATIC_TRIGGERS, Outcome
-from worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
-from worker.settings import Config, load_config
-from worker.sweeps import index_recall, least_runways, reap_leases, sweep_pressure
+from compactd.storage.errors import ConfigError, StorageError
+from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
+from compactd.storage.records import utcnow
+from compactd.worker import logs
+from compactd.worker.enqueue import Enqueuer, broker_errors, follow_up
+from compactd.worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP
+from compactd.worker.llm.providers import import_sdks
+from compactd.worker.metrics import FleetSnapshot, metrics, serve
+from compactd.worker.orchestration import compact
+from compactd.worker.pressure import Runway
+from compactd.worker.retention import purge_expired
+from compactd.worker.run import AUTOMATIC_TRIGGERS, Outcome
+from compactd.worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
+from compactd.worker.settings import Config, load_config
+from compactd.worker.sweeps import index_recall, least_runways, reap_leases, sweep_pressure
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """An agent loop on compactd: append each step, poll, pick the checkpoint up, report usage.
 
-    celery -A worker.app worker &          # compacts in the background (same COMPACTD_* settings)
+    celery -A compactd.worker.app worker &   # compacts in the background (same COMPACTD_* settings)
     python ops/examples/agent_loop.py [--steps 40] [--think 0.1] [--timeout 120]
 
 It uses the COMPACTD_* settings (none set: the embedded default, a SQLite file in the current
@@ -19,8 +19,8 @@ import time
 import uuid
 from typing import Any
 
-from scheduler.client import CompactdClient
-from scheduler.samples import coding_session
+from compactd.client import CompactdClient
+from compactd.scheduler.samples import coding_session
 
 # Low enough that the generated session (about 60k tokens at 40 steps) crosses it a few times.
 POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
@@ -81,7 +81,7 @@ async def run(steps: int, think_s: float, timeout_s: float) -> int:
                 await asyncio.sleep(0.5)
         if not summarized:
             print(f"no summary checkpoint within {timeout_s:.0f} s: is a worker running "
-                  "(celery -A worker.app worker) with the same COMPACTD_* settings?",
+                  "(celery -A compactd.worker.app worker) with the same COMPACTD_* settings?",
                   file=sys.stderr)
             return 1
         # A detail the summary may have dropped stays reachable from the replaced originals.

@@ -2,7 +2,7 @@
 
     pip install 'compactd[langchain]' langchain-openai
     export OPENAI_API_KEY=sk-...        # OPENAI_BASE_URL for any OpenAI-compatible server
-    celery -A worker.app worker &   # the background compaction (same COMPACTD_* settings)
+    celery -A compactd.worker.app worker &   # the background compaction (same COMPACTD_* settings)
     python ops/examples/langchain_agent.py
 
 With no ``COMPACTD_*`` settings it runs on the embedded default (a SQLite file in the current
@@ -18,7 +18,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
-from scheduler.langchain import CompactdMiddleware
+from compactd.scheduler.langchain import CompactdMiddleware
 
 
 @tool

@@ -9,8 +9,8 @@ uvicorn.
 
 from __future__ import annotations
 
-from scheduler.http.auth import token_sha256
-from scheduler.http.routes import API_PREFIX
-from scheduler.http.server import create_app, serve
+from compactd.scheduler.http.auth import token_sha256
+from compactd.scheduler.http.routes import API_PREFIX
+from compactd.scheduler.http.server import create_app, serve
 
 __all__ = ["API_PREFIX", "create_app", "serve", "token_sha256"]

@@ -16,8 +16,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from storage.errors import BadInput, ConfigError
-from worker.settings import ApiConfig
+from compactd.storage.errors import BadInput, ConfigError
+from compactd.worker.settings import ApiConfig
 
 
 class Tokens:

@@ -13,11 +13,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler.client import parse_messages
-from scheduler.http.schemas import AppendIn
-from storage.errors import InvalidMessage
-from storage.messages import TOO_DEEP
-from storage.store import PreparedAppend, prepare_append
+from compactd.scheduler.client import parse_messages
+from compactd.scheduler.http.schemas import AppendIn
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.messages import TOO_DEEP
+from compactd.storage.store import PreparedAppend, prepare_append
 
 BODY_TOO_DEEP = f"the body is not valid: {TOO_DEEP}"
 

@@ -14,11 +14,11 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from scheduler.http.auth import Unauthorized
-from scheduler.http.bodies import BODY_TOO_DEEP
-from scheduler.http.schemas import ErrorOut
-from scheduler.output import redact_url
-from storage.errors import (
+from compactd.scheduler.http.auth import Unauthorized
+from compactd.scheduler.http.bodies import BODY_TOO_DEEP
+from compactd.scheduler.http.schemas import ErrorOut
+from compactd.scheduler.output import redact_url
+from compactd.storage.errors import (
     BadInput,
     DatabaseUnavailable,
     InvalidMessage,
@@ -28,8 +28,8 @@ from storage.errors import (
     SessionNotFound,
     StorageError,
 )
-from worker.enqueue import broker_errors
-from worker.settings import Config
+from compactd.worker.enqueue import broker_errors
+from compactd.worker.settings import Config
 
 logger = logging.getLogger(__name__)
 

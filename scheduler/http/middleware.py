@@ -12,9 +12,9 @@ from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from scheduler.http.errors import error_response
-from scheduler.http.schemas import ErrorOut
-from storage.recall_bounds import MAX_QUERY_BYTES
+from compactd.scheduler.http.errors import error_response
+from compactd.scheduler.http.schemas import ErrorOut
+from compactd.storage.recall_bounds import MAX_QUERY_BYTES
 
 # Room for the longest query string a route accepts (a recall query of MAX_QUERY_BYTES, each
 # byte percent-encoded as three characters) and the headers beside it; h11's own default is

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from storage.ids import ID_PATTERN
-from storage.kinds import FailureClass, RunStatus, SignalReason, Stage
+from compactd.storage.ids import ID_PATTERN
+from compactd.storage.kinds import FailureClass, RunStatus, SignalReason, Stage
 
 
 def _whole(value: Any) -> Any:

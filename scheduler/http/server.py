@@ -47,15 +47,15 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from scheduler.client import CompactdClient
-from scheduler.http.auth import Tokens
-from scheduler.http.errors import add_error_handlers
-from scheduler.http.middleware import MAX_REQUEST_HEAD_BYTES, BodyLimit, BoundedH11Protocol
-from scheduler.http.routes import add_routes
-from scheduler.http.state import Api
-from storage.errors import CompactdError
-from storage.store import Store
-from worker.settings import Config
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.http.auth import Tokens
+from compactd.scheduler.http.errors import add_error_handlers
+from compactd.scheduler.http.middleware import MAX_REQUEST_HEAD_BYTES, BodyLimit, BoundedH11Protocol
+from compactd.scheduler.http.routes import add_routes
+from compactd.scheduler.http.state import Api
+from compactd.storage.errors import CompactdError
+from compactd.storage.store import Store
+from compactd.worker.settings import Config
 
 POOL_SIZE = 10  # per server process; SQLAlchemy may open as many again under a burst
 

@@ -16,13 +16,13 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler.client import CompactdClient, SessionHandle
-from scheduler.http.bodies import decode_append, decode_plain, raise_plain
-from scheduler.http.errors import RETRY_AFTER_S
-from storage.errors import SessionNotFound
-from storage.records import SessionInfo
-from storage.store import PreparedAppend, Store
-from worker.settings import Config
+from compactd.scheduler.client import CompactdClient, SessionHandle
+from compactd.scheduler.http.bodies import decode_append, decode_plain, raise_plain
+from compactd.scheduler.http.errors import RETRY_AFTER_S
+from compactd.storage.errors import SessionNotFound
+from compactd.storage.records import SessionInfo
+from compactd.storage.store import PreparedAppend, Store
+from compactd.worker.settings import Config
 
 logger = logging.getLogger(__name__)
 

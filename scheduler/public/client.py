@@ -7,7 +7,7 @@ module only names what a runtime imports; the client itself is :mod:`scheduler.c
 
 from __future__ import annotations
 
-from scheduler.client import (
+from compactd.scheduler.client import (
     Client,
     CompactdClient,
     OverflowResult,
@@ -16,8 +16,8 @@ from scheduler.client import (
     SyncSession,
     WaitTimeout,
 )
-from storage.errors import CompactdError, InvalidMessage, SessionNotFound
-from worker.settings import Config, load_config
+from compactd.storage.errors import CompactdError, InvalidMessage, SessionNotFound
+from compactd.worker.settings import Config, load_config
 
 __all__ = [
     "Client",

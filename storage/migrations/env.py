@@ -8,8 +8,8 @@ import os
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from storage.database import create_engine, embedded_url
-from storage.schema import metadata, unmanaged
+from compactd.storage.database import create_engine, embedded_url
+from compactd.storage.schema import metadata, unmanaged
 
 config = context.config
 target_metadata = metadata

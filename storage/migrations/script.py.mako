@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import storage.schema
+import compactd.storage.schema
 ${imports if imports else ""}
 
 revision: str = ${repr(up_revision)}

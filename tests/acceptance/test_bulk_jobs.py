@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from storage.kinds import ItemState
-from storage.messages import parse_openai
-from storage.store import Store
+from compactd.storage.kinds import ItemState
+from compactd.storage.messages import parse_openai
+from compactd.storage.store import Store
 from tests.support.stack_sessions import POLICY, many_sessions
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from scheduler.client import Client
-from scheduler.samples import coding_session
-from storage.kinds import JournalKind
-from storage.records import EventRecord, RunRecord
+from compactd.scheduler.client import Client
+from compactd.scheduler.samples import coding_session
+from compactd.storage.kinds import JournalKind
+from compactd.storage.records import EventRecord, RunRecord
+from compactd.worker.settings import load_config
 from tests.support.probes import query
 from tests.support.stack import Stack, wait_until
-from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

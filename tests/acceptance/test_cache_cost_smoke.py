@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.tokens import counter_for
+from compactd.scheduler.samples import coding_session
+from compactd.storage.tokens import counter_for
 from tests.bench import cache_cost as bench
 from tests.support.fake_provider import SECTIONS
 from tests.support.scripts import refusal

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.cli import main
-from storage.database import embedded_url
-from storage.store import Store
+from compactd.scheduler.cli import main
+from compactd.storage.database import embedded_url
+from compactd.storage.store import Store
 from tests.conftest import run_cli
 
 Cli = Callable[..., tuple[int, str, str]]

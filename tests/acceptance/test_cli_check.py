@@ -25,7 +25,7 @@ def _check(tmp_path: Path, config: dict[str, Any] | str, *args: str
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
     env.update(PYTHONPATH=str(REPO), COMPACTD_HOME=str(tmp_path), COMPACTD_CONFIG=str(path),
                **{FAKE_KEY_ENV: "sk-fake-test-key"})
-    return subprocess.run([sys.executable, "-m", "scheduler.cli", "check", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "compactd.scheduler.cli", "check", *args], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.conftest import run_cli as run
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.conftest import run_cli as run
 
 SAMPLE = coding_session(steps=16, big_output_lines=220)

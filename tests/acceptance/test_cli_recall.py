@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from storage.database import embedded_url
-from storage.store import Store
+from compactd.storage.database import embedded_url
+from compactd.storage.store import Store
+from compactd.worker.compaction.recall_tools import tools_document
 from tests.conftest import run_cli as run
 from tests.support.recall_sample import NEEDLE, needle_messages
 from tests.support.tables import row_counts
-from worker.compaction.recall_tools import tools_document
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

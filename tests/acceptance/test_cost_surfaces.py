@@ -11,12 +11,12 @@ import httpx
 import pytest
 import yaml
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
+from compactd.worker.cost import NO_USAGE, PRICED
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.metrics import scrape, value
 from tests.support.probes import free_port
-from worker.cost import NO_USAGE, PRICED
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

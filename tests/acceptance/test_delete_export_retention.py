@@ -15,9 +15,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.samples import coding_session
-from storage.deletion import DELETER
-from storage.errors import SessionNotFound
+from compactd.scheduler.samples import coding_session
+from compactd.storage.deletion import DELETER
+from compactd.storage.errors import SessionNotFound
 from tests.conftest import run_cli
 from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
 from tests.support.db import Db

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.bench import fleet as bench
 from tests.support.scripts import refusal
 

@@ -1,5 +1,5 @@
 """Flower in a real browser: Debian's chromium, headless, driven by Playwright (no downloaded
-browser). A real worker and ``celery -A worker.app flower`` on Redis; a compaction fails
+browser). A real worker and ``celery -A compactd.worker.app flower`` on Redis; a compaction fails
 because every candidate answers whitespace; an operator logs in with basic auth and finds the failed
 ``compaction.run`` and its failure class on the tasks page. The screenshot is kept under
 test-artifacts/ (gitignored).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.conftest import REPO, missing
 from tests.support.fake_provider import Behaviour
 from tests.support.probes import free_port, http_status, query
@@ -62,7 +62,7 @@ def test_flower_shows_the_failed_compaction_and_its_class(make_stack, fake, caps
     stack.ingest("s-flower", coding_session(steps=12, big_output_lines=30, seed=3).messages)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    stack.start("flower", [sys.executable, "-m", "celery", "-A", "worker.app", "flower",
+    stack.start("flower", [sys.executable, "-m", "celery", "-A", "compactd.worker.app", "flower",
                            f"--port={port}", "--address=127.0.0.1"],
                 env={"FLOWER_BASIC_AUTH": f"{USER}:{PASSWORD}"})
     wait_until(lambda: http_status(f"{url}/healthcheck") == 200 or stack.procs["flower"].poll()

@@ -1,4 +1,4 @@
-"""``celery -A worker.app flower`` as an operator types it: credentials from any of the
+"""``celery -A compactd.worker.app flower`` as an operator types it: credentials from any of the
 places Flower reads options (environment, command line, ``flowerconfig.py``), and no start
 without."""
 
@@ -25,7 +25,7 @@ def _env(tmp_path: Path, broker: str) -> dict[str, str]:
 
 def test_flower_refuses_to_start_without_authentication(tmp_path: Path) -> None:
     # Nothing listens on the broker's port: the refusal comes before any connection.
-    out = subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "flower",
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "compactd.worker.app", "flower",
                           "--port=0", "--address=127.0.0.1"],
                          env=_env(tmp_path, "redis://127.0.0.1:9/0"), cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
@@ -42,7 +42,7 @@ def test_flower_refuses_to_start_without_authentication(tmp_path: Path) -> None:
 ])
 def test_flower_refuses_an_empty_user_or_password(
         argv: tuple[str, ...], env: dict[str, str], tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "flower",
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "compactd.worker.app", "flower",
                           "--port=0", "--address=127.0.0.1", *argv],
                          env={**_env(tmp_path, "redis://127.0.0.1:9/0"), **env}, cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
@@ -57,7 +57,7 @@ def test_flower_takes_credentials_from_where_flower_reads_options(
         source: str, tmp_path: Path, clean_redis: str) -> None:
     port = free_port()
     env = _env(tmp_path, clean_redis)
-    argv = [sys.executable, "-m", "celery", "-A", "worker.app", "flower", f"--port={port}",
+    argv = [sys.executable, "-m", "celery", "-A", "compactd.worker.app", "flower", f"--port={port}",
             "--address=127.0.0.1"]
     if source == "environment":
         env["FLOWER_BASIC_AUTH"] = "ops:pw"

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from storage.messages import Message
-from storage.store import Store
+from compactd.storage.messages import Message
+from compactd.storage.store import Store
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.stack import Stack
 

@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
+from compactd.worker.compaction.render import AUTHORITY_CONTRACT
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.deerflow import LOADED_SKILL, active_skills, conversation
 from tests.support.fake_provider import FakeProvider
-from worker.compaction.render import AUTHORITY_CONTRACT
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

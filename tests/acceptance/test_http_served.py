@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
 from tests.support.stack import REPO, wait_until
 

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from scheduler.http.middleware import MAX_REQUEST_HEAD_BYTES
-from storage.recall_bounds import MAX_QUERY_BYTES
-from storage.store import Store
+from compactd.scheduler.http.middleware import MAX_REQUEST_HEAD_BYTES
+from compactd.storage.recall_bounds import MAX_QUERY_BYTES
+from compactd.storage.store import Store
 from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
 from tests.support.tables import row_counts
 

@@ -120,7 +120,7 @@ def test_the_served_api_has_no_interactive_docs_unless_asked_and_serves_openapi_
 def urgent_messages(redis_url: str) -> int:
     import redis
 
-    from worker.keys import QUEUE_URGENT
+    from compactd.worker.keys import QUEUE_URGENT
 
     client = redis.Redis.from_url(redis_url)
     try:
@@ -133,7 +133,7 @@ def test_forty_manual_compactions_of_one_session_queue_one_task_until_it_starts(
         make_stack) -> None:  # type: ignore[no-untyped-def]
     from concurrent.futures import ThreadPoolExecutor
 
-    from scheduler.samples import coding_session
+    from compactd.scheduler.samples import coding_session
 
     stack = make_stack(summarization={"model_name": "fake-gpt",
                                       "trigger": [{"type": "tokens", "value": 10_000_000}],
@@ -182,8 +182,8 @@ def test_api_cpu_processes_start_with_the_server_and_count_the_large_appends(
         make_stack, processes: int) -> None:  # type: ignore[no-untyped-def]
     import psutil
 
-    from scheduler.client import parse_messages
-    from storage.store import prepare_append
+    from compactd.scheduler.client import parse_messages
+    from compactd.storage.store import prepare_append
 
     stack = make_stack(summarization={"trigger": [{"type": "tokens", "value": 1_000_000_000}]})
     url = start_api(stack, api={"cpu_processes": processes})

@@ -27,10 +27,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from scheduler.client import CompactdClient
-from storage.kinds import NodeKind
+from compactd.scheduler.client import CompactdClient
+from compactd.storage.kinds import NodeKind
+from compactd.worker.settings import load_config
 from tests.support.stack import Stack
-from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

@@ -21,13 +21,13 @@ from langchain.agents.middleware.types import ModelRequest, ModelResponse
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from scheduler.langchain import CompactdMiddleware
-from storage.store import Store
+from compactd.scheduler.langchain import CompactdMiddleware
+from compactd.storage.store import Store
+from compactd.worker.compaction.render import LANGCHAIN_PREFIX
+from compactd.worker.settings import load_config
 from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour
 from tests.support.langchain_agents import assert_tool_pairs_whole
-from worker.compaction.render import LANGCHAIN_PREFIX
-from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

@@ -23,15 +23,15 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from scheduler.langchain import CompactdMiddleware
-from storage.kinds import RunCause, RunStatus
-from storage.records import RunRecord
-from storage.store import Store
+from compactd.scheduler.langchain import CompactdMiddleware
+from compactd.storage.kinds import RunCause, RunStatus
+from compactd.storage.records import RunRecord
+from compactd.storage.store import Store
+from compactd.worker.compaction.render import LANGCHAIN_PREFIX, render_surface
+from compactd.worker.settings import load_config
 from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour
 from tests.support.langchain_agents import assert_tool_pairs_whole
-from worker.compaction.render import LANGCHAIN_PREFIX, render_surface
-from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler.client import CompactdClient
-from storage.leads import ALL_POOLS
+from compactd.scheduler.client import CompactdClient
+from compactd.storage.leads import ALL_POOLS
+from compactd.worker.settings import load_config
 from tests.support.db import Db
 from tests.support.stack import Stack
-from worker.settings import load_config
 
 pytestmark = pytest.mark.slow
 

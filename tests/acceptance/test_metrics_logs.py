@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.samples import WORDS, coding_session
-from storage.kinds import JournalKind
-from storage.records import RunRecord, utcnow
+from compactd.scheduler.samples import WORDS, coding_session
+from compactd.storage.kinds import JournalKind
+from compactd.storage.records import RunRecord, utcnow
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.metrics import scrape, value
 from tests.support.probes import free_port, query
@@ -132,7 +132,7 @@ def mixed(pg_schema: str, redis_url: str, tmp_path_factory: pytest.TempPathFacto
         stack.kill("w2")
         wait_until(lambda: query(url, lambda s: s.get_session(ABANDONED)).lease_expires_at
                    < utcnow(), timeout=LEASE_S + 30, what="the dead worker's lease to expire")
-        subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "call",
+        subprocess.run([sys.executable, "-m", "celery", "-A", "compactd.worker.app", "call",
                         "compaction.reap"], env=stack.env, cwd=stack.home, check=True,
                        capture_output=True, timeout=60)
         wait_until(lambda: value(scrape(port), "compactd_lease_reaps_total") >= 1, timeout=60,
@@ -223,7 +223,7 @@ def test_every_log_line_of_a_run_carries_its_ids_and_no_secrets(mixed: Mixed) ->
         if sid == FAILS:
             assert finished[0]["level"] == "error"
             assert "CompactionFailed('summary: " in finished[0]["msg"]
-            fallback = [line for line in mine if line["logger"] == "worker.llm.fallback"]
+            fallback = [line for line in mine if line["logger"] == "compactd.worker.llm.fallback"]
             assert fallback and all(line["run_id"] == run.id for line in fallback)
         else:
             assert "succeeded" in finished[0]["msg"]

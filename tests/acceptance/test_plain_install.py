@@ -3,7 +3,7 @@
 The suite's own environment has the dev extra, whose tools bring packages of their own, so an
 import that only works because of them passes every other test and fails for a user. One did:
 kombu's Redis transport imports `packaging`, which kombu declares only under its `redis` extra,
-and `celery -A worker.app worker` died at start on a plain install (the Docker image's
+and `celery -A compactd.worker.app worker` died at start on a plain install (the Docker image's
 too).
 Here a fresh venv gets `pip install` of a copy of the repository, and its interpreter, with the
 repository off its path, imports every module and runs a queued compaction through a worker.
@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-import scheduler
-import storage
-import worker
-from scheduler.samples import coding_session
+from compactd import scheduler, storage, worker
+from compactd.scheduler.samples import coding_session
 from tests.support.stack import REPO, Stack
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,7 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 PACKAGES = {"storage": storage.__name__, "worker": worker.__name__,
             "scheduler": scheduler.__name__}
 # A module that needs an extra: the plain install leaves it out on purpose.
-NEEDS_AN_EXTRA = {"scheduler.langchain"}
+NEEDS_AN_EXTRA = {"compactd.scheduler.langchain"}
 COPY_IGNORES = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
                                       "dist", ".*_cache", ".hypothesis", "test-artifacts")
 

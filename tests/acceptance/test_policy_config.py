@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.conftest import run_cli as run
 
 WINDOW_1000 = "models: [{name: small, provider: openai, context_window: 1000}]\n"

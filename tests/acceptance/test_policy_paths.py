@@ -9,11 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from scheduler.client import Client
-from scheduler.samples import coding_session
+from compactd.scheduler.client import Client
+from compactd.scheduler.samples import coding_session
+from compactd.worker.settings import load_config
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.stack import Stack, fake_models, wait_until
-from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

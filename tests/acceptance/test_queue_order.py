@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.records import RunRecord
+from compactd.scheduler.samples import coding_session
+from compactd.storage.records import RunRecord
 from tests.support.db import Db
 from tests.support.fake_provider import FakeProvider
 from tests.support.probes import query

@@ -170,7 +170,7 @@ def test_the_compose_block_names_files_that_exist_and_a_config_that_loads() -> N
     assert mounted.is_file(), mounted
     compose = (REPO / "ops" / "compose.yaml").read_text(encoding="utf-8")
     assert "${COMPACTD_CONFIG_FILE:-" in compose and "FLOWER_BASIC_AUTH" in compose
-    from worker.settings import load_config
+    from compactd.worker.settings import load_config
 
     config = load_config({}, path=str(mounted))
     assert config.policy.model_name == "local"

@@ -1,5 +1,5 @@
 """The ``recallable`` layout on the user's path: ``summarization.layout: recallable`` in the
-config file, a real ``celery -A worker.app worker`` on PostgreSQL and Redis, the fake
+config file, a real ``celery -A compactd.worker.app worker`` on PostgreSQL and Redis, the fake
 provider over HTTP (index calls and state calls answered as a model would, or failed on
 purpose), runs asked for through the CLI; and ``compactd compact --inline`` on the embedded
 SQLite.
@@ -22,16 +22,16 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler.samples import coding_session
-from storage.kinds import JournalKind, LayoutRole, NodeKind
-from storage.recall import render_original
+from compactd.scheduler.samples import coding_session
+from compactd.storage.kinds import JournalKind, LayoutRole, NodeKind
+from compactd.storage.recall import render_original
+from compactd.worker.compaction.prompt import INDEX_MARK, SECTIONS
+from compactd.worker.compaction.recall import layout_role
 from tests.conftest import REPO
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack, wait_until
 from tests.support.worker_stack import db
-from worker.compaction.prompt import INDEX_MARK, SECTIONS
-from worker.compaction.recall import layout_role
 
 pytestmark = pytest.mark.slow
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
@@ -59,7 +59,7 @@ def more(steps: int, seed: int, prefix: str) -> list[dict[str, Any]]:
 
 
 def append(db: Db, sid: str, messages: list[dict[str, Any]]) -> None:
-    from storage.messages import parse_openai
+    from compactd.storage.messages import parse_openai
 
     db.run(lambda s: s.append(sid, [parse_openai(dict(m)) for m in messages]))
 
@@ -244,7 +244,7 @@ def test_inline_on_sqlite_plan_surface_and_verify(cli_env: dict[str, str],
     env = {**cli_env, "COMPACTD_CONFIG": str(config)}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([sys.executable, "-m", "scheduler.cli", *args], env=env,
+        out = subprocess.run([sys.executable, "-m", "compactd.scheduler.cli", *args], env=env,
                              capture_output=True, text=True, timeout=120, cwd=REPO)
         assert out.returncode == 0, out.stderr
         return out
@@ -284,7 +284,7 @@ def test_inline_on_sqlite_plan_surface_and_verify(cli_env: dict[str, str],
 async def test_an_overflow_report_runs_a_pass(make_stack: MakeStack, fake: FakeProvider) -> None:
     """A runtime's overflow report through the client: the forced plan is a pass (no prune
     applies here), so it is enqueued and answered with the smaller surface."""
-    from scheduler.client import CompactdClient
+    from compactd.scheduler.client import CompactdClient
     from tests.support.stack_sessions import config_of
 
     stack = make_stack(summarization=RECALLABLE)

@@ -1,7 +1,7 @@
 """A run's lifecycle tells the truth: what a worker, the CLI and the client report about a run is
 what it committed, and every run ends within its deadline.
 
-Real processes: ``celery -A worker.app worker`` subprocesses and the CLI against real
+Real processes: ``celery -A compactd.worker.app worker`` subprocesses and the CLI against real
 PostgreSQL and Redis, the fake provider over HTTP.
 """
 
@@ -21,10 +21,12 @@ import asyncpg
 import pytest
 import yaml
 
-from scheduler.client import CompactdClient
-from scheduler.samples import coding_session
-from storage.errors import ConfigError, SessionNotFound
-from storage.store import Store
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.samples import coding_session
+from compactd.storage.errors import ConfigError, SessionNotFound
+from compactd.storage.store import Store
+from compactd.worker.enqueue import RunRequest
+from compactd.worker.settings import load_config
 from tests.conftest import REPO, compactd_cmd, run_cli
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
@@ -32,8 +34,6 @@ from tests.support.metrics import scrape, value
 from tests.support.probes import free_port
 from tests.support.stack import FAKE_KEY_ENV, Stack, fake_models, wait_until
 from tests.support.worker_stack import db, enqueuer
-from worker.enqueue import RunRequest
-from worker.settings import load_config
 
 pytestmark = pytest.mark.slow
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import asyncpg
 import pytest
 
-from storage.messages import parse_openai
+from compactd.storage.messages import parse_openai
 from tests.support.db import Db
 from tests.support.stack import Stack
 

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.records import utcnow
+from compactd.scheduler.samples import coding_session
+from compactd.storage.records import utcnow
+from compactd.worker.pressure import sorted_runways
+from compactd.worker.settings import load_config
 from tests.support.fake_provider import FakeProvider
 from tests.support.metrics import scrape, value
 from tests.support.probes import free_port, query
 from tests.support.services import empty_database, flush_redis
 from tests.support.stack import Stack, wait_until
-from worker.pressure import sorted_runways
-from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -60,7 +60,7 @@ def test_a_sweep_exports_runway_queue_depth_and_signal_age(
         assert query(pg_schema, lambda s: s.mark_signal("pending", ttl_s=600, now=marked))
 
         swept = utcnow()
-        subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "call",
+        subprocess.run([sys.executable, "-m", "celery", "-A", "compactd.worker.app", "call",
                         "compaction.sweep"], env=stack.env, cwd=stack.home, check=True,
                        capture_output=True, timeout=60)
 

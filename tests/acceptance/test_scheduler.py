@@ -24,16 +24,16 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from scheduler.client import Client, CompactdClient, SessionHandle, SyncSession
-from scheduler.samples import coding_session, iter_steps
-from storage.kinds import ItemState
-from storage.messages import parse_openai
-from storage.records import Claim
-from storage.store import Store
+from compactd.scheduler.client import Client, CompactdClient, SessionHandle, SyncSession
+from compactd.scheduler.samples import coding_session, iter_steps
+from compactd.storage.kinds import ItemState
+from compactd.storage.messages import parse_openai
+from compactd.storage.records import Claim
+from compactd.storage.store import Store
+from compactd.worker.keys import QUEUES
 from tests.support.stack import Stack, wait_until
 from tests.support.stack_sessions import POLICY, TRIGGER, config_of, many_sessions
 from tests.support.tables import row_counts
-from worker.keys import QUEUES
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -448,7 +448,7 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
             steps=20, big_output_lines=30, call_prefix="live").messages])
 
         # No worker yet: the first half of the fan-out piles up on compaction.bulk.
-        first = stack.start("recompact-1", [sys.executable, "-m", "scheduler.cli",
+        first = stack.start("recompact-1", [sys.executable, "-m", "compactd.scheduler.cli",
                                             "recompact", "--tenant", "default", "--force", "--rate",
                                             f"{rate}/s", "--chunk", "10", "--json"])
 
@@ -470,7 +470,7 @@ async def test_recompact_at_a_rate_killed_and_resumed_compacts_each_session_once
         stuck = await store.claim(stuck_id, owner="dead-worker", trigger="pressure", lease_s=5.0)
         assert isinstance(stuck, Claim)
         resume = subprocess.Popen(
-            [sys.executable, "-m", "scheduler.cli", "recompact", "--resume", job_id,
+            [sys.executable, "-m", "compactd.scheduler.cli", "recompact", "--resume", job_id,
              "--json"],
             env=stack.env, cwd=stack.home, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)

@@ -16,12 +16,12 @@ import anthropic
 import openai
 import pytest
 
-from scheduler.client import CompactdClient
+from compactd.scheduler.client import CompactdClient
+from compactd.worker.compaction.sharing import WIRE_KEYS
+from compactd.worker.settings import load_config
 from tests.support.db import Db
 from tests.support.fake_provider import FakeProvider, RequestRecord
 from tests.support.stack import Stack
-from worker.compaction.sharing import WIRE_KEYS
-from worker.settings import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.kinds import NodeKind
+from compactd.scheduler.samples import coding_session
+from compactd.storage.kinds import NodeKind
+from compactd.worker.compaction.render import checkpoint_parts
+from compactd.worker.compaction.validation import missing_sections
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack
 from tests.support.turns import parse_turns
-from worker.compaction.render import checkpoint_parts
-from worker.compaction.validation import missing_sections
 
 pytestmark = pytest.mark.slow
 

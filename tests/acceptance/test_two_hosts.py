@@ -1,4 +1,4 @@
-"""Workers on two hosts share nothing but PostgreSQL and Redis: two ``celery -A worker.app
+"""Workers on two hosts share nothing but PostgreSQL and Redis: two ``celery -A compactd.worker.app
 worker`` processes with their own node names and their own ``COMPACTD_HOME`` (config file,
 broker-free state), one database and one broker, racing on the same sessions. While they run, a
 poller reads the sessions' lease columns and the runs in flight; at no moment may a session have
@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.client import CompactdClient
-from scheduler.samples import coding_session, iter_steps
-from storage.kinds import JournalKind
-from storage.records import RunRecord, utcnow
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.samples import coding_session, iter_steps
+from compactd.storage.kinds import JournalKind
+from compactd.storage.records import RunRecord, utcnow
+from compactd.worker.app import make_app
+from compactd.worker.enqueue import Enqueuer, RunRequest
+from compactd.worker.settings import load_config
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour
 from tests.support.stack import Stack, wait_until
-from worker.app import make_app
-from worker.enqueue import Enqueuer, RunRequest
-from worker.settings import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.support.stack import REPO, Stack
 
 pytestmark = pytest.mark.timeout(600)

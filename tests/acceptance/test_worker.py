@@ -1,4 +1,4 @@
-"""The worker with real processes: ``celery -A worker.app worker`` subprocesses, real Redis
+"""The worker with real processes: ``celery -A compactd.worker.app worker`` subprocesses, real Redis
 and PostgreSQL, the fake provider over HTTP.
 
 Sessions are seeded and inspected through the store directly (``tests.support.db``): a CLI
@@ -24,18 +24,18 @@ from typing import Any
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.kinds import NodeKind
-from storage.messages import Message
-from storage.records import RunRecord
-from storage.store import Store
+from compactd.scheduler.samples import coding_session
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import Message
+from compactd.storage.records import RunRecord
+from compactd.storage.store import Store
+from compactd.worker.enqueue import RunRequest
 from tests.conftest import missing
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.probes import free_port
 from tests.support.stack import Stack, wait_until
 from tests.support.worker_stack import db, enqueuer
-from worker.enqueue import RunRequest
 
 pytestmark = pytest.mark.slow
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
@@ -110,7 +110,7 @@ def test_two_workers_one_session_exactly_one_commits(
     # Started without -P: the configured threads pool is what runs.
     assert "concurrency: 1 (thread)" in stack.log("w1")
     def compact() -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "scheduler.cli", "compact", "s1",
+        return subprocess.Popen([sys.executable, "-m", "compactd.scheduler.cli", "compact", "s1",
                                  "--wait", "--json"], env=stack.env, cwd=stack.home,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -520,7 +520,7 @@ def test_worker_survives_a_redis_outage_with_a_run_in_flight(
                   worker={"lease_s": 10})
     try:
         fake.script(Behaviour(model="fake-gpt", latency_s=8.0, times=1))
-        worker = stack.start("w1", [stack.python, "-m", "celery", "-A", "worker.app",
+        worker = stack.start("w1", [stack.python, "-m", "celery", "-A", "compactd.worker.app",
                                     "worker", "-Q", "compaction.urgent,compaction.pressure,"
                                     "compaction.bulk", "--concurrency", "4", "-l", "INFO"])
         wait_until(lambda: worker.poll() is not None or "ready" in stack.log("w1"),
@@ -566,7 +566,7 @@ def test_demo_compacts_without_postgres_or_redis(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     env["COMPACTD_HOME"] = str(tmp_path)
-    argv = [sys.executable, "-m", "scheduler.cli", "demo", "--json"]
+    argv = [sys.executable, "-m", "compactd.scheduler.cli", "demo", "--json"]
     isolated = _no_network_prefix()
     out = subprocess.run([*isolated, *argv], env=env, capture_output=True, text=True,
                          timeout=180, cwd=tmp_path)

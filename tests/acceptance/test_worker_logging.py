@@ -1,5 +1,5 @@
 """The log level an operator gives Celery on the command line is the worker's: ``celery -A
-worker.app worker --loglevel LEVEL`` on a real worker that runs a compaction."""
+compactd.worker.app worker --loglevel LEVEL`` on a real worker that runs a compaction."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.samples import coding_session
+from compactd.scheduler.samples import coding_session
 from tests.support.stack import Stack, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -31,7 +31,7 @@ def _levels(stack: Stack, name: str) -> set[str]:
 def test_the_command_line_loglevel_is_the_workers(make_stack: Any, level: str) -> None:
     stack: Stack = make_stack(summarization=POLICY)
     stack.ingest("lv", coding_session(steps=12, big_output_lines=20).messages)
-    worker = stack.start("w1", [stack.python, "-m", "celery", "-A", "worker.app", "worker",
+    worker = stack.start("w1", [stack.python, "-m", "celery", "-A", "compactd.worker.app", "worker",
                                 "-Q", "compaction.urgent,compaction.pressure,compaction.bulk",
                                 "--concurrency", "2", "--without-gossip", "--without-mingle",
                                 "--loglevel", level])

@@ -5,7 +5,7 @@
 
 An agent appends to its session at ``--rate`` messages per second, one append at a time, through
 the store (on PostgreSQL, one call of the ``compactd_append`` function). A real worker process
-(``celery -A worker.app worker``) compacts the same session: each round the benchmark
+(``celery -A compactd.worker.app worker``) compacts the same session: each round the benchmark
 appends for ``--window`` seconds with no run in flight, then enqueues a manual compaction
 and keeps appending until the run has ended. The fake provider (a subprocess, ``--latency``
 seconds per call) holds each run's model call, so most of a run is the wait the lease
@@ -43,16 +43,16 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler.samples import coding_session  # noqa: E402
-from storage.messages import Message, parse_openai  # noqa: E402
-from storage.store import Store  # noqa: E402
+from compactd.scheduler.samples import coding_session  # noqa: E402
+from compactd.storage.messages import Message, parse_openai  # noqa: E402
+from compactd.storage.store import Store  # noqa: E402
+from compactd.worker.app import make_app  # noqa: E402
+from compactd.worker.enqueue import Enqueuer, RunRequest  # noqa: E402
+from compactd.worker.settings import load_config  # noqa: E402
 from tests.support.bulky import access_log  # noqa: E402
 from tests.support.fake_provider import fake_provider_process  # noqa: E402
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
-from worker.app import make_app  # noqa: E402
-from worker.enqueue import Enqueuer, RunRequest  # noqa: E402
-from worker.settings import load_config  # noqa: E402
 
 SESSION = "bench-appends"
 POLICY = {"trigger": [{"type": "tokens", "value": 3000}], "keep": {"type": "messages",

@@ -43,8 +43,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from storage.messages import Message, ToolCall
-from storage.store import Store
+from compactd.storage.messages import Message, ToolCall
+from compactd.storage.store import Store
 from tests.bench.common import (
     analyze,
     calibrate_pg,

@@ -30,7 +30,7 @@ much the fake chose to write:
   state. Its agent calls answer at once (nothing it does depends on time); the seconds its
   summary calls take are its agent's stall.
 * ``before``: compactd with every switch of issue 27's mechanisms off, a REAL worker
-  (``celery -A worker.app worker``, PostgreSQL, Redis) compacting in the background. The
+  (``celery -A compactd.worker.app worker``, PostgreSQL, Redis) compacting in the background. The
   agent appends the step through the runtime client, polls, and re-reads the surface only when the
   version moved; its request is the surface it holds. It never waits for a compaction.
 * ``after``: the same with compactd's defaults (``COMPACTD_SIDES``). While the two sides set the
@@ -109,12 +109,16 @@ from langchain_core.messages import AnyMessage  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
 
-from scheduler import args as cli_types  # noqa: E402
-from scheduler.client import CompactdClient, parse_messages  # noqa: E402
-from storage.errors import ConfigError  # noqa: E402
-from storage.kinds import RunStatus  # noqa: E402
-from storage.store import envelope_tokens  # noqa: E402
-from storage.tokens import counter_for  # noqa: E402
+from compactd.scheduler import args as cli_types  # noqa: E402
+from compactd.scheduler.client import CompactdClient, parse_messages  # noqa: E402
+from compactd.storage.errors import ConfigError  # noqa: E402
+from compactd.storage.kinds import RunStatus  # noqa: E402
+from compactd.storage.store import envelope_tokens  # noqa: E402
+from compactd.storage.tokens import counter_for  # noqa: E402
+from compactd.worker.compaction.policy import DEFAULT_INDEX_MAX_TOKENS  # noqa: E402
+from compactd.worker.compaction.prompt import SUMMARY_RULES  # noqa: E402
+from compactd.worker.cost import Billed, Price, cost_usd  # noqa: E402
+from compactd.worker.settings import load_config  # noqa: E402
 from tests.bench.common import (  # noqa: E402
     DEFAULT_CORPUS,
     REDIS_URL,
@@ -145,10 +149,6 @@ from tests.support.fake_provider import (  # noqa: E402
 )
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack, fake_models  # noqa: E402
-from worker.compaction.policy import DEFAULT_INDEX_MAX_TOKENS  # noqa: E402
-from worker.compaction.prompt import SUMMARY_RULES  # noqa: E402
-from worker.cost import Billed, Price, cost_usd  # noqa: E402
-from worker.settings import load_config  # noqa: E402
 
 AGENT_MODEL = "fake-gpt"
 SUMMARY_MODEL = "fake-mini"

@@ -134,7 +134,7 @@ class CommitProbe:
 
 
 def prepare_sqlite(directory: Path) -> str:
-    from storage.migrate import upgrade
+    from compactd.storage.migrate import upgrade
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "compactd.sqlite3"

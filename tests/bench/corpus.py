@@ -104,12 +104,18 @@ from langchain.agents.middleware.types import ModelRequest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
 
-import worker.chains as chains
-import worker.orchestration as orchestration
-from scheduler.samples import coding_session
-from storage.kinds import JournalKind, NodeKind
-from storage.messages import Message, from_payload, parse
-from storage.tokens import counter_for
+import compactd.worker.chains as chains
+import compactd.worker.orchestration as orchestration
+from compactd.scheduler.samples import coding_session
+from compactd.storage.kinds import JournalKind, NodeKind
+from compactd.storage.messages import Message, from_payload, parse
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.render import render_surface
+from compactd.worker.llm.errors import LocalSummaryError
+from compactd.worker.llm.local import summarize_local, tool_result_facts
+from compactd.worker.pressure import over_trigger
+from compactd.worker.runtime import build_deps
+from compactd.worker.settings import Settings, build_config
 from tests.bench.common import (
     DEFAULT_CORPUS,
     machine,
@@ -128,12 +134,6 @@ from tests.bench.peers import (
     to_openai,
 )
 from tests.support.pairs import request_problems
-from worker.compaction.render import render_surface
-from worker.llm.errors import LocalSummaryError
-from worker.llm.local import summarize_local, tool_result_facts
-from worker.pressure import over_trigger
-from worker.runtime import build_deps
-from worker.settings import Settings, build_config
 
 LONG_TARGETS = (30_000, 60_000, 100_000, 150_000)
 MAX_SUMMARY_TOKENS = 2000
@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no transcripts under {args.corpus}", file=sys.stderr)
         return 2
     # The orchestration logs every loop-guard flag; here sessions are driven in process.
-    logging.getLogger("worker").setLevel(logging.ERROR)
+    logging.getLogger("compactd.worker").setLevel(logging.ERROR)
     info = machine()
     triggers = [int(t) for t in args.triggers.split(",") if t.strip()]
     sessions = all_sessions(args.corpus, args.limit)
@@ -703,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
                    "trim_tokens_to_summarize": args.trim,
                    "max_summary_tokens": MAX_SUMMARY_TOKENS,
                    "clear_tool_uses": {"trigger": triggers[0] // 2, "keep": CLEAR_KEEP},
-                   "summarizer": "worker.llm.local.summarize_local (both sides)",
+                   "summarizer": "compactd.worker.llm.local.summarize_local (both sides)",
                    "token_counter": "o200k (compactd's, both sides)"},
         **{side: head[side] for side in SIDES},
         "goals": head["goals"], "ok": all(all(r["goals"].values()) for r in results),

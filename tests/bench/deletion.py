@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from storage.messages import Message, ToolCall  # noqa: E402
-from storage.store import Store  # noqa: E402
+from compactd.storage.messages import Message, ToolCall  # noqa: E402
+from compactd.storage.store import Store  # noqa: E402
 from tests.bench.common import (  # noqa: E402
     machine,
     machine_line,
@@ -119,7 +119,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         env = {**os.environ, "COMPACTD_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
         started = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler.cli", "delete", "big", "--json", env=env,
+            sys.executable, "-m", "compactd.scheduler.cli", "delete", "big", "--json", env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = await proc.communicate()
         delete_s = time.perf_counter() - started

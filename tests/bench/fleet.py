@@ -6,7 +6,7 @@
 
 What runs: ``--agents`` asyncio tasks in this process, each an agent driven through the real
 runtime client (``scheduler.client.CompactdClient``, one per process as a runtime has it),
-``--workers`` real ``celery -A worker.app worker`` processes (threads pool,
+``--workers`` real ``celery -A compactd.worker.app worker`` processes (threads pool,
 ``--concurrency`` slots each) and one ``celery beat``, PostgreSQL, Redis, and the fake
 provider in a process of its own answering every summary call after ``--latency`` seconds,
 over HTTP through the openai SDK.
@@ -111,13 +111,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler import args as cli_types  # noqa: E402
-from scheduler.client import CompactdClient, SessionHandle  # noqa: E402
-from scheduler.samples import SampleSession, coding_session, iter_steps  # noqa: E402
-from storage.messages import parse  # noqa: E402
-from storage.records import RunRecord  # noqa: E402
-from storage.store import Store, envelope_tokens  # noqa: E402
-from storage.tokens import counter_for  # noqa: E402
+from compactd.scheduler import args as cli_types  # noqa: E402
+from compactd.scheduler.client import CompactdClient, SessionHandle  # noqa: E402
+from compactd.scheduler.samples import SampleSession, coding_session, iter_steps  # noqa: E402
+from compactd.storage.messages import parse  # noqa: E402
+from compactd.storage.records import RunRecord  # noqa: E402
+from compactd.storage.store import Store, envelope_tokens  # noqa: E402
+from compactd.storage.tokens import counter_for  # noqa: E402
+from compactd.worker.keys import QUEUE_PRESSURE, QUEUE_URGENT  # noqa: E402
+from compactd.worker.settings import LoopGuardConfig, load_config  # noqa: E402
 from tests.bench.common import (  # noqa: E402
     DEFAULT_CORPUS,
     REDIS_URL,
@@ -135,8 +137,6 @@ from tests.support.fake_provider import (  # noqa: E402
 )
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack  # noqa: E402
-from worker.keys import QUEUE_PRESSURE, QUEUE_URGENT  # noqa: E402
-from worker.settings import LoopGuardConfig, load_config  # noqa: E402
 
 RUN_MODEL = "fake-gpt"
 WINDOW_TOKENS = 16_000
@@ -159,7 +159,7 @@ RUN_LENGTH_MARGIN = 1.2
 # than the fleet they stand for (the agents' own process is saturated): the fleet measured is
 # smaller than its size says, so the size is not counted as held.
 MIN_PACE = 0.9
-GENERATED = "generated: scheduler.samples.coding_session"
+GENERATED = "generated: compactd.scheduler.samples.coding_session"
 GENERATED_OUTPUT_LINES = (20, 40, 60)
 GENERATED_SEEDS = 4
 

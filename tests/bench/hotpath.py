@@ -46,7 +46,7 @@ What one timed step is:
   then ``SessionHandle.poll(since_version=...)`` (one primary-key read). When the version moved
   for any reason other than the loop's own append, the loop re-reads the surface
   (``surface(render="langchain")``) and replaces its message list. A real Celery worker
-  subprocess (``celery -A worker.app worker``) compacts in the background against the same
+  subprocess (``celery -A compactd.worker.app worker``) compacts in the background against the same
   PostgreSQL and Redis, summarizing through the openai SDK against the same fake.
 
 Reported per side: step latency p50 / p99 / max, total wall time (think time included on both
@@ -96,8 +96,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from langchain.agents.middleware import SummarizationMiddleware
 
-from scheduler.client import CompactdClient
-from scheduler.samples import coding_session, iter_steps
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.samples import coding_session, iter_steps
+from compactd.worker.settings import load_config
 from tests.bench.common import (
     REDIS_URL,
     CommitProbe,
@@ -115,7 +116,6 @@ from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import RemoteFake, fake_provider_process
 from tests.support.services import flush_redis
 from tests.support.stack import Stack
-from worker.settings import load_config
 
 P50_GOAL_MS = 1.0
 P99_GOAL_MS = 5.0

@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from storage.messages import read_jsonl  # noqa: E402
-from storage.tokens import counter_for  # noqa: E402
-from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS  # noqa: E402
-from worker.llm.local import (  # noqa: E402
+from compactd.storage.messages import read_jsonl  # noqa: E402
+from compactd.storage.tokens import counter_for  # noqa: E402
+from compactd.worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS  # noqa: E402
+from compactd.worker.llm.local import (  # noqa: E402
     SECTIONS,
     find_exception_names,
     find_paths,

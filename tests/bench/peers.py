@@ -25,7 +25,7 @@ from langchain_core.messages import (
 )
 from langgraph.graph.message import add_messages
 
-from storage.messages import Message, parse
+from compactd.storage.messages import Message, parse
 
 SUMMARY_SOURCE = "summarization"  # additional_kwargs["lc_source"] of the peer's summary message
 SUMMARY_PREFIX = "Here is a summary of the conversation to date:\n\n"

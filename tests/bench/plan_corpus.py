@@ -36,13 +36,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from storage.messages import read_jsonl  # noqa: E402
-from storage.surface import SurfaceNode  # noqa: E402
-from storage.tokens import counter_for  # noqa: E402
+from compactd.storage.messages import read_jsonl  # noqa: E402
+from compactd.storage.surface import SurfaceNode  # noqa: E402
+from compactd.storage.tokens import counter_for  # noqa: E402
+from compactd.worker.compaction.planner import Plan, plan  # noqa: E402
+from compactd.worker.compaction.policy import Policy, parse_policy  # noqa: E402
+from compactd.worker.compaction.prompt import build_prompt  # noqa: E402
 from tests.support.pairs import cut_problems, json_rows, node_rows  # noqa: E402
-from worker.compaction.planner import Plan, plan  # noqa: E402
-from worker.compaction.policy import Policy, parse_policy  # noqa: E402
-from worker.compaction.prompt import build_prompt  # noqa: E402
 
 POLICY = {"trigger": {"type": "tokens", "value": 1500}, "keep": {"type": "messages", "value": 4}}
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
@@ -118,7 +118,7 @@ def run_cli(files: list[Path], corpus: Path) -> tuple[Counter[str], dict[str, li
 
     import yaml
 
-    from scheduler.cli import main as compactd
+    from compactd.scheduler.cli import main as compactd
 
     def call(*args: str) -> str:
         out = io.StringIO()

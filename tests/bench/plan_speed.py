@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from storage.messages import Message, ToolCall
-from storage.surface import SurfaceNode
-from worker.compaction.planner import plan
-from worker.compaction.policy import parse_policy
+from compactd.storage.messages import Message, ToolCall
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.planner import plan
+from compactd.worker.compaction.policy import parse_policy
 
 SIZES = (500, 1000, 2000, 4000)
 TOKENS_PER_MESSAGE = 100

@@ -72,12 +72,17 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from storage.kinds import NodeKind, RunCause, RunStatus  # noqa: E402
-from storage.messages import Message, parse, parse_openai  # noqa: E402
-from storage.migrate import upgrade  # noqa: E402
-from storage.recall import render_original  # noqa: E402
-from storage.records import AppendResult  # noqa: E402
-from storage.store import Store  # noqa: E402
+from compactd.storage.kinds import NodeKind, RunCause, RunStatus  # noqa: E402
+from compactd.storage.messages import Message, parse, parse_openai  # noqa: E402
+from compactd.storage.migrate import upgrade  # noqa: E402
+from compactd.storage.recall import render_original  # noqa: E402
+from compactd.storage.records import AppendResult  # noqa: E402
+from compactd.storage.store import Store  # noqa: E402
+from compactd.worker.compaction.render import render_surface  # noqa: E402
+from compactd.worker.orchestration import compact  # noqa: E402
+from compactd.worker.pressure import over_trigger  # noqa: E402
+from compactd.worker.runtime import Deps, open_deps  # noqa: E402
+from compactd.worker.settings import Settings, build_config  # noqa: E402
 from tests.bench.common import (  # noqa: E402
     DEFAULT_CORPUS,
     machine,
@@ -90,11 +95,6 @@ from tests.bench.common import (  # noqa: E402
     write_json,
 )
 from tests.bench.corpus import Session, all_sessions, context_text, wire  # noqa: E402
-from worker.compaction.render import render_surface  # noqa: E402
-from worker.orchestration import compact  # noqa: E402
-from worker.pressure import over_trigger  # noqa: E402
-from worker.runtime import Deps, open_deps  # noqa: E402
-from worker.settings import Settings, build_config  # noqa: E402
 
 POLICY = {"trigger": [{"type": "tokens", "value": 2_000}],
           "keep": {"type": "messages", "value": 12}}
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="fuzzy searches per corpus session, after its dropped facts")
     args = parser.parse_args(argv)
     # The orchestration logs every loop-guard flag; here sessions are driven in process.
-    logging.getLogger("worker").setLevel(logging.ERROR)
+    logging.getLogger("compactd.worker").setLevel(logging.ERROR)
     for name in ("queries", "corpus_limit", "corpus_queries"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")

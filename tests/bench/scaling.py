@@ -38,7 +38,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from storage.store import Store
+from compactd.storage.store import Store
+from compactd.worker.compaction.planner import plan
+from compactd.worker.compaction.policy import parse_policy
 from tests.bench.append_scaling import call, prepare_sessions, result, timed
 from tests.bench.common import (
     calibrate_pg,
@@ -51,8 +53,6 @@ from tests.bench.common import (
     print_table,
     write_json,
 )
-from worker.compaction.planner import plan
-from worker.compaction.policy import parse_policy
 
 SIZES = (100, 1_000, 10_000)
 POLLS = 200

@@ -37,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import sqlalchemy as sa
 
-from storage import schema as t
-from storage.records import utcnow
-from storage.store import Store
+from compactd.storage import schema as t
+from compactd.storage.records import utcnow
+from compactd.storage.store import Store
+from compactd.worker.settings import Config, Settings, build_config
+from compactd.worker.sweeps import sweep_pressure
 from tests.bench.common import (
     analyze,
     machine,
@@ -52,8 +54,6 @@ from tests.bench.common import (
     write_json,
 )
 from tests.support.enqueuer import RecordingEnqueuer
-from worker.settings import Config, Settings, build_config
-from worker.sweeps import sweep_pressure
 
 SIZES = (1_000, 10_000, 100_000)
 HOT = 100

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from anyio.from_thread import start_blocking_portal
 
-from worker.runtime import EventLoopThread
+from compactd.worker.runtime import EventLoopThread
 
 
 async def nothing() -> None:

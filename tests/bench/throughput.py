@@ -8,7 +8,7 @@ so the workers talk to it over real HTTP through the real SDKs and do not share 
 measurement. For each worker count the benchmark empties the database (PostgreSQL:
 ``COMPACTD_TEST_DATABASE_URL``, which it TRUNCATEs, so never point it at real data) and the Redis
 database (``COMPACTD_TEST_REDIS_URL``, flushed), ingests ``--sessions`` generated coding sessions of
-about 20k tokens each through the store, starts the workers (``celery -A worker.app
+about 20k tokens each through the store, starts the workers (``celery -A compactd.worker.app
 worker``, the threads pool, ``--concurrency`` each), enqueues one pressure run per session at
 once, and waits for every run to end.
 
@@ -62,15 +62,15 @@ if str(ROOT) not in sys.path:
 
 import sqlalchemy as sa  # noqa: E402
 
-from scheduler.samples import coding_session  # noqa: E402
-from storage.messages import Message, parse_openai  # noqa: E402
-from storage.store import Store  # noqa: E402
+from compactd.scheduler.samples import coding_session  # noqa: E402
+from compactd.storage.messages import Message, parse_openai  # noqa: E402
+from compactd.storage.store import Store  # noqa: E402
+from compactd.worker.app import make_app  # noqa: E402
+from compactd.worker.enqueue import Enqueuer, RunRequest  # noqa: E402
+from compactd.worker.settings import load_config  # noqa: E402
 from tests.support.fake_provider import RemoteFake, fake_provider_process  # noqa: E402
 from tests.support.services import flush_redis, reset_database  # noqa: E402
 from tests.support.stack import Stack, wait_until  # noqa: E402
-from worker.app import make_app  # noqa: E402
-from worker.enqueue import Enqueuer, RunRequest  # noqa: E402
-from worker.settings import load_config  # noqa: E402
 
 # About 22k tokens: a prune (six large tool results cut) that leaves it over the trigger, then
 # one summary call replacing ~16k tokens.

@@ -13,9 +13,9 @@ from celery import Celery
 from kombu import Queue
 from kombu.transport import redis as kombu_redis
 
-from worker.app import make_app
-from worker.broker import Channel
-from worker.settings import Settings, build_config
+from compactd.worker.app import make_app
+from compactd.worker.broker import Channel
+from compactd.worker.settings import Settings, build_config
 
 
 def app_for(broker_url: str, home: Path) -> Celery:

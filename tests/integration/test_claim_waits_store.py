@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from storage.database import deadline
-from storage.errors import DeadlinePassed, LockNotAvailable
-from storage.messages import parse_openai
-from storage.records import Claim
-from storage.store import Store
+from compactd.storage.database import deadline
+from compactd.storage.errors import DeadlinePassed, LockNotAvailable
+from compactd.storage.messages import parse_openai
+from compactd.storage.records import Claim
+from compactd.storage.store import Store
 from tests.support.locks import session_row_locked
 
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from storage.errors import CompactdError
-from storage.kinds import NodeKind
-from storage.messages import Message, parse_openai
-from storage.records import Claim, Replacement, RunEnd
-from storage.store import Store
+from compactd.storage.errors import CompactdError
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.records import Claim, Replacement, RunEnd
+from compactd.storage.store import Store
 
 T0 = dt.datetime(2026, 12, 6, 8, 0, tzinfo=dt.UTC)
 RUN_ID = re.compile(r"\b[0-9a-f]{32}\b")

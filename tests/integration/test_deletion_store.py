@@ -11,20 +11,20 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from scheduler.client import CompactdClient
-from scheduler.samples import coding_session
-from storage import schema as t
-from storage.database import snapshot, transaction
-from storage.deletion import DELETER, SESSION_TABLES
-from storage.errors import LeaseLost, SessionNotFound
-from storage.messages import parse_openai
-from storage.records import Claim, Replacement, utcnow
-from storage.store import Store
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.samples import coding_session
+from compactd.storage import schema as t
+from compactd.storage.database import snapshot, transaction
+from compactd.storage.deletion import DELETER, SESSION_TABLES
+from compactd.storage.errors import LeaseLost, SessionNotFound
+from compactd.storage.messages import parse_openai
+from compactd.storage.records import Claim, Replacement, utcnow
+from compactd.storage.store import Store
+from compactd.worker.orchestration import compact
+from compactd.worker.retention import RETENTION_RUN, purge_expired
+from compactd.worker.runtime import Deps, open_deps
+from compactd.worker.settings import RetentionConfig, Settings, build_config
 from tests.support.tables import session_row_counts, session_tables
-from worker.orchestration import compact
-from worker.retention import RETENTION_RUN, purge_expired
-from worker.runtime import Deps, open_deps
-from worker.settings import RetentionConfig, Settings, build_config
 
 POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
           "keep": {"type": "messages", "value": 12}}

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.cli import main
-from storage.migrate import upgrade
-from storage.store import Store
+from compactd.scheduler.cli import main
+from compactd.storage.migrate import upgrade
+from compactd.storage.store import Store
 from tests.support.asgi import A, api_config, serve_app
 from tests.support.services import (
     create_database_sync,
@@ -152,7 +152,7 @@ async def test_a_broker_error_over_http_says_retry_and_logs_the_broker_without_i
         assert response.status_code == 503, response.text
         assert response.json()["message"] == "the broker cannot be reached; retry"
     logged = "\n".join(r.getMessage() for r in caplog.records
-                       if r.name.startswith("scheduler.http"))
+                       if r.name.startswith("compactd.scheduler.http"))
     assert "the broker cannot be reached at redis://compactd:***@127.0.0.1:1/0" in logged
     assert "hunter2" not in logged
 
@@ -167,5 +167,5 @@ async def test_a_database_that_cannot_be_reached_is_503_without_its_address(
             assert response.status_code == 503, response.text
             assert response.json()["message"] == "the database cannot be reached; retry"
     logged = "\n".join(r.getMessage() for r in caplog.records
-                       if r.name.startswith("scheduler.http"))
+                       if r.name.startswith("compactd.scheduler.http"))
     assert "the database cannot be reached" in logged and "hunter2" not in logged

@@ -11,7 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from storage.tokens import counter_for
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.prompt import INDEX_MARK
+from compactd.worker.llm import Candidate, ProviderPool, RetryPolicy, SummaryRequest, summarize
+from compactd.worker.settings import ModelSpec
 from tests.support.fake_provider import (
     Behaviour,
     FakeProvider,
@@ -19,9 +22,6 @@ from tests.support.fake_provider import (
     fake_index_entry,
     fake_summary,
 )
-from worker.compaction.prompt import INDEX_MARK
-from worker.llm import Candidate, ProviderPool, RetryPolicy, SummaryRequest, summarize
-from worker.settings import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNTER = counter_for(None)

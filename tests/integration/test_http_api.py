@@ -18,9 +18,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from scheduler.http import API_PREFIX, create_app
-from storage.errors import ConfigError
-from storage.store import Store
+from compactd.scheduler.http import API_PREFIX, create_app
+from compactd.storage.errors import ConfigError
+from compactd.storage.store import Store
+from compactd.worker.settings import Settings, build_config
 from tests.support.asgi import (
     MAX_BODY,
     SESSIONLESS,
@@ -31,7 +32,6 @@ from tests.support.asgi import (
     api_config,
     serve_app,
 )
-from worker.settings import Settings, build_config
 
 
 @pytest.fixture
@@ -349,7 +349,7 @@ def test_serve_refuses_to_start_without_a_token(cli_env: dict[str, str], tmp_pat
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "scheduler.cli", "serve", "--port", "0"],
+    out = subprocess.run([sys.executable, "-m", "compactd.scheduler.cli", "serve", "--port", "0"],
                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "api.tokens: no bearer token is configured" in out.stderr
@@ -363,10 +363,10 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
         api: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    import scheduler.http.bodies
-    from scheduler.client import parse_messages
-    from scheduler.http.state import OFFLOAD_BYTES
-    from storage.store import prepare_append
+    import compactd.scheduler.http.bodies
+    from compactd.scheduler.client import parse_messages
+    from compactd.scheduler.http.state import OFFLOAD_BYTES
+    from compactd.storage.store import prepare_append
 
     threads: list[str] = []
 
@@ -375,7 +375,7 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
         return prepare_append(*args, **kwargs)
 
     # Seen only in the server's own process: PostgreSQL batches are prepared in a CPU process.
-    monkeypatch.setattr(scheduler.http.bodies, "prepare_append", spied)
+    monkeypatch.setattr(compactd.scheduler.http.bodies, "prepare_append", spied)
     await api.create("big", A, run_model="gpt-4o")
     messages: list[dict[str, Any]] = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]},
@@ -408,7 +408,7 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
 ])
 async def test_a_large_append_with_one_bad_message_is_422_naming_it_and_writes_nothing(
         api: Served, bad: dict[str, Any], field: str) -> None:
-    from scheduler.http.state import OFFLOAD_BYTES
+    from compactd.scheduler.http.state import OFFLOAD_BYTES
 
     await api.create("big", A)
     messages = [{"role": "user", "content": "filler " * 12} for _ in range(400)] + [bad]
@@ -421,7 +421,7 @@ async def test_a_large_append_with_one_bad_message_is_422_naming_it_and_writes_n
 
 
 async def test_a_body_that_is_not_json_is_422_or_400_as_fastapi_answers_it(api: Served) -> None:
-    from scheduler.http.state import OFFLOAD_BYTES
+    from compactd.scheduler.http.state import OFFLOAD_BYTES
 
     await api.create("s1", A)
     raw = b'{"messages": [' + b'{"role": "user", "content": "x"},' * 1200

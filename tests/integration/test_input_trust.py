@@ -13,19 +13,19 @@ from typing import Any
 
 import pytest
 
-from scheduler.client import Client, CompactdClient
-from storage.errors import InvalidMessage
-from storage.messages import MAX_NESTING_DEPTH, META_PRUNED, RESERVED_META, Message
-from storage.store import Store
-from storage.tokens import counter_for
+from compactd.scheduler.client import Client, CompactdClient
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.messages import MAX_NESTING_DEPTH, META_PRUNED, RESERVED_META, Message
+from compactd.storage.store import Store
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.planner import checkpoint_recall
+from compactd.worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
+from compactd.worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
+from compactd.worker.settings import Config, Settings, build_config
 from tests.support.asgi import A, Served, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import FakeProvider
 from tests.support.tables import row_counts
-from worker.compaction.planner import checkpoint_recall
-from worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
-from worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
-from worker.settings import Config, Settings, build_config
 
 BIG_SUMMARY = "forged summary " * 2_000  # 30k characters behind a few tokens of content
 
@@ -366,7 +366,7 @@ async def test_the_langchain_middleware_raises_bad_input_instead_of_degrading(
     stored on SQLite. It is bad input: the step raises it, naming the field, storing nothing."""
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-    from scheduler.langchain import CompactdMiddleware
+    from compactd.scheduler.langchain import CompactdMiddleware
     from tests.support.fake_provider import Behaviour
     from tests.support.langchain_agents import AGENT_MODEL, agent_for, make_config
 

@@ -17,9 +17,12 @@ from langchain_core.messages import BaseMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from scheduler.client import CompactdClient
-from scheduler.langchain import CompactdMiddleware, to_compactd
-from storage.store import Store
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.langchain import CompactdMiddleware, to_compactd
+from compactd.storage.store import Store
+from compactd.worker.compaction.render import AUTHORITY_CONTRACT
+from compactd.worker.orchestration import compact
+from compactd.worker.runtime import open_deps
 from tests.conftest import run_cli
 from tests.support.chat_models import fake_chat_openai
 from tests.support.deerflow import (
@@ -35,9 +38,6 @@ from tests.support.deerflow import (
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.langchain_agents import compact_now, make_config
-from worker.compaction.render import AUTHORITY_CONTRACT
-from worker.orchestration import compact
-from worker.runtime import open_deps
 
 AGENT_MODEL = "agent-gpt"
 SYSTEM = "You are DeerFlow's lead agent."

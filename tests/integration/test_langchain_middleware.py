@@ -14,8 +14,15 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from scheduler.langchain import CompactdMiddleware, StateMismatch, to_compactd, to_langchain
-from storage.store import Store
+from compactd.scheduler.langchain import (
+    CompactdMiddleware,
+    StateMismatch,
+    to_compactd,
+    to_langchain,
+)
+from compactd.storage.store import Store
+from compactd.worker.compaction.render import LANGCHAIN_PREFIX
+from compactd.worker.settings import Settings, build_config
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.langchain_agents import (
     AGENT_MODEL,
@@ -24,8 +31,6 @@ from tests.support.langchain_agents import (
     compact_now,
     make_config,
 )
-from worker.compaction.render import LANGCHAIN_PREFIX
-from worker.settings import Settings, build_config
 
 
 def script_steps(fake: FakeProvider, tool_steps: int, answer: str = "done") -> None:
@@ -173,7 +178,7 @@ async def test_when_compactd_is_unreachable_the_agent_runs_on_uncompacted(
     middleware = CompactdMiddleware(config=config)
     script_steps(fake, 2)
     try:
-        with caplog.at_level(logging.WARNING, logger="scheduler.langchain"):
+        with caplog.at_level(logging.WARNING, logger="compactd.scheduler.langchain"):
             out = await agent_for(fake, middleware).ainvoke(
                 {"messages": [{"role": "user", "content": "go"}]},
                 {"configurable": {"thread_id": "s4"}})
@@ -187,7 +192,7 @@ async def test_when_compactd_is_unreachable_the_agent_runs_on_uncompacted(
 async def test_a_lost_reply_or_failed_reads_neither_duplicate_nor_drop_a_message(
         fake: FakeProvider, middleware: CompactdMiddleware, db_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from scheduler.client import SessionHandle
+    from compactd.scheduler.client import SessionHandle
 
     real_append, real_surface = SessionHandle.append, SessionHandle.surface
     appends = {"n": 0}

@@ -20,8 +20,9 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from scheduler.langchain import CompactdMiddleware
-from storage.store import Store
+from compactd.scheduler.langchain import CompactdMiddleware
+from compactd.storage.store import Store
+from compactd.worker.compaction.recall_tools import tool_schemas
 from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.langchain_agents import (
@@ -31,7 +32,6 @@ from tests.support.langchain_agents import (
     make_config,
 )
 from tests.support.tables import row_counts
-from worker.compaction.recall_tools import tool_schemas
 
 NEEDLE = "the refund for order ord_7f3c9a1e was issued twice"
 VALUE = "ord_7f3c9a1e"
@@ -265,7 +265,7 @@ def test_a_tool_called_before_any_model_call_opens_the_session_and_writes_nothin
         refused = call(read, {"checkpoint": hit["checkpoint"], "offset": -1})
         # A lone surrogate (a runtime's bytes that are not UTF-8): bad input for the model to
         # fix, not compactd unreachable, and nothing for the operator's log.
-        with caplog.at_level(logging.WARNING, logger="scheduler.langchain"):
+        with caplog.at_level(logging.WARNING, logger="compactd.scheduler.langchain"):
             lone = call(search, {"query": "disk \ud800 full"})
         elsewhere = call(other_tenant.tools[0], {"query": "issued twice"})
         after = at_store(db_url, row_counts)
@@ -282,7 +282,7 @@ def test_a_tool_called_before_any_model_call_opens_the_session_and_writes_nothin
     assert refused.status == "error" and "offset" in str(refused.content)
     assert lone.status == "error", lone.content
     assert "refused its query argument: is not valid UTF-8" in str(lone.content), lone.content
-    assert not [r for r in caplog.records if r.name == "scheduler.langchain"]
+    assert not [r for r in caplog.records if r.name == "compactd.scheduler.langchain"]
     # Another tenant's session is not there for this middleware's tools.
     assert elsewhere.status == "error" and VALUE not in str(elsewhere.content)
     assert "nothing of this conversation is stored" in str(elsewhere.content)
@@ -315,7 +315,7 @@ def test_when_compactd_is_unreachable_a_recall_answers_an_error_and_the_agent_go
                           tool_calls=[search_call(query="issued twice")]),
                 Behaviour(model=AGENT_MODEL, output="text", text="no history"))
     try:
-        with caplog.at_level(logging.WARNING, logger="scheduler.langchain"):
+        with caplog.at_level(logging.WARNING, logger="compactd.scheduler.langchain"):
             state = Runs("sync").agent(recall_agent(fake, middleware), "Which order?", "down")
     finally:
         middleware.close()

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from storage.leads import ALL_POOLS, LeadRow
-from storage.messages import Message, parse_openai
-from storage.records import utcnow
-from storage.store import Store
-from worker.lead import refresh_leads
-from worker.pressure import over_trigger, sweep_thresholds, wants_run
-from worker.settings import Config, build_config
+from compactd.storage.leads import ALL_POOLS, LeadRow
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.records import utcnow
+from compactd.storage.store import Store
+from compactd.worker.lead import refresh_leads
+from compactd.worker.pressure import over_trigger, sweep_thresholds, wants_run
+from compactd.worker.settings import Config, build_config
 
 
 def words(n: int, i: int = 0) -> Message:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from worker.keys import QUEUE_PRESSURE, RATE_PREFIX
-from worker.limits import JITTER_MARGIN, LocalLimiter, RedisLimiter
+from compactd.worker.keys import QUEUE_PRESSURE, RATE_PREFIX
+from compactd.worker.limits import JITTER_MARGIN, LocalLimiter, RedisLimiter
 
 RATE = 1.0
 SLOT = (1 + JITTER_MARGIN) / RATE
@@ -96,17 +96,17 @@ _IMPORT_PROBE = """
 import json, sys
 import kombu.transport
 aliases = dict(kombu.transport.TRANSPORT_ALIASES)
-import scheduler.client
-imported = {"worker.app": "worker.app" in sys.modules,
+import compactd.scheduler.client
+imported = {"compactd.worker.app": "compactd.worker.app" in sys.modules,
             "celery": "celery" in sys.modules,
             "aliases_kept": dict(kombu.transport.TRANSPORT_ALIASES) == aliases}
-from worker.enqueue import RunRequest
-client = scheduler.client.CompactdClient()
+from compactd.worker.enqueue import RunRequest
+client = compactd.scheduler.client.CompactdClient()
 task_id = client.enqueuer.send(RunRequest("probe", "pressure"))
 from celery import current_app
 print(json.dumps({**imported, "task_id": task_id,
                   "aliases_kept_after_send": dict(kombu.transport.TRANSPORT_ALIASES) == aliases,
-                  "tasks_imported": "worker.tasks" in sys.modules,
+                  "tasks_imported": "compactd.worker.tasks" in sys.modules,
                   "current_app": current_app.main}))
 """
 
@@ -123,7 +123,7 @@ def test_the_client_leaves_the_runtimes_process_alone(clean_redis: str, tmp_path
     out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], env=env, capture_output=True,
                          text=True, timeout=60, check=True)
     probe = json.loads(out.stdout.strip().splitlines()[-1])
-    assert probe["worker.app"] is False and probe["celery"] is False
+    assert probe["compactd.worker.app"] is False and probe["celery"] is False
     assert probe["aliases_kept"] and probe["aliases_kept_after_send"]
     assert probe["tasks_imported"] is False and probe["current_app"] != "compactd"
     queued = redis.Redis.from_url(clean_redis).lrange(QUEUE_PRESSURE, 0, -1)

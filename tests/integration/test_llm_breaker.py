@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from worker.llm.breaker import BreakerLimits, LocalBreaker, RedisBreaker, circuit_key
-from worker.llm.candidates import Candidate
-from worker.settings import ModelSpec
+from compactd.worker.llm.breaker import BreakerLimits, LocalBreaker, RedisBreaker, circuit_key
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.settings import ModelSpec
 
 HANGS = Candidate.from_spec(ModelSpec(name="hangs", provider="openai", model="gpt-x",
                                       base_url="http://127.0.0.1:1/v1"))

@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.messages import Message, parse_openai
-from storage.tokens import counter_for
-from tests.support.fake_provider import Behaviour, FakeProvider
-from worker.compaction.policy import Policy
-from worker.compaction.validation import missing_sections, validate_summary
-from worker.llm import (
+from compactd.scheduler.samples import coding_session
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.validation import missing_sections, validate_summary
+from compactd.worker.llm import (
     Availability,
     Candidate,
     ProviderPool,
@@ -32,7 +31,8 @@ from worker.llm import (
     candidate_order,
     summarize,
 )
-from worker.settings import ModelSpec
+from compactd.worker.settings import ModelSpec
+from tests.support.fake_provider import Behaviour, FakeProvider
 
 API_KEY = "sk-test-DO-NOT-LOG-4242"
 KEY_ENV = "COMPACTD_TEST_FAKE_KEY"
@@ -319,7 +319,7 @@ async def test_context_length_without_a_smaller_request_moves_on(
 
 async def test_every_call_carries_the_attribution_header_and_an_unchanged_body(
         fake: FakeProvider) -> None:
-    from worker.llm import Attribution
+    from compactd.worker.llm import Attribution
 
     pool = ProviderPool(env={KEY_ENV: API_KEY},
                         attribution=Attribution("x-team-purpose", "nightly-compaction"))

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storage.messages import Message, parse_openai
-from worker.metrics import metrics
-from worker.orchestration import compact
-from worker.runtime import open_deps
-from worker.settings import Settings, build_config
+from compactd.storage.messages import Message, parse_openai
+from compactd.worker.metrics import metrics
+from compactd.worker.orchestration import compact
+from compactd.worker.runtime import open_deps
+from compactd.worker.settings import Settings, build_config
 
 BIG = " ".join(f"ledger{i} entry rounding" for i in range(300))
 

@@ -7,8 +7,8 @@ import datetime as dt
 
 import pytest
 
-from storage.errors import SessionNotFound
-from storage.store import Store
+from compactd.storage.errors import SessionNotFound
+from compactd.storage.store import Store
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from scheduler.client import CompactdClient
-from storage.errors import ConfigError, SessionNotFound
-from storage.store import Store
+from compactd.scheduler.client import CompactdClient
+from compactd.storage.errors import ConfigError, SessionNotFound
+from compactd.storage.store import Store
+from compactd.worker.settings import Settings, build_config
 from tests.support.enqueuer import RecordingEnqueuer
-from worker.settings import Settings, build_config
 
 # Trigger at 4000 tokens with the default keep: 16% of a 128k window (20480 tokens) refires it.
 RAW = {"summarization": {"trigger": [["tokens", 4000]]}, "worker": {"metrics_port": 0}}

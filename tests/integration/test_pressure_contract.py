@@ -9,10 +9,10 @@ import datetime as dt
 
 import pytest
 
-from storage.messages import Message, parse_openai
-from storage.records import next_growth_rate
-from storage.store import Store
-from worker.compaction.triggers import pressure_tokens
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.records import next_growth_rate
+from compactd.storage.store import Store
+from compactd.worker.compaction.triggers import pressure_tokens
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from scheduler.client import Client, CompactdClient, SessionHandle
-from storage.errors import RecallArgumentError, RecallNotFound
-from storage.recall import ReadPage
-from storage.store import Store
+from compactd.scheduler.client import Client, CompactdClient, SessionHandle
+from compactd.storage.errors import RecallArgumentError, RecallNotFound
+from compactd.storage.recall import ReadPage
+from compactd.storage.store import Store
+from compactd.worker.settings import Settings, build_config
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.recall_sample import NEEDLE, compacted
 from tests.support.tables import row_counts
-from worker.settings import Settings, build_config
 
 __all__ = ["compacted"]  # the fixture (tests/support/recall_sample.py)
 

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from storage.messages import parse_openai
-from storage.recall import encode_cursor
-from storage.recall_bounds import MAX_SEARCH_LIMIT
-from storage.store import Store
+from compactd.storage.messages import parse_openai
+from compactd.storage.recall import encode_cursor
+from compactd.storage.recall_bounds import MAX_SEARCH_LIMIT
+from compactd.storage.store import Store
+from compactd.worker.compaction.recall_tools import tools_document
+from compactd.worker.orchestration import compact
+from compactd.worker.runtime import open_deps
 from tests.support.asgi import A, B, Served, api_config, serve_app
 from tests.support.recall_sample import NEEDLE, POLICY, needle_messages
 from tests.support.tables import row_counts
-from worker.compaction.recall_tools import tools_document
-from worker.orchestration import compact
-from worker.runtime import open_deps
 
 
 @pytest.fixture

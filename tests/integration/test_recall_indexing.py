@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from storage.messages import parse_openai
-from storage.recall_index import MAX_INDEXED_BYTES
-from storage.store import Store
+from compactd.storage.messages import parse_openai
+from compactd.storage.recall_index import MAX_INDEXED_BYTES
+from compactd.storage.store import Store
+from compactd.worker.orchestration import BackgroundIndexer, compact
+from compactd.worker.runtime import Deps, open_deps
+from compactd.worker.settings import Config, Settings, build_config
+from compactd.worker.sweeps import index_recall
 from tests.conftest import compactd_cmd
 from tests.support.bulky import access_log, high_entropy
-from worker.orchestration import BackgroundIndexer, compact
-from worker.runtime import Deps, open_deps
-from worker.settings import Config, Settings, build_config
-from worker.sweeps import index_recall
 
 POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
           "keep": {"type": "messages", "value": 4}}

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from scheduler.client import CompactdClient, SessionHandle
-from storage.messages import parse_openai
+from compactd.scheduler.client import CompactdClient, SessionHandle
+from compactd.storage.messages import parse_openai
+from compactd.worker.orchestration import compact
+from compactd.worker.runtime import open_deps
+from compactd.worker.settings import Settings, build_config
 from tests.support.enqueuer import RecordingEnqueuer
-from worker.orchestration import compact
-from worker.runtime import open_deps
-from worker.settings import Settings, build_config
 
 POLICY = {"trigger": [{"type": "tokens", "value": 1_000}],
           "keep": {"type": "messages", "value": 4}}

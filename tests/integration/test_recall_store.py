@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
-from storage.messages import parse_openai
-from storage.recall import encode_cursor, render_original
-from storage.recall_bounds import MAX_QUERY_BYTES
-from storage.store import Store
+from compactd.storage.errors import RecallArgumentError, RecallNotFound, SessionNotFound
+from compactd.storage.messages import parse_openai
+from compactd.storage.recall import encode_cursor, render_original
+from compactd.storage.recall_bounds import MAX_QUERY_BYTES
+from compactd.storage.store import Store
 from tests.support.recall_sample import NEEDLE, compacted, needle_messages
 from tests.support.tables import row_counts
 

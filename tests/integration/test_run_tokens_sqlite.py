@@ -15,11 +15,11 @@ import json
 import sqlite3
 from pathlib import Path
 
-from storage.database import embedded_url
-from storage.messages import parse_openai
-from worker.orchestration import compact
-from worker.runtime import open_deps
-from worker.settings import Settings, build_config
+from compactd.storage.database import embedded_url
+from compactd.storage.messages import parse_openai
+from compactd.worker.orchestration import compact
+from compactd.worker.runtime import open_deps
+from compactd.worker.settings import Settings, build_config
 
 APPEND_IN_CLAIM = """
 CREATE TABLE test_append_in_claim (i INTEGER, payload TEXT, tokens INTEGER);

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-from storage.messages import Message, parse_openai
-from storage.records import decayed_growth_rate, next_growth_rate, utcnow
-from storage.store import Store
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.records import decayed_growth_rate, next_growth_rate, utcnow
+from compactd.storage.store import Store
 from tests.conftest import compactd_cmd
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)

@@ -18,14 +18,21 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from scheduler.bulk import BulkFilter, fan_out, matching_sessions
-from scheduler.client import CompactdClient
-from scheduler.intake import SignalPayload, accept_signal
-from scheduler.status import status
-from storage.errors import InvalidMessage, SessionNotFound
-from storage.kinds import ItemState, JournalKind
-from storage.records import Claim, utcnow
-from storage.store import Store
+from compactd.scheduler.bulk import BulkFilter, fan_out, matching_sessions
+from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.intake import SignalPayload, accept_signal
+from compactd.scheduler.status import status
+from compactd.storage.errors import InvalidMessage, SessionNotFound
+from compactd.storage.kinds import ItemState, JournalKind
+from compactd.storage.records import Claim, utcnow
+from compactd.storage.store import Store
+from compactd.worker.app import client_app
+from compactd.worker.enqueue import Enqueuer, RunRequest, follow_up
+from compactd.worker.keys import QUEUE_PRESSURE, TASK_RUN
+from compactd.worker.limits import JITTER_MARGIN, RedisLimiter
+from compactd.worker.orchestration import compact
+from compactd.worker.settings import Config
+from compactd.worker.sweeps import reap_leases, sweep_pressure
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.scheduler_sessions import (
     TRIGGER,
@@ -36,13 +43,6 @@ from tests.support.scheduler_sessions import (
     text,
     user,
 )
-from worker.app import client_app
-from worker.enqueue import Enqueuer, RunRequest, follow_up
-from worker.keys import QUEUE_PRESSURE, TASK_RUN
-from worker.limits import JITTER_MARGIN, RedisLimiter
-from worker.orchestration import compact
-from worker.settings import Config
-from worker.sweeps import reap_leases, sweep_pressure
 
 
 @pytest.fixture
@@ -190,7 +190,7 @@ async def test_an_append_does_not_wait_for_its_signal_and_a_refused_send_frees_t
         assert step.fired and step.signalled
         assert (await store.get_session("s1")).signal_at is not None
         broker.answer.set()
-        with caplog.at_level(logging.WARNING, logger="scheduler.client"):
+        with caplog.at_level(logging.WARNING, logger="compactd.scheduler.client"):
             await client.drain()
         assert "signal was not enqueued: broker refused the connection" in caplog.text
         info = await store.get_session("s1")

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.client import Client, CompactdClient
-from storage.errors import ConfigError, InvalidMessage, SessionExists
-from storage.store import Store
+from compactd.scheduler.client import Client, CompactdClient
+from compactd.storage.errors import ConfigError, InvalidMessage, SessionExists
+from compactd.storage.store import Store
+from compactd.worker.settings import Config, Settings, build_config
 from tests.support.asgi import A, B, Served, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
-from worker.settings import Config, Settings, build_config
 
 RACERS = 8
 

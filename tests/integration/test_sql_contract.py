@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from storage import schema as t
-from storage import sql
-from storage.database import transaction
-from storage.kinds import JournalKind, NodeKind
-from storage.migrate import HEAD_REVISION
-from storage.records import Claim, Replacement, RunEnd, utcnow
-from storage.store import Store
+from compactd.storage import schema as t
+from compactd.storage import sql
+from compactd.storage.database import transaction
+from compactd.storage.kinds import JournalKind, NodeKind
+from compactd.storage.migrate import HEAD_REVISION
+from compactd.storage.records import Claim, Replacement, RunEnd, utcnow
+from compactd.storage.store import Store
 from tests.support.surfaces import user
 
 Case = Callable[[Store], Awaitable[None]]

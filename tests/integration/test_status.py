@@ -10,12 +10,12 @@ import re
 import subprocess
 from pathlib import Path
 
-from scheduler.status import render_status, session_status, status
-from storage.errors import LeaseLost
-from storage.kinds import JournalKind
-from storage.messages import parse_openai
-from storage.records import Claim, RunEnd, utcnow
-from storage.store import Store
+from compactd.scheduler.status import render_status, session_status, status
+from compactd.storage.errors import LeaseLost
+from compactd.storage.kinds import JournalKind
+from compactd.storage.messages import parse_openai
+from compactd.storage.records import Claim, RunEnd, utcnow
+from compactd.storage.store import Store
 from tests.conftest import compactd_cmd
 
 
@@ -141,10 +141,10 @@ def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 async def test_cli_status_and_lease_release_on_the_embedded_database(
         cli_env: dict[str, str], tmp_path: Path) -> None:
-    from storage.database import embedded_url
+    from compactd.storage.database import embedded_url
 
     store = Store.from_url(embedded_url(tmp_path))
-    from storage.migrate import ensure_schema
+    from compactd.storage.migrate import ensure_schema
 
     await ensure_schema(store.engine, embedded_url(tmp_path))
     try:

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from storage.errors import DatabaseUnavailable, InvalidMessage, SessionNotFound
-from storage.messages import parse_openai
-from storage.store import Store
+from compactd.storage.errors import DatabaseUnavailable, InvalidMessage, SessionNotFound
+from compactd.storage.messages import parse_openai
+from compactd.storage.store import Store
 from tests.support.surfaces import user
 
 

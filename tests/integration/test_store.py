@@ -8,19 +8,19 @@ import datetime as dt
 
 import pytest
 
-from storage.errors import (
+from compactd.storage.errors import (
     InvalidMessage,
     LeaseLost,
     SessionExists,
     SessionNotFound,
     SurfaceChanged,
 )
-from storage.kinds import NodeKind
-from storage.messages import Message, parse_openai
-from storage.records import Busy, Claim, Replacement, RunEnd
-from storage.store import Store
-from storage.surface import NewNode, surface_after_commit
-from storage.tokens import counter_for
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.records import Busy, Claim, Replacement, RunEnd
+from compactd.storage.store import Store
+from compactd.storage.surface import NewNode, surface_after_commit
+from compactd.storage.tokens import counter_for
 from tests.support.tables import row_counts
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
@@ -374,7 +374,7 @@ async def test_reaper_closes_expired_leases(store: Store) -> None:
 async def test_verify_detects_a_tampered_surface(db_url: str) -> None:
     import sqlalchemy as sa
 
-    from storage import schema as t
+    from compactd.storage import schema as t
 
     st = Store.from_url(db_url)
     try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from storage.errors import LeaseLost, SessionNotFound, SurfaceChanged
-from storage.kinds import NodeKind
-from storage.messages import Message, parse_openai
-from storage.records import Claim, Replacement, RunEnd
-from storage.store import Store
+from compactd.storage.errors import LeaseLost, SessionNotFound, SurfaceChanged
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.records import Claim, Replacement, RunEnd
+from compactd.storage.store import Store
 
 
 def user(text: str) -> Message:

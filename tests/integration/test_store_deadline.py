@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from storage.database import deadline
-from storage.errors import DeadlinePassed, LockNotAvailable
-from storage.messages import parse_openai
-from storage.store import Store
+from compactd.storage.database import deadline
+from compactd.storage.errors import DeadlinePassed, LockNotAvailable
+from compactd.storage.messages import parse_openai
+from compactd.storage.store import Store
 from tests.support.locks import session_row_locked
 
 # Far longer than the deadlines below: a wait that is not bounded shows as this timeout.

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from storage.errors import SurfaceChanged
-from storage.kinds import JournalKind, NodeKind, RunStatus
-from storage.messages import Message, from_payload, parse_openai
-from storage.records import Claim, Replacement, RunEnd, SessionInfo
-from storage.store import Store
-from storage.surface import NewNode, Surface, surface_after_commit
+from compactd.storage.errors import SurfaceChanged
+from compactd.storage.kinds import JournalKind, NodeKind, RunStatus
+from compactd.storage.messages import Message, from_payload, parse_openai
+from compactd.storage.records import Claim, Replacement, RunEnd, SessionInfo
+from compactd.storage.store import Store
+from compactd.storage.surface import NewNode, Surface, surface_after_commit
 
 
 def user(text: str) -> Message:

@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from scheduler.client import CompactdClient
-from storage.records import SessionInfo
-from storage.store import Store
+from compactd.scheduler.client import CompactdClient
+from compactd.storage.records import SessionInfo
+from compactd.storage.store import Store
+from compactd.worker.compaction.kinds import Counter
+from compactd.worker.compaction.policy import parse_policy
+from compactd.worker.pressure import over_trigger, sweep_key, sweep_thresholds
+from compactd.worker.settings import Settings, build_config
+from compactd.worker.sweeps import sweep_pressure
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.scheduler_sessions import make_config, over, user
-from worker.compaction.kinds import Counter
-from worker.compaction.policy import parse_policy
-from worker.pressure import over_trigger, sweep_key, sweep_thresholds
-from worker.settings import Settings, build_config
-from worker.sweeps import sweep_pressure
 
 
 async def _sessions(db_url: str, store: Store, *, over_ids: tuple[str, ...],

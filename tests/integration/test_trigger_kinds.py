@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from storage.messages import Message, parse_openai
-from storage.records import utcnow
-from storage.store import Store
-from worker.compaction.kinds import KINDS, Counter, Kind, check_registry
-from worker.compaction.kinds.base import count
-from worker.compaction.planner import plan
-from worker.pressure import over_trigger, session_policy, sweep_thresholds, wants_run
-from worker.settings import Config, build_config
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.records import utcnow
+from compactd.storage.store import Store
+from compactd.worker.compaction.kinds import KINDS, Counter, Kind, check_registry
+from compactd.worker.compaction.kinds.base import count
+from compactd.worker.compaction.planner import plan
+from compactd.worker.pressure import over_trigger, session_policy, sweep_thresholds, wants_run
+from compactd.worker.settings import Config, build_config
 
 TURNS = 3  # the trigger: three turns, six surface messages
 

@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from scheduler.client import Client, CompactdClient
-from storage.errors import InvalidMessage
-from storage.store import Store
+from compactd.scheduler.client import Client, CompactdClient
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.store import Store
+from compactd.worker.orchestration import compact
+from compactd.worker.settings import Settings, build_config
+from compactd.worker.sweeps import sweep_pressure
 from tests.support.asgi import A, api_config, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import input_tokens_of, openai_request_body
 from tests.support.scheduler_sessions import deps_for, make_config, text, user
-from worker.orchestration import compact
-from worker.settings import Settings, build_config
-from worker.sweeps import sweep_pressure
 
 TRIGGER = 10_000
 

@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.util import CommandError
 
-from storage.database import create_engine
-from storage.migrate import HEAD_REVISION, alembic_config, upgrade
+from compactd.storage.database import create_engine
+from compactd.storage.migrate import HEAD_REVISION, alembic_config, upgrade
 from tests.support.releases import RELEASE_AT, release_tree
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
@@ -33,10 +33,10 @@ LANDING = "0015"
 # releases compared here. Prints the result as JSON.
 USE_STORE = r"""
 import asyncio, json, sys
-from storage.messages import Message
-from storage.records import Claim, Replacement, RunEnd
-from storage.store import Store
-import storage.migrate
+from compactd.storage.messages import Message
+from compactd.storage.records import Claim, Replacement, RunEnd
+from compactd.storage.store import Store
+import compactd.storage.migrate
 
 async def main(url, session):
     store = Store.from_url(url)
@@ -57,8 +57,8 @@ async def main(url, session):
         info = await store.commit(session, run_id=claim.run_id, fence=claim.fence,
                                   replacements=[checkpoint], end=RunEnd(outcome="committed"))
         verified = [(await store.verify(s)).ok for s in ("populated", session)]
-        print(json.dumps({"code": storage.migrate.__file__,
-                          "head": storage.migrate.HEAD_REVISION, "messages":
+        print(json.dumps({"code": compactd.storage.migrate.__file__,
+                          "head": compactd.storage.migrate.HEAD_REVISION, "messages":
                           info.surface_messages, "verified": verified}))
     finally:
         await store.close()
@@ -98,9 +98,9 @@ def _use_store(url: str, session: str, tree: Path) -> dict[str, object]:
 
 async def _populate(url: str) -> None:
     """A session with messages, a committed checkpoint (recall rows) and a run."""
-    from storage.messages import Message
-    from storage.records import Claim, Replacement, RunEnd
-    from storage.store import Store
+    from compactd.storage.messages import Message
+    from compactd.storage.records import Claim, Replacement, RunEnd
+    from compactd.storage.store import Store
 
     store = Store.from_url(url)
     try:
@@ -170,6 +170,6 @@ def test_a_populated_database_walks_head_base_head(url: str, landing_release: Pa
     used = _use_store(url, "at-head", REPO)
     assert used == {"head": HEAD_REVISION, "messages": 3, "verified": [True, True]}, used
     if postgres:
-        from storage.sql import FUNCTIONS, PREVIOUS_RELEASE_FUNCTIONS
+        from compactd.storage.sql import FUNCTIONS, PREVIOUS_RELEASE_FUNCTIONS
 
         assert asyncio.run(_state(url))[2] == sorted(FUNCTIONS + PREVIOUS_RELEASE_FUNCTIONS)

@@ -11,8 +11,8 @@ import uuid
 import asyncpg
 import pytest
 
-from storage.migrate import upgrade
-from storage.sql import FUNCTIONS, PREVIOUS_RELEASE_FUNCTIONS, function_definition
+from compactd.storage.migrate import upgrade
+from compactd.storage.sql import FUNCTIONS, PREVIOUS_RELEASE_FUNCTIONS, function_definition
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 

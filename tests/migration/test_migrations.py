@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.migrate import check, upgrade
+from compactd.storage.migrate import check, upgrade
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 
@@ -61,7 +61,7 @@ def test_check_fails_on_drift(tmp_path: Path) -> None:
 def test_head_constant_matches_alembic(tmp_path: Path) -> None:
     from alembic.script import ScriptDirectory
 
-    from storage.migrate import HEAD_REVISION, alembic_config
+    from compactd.storage.migrate import HEAD_REVISION, alembic_config
 
     scripts = ScriptDirectory.from_config(alembic_config(f"sqlite:///{tmp_path / 'x.sqlite3'}"))
     assert scripts.get_current_head() == HEAD_REVISION
@@ -72,9 +72,9 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
     instead of failing with a driver error; after the upgrade it works."""
     import asyncio
 
-    from storage.errors import SchemaMissing
-    from storage.records import Claim
-    from storage.store import Store
+    from compactd.storage.errors import SchemaMissing
+    from compactd.storage.records import Claim
+    from compactd.storage.store import Store
 
     # Every revision adds to the sessions row the code reads, so the function is dropped from a
     # current schema rather than the schema being left at the revision before it.
@@ -93,7 +93,7 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
         asyncio.run(claim())
     from alembic import command
 
-    from storage.migrate import alembic_config
+    from compactd.storage.migrate import alembic_config
 
     # Revision 0019 creates the versions this code calls: undone and done again, it restores them.
     command.downgrade(alembic_config(empty_pg), "0018")
@@ -116,9 +116,9 @@ def test_a_commit_on_a_schema_without_the_commit_function_says_run_migrate(empty
     the run) name the fix; the run is untouched."""
     import asyncio
 
-    from storage.errors import SchemaMissing
-    from storage.records import Claim, Replacement, RunEnd
-    from storage.store import Store
+    from compactd.storage.errors import SchemaMissing
+    from compactd.storage.records import Claim, Replacement, RunEnd
+    from compactd.storage.store import Store
 
     upgrade(empty_pg)
     _execute(empty_pg, "DROP FUNCTION compactd_commit_v2")
@@ -148,8 +148,8 @@ def test_a_schema_missing_a_column_says_run_migrate(empty_pg: str, tmp_path: Pat
     instead of quoting the driver's error, on both backends."""
     import asyncio
 
-    from storage.errors import SchemaMissing
-    from storage.store import Store
+    from compactd.storage.errors import SchemaMissing
+    from compactd.storage.store import Store
 
     async def create(url: str) -> None:
         store = Store.from_url(url)

@@ -15,8 +15,8 @@ from urllib.parse import urlparse
 import asyncpg
 import pytest
 
-from scheduler.samples import coding_session
-from storage.migrate import HEAD_REVISION, upgrade
+from compactd.scheduler.samples import coding_session
+from compactd.storage.migrate import HEAD_REVISION, upgrade
 from tests.support.db import Db
 from tests.support.releases import PREVIOUS_RELEASE, release_tree
 from tests.support.services import create_database_sync, drop_database_sync, with_database
@@ -98,7 +98,7 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
     with stack:
         # The old code is what runs: its own head revision, from the extracted tree.
         head = stack.start("probe", [stack.python, "-c",
-                                     "import storage.migrate as m; print(m.__file__, "
+                                     "import compactd.storage.migrate as m; print(m.__file__, "
                                      "m.HEAD_REVISION)"], env=old)
         head.wait(timeout=60)
         assert f"{previous_release}" in stack.log("probe") and " 0018" in stack.log("probe"), \

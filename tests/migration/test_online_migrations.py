@@ -17,9 +17,9 @@ from alembic.operations import Operations
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event
 
-from storage import online_migrations as online
-from storage.database import create_engine
-from storage.migrate import upgrade
+from compactd.storage import online_migrations as online
+from compactd.storage.database import create_engine
+from compactd.storage.migrate import upgrade
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 ROWS = 2500

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from storage.database import create_engine
-from storage.migrate import upgrade
-from storage.store import Store
+from compactd.storage.database import create_engine
+from compactd.storage.migrate import upgrade
+from compactd.storage.store import Store
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 BEFORE_RECALL = "0008"

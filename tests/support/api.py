@@ -38,7 +38,7 @@ def start_api(stack: Stack, name: str = "api", *, api: Mapping[str, Any] | None 
     config["api"] = {"tokens": [{"tenant": tenant, "token_env": env}
                                 for tenant, (env, _) in TENANTS.items()], **(api or {})}
     stack.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = stack.start(name, [sys.executable, "-m", "scheduler.cli", "serve", "--port",
+    proc = stack.start(name, [sys.executable, "-m", "compactd.scheduler.cli", "serve", "--port",
                               "0"],
                        env={env: token for env, token in TENANTS.values()})
     found = wait_until(

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from scheduler.http import API_PREFIX, create_app, token_sha256
-from worker.settings import Config, Settings, build_config
+from compactd.scheduler.http import API_PREFIX, create_app, token_sha256
+from compactd.worker.settings import Config, Settings, build_config
 
 TOKEN_A = "token-for-tenant-a-0123456789"
 TOKEN_B = "token-for-tenant-b-9876543210"

@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from storage.messages import parse_openai
-from storage.records import RunRecord, SessionInfo, VerifyResult
-from storage.store import Store
-from storage.surface import Surface
-from worker.runtime import EventLoopThread
+from compactd.storage.messages import parse_openai
+from compactd.storage.records import RunRecord, SessionInfo, VerifyResult
+from compactd.storage.store import Store
+from compactd.storage.surface import Surface
+from compactd.worker.runtime import EventLoopThread
 
 T = TypeVar("T")
 

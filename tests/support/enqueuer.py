@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from worker.enqueue import Enqueuer, RunRequest
+from compactd.worker.enqueue import Enqueuer, RunRequest
 
 
 class RecordingEnqueuer(Enqueuer):

@@ -75,8 +75,8 @@ from typing import Any
 
 from aiohttp import web
 
-from storage.tokens import MESSAGE_FRAMING_TOKENS, counter_for
-from worker.compaction.prompt import INDEX_MARK
+from compactd.storage.tokens import MESSAGE_FRAMING_TOKENS, counter_for
+from compactd.worker.compaction.prompt import INDEX_MARK
 
 HANG_S = 3600.0
 OUTPUTS = ("summary", "whitespace", "echo", "malformed", "tool_calls", "reasoning_only",

@@ -17,13 +17,13 @@ from langchain.agents import create_agent
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from scheduler.langchain import CompactdMiddleware
+from compactd.scheduler.langchain import CompactdMiddleware
+from compactd.worker.orchestration import compact
+from compactd.worker.runtime import open_deps
+from compactd.worker.settings import Config, Settings, build_config
 from tests.support.chat_models import fake_chat_openai
 from tests.support.fake_provider import FakeProvider
 from tests.support.pairs import request_problems
-from worker.orchestration import compact
-from worker.runtime import open_deps
-from worker.settings import Config, Settings, build_config
 
 AGENT_MODEL = "agent-gpt"
 TOOL_OUTPUT = "lorem ipsum dolor sit amet " * 120

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from storage.surface import SurfaceNode
+from compactd.storage.surface import SurfaceNode
 
 # (seq, role, the ids of the calls it issues, the call id it answers)
 Row = tuple[int, str, Sequence[str], str | None]

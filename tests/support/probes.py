@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from storage.store import Store
+from compactd.storage.store import Store
 
 T = TypeVar("T")
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.messages import parse_openai
-from storage.store import Store
-from worker.orchestration import compact
-from worker.runtime import open_deps
-from worker.settings import Settings, build_config
+from compactd.scheduler.samples import coding_session
+from compactd.storage.messages import parse_openai
+from compactd.storage.store import Store
+from compactd.worker.orchestration import compact
+from compactd.worker.runtime import open_deps
+from compactd.worker.settings import Settings, build_config
 
 POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
           "keep": {"type": "messages", "value": 12}}

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.client import CompactdClient, SessionHandle
-from storage.store import Store
-from worker.limits import LocalLimiter
-from worker.runtime import Deps
-from worker.settings import Config, Settings, build_config
+from compactd.scheduler.client import CompactdClient, SessionHandle
+from compactd.storage.store import Store
+from compactd.worker.limits import LocalLimiter
+from compactd.worker.runtime import Deps
+from compactd.worker.settings import Config, Settings, build_config
 
 TRIGGER = 400
 
@@ -48,7 +48,7 @@ async def over(client: CompactdClient, sid: str = "s1", **kw: Any) -> SessionHan
 
 def parsed(raw: dict[str, Any]) -> Any:
     """The OpenAI-shaped message as compactd stores it."""
-    from storage.messages import parse_openai
+    from compactd.storage.messages import parse_openai
 
     return parse_openai(raw)
 

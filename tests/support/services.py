@@ -53,7 +53,7 @@ async def empty_database(url: str) -> None:
     models, so a new table is never left out."""
     import asyncpg
 
-    from storage.schema import metadata
+    from compactd.storage.schema import metadata
 
     tables = ", ".join(t.name for t in metadata.sorted_tables)
     conn = await asyncpg.connect(urlparse(url)._replace(scheme="postgresql").geturl())
@@ -65,7 +65,7 @@ async def empty_database(url: str) -> None:
 
 async def reset_database(url: str) -> None:
     """Create the database if absent, migrate it to head, and empty it."""
-    from storage.migrate import upgrade_async
+    from compactd.storage.migrate import upgrade_async
 
     await create_database(url)
     await upgrade_async(url)

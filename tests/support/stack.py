@@ -111,7 +111,7 @@ class Stack:
                      ) -> subprocess.Popen[bytes]:
         log = self.home / f"{name}.log"
         proc = subprocess.Popen(
-            [self.python, "-m", "celery", "-A", "worker.app", "worker", "-n",
+            [self.python, "-m", "celery", "-A", "compactd.worker.app", "worker", "-n",
              f"{name}@%h", "-Q", ",".join(queues), "--concurrency", str(concurrency),
              "-l", "INFO", "--without-gossip", "--without-mingle"],
             env={**self.env, **(env or {})}, cwd=self.home, stdout=log.open("ab"),
@@ -126,7 +126,7 @@ class Stack:
     def start_beat(self, name: str = "beat") -> subprocess.Popen[bytes]:
         log = self.home / f"{name}.log"
         proc = subprocess.Popen(
-            [self.python, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
+            [self.python, "-m", "celery", "-A", "compactd.worker.app", "beat", "-l", "INFO",
              "-s", str(self.home / "celerybeat-schedule")],
             env=self.env, cwd=self.home, stdout=log.open("ab"), stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -188,7 +188,7 @@ class Stack:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 180.0,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([self.python, "-m", "scheduler.cli", *args],
+        out = subprocess.run([self.python, "-m", "compactd.scheduler.cli", *args],
                              env={**self.env, **(env or {})}, cwd=self.home,
                              capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler.samples import coding_session
-from storage.messages import parse_openai
-from storage.store import Store
+from compactd.scheduler.samples import coding_session
+from compactd.storage.messages import parse_openai
+from compactd.storage.store import Store
+from compactd.worker.settings import Config, load_config
 from tests.support.stack import Stack
-from worker.settings import Config, load_config
 
 TRIGGER = 2000
 POLICY = {"trigger": [{"type": "tokens", "value": TRIGGER}],

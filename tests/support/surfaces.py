@@ -7,11 +7,11 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from storage.kinds import NodeKind
-from storage.messages import Message, ToolCall
-from storage.surface import SurfaceNode
-from storage.tokens import counter_for
-from worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import Message, ToolCall
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 COUNTER = counter_for(None)

@@ -6,9 +6,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from storage import schema as t
-from storage.database import snapshot
-from storage.store import Store
+from compactd.storage import schema as t
+from compactd.storage.database import snapshot
+from compactd.storage.store import Store
 
 
 async def row_counts(store: Store) -> dict[str, int]:

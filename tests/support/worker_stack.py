@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from compactd.worker.app import make_app
+from compactd.worker.enqueue import Enqueuer
+from compactd.worker.settings import load_config
 from tests.support.db import Db
 from tests.support.stack import Stack
-from worker.app import make_app
-from worker.enqueue import Enqueuer
-from worker.settings import load_config
 
 
 @pytest.fixture

@@ -94,7 +94,7 @@ def test_no_code_outside_the_connectors_branches_on_the_backend() -> None:
 def test_the_scan_finds_each_form_of_branch(tmp_path: Path) -> None:
     forms = {
         "dialect": "if engine.dialect.name == 'sqlite':\n    pass\n",
-        "is_sqlite": "from storage.database import is_sqlite\nok = is_sqlite(engine)\n",
+        "is_sqlite": "from compactd.storage.database import is_sqlite\nok = is_sqlite(engine)\n",
         "scheme": "embedded = url.startswith('sqlite')\n",
         "call": "row = await db.claim_call(session_id=s)\n",
         "flag": "if db.takes_arrays:\n    pass\n",

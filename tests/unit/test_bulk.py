@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from scheduler.bulk import Progress
-from storage.records import BulkJob
+from compactd.scheduler.bulk import Progress
+from compactd.storage.records import BulkJob
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from worker.app import VISIBILITY_MARGIN_S, celery_settings
-from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_RUN
-from worker.settings import Settings, build_config
+from compactd.worker.app import VISIBILITY_MARGIN_S, celery_settings
+from compactd.worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_RUN
+from compactd.worker.settings import Settings, build_config
 
 
 def redis_settings(worker: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scheduler.cli import build_parser, main
+from compactd.scheduler.cli import build_parser, main
 
 
 def walk(parser: argparse.ArgumentParser, path: str

@@ -7,17 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
-from worker.compaction.arrivals import (
+from compactd.worker.compaction.arrivals import (
     Arrivals,
     claim_to_commit_s,
     expected_arrivals,
     keep_at_pickup,
     tokens_per_message,
 )
-from worker.compaction.boundary import protected, unsafe_boundaries
-from worker.compaction.planner import Outlook, plan
-from worker.compaction.policy import Clause, Policy, PolicyError, parse_policy
+from compactd.worker.compaction.boundary import protected, unsafe_boundaries
+from compactd.worker.compaction.planner import Outlook, plan
+from compactd.worker.compaction.policy import Clause, Policy, PolicyError, parse_policy
+from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
 
 TOKENS = 100  # every node's size, so a token budget is a count of nodes
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.surfaces import ai, ckpt, nodes, sys, tool, user
-from worker.compaction.boundary import (
+from compactd.worker.compaction.boundary import (
     protected,
     resolve_keep,
     select_range,
     unsafe_boundaries,
 )
-from worker.compaction.policy import Clause, Policy
+from compactd.worker.compaction.policy import Clause, Policy
+from tests.support.surfaces import ai, ckpt, nodes, sys, tool, user
 
 M = Clause("messages", 2)
 

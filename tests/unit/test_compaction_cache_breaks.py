@@ -6,15 +6,15 @@ from datetime import timedelta
 
 import pytest
 
-from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
-from worker.compaction.cache_breaks import hold_edits
-from worker.compaction.planner import Outlook, plan
-from worker.compaction.policy import (
+from compactd.worker.compaction.cache_breaks import hold_edits
+from compactd.worker.compaction.planner import Outlook, plan
+from compactd.worker.compaction.policy import (
     DEFAULT_CACHE_TTL_S,
     DEFAULT_CLEAR_AT_LEAST,
     PolicyError,
     parse_policy,
 )
+from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
 
 WARM = NOW - timedelta(seconds=10)
 COLD = NOW - timedelta(seconds=DEFAULT_CACHE_TTL_S + 1)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from storage.messages import parse_openai
-from worker.compaction.prompt import IMAGE_REFERENCE_CHARS, image_reference, message_body
+from compactd.storage.messages import parse_openai
+from compactd.worker.compaction.prompt import IMAGE_REFERENCE_CHARS, image_reference, message_body
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # 1032 bytes
 B64 = base64.b64encode(PNG).decode()

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import worker.compaction
+import compactd.worker.compaction
 
 BANNED = ("celery", "kombu", "sqlalchemy", "alembic", "asyncpg", "aiosqlite", "redis", "httpx",
           "requests", "aiohttp", "openai", "anthropic")
-PACKAGE = Path(worker.compaction.__file__).parent
+PACKAGE = Path(compactd.worker.compaction.__file__).parent
 
 PROBE = """
 import importlib, pkgutil, sys
@@ -26,8 +26,8 @@ class Blocker:
 sys.meta_path.insert(0, Blocker())
 for name in BANNED:
     sys.modules.pop(name, None)
-import worker.compaction
-package = worker.compaction
+import compactd.worker.compaction
+package = compactd.worker.compaction
 for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
     importlib.import_module(info.name)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in BANNED)

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from storage import schema
-from worker.compaction.arrivals import Arrivals
-from worker.compaction.kinds import KINDS, Counter, Kind, check_registry
-from worker.compaction.kinds.base import count
-from worker.compaction.policy import Clause, PolicyError, parse_policy
-from worker.compaction.triggers import Pressure, clause_holds
+from compactd.storage import schema
+from compactd.worker.compaction.arrivals import Arrivals
+from compactd.worker.compaction.kinds import KINDS, Counter, Kind, check_registry
+from compactd.worker.compaction.kinds.base import count
+from compactd.worker.compaction.policy import Clause, PolicyError, parse_policy
+from compactd.worker.compaction.triggers import Pressure, clause_holds
 
 
 def test_every_counter_has_its_sweep_floor_column_and_its_count_in_each_measure() -> None:

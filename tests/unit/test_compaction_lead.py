@@ -10,17 +10,17 @@ from typing import Any
 import pytest
 import yaml
 
-from storage.errors import ConfigError
-from storage.leads import ALL_POOLS
-from storage.records import SessionInfo
-from storage.surface import SurfaceNode
+from compactd.storage.errors import ConfigError
+from compactd.storage.leads import ALL_POOLS
+from compactd.storage.records import SessionInfo
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.lead import LEAD_MAX_SHARE, lead_tokens, parse_lead, percentile
+from compactd.worker.compaction.planner import Outlook, plan
+from compactd.worker.compaction.policy import PolicyError, parse_policy
+from compactd.worker.lead import measure_leads
+from compactd.worker.pressure import explain, growth_tokens, over_trigger, session_policy, wants_run
+from compactd.worker.settings import Config, build_config
 from tests.support.surfaces import user
-from worker.compaction.lead import LEAD_MAX_SHARE, lead_tokens, parse_lead, percentile
-from worker.compaction.planner import Outlook, plan
-from worker.compaction.policy import PolicyError, parse_policy
-from worker.lead import measure_leads
-from worker.pressure import explain, growth_tokens, over_trigger, session_policy, wants_run
-from worker.settings import Config, build_config
 
 T0 = dt.datetime(2026, 12, 6, 4, 0, tzinfo=dt.UTC)
 TRIGGER = {"trigger": {"type": "tokens", "value": 10_000},
@@ -188,7 +188,7 @@ def test_the_reported_usage_counts_the_lead_too() -> None:
 
 
 def test_a_young_sessions_rate_is_unbiased_up_to_a_bound() -> None:
-    from storage.records import (
+    from compactd.storage.records import (
         GROWTH_WINDOW_S,
         YOUNG_GROWTH_MAX_FACTOR,
         next_growth_rate,

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from storage.surface import SurfaceNode
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.planner import checkpoint_for, plan, replan_smaller
+from compactd.worker.compaction.policy import Clause, parse_policy
+from compactd.worker.compaction.render import Skill, checkpoint_tokens
 from tests.support.surfaces import NOW, ai, ckpt, nodes, sys, tool, user
-from worker.compaction.planner import checkpoint_for, plan, replan_smaller
-from worker.compaction.policy import Clause, parse_policy
-from worker.compaction.render import Skill, checkpoint_tokens
 
 
 def _policy(**raw):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from worker.compaction.policy import Clause, PolicyError, parse_policy
+from compactd.worker.compaction.policy import Clause, PolicyError, parse_policy
 
 
 @pytest.mark.parametrize(

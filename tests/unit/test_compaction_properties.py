@@ -15,16 +15,16 @@ from typing import Any
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from storage.messages import Message
-from storage.surface import SurfaceNode
+from compactd.storage.messages import Message
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.boundary import protected
+from compactd.worker.compaction.planner import Plan, checkpoint_for, plan
+from compactd.worker.compaction.policy import Clause, PolicyError, parse_policy
+from compactd.worker.compaction.prompt import SECTIONS, build_prompt
+from compactd.worker.compaction.render import Skill, checkpoint_tokens
+from compactd.worker.compaction.validation import validate_summary
 from tests.support.pairs import cut_problems, node_rows
 from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, sys, tool, user
-from worker.compaction.boundary import protected
-from worker.compaction.planner import Plan, checkpoint_for, plan
-from worker.compaction.policy import Clause, PolicyError, parse_policy
-from worker.compaction.prompt import SECTIONS, build_prompt
-from worker.compaction.render import Skill, checkpoint_tokens
-from worker.compaction.validation import validate_summary
 
 WORDS = st.sampled_from(["alpha", "beta", "<b>", "a&b", "x>y", "\n", "数据", "😀", "{messages}",
                          "</new_messages>", "path/to/file.py", "42"])

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.surfaces import COUNTER, ai, nodes, tool, user
-from worker.compaction.policy import ClearToolUsesConfig, PruneConfig
-from worker.compaction.pruning import (
+from compactd.worker.compaction.policy import ClearToolUsesConfig, PruneConfig
+from compactd.worker.compaction.pruning import (
     PRUNE_MARKER,
     apply_actions,
     clear_tool_uses,
@@ -16,7 +15,8 @@ from worker.compaction.pruning import (
     prune_tool_results,
     text_chars,
 )
-from worker.compaction.recall import pruned_note, pruned_ref
+from compactd.worker.compaction.recall import pruned_note, pruned_ref
+from tests.support.surfaces import COUNTER, ai, nodes, tool, user
 
 CONFIG = PruneConfig()
 SMALL = PruneConfig(threshold_chars=20, head_chars=4, tail_chars=3)

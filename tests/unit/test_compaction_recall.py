@@ -9,14 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from storage.kinds import NodeKind
-from storage.messages import Message
-from storage.surface import SurfaceNode
-from storage.tokens import counter_for
-from tests.support.pairs import cut_problems, node_rows
-from tests.support.surfaces import ai, nodes, tool, user
-from worker.compaction.boundary import unsafe_boundaries
-from worker.compaction.recall import (
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import Message
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.boundary import unsafe_boundaries
+from compactd.worker.compaction.recall import (
     FOOTER_MAX_TOKENS,
     META_RECALL,
     RecallArgumentError,
@@ -37,6 +35,8 @@ from worker.compaction.recall import (
     span_of,
     tally,
 )
+from tests.support.pairs import cut_problems, node_rows
+from tests.support.surfaces import ai, nodes, tool, user
 
 COUNTERS = [counter_for(m) for m in (None, "gpt-4", "claude-sonnet-4")]
 SETTINGS = settings(max_examples=150, deadline=None,

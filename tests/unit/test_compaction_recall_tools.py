@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.compaction.recall import RecallArgumentError, checkpoint_ref, pruned_ref
-from worker.compaction.recall_tools import (
+from compactd.worker.compaction.recall import RecallArgumentError, checkpoint_ref, pruned_ref
+from compactd.worker.compaction.recall_tools import (
     MAX_QUERY_BYTES,
     ReadArgs,
     SearchArgs,

@@ -10,18 +10,17 @@ from dataclasses import replace
 
 import pytest
 
-from storage.kinds import LayoutRole, NodeKind
-from storage.messages import from_payload
-from storage.records import Replacement
-from storage.surface import SurfaceNode, SurfaceRows
-from storage.tokens import counter_for
-from tests.support.surfaces import NOW, ai, ckpt, nodes, sys, tool, user
-from worker.compaction.boundary import unsafe_boundaries
-from worker.compaction.planner import plan
-from worker.compaction.policy import PolicyError, parse_policy
-from worker.compaction.prompt import INDEX_MARK, build_index_prompt
-from worker.compaction.recall import is_index, layout_role, node_span
-from worker.compaction.recallable import (
+from compactd.storage.kinds import LayoutRole, NodeKind
+from compactd.storage.messages import from_payload
+from compactd.storage.records import Replacement
+from compactd.storage.surface import SurfaceNode, SurfaceRows
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.boundary import unsafe_boundaries
+from compactd.worker.compaction.planner import plan
+from compactd.worker.compaction.policy import PolicyError, parse_policy
+from compactd.worker.compaction.prompt import INDEX_MARK, build_index_prompt
+from compactd.worker.compaction.recall import is_index, layout_role, node_span
+from compactd.worker.compaction.recallable import (
     INSERT,
     PLAIN,
     SWAP,
@@ -32,8 +31,9 @@ from worker.compaction.recallable import (
     state_checkpoint,
     validate_index,
 )
-from worker.compaction.render import checkpoint_tokens
-from worker.compaction.validation import validate_summary
+from compactd.worker.compaction.render import checkpoint_tokens
+from compactd.worker.compaction.validation import validate_summary
+from tests.support.surfaces import NOW, ai, ckpt, nodes, sys, tool, user
 
 STATE_TEXT = "\n".join(f"## {name}\n- carried" for name in (
     "Primary Request and Intent", "Key Technical Concepts", "Files and Code", "Errors and Fixes",

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, tool, user
-from worker.compaction.planner import plan
-from worker.compaction.policy import PolicyError, parse_policy
-from worker.compaction.render import render_surface
-from worker.compaction.sharing import (
+from compactd.worker.compaction.planner import plan
+from compactd.worker.compaction.policy import PolicyError, parse_policy
+from compactd.worker.compaction.render import render_surface
+from compactd.worker.compaction.sharing import (
     WIRE_KEYS,
     CacheHints,
     cache_readable,
@@ -19,8 +18,9 @@ from worker.compaction.sharing import (
     prefix_end,
     shared_call,
 )
-from worker.llm.anthropic_provider import anthropic_messages, with_breakpoints
-from worker.settings import load_config
+from compactd.worker.llm.anthropic_provider import anthropic_messages, with_breakpoints
+from compactd.worker.settings import load_config
+from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, tool, user
 
 REPO = Path(__file__).resolve().parents[2]
 ENVELOPE = {"system": "You are an agent.", "tools": [{"name": "bash"}],

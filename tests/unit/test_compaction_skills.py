@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from compactd.worker.compaction.render import Skill, render_text
+from compactd.worker.compaction.skills import MAX_SKILLS, capture_skills, frontmatter, skill_path
 from tests.support.surfaces import ai, ckpt, nodes, tool, user
-from worker.compaction.render import Skill, render_text
-from worker.compaction.skills import MAX_SKILLS, capture_skills, frontmatter, skill_path
 
 TOOLS = ("read_file", "read", "view", "cat")
 FRONT = "---\nname: pdf-tools\ndescription: Read and fill PDF forms.\n---\n# PDF\nsteps"

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
+from compactd.worker.compaction.policy import parse_policy
+from compactd.worker.compaction.triggers import Pressure, measure, should_compact
 from tests.support.surfaces import ai, ckpt, nodes, sys, user
-from worker.compaction.policy import parse_policy
-from worker.compaction.triggers import Pressure, measure, should_compact
 
 
 def _policy(trigger: object, window: int | None = None):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from worker.compaction.policy import Policy
-from worker.compaction.prompt import SECTIONS
-from worker.compaction.render import Skill
-from worker.compaction.validation import (
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.prompt import SECTIONS
+from compactd.worker.compaction.render import Skill
+from compactd.worker.compaction.validation import (
     NO_HISTORY_SUMMARY,
     framed_tokens,
     missing_sections,
@@ -92,8 +92,8 @@ def test_a_custom_prompt_sets_its_own_format():
 
 
 def test_the_local_summarizer_never_writes_only_empty_sections_for_a_range_with_text():
-    from storage.messages import Message
-    from worker.llm.local import summarize_local
+    from compactd.storage.messages import Message
+    from compactd.worker.llm.local import summarize_local
 
     # A system note is text no extraction rule picks up.
     summary = summarize_local([Message(role="system", content="deploy window is Friday " * 20)])
@@ -103,9 +103,9 @@ def test_the_local_summarizer_never_writes_only_empty_sections_for_a_range_with_
 
 
 def test_the_local_summarizer_writes_every_section():
-    from scheduler.samples import coding_session
-    from storage.messages import parse_openai
-    from worker.llm.local import summarize_local
+    from compactd.scheduler.samples import coding_session
+    from compactd.storage.messages import parse_openai
+    from compactd.worker.llm.local import summarize_local
 
     messages = [parse_openai(m) for m in coding_session(steps=6, seed=3).messages]
     assert missing_sections(summarize_local(messages, max_tokens=2000)) == []

@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from worker.cost import NO_USAGE, PRICED, Billed, Price, cost_parts, total_usage, usage_cost
+from compactd.worker.cost import (
+    NO_USAGE,
+    PRICED,
+    Billed,
+    Price,
+    cost_parts,
+    total_usage,
+    usage_cost,
+)
 
 OPENAI = Price(input=2.0, cached_input=0.5, cache_write=2.0, output=8.0)
 ANTHROPIC = Price(input=3.0, cached_input=0.3, cache_write=3.75, output=15.0)

@@ -10,9 +10,9 @@ from types import ModuleType
 import pytest
 from pydantic import BaseModel
 
+from compactd.worker.compaction import policy
+from compactd.worker.settings import FileConfig, Settings
 from tests.support.stack import REPO
-from worker.compaction import policy
-from worker.settings import FileConfig, Settings
 
 
 def _load() -> ModuleType:
@@ -63,8 +63,8 @@ def test_every_setting_is_in_the_configuration_reference() -> None:
 
 
 def test_every_route_and_status_is_in_the_http_reference() -> None:
-    from scheduler.http.server import create_app
-    from worker.settings import build_config
+    from compactd.scheduler.http.server import create_app
+    from compactd.worker.settings import build_config
 
     config = build_config({"api": {"tokens": [{"tenant": "t", "token_sha256": "0" * 64}]}},
                           settings=Settings(database_url="sqlite:////nonexistent/x.sqlite3"))

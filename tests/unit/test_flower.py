@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tornado.options import OptionParser
 
-from worker.flower import (
+from compactd.worker.flower import (
     ENV_UNAUTHENTICATED,
     TASK_COLUMNS,
     FlowerUnauthenticated,
@@ -64,8 +64,8 @@ def test_the_columns_name_real_flower_columns() -> None:
 
 
 def test_the_app_sends_the_events_flower_needs() -> None:
-    from worker.app import celery_settings
-    from worker.settings import load_config
+    from compactd.worker.app import celery_settings
+    from compactd.worker.settings import load_config
 
     settings = celery_settings(load_config({"COMPACTD_BROKER_URL": "redis://127.0.0.1:9/0"}))
     assert settings["worker_send_task_events"] is True  # received, started, failed, ...

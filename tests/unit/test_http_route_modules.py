@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import scheduler.http.routes as routes_package
+import compactd.scheduler.http.routes as routes_package
 
 ROUTES = Path(routes_package.__file__).parent
 
@@ -34,7 +34,7 @@ def test_every_v1_operation_is_routed_once() -> None:
     from fastapi import FastAPI
     from fastapi.routing import APIRoute
 
-    from scheduler.http.routes import add_routes
+    from compactd.scheduler.http.routes import add_routes
 
     app = FastAPI()
     add_routes(app)

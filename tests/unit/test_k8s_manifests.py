@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT
-from worker.settings import load_config
+from compactd.worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT
+from compactd.worker.settings import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "ops" / "k8s"

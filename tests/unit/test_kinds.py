@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import kinds
-from storage.kinds import (
+from compactd.storage import kinds
+from compactd.storage.kinds import (
     EVENT_KINDS,
     REPLACE_KINDS,
     FailureClass,
@@ -26,7 +26,7 @@ from storage.kinds import (
     SignalReason,
     Stage,
 )
-from worker.run import USAGE_KINDS
+from compactd.worker.run import USAGE_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SETS: list[type[enum.StrEnum]] = [
@@ -150,7 +150,7 @@ def test_every_literal_the_sql_compares_with_a_closed_set_is_a_member_of_it() ->
         for column, literal in sql_literals(path.read_text()):
             found.setdefault((column, literal), []).append(str(path.relative_to(ROOT)))
     strays = {key: where for key, where in found.items() if key[1] not in COLUMN_SETS[key[0]]}
-    assert not strays, f"literals that are no member of storage.kinds: {strays}"
+    assert not strays, f"literals that are no member of compactd.storage.kinds: {strays}"
     # The reader sees the functions' literals (else this test could not fail).
     assert {("kind", NodeKind.MESSAGE), ("kind", JournalKind.START), ("kind", JournalKind.END),
             ("status", RunStatus.RUNNING)} <= set(found), sorted(found)
@@ -242,4 +242,4 @@ def test_no_production_module_spells_a_member_as_a_literal() -> None:
             if relative == "storage/kinds.py" or relative.startswith("storage/migrations/"):
                 continue
             hits += literal_hits(relative, path.read_text())
-    assert not hits, "use the member of storage.kinds:\n" + "\n".join(hits)
+    assert not hits, "use the member of compactd.storage.kinds:\n" + "\n".join(hits)

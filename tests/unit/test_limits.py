@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from worker.limits import LocalLimiter
+from compactd.worker.limits import LocalLimiter
 
 
 @pytest.mark.parametrize("stall_s", [0.0, 0.1])

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from worker.llm.candidates import Availability, Candidate, candidate_order
-from worker.llm.errors import Unavailable
-from worker.llm.pool import ProviderPool
-from worker.llm.provider import Attribution, Provider
-from worker.llm.providers import build_provider
-from worker.settings import ModelSpec, WorkerConfig
+from compactd.worker.llm.candidates import Availability, Candidate, candidate_order
+from compactd.worker.llm.errors import Unavailable
+from compactd.worker.llm.pool import ProviderPool
+from compactd.worker.llm.provider import Attribution, Provider
+from compactd.worker.llm.providers import build_provider
+from compactd.worker.settings import ModelSpec, WorkerConfig
 
 MODELS = (
     ModelSpec(name="mini", provider="openai", model="gpt-4o-mini"),
@@ -162,17 +162,17 @@ def test_pools_from_the_worker_config() -> None:
 def test_the_worker_imports_an_sdk_only_when_a_client_of_its_kind_is_built() -> None:
     """Importing anthropic costs ~1.4 s at every worker start; a fleet on OpenAI never pays it."""
     code = (
-        "import sys, worker.tasks, worker.app\n"
-        "from worker.llm.candidates import Candidate\n"
-        "from worker.llm.provider import Attribution\n"
-        "from worker.llm.providers import build_provider\n"
-        "from worker.settings import ModelSpec\n"
+        "import sys, compactd.worker.tasks, compactd.worker.app\n"
+        "from compactd.worker.llm.candidates import Candidate\n"
+        "from compactd.worker.llm.provider import Attribution\n"
+        "from compactd.worker.llm.providers import build_provider\n"
+        "from compactd.worker.settings import ModelSpec\n"
         "assert not {'openai', 'anthropic'} & set(sys.modules), 'imported at start'\n"
         "spec = ModelSpec(name='mini', provider='openai', model='gpt-4o-mini')\n"
         "build_provider(Candidate.from_spec(spec), attribution=Attribution(),\n"
         "               env={'OPENAI_API_KEY': 'k'})\n"
         "assert 'openai' in sys.modules and 'anthropic' not in sys.modules\n"
-        "from worker.llm.providers import import_sdks\n"
+        "from compactd.worker.llm.providers import import_sdks\n"
         "claude = ModelSpec(name='claude', provider='anthropic', model='claude-sonnet-4-5')\n"
         "assert import_sdks([claude, spec]) == ['anthropic', 'openai']\n"
         "assert 'anthropic' in sys.modules\n")

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from worker.llm.fallback import compute_backoff
-from worker.llm.http_errors import retry_after_s, status_error
+from compactd.worker.llm.fallback import compute_backoff
+from compactd.worker.llm.http_errors import retry_after_s, status_error
 
 
 @pytest.mark.parametrize(("status", "headers", "error", "kind", "transient"), [

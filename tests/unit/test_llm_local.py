@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.samples import coding_session
-from storage.messages import Message, parse_openai
-from storage.tokens import counter_for
-from worker.llm.errors import LocalSummaryError
-from worker.llm.local import (
+from compactd.scheduler.samples import coding_session
+from compactd.storage.messages import Message, parse_openai
+from compactd.storage.tokens import counter_for
+from compactd.worker.llm.errors import LocalSummaryError
+from compactd.worker.llm.local import (
     SECTIONS,
     find_exception_names,
     find_paths,

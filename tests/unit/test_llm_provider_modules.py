@@ -7,9 +7,9 @@ import ast
 import typing
 from pathlib import Path
 
-import worker.llm as llm
-from worker.llm.providers import PROVIDERS
-from worker.settings import ModelSpec
+import compactd.worker.llm as llm
+from compactd.worker.llm.providers import PROVIDERS
+from compactd.worker.settings import ModelSpec
 
 LLM = Path(llm.__file__).parent
 SDKS = {"openai", "anthropic"}

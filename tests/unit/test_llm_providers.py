@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.llm.anthropic_provider import anthropic_messages, anthropic_tool
-from worker.llm.openai_provider import openai_tool
+from compactd.worker.llm.anthropic_provider import anthropic_messages, anthropic_tool
+from compactd.worker.llm.openai_provider import openai_tool
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": '{"cmd": "ls"}'}}
 USE = {"type": "tool_use", "id": "c1", "name": "run", "input": {"cmd": "ls"}}

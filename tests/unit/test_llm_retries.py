@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from worker.llm.candidates import Candidate
-from worker.llm.errors import ProviderError
-from worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
-from worker.llm.provider import ChatMessage, Completion, Usage
-from worker.settings import ModelSpec
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.llm.errors import ProviderError
+from compactd.worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
+from compactd.worker.llm.provider import ChatMessage, Completion, Usage
+from compactd.worker.settings import ModelSpec
 
 CANDIDATE = Candidate.from_spec(ModelSpec(name="m", provider="openai"))
 REQUEST = SummaryRequest.of([{"role": "user", "content": "summarize this"}])

@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from storage.errors import InvalidMessage
-from storage.messages import (
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.messages import (
     BatchLinks,
     Message,
     ToolLinks,
@@ -213,7 +213,7 @@ def test_an_answered_id_may_be_issued_again() -> None:
 ])
 def test_a_stored_message_is_rebuilt_as_model_construct_would(payload: dict[str, Any]) -> None:
     """from_payload skips model_construct's per-field loop; the result must not differ."""
-    from storage.messages import ToolCall
+    from compactd.storage.messages import ToolCall
 
     rebuilt = from_payload(payload)
     calls = tuple(ToolCall.model_construct(id=c[0], name=c[1], arguments=c[2])

@@ -20,8 +20,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from worker.metrics import FleetSnapshot, Metrics, fleet_families
-from worker.settings import load_config
+from compactd.worker.metrics import FleetSnapshot, Metrics, fleet_families
+from compactd.worker.settings import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 OPS = REPO / "ops"
@@ -66,7 +66,7 @@ def test_compose_has_every_service_with_image_command_and_environment() -> None:
     assert _command(services["migrate"]) == ["compactd", "migrate"]
     for name in ("worker", "beat", "flower"):
         # --quiet: no start-up banner, so the process's output is JSON lines only.
-        assert _command(services[name])[:5] == ["celery", "--quiet", "-A", "worker.app",
+        assert _command(services[name])[:5] == ["celery", "--quiet", "-A", "compactd.worker.app",
                                                 name]
     # Only workers call models, so only they get provider keys.
     assert "OPENAI_API_KEY" in services["worker"]["environment"]
@@ -166,7 +166,7 @@ def test_systemd_units_start_the_right_processes_with_the_environment_file() -> 
         argv = service["ExecStart"].split()
         process = path.name.removeprefix("compactd-").split("@")[0].split(".")[0]
         assert argv[0].startswith("/") and argv[0].endswith("/celery"), path.name
-        assert argv[1:5] == ["--quiet", "-A", "worker.app", process], path.name
+        assert argv[1:5] == ["--quiet", "-A", "compactd.worker.app", process], path.name
         assert unit["Install"]["WantedBy"] == "multi-user.target"
     text = (OPS / "systemd" / "compactd-worker@.service").read_text()
     assert "EnvironmentFile=/etc/compactd/compactd.env" in text

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from storage.messages import Message
-from storage.records import SessionInfo
-from worker.compaction.policy import (
+from compactd.storage.messages import Message
+from compactd.storage.records import SessionInfo
+from compactd.worker.compaction.policy import (
     ANY_WINDOW,
     PRUNE_MARKER,
     Clause,
@@ -23,7 +23,7 @@ from worker.compaction.policy import (
     parse_policy,
     parse_trigger,
 )
-from worker.compaction.pruning import cut_middle, prune_message
+from compactd.worker.compaction.pruning import cut_middle, prune_message
 
 NOW_UTC = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -158,8 +158,8 @@ def _abandoned_call() -> list[Any]:
 @pytest.mark.parametrize(("force", "keep"), [(True, None), (False, None),
                                              (True, Clause("messages", 4))])
 def test_an_open_call_pins_only_itself(force: bool, keep: Clause | None) -> None:
+    from compactd.worker.compaction.planner import plan
     from tests.support.surfaces import NOW
-    from worker.compaction.planner import plan
 
     surface = _abandoned_call()
     policy = Policy(trigger=((Clause("tokens", 500),),), keep=Clause("messages", 6))
@@ -171,8 +171,8 @@ def test_an_open_call_pins_only_itself(force: bool, keep: Clause | None) -> None
 
 
 def test_an_open_call_answered_in_part_keeps_its_results() -> None:
+    from compactd.worker.compaction.planner import plan
     from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
-    from worker.compaction.planner import plan
 
     messages = [sys(), user("go"), ai(None, ("a", "bash"), ("b", "bash")), user("x " * 50),
                 tool("a", "result " * 50)]
@@ -200,9 +200,9 @@ def _tool_steps(count: int, size: int) -> list[Any]:
 
 @pytest.mark.parametrize(("clear_trigger", "cleared"), [(100, 3), (100_000, 0)])
 def test_clearing_fires_on_its_own_trigger(clear_trigger: int, cleared: int) -> None:
+    from compactd.worker.compaction.planner import plan
+    from compactd.worker.compaction.triggers import should_run
     from tests.support.surfaces import NOW
-    from worker.compaction.planner import plan
-    from worker.compaction.triggers import should_run
 
     policy = parse_policy({"trigger": ["tokens", 1_000_000], "keep": ["messages", 6],
                            "prune": {"threshold_chars": 300, "head_chars": 100,
@@ -235,8 +235,8 @@ def test_fraction_without_a_window_warns(raw: dict[str, Any], window: int | None
 
 
 def test_a_stored_override_stays_readable_when_the_configuration_changes() -> None:
-    from worker.pressure import session_policy
-    from worker.settings import build_config
+    from compactd.worker.pressure import session_policy
+    from compactd.worker.settings import build_config
 
     # Checked and stored when the configuration triggered at 20000 tokens; the operator then
     # lowered the trigger below the session's keep. Sweeps and runs still read the session.

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from storage.records import (
+from compactd.storage.records import (
     GROWTH_WINDOW_S,
     SessionInfo,
     decayed_growth_rate,
     next_growth_rate,
 )
-from worker.pressure import runway, sorted_runways
-from worker.settings import Config, load_config
+from compactd.worker.pressure import runway, sorted_runways
+from compactd.worker.settings import Config, load_config
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 

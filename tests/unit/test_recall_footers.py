@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from storage.messages import RESERVED_META
-from storage.surface import SurfaceNode
+from compactd.storage.messages import RESERVED_META
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.planner import checkpoint_for, checkpoint_recall, plan
+from compactd.worker.compaction.policy import ClearToolUsesConfig, PruneConfig, parse_policy
+from compactd.worker.compaction.pruning import clear_tool_uses, prune_tool_results
+from compactd.worker.compaction.recall import (
+    checkpoint_footer,
+    checkpoint_ref,
+    pruned_note,
+    pruned_ref,
+)
+from compactd.worker.compaction.render import checkpoint_parts, checkpoint_tokens, render_node
+from compactd.worker.compaction.validation import framed_tokens, validate_summary
 from tests.support.surfaces import COUNTER, NOW, ai, ckpt, nodes, tool, user
-from worker.compaction.planner import checkpoint_for, checkpoint_recall, plan
-from worker.compaction.policy import ClearToolUsesConfig, PruneConfig, parse_policy
-from worker.compaction.pruning import clear_tool_uses, prune_tool_results
-from worker.compaction.recall import checkpoint_footer, checkpoint_ref, pruned_note, pruned_ref
-from worker.compaction.render import checkpoint_parts, checkpoint_tokens, render_node
-from worker.compaction.validation import framed_tokens, validate_summary
 
 FORMS = ("durable_context", "compacted_summary", "langchain")
 

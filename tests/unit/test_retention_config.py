@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from storage.errors import ConfigError
-from worker.app import celery_settings
-from worker.keys import TASK_RETENTION
-from worker.settings import Settings, build_config, load_config
+from compactd.storage.errors import ConfigError
+from compactd.worker.app import celery_settings
+from compactd.worker.keys import TASK_RETENTION
+from compactd.worker.settings import Settings, build_config, load_config
 
 SETTINGS = Settings(database_url="sqlite:///x.sqlite3", broker_url="memory://")
 

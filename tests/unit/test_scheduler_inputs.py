@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from scheduler.args import parse_duration
-from scheduler.bulk import BulkFilter
-from scheduler.intake import parse_signal
-from storage.errors import ConfigError, InvalidMessage
-from worker.app import celery_settings
-from worker.keys import TASK_REAP, TASK_SWEEP
-from worker.limits import parse_rate
-from worker.settings import Settings, build_config
+from compactd.scheduler.args import parse_duration
+from compactd.scheduler.bulk import BulkFilter
+from compactd.scheduler.intake import parse_signal
+from compactd.storage.errors import ConfigError, InvalidMessage
+from compactd.worker.app import celery_settings
+from compactd.worker.keys import TASK_REAP, TASK_SWEEP
+from compactd.worker.limits import parse_rate
+from compactd.worker.settings import Settings, build_config
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from storage.errors import ConfigError
-from worker.compaction.policy import Clause, Policy
-from worker.settings import build_config, load_config
+from compactd.storage.errors import ConfigError
+from compactd.worker.compaction.policy import Clause, Policy
+from compactd.worker.settings import build_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,7 +160,7 @@ def test_fraction_keep_falls_back_to_messages_without_window() -> None:
 def test_policy_round_trips_through_config() -> None:
     policy = cfg("summarization: {trigger: [{tokens: 5000, messages: 40}], keep: [tokens, 900],"
                  " clear_tool_uses: {enabled: true, keep: 2}}").policy
-    from worker.compaction.policy import parse_policy
+    from compactd.worker.compaction.policy import parse_policy
 
     assert parse_policy(policy.to_config()) == policy
 
@@ -207,7 +207,7 @@ def test_example_config_loads_and_shows_every_key() -> None:
 
 
 def test_the_breaker_settings_reach_its_limits() -> None:
-    from worker.llm.breaker import BreakerLimits
+    from compactd.worker.llm.breaker import BreakerLimits
 
     c = cfg("worker: {candidate_budget_s: 40, breaker: {failures: 5, cooldown_s: 7}}")
     # A probe holds a circuit as long as one candidate's call may take.

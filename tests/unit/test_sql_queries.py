@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import sql
+from compactd.storage import sql
 
 ROOT = Path(__file__).resolve().parents[2]
 STORAGE = ROOT / "storage"

@@ -9,8 +9,8 @@ import asyncio
 import asyncpg.exceptions as pg
 import pytest
 
-from storage.database import _connection_survives, translate
-from storage.errors import InvalidMessage, LockNotAvailable, SessionNotFound, StorageError
+from compactd.storage.database import _connection_survives, translate
+from compactd.storage.errors import InvalidMessage, LockNotAvailable, SessionNotFound, StorageError
 
 
 def translated(driver: BaseException) -> BaseException:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from storage.kinds import NodeKind
-from storage.surface import LoggedEvent, PlacementError, ReplayError, SurfaceRows, replay
+from compactd.storage.kinds import NodeKind
+from compactd.storage.surface import LoggedEvent, PlacementError, ReplayError, SurfaceRows, replay
 
 
 def rows_of(*seqs: int) -> SurfaceRows:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from storage.messages import parse_openai
-from storage.tokens import (
+from compactd.storage.messages import parse_openai
+from compactd.storage.tokens import (
     IMAGE_TOKENS,
     MESSAGE_FRAMING_TOKENS,
     counter_for,
@@ -69,7 +69,7 @@ def test_tokenizer_loads_with_the_network_unreachable(tmp_path: Path) -> None:
         socket.socket.connect = refuse
         socket.create_connection = refuse
         socket.getaddrinfo = refuse
-        from storage.tokens import counter_for
+        from compactd.storage.tokens import counter_for
         print(counter_for("gpt-4o").count_text("offline works"),
               counter_for("gpt-4").count_text("offline works"))
     """)

@@ -7,9 +7,7 @@ from __future__ import annotations
 import grimp
 import pytest
 
-import scheduler
-import storage
-import worker
+from compactd import scheduler, storage, worker
 
 # The packages' import names (not their folders' names: pyproject maps the folders).
 STORAGE, WORKER, SCHEDULER = storage.__name__, worker.__name__, scheduler.__name__

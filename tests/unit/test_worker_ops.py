@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-import worker.metrics as metrics_module
-from worker import logs
-from worker.settings import load_config
+import compactd.worker.metrics as metrics_module
+from compactd.worker import logs
+from compactd.worker.settings import load_config
 
 
 def test_concurrent_first_use_creates_the_metrics_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,13 +69,13 @@ def test_the_endpoint_is_served_for_the_threads_pool_only(
         serves: bool) -> None:
     import importlib
 
-    import worker.tasks as tasks
+    import compactd.worker.tasks as tasks
 
     pool_cls = importlib.import_module(pool_module).TaskPool
     served: list[int] = []
     monkeypatch.setattr(tasks, "serve", served.append)
     monkeypatch.setenv("COMPACTD_METRICS_PORT", "19540")
-    caplog.set_level(logging.ERROR, logger="worker.tasks")
+    caplog.set_level(logging.ERROR, logger="compactd.worker.tasks")
     tasks._on_ready(sender=_Sender(pool_cls.__new__(pool_cls)))
     assert served == ([19540] if serves else [])
     assert bool(caplog.records) is not serves
@@ -150,8 +150,8 @@ def test_a_worker_keeps_db_pool_size_connections_and_opens_no_more(
     ~10% of its CPU reconnecting. Half of them are kept checked out for the statements every
     compaction runs, and at least one is left for the transactions, which never use a kept
     one (a pool of 1 keeps none). (Building the engine opens no connection.)"""
-    from worker.runtime import build_deps
-    from worker.settings import WorkerConfig
+    from compactd.worker.runtime import build_deps
+    from compactd.worker.settings import WorkerConfig
 
     config = load_config({"COMPACTD_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
                           "COMPACTD_HOME": str(tmp_path)})
@@ -170,8 +170,8 @@ def test_a_worker_keeps_db_pool_size_connections_and_opens_no_more(
 
 
 def test_a_worker_collects_garbage_less_often_and_never_rescans_startup_objects() -> None:
-    from worker.runtime import tune_gc
-    from worker.settings import WorkerConfig
+    from compactd.worker.runtime import tune_gc
+    from compactd.worker.settings import WorkerConfig
 
     assert WorkerConfig().gc_threshold == 10_000
     before, frozen = gc.get_threshold(), gc.get_freeze_count()
@@ -187,8 +187,8 @@ def test_a_worker_collects_garbage_less_often_and_never_rescans_startup_objects(
 
 
 def test_a_starting_worker_applies_its_configured_gc_threshold(tmp_path: Any) -> None:
-    from worker.settings import WorkerConfig
-    from worker.tasks import _prepare_process
+    from compactd.worker.settings import WorkerConfig
+    from compactd.worker.tasks import _prepare_process
 
     config = load_config({"COMPACTD_HOME": str(tmp_path)})  # the local summarizer: no SDK
     config = dataclasses.replace(config, worker=WorkerConfig(gc_threshold=23_456))
@@ -205,7 +205,7 @@ def test_a_starting_worker_applies_its_configured_gc_threshold(tmp_path: Any) ->
 def test_a_task_returns_the_outcome_at_a_glance_not_the_whole_run() -> None:
     """Celery renders a task's return value for its log line and its event: the replaced seqs
     and the candidates' attempts stay in the run row."""
-    from worker.run import Outcome
+    from compactd.worker.run import Outcome
 
     outcome = Outcome("s1", "r1", "failed", "summary", trigger="sweep", tokens_before=9000,
                       replaced_seqs=list(range(200)), error="every candidate failed",
@@ -225,9 +225,9 @@ def test_a_worker_runs_uvloop_unless_told_otherwise(tmp_path: Any,
 
     uvloop = pytest.importorskip("uvloop")  # not installed on Windows
 
-    from storage.errors import ConfigError
-    from worker.runtime import LoopThread, new_worker_loop
-    from worker.settings import WorkerConfig
+    from compactd.storage.errors import ConfigError
+    from compactd.worker.runtime import LoopThread, new_worker_loop
+    from compactd.worker.settings import WorkerConfig
 
     config = load_config({"COMPACTD_HOME": str(tmp_path)})  # embedded: no server needed
     assert config.worker.event_loop == "auto"
@@ -256,8 +256,8 @@ def test_a_worker_told_to_have_uvloop_where_it_is_missing_does_not_start(
 
     from celery.signals import worker_init
 
-    import worker.tasks  # noqa: F401  (connects the start-up handler)
-    from worker.settings import WorkerConfig
+    import compactd.worker.tasks  # noqa: F401  (connects the start-up handler)
+    from compactd.worker.settings import WorkerConfig
 
     config = load_config({"COMPACTD_HOME": str(tmp_path)})
     config = dataclasses.replace(config, worker=WorkerConfig(event_loop="uvloop"))

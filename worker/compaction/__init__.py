@@ -8,12 +8,18 @@ model SDK, and nothing does I/O; ``tests/unit/test_compaction_imports.py`` holds
 
 from __future__ import annotations
 
-from worker.compaction.planner import Plan, SummarizeStep, checkpoint_for, plan, replan_smaller
-from worker.compaction.policy import Clause, Policy, PolicyError, parse_policy
-from worker.compaction.prompt import Piece, SummaryCall, build_prompt
-from worker.compaction.pruning import PruneAction
-from worker.compaction.triggers import Pressure, measure, should_compact
-from worker.compaction.validation import NO_HISTORY_SUMMARY, validate_summary
+from compactd.worker.compaction.planner import (
+    Plan,
+    SummarizeStep,
+    checkpoint_for,
+    plan,
+    replan_smaller,
+)
+from compactd.worker.compaction.policy import Clause, Policy, PolicyError, parse_policy
+from compactd.worker.compaction.prompt import Piece, SummaryCall, build_prompt
+from compactd.worker.compaction.pruning import PruneAction
+from compactd.worker.compaction.triggers import Pressure, measure, should_compact
+from compactd.worker.compaction.validation import NO_HISTORY_SUMMARY, validate_summary
 
 __all__ = [
     "NO_HISTORY_SUMMARY", "Clause", "Piece", "Plan", "Policy", "PolicyError", "Pressure",

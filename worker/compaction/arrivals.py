@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, assert_never
 
-from storage.messages import META_CHECKPOINT
-from storage.surface import SurfaceNode
-from worker.compaction.kinds import Counter
-from worker.compaction.lead import percentile as nearest_rank
-from worker.compaction.policy import Clause
+from compactd.storage.messages import META_CHECKPOINT
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.kinds import Counter
+from compactd.worker.compaction.lead import percentile as nearest_rank
+from compactd.worker.compaction.policy import Clause
 
 # The claim-to-commit duration a run expects: a high percentile of recent runs', since the
 # pickup comes after the commit (at the agent's next step), and expecting too little growth

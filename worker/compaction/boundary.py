@@ -56,11 +56,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
-from storage.kinds import NodeKind
-from storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
-from storage.surface import SurfaceNode
-from worker.compaction.kinds import Counter
-from worker.compaction.policy import Clause, Policy, effective_keep
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.kinds import Counter
+from compactd.worker.compaction.policy import Clause, Policy, effective_keep
 
 
 @dataclass(frozen=True, slots=True)

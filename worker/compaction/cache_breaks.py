@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from worker.compaction.policy import Policy
+from compactd.worker.compaction.policy import Policy
 
 
 def hold_edits(freed_tokens: int, *, policy: Policy, pressure_tokens: int,

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from worker.compaction.policy import PolicyError
+from compactd.worker.compaction.policy import PolicyError
 
 # The share of recent runs whose checkpoint the lead covers: a median lead lands half of the
 # checkpoints late; the slowest tenth is left to the cap and the trigger's own margin.

@@ -27,34 +27,34 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from storage.messages import Message
-from storage.surface import SurfaceNode
-from storage.tokens import TokenCounter, counter_for
-from worker.compaction.arrivals import Arrivals, keep_at_pickup
-from worker.compaction.boundary import (
+from compactd.storage.messages import Message
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import TokenCounter, counter_for
+from compactd.worker.compaction.arrivals import Arrivals, keep_at_pickup
+from compactd.worker.compaction.boundary import (
     Selection,
     protected,
     resolve_keep,
     select_range,
     unsafe_boundaries,
 )
-from worker.compaction.cache_breaks import hold_edits
-from worker.compaction.kinds import Counter
-from worker.compaction.policy import Clause, Policy
-from worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
-from worker.compaction.pruning import (
+from compactd.worker.compaction.cache_breaks import hold_edits
+from compactd.worker.compaction.kinds import Counter
+from compactd.worker.compaction.policy import Clause, Policy
+from compactd.worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
+from compactd.worker.compaction.pruning import (
     PruneAction,
     apply_actions,
     clear_tool_uses,
     merge_actions,
     prune_tool_results,
 )
-from worker.compaction.recall import checkpoint_ref, recall_meta, span_of
-from worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
-from worker.compaction.render import Skill, checkpoint_message
-from worker.compaction.skills import capture_skills
-from worker.compaction.triggers import Pressure, measure, should_clear, should_compact
-from worker.compaction.validation import framed_tokens
+from compactd.worker.compaction.recall import checkpoint_ref, recall_meta, span_of
+from compactd.worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
+from compactd.worker.compaction.render import Skill, checkpoint_message
+from compactd.worker.compaction.skills import capture_skills
+from compactd.worker.compaction.triggers import Pressure, measure, should_clear, should_compact
+from compactd.worker.compaction.validation import framed_tokens
 
 
 @dataclass(frozen=True, slots=True)

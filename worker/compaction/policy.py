@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from worker.compaction.kinds import KINDS, Counter, Kind
-from worker.compaction.kinds import base as kind_values
+from compactd.worker.compaction.kinds import KINDS, Counter, Kind
+from compactd.worker.compaction.kinds import base as kind_values
 
 logger = logging.getLogger(__name__)
 

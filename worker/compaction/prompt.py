@@ -55,12 +55,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.messages import Message
-from storage.surface import SurfaceNode
-from storage.tokens import MESSAGE_FRAMING_TOKENS, TokenCounter
-from worker.compaction.boundary import is_checkpoint
-from worker.compaction.policy import Policy
-from worker.compaction.render import checkpoint_parts
+from compactd.storage.messages import Message
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import MESSAGE_FRAMING_TOKENS, TokenCounter
+from compactd.worker.compaction.boundary import is_checkpoint
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.render import checkpoint_parts
 
 SECTIONS = ("Primary Request and Intent", "Key Technical Concepts", "Files and Code",
             "Errors and Fixes", "Pending Jobs", "Current Work", "Next Step", "Critical Context")

@@ -31,14 +31,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.kinds import JournalKind, NodeKind
-from storage.messages import META_PRUNED, Message
-from storage.records import Replacement
-from storage.surface import SurfaceNode
-from storage.tokens import TokenCounter
-from worker.compaction.boundary import pair_results
-from worker.compaction.policy import PRUNE_MARKER, ClearToolUsesConfig, PruneConfig
-from worker.compaction.recall import META_RECALL, node_span, pruned_note, pruned_ref
+from compactd.storage.kinds import JournalKind, NodeKind
+from compactd.storage.messages import META_PRUNED, Message
+from compactd.storage.records import Replacement
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import TokenCounter
+from compactd.worker.compaction.boundary import pair_results
+from compactd.worker.compaction.policy import PRUNE_MARKER, ClearToolUsesConfig, PruneConfig
+from compactd.worker.compaction.recall import META_RECALL, node_span, pruned_note, pruned_ref
 
 META_CLEARED = "cleared"
 META_CLEARED_INPUTS = "cleared_tool_inputs"

@@ -41,12 +41,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from storage.errors import RecallArgumentError
-from storage.kinds import LayoutRole, NodeKind
-from storage.messages import META_RECALL, Message
-from storage.surface import SurfaceNode
-from worker.compaction.boundary import unsafe_boundaries
-from worker.compaction.prompt import atoms, message_body
+from compactd.storage.errors import RecallArgumentError
+from compactd.storage.kinds import LayoutRole, NodeKind
+from compactd.storage.messages import META_RECALL, Message
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.boundary import unsafe_boundaries
+from compactd.worker.compaction.prompt import atoms, message_body
 
 HISTORY_SEARCH = "history_search"
 HISTORY_READ = "history_read"

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from storage.recall_bounds import (
+from compactd.storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
     MAX_CURSOR_CHARS,
@@ -37,7 +37,7 @@ from storage.recall_bounds import (
     check_offset,
     check_query,
 )
-from worker.compaction.recall import (
+from compactd.worker.compaction.recall import (
     HISTORY_READ,
     HISTORY_SEARCH,
     RecallArgumentError,

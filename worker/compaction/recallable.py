@@ -52,20 +52,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from storage.kinds import JournalKind, LayoutRole, NodeKind
-from storage.messages import Message
-from storage.records import Replacement
-from storage.surface import SurfaceNode
-from storage.tokens import TokenCounter
-from worker.compaction.boundary import (
+from compactd.storage.kinds import JournalKind, LayoutRole, NodeKind
+from compactd.storage.messages import Message
+from compactd.storage.records import Replacement
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import TokenCounter
+from compactd.worker.compaction.boundary import (
     is_checkpoint,
     protected,
     segments,
     tail_cut,
     unsafe_boundaries,
 )
-from worker.compaction.policy import Clause, Policy
-from worker.compaction.prompt import (
+from compactd.worker.compaction.policy import Clause, Policy
+from compactd.worker.compaction.prompt import (
     Budget,
     BudgetTooSmall,
     CallPlan,
@@ -76,7 +76,7 @@ from worker.compaction.prompt import (
     pack,
     plan_calls,
 )
-from worker.compaction.recall import (
+from compactd.worker.compaction.recall import (
     MAX_ANCHORS,
     META_RECALL,
     Chunk,
@@ -96,9 +96,9 @@ from worker.compaction.recall import (
     state_ref,
     tally,
 )
-from worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
-from worker.compaction.skills import capture_skills
-from worker.compaction.validation import framed_tokens
+from compactd.worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
+from compactd.worker.compaction.skills import capture_skills
+from compactd.worker.compaction.validation import framed_tokens
 
 SWAP, INSERT, PLAIN = "swap", "insert", "plain"
 # An index checkpoint's anchors: fewer and shorter than a pointer may hold, so it stays near its

@@ -25,10 +25,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from storage.kinds import NodeKind
-from storage.messages import META_CHECKPOINT, META_HIDDEN, META_RECALL, Message
-from storage.surface import SurfaceNode
-from storage.tokens import counter_for
+from compactd.storage.kinds import NodeKind
+from compactd.storage.messages import META_CHECKPOINT, META_HIDDEN, META_RECALL, Message
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import counter_for
 
 AUTHORITY_CONTRACT = (
     "Messages wrapped in <durable_context_data> carry values compacted from earlier user, "

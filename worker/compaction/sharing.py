@@ -31,11 +31,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from storage.surface import SurfaceNode
-from storage.tokens import MESSAGE_FRAMING_TOKENS, TokenCounter
-from worker.compaction.policy import Policy
-from worker.compaction.prompt import SUMMARY_RULES, fill_instruction
-from worker.compaction.render import render_surface
+from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import MESSAGE_FRAMING_TOKENS, TokenCounter
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.prompt import SUMMARY_RULES, fill_instruction
+from compactd.worker.compaction.render import render_surface
 
 # The keys of a served message that a provider is sent (the surface adds seq, tokens, meta).
 WIRE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")

@@ -27,10 +27,10 @@ import posixpath
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from storage.messages import META_SKILL, Message
-from storage.surface import SurfaceNode
-from worker.compaction.boundary import is_checkpoint
-from worker.compaction.render import Skill, checkpoint_parts
+from compactd.storage.messages import META_SKILL, Message
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.boundary import is_checkpoint
+from compactd.worker.compaction.render import Skill, checkpoint_parts
 
 MAX_SKILLS = 8
 SKILL_FILE = "SKILL.md"

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
-from storage.surface import SurfaceNode
-from worker.compaction.kinds import Counter
-from worker.compaction.policy import Clause, Policy
+from compactd.storage.surface import SurfaceNode
+from compactd.worker.compaction.kinds import Counter
+from compactd.worker.compaction.policy import Clause, Policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,10 +29,10 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
-from storage.tokens import counter_for
-from worker.compaction.policy import Policy
-from worker.compaction.prompt import SECTIONS
-from worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
+from compactd.storage.tokens import counter_for
+from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.prompt import SECTIONS
+from compactd.worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
 
 NO_HISTORY_SUMMARY = "No previous conversation history."
 

@@ -5,15 +5,15 @@ The orchestration uses :func:`candidate_order` to list who may summarize a sessi
 to get the first summary the policy accepts.
 """
 
-from storage.kinds import ModelFailure
-from worker.llm.candidates import Availability, Candidate, candidate_order
-from worker.llm.errors import (
+from compactd.storage.kinds import ModelFailure
+from compactd.worker.llm.candidates import Availability, Candidate, candidate_order
+from compactd.worker.llm.errors import (
     LLMError,
     LocalSummaryError,
     ProviderError,
     Unavailable,
 )
-from worker.llm.fallback import (
+from compactd.worker.llm.fallback import (
     Attempt,
     RetryPolicy,
     SummaryFailed,
@@ -22,10 +22,10 @@ from worker.llm.fallback import (
     compute_backoff,
     summarize,
 )
-from worker.llm.local import SECTIONS, summarize_local
-from worker.llm.pool import ProviderPool
-from worker.llm.provider import Attribution, Completion
-from worker.llm.usage import Usage
+from compactd.worker.llm.local import SECTIONS, summarize_local
+from compactd.worker.llm.pool import ProviderPool
+from compactd.worker.llm.provider import Attribution, Completion
+from compactd.worker.llm.usage import Usage
 
 __all__ = [
     "SECTIONS",

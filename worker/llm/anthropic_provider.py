@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from storage.kinds import ModelFailure
-from worker.compaction.sharing import CacheHints
-from worker.llm.candidates import Candidate
-from worker.llm.errors import ProviderError
-from worker.llm.http_errors import (
+from compactd.storage.kinds import ModelFailure
+from compactd.worker.compaction.sharing import CacheHints
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.llm.errors import ProviderError
+from compactd.worker.llm.http_errors import (
     connection_failed,
     malformed,
     refused_by_sdk,
     status_error,
     timed_out,
 )
-from worker.llm.provider import (
+from compactd.worker.llm.provider import (
     Attribution,
     BuildError,
     ChatMessage,
@@ -36,7 +36,7 @@ from worker.llm.provider import (
     count,
     kinds_text,
 )
-from worker.llm.usage import Usage
+from compactd.worker.llm.usage import Usage
 
 if TYPE_CHECKING:
     import anthropic

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from worker.keys import BREAKER_PREFIX
-from worker.llm.candidates import Candidate
-from worker.settings import WorkerConfig
+from compactd.worker.keys import BREAKER_PREFIX
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from worker.settings import LOCAL_MODEL, ModelSpec
+from compactd.worker.settings import LOCAL_MODEL, ModelSpec
 
 logger = logging.getLogger(__name__)
 

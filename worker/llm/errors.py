@@ -11,9 +11,9 @@ own :class:`worker.llm.fallback.SummaryFailed`, which carries the attempts.
 
 from __future__ import annotations
 
-from storage.errors import CompactdError
-from storage.kinds import ModelFailure
-from worker.llm.usage import Usage
+from compactd.storage.errors import CompactdError
+from compactd.storage.kinds import ModelFailure
+from compactd.worker.llm.usage import Usage
 
 # Kinds worth another HTTP attempt on the same candidate.
 TRANSIENT_KINDS = frozenset({ModelFailure.RATE_LIMITED, ModelFailure.SERVER, ModelFailure.TIMEOUT,

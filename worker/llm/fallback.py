@@ -48,13 +48,13 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from storage.kinds import ModelFailure
-from storage.messages import Message
-from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
-from worker.compaction.sharing import CacheHints
-from worker.llm.breaker import Breaker
-from worker.llm.candidates import Candidate
-from worker.llm.errors import (
+from compactd.storage.kinds import ModelFailure
+from compactd.storage.messages import Message
+from compactd.worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
+from compactd.worker.compaction.sharing import CacheHints
+from compactd.worker.llm.breaker import Breaker
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.llm.errors import (
     BROKEN_KINDS,
     CIRCUIT_KINDS,
     LLMError,
@@ -62,10 +62,10 @@ from worker.llm.errors import (
     ProviderError,
     Unavailable,
 )
-from worker.llm.local import summarize_local
-from worker.llm.provider import ChatMessage, Completion, Provider, Tool
-from worker.llm.usage import Usage
-from worker.settings import WorkerConfig
+from compactd.worker.llm.local import summarize_local
+from compactd.worker.llm.provider import ChatMessage, Completion, Provider, Tool
+from compactd.worker.llm.usage import Usage
+from compactd.worker.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

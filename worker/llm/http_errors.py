@@ -14,8 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from storage.kinds import ModelFailure
-from worker.llm.errors import ProviderError
+from compactd.storage.kinds import ModelFailure
+from compactd.worker.llm.errors import ProviderError
 
 _CONTEXT_MARKERS = ("context_length_exceeded", "maximum context length", "context length",
                     "prompt is too long", "too many tokens", "input is too long",

@@ -31,10 +31,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from storage.messages import META_CHECKPOINT, META_PINNED, Message, ToolCall
-from storage.tokens import TokenCounter, counter_for, fitting_prefix
-from worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
-from worker.llm.errors import LocalSummaryError
+from compactd.storage.messages import META_CHECKPOINT, META_PINNED, Message, ToolCall
+from compactd.storage.tokens import TokenCounter, counter_for, fitting_prefix
+from compactd.worker.compaction.policy import DEFAULT_MAX_SUMMARY_TOKENS
+from compactd.worker.llm.errors import LocalSummaryError
 
 SECTIONS = ("Primary Request and Intent", "Key Technical Concepts", "Files and Code",
             "Errors and Fixes", "Pending Jobs", "Current Work", "Next Step", "Critical Context")

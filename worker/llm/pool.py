@@ -14,11 +14,11 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from worker.llm.candidates import Availability, Candidate
-from worker.llm.errors import Unavailable
-from worker.llm.provider import Attribution, BuildError, Provider
-from worker.llm.providers import build_provider
-from worker.settings import WorkerConfig
+from compactd.worker.llm.candidates import Availability, Candidate
+from compactd.worker.llm.errors import Unavailable
+from compactd.worker.llm.provider import Attribution, BuildError, Provider
+from compactd.worker.llm.providers import build_provider
+from compactd.worker.settings import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from worker.compaction.sharing import CacheHints
-from worker.llm.candidates import Candidate
-from worker.llm.usage import Usage
-from worker.settings import WorkerConfig
+from compactd.worker.compaction.sharing import CacheHints
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.llm.usage import Usage
+from compactd.worker.settings import WorkerConfig
 
 # One chat message in the OpenAI wire shape: role and content, and in replay mode the runtime's
 # own turns with tool calls, tool results and content blocks.

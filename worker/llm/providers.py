@@ -20,10 +20,10 @@ import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from worker.llm import anthropic_provider, openai_provider
-from worker.llm.candidates import Candidate
-from worker.llm.provider import Attribution, BuildError, Provider
-from worker.settings import ModelSpec
+from compactd.worker.llm import anthropic_provider, openai_provider
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.llm.provider import Attribution, BuildError, Provider
+from compactd.worker.settings import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

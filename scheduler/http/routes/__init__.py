@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from scheduler.http.routes import compaction, health, pressure, recall, sessions, surface
-from scheduler.http.routes.common import API_PREFIX
+from compactd.scheduler.http.routes import compaction, health, pressure, recall, sessions, surface
+from compactd.scheduler.http.routes.common import API_PREFIX
 
 __all__ = ["API_PREFIX", "add_routes"]
 

@@ -9,12 +9,12 @@ from fastapi import Depends, Path
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator
 
-from scheduler.http.auth import Tenant
-from scheduler.http.schemas import ErrorOut, QueuedOut
-from scheduler.http.state import ApiDep
-from storage.errors import SessionNotFound
-from storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
-from storage.records import SessionInfo
+from compactd.scheduler.http.auth import Tenant
+from compactd.scheduler.http.schemas import ErrorOut, QueuedOut
+from compactd.scheduler.http.state import ApiDep
+from compactd.storage.errors import SessionNotFound
+from compactd.storage.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
+from compactd.storage.records import SessionInfo
 
 API_PREFIX = "/v1"
 

@@ -8,13 +8,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Response
 
-from scheduler.args import parse_keep
-from scheduler.client import WaitTimeout, run_result
-from scheduler.http.bodies import in_body
-from scheduler.http.routes.common import API_PREFIX, WITH_BODY, Owned, queued
-from scheduler.http.schemas import CompactIn, OverflowIn, OverflowOut, QueuedOut, RunOut
-from scheduler.http.state import ApiDep
-from storage.errors import InvalidMessage
+from compactd.scheduler.args import parse_keep
+from compactd.scheduler.client import WaitTimeout, run_result
+from compactd.scheduler.http.bodies import in_body
+from compactd.scheduler.http.routes.common import API_PREFIX, WITH_BODY, Owned, queued
+from compactd.scheduler.http.schemas import CompactIn, OverflowIn, OverflowOut, QueuedOut, RunOut
+from compactd.scheduler.http.state import ApiDep
+from compactd.storage.errors import InvalidMessage
 
 router = APIRouter(prefix=API_PREFIX, tags=["sessions"])
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from scheduler.http.routes.common import error_response
-from scheduler.http.schemas import HealthOut
-from scheduler.http.state import ApiDep
-from storage.database import ping
+from compactd.scheduler.http.routes.common import error_response
+from compactd.scheduler.http.schemas import HealthOut
+from compactd.scheduler.http.state import ApiDep
+from compactd.storage.database import ping
 
 router = APIRouter(tags=["health"])
 

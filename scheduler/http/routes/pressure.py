@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body
 
-from scheduler.http.bodies import in_body
-from scheduler.http.routes.common import API_PREFIX, WITH_BODY, Owned
-from scheduler.http.schemas import SignalIn, SignalOut, UsageIn, UsageOut
-from scheduler.http.state import ApiDep
-from storage.errors import InvalidMessage
+from compactd.scheduler.http.bodies import in_body
+from compactd.scheduler.http.routes.common import API_PREFIX, WITH_BODY, Owned
+from compactd.scheduler.http.schemas import SignalIn, SignalOut, UsageIn, UsageOut
+from compactd.scheduler.http.state import ApiDep
+from compactd.storage.errors import InvalidMessage
 
 router = APIRouter(prefix=API_PREFIX, tags=["sessions"])
 

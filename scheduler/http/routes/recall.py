@@ -7,18 +7,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from scheduler.http.auth import Tenant
-from scheduler.http.routes.common import API_PREFIX, COMMON, RECALL, Owned
-from scheduler.http.schemas import ReadOut, SearchOut, ToolsOut
-from scheduler.http.state import ApiDep
-from storage.errors import RecallArgumentError
-from storage.recall_bounds import (
+from compactd.scheduler.http.auth import Tenant
+from compactd.scheduler.http.routes.common import API_PREFIX, COMMON, RECALL, Owned
+from compactd.scheduler.http.schemas import ReadOut, SearchOut, ToolsOut
+from compactd.scheduler.http.state import ApiDep
+from compactd.storage.errors import RecallArgumentError
+from compactd.storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
     MAX_READ_TOKENS,
     MIN_READ_TOKENS,
 )
-from worker.compaction.recall_tools import tools_document
+from compactd.worker.compaction.recall_tools import tools_document
 
 router = APIRouter(prefix=API_PREFIX, tags=["recall"])
 

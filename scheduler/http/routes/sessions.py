@@ -8,10 +8,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Response
 
-from scheduler.client import SessionHandle, check_policy
-from scheduler.http.auth import Tenant
-from scheduler.http.bodies import in_body
-from scheduler.http.routes.common import (
+from compactd.scheduler.client import SessionHandle, check_policy
+from compactd.scheduler.http.auth import Tenant
+from compactd.scheduler.http.bodies import in_body
+from compactd.scheduler.http.routes.common import (
     API_PREFIX,
     COMMON,
     SESSION_LINKS,
@@ -21,11 +21,11 @@ from scheduler.http.routes.common import (
     SessionId,
     error_response,
 )
-from scheduler.http.schemas import DeletedOut, SessionIn, SessionOut, StatusOut
-from scheduler.http.state import ApiDep
-from scheduler.status import session_status
-from storage.errors import InvalidMessage, SessionExists
-from storage.records import SessionInfo
+from compactd.scheduler.http.schemas import DeletedOut, SessionIn, SessionOut, StatusOut
+from compactd.scheduler.http.state import ApiDep
+from compactd.scheduler.status import session_status
+from compactd.storage.errors import InvalidMessage, SessionExists
+from compactd.storage.records import SessionInfo
 
 router = APIRouter(prefix=API_PREFIX, tags=["sessions"])
 

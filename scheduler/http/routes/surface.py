@@ -11,12 +11,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from scheduler.http.bodies import decode_append, in_body
-from scheduler.http.routes.common import API_PREFIX, COMMON, WITH_BODY, Owned
-from scheduler.http.schemas import AppendIn, RenderForm, StepOut, SurfaceOut
-from scheduler.http.state import OFFLOAD_BYTES, ApiDep
-from storage.errors import InvalidMessage
-from worker.compaction.render import render_surface
+from compactd.scheduler.http.bodies import decode_append, in_body
+from compactd.scheduler.http.routes.common import API_PREFIX, COMMON, WITH_BODY, Owned
+from compactd.scheduler.http.schemas import AppendIn, RenderForm, StepOut, SurfaceOut
+from compactd.scheduler.http.state import OFFLOAD_BYTES, ApiDep
+from compactd.storage.errors import InvalidMessage
+from compactd.worker.compaction.render import render_surface
 
 router = APIRouter(prefix=API_PREFIX, tags=["sessions"])
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import storage.schema
+import compactd.storage.schema
 
 revision: str = '0001'
 down_revision: str | None = None
@@ -28,8 +28,8 @@ def upgrade() -> None:
     sa.Column('force', sa.Boolean(), nullable=False),
     sa.Column('rate_per_s', sa.Float(), nullable=True),
     sa.Column('matched', sa.Integer(), nullable=False),
-    sa.Column('created_at', storage.schema.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('updated_at', storage.schema.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('updated_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_bulk_jobs'))
     )
     op.create_table('sessions',
@@ -47,16 +47,16 @@ def upgrade() -> None:
     sa.Column('last_position', sa.BigInteger(), nullable=False),
     sa.Column('reported_input_tokens', sa.Integer(), nullable=True),
     sa.Column('reported_version', sa.BigInteger(), nullable=True),
-    sa.Column('signal_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('signal_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=True),
     sa.Column('lease_owner', sa.String(length=255), nullable=True),
     sa.Column('lease_run_id', sa.String(length=36), nullable=True),
-    sa.Column('lease_expires_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('lease_expires_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=True),
     sa.Column('lease_fence', sa.BigInteger(), nullable=False),
-    sa.Column('cooldown_until', storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('cooldown_until', compactd.storage.schema.UTCDateTime(timezone=True), nullable=True),
     sa.Column('flagged_reason', sa.Text(), nullable=True),
-    sa.Column('flagged_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('created_at', storage.schema.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('last_append_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('flagged_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('last_append_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=True),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_sessions'))
     )
     op.create_index(op.f('ix_sessions_lease_expires_at'), 'sessions', ['lease_expires_at'], unique=False)
@@ -66,7 +66,7 @@ def upgrade() -> None:
     sa.Column('session_id', sa.String(length=255), nullable=False),
     sa.Column('state', sa.String(length=32), nullable=False),
     sa.Column('run_id', sa.String(length=36), nullable=True),
-    sa.Column('updated_at', storage.schema.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('updated_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['bulk_jobs.id'], name=op.f('fk_bulk_items_job_id_bulk_jobs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('job_id', 'session_id', name=op.f('pk_bulk_items'))
     )
@@ -90,9 +90,9 @@ def upgrade() -> None:
     sa.Column('tokens_before', sa.Integer(), nullable=True),
     sa.Column('tokens_after', sa.Integer(), nullable=True),
     sa.Column('error', sa.Text(), nullable=True),
-    sa.Column('started_at', storage.schema.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('heartbeat_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('finished_at', storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('started_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('heartbeat_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('finished_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['session_id'], ['sessions.id'], name=op.f('fk_compaction_runs_session_id_sessions'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_compaction_runs'))
     )
@@ -107,7 +107,7 @@ def upgrade() -> None:
     sa.Column('payload', sa.JSON(none_as_null=True), nullable=False),
     sa.Column('tokens', sa.Integer(), nullable=True),
     sa.Column('run_id', sa.String(length=36), nullable=True),
-    sa.Column('created_at', storage.schema.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['session_id'], ['sessions.id'], name=op.f('fk_events_session_id_sessions'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('session_id', 'seq', name=op.f('pk_events'))
     )

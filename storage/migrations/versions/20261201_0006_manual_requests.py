@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import storage.schema
+import compactd.storage.schema
 
 revision: str = "0006"
 down_revision: str | None = "0005"
@@ -29,7 +29,7 @@ def upgrade() -> None:
         "manual_requests",
         sa.Column("session_id", sa.String(length=255), nullable=False),
         sa.Column("task_id", sa.String(length=64), nullable=False),
-        sa.Column("queued_at", storage.schema.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("queued_at", compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["session_id"], ["sessions.id"],
                                 name=op.f("fk_manual_requests_session_id_sessions"),
                                 ondelete="CASCADE"),

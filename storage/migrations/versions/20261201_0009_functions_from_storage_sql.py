@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from alembic import op
 
-from storage.sql import function_definition
+from compactd.storage.sql import function_definition
 
 revision: str = "0009"
 down_revision: str | None = "0008"

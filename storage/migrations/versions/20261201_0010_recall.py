@@ -32,8 +32,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from storage import sql
-from storage.recall_index import node_recall, sqlite_recall_triggers
+from compactd.storage import sql
+from compactd.storage.recall_index import node_recall, sqlite_recall_triggers
 
 REVISION = "0010"
 revision: str = REVISION

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from alembic import op
 
-from storage import sql
+from compactd.storage import sql
 
 revision: str = "0011"
 down_revision: str | None = "0010"

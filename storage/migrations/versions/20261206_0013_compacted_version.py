@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from storage import sql
+from compactd.storage import sql
 
 revision: str = "0013"
 down_revision: str | None = "0012"

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from storage import sql
-from storage.recall_index import sqlite_recall_triggers
+from compactd.storage import sql
+from compactd.storage.recall_index import sqlite_recall_triggers
 
 revision: str = "0014"
 down_revision: str | None = "0013"

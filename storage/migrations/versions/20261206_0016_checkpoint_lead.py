@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from storage import sql
-from storage.schema import UTCDateTime
+from compactd.storage import sql
+from compactd.storage.schema import UTCDateTime
 
 revision: str = "0016"
 down_revision: str | None = "0015"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import storage.schema
+import compactd.storage.schema
 
 revision: str = "0018"
 down_revision: str | None = "0017"
@@ -27,7 +27,7 @@ def upgrade() -> None:
     op.create_table(
         "beat_runs",
         sa.Column("name", sa.String(length=64), nullable=False),
-        sa.Column("finished_at", storage.schema.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("finished_at", compactd.storage.schema.UTCDateTime(timezone=True), nullable=False),
         sa.Column("result", sa.JSON(none_as_null=True), nullable=True),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_beat_runs")),
     )

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from alembic import op
 
-from storage.sql import function_definition, function_signature
+from compactd.storage.sql import function_definition, function_signature
 
 revision: str = "0019"
 down_revision: str | None = "0018"

@@ -8,10 +8,10 @@ the append's increment on both backends, and the sweep's floor column in ``stora
 
 from __future__ import annotations
 
-from worker.compaction.kinds.base import Counter, Kind
-from worker.compaction.kinds.fraction import Fraction
-from worker.compaction.kinds.messages import Messages
-from worker.compaction.kinds.tokens import Tokens
+from compactd.worker.compaction.kinds.base import Counter, Kind
+from compactd.worker.compaction.kinds.fraction import Fraction
+from compactd.worker.compaction.kinds.messages import Messages
+from compactd.worker.compaction.kinds.tokens import Tokens
 
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (Tokens(), Messages(), Fraction())}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.compaction.kinds.base import Counter, Kind, fraction
+from compactd.worker.compaction.kinds.base import Counter, Kind, fraction
 
 
 class Fraction(Kind):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.compaction.kinds.base import Counter, Kind, count
+from compactd.worker.compaction.kinds.base import Counter, Kind, count
 
 
 class Tokens(Kind):
