@@ -171,7 +171,8 @@ def configuration_reference() -> str:
     out += ["### `summarization`\n",
             "Parsed by `compactd.worker.compaction.policy.parse_policy`; a session's own "
             "policy takes the same keys. `trigger` and `keep` take DeerFlow's and LangChain's "
-            "forms (see the guide); `lead` is fleet-wide (`auto`, seconds, or `0`; default `auto`).\n", *table]
+            "forms (see the guide); `lead` is fleet-wide (`auto`, seconds, or `0`; default "
+            "`auto`).\n", *table]
     nested_keys = {"prune": (policy_module._PRUNE_KEYS, defaults.prune),
                    "clear_tool_uses": (policy_module._CLEAR_KEYS, defaults.clear_tool_uses)}
     fields = {f.name: f for f in dataclasses.fields(policy_module.Policy)}
