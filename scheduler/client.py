@@ -54,7 +54,8 @@ from compactd.worker.settings import Config, load_config
 WAIT_POLL_S = 0.05
 # A signal's send starts this long after the append that set the mark: the publish runs in a
 # thread, and while it holds the GIL the step's poll that follows the append waited for it
-# (the README's hot-path results). A compaction takes seconds; 20 ms later is the same to it.
+# (docs/benchmarks.md, "The agent's hot path"). A compaction takes seconds; 20 ms later is the
+# same to it.
 SIGNAL_SEND_DELAY_S = 0.02
 
 logger = logging.getLogger(__name__)
@@ -469,7 +470,7 @@ class Client:
 
     The loop thread is compactd's own (``worker.runtime.EventLoopThread``), not anyio's blocking
     portal: the portal hands every call between the two threads twice, and was measured slower
-    per call (``tests/bench/sync_dispatch.py``; figures in the README's results)."""
+    per call (``tests/bench/sync_dispatch.py``; figures in docs/benchmarks.md)."""
 
     def __init__(self, config: Config | None = None) -> None:
         self._loop = EventLoopThread(name="compactd-client")

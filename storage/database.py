@@ -359,7 +359,7 @@ class KeptConnections:
     a process runs over and over, instead of a pool checkout and return around each.
 
     A checkout and its return through SQLAlchemy cost several times the CPU of the statement
-    they serve (measured in alternating pairs; the figures are in the README's results). The
+    they serve (measured in alternating pairs; the figures are in docs/benchmarks.md). The
     connections are the pool's own (no extra server connections) and are taken at first use,
     so a process that never runs these statements holds none. A statement that finds every
     kept connection busy goes through the pool as before, so the pool always has

@@ -41,7 +41,7 @@ def tune_gc(threshold: int) -> None:
     count. At Python's default first-generation threshold (700 allocations) the collector ran
     many times per compaction, each pass walking the live surfaces of every run in flight, and
     each full pass also the imported modules and SDKs. A higher threshold trades resident
-    memory for CPU (the README's results give both, and the command that measures them).
+    memory for CPU (docs/benchmarks.md gives both, and the command that measures them).
     Called before a prefork pool forks, the collector also no longer writes to the pages of the
     frozen objects in the children (reference counts still do).
     """

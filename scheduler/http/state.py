@@ -47,8 +47,8 @@ class Api:
         self._sessions: dict[str, SessionInfo] = {}
         # The event loop answers every tenant: a 4 MB append decoded and counted on it held
         # every other request for seconds, and on a thread of this process it still shared the
-        # GIL with the loop (the README's tenant-latency results). In a process of its own it takes
-        # nothing from the loop but the bytes sent and the strings and numbers sent back.
+        # GIL with the loop (docs/benchmarks.md, "Another tenant"). In a process of its own it
+        # takes nothing from the loop but the bytes sent and the strings and numbers sent back.
         # 'spawn': a child inherits no event loop, connection or lock of this process.
         processes = config.api.cpu_processes
         self._processes: ProcessPoolExecutor | None = None

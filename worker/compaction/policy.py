@@ -57,8 +57,9 @@ PRUNE_TAIL_CHARS = 1024
 PRUNE_MARKER = "\n\n[... tool result middle pruned ...]\n\n"
 CLEARED_PLACEHOLDER = "[cleared]"
 # A model-free edit (a prune, a clearing) commits on its own only when it frees this many tokens
-# while the agent's cache is warm; under it, it rides with the next summary's commit. The README's
-# "Cache breaks" derives it from what the re-send of the tokens after the edit costs.
+# while the agent's cache is warm; under it, it rides with the next summary's commit.
+# docs/configuration.md's "Cache breaks" derives it from what the re-send of the tokens after
+# the edit costs.
 DEFAULT_CLEAR_AT_LEAST = 6_400
 # How long the agent's provider keeps a cached prefix after its last use: Anthropic's default
 # entries live 5 minutes (OpenAI documents 5 to 10 minutes of inactivity); past it the agent's
