@@ -323,36 +323,8 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
                  home: Path | None = None, config_path: str | None = None) -> Config:
     settings = settings or Settings()
     home = home or Path(settings.home or os.getcwd()).expanduser().resolve()
-    for key in raw:
-        if key not in _FILE_KEYS:
-            raise ConfigError(
-                f"{key}: unknown key (expected one of {', '.join(sorted(_FILE_KEYS))})")
-    try:
-        file_config = FileConfig(**{k: v for k, v in raw.items() if k != "summarization"})
-    except ValidationError as exc:
-        raise ConfigError(_format_pydantic(exc, None)) from None
-    names = [m.name for m in file_config.models]
-    for i, name in enumerate(names):
-        if names.index(name) != i:
-            raise ConfigError(f"models[{i}].name: duplicate model name {name!r}")
-    if file_config.default_model and file_config.default_model not in [*names, LOCAL_MODEL]:
-        raise ConfigError(f"default_model: {file_config.default_model!r} is not in models")
-    summarization = raw.get("summarization")
-    lead: float | None = None
-    try:
-        if isinstance(summarization, Mapping) and "lead" in summarization:
-            lead = parse_lead(summarization["lead"])
-            summarization = {k: v for k, v in summarization.items() if k != "lead"}
-        policy = parse_policy(summarization)
-        # Sessions of a configured run model take its window: their keep is judged against
-        # it now, not found re-firing the trigger in production.
-        check_keep_below_trigger(policy, "summarization", [
-            (f"models[{i}] ({m.name})", m.context_window)
-            for i, m in enumerate(file_config.models) if m.context_window])
-    except PolicyError as exc:
-        raise ConfigError(str(exc)) from None
-    if policy.model_name and policy.model_name not in [*names, LOCAL_MODEL]:
-        raise ConfigError(f"summarization.model_name: {policy.model_name!r} is not in models")
+    file_config = _file_config(raw)
+    policy, lead = _summarization(raw.get("summarization"), file_config)
     prices = _check_prices(file_config)
     worker = file_config.worker
     if settings.metrics_port is not None:
@@ -367,6 +339,48 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         retention=file_config.retention,
         log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
+
+
+def _file_config(raw: Mapping[str, Any]) -> FileConfig:
+    """Every top-level section but ``summarization``, checked: known keys, unique model names,
+    a default model that is configured."""
+    for key in raw:
+        if key not in _FILE_KEYS:
+            raise ConfigError(
+                f"{key}: unknown key (expected one of {', '.join(sorted(_FILE_KEYS))})")
+    try:
+        file_config = FileConfig(**{k: v for k, v in raw.items() if k != "summarization"})
+    except ValidationError as exc:
+        raise ConfigError(_format_pydantic(exc, None)) from None
+    names = [m.name for m in file_config.models]
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise ConfigError(f"models[{i}].name: duplicate model name {name!r}")
+    if file_config.default_model and file_config.default_model not in [*names, LOCAL_MODEL]:
+        raise ConfigError(f"default_model: {file_config.default_model!r} is not in models")
+    return file_config
+
+
+def _summarization(summarization: Any, file_config: FileConfig) -> tuple[Policy, float | None]:
+    """The ``summarization`` section: the policy, and the lead (which the policy does not hold),
+    checked against the configured models."""
+    lead: float | None = None
+    try:
+        if isinstance(summarization, Mapping) and "lead" in summarization:
+            lead = parse_lead(summarization["lead"])
+            summarization = {k: v for k, v in summarization.items() if k != "lead"}
+        policy = parse_policy(summarization)
+        # Sessions of a configured run model take its window: their keep is judged against
+        # it now, not found re-firing the trigger in production.
+        check_keep_below_trigger(policy, "summarization", [
+            (f"models[{i}] ({m.name})", m.context_window)
+            for i, m in enumerate(file_config.models) if m.context_window])
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    names = [m.name for m in file_config.models]
+    if policy.model_name and policy.model_name not in [*names, LOCAL_MODEL]:
+        raise ConfigError(f"summarization.model_name: {policy.model_name!r} is not in models")
+    return policy, lead
 
 
 def _check_prices(file_config: FileConfig) -> dict[str, Price]:

@@ -18,7 +18,7 @@ clauses it cannot evaluate (with a warning), as DeerFlow does.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -286,6 +286,50 @@ _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs
                "clear_at_least", "placeholder"}
 
 
+def _parse_keep(value: Any, path: str, base: Policy) -> Clause | None:
+    return None if value is None else parse_clause(value, path)
+
+
+def _parse_trim(value: Any, path: str, base: Policy) -> int | None:
+    return None if value is None else _count(value, path)
+
+
+def _parse_prompt(value: Any, path: str, base: Policy) -> str | None:
+    prompt = _opt_str(value, path)
+    if prompt is not None and "{messages}" not in prompt:
+        raise PolicyError(path, "a custom prompt must contain the {messages} placeholder")
+    return prompt
+
+
+# One parser per top-level key, each given the value, its path and the base policy, in the
+# order the keys are checked (so a mapping with two bad keys is refused for the same one).
+_FIELD_PARSERS: tuple[tuple[str, Callable[[Any, str, Policy], Any]], ...] = (
+    ("enabled", lambda v, p, _: _bool(v, p)),
+    ("model_name", lambda v, p, _: _opt_str(v, p)),
+    ("trigger", lambda v, p, _: parse_trigger(v, p)),
+    ("keep", _parse_keep),
+    ("retain_ratio", lambda v, p, _: _fraction(v, p)),
+    ("trim_tokens_to_summarize", _parse_trim),
+    ("summary_prompt", _parse_prompt),
+    ("skill_file_read_tool_names", lambda v, p, _: _str_list(v, p)),
+    ("skills_path", lambda v, p, _: _str(v, p)),
+    ("prune", lambda v, p, base: _parse_prune(v, p, base.prune)),
+    ("clear_tool_uses", lambda v, p, base: _parse_clear(v, p, base.clear_tool_uses)),
+    ("max_summary_tokens", lambda v, p, _: _count(v, p)),
+    ("max_rounds", lambda v, p, _: _count(v, p)),
+    ("render", lambda v, p, _: _choice(v, RENDERS, p)),
+    ("replay_mode", lambda v, p, _: _bool(v, p)),
+    ("share_cache", lambda v, p, _: _bool(v, p)),
+    ("strategy", lambda v, p, _: _choice(v, STRATEGIES, p)),
+    ("layout", lambda v, p, _: _choice(v, LAYOUTS, p)),
+    ("keep_at", lambda v, p, _: _choice(v, KEEP_AT, p)),
+    ("chunk_tokens", lambda v, p, _: _count(v, p)),
+    ("index_summary_tokens", lambda v, p, _: _count(v, p)),
+    ("index_max_tokens", lambda v, p, _: _count(v, p)),
+    ("clear_at_least", lambda v, p, _: _count(v, p, allow_zero=True)),
+    ("cache_ttl_s", lambda v, p, _: _seconds(v, p)),
+)
+
 def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
                  base: Policy | None = None, check_keep: bool = True) -> Policy:
     """A policy from a ``summarization:`` mapping; keys not given keep ``base``'s values.
@@ -305,64 +349,8 @@ def parse_policy(raw: Mapping[str, Any] | None, *, path: str = "summarization",
         raise PolicyError(f"{path}.lease_s", "no longer supported: a lease belongs to the "
                           "worker that holds it; set worker.lease_s")
     _no_unknown(raw, _TOP_KEYS, path)
-    changes: dict[str, Any] = {}
-    if "enabled" in raw:
-        changes["enabled"] = _bool(raw["enabled"], f"{path}.enabled")
-    if "model_name" in raw:
-        changes["model_name"] = _opt_str(raw["model_name"], f"{path}.model_name")
-    if "trigger" in raw:
-        changes["trigger"] = parse_trigger(raw["trigger"], f"{path}.trigger")
-    if "keep" in raw:
-        changes["keep"] = None if raw["keep"] is None else parse_clause(raw["keep"],
-                                                                        f"{path}.keep")
-    if "retain_ratio" in raw:
-        changes["retain_ratio"] = _fraction(raw["retain_ratio"], f"{path}.retain_ratio")
-    if "trim_tokens_to_summarize" in raw:
-        v = raw["trim_tokens_to_summarize"]
-        changes["trim_tokens_to_summarize"] = (
-            None if v is None else _count(v, f"{path}.trim_tokens_to_summarize"))
-    if "summary_prompt" in raw:
-        prompt = _opt_str(raw["summary_prompt"], f"{path}.summary_prompt")
-        if prompt is not None and "{messages}" not in prompt:
-            raise PolicyError(f"{path}.summary_prompt",
-                              "a custom prompt must contain the {messages} placeholder")
-        changes["summary_prompt"] = prompt
-    if "skill_file_read_tool_names" in raw:
-        changes["skill_file_read_tool_names"] = _str_list(
-            raw["skill_file_read_tool_names"], f"{path}.skill_file_read_tool_names")
-    if "skills_path" in raw:
-        changes["skills_path"] = _str(raw["skills_path"], f"{path}.skills_path")
-    if "prune" in raw:
-        changes["prune"] = _parse_prune(raw["prune"], f"{path}.prune", policy.prune)
-    if "clear_tool_uses" in raw:
-        changes["clear_tool_uses"] = _parse_clear(raw["clear_tool_uses"],
-                                                  f"{path}.clear_tool_uses",
-                                                  policy.clear_tool_uses)
-    if "max_summary_tokens" in raw:
-        changes["max_summary_tokens"] = _count(raw["max_summary_tokens"],
-                                               f"{path}.max_summary_tokens")
-    if "max_rounds" in raw:
-        changes["max_rounds"] = _count(raw["max_rounds"], f"{path}.max_rounds")
-    if "render" in raw:
-        changes["render"] = _choice(raw["render"], RENDERS, f"{path}.render")
-    if "replay_mode" in raw:
-        changes["replay_mode"] = _bool(raw["replay_mode"], f"{path}.replay_mode")
-    if "share_cache" in raw:
-        changes["share_cache"] = _bool(raw["share_cache"], f"{path}.share_cache")
-    if "strategy" in raw:
-        changes["strategy"] = _choice(raw["strategy"], STRATEGIES, f"{path}.strategy")
-    if "layout" in raw:
-        changes["layout"] = _choice(raw["layout"], LAYOUTS, f"{path}.layout")
-    if "keep_at" in raw:
-        changes["keep_at"] = _choice(raw["keep_at"], KEEP_AT, f"{path}.keep_at")
-    for key in ("chunk_tokens", "index_summary_tokens", "index_max_tokens"):
-        if key in raw:
-            changes[key] = _count(raw[key], f"{path}.{key}")
-    if "clear_at_least" in raw:
-        changes["clear_at_least"] = _count(raw["clear_at_least"], f"{path}.clear_at_least",
-                                           allow_zero=True)
-    if "cache_ttl_s" in raw:
-        changes["cache_ttl_s"] = _seconds(raw["cache_ttl_s"], f"{path}.cache_ttl_s")
+    changes = {key: parse(raw[key], f"{path}.{key}", policy)
+               for key, parse in _FIELD_PARSERS if key in raw}
     out = replace(policy, **changes)
     check_layout_sizes(out, path, given=changes)
     if check_keep:
