@@ -68,6 +68,7 @@ from compactd.storage.records import (
 from compactd.storage.schema import dumps, session_from_record
 
 if TYPE_CHECKING:
+    from compactd.storage.messages import Message
     from compactd.storage.store import PreparedAppend
 
 Row = Mapping[Any, Any]
@@ -80,7 +81,9 @@ class Connector:
     """
 
     engine: AsyncEngine
-    #: The append sends the batch as JSON text (:func:`storage.store.prepare_append`).
+    #: The append sends the batch as JSON text (:func:`storage.store.prepare_append`). Read
+    #: only here: callers ask :attr:`prepare_append`, :meth:`prepared_here` and
+    #: :meth:`append_processes`.
     encodes_appends: bool
     #: The suffix of this backend's form of a query the two spell differently.
     variant_suffix: str
@@ -121,6 +124,24 @@ class Connector:
     def insert(self, table: sa.Table) -> Any:
         """``INSERT`` with the dialect's ``ON CONFLICT`` clauses."""
         raise NotImplementedError
+
+    @property
+    def prepare_append(self) -> Callable[[Sequence[Message], str | None], PreparedAppend]:
+        """How this backend's append wants a batch of (messages, run model) prepared: a
+        picklable callable, so that another thread or process can run it."""
+        from compactd.storage.store import prepare_append
+
+        return functools.partial(prepare_append, encoded=self.encodes_appends)
+
+    def prepared_here(self, batch: PreparedAppend) -> bool:
+        """Whether ``batch`` was prepared as this backend's append takes it."""
+        return (batch.texts is not None) == self.encodes_appends
+
+    def append_processes(self, configured: int) -> int:
+        """How many of ``configured`` CPU processes should prepare append bodies. A batch of JSON
+        text is plain data (strings, numbers, tool links), cheap to send back from a process;
+        one that holds the parsed messages costs the receiver more to unpickle than to build."""
+        return configured if self.encodes_appends else 0
 
     async def close(self) -> None:
         """Give back what the connector holds (the engine is its owner's to dispose of)."""

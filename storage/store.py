@@ -348,8 +348,8 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         run_model = await self._run_model(session_id)
         if batch is None:
             assert not isinstance(messages, PreparedAppend)
-            batch = prepare_append(messages, run_model, encoded=self.db.encodes_appends)
-        elif batch.run_model != run_model or (batch.texts is not None) != self.db.encodes_appends:
+            batch = self.db.prepare_append(messages, run_model)
+        elif batch.run_model != run_model or not self.db.prepared_here(batch):
             raise ValueError("the batch was prepared for another run model or backend")
         return await self.db.append(session_id, batch, now, signal_if=signal_if,
                                     signal_ttl_s=signal_ttl_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import email.message
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -16,16 +17,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from compactd.scheduler.client import parse_messages
 from compactd.scheduler.http.schemas import AppendIn
 from compactd.storage.errors import InvalidMessage
-from compactd.storage.messages import TOO_DEEP
-from compactd.storage.store import PreparedAppend, prepare_append
+from compactd.storage.messages import TOO_DEEP, Message
+from compactd.storage.store import PreparedAppend
 
 BODY_TOO_DEEP = f"the body is not valid: {TOO_DEEP}"
 
 
+# How the store's backend prepares a batch of (messages, run model): its connector's
+# ``prepare_append``.
+Prepare = Callable[[Sequence[Message], str | None], PreparedAppend]
+
+
 def decode_append(raw: bytes, content_type: str | None, run_model: str | None, *,
-                   encoded: bool) -> PreparedAppend:
+                   prepare: Prepare) -> PreparedAppend:
     """An append body, validated as FastAPI validates a body (JSON only under a JSON content
-    type, errors located under ``body``), parsed and counted for ``run_model``. No I/O."""
+    type, errors located under ``body``), parsed and counted for ``run_model`` by ``prepare``.
+    No I/O."""
     body: Any = raw
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",),
@@ -53,18 +60,17 @@ def decode_append(raw: bytes, content_type: str | None, run_model: str | None, *
         raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
                                       for error in exc.errors(include_url=False)]) from None
     try:
-        return prepare_append(parse_messages(valid.messages, valid.format), run_model,
-                              encoded=encoded)
+        return prepare(parse_messages(valid.messages, valid.format), run_model)
     except InvalidMessage as exc:
         raise in_body(exc, "messages") from None
 
 
-def decode_plain(raw: bytes, content_type: str | None, run_model: str | None
-                  ) -> tuple[Any, ...]:
-    """``decode_append`` for PostgreSQL in a CPU process: the batch (strings, numbers and
-    tool links), or its error as plain data, for ``raise_plain`` to raise in the server."""
+def decode_plain(raw: bytes, content_type: str | None, run_model: str | None,
+                 prepare: Prepare) -> tuple[Any, ...]:
+    """``decode_append`` in a CPU process: the batch (strings, numbers and tool links), or
+    its error as plain data, for ``raise_plain`` to raise in the server."""
     try:
-        return ("batch", decode_append(raw, content_type, run_model, encoded=True))
+        return ("batch", decode_append(raw, content_type, run_model, prepare=prepare))
     except RequestValidationError as exc:
         # Only what the error handler reads: an error's input and context may hold the
         # message's content and objects that do not pickle.

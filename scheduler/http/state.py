@@ -50,12 +50,14 @@ class Api:
         # GIL with the loop (docs/benchmarks.md, "Another tenant"). In a process of its own it
         # takes nothing from the loop but the bytes sent and the strings and numbers sent back.
         # 'spawn': a child inherits no event loop, connection or lock of this process.
-        processes = config.api.cpu_processes
+        # The backend says how its batches are prepared, and whether they are worth preparing
+        # in another process (one that holds the parsed messages costs the loop more to
+        # unpickle than to build); with none, the thread below prepares them.
+        self._prepare = client.store.db.prepare_append
+        self._cpu_processes = client.store.db.append_processes(config.api.cpu_processes)
         self._processes: ProcessPoolExecutor | None = None
-        if processes and client.store.db.encodes_appends:
-            self._processes = _process_pool(processes)
-        # SQLite's append stores the parsed messages themselves, which cost the loop more to
-        # unpickle than to build; with cpu_processes 0 the PostgreSQL batches come here too.
+        if self._cpu_processes:
+            self._processes = _process_pool(self._cpu_processes)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
         self._warming: asyncio.Task[None] | None = None
 
@@ -68,10 +70,11 @@ class Api:
     async def _warm(self, pool: ProcessPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
         # One task each: the pool starts a process for each task no idle process takes.
-        warm = functools.partial(decode_plain, _WARM_BODY, "application/json", None)
+        warm = functools.partial(decode_plain, _WARM_BODY, "application/json", None,
+                                 self._prepare)
         with contextlib.suppress(BrokenProcessPool, RuntimeError):
             await asyncio.gather(*(loop.run_in_executor(pool, warm)
-                                   for _ in range(self.config.api.cpu_processes)))
+                                   for _ in range(self._cpu_processes)))
 
     def close(self) -> None:
         if self._warming is not None:
@@ -80,24 +83,30 @@ class Api:
             _stop_pool(self._processes)
         self._thread.shutdown(wait=False, cancel_futures=True)
 
+    def decode(self, raw: bytes, content_type: str | None,
+               run_model: str | None) -> PreparedAppend:
+        """An append body decoded, validated, parsed and counted (see ``decode_append``) as
+        the store's backend takes it, on the event loop: for small bodies."""
+        return decode_append(raw, content_type, run_model, prepare=self._prepare)
+
     async def offload(self, raw: bytes, content_type: str | None,
                       run_model: str | None) -> PreparedAppend:
-        """An append body decoded, validated, parsed and counted (see ``decode_append``) off
-        the event loop."""
+        """``decode`` off the event loop."""
         loop = asyncio.get_running_loop()
         pool = self._processes
         if pool is None:
             return await loop.run_in_executor(self._thread, functools.partial(
-                decode_append, raw, content_type, run_model, encoded=self.store.db.encodes_appends))
+                decode_append, raw, content_type, run_model, prepare=self._prepare))
         try:
             outcome = await loop.run_in_executor(
-                pool, functools.partial(decode_plain, raw, content_type, run_model))
+                pool, functools.partial(decode_plain, raw, content_type, run_model,
+                                        self._prepare))
         except BrokenProcessPool:
             # A CPU process died (killed, out of memory): the next request gets a new pool.
             if self._processes is pool:
                 logger.warning("an API CPU process died; starting new ones",
                                extra={"action": "api_cpu_restart"})
-                self._processes = _process_pool(self.config.api.cpu_processes)
+                self._processes = _process_pool(self._cpu_processes)
                 self.start()
             raise StarletteHTTPException(
                 503, "the body could not be processed; retry",

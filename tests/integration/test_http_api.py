@@ -372,10 +372,11 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
 
     def spied(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return prepare_append(*args, **kwargs)
+        return parse_messages(*args, **kwargs)
 
-    # Seen only in the server's own process: PostgreSQL batches are prepared in a CPU process.
-    monkeypatch.setattr(compactd.scheduler.http.bodies, "prepare_append", spied)
+    # Seen only in the server's own process: PostgreSQL batches are parsed and prepared in a
+    # CPU process (which imports the module afresh).
+    monkeypatch.setattr(compactd.scheduler.http.bodies, "parse_messages", spied)
     await api.create("big", A, run_model="gpt-4o")
     messages: list[dict[str, Any]] = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]},

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from compactd.scheduler.http.bodies import decode_append, in_body
+from compactd.scheduler.http.bodies import in_body
 from compactd.scheduler.http.routes.common import API_PREFIX, COMMON, WITH_BODY, Owned
 from compactd.scheduler.http.schemas import AppendIn, RenderForm, StepOut, SurfaceOut
 from compactd.scheduler.http.state import OFFLOAD_BYTES, ApiDep
@@ -53,7 +53,7 @@ async def append(info: Owned, api: ApiDep, request: Request) -> StepOut:
     content_type = request.headers.get("content-type")
     batch = await api.offload(raw, content_type, info.run_model) \
         if len(raw) > OFFLOAD_BYTES else \
-        decode_append(raw, content_type, info.run_model, encoded=api.store.db.encodes_appends)
+        api.decode(raw, content_type, info.run_model)
     try:
         step = await api.handle(info).append(batch)
     except InvalidMessage as exc:
