@@ -1,0 +1,1 @@
+../../../scheduler/public/client.py
