@@ -103,7 +103,7 @@ def create_index(name: str, table: str, columns: Sequence[str | sa.TextClause], 
         return
     with op.get_context().autocommit_block():
         invalid = op.get_bind().execute(sa.text(sql.NAMED_TEXT["invalid_index"]),
-                                        {"name": name}).first()
+                                        {"index_name": name}).first()
         if invalid is not None:
             op.drop_index(name, table_name=table, postgresql_concurrently=True)
         op.create_index(name, table, list(columns), unique=unique, if_not_exists=True,

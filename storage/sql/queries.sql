@@ -7,11 +7,11 @@
 -- The health check's round trip.
 SELECT 1;
 
--- name: invalid_index(name)$
+-- name: invalid_index(index_name)$
 -- postgres-only: an index a failed CREATE INDEX CONCURRENTLY left invalid
 -- (storage.online_migrations drops it before building it again).
 SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-WHERE c.relname = :name AND NOT i.indisvalid;
+WHERE c.relname = :index_name AND NOT i.indisvalid;
 
 -- name: schema_revision()$
 -- The schema's Alembic revision: the embedded database is migrated when it is behind.

@@ -42,6 +42,19 @@ async def _schema_revision(store: Store) -> None:
     assert await store.db.fetchval("schema_revision") == HEAD_REVISION
 
 
+@case("invalid_index")
+async def _invalid_index(store: Store) -> None:
+    name = "ix_sessions_over_trigger"
+    assert await store.db.fetchval("invalid_index", index_name=name) is None  # valid
+    assert await store.db.fetchval("invalid_index", index_name="no_such_index") is None
+    # What a failed CREATE INDEX CONCURRENTLY leaves behind: the index, marked not valid.
+    async with transaction(store.engine) as conn:
+        await conn.execute(sa.text(
+            "UPDATE pg_index SET indisvalid = false WHERE indexrelid = CAST(:name AS regclass)"),
+            {"name": name})
+    assert await store.db.fetchval("invalid_index", index_name=name) == 1
+
+
 @case("read_surface")
 async def _read_surface(store: Store) -> None:
     rows = await store.db.fetch("read_surface", session_id="s1")

@@ -21,7 +21,7 @@ from alembic.util import CommandError
 
 from compactd.storage.database import create_engine
 from compactd.storage.migrate import HEAD_REVISION, alembic_config, upgrade
-from tests.support.releases import RELEASE_AT, release_tree
+from tests.support.releases import RELEASE_AT, module_prefix, release_tree
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,10 +33,10 @@ LANDING = "0015"
 # releases compared here. Prints the result as JSON.
 USE_STORE = r"""
 import asyncio, json, sys
-from compactd.storage.messages import Message
-from compactd.storage.records import Claim, Replacement, RunEnd
-from compactd.storage.store import Store
-import compactd.storage.migrate
+from PKGstorage.messages import Message
+from PKGstorage.records import Claim, Replacement, RunEnd
+from PKGstorage.store import Store
+import PKGstorage.migrate
 
 async def main(url, session):
     store = Store.from_url(url)
@@ -57,8 +57,8 @@ async def main(url, session):
         info = await store.commit(session, run_id=claim.run_id, fence=claim.fence,
                                   replacements=[checkpoint], end=RunEnd(outcome="committed"))
         verified = [(await store.verify(s)).ok for s in ("populated", session)]
-        print(json.dumps({"code": compactd.storage.migrate.__file__,
-                          "head": compactd.storage.migrate.HEAD_REVISION, "messages":
+        print(json.dumps({"code": PKGstorage.migrate.__file__,
+                          "head": PKGstorage.migrate.HEAD_REVISION, "messages":
                           info.surface_messages, "verified": verified}))
     finally:
         await store.close()
@@ -88,7 +88,8 @@ def _use_store(url: str, session: str, tree: Path) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
     env["PYTHONPATH"] = str(tree)
     # Run from the tree: ``python -c`` puts its working directory first on the import path.
-    out = subprocess.run([sys.executable, "-c", USE_STORE, url, session], env=env, cwd=tree,
+    script = USE_STORE.replace("PKGstorage", module_prefix(tree) + "storage")
+    out = subprocess.run([sys.executable, "-c", script, url, session], env=env, cwd=tree,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"the code of {tree} on the schema failed:\n{out.stderr}"
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])

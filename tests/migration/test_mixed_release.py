@@ -18,7 +18,12 @@ import pytest
 from compactd.scheduler.samples import coding_session
 from compactd.storage.migrate import HEAD_REVISION, upgrade
 from tests.support.db import Db
-from tests.support.releases import PREVIOUS_RELEASE, release_tree
+from tests.support.releases import (
+    MODULE_PREFIX_ENV,
+    PREVIOUS_RELEASE,
+    module_prefix,
+    release_tree,
+)
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 from tests.support.stack import Stack, wait_until
 
@@ -93,13 +98,14 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
     assert _run(migrated, "SELECT version_num FROM alembic_version")[0][0] == HEAD_REVISION  # type: ignore[index]
     stack = Stack(migrated, clean_redis, tmp_path / "stack", fake_url=fake.url,
                   summarization=POLICY)
-    old = {"PYTHONPATH": str(previous_release)}
+    old = {"PYTHONPATH": str(previous_release),
+           MODULE_PREFIX_ENV: module_prefix(previous_release)}
     new = {"PYTHONPATH": stack.env["PYTHONPATH"]}
     with stack:
         # The old code is what runs: its own head revision, from the extracted tree.
-        head = stack.start("probe", [stack.python, "-c",
-                                     "import compactd.storage.migrate as m; print(m.__file__, "
-                                     "m.HEAD_REVISION)"], env=old)
+        # namespace: keep
+        probe = "import storage.migrate as m; print(m.__file__, m.HEAD_REVISION)"
+        head = stack.start("probe", [stack.python, "-c", probe], env=old)
         head.wait(timeout=60)
         assert f"{previous_release}" in stack.log("probe") and " 0018" in stack.log("probe"), \
             stack.log("probe")

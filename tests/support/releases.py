@@ -31,6 +31,17 @@ PREVIOUS_RELEASE = "bd287a3"
 RELEASE_AT = {"0015": "e746056", "0017": "e34ca83"}
 
 _PACKAGES = ("storage", "worker", "scheduler")
+# The releases above predate the compactd namespace: their modules import as ``storage.x``, not
+# ``compactd.storage.x``. An environment naming this variable tells the stack which (the empty
+# string: the bare names of a release before the namespace).
+MODULE_PREFIX_ENV = "RELEASE_MODULE_PREFIX"
+CURRENT_PREFIX = "compactd."
+
+
+def module_prefix(tree: Path) -> str:
+    """What ``tree``'s packages import under: bare for a release extracted here (all predate the
+    namespace), ``compactd.`` for the tree under test."""
+    return CURRENT_PREFIX if tree.resolve() == REPO else ""
 
 
 def release_tree(commit: str, dest: Path) -> Path:
@@ -61,4 +72,5 @@ def release_env(tree: Path, env: Mapping[str, str] | None = None) -> dict[str, s
     """``env`` (the environment by default) with ``tree`` first on the import path."""
     base = dict(os.environ if env is None else env)
     base["PYTHONPATH"] = str(tree)
+    base[MODULE_PREFIX_ENV] = module_prefix(tree)
     return base

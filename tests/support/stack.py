@@ -26,9 +26,17 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tests.support.releases import CURRENT_PREFIX, MODULE_PREFIX_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 FAKE_KEY_ENV = "COMPACTD_FAKE_API_KEY"
 T = TypeVar("T")
+
+
+def _module(name: str, env: Mapping[str, str] | None) -> str:
+    """``name`` as the code the environment runs imports it: under ``compactd.``, or bare for an
+    earlier release's tree (``tests.support.releases.MODULE_PREFIX_ENV``)."""
+    return (env or {}).get(MODULE_PREFIX_ENV, CURRENT_PREFIX) + name
 
 
 def wait_until(predicate: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.1,
@@ -110,10 +118,11 @@ class Stack:
                      env: Mapping[str, str] | None = None, ready_timeout: float = 30.0
                      ) -> subprocess.Popen[bytes]:
         log = self.home / f"{name}.log"
+        app = _module("worker.app", env)  # namespace: keep
         proc = subprocess.Popen(
-            [self.python, "-m", "celery", "-A", "compactd.worker.app", "worker", "-n",
-             f"{name}@%h", "-Q", ",".join(queues), "--concurrency", str(concurrency),
-             "-l", "INFO", "--without-gossip", "--without-mingle"],
+            [self.python, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h",
+             "-Q", ",".join(queues), "--concurrency", str(concurrency), "-l", "INFO",
+             "--without-gossip", "--without-mingle"],
             env={**self.env, **(env or {})}, cwd=self.home, stdout=log.open("ab"),
             stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
@@ -188,7 +197,8 @@ class Stack:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 180.0,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([self.python, "-m", "compactd.scheduler.cli", *args],
+        cli = _module("scheduler.cli", env)  # namespace: keep
+        out = subprocess.run([self.python, "-m", cli, *args],
                              env={**self.env, **(env or {})}, cwd=self.home,
                              capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
