@@ -1,0 +1,135 @@
+"""compactd behind PgBouncer in transaction pooling mode (what ops/RUNBOOK.md recommends), on the
+user's path: a client appends and polls through the pooler, a real ``celery -A
+compactd.worker.app worker`` (through the same pooler) compacts the run the trigger queued, and
+``history_search`` finds a message the compaction replaced. The pooler is Debian's pgbouncer,
+started by the test on a port of its own (tests/support/pgbouncer.py), with fewer server
+connections than the processes open client connections, so statements of one client
+connection run on several server connections.
+
+Without ``database.statement_cache: false`` asyncpg prepares statements by name on a server
+connection that the next transaction may not get, or that another client has used the same
+name on: the last test shows that error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from compactd.scheduler.client import CompactdClient
+from compactd.storage.errors import CompactdError
+from compactd.worker.settings import Settings, build_config
+from tests.support.fake_provider import FakeProvider
+from tests.support.pgbouncer import PgBouncer
+from tests.support.recall_sample import NEEDLE, needle_messages
+from tests.support.stack import Stack
+from tests.support.stack_sessions import config_of
+
+pytestmark = pytest.mark.slow
+
+POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
+          "keep": {"type": "messages", "value": 12}, "model_name": "fake-gpt"}
+BEHIND_POOLER = {"database": {"statement_cache": False}}
+
+
+@pytest.fixture
+def bouncer(clean_pg: str) -> Iterator[PgBouncer]:
+    # Four server connections for a worker's pool of twenty and a client's five.
+    with PgBouncer(clean_pg, pool_mode="transaction", pool_size=4) as pooler:
+        yield pooler
+
+
+@pytest.mark.timeout(180)
+async def test_append_poll_a_queued_compaction_and_recall_through_pgbouncer(
+        bouncer: PgBouncer, clean_redis: str, tmp_path: Path, fake: FakeProvider) -> None:
+    with Stack(bouncer.url, clean_redis, tmp_path / "stack", fake_url=fake.url,
+               summarization=POLICY, extra_config=BEHIND_POOLER) as stack:
+        stack.start_worker("w1", concurrency=4)
+        config = config_of(stack)
+        assert config.database_url == bouncer.url and not config.database.statement_cache
+        async with CompactdClient(config) as client:
+            handle = await client.create_session("pooled", run_model="fake-gpt")
+            sample = needle_messages()
+            appended_at = 0
+            fired = False
+            for message in sample:
+                step = await handle.append([message])
+                appended_at = step.version
+                fired = fired or step.fired
+            assert fired, "the appends never crossed the trigger"
+            # A first run may only prune (the needle's tool result stays); the trigger still
+            # holds, so another follows with a summary that replaces it.
+            surface = await _poll_until_replaced(handle, appended_at, timeout_s=120)
+            assert len(surface) < len(sample)
+            # The worker indexes what a run replaced right after its commit.
+            found = await _search_until_found(handle, timeout_s=60)
+            assert found.hits and found.hits[0].exact and NEEDLE in found.hits[0].snippet
+        assert "Traceback" not in stack.log("w1"), stack.log("w1")[-3000:]
+        assert "prepared statement" not in bouncer.log()
+
+
+async def _poll_until_replaced(handle: Any, since: int, *, timeout_s: float
+                               ) -> list[dict[str, Any]]:
+    """What a runtime does between steps: poll, and read the surface when a compaction's commit
+    moved it, until one replaced the needle's message."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        moved = await handle.poll(since)
+        if moved is not None:
+            since = moved
+            surface: list[dict[str, Any]] = await handle.surface()
+            if NEEDLE not in str(surface):
+                return surface
+        if loop.time() >= deadline:
+            raise AssertionError(f"no compaction replaced the needle within {timeout_s:g} s")
+        await asyncio.sleep(0.2)
+
+
+async def _search_until_found(handle: Any, *, timeout_s: float) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        found = await handle.history_search(NEEDLE)
+        if found.hits or loop.time() >= deadline:
+            return found
+        await asyncio.sleep(0.2)
+
+
+async def test_without_the_setting_a_statement_prepared_on_one_server_fails_on_another(
+        clean_pg: str, tmp_path: Path) -> None:
+    """The setting is what makes the path above work. With asyncpg's statement cache on, the
+    client's second append reuses the statement its first prepared by name on the server
+    connection it had then; while another client's transaction holds that one, PgBouncer gives
+    the append the other, where no such statement exists, and it fails. With the setting off
+    the same sequence appends."""
+    import asyncpg
+
+    messages = needle_messages()[:4]
+    with PgBouncer(clean_pg, pool_mode="transaction", pool_size=2) as pooler:
+        for statement_cache in (True, False):
+            settings = Settings(database_url=pooler.url, broker_url="memory://",
+                                home=str(tmp_path))
+            config = build_config({"database": {"statement_cache": statement_cache}},
+                                  settings=settings)
+            async with CompactdClient(config) as client:
+                handle = await client.create_session(f"s-{statement_cache}")
+                await handle.append(messages[:2])
+                other = await asyncpg.connect(pooler.url, statement_cache_size=0)
+                holding = other.transaction()
+                await holding.start()
+                await other.execute("SELECT 1")  # the idle server connection is now its own
+                try:
+                    if statement_cache:
+                        with pytest.raises(CompactdError):
+                            await handle.append(messages[2:])
+                    else:
+                        step = await handle.append(messages[2:])
+                        assert step.last_seq == len(messages)
+                finally:
+                    await holding.rollback()
+                    await other.close()
