@@ -69,6 +69,8 @@ def test_compose_has_every_service_with_image_command_and_environment() -> None:
             "redis://:${REDIS_PASSWORD:-compactd}@redis:6379/"), name
     assert _command(services["migrate"]) == ["compactd", "migrate"]
     assert _command(services["serve"])[:2] == ["compactd", "serve"]
+    # serve needs a token in api.tokens, which the README's local config has none of: asked for.
+    assert services["serve"]["profiles"] == ["api"]
     redis = _command(services["redis"])
     assert redis[redis.index("--requirepass") + 1] == "${REDIS_PASSWORD:-compactd}"
     for name in ("worker", "beat", "flower"):
