@@ -45,6 +45,22 @@ class PgBouncer:
         user = self.target.username or "postgres"
         return f"postgresql://{user}@127.0.0.1:{self.port}{self.target.path}"
 
+    async def admin(self, command: str) -> None:
+        """A command of PgBouncer's admin console (the virtual database ``pgbouncer``)."""
+        import asyncpg
+
+        user = self.target.username or "postgres"
+        conn = await asyncpg.connect(f"postgresql://{user}@127.0.0.1:{self.port}/pgbouncer",
+                                     statement_cache_size=0)
+        try:
+            await conn.execute(command)
+        finally:
+            await conn.close()
+
+    @property
+    def database(self) -> str:
+        return self.target.path.lstrip("/")
+
     def log(self) -> str:
         path = self.dir / "pgbouncer.log"
         return path.read_text(errors="replace") if path.exists() else ""
@@ -68,6 +84,7 @@ listen_port = {self.port}
 unix_socket_dir =
 auth_type = trust
 auth_file = {self.dir / "userlist.txt"}
+admin_users = {user}
 pool_mode = {self.pool_mode}
 default_pool_size = {self.pool_size}
 max_client_conn = 500
