@@ -17,15 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from compactd.scheduler.client import CompactdClient
 from compactd.storage.errors import CompactdError
 from compactd.worker.settings import Settings, build_config
+from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.fake_provider import FakeProvider
 from tests.support.pgbouncer import PgBouncer
 from tests.support.recall_sample import NEEDLE, needle_messages
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 from tests.support.stack_sessions import config_of
 
 pytestmark = pytest.mark.slow
@@ -69,6 +71,32 @@ async def test_append_poll_a_queued_compaction_and_recall_through_pgbouncer(
             assert found.hits and found.hits[0].exact and NEEDLE in found.hits[0].snippet
         assert "Traceback" not in stack.log("w1"), stack.log("w1")[-3000:]
         assert "prepared statement" not in bouncer.log()
+
+
+@pytest.mark.timeout(180)
+def test_the_http_api_through_pgbouncer(bouncer: PgBouncer, clean_redis: str, tmp_path: Path,
+                                        fake: FakeProvider) -> None:
+    """A runtime in another language: ``compactd serve`` through the pooler, its appends
+    queue the compaction a worker (through the pooler) runs, and its recall route finds the
+    replaced message."""
+    with Stack(bouncer.url, clean_redis, tmp_path / "stack", fake_url=fake.url,
+               summarization=POLICY, extra_config=BEHIND_POOLER) as stack:
+        url = start_api(stack)
+        stack.start_worker("w1", concurrency=4)
+        api = f"{url}/v1/sessions/web"
+        with httpx.Client(headers=bearer(TOKEN_A), timeout=60) as http:
+            http.put(api, json={"run_model": "fake-gpt"}).raise_for_status()
+            for message in needle_messages():
+                http.post(f"{api}/messages", json={"messages": [message]}).raise_for_status()
+            # The surface's version moves when the compaction commits; wait for the one
+            # that replaced the needle, then for the index of what it replaced.
+            wait_until(lambda: NEEDLE not in http.get(f"{api}/surface").text, timeout=120,
+                       what="a compaction to replace the needle")
+            hits = wait_until(lambda: http.get(f"{api}/history/search",
+                                               params={"query": NEEDLE}).json()["hits"],
+                              timeout=60, what="history_search to find the needle")
+            assert hits[0]["exact"] and NEEDLE in hits[0]["snippet"]
+        assert "Traceback" not in stack.log("api") + stack.log("w1")
 
 
 async def _poll_until_replaced(handle: Any, since: int, *, timeout_s: float
