@@ -16,17 +16,20 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 
 from compactd.scheduler.client import CompactdClient
 from compactd.storage.errors import CompactdError
+from compactd.storage.migrate import HEAD_REVISION, upgrade
 from compactd.worker.settings import Settings, build_config
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.fake_provider import FakeProvider
 from tests.support.pgbouncer import PgBouncer
 from tests.support.recall_sample import NEEDLE, needle_messages
+from tests.support.services import create_database_sync, drop_database_sync, with_database
 from tests.support.stack import Stack, wait_until
 from tests.support.stack_sessions import config_of
 
@@ -152,3 +155,29 @@ async def test_without_the_setting_a_statement_prepared_on_one_server_fails_on_a
                 else:
                     step = await handle.append(messages[2:])
                     assert step.last_seq == len(messages)
+
+
+def test_compactd_migrate_runs_through_pgbouncer(pg_url: str) -> None:
+    """What the RUNBOOK says a release may do: run ``compactd migrate`` through the pooler
+    (its revisions each in a transaction, its concurrent index builds in autocommit): a new
+    database migrated to head, then migrated again (a no-op)."""
+    url = with_database(pg_url, urlparse(pg_url).path.lstrip("/") + "_pgbouncer")
+    drop_database_sync(url)
+    create_database_sync(url)
+    try:
+        with PgBouncer(url, pool_mode="transaction", pool_size=2) as pooler:
+            upgrade(pooler.url)
+            upgrade(pooler.url)
+        assert asyncio.run(_revision(url)) == HEAD_REVISION
+    finally:
+        drop_database_sync(url)
+
+
+async def _revision(url: str) -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        return str(await conn.fetchval("SELECT version_num FROM alembic_version"))
+    finally:
+        await conn.close()
