@@ -134,7 +134,9 @@ class CompactdClient:
     def __init__(self, config: Config | None = None, *, store: Store | None = None,
                  enqueuer: Enqueuer | None = None) -> None:
         self.config = config or load_config()
-        self.store = store or Store.from_url(self.config.database_url, pool_size=5)
+        self.store = store or Store.from_url(
+            self.config.database_url, pool_size=5,
+            statement_cache=self.config.database.statement_cache)
         self._own_store = store is None
         if enqueuer is None:
             # Imported here: a runtime that passes its own enqueuer never loads Celery.

@@ -34,7 +34,8 @@ async def open_store(config: Config, *, reads: str | None = None) -> AsyncIterat
     write: :class:`SessionNotFound` instead, and no file."""
     if reads is not None and not database_exists(config.database_url):
         raise SessionNotFound(reads)
-    store = Store.from_url(config.database_url, pool_size=5)
+    store = Store.from_url(config.database_url, pool_size=5,
+                           statement_cache=config.database.statement_cache)
     if config.embedded:
         await ensure_schema(store.engine, config.database_url)
     try:

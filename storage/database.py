@@ -132,11 +132,13 @@ def is_sqlite(engine_or_url: AsyncEngine | str) -> bool:
 
 
 def create_engine(url: str, *, pool_size: int = 10, max_overflow: int | None = None,
-                  echo: bool = False) -> AsyncEngine:
+                  statement_cache: bool = True, echo: bool = False) -> AsyncEngine:
     """An async engine for ``url``; create one per process and per event loop, never share it.
 
     On PostgreSQL it keeps ``pool_size`` connections and opens up to ``max_overflow`` more
-    (default: as many again) for bursts, closing those on return."""
+    (default: as many again) for bursts, closing those on return. ``statement_cache=False``
+    (``database.statement_cache``) prepares nothing by name, for a pooler in transaction mode
+    that hands a connection's statements to any server connection."""
     url = normalize_url(url)
     if url.startswith("sqlite"):
         path = url.split(":///", 1)[1] if ":///" in url else ""
@@ -155,8 +157,22 @@ def create_engine(url: str, *, pool_size: int = 10, max_overflow: int | None = N
         url, echo=echo, json_serializer=dumps, pool_size=pool_size,
         max_overflow=pool_size if max_overflow is None else max_overflow,
         pool_recycle=POOL_RECYCLE_S,
-        connect_args={"server_settings": {"application_name": "compactd"}},
+        connect_args={"server_settings": {"application_name": "compactd"},
+                      **({} if statement_cache else _UNNAMED_STATEMENTS)},
     )
+
+
+def _unnamed() -> str:
+    # asyncpg reads an empty name as the unnamed statement: without a statement cache it is
+    # parsed again in the same message as its execution, so it never outlives one round trip.
+    return ""
+
+
+# Neither asyncpg's statement cache (the raw connections' named queries) nor SQLAlchemy's
+# (its dialect prepares every statement it runs, by a generated name) keeps anything.
+_UNNAMED_STATEMENTS: dict[str, Any] = {
+    "statement_cache_size": 0, "prepared_statement_cache_size": 0,
+    "prepared_statement_name_func": _unnamed}
 
 
 def _configure_sqlite(engine: AsyncEngine) -> None:

@@ -124,9 +124,11 @@ async def build_deps(config: Config, *, owner: str | None = None,
         # the transactions (lease renewals, run ends, the reaper), which never take a kept one.
         pool = config.worker.db_pool_size
         store = Store.from_url(config.database_url, pool_size=pool, max_overflow=0,
-                               kept_connections=pool // 2)
+                               kept_connections=pool // 2,
+                               statement_cache=config.database.statement_cache)
     else:
-        store = Store.from_url(config.database_url, pool_size=pool_size)
+        store = Store.from_url(config.database_url, pool_size=pool_size,
+                               statement_cache=config.database.statement_cache)
     if config.embedded:
         from compactd.storage.migrate import ensure_schema
 

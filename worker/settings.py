@@ -4,7 +4,8 @@ Environment (prefix ``COMPACTD_``): ``DATABASE_URL``, ``BROKER_URL``, ``CONFIG``
 ``HOME`` (where the embedded default keeps its files), ``LOG_FORMAT``, ``METRICS_PORT`` (overrides
 ``worker.metrics_port``). The YAML file holds the rest: ``models:``, ``summarization:`` (see
 ``worker.compaction.policy``), ``worker:``, ``api:`` (the HTTP API of ``compactd serve``),
-``prices:`` (USD per million tokens of each configured model, see ``worker.cost``).
+``prices:`` (USD per million tokens of each configured model, see ``worker.cost``),
+``retention:``, ``database:`` (how the connections are used, e.g. behind PgBouncer).
 With nothing set, everything runs on the embedded default: a SQLite file, a broker that needs no
 server (kombu's filesystem transport under COMPACTD_HOME), and the local model-free summarizer.
 
@@ -206,6 +207,17 @@ class RetentionConfig(_Strict):
         return self.originals_days is not None or self.sessions_idle_days is not None
 
 
+class DatabaseConfig(_Strict):
+    """``database:``, how compactd's processes use their PostgreSQL connections."""
+
+    # asyncpg prepares each statement once per connection and reuses it by name. Behind
+    # PgBouncer in transaction (or statement) pooling mode before 1.21 a connection's
+    # statements run on whichever server connection is free, where that name is unknown (or
+    # another client's): false sends every statement unnamed, parsed with its execution.
+    # Needed there, and costs a parse per statement anywhere else. SQLite ignores it.
+    statement_cache: bool = True
+
+
 class FileConfig(_Strict):
     models: tuple[ModelSpec, ...] = ()
     default_model: str | None = None
@@ -213,6 +225,7 @@ class FileConfig(_Strict):
     api: ApiConfig = ApiConfig()
     prices: dict[str, PriceSpec] = Field(default_factory=dict)
     retention: RetentionConfig = RetentionConfig()
+    database: DatabaseConfig = DatabaseConfig()
 
 
 class Settings(BaseSettings):
@@ -252,6 +265,7 @@ class Config:
     # dict has none): a Config keys caches, and prices change no cached object.
     prices: Mapping[str, Price] = field(default_factory=dict, hash=False)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    database: DatabaseConfig = field(default_factory=DatabaseConfig)
     log_format: str = "auto"
     log_level: str = "INFO"
     config_path: str | None = None
@@ -316,7 +330,7 @@ def read_yaml(path: str) -> dict[str, Any]:
 
 
 _FILE_KEYS = {"models", "default_model", "summarization", "worker", "api", "prices",
-              "retention"}
+              "retention", "database"}
 
 
 def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
@@ -336,7 +350,7 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
         policy=policy, lead=lead, worker=worker, api=file_config.api, prices=prices,
-        retention=file_config.retention,
+        retention=file_config.retention, database=file_config.database,
         log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
 

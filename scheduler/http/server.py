@@ -67,7 +67,8 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = Store.from_url(config.database_url, pool_size=POOL_SIZE)
+        store = Store.from_url(config.database_url, pool_size=POOL_SIZE,
+                               statement_cache=config.database.statement_cache)
         try:
             async with CompactdClient(config, store=store) as client:
                 app.state.api = Api(config, client)

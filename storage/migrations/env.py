@@ -70,7 +70,9 @@ def _configure(connection: Connection) -> None:
 
 
 async def _run_online() -> None:
-    engine = create_engine(_url(), pool_size=1)
+    # Nothing prepared by name: a migration runs each statement once, and may run through a
+    # pooler in transaction mode (database.statement_cache), which this process does not read.
+    engine = create_engine(_url(), pool_size=1, statement_cache=False)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_configure)

@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "ops" / "k8s"
 COMPOSE = REPO / "ops" / "compose.yaml"
 SYSTEMD = REPO / "ops" / "systemd"
-PROCESSES = ("migrate", "worker", "beat", "flower")
+PROCESSES = ("migrate", "worker", "beat", "serve", "flower")
 # Where a process listens and what it calls itself differ by host kind on purpose (systemd binds
-# Flower to localhost and names workers by instance); every other argument is the same.
-HOST_FLAGS = ("--hostname", "--address")
+# Flower and serve to localhost and names workers by instance); every other argument is the same.
+HOST_FLAGS = ("--hostname", "--address", "--host")
 
 
 def _docs() -> list[dict[str, Any]]:
@@ -64,6 +64,11 @@ def _normal(argv: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _broker_address(url: str) -> str:
+    """host:port/db of a redis:// URL, its password left out."""
+    return url.removeprefix("redis://").rsplit("@", 1)[-1]
+
+
 def test_every_manifest_is_valid_against_the_kubernetes_schemas() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     version = kubernetes_validate.latest_version()
@@ -75,9 +80,12 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas() -> None:
         checked += 1
     kinds = {(d["kind"], d["metadata"]["name"]) for d in _docs()}
     assert {("Deployment", "compactd-worker"), ("Deployment", "compactd-beat"),
+            ("Deployment", "compactd-serve"), ("Service", "compactd-serve"),
             ("Deployment", "compactd-flower"), ("Job", "compactd-migrate"),
-            ("ConfigMap", "compactd-config"), ("ScaledObject", "compactd-worker")} <= kinds
-    assert checked == len(kinds) - 1
+            ("Deployment", "redis"), ("Service", "redis"),
+            ("ConfigMap", "compactd-config"), ("ScaledObject", "compactd-worker"),
+            ("TriggerAuthentication", "compactd-redis")} <= kinds
+    assert checked == len([d for d in _docs() if not d["apiVersion"].startswith("keda.sh/")])
 
 
 def test_a_manifest_the_schema_refuses_is_reported() -> None:
@@ -107,13 +115,22 @@ def test_every_process_gets_the_settings_compose_gives_it() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())["services"]
     for component in PROCESSES:
         env = _env(component)
-        wanted = {k for k in compose[component]["environment"] if k.startswith("COMPACTD_")}
+        # (Bearer tokens excepted: each config file's api.tokens names its own variables.)
+        wanted = {k for k in compose[component]["environment"]
+                  if k.startswith("COMPACTD_") and not k.startswith("COMPACTD_TOKEN_")}
         assert wanted <= set(env), component
         # The database URL holds a password: from the Secret, never a literal.
         assert env["COMPACTD_DATABASE_URL"] == {
             "secretKeyRef": {"name": "compactd", "key": "database-url"}}, component
-        assert env["COMPACTD_BROKER_URL"] == compose["worker"]["environment"][
-            "COMPACTD_BROKER_URL"], component
+        # The same Redis, with the password from the Secret (compose: from its environment).
+        assert _broker_address(env["COMPACTD_BROKER_URL"]) == _broker_address(
+            compose["worker"]["environment"]["COMPACTD_BROKER_URL"]), component
+        assert env["COMPACTD_BROKER_URL"].startswith("redis://:$(REDIS_PASSWORD)@"), component
+        names = [e["name"] for e in _container(component)["env"]]
+        # Kubernetes expands $(VAR) only from variables defined before it.
+        assert names.index("REDIS_PASSWORD") < names.index("COMPACTD_BROKER_URL"), component
+        assert env["REDIS_PASSWORD"] == {
+            "secretKeyRef": {"name": "compactd", "key": "redis-password"}}, component
         mounts = {m["mountPath"]: m for m in _container(component)["volumeMounts"]}
         config = env["COMPACTD_CONFIG"]
         assert mounts[str(Path(config).parent)]["readOnly"] is True, component
@@ -157,14 +174,42 @@ def test_keda_scales_the_workers_on_the_live_queues() -> None:
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
     # Scaling in must wait at least one warm shutdown.
     assert spec["cooldownPeriod"] >= _pod("worker")["terminationGracePeriodSeconds"]
-    broker = _env("worker")["COMPACTD_BROKER_URL"]
-    host_port, db = broker.removeprefix("redis://").split("/")
+    host_port, db = _broker_address(_env("worker")["COMPACTD_BROKER_URL"]).split("/")
+    auth = _kind("TriggerAuthentication", "compactd-redis")["spec"]["secretTargetRef"]
+    assert auth == [{"parameter": "password", "name": "compactd", "key": "redis-password"}]
     lists = set()
     for trigger in spec["triggers"]:
         assert trigger["type"] == "redis"
+        assert trigger["authenticationRef"] == {"name": "compactd-redis"}
         meta = trigger["metadata"]
         assert (meta["address"], meta["databaseIndex"]) == (host_port, db)
         assert int(meta["listLength"]) >= 1
         lists.add(meta["listName"])
     assert lists == {QUEUE_URGENT, QUEUE_PRESSURE}
     assert QUEUE_BULK not in lists
+
+
+def test_redis_requires_the_password_every_client_is_given() -> None:
+    redis = _kind("Deployment", "redis")["spec"]["template"]["spec"]["containers"][0]
+    command = redis["command"]
+    assert command[command.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    env = {e["name"]: e.get("valueFrom") for e in redis["env"]}
+    secret = {"secretKeyRef": {"name": "compactd", "key": "redis-password"}}
+    assert env["REDIS_PASSWORD"] == secret and env["REDISCLI_AUTH"] == secret
+    service = _kind("Service", "redis")["spec"]
+    host_port = _broker_address(_env("worker")["COMPACTD_BROKER_URL"]).split("/")[0]
+    assert host_port == f"redis:{service['ports'][0]['port']}"
+
+
+def test_serve_is_a_service_with_its_token_from_the_secret() -> None:
+    env = _env("serve")
+    assert env["COMPACTD_API_TOKEN"] == {
+        "secretKeyRef": {"name": "compactd", "key": "api-token"}}
+    data = _kind("ConfigMap", "compactd-config")["data"]["compactd.yaml"]
+    tokens = yaml.safe_load(data)["api"]["tokens"]
+    assert {"tenant": "default", "token_env": "COMPACTD_API_TOKEN"} in tokens
+    port = {p["name"]: p["containerPort"] for p in _container("serve")["ports"]}["http"]
+    assert f"--port={port}" in _container("serve")["command"]
+    assert _container("serve")["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    service = _kind("Service", "compactd-serve")["spec"]
+    assert service["type"] == "ClusterIP" and service["ports"][0]["targetPort"] == "http"

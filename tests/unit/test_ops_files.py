@@ -49,11 +49,13 @@ def _command(service: dict[str, Any]) -> list[str]:
 
 def test_compose_has_every_service_with_image_command_and_environment() -> None:
     services = _compose()["services"]
-    assert set(services) == {"postgres", "redis", "migrate", "worker", "beat", "flower"}
+    assert set(services) == {"postgres", "redis", "migrate", "worker", "beat", "serve",
+                             "flower"}
     for name, service in services.items():
         assert service.get("image"), f"{name}: no image"
         assert service.get("restart") in ("unless-stopped", "no", "always", "on-failure"), name
-    compactd = {name: services[name] for name in ("migrate", "worker", "beat", "flower")}
+    compactd = {name: services[name] for name in ("migrate", "worker", "beat", "serve",
+                                                  "flower")}
     for name, service in compactd.items():
         assert service["build"]["dockerfile"] == "ops/Dockerfile", name
         assert (COMPOSE.parent / service["build"]["context"] / "ops" / "Dockerfile").is_file()
@@ -62,15 +64,22 @@ def test_compose_has_every_service_with_image_command_and_environment() -> None:
             assert env.get(key), f"{name}: {key} missing"
         assert env["COMPACTD_LOG_FORMAT"] == "json", name
         assert "@postgres:5432/" in env["COMPACTD_DATABASE_URL"], name
-        assert env["COMPACTD_BROKER_URL"].startswith("redis://redis:6379/"), name
+        # Redis requires a password (--requirepass); every client's URL carries it.
+        assert env["COMPACTD_BROKER_URL"].startswith(
+            "redis://:${REDIS_PASSWORD:-compactd}@redis:6379/"), name
     assert _command(services["migrate"]) == ["compactd", "migrate"]
+    assert _command(services["serve"])[:2] == ["compactd", "serve"]
+    # serve needs a token in api.tokens, which the README's local config has none of: asked for.
+    assert services["serve"]["profiles"] == ["api"]
+    redis = _command(services["redis"])
+    assert redis[redis.index("--requirepass") + 1] == "${REDIS_PASSWORD:-compactd}"
     for name in ("worker", "beat", "flower"):
         # --quiet: no start-up banner, so the process's output is JSON lines only.
         assert _command(services[name])[:5] == ["celery", "--quiet", "-A", "compactd.worker.app",
                                                 name]
     # Only workers call models, so only they get provider keys.
     assert "OPENAI_API_KEY" in services["worker"]["environment"]
-    for name in ("migrate", "beat", "flower"):
+    for name in ("migrate", "beat", "serve", "flower"):
         assert not any(k.endswith("_API_KEY") for k in services[name]["environment"]), name
 
 
@@ -136,7 +145,7 @@ def test_compose_config_validates_with_the_compose_tool() -> None:
     assert out.returncode == 0, out.stderr
     rendered = yaml.safe_load(out.stdout)
     assert set(rendered["services"]) == {"postgres", "redis", "migrate", "worker", "beat",
-                                         "flower"}
+                                         "serve", "flower"}
     assert rendered["services"]["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "admin:secret"
 
 
@@ -153,7 +162,7 @@ def _unit(path: Path) -> configparser.RawConfigParser:
 def test_systemd_units_start_the_right_processes_with_the_environment_file() -> None:
     names = {unit.name for unit in UNITS}
     assert names == {"compactd-worker@.service", "compactd-beat.service",
-                     "compactd-flower.service"}
+                     "compactd-serve.service", "compactd-flower.service"}
     for path in UNITS:
         unit = _unit(path)
         assert set(unit.sections()) == {"Unit", "Service", "Install"}, path.name
@@ -165,8 +174,12 @@ def test_systemd_units_start_the_right_processes_with_the_environment_file() -> 
         assert service["User"] == "compactd" and service["Restart"] == "on-failure"
         argv = service["ExecStart"].split()
         process = path.name.removeprefix("compactd-").split("@")[0].split(".")[0]
-        assert argv[0].startswith("/") and argv[0].endswith("/celery"), path.name
-        assert argv[1:5] == ["--quiet", "-A", "compactd.worker.app", process], path.name
+        if process == "serve":
+            assert argv[0].startswith("/") and argv[0].endswith("/compactd"), path.name
+            assert argv[1] == "serve" and "--host=127.0.0.1" in argv, path.name
+        else:
+            assert argv[0].startswith("/") and argv[0].endswith("/celery"), path.name
+            assert argv[1:5] == ["--quiet", "-A", "compactd.worker.app", process], path.name
         assert unit["Install"]["WantedBy"] == "multi-user.target"
     text = (OPS / "systemd" / "compactd-worker@.service").read_text()
     assert "EnvironmentFile=/etc/compactd/compactd.env" in text
