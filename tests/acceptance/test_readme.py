@@ -14,6 +14,7 @@ configuration it mounts must load; tests/unit/test_ops_files.py validates the co
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -29,6 +30,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.services import drop_database_sync, flush_redis, with_database
 from tests.support.stack import REPO, wait_until
 
@@ -210,3 +212,27 @@ def test_the_langchain_extra_installs_what_the_readme_snippet_imports() -> None:
     for module in modules:
         names = {d.lower().replace("_", "-") for d in distributions[module]}
         assert names & closure, (module, names)
+
+
+def test_the_readme_langchain_snippet_runs_as_written(fake: FakeProvider, tmp_path: Path) -> None:
+    """The snippet itself, not an example beside it, runs on the embedded default: its model
+    call reaches an OpenAI-compatible server on this host (the fake) through ``OPENAI_BASE_URL``,
+    as the README's note says, and the session it names holds the exchange afterwards."""
+    (snippet,) = [b for b in readme_blocks("### Your runtime: the client")
+                  if "CompactdMiddleware" in b]
+    fake.script(Behaviour(model="gpt-4o-mini", output="text", text="A rounding bug in tax.py."))
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPACTD_", "OPENAI_"))}
+    env.update(PYTHONPATH=str(REPO), OPENAI_BASE_URL=fake.openai_base_url,
+               OPENAI_API_KEY="sk-fake", COMPACTD_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    surface = subprocess.run([sys.executable, "-m", "compactd.scheduler.cli", "surface",
+                              "example-session", "--json"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert surface.returncode == 0, surface.stderr
+    messages = json.loads(surface.stdout)["messages"]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "Why do the tax tests fail?"), ("assistant", "A rounding bug in tax.py.")]
