@@ -93,8 +93,7 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = RunCause.PRESSU
             and Stage.SUMMARY in outcome.stages):
         # A new measure of the time to a checkpoint: the lead the append reads follows it.
         await refresh_after_checkpoint(deps.store, deps.config)
-    if deps.config.worker.recall_index and (outcome.pruned
-                                            or outcome.outcome == RunStatus.COMMITTED):
+    if deps.config.worker.recall_index and outcome.replaced_nodes:
         if index_in_background:
             if deps.indexer is None:
                 # Busy: at least half the process's task slots hold runs.

@@ -97,6 +97,13 @@ class Outcome:
     def failed(self) -> bool:
         return self.outcome == RunStatus.FAILED
 
+    @property
+    def replaced_nodes(self) -> bool:
+        """Whether one of the run's commits replaced nodes: a run that failed in a later round
+        keeps what its earlier rounds committed."""
+        return (self.outcome == RunStatus.COMMITTED or bool(self.replaced_seqs)
+                or self.pruned > 0)
+
     def fail(self, failure_class: FailureClass, error: str) -> None:
         self.outcome = RunStatus.FAILED
         self.failure_class = failure_class

@@ -248,16 +248,20 @@ async def build(url: str, size: int, policy: dict[str, Any]) -> Built:
         for i in range(0, len(messages), batch):
             await append_tracked(deps.store, session_id,
                                  [parse_openai(m) for m in messages[i:i + batch]], originals)
+        ended = ""
         while rounds < MAX_ROUNDS:
             rounds += 1
             outcome = await compact(deps, session_id, trigger=RunCause.PRESSURE)
             if outcome.outcome != RunStatus.COMMITTED:
+                # A failed last run may have committed rounds before it failed (the JSON says).
+                ended = f"{outcome.outcome}: {outcome.error}" if outcome.failed else outcome.outcome
                 break
         assert (await deps.store.verify(session_id)).ok
     seqs = sorted(originals)
     return Built(str(size), "generated", session_id, originals,
                  {order: {seqs[pos - 1]} for pos, order in facts.items()}, WORDS,
-                 {"rounds": rounds, "build_s": round(time.perf_counter() - started, 1)},
+                 {"rounds": rounds, "last_run": ended,
+                  "build_s": round(time.perf_counter() - started, 1)},
                  asked)
 
 
@@ -358,11 +362,13 @@ async def measure(store: Store, built: Built, *, fuzzy: int = 0, total: int | No
     timings: list[float] = []
     by_kind: dict[str, list[float]] = {"needle": [], "fact words": [], "one word": [],
                                        "two words": [], "scoped": []}
+    scanned = 0
     for value, holding in dropped.items():
         started = time.perf_counter()
         result = await store.history_search(session_id, value)
         timings.append((time.perf_counter() - started) * 1000)
         by_kind["needle"].append(timings[-1])
+        scanned = max(scanned, result.scanned_messages)
         if not holding & {h.seq for h in result.hits[:5]}:
             not_found.append(value)
     not_found_by_words: list[str] = []
@@ -372,10 +378,10 @@ async def measure(store: Store, built: Built, *, fuzzy: int = 0, total: int | No
         result = await store.history_search(session_id, words)
         timings.append((time.perf_counter() - started) * 1000)
         by_kind["fact words"].append(timings[-1])
+        scanned = max(scanned, result.scanned_messages)
         if not dropped[value] & {h.seq for h in result.hits[:5]}:
             not_found_by_words.append(f"{value}: {words}")
     rng = random.Random(len(built.originals))
-    scanned = 0
     if total is not None:
         fuzzy = max(0, total - len(timings))
     for n in range(fuzzy if built.vocabulary else 0):

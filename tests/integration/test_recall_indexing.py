@@ -4,13 +4,16 @@ A tool result holding a NUL, and one of 2 MB of distinct tokens (more than Postg
 one tsvector), are compacted by the orchestration a worker runs: the prune commits, and
 history_search finds both originals, by their needles, whether or not their text is indexed
 yet. A run whose worker never indexed (it died between its commit and the indexing) is found
-by a scan until the beat sweep indexes it."""
+by a scan until the beat sweep indexes it. A run that fails in a later round has its earlier
+rounds' replaces indexed as a committed run has."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -274,3 +277,81 @@ async def test_pending_originals_are_no_entries_of_the_trigram_index(deps: Deps)
             "EXPLAIN SELECT seq FROM recall_originals WHERE body ILIKE :pattern"),
             {"pattern": "%shard%"})).all())
         assert "ix_recall_originals_trgm" in plan, plan
+
+
+# A session whose first compaction commits in its first round and fails in its second, the way
+# tests/bench/recall.py's 10,000-message session did: a long history of tool steps with planted
+# facts, then the latest user request (rescued, so it splits the head in two segments), one tool
+# step, and the kept tail. The first round replaces the history; the second, the lone step
+# between the request and the tail, whose summary (the local summarizer's eight sections) is
+# longer than the step itself and is refused.
+LONG_POLICY = {"trigger": [{"type": "tokens", "value": 2_000}],
+               "keep": {"type": "messages", "value": 12}}
+FILLER = ["ledger", "invoice", "currency", "rounding", "balance", "payload", "retry", "window"]
+COLOURS = ["cobalt", "amber", "crimson", "ivory", "olive", "scarlet", "teal", "umber"]
+CARGO = ["pallet", "crate", "container", "parcel", "drum", "carton", "barrel", "coil"]
+PORTS = ["rotterdam", "antwerp", "hamburg", "valencia", "genoa", "gdansk", "piraeus", "lisbon"]
+# The step between the request and the tail: worth a summary (longer than an empty checkpoint),
+# shorter than the local summarizer's sections for it.
+WORDS_BETWEEN = 140
+
+
+def _tool_step(rng: random.Random, step: int, result: str = "", words: int = 60
+               ) -> list[dict[str, Any]]:
+    return [_call(f"q{step}", "query", f'{{"batch": {step}}}'),
+            {"role": "tool", "tool_call_id": f"q{step}", "name": "query",
+             "content": f"rows for batch {step}:\n"
+                        + " ".join(rng.choice(FILLER) for _ in range(words)) + result}]
+
+
+def _long_session(turns: int) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """The messages (4 a turn, then 16 more), and each planted fact's message (its position
+    from 1) with the words a model would search it by."""
+    rng = random.Random(26)
+    combos = iter(itertools.product(COLOURS, CARGO, PORTS))
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a fulfilment agent."}]
+    facts: dict[int, str] = {}
+    for turn in range(1, turns + 1):
+        fact = ""
+        if turn % 10 == 0:
+            colour, cargo, port = next(combos)
+            fact = (f"\nORD-{turn:06d}: the {colour} {cargo} bound for {port} was held at dock "
+                    f"{turn % 97}")
+            facts[len(messages) + 3] = f"{port} {cargo} {colour}"
+        messages += [{"role": "user", "content": f"Check batch {turn}."},
+                     *_tool_step(rng, turn, fact),
+                     {"role": "assistant", "content": f"Batch {turn} checked."}]
+    messages.append({"role": "user", "content": "Reconcile the last batches."})
+    messages += _tool_step(rng, turns + 1, words=WORDS_BETWEEN)
+    for step in range(turns + 2, turns + 8):
+        messages += _tool_step(rng, step)
+    return messages, facts
+
+
+@pytest.mark.parametrize("in_background", [False, True], ids=["inline", "worker"])
+async def test_a_run_that_fails_after_its_first_commit_has_its_history_indexed(
+        db_url: str, in_background: bool) -> None:
+    """tests/bench/recall.py found none of 248 facts at 10,000 messages: the run committed
+    its checkpoint, then failed, and only a committed run's replaces were indexed; searches
+    scan only the newest pending originals, so the history was found by nothing but the sweep.
+    """
+    messages, facts = _long_session(500)
+    async with open_deps(_config(db_url), owner="fails-in-round-two") as deps:
+        store = deps.store
+        await store.create_session("s1", tenant="acme", context_window=128_000,
+                                   policy=LONG_POLICY)
+        appended = await store.append("s1", [parse_openai(m) for m in messages])
+        seqs = range(appended.first_seq, appended.last_seq + 1)
+        outcome = await compact(deps, "s1", trigger="pressure",
+                                index_in_background=in_background)
+        # The scenario: the first round's checkpoint committed, the second round failed.
+        assert outcome.failed and outcome.failure_class == "summary", outcome.to_json()
+        assert len(outcome.replaced_seqs) > 1900, outcome.to_json()
+        if in_background:
+            await _until_indexed(store, "s1")
+        missed = []
+        for position, words in facts.items():
+            found = await store.history_search("s1", words, tenant="acme")
+            if seqs[position - 1] not in [h.seq for h in found.hits[:5]]:
+                missed.append(words)
+        assert missed == [], f"{len(missed)} of {len(facts)} facts not found: {missed[:5]}"
