@@ -32,11 +32,12 @@ from typing import Any, TextIO
 
 from compactd.scheduler.args import positive_int
 from compactd.scheduler.output import EXIT_OK, emit, say
+from compactd.storage.database import embedded_url
 from compactd.storage.errors import BadInput
 from compactd.storage.messages import FORMATS
 from compactd.worker.cost import usage_cost
 from compactd.worker.replay import Session, Tally, read_transcript, replay, session_of
-from compactd.worker.settings import Config, load_config
+from compactd.worker.settings import Config, Settings, build_config, read_yaml
 
 
 class EvalInputError(BadInput):
@@ -86,13 +87,23 @@ def load_candidates(paths: list[str], home: Path) -> list[Candidate]:
         where = home / f"config-{n}"
         where.mkdir()
         try:
-            config = load_config({"COMPACTD_HOME": str(where)}, path=str(path))
+            config = isolated_config(path, where)
         except BadInput as exc:
             raise EvalInputError(f"--config {path}: {exc}") from None
         name = path.stem if path.stem not in names else f"{path.stem}-{n}"
         names.add(name)
         out.append(Candidate(name, path, config))
     return out
+
+
+def isolated_config(path: Path, home: Path) -> Config:
+    """The configuration file ``path`` with nothing of the environment: every setting the
+    environment could give is given here (an embedded store under ``home``, a broker in memory,
+    no Redis), so no variable of the user's shell points a replay at their database."""
+    settings = Settings(database_url=embedded_url(home), broker_url="memory://",
+                        redis_url=None, config=None, home=str(home), metrics_port=None)
+    return build_config(read_yaml(str(path)), settings=settings, home=home,
+                        config_path=str(path))
 
 
 class Progress:
