@@ -16,6 +16,11 @@ from compactd.worker.probes import KINDS
 KIND_LABELS = {"ids": "identifiers", "paths": "file paths", "errors": "error names",
                "numbers": "numbers with units", "instructions": "user instructions"}
 CHART_SIZE = (7.5, 3.4)
+PROBES_NOTE = (
+    "A probe is a detail of a range a compaction replaced; it is <b>kept</b> when the final "
+    "request still holds it, <b>found</b> when <code>history_search</code> returns a message "
+    "holding it among its first five hits for words a model would use, and <b>lost</b> "
+    "otherwise.")
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 62rem; color: #222; }
 h1 { font-size: 1.5rem; } h2 { font-size: 1.15rem; margin-top: 2rem; }
@@ -55,10 +60,7 @@ def render_html(report: dict[str, Any]) -> str:
         f"<title>compactd eval: {names}</title><style>{STYLE}</style></head><body>",
         f"<h1>What each configuration keeps: {names}</h1>",
         f'<p class="note">{len(report["transcripts"])} transcripts replayed through each '
-        "configuration on its own temporary store. A probe is a detail of a range a compaction "
-        "replaced; it is <b>kept</b> when the final request still holds it, <b>found</b> when "
-        "<code>history_search</code> returns a message holding it among its first five hits "
-        "for words a model would use, and <b>lost</b> otherwise.</p>",
+        f"configuration on its own temporary store{_window(report)}. {PROBES_NOTE}</p>",
         _table(configs),
         _figure(_probe_chart(configs), "Probes by kind: kept in context, found by search, lost "
                                        "(one bar per configuration)"),
@@ -68,6 +70,11 @@ def render_html(report: dict[str, Any]) -> str:
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _window(report: dict[str, Any]) -> str:
+    window = report.get("context_window")
+    return f", as sessions with a context window of {window:,} tokens" if window else ""
 
 
 def _pct(value: float | None) -> str:

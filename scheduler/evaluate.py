@@ -206,7 +206,9 @@ async def cmd_eval(args: argparse.Namespace, _config: Config) -> int:
         candidates = load_candidates(args.eval_configs, Path(tmp))
         results = await run_eval(candidates, sessions, run_model=args.run_model,
                                  context_window=args.context_window)
-    report: dict[str, Any] = {"transcripts": [str(p) for p in paths], "configs": results}
+    report: dict[str, Any] = {"transcripts": [str(p) for p in paths],
+                              "run_model": args.run_model,
+                              "context_window": args.context_window, "configs": results}
     written: list[Path] = []
     if args.report is not None:
         from compactd.scheduler.eval_report import write_report

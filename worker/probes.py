@@ -30,11 +30,15 @@ _UNITS = (r"ms|msec|s|sec|secs|seconds?|min|mins|minutes?|h|hrs?|hours?|days?|we
 NUMBER_WITH_UNIT = re.compile(
     rf"(?<![\w.$])(?:\$\d[\d,]*(?:\.\d+)?|\d[\d,]*(?:\.\d+)?\s?(?:{_UNITS}))(?![\w])",
     re.IGNORECASE)
-# A user's sentence that tells the agent what to do: these words, or a sentence that starts
-# with a verb in the imperative among the common ones.
+# A user's sentence that tells the agent what to do: it starts with one of these words (after an
+# optional "please"), or holds one of the phrases after them.
 _INSTRUCTION = re.compile(
-    r"\b(?:always|never|do not|don't|must|make sure|be sure|remember|only|please|instead|"
-    r"avoid|keep|use)\b", re.IGNORECASE)
+    r"^(?:please\s+)?(?:always|never|do not|don't|make sure|be sure|remember|only|keep|use|"
+    r"avoid|stop)\b|\b(?:you must|you should|do not|don't|never|always|make sure|please)\b",
+    re.IGNORECASE)
+# What prose does not hold: code, markup, a numbered listing's line (a runtime may pass a file's
+# view as a user turn); a sentence also starts with a capital, not mid-line.
+_CODE = re.compile(r"[{}<>=;`\[\]\\\"]|^\s*\d+\s*[:.)]|\s{2,}")
 _SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
 MIN_INSTRUCTION_CHARS = 12
 MAX_INSTRUCTION_CHARS = 160
@@ -92,12 +96,14 @@ def identifiers(message: Message) -> list[str]:
 
 
 def instructions(text: str) -> list[str]:
-    """The sentences of a user's message that tell the agent what to do."""
+    """The sentences of a user's message that tell the agent what to do, as written (prose, not
+    a file or a listing a runtime passed as a user turn)."""
     out = []
     for match in _SENTENCE.finditer(text):
-        sentence = " ".join(match.group(0).split())
+        sentence = match.group(0).strip()
         if (MIN_INSTRUCTION_CHARS <= len(sentence) <= MAX_INSTRUCTION_CHARS
-                and _INSTRUCTION.search(sentence)):
+                and sentence[0].isupper() and _INSTRUCTION.search(sentence)
+                and not _CODE.search(sentence)):
             out.append(sentence)
     return out
 

@@ -44,3 +44,10 @@ def test_query_words_leave_the_value_out_and_prefer_rare_words() -> None:
     assert words == "timeouterror ticket stalled"
     assert query_words(Probe("instructions", "Never touch the migrations folder."), "",
                        counts) == "touch migrations folder"
+
+
+def test_a_file_view_passed_as_a_user_turn_gives_no_instruction() -> None:
+    view = ("1432:     Always serializes to an integer value.\n"
+            "1463:     msg = 'The precision must be {} or {}'.\n"
+            "    always returns a writeable array.\n")
+    assert extract([parse_openai({"role": "user", "content": view})]) == []
