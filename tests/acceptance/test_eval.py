@@ -201,3 +201,30 @@ def test_report_needs_matplotlib_only_when_asked(tmp_path: Path, env: dict[str, 
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["configs"][0]["name"] == "roomy"
+
+
+def test_a_configured_model_is_called_and_its_usage_priced(
+        tmp_path: Path, env: dict[str, str], fake: Any) -> None:
+    """With a model in the configuration the eval calls it (here the fake provider over HTTP,
+    the official SDK) and prices its usage at the configuration's ``prices:``."""
+    from tests.support.stack import FAKE_KEY_ENV, fake_models
+
+    price = {"input": 2.0, "cached_input": 0.5, "output": 8.0}
+    config = tmp_path / "priced.yaml"
+    config.write_text(json.dumps({
+        "models": fake_models(fake.url)[:1], "prices": {"fake-gpt": price},
+        "summarization": {**POLICIES["roomy"], "model_name": "fake-gpt"}}))
+    out = _eval({**env, FAKE_KEY_ENV: "test-key"}, str(FIXTURES / "coding-export.jsonl"),
+                "--config", str(config), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)["configs"][0]
+    calls = fake.requests_for(model="fake-gpt")
+    assert result["calls"] == len(calls) > 0
+    usage = result["usage"]
+    assert usage["by_candidate"]["fake-gpt"]["calls"] == len(calls)
+    fresh = usage["input_tokens"] - usage["cached_tokens"] - usage["cache_write_tokens"]
+    expected = (fresh * price["input"] + usage["cached_tokens"] * price["cached_input"]
+                + usage["output_tokens"] * price["output"]) / 1e6
+    assert usage["output_tokens"] > 0
+    assert result["cost"]["usd"] == pytest.approx(expected, abs=1e-6)
+    assert result["cost"]["usd"] > 0

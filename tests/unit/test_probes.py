@@ -3,10 +3,12 @@ words a model would search for one leave its value out."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from compactd.storage.messages import parse_openai
 from compactd.worker.probes import Probe, extract, query_words, vocabulary
 
-MESSAGES = [
+MESSAGES: list[dict[str, Any]] = [
     {"role": "user", "content": "Fix the nightly export. Never touch the migrations folder. "
                                 "The report is due friday."},
     {"role": "assistant", "content": None, "tool_calls": [{
