@@ -10,7 +10,8 @@ the configured candidates); the request the model would get next is the system p
 rendered surface.
 
 Measured (:class:`Tally`): summarizer calls (every request a chain sends, seen through
-``worker.chains.SUMMARY_OBSERVER``) and their input tokens; compactions; coverage (the share of
+``worker.chains.SUMMARY_OBSERVER``, as first asked: a request a model's context-length error
+shrinks is counted at its first size) and their input tokens; compactions; coverage (the share of
 the tokens of replaced messages that reached a summarizer input, by characters received); the
 final request's tokens; the retention of the session's facts (:func:`facts_of`) in the final
 request; the providers' usage of every run; and probes (``worker.probes``) extracted from every
