@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from compactd.scheduler import check, commands, deletion, leases
+from compactd.scheduler import check, commands, deletion, evaluate, leases
 from compactd.scheduler.args import positive_int
 from compactd.scheduler.output import (
     EXIT_BAD_INPUT,
@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     leases.register(sub)
     deletion.register(sub)
     check.register(sub)
+    evaluate.register(sub)
     return parser
 
 

@@ -11,7 +11,8 @@ chains running concurrently (the recallable layout's chunk calls and its state c
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +27,11 @@ from compactd.worker.llm.candidates import Candidate, candidate_order
 from compactd.worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
 from compactd.worker.metrics import metrics
 from compactd.worker.run import RunFailed, RunScope
+
+# Who wants to see every request a chain sends (``compactd eval`` measures what the summarizer
+# was given); a context variable, so it follows the run into the tasks it starts.
+SUMMARY_OBSERVER: ContextVar[Callable[[SummaryRequest], None] | None] = ContextVar(
+    "compactd_summary_observer", default=None)
 
 
 class Chain(Protocol):
@@ -90,10 +96,14 @@ async def run_chain(scope: RunScope, chain: Chain, running: str | None,
     index = 0
     usage: dict[str, Any] | None = None
     model = ""
+    observe = SUMMARY_OBSERVER.get()
     while index < len(chain.calls):
+        request = chain.request(index, running)
+        if observe is not None:
+            observe(request)
         try:
             outcome = await summarize(
-                chain.request(index, running), candidates=summarizers.candidates,
+                request, candidates=summarizers.candidates,
                 validate=lambda _text: None, deadline_s=scope.models_left_s(),
                 providers=summarizers.providers, retry=summarizers.retry,
                 breaker=summarizers.breaker,

@@ -83,13 +83,12 @@ import argparse
 import asyncio
 import json
 import logging
-import re
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,18 +103,23 @@ from langchain.agents.middleware.types import ModelRequest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
 
-import compactd.worker.chains as chains
-import compactd.worker.orchestration as orchestration
 from compactd.scheduler.samples import coding_session
-from compactd.storage.kinds import JournalKind, NodeKind
-from compactd.storage.messages import Message, from_payload, parse
-from compactd.storage.tokens import counter_for
-from compactd.worker.compaction.render import render_surface
+from compactd.worker import replay
 from compactd.worker.llm.errors import LocalSummaryError
-from compactd.worker.llm.local import summarize_local, tool_result_facts
-from compactd.worker.pressure import over_trigger
-from compactd.worker.runtime import build_deps
-from compactd.worker.settings import Settings, build_config
+from compactd.worker.llm.local import summarize_local
+from compactd.worker.replay import (
+    COUNTER,
+    Session,
+    cut_steps,
+    facts_of,
+    finish,
+    read_transcript,
+    session_of,
+    split_system,
+    tokens_of,
+    wire,
+)
+from compactd.worker.settings import Config, Settings, build_config
 from tests.bench.common import (
     DEFAULT_CORPUS,
     machine,
@@ -140,63 +144,15 @@ MAX_SUMMARY_TOKENS = 2000
 CLEAR_KEEP = 3
 CANNED = ("Previous conversation was too long to summarize.",
           "No previous conversation history.")
-TICKET = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]{1,9}-\d{2,}(?![\w-])")
-ID_KEY = re.compile(r"(?:^|_)id$", re.IGNORECASE)
-WIRE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
-COUNTER = counter_for(None)
 
 
 # ----------------------------------------------------------------------------------- sessions
-
-
-@dataclass
-class Session:
-    name: str
-    group: str
-    system: list[dict[str, Any]]
-    steps: list[list[dict[str, Any]]]
-    facts: dict[str, list[str]]
-    parts: int = 1
-
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        return [m for step in self.steps for m in step]
-
-    @property
-    def tokens(self) -> int:
-        return sum(tokens_of(m) for m in self.messages)
-
-
-def tokens_of(message: dict[str, Any]) -> int:
-    return sum(COUNTER.count_message(m) for m in parse(wire(message), "openai"))
-
-
-def wire(message: dict[str, Any]) -> dict[str, Any]:
-    """The message with the keys a provider is sent (a rendered surface adds ``seq``,
-    ``tokens`` and ``meta``)."""
-    return {k: v for k, v in message.items() if k in WIRE_KEYS}
+# A session, its steps and facts, and the compactd side's replay and measures are the product's
+# (``worker.replay``, what ``compactd eval`` runs), so the two cannot disagree.
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
-
-
-def split_system(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
-                                                          list[dict[str, Any]]]:
-    head = 0
-    while head < len(messages) and messages[head]["role"] == "system":
-        head += 1
-    return messages[:head], [m for m in messages[head:] if m["role"] != "system"]
-
-
-def cut_steps(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    steps: list[list[dict[str, Any]]] = []
-    for message in messages:
-        if message["role"] == "assistant" or not steps:
-            steps.append([])
-        steps[-1].append(message)
-    return steps
+    return read_transcript(path)
 
 
 def renumber(messages: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
@@ -211,33 +167,9 @@ def renumber(messages: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]
     return out
 
 
-def facts_of(system: list[dict[str, Any]], conversation: list[dict[str, Any]]
-             ) -> dict[str, list[str]]:
-    system_text = "\n".join(str(m.get("content") or "") for m in system)
-    messages = [m for d in conversation for m in parse(wire(d), "openai")]
-    paths, errors = tool_result_facts(messages)
-    ids: dict[str, None] = {}
-    for m in messages:
-        ids.update(dict.fromkeys(TICKET.findall(m.text)))
-        for call in m.tool_calls:
-            try:
-                args = json.loads(call.arguments)
-            except ValueError:
-                continue
-            if isinstance(args, dict):
-                ids.update(dict.fromkeys(v for k, v in args.items() if ID_KEY.search(k)
-                                         and isinstance(v, str) and len(v) >= 3))
-    return {kind: [f for f in found if f not in system_text]
-            for kind, found in (("paths", paths), ("errors", errors), ("ids", list(ids)))}
-
-
 def corpus_sessions(root: Path) -> list[Session]:
-    out = []
-    for path in sorted(root.glob("*/*.jsonl")):
-        system, rest = split_system(read(path))
-        out.append(Session(path.stem, path.parent.name, system, cut_steps(rest),
-                           facts_of(system, rest)))
-    return out
+    return [session_of(path.stem, path.parent.name, read(path))
+            for path in sorted(root.glob("*/*.jsonl"))]
 
 
 def long_sessions(root: Path) -> list[Session]:
@@ -288,74 +220,29 @@ def all_sessions(root: Path, limit: int = 0) -> list[Session]:
 
 
 @dataclass
-class Tally:
-    calls: int = 0
-    compactions: int = 0
+class Tally(replay.Tally):
+    """The product's tally, and what only the comparison counts: LangChain's canned
+    compactions, and the requests a provider would reject."""
+
     canned: int = 0
-    failed: int = 0
-    input_tokens: int = 0
-    replaced_tokens: float = 0
-    covered_tokens: float = 0
-    replaced_original: float = 0
-    covered_original: float = 0
-    summaries_replaced: int = 0
-    summaries_carried: int = 0
     requests: int = 0
     rejected: int = 0
     pair_problems: int = 0
-    final_tokens: int = 0
-    facts: int = 0
-    retained: int = 0
-    missing: list[str] = field(default_factory=list)
 
-    def add(self, other: Tally) -> None:
-        for name in self.__dataclass_fields__:
-            if name != "missing":
-                setattr(self, name, getattr(self, name) + getattr(other, name))
+    def add(self, other: replay.Tally) -> None:
+        super().add(other)
+        for name in ("canned", "requests", "rejected", "pair_problems"):
+            setattr(self, name, getattr(self, name) + getattr(other, name, 0))
 
     def report(self) -> dict[str, Any]:
-        return {
-            "calls": self.calls, "compactions": self.compactions, "canned": self.canned,
-            "failed": self.failed, "input_tokens": self.input_tokens,
-            "final_tokens": self.final_tokens,
-            "coverage": _ratio(self.covered_tokens, self.replaced_tokens),
-            "coverage_of_original": _ratio(self.covered_original, self.replaced_original),
-            "replaced_tokens": round(self.replaced_tokens),
-            "summary_carried": _ratio(self.summaries_carried, self.summaries_replaced),
-            "tool_pair_errors": self.rejected, "pair_problems": self.pair_problems,
-            "requests": self.requests,
-            "retention": _ratio(self.retained, self.facts), "facts": self.facts,
-            "facts_retained": self.retained,
-        }
-
-
-def _ratio(part: float, whole: float) -> float | None:
-    return round(part / whole, 4) if whole else None
+        return {**super().report(), "canned": self.canned,
+                "tool_pair_errors": self.rejected, "pair_problems": self.pair_problems,
+                "requests": self.requests}
 
 
 def pair_problems(messages: Sequence[dict[str, Any]]) -> int:
     """How many things a provider would reject in this request (``request_problems``)."""
     return len(request_problems(messages))
-
-
-def context_text(messages: Iterable[dict[str, Any]]) -> str:
-    parts = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "\n".join(str(b.get("text", "")) for b in content if isinstance(b, dict))
-        parts.append(str(content or ""))
-        parts += [c["function"]["arguments"] for c in m.get("tool_calls") or ()]
-    return "\n".join(parts)
-
-
-def finish(tally: Tally, session: Session, final: list[dict[str, Any]]) -> None:
-    tally.final_tokens = sum(tokens_of(m) for m in final)
-    text = context_text(final)
-    facts = [f for kind in ("paths", "errors", "ids") for f in session.facts.get(kind, ())]
-    tally.facts = len(facts)
-    tally.retained = sum(f in text for f in facts)
-    tally.missing = [f for f in facts if f not in text]
 
 
 def request(tally: Tally, messages: list[dict[str, Any]]) -> None:
@@ -368,106 +255,23 @@ def request(tally: Tally, messages: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------------ compactd
 
 
-class Recorder:
-    """What compactd's local summarizer is handed, call by call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[Message], str | None]] = []
-
-    def local(self, messages: Sequence[Message], *, existing_summary: str | None = None,
-              max_tokens: int = MAX_SUMMARY_TOKENS) -> str:
-        self.calls.append((list(messages), existing_summary))
-        return summarize_local(messages, existing_summary=existing_summary,
-                               max_tokens=max_tokens)
-
-
-def _chars(message: Message) -> int:
-    return len(message.text) + sum(len(c.arguments) for c in message.tool_calls)
+def compactd_config(url: str, policy: dict[str, Any]) -> Config:
+    return build_config({"summarization": policy},
+                        settings=Settings(database_url=url, broker_url="memory://"))
 
 
 async def run_compactd(session: Session, url: str, policy: dict[str, Any]) -> Tally:
+    """compactd's side: the product's replay (``worker.replay``), every request checked for
+    tool pairs."""
+    requests = Tally()
+    measured = await replay.replay(session, compactd_config(url, policy),
+                                   on_request=lambda final: request(requests, final))
     tally = Tally()
-    config = build_config({"summarization": policy}, settings=Settings(database_url=url))
-    deps = await build_deps(config, pool_size=2)
-    recorder = Recorder()
-    original_summarize = chains.summarize
-
-    async def summarize(*args: Any, **kwargs: Any) -> Any:
-        return await original_summarize(*args, local=recorder.local, **kwargs)
-
-    chains.summarize = summarize
-    originals: dict[str, tuple[int, int]] = {}  # bench id -> (tokens, chars) as appended
-    n = 0
-    final: list[dict[str, Any]] = []
-    try:
-        store = deps.store
-        sid = session.name
-        await store.create_session(sid)
-        for step in session.steps:
-            batch = []
-            for d in step:
-                n += 1
-                m = parse(wire(d), "openai")[0]
-                m = m.model_copy(update={"meta": {"bench_id": f"m{n}"}})
-                originals[f"m{n}"] = (COUNTER.count_message(m), _chars(m))
-                batch.append(m)
-            info = (await store.append(sid, batch)).session
-            if over_trigger(info, config):
-                await _compact(deps, sid, info.last_seq, recorder, originals, tally)
-            surface = await store.read_surface(sid)
-            final = session.system + [wire(m) for m in render_surface(surface.nodes,
-                                                                        "langchain")]
-            request(tally, final)
-    finally:
-        chains.summarize = original_summarize
-        await deps.aclose()
-    finish(tally, session, final)
+    tally.add(measured)
+    tally.missing = measured.missing
+    for name in ("requests", "rejected", "pair_problems"):
+        setattr(tally, name, getattr(requests, name))
     return tally
-
-
-async def _compact(deps: Any, sid: str, last_seq: int, recorder: Recorder,
-                   originals: dict[str, tuple[int, int]], tally: Tally) -> None:
-    before = await deps.store.read_surface(sid)
-    nodes = {node.seq: (node.message, node.tokens, node.kind) for node in before.nodes}
-    recorder.calls = []
-    outcome = await orchestration.compact(deps, sid, trigger="pressure")
-    if outcome.failed:
-        tally.failed += 1
-    tally.calls += len(recorder.calls)
-    received: Counter[str] = Counter()
-    carried = False
-    for messages, existing in recorder.calls:
-        tally.input_tokens += sum(COUNTER.count_message(m) for m in messages)
-        tally.input_tokens += COUNTER.count_text(existing) if existing else 0
-        carried = carried or bool(existing)
-        for m in messages:
-            if "bench_id" in m.meta:
-                received[m.meta["bench_id"]] += _chars(m)
-            elif m.meta.get("checkpoint"):
-                carried = True
-    for event in await deps.store.read_events(sid, after_seq=last_seq):
-        if event.kind in (NodeKind.PRUNED, NodeKind.CHECKPOINT):
-            nodes[event.seq] = (from_payload(event.payload["message"]),
-                                event.tokens or 0, event.kind)
-        if event.kind != JournalKind.SUMMARY:
-            continue
-        tally.compactions += 1
-        for seq in event.payload["replaced_seqs"]:
-            message, tokens, kind = nodes[seq]
-            if kind == NodeKind.CHECKPOINT:
-                tally.summaries_replaced += 1
-                tally.summaries_carried += carried
-                continue
-            bench_id = message.meta["bench_id"]
-            got = received[bench_id]
-            chars = _chars(message)
-            orig_tokens, orig_chars = originals[bench_id]
-            tally.replaced_tokens += tokens
-            tally.covered_tokens += tokens * (min(1.0, got / chars) if chars else float(
-                bench_id in received))
-            tally.replaced_original += orig_tokens
-            tally.covered_original += orig_tokens * (min(1.0, got / orig_chars) if orig_chars
-                                                     else float(bench_id in received))
 
 
 # ----------------------------------------------------------------------------------- langchain

@@ -81,6 +81,7 @@ from compactd.storage.store import Store  # noqa: E402
 from compactd.worker.compaction.render import render_surface  # noqa: E402
 from compactd.worker.orchestration import compact  # noqa: E402
 from compactd.worker.pressure import over_trigger  # noqa: E402
+from compactd.worker.replay import context_text  # noqa: E402
 from compactd.worker.runtime import Deps, open_deps  # noqa: E402
 from compactd.worker.settings import Settings, build_config  # noqa: E402
 from tests.bench.common import (  # noqa: E402
@@ -94,7 +95,7 @@ from tests.bench.common import (  # noqa: E402
     summary_ms,
     write_json,
 )
-from tests.bench.corpus import Session, all_sessions, context_text, wire  # noqa: E402
+from tests.bench.corpus import Session, all_sessions, wire  # noqa: E402
 
 POLICY = {"trigger": [{"type": "tokens", "value": 2_000}],
           "keep": {"type": "messages", "value": 12}}
