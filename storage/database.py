@@ -302,13 +302,21 @@ def translate(exc: BaseException) -> CompactdError:
     if (code and code.startswith(_PG_UNAVAILABLE_PREFIXES)) or isinstance(
             orig, ConnectionError | OSError) or "Connection refused" in text:
         return DatabaseUnavailable(f"the database cannot be reached: {reason}")
-    if isinstance(exc, InterfaceError):
+    if isinstance(exc, InterfaceError) or _driver_interface_error(exc):
         return DatabaseUnavailable(f"the database connection failed: {reason}")
     if code == _PG_READ_ONLY_TRANSACTION or _no_host_matches(exc):
         # A standby, or a primary being demoted: where the writable server is comes back after
         # the failover, on a new connection (the pool drops this one: _connection_survives).
         return DatabaseUnavailable(f"no writable database (a failover?): {reason}")
     return StorageError(f"database error: {reason}")
+
+
+def _driver_interface_error(exc: BaseException) -> bool:
+    """Whether asyncpg itself failed on the connection (its InterfaceError: the connection was
+    closed under the statement, as a server that went away leaves it), below SQLAlchemy."""
+    driver = driver_error(exc)
+    return (type(driver).__module__ or "").startswith("asyncpg") and any(
+        cls.__name__ == "InterfaceError" for cls in type(driver).__mro__)
 
 
 def _no_host_matches(exc: BaseException) -> bool:

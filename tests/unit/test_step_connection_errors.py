@@ -82,3 +82,14 @@ def test_no_writable_host_among_the_url_s_hosts_is_an_unavailable_database() -> 
     exc = translated(pg.TargetServerAttributeNotMatched("None of the hosts match"))
     assert isinstance(exc, DatabaseUnavailable)
     assert "TargetServerAttributeNotMatched" in str(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    pg.InterfaceError("connection is closed"),
+    pg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+])
+def test_a_connection_the_driver_lost_is_an_unavailable_database(exc: BaseException) -> None:
+    """What a runtime or a worker holding a raw connection sees when the primary goes away
+    under its statement: retryable, never a data error."""
+    translated_exc = translated(exc)
+    assert isinstance(translated_exc, DatabaseUnavailable) and translated_exc.retryable
