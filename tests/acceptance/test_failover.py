@@ -4,11 +4,12 @@ Two PostgreSQL servers of the test's own (tests/support/pg_pair.py): a primary a
 standby, the standby synchronous (synchronous_commit=on, synchronous_standby_names='*').
 compactd reaches them through libpq's multi-host URL with target_session_attrs=read-write. A few
 simulated runtimes append through the client and pick up checkpoints, a real Celery worker
-compacts; then the primary crashes (an immediate shutdown) and, a moment later, the standby is
-promoted. The runtimes' appends fail with a retryable error for the gap and are retried; the
-worker's runs that hit it are sent again. After the failover the fleet goes on, on the new
-primary: every session verifies, every append acknowledged to a runtime is in the log with its
-text, and every checkpoint a runtime read is still there.
+compacts and beat sweeps; then the primary crashes (an immediate shutdown) and, a moment later,
+the standby is promoted. The runtimes' appends fail with a retryable error for the gap and are
+retried; the worker's runs that hit it are sent again or end failed, releasing their leases.
+After the failover the fleet goes on, on the new primary: every session compacts again, every
+session verifies, every append acknowledged to a runtime is in the log with its text, and every
+checkpoint a runtime read is still there.
 
 Before the fleet the same primary measures what the synchronous standby costs an append:
 appends under synchronous_commit on (waiting for the standby), local and off, in rounds. The
@@ -45,6 +46,10 @@ DATABASE = "compactd"
 RUNTIMES = 4
 POLICY = {"trigger": [{"type": "tokens", "value": 1500}],
           "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt"}
+# The beat's pressure sweep is what finds a session whose signal the failover lost (an append
+# that committed, with its signal, on the primary, but whose answer never arrived: its retry
+# sees the signal pending): every few seconds here, as the RUNBOOK advises behind a failover.
+WORKER = {"sweep_interval_s": 2.0}
 STEP_PAUSE_S = 0.05
 BEFORE_S = 4.0  # the fleet runs this long on the first primary
 UNPROMOTED_S = 1.0  # from the crash to the promotion (what a failover manager takes to decide)
@@ -133,8 +138,9 @@ async def test_a_primary_that_fails_over_loses_no_acknowledged_append_or_checkpo
         await upgrade_async(url)  # through the multi-host URL: it finds the primary
         cost_ms = await _append_cost_by_commit_setting(pair)
         with Stack(url, clean_redis, tmp_path / "stack", fake_url=fake.url,
-                   summarization=POLICY) as stack:
+                   summarization=POLICY, worker=WORKER) as stack:
             stack.start_worker("w1", concurrency=4)
+            stack.start_beat()
             report = await _fleet_through_failover(pair, stack)
             verified = stack.cli_json("verify", "--all")
             worker_log = stack.log("w1")
@@ -178,6 +184,7 @@ async def _fleet_through_failover(pair: PostgresPair, stack: Stack) -> dict[str,
         for task in tasks:
             task.result()  # a runtime that failed with a non-retryable error fails the test
         lost = await _lost(client.store, runtimes)
+        stored_twice = await _stored_twice(client.store, runtimes)
     assert lost == {}, f"acknowledged but lost after the failover: {lost}"
     outages = [o for r in runtimes for o in r.outages]
     return {
@@ -190,6 +197,9 @@ async def _fleet_through_failover(pair: PostgresPair, stack: Stack) -> dict[str,
         "attempts_failed": sum(r.attempts_failed for r in runtimes),
         "errors": dict(sum((r.errors for r in runtimes), Counter())),
         "checkpoints_read": sum(len(r.checkpoints) for r in runtimes),
+        # An append whose connection was lost under it may have committed: its retry then
+        # stores it again (appends carry no id to recognise it by).
+        "messages_stored_twice": stored_twice,
         "every_session_compacted_after_promotion_s": round(compacted_again - promoted_at, 2),
     }
 
@@ -231,6 +241,17 @@ async def _lost(store: Store, runtimes: list[Runtime]) -> dict[str, list[int]]:
         if missing:
             lost[runtime.handle.id] = sorted(missing)
     return lost
+
+
+async def _stored_twice(store: Store, runtimes: list[Runtime]) -> int:
+    """Acknowledged messages that are in their session's log more than once."""
+    twice = 0
+    for runtime in runtimes:
+        payloads = [json.dumps(e.payload) for e in await store.read_events(
+            runtime.handle.id, kinds=[NodeKind.MESSAGE])]
+        twice += sum(1 for text in runtime.acknowledged.values()
+                     if sum(text in payload for payload in payloads) > 1)
+    return twice
 
 
 async def _append_cost_by_commit_setting(pair: PostgresPair) -> dict[str, float]:

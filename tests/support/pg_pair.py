@@ -30,13 +30,16 @@ from typing import Any
 from tests.support.pgbouncer import free_port
 
 SERVER_USER = "postgres"
+TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "psql")
 
 
 def server_bin_dir() -> Path | None:
-    """The newest installed server's binaries, None when no server is installed."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"),
-                   key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
-    return Path(found[-1]).parent if found else None
+    """The newest installed server's binaries (all that the pair runs), None when there is
+    none."""
+    found = sorted((Path(p).parent for p in glob.glob("/usr/lib/postgresql/*/bin/initdb")),
+                   key=lambda d: int(d.parent.name) if d.parent.name.isdigit() else 0)
+    complete = [d for d in found if all((d / tool).exists() for tool in TOOLS)]
+    return complete[-1] if complete else None
 
 
 class PostgresPair:
