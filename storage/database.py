@@ -299,8 +299,15 @@ def translate(exc: BaseException) -> CompactdError:
         return LockNotAvailable()
     if isinstance(orig, sqlite3.OperationalError) and "locked" in text:
         return LockNotAvailable("the database is locked")
+    return _unavailable(exc, orig, code, reason) or StorageError(f"database error: {reason}")
+
+
+def _unavailable(exc: BaseException, orig: BaseException, code: str | None,
+                 reason: str) -> DatabaseUnavailable | None:
+    """The retryable error for a failure of the connection or of the server's role (a lost or
+    refused connection, a server that refuses writes), None for any other."""
     if (code and code.startswith(_PG_UNAVAILABLE_PREFIXES)) or isinstance(
-            orig, ConnectionError | OSError) or "Connection refused" in text:
+            orig, ConnectionError | OSError) or "Connection refused" in str(orig):
         return DatabaseUnavailable(f"the database cannot be reached: {reason}")
     if isinstance(exc, InterfaceError) or _driver_interface_error(exc):
         return DatabaseUnavailable(f"the database connection failed: {reason}")
@@ -308,7 +315,7 @@ def translate(exc: BaseException) -> CompactdError:
         # A standby, or a primary being demoted: where the writable server is comes back after
         # the failover, on a new connection (the pool drops this one: _connection_survives).
         return DatabaseUnavailable(f"no writable database (a failover?): {reason}")
-    return StorageError(f"database error: {reason}")
+    return None
 
 
 def _driver_interface_error(exc: BaseException) -> bool:
