@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from compactd.scheduler.client import CompactdClient, SessionHandle
-from compactd.storage.errors import CompactdError
+from compactd.storage.errors import CompactdError, DatabaseUnavailable
 from compactd.storage.kinds import NodeKind
 from compactd.storage.messages import parse_openai
 from compactd.storage.migrate import upgrade_async
@@ -284,3 +284,33 @@ async def _append_cost_by_commit_setting(pair: PostgresPair) -> dict[str, float]
             await store.close()
     return {s: round(statistics.median(v), 2) for s, v in times.items()}
 
+
+
+@pytest.mark.timeout(120)
+async def test_a_write_on_a_standby_is_retryable_and_its_connections_are_dropped() -> None:
+    """A server that refuses writes (what a demoted primary is, or a standby a URL without
+    target_session_attrs reached): the write fails as DatabaseUnavailable, retryable, and the
+    pool closes its connections to that server instead of handing them out again, so the next
+    connection finds where the primary is now."""
+    with PostgresPair(synchronous=False) as pair:
+        pair.psql(pair.primary_port, f"CREATE DATABASE {DATABASE}")
+        await upgrade_async(pair.single_url(pair.primary_port, DATABASE))
+        replayed = "SELECT count(*) FROM pg_tables WHERE tablename = 'alembic_version'"
+        while pair.psql(pair.standby_port, replayed, DATABASE) != "1":
+            await asyncio.sleep(0.1)
+        store = Store.from_url(pair.single_url(pair.standby_port, DATABASE), pool_size=2)
+        ours = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'compactd'"
+        try:
+            assert await store.all_session_ids() == []  # reads work on a standby
+            assert pair.psql(pair.standby_port, ours) == "1"
+            with pytest.raises(DatabaseUnavailable) as refused:
+                await store.create_session("on-a-standby")
+            assert refused.value.retryable and "25006" in str(refused.value)
+            for _ in range(100):  # the refused connection is closed, not put back
+                if pair.psql(pair.standby_port, ours) == "0":
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the pool kept its connection to the read-only server")
+        finally:
+            await store.close()
