@@ -119,11 +119,31 @@ def normalize_url(url: str) -> str:
         ("sqlite://", "sqlite+aiosqlite://"),
     ):
         if url.startswith(prefix):
-            return replacement + url[len(prefix):]
-    if url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
+            return _hosts_as_query(replacement + url[len(prefix):])
+    if url.startswith("postgresql+asyncpg://"):
+        return _hosts_as_query(url)
+    if url.startswith("sqlite+aiosqlite://"):
         return url
     raise CompactdError(
         f"unsupported database URL {url.split('://')[0]}:// (use postgresql:// or sqlite:///)")
+
+
+def _hosts_as_query(url: str) -> str:
+    """libpq's multi-host form (``user@h1:5432,h2:5432/db?target_session_attrs=read-write``) in
+    the form SQLAlchemy's asyncpg dialect reads (``user@/db?host=h1:5432&host=h2:5432&...``),
+    which hands asyncpg the host list; asyncpg tries them in order and, with
+    ``target_session_attrs``, keeps the first that is what it asks for (read-write: the
+    primary). A URL of one host is returned as it is."""
+    scheme, rest = url.split("://", 1)
+    authority, _, tail = rest.partition("/")
+    credentials, at, hosts = authority.rpartition("@")
+    if "," not in hosts:
+        return url
+    if not all(hosts.split(",")):
+        raise CompactdError("database URL: an empty host in the host list")
+    path, _, query = tail.partition("?")
+    params = "&".join(f"host={host}" for host in hosts.split(","))
+    return f"{scheme}://{credentials}{at}/{path}?{params}{'&' + query if query else ''}"
 
 
 def is_sqlite(engine_or_url: AsyncEngine | str) -> bool:
@@ -150,7 +170,7 @@ def create_engine(url: str, *, pool_size: int = 10, max_overflow: int | None = N
         )
         _configure_sqlite(engine)
         return engine
-    return create_async_engine(
+    engine = create_async_engine(
         # No pool_pre_ping: it costs a round trip on every checkout, as much as a poll itself.
         # A connection that died is invalidated by SQLAlchemy when its error surfaces (as
         # DatabaseUnavailable) and the caller's retry gets a fresh one.
@@ -160,6 +180,16 @@ def create_engine(url: str, *, pool_size: int = 10, max_overflow: int | None = N
         connect_args={"server_settings": {"application_name": "compactd"},
                       **({} if statement_cache else _UNNAMED_STATEMENTS)},
     )
+    event.listen(engine.sync_engine, "handle_error", _read_only_is_a_disconnect)
+    return engine
+
+
+def _read_only_is_a_disconnect(context: Any) -> None:
+    """A pooled connection whose server refuses writes (a primary demoted to a standby) is
+    dropped with the rest of the pool, as a lost connection is: new connections go to the
+    server that is the primary now (target_session_attrs=read-write)."""
+    if getattr(context.original_exception, "sqlstate", None) == _PG_READ_ONLY_TRANSACTION:
+        context.is_disconnect = True
 
 
 def _unnamed() -> str:
@@ -217,6 +247,7 @@ _PG_NO_DATABASE = "3D000"
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_QUERY_CANCELED = "57014"  # statement_timeout, or a cancel request
 _PG_UNAVAILABLE_PREFIXES = ("08", "57P")
+_PG_READ_ONLY_TRANSACTION = "25006"  # a write on a standby
 
 
 def driver_error(exc: BaseException) -> BaseException:
@@ -268,12 +299,37 @@ def translate(exc: BaseException) -> CompactdError:
         return LockNotAvailable()
     if isinstance(orig, sqlite3.OperationalError) and "locked" in text:
         return LockNotAvailable("the database is locked")
+    return _unavailable(exc, orig, code, reason) or StorageError(f"database error: {reason}")
+
+
+def _unavailable(exc: BaseException, orig: BaseException, code: str | None,
+                 reason: str) -> DatabaseUnavailable | None:
+    """The retryable error for a failure of the connection or of the server's role (a lost or
+    refused connection, a server that refuses writes), None for any other."""
     if (code and code.startswith(_PG_UNAVAILABLE_PREFIXES)) or isinstance(
-            orig, ConnectionError | OSError) or "Connection refused" in text:
+            orig, ConnectionError | OSError) or "Connection refused" in str(orig):
         return DatabaseUnavailable(f"the database cannot be reached: {reason}")
-    if isinstance(exc, InterfaceError):
+    if isinstance(exc, InterfaceError) or _driver_interface_error(exc):
         return DatabaseUnavailable(f"the database connection failed: {reason}")
-    return StorageError(f"database error: {reason}")
+    if code == _PG_READ_ONLY_TRANSACTION or _no_host_matches(exc):
+        # A standby, or a primary being demoted: where the writable server is comes back after
+        # the failover, on a new connection (the pool drops this one: _connection_survives).
+        return DatabaseUnavailable(f"no writable database (a failover?): {reason}")
+    return None
+
+
+def _driver_interface_error(exc: BaseException) -> bool:
+    """Whether asyncpg itself failed on the connection (its InterfaceError: the connection was
+    closed under the statement, as a server that went away leaves it), below SQLAlchemy."""
+    driver = driver_error(exc)
+    return (type(driver).__module__ or "").startswith("asyncpg") and any(
+        cls.__name__ == "InterfaceError" for cls in type(driver).__mro__)
+
+
+def _no_host_matches(exc: BaseException) -> bool:
+    """Whether asyncpg reached none of the hosts of the URL that is what target_session_attrs
+    asks for (read-write: every one answered, none is a primary; during a failover)."""
+    return type(driver_error(exc)).__name__ == "TargetServerAttributeNotMatched"
 
 
 def _reason(orig: BaseException, code: str | None) -> str:
@@ -500,8 +556,11 @@ def _connection_survives(exc: BaseException) -> bool:
     from asyncpg import PostgresError  # imported here: only a failing statement needs it
 
     driver = driver_error(exc)
-    return isinstance(driver, PostgresError) and not (
-        driver.sqlstate or "").startswith(_PG_UNAVAILABLE_PREFIXES)
+    sqlstate = (getattr(driver, "sqlstate", None) or "") if isinstance(driver, PostgresError) \
+        else None
+    # A server that refuses writes stays a standby: a new connection finds the primary.
+    return sqlstate is not None and not sqlstate.startswith(_PG_UNAVAILABLE_PREFIXES) \
+        and sqlstate != _PG_READ_ONLY_TRANSACTION
 
 
 async def ping(engine: AsyncEngine) -> None:

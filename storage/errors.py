@@ -11,6 +11,11 @@ from __future__ import annotations
 class CompactdError(Exception):
     """compactd failed."""
 
+    # Whether the same call may succeed if made again unchanged: the failure was the
+    # database's reachability (a lost connection, a primary failing over), not the input or
+    # the data.
+    retryable = False
+
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
 
@@ -60,6 +65,8 @@ class SchemaMissing(StorageError):
 
 class DatabaseUnavailable(StorageError):
     """The database cannot be reached."""
+
+    retryable = True
 
 
 class SessionNotFound(BadInput):

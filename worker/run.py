@@ -23,11 +23,12 @@ import datetime as dt
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from compactd.storage.database import deadline
 from compactd.storage.deletion import DELETED_ERROR, DELETER
 from compactd.storage.errors import (
+    DatabaseUnavailable,
     DeadlinePassed,
     LeaseLost,
     SessionNotFound,
@@ -56,6 +57,9 @@ DEADLINE_OVERRUN_S = 1.0
 # A run that ends failed (past its deadline too) still writes its end and releases its lease,
 # within this long; at most half of what is left between the deadline and the task's limit.
 FINISH_GRACE_S = 10.0
+T = TypeVar("T")
+# Between two attempts to end a run while the database cannot be reached.
+UNAVAILABLE_PAUSE_S = 0.25
 # The part of a run's deadline the remote models never get (at most a tenth of it): the local
 # fallback writes its summary and the checkpoint is committed in it.
 COMMIT_RESERVE_S = 10.0
@@ -148,6 +152,20 @@ class RunFailed(Exception):
         super().__init__(error)
         self.failure_class = failure_class
         self.error = error
+
+
+async def _while_unavailable(call: Callable[[], Awaitable[T]], *, until: float) -> T:
+    """``call()``, made again while the database is unavailable (a primary failing over, the
+    pool's connections lost with it) until the loop's time ``until``: a run's end written on
+    the new primary releases its lease now, where the reaper would wait for it to expire."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return await call()
+        except DatabaseUnavailable:
+            if loop.time() + UNAVAILABLE_PAUSE_S >= until:
+                raise
+            await asyncio.sleep(UNAVAILABLE_PAUSE_S)
 
 
 def failure_of(exc: BaseException, *, past_deadline: bool, deadline_s: float
@@ -328,9 +346,11 @@ class RunScope:
         deps, out, claim = self.deps, self.out, self.claim
         worker = deps.config.worker
         grace_s = min(FINISH_GRACE_S, (worker.task_time_limit_s - worker.deadline_s) / 2)
-        with deadline(asyncio.get_running_loop().time() + grace_s):
-            if await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
-                                       end=out.run_end(), now=deps.clock()):
+        until = asyncio.get_running_loop().time() + grace_s
+        with deadline(until):
+            if await _while_unavailable(lambda: deps.store.finish(
+                    claim.session.id, run_id=claim.run_id, fence=claim.fence,
+                    end=out.run_end(), now=deps.clock()), until=until):
                 return
             run = await deps.store.get_run(claim.run_id)
             if (run is not None and run.failure_class == FailureClass.ABANDONED

@@ -24,7 +24,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from compactd.storage.errors import ConfigError, StorageError
+from compactd.storage.errors import ConfigError, DatabaseUnavailable, StorageError
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
 from compactd.worker import logs
@@ -47,6 +47,11 @@ QUIET_FAILURES = (FailureClass.BUSY, FailureClass.CHANGED)
 # A bulk item that finds its session leased is retried this many times, a third of a lease
 # apart (an expired lease is closed by the next claim), before the item is marked failed.
 BULK_BUSY_RETRIES = 12
+# A run that could not reach a writable database (lost connections, a primary failing over) is
+# sent again this many times, its waits doubling up to the cap: long enough for a standby's
+# promotion, short of hiding a database that is gone (the pressure sweep finds the session).
+DATABASE_RETRIES = 10
+DATABASE_RETRY_CAP_S = 8.0
 
 
 class CompactionFailed(Exception):
@@ -101,7 +106,17 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
 
     # The threads pool does not enforce task_time_limit: this wait does. Past it, the run is
     # cancelled on the loop (recorded as cancelled, its lease released) and the task fails.
-    outcome = process_loop(config).run(go, timeout=config.worker.task_time_limit_s)
+    try:
+        outcome = process_loop(config).run(go, timeout=config.worker.task_time_limit_s)
+    except DatabaseUnavailable as exc:
+        # Nothing of the run is committed that its next claim would not see: send it again.
+        if self.request.retries >= DATABASE_RETRIES:
+            raise
+        countdown = min(DATABASE_RETRY_CAP_S, 0.5 * 2 ** self.request.retries)
+        logger.warning("the database is unavailable; the run is retried in %.1f s: %s",
+                       countdown, exc, extra={"action": "compaction.retry_unavailable",
+                                              "session_id": session_id})
+        raise self.retry(countdown=countdown, max_retries=DATABASE_RETRIES) from exc
     if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)

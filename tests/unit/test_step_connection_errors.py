@@ -10,7 +10,13 @@ import asyncpg.exceptions as pg
 import pytest
 
 from compactd.storage.database import _connection_survives, translate
-from compactd.storage.errors import InvalidMessage, LockNotAvailable, SessionNotFound, StorageError
+from compactd.storage.errors import (
+    DatabaseUnavailable,
+    InvalidMessage,
+    LockNotAvailable,
+    SessionNotFound,
+    StorageError,
+)
 
 
 def translated(driver: BaseException) -> BaseException:
@@ -57,3 +63,33 @@ def test_a_translated_lock_timeout_still_counts_as_the_statement_s() -> None:
     exc = translated(pg.LockNotAvailableError("could not obtain lock"))
     assert isinstance(exc, LockNotAvailable | StorageError)
     assert _connection_survives(exc)
+
+
+def test_a_write_on_a_standby_is_an_unavailable_database_and_drops_the_connection() -> None:
+    """During a failover a connection may reach a server that refuses writes (SQLSTATE 25006):
+    a retryable DatabaseUnavailable, never a data error, and the connection is not reused (a
+    new one finds the primary)."""
+    exc = translated(pg.ReadOnlySQLTransactionError("cannot execute INSERT in a read-only "
+                                                    "transaction"))
+    assert isinstance(exc, DatabaseUnavailable) and "SQLSTATE 25006" in str(exc)
+    assert not _connection_survives(exc)
+    assert not _connection_survives(pg.ReadOnlySQLTransactionError("read-only"))
+
+
+def test_no_writable_host_among_the_url_s_hosts_is_an_unavailable_database() -> None:
+    """asyncpg's error when every host of a multi-host URL answered and none is the primary
+    that target_session_attrs=read-write asks for (the standby before its promotion)."""
+    exc = translated(pg.TargetServerAttributeNotMatched("None of the hosts match"))
+    assert isinstance(exc, DatabaseUnavailable)
+    assert "TargetServerAttributeNotMatched" in str(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    pg.InterfaceError("connection is closed"),
+    pg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+])
+def test_a_connection_the_driver_lost_is_an_unavailable_database(exc: BaseException) -> None:
+    """What a runtime or a worker holding a raw connection sees when the primary goes away
+    under its statement: retryable, never a data error."""
+    translated_exc = translated(exc)
+    assert isinstance(translated_exc, DatabaseUnavailable) and translated_exc.retryable
