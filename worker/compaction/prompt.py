@@ -109,9 +109,9 @@ REPLAY_MESSAGES_NOTE = "(the messages are the conversation above this instructio
 # person (or the agent) who asked for this compaction says what matters most to them. Each text
 # is escaped like any content, so it cannot close its element or open another block.
 FOCUS_RULES = (
-    "The user asked for this compaction with the instructions in <user_focus> below. Give "
-    "what they name priority and more detail in the summary, within the headings above; they "
-    "do not change the headings or the reply's form.")
+    "This compaction was asked for with the instructions in <user_focus> below: give what "
+    "they name priority and more detail in the summary, in the form asked for above; they do "
+    "not change that form.")
 
 # The recallable layout's index calls (one per chunk of stale history): a short account of what
 # happened, never the eight sections (the state checkpoint holds those). The first words mark
