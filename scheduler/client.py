@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,8 +32,20 @@ from typing import Any
 from compactd.scheduler.args import parse_keep
 from compactd.scheduler.intake import SignalResult, accept_signal, parse_signal
 from compactd.storage.deletion import DeletionResult
-from compactd.storage.errors import CompactdError, InvalidMessage, SessionNotFound
-from compactd.storage.ids import check_count, check_seconds, check_session_id, check_tenant
+from compactd.storage.errors import (
+    CompactdError,
+    CompactionRefused,
+    InvalidMessage,
+    SessionNotFound,
+)
+from compactd.storage.ids import (
+    check_count,
+    check_id,
+    check_seconds,
+    check_session_id,
+    check_tenant,
+)
+from compactd.storage.instructions import check_instructions
 from compactd.storage.kinds import FailureClass, RunCause, RunStatus, SignalReason
 from compactd.storage.messages import Message, check_json, check_message, parse
 from compactd.storage.migrate import ensure_schema
@@ -47,7 +60,13 @@ from compactd.worker.compaction.recall import parse_ref
 from compactd.worker.compaction.render import render_surface
 from compactd.worker.cost import Price, usage_cost
 from compactd.worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
-from compactd.worker.pressure import check_session_policy, session_policy, wants_run
+from compactd.worker.pressure import (
+    check_session_policy,
+    known_window,
+    session_policy,
+    wants_run,
+    window_fit,
+)
 from compactd.worker.runtime import EventLoopThread
 from compactd.worker.settings import Config, load_config
 
@@ -363,23 +382,93 @@ class SessionHandle:
                                                     tenant=self.info.tenant)
 
     async def compact(self, *, force: bool = False, keep: str | Clause | None = None,
-                      wait: bool = True, timeout_s: float = 120.0) -> dict[str, Any]:
+                      wait: bool = True, timeout_s: float = 120.0,
+                      instructions: str | None = None) -> dict[str, Any]:
         """A manual compaction on ``compaction.urgent``; with ``wait``, its run's result.
-        ``keep`` (``messages:12`` or a clause) is checked here, before anything is queued.
-        While one for the session is queued and not started, this is that one
-        (``coalesced``)."""
+        ``keep`` (``messages:12`` or a clause) and ``instructions`` (what the summary should
+        focus on, at most ``storage.instructions.MAX_INSTRUCTION_CHARS`` characters) are
+        checked here, before anything is queued. While one for the session is queued and not
+        started, this is that one (``coalesced``), and it takes these instructions too."""
         check_seconds(timeout_s, "timeout_s")
         clause = parse_keep(keep, "keep")
+        focus = () if instructions is None else (check_instructions(instructions),)
         queued = await enqueue_manual(
             self.client.store, self.client.enqueuer,
             RunRequest(self.id, RunCause.MANUAL, force=force,
-                       keep=None if clause is None else clause.to_text()),
+                       keep=None if clause is None else clause.to_text(), instructions=focus),
             ttl_s=self._config.worker.signal_ttl_s)
         if not wait:
             return {"session": self.id, "outcome": "queued", "task_id": queued.task_id,
                     "coalesced": queued.coalesced}
         run = await self.wait_for_run(queued.task_id, timeout_s)
         return run_result(run, self._config.prices)
+
+    async def compact_context(self, focus: str) -> dict[str, Any]:
+        """The agent's own request for a compaction (the ``compact_context`` tool): a manual
+        run on ``compaction.urgent`` whose instructions are the agent's handoff note
+        ``focus``, queued and never waited for; the agent's next step picks up its checkpoint
+        as any other. Refused (:class:`CompactionRefused`) while the loop guard cools the
+        session down, or once the session had ``worker.loop_guard.max_compactions`` manual
+        runs within ``window_s``: an agent that calls it every step gets that answer, not a
+        run per step."""
+        text = check_instructions(focus, "focus")
+        await self._check_agent_guard()
+        queued = await enqueue_manual(
+            self.client.store, self.client.enqueuer,
+            RunRequest(self.id, RunCause.MANUAL, instructions=(text,)),
+            ttl_s=self._config.worker.signal_ttl_s)
+        return {"session": self.id, "outcome": "queued", "task_id": queued.task_id,
+                "coalesced": queued.coalesced}
+
+    async def _check_agent_guard(self) -> None:
+        store, guard = self.client.store, self._config.worker.loop_guard
+        now = utcnow()
+        info = await store.get_session(self.id)
+        if info.cooldown_until is not None and info.cooldown_until > now:
+            raise CompactionRefused(
+                f"compact_context refused: the loop guard cools this session down until "
+                f"{info.cooldown_until.isoformat(timespec='seconds')} "
+                f"({info.flagged_reason or 'compacting without relief'})")
+        since = now - dt.timedelta(seconds=guard.window_s)
+        runs = await store.recent_runs(session_id=self.id, since=since,
+                                       limit=guard.max_compactions * 4 + 1)
+        asked = sum(1 for r in runs if r.trigger == RunCause.MANUAL)
+        if asked >= guard.max_compactions:
+            raise CompactionRefused(
+                f"compact_context refused: this session was compacted on request {asked} "
+                f"times in the last {guard.window_s:g} s (the loop guard allows "
+                f"{guard.max_compactions}); go on with the task: compactd compacts the "
+                "context in the background when it needs it")
+
+    async def set_run_model(self, name: str, context_window: int | None = None
+                            ) -> dict[str, Any]:
+        """The agent moved to run model ``name`` (its window ``context_window``, else the
+        configured or published one). When the session as it stands does not fit the new
+        window with its reserve (what its trigger keeps free there), it is compacted at once
+        on ``compaction.urgent`` (``task_id``; :meth:`wait_for_run` waits for it), keeping the
+        newest messages up to the policy's retain ratio of the window. Checked before anything
+        changes: a policy the new window refuses is a ConfigError naming it."""
+        check_id(name, field="run_model", what="a run model")
+        if context_window is not None:
+            check_count(context_window, "context_window", minimum=1)
+        config, store = self._config, self.client.store
+        window = context_window or config.context_window(name) or known_window(name)
+        info = await store.get_session(self.id)
+        check_policy(info.policy, config, run_model=name, context_window=window)
+        fit = None if window is None else window_fit(info, config, run_model=name,
+                                                     window=window)
+        self.info = await store.set_run_model(self.id, name, window)
+        await _warm_counter(name)
+        result: dict[str, Any] = {"session": self.id, "run_model": name,
+                                  "context_window": window,
+                                  "fit": None if fit is None else fit.to_json(),
+                                  "compacting": False, "task_id": None}
+        if fit is not None and not fit.fits:
+            # Not coalesced with a queued manual run: this one keeps what fits the window.
+            result["task_id"] = await self.client.enqueuer.asend(RunRequest(
+                self.id, RunCause.MANUAL, keep=f"tokens:{fit.keep_tokens}"))
+            result["compacting"] = True
+        return result
 
     async def delete(self) -> DeletionResult:
         """Delete this session and every row of it (:meth:`CompactdClient.delete`)."""
@@ -463,6 +552,7 @@ def run_result(run: RunRecord, prices: Mapping[str, Price]) -> dict[str, Any]:
             "replaced_seqs": run.range_seqs or [], "model": run.model, "usage": run.usage,
             "cost": usage_cost(run.usage, prices), "stages": stages,
             "error": run.error, "candidates": run.candidates or [],
+            "instructions": run.instructions or [],
             "started_at": run.started_at.isoformat(),
             "finished_at": run.finished_at.isoformat() if run.finished_at else None}
 
@@ -545,6 +635,12 @@ class SyncSession:
 
     def compact(self, **kw: Any) -> dict[str, Any]:
         return self._loop.submit(lambda: self.handle.compact(**kw))
+
+    def compact_context(self, focus: str) -> dict[str, Any]:
+        return self._loop.submit(lambda: self.handle.compact_context(focus))
+
+    def set_run_model(self, name: str, context_window: int | None = None) -> dict[str, Any]:
+        return self._loop.submit(lambda: self.handle.set_run_model(name, context_window))
 
     def report_overflow(self, **kw: Any) -> OverflowResult:
         return self._loop.submit(lambda: self.handle.report_overflow(**kw))

@@ -24,6 +24,7 @@ from compactd.scheduler.intake import parse_signal
 from compactd.scheduler.output import EXIT_FAILED, emit, open_store, say
 from compactd.scheduler.status import render_status, session_status, status
 from compactd.storage.errors import InvalidMessage, RecallArgumentError
+from compactd.storage.instructions import MAX_INSTRUCTION_CHARS, check_instructions
 from compactd.storage.kinds import RunCause, RunStatus, SignalReason
 from compactd.storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
@@ -112,6 +113,8 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
 async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
     keep = parse_keep(args.keep)
     keep_text = None if keep is None else keep.to_text()
+    # Checked before anything is opened: over the bound is bad input, exit 2.
+    focus = None if args.instructions is None else check_instructions(args.instructions)
     if args.inline:
         # Imported here for start-up time: only --inline runs the worker's pipeline.
         from compactd.worker.orchestration import compact
@@ -120,13 +123,13 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
         async with open_deps(config, owner=f"cli:{uuid.uuid4().hex[:8]}") as deps:
             await deps.store.get_session(args.session)
             outcome = await compact(deps, args.session, trigger=RunCause.MANUAL, force=args.force,
-                                    keep=keep)
+                                    keep=keep, instructions=() if focus is None else (focus,))
         result = {**outcome.to_json(), "cost": usage_cost(outcome.usage, config.prices)}
     else:
         async with CompactdClient(config) as client:
             handle = await client.get_session(args.session)
             result = await handle.compact(force=args.force, keep=keep_text, wait=args.wait,
-                                          timeout_s=args.timeout)
+                                          timeout_s=args.timeout, instructions=focus)
     if args.json:
         emit(result)
     elif result.get("outcome") == "queued":
@@ -344,6 +347,9 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.add_argument("--force", action="store_true", help="ignore the trigger and keep policy")
     p.add_argument("--keep", help=KEEP_HELP)
+    p.add_argument("--instructions", metavar="TEXT",
+                   help="what the summary should focus on for this run (at most "
+                        f"{MAX_INSTRUCTION_CHARS} characters)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--inline", action="store_true",
                      help="run the pipeline in this process (same lease protocol)")

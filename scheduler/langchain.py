@@ -42,13 +42,16 @@ One LangGraph thread is one compactd session (the ``thread_id``, unless ``sessio
 and the state must persist between invocations (a checkpointer) for the count to survive them: a
 fresh state for a session that already holds messages raises instead of appending them twice.
 
-**Recall tools.** The middleware offers the model ``history_search`` and ``history_read`` by
-itself (``recall_tools=False`` turns them off), with the schemas ``compactd tools --json``
-prints. They act on the step's session (the same id the mirroring uses), read only, and answer
-like any other tool: the result is a tool message at the tail of the state, mirrored at the next
-step like the rest, so the surface stays replayable. A call the checks refuse (an unknown
-checkpoint, a cursor of another checkpoint, an empty query...) answers a tool error naming the
-argument, for the model to fix; the agent goes on.
+**Recall tools.** The middleware offers the model ``history_search``, ``history_read`` and
+``compact_context`` by itself (``recall_tools=False`` turns them off), with the schemas
+``compactd tools --json`` prints. ``compact_context(focus)`` queues a manual compaction whose
+instructions are the model's handoff note and answers at once (the loop guard may refuse it,
+and says why); the checkpoint shows up in the surface of a later step like any other. The
+tools act on the step's session (the same id the mirroring uses), the recall ones read only,
+and answer like any other tool: the result is a tool message at the tail of the state,
+mirrored at the next step like the rest, so the surface stays replayable. A call the checks
+refuse (an unknown checkpoint, a cursor of another checkpoint, an empty query...) answers a tool
+error naming the argument, for the model to fix; the agent goes on.
 
 compactd I/O runs on the middleware's own event loop thread (its connection pool never crosses
 the caller's loops), so the sync (``invoke``) and async (``ainvoke``) paths behave the same.
@@ -89,6 +92,7 @@ from compactd.scheduler.client import CompactdClient, SessionHandle, StepResult
 from compactd.storage.errors import (
     BadInput,
     CompactdError,
+    CompactionRefused,
     RecallArgumentError,
     RecallNotFound,
     SessionNotFound,
@@ -97,9 +101,11 @@ from compactd.storage.kinds import NodeKind
 from compactd.storage.messages import langchain_meta
 from compactd.worker.compaction.policy import RENDERS, PolicyError, parse_policy
 from compactd.worker.compaction.recall_tools import (
+    CompactArgs,
     ReadArgs,
     SearchArgs,
     check_tool_call,
+    compact_result_text,
     read_result_text,
     search_result_text,
     tool_schemas,
@@ -559,6 +565,37 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             bridge.client = client
         return bridge.client
 
+    # ----------------------------------------------------------------------- run model
+
+    def set_run_model(self, name: str, context_window: int | None = None, *,
+                      session_id: str | None = None) -> dict[str, Any]:
+        """The agent moves to run model ``name`` (its window ``context_window``): the
+        session's ``set_run_model`` (compacted at once on ``compaction.urgent`` when it does
+        not fit the new window with its reserve; the next step picks the checkpoint up), and
+        this middleware opens sessions with that model from now on. ``session_id``: the
+        session (default: the middleware's, else the current run's thread)."""
+        target = session_id or self._session()
+        result = self._call(lambda: self._set_run_model(target, name, context_window))
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def aset_run_model(self, name: str, context_window: int | None = None, *,
+                             session_id: str | None = None) -> dict[str, Any]:
+        target = session_id or self._session()
+        result = await self._acall(lambda: self._set_run_model(target, name, context_window))
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def _set_run_model(self, session_id: str, name: str, context_window: int | None
+                             ) -> dict[str, Any]:
+        handle = await self._recall_handle(session_id)
+        result = await handle.set_run_model(name, context_window)
+        self._handles[session_id] = handle
+        self.run_model, self.context_window = name, result["context_window"]
+        return result
+
     # ------------------------------------------------------------------------ recall tools
 
     def _recall_tools(self) -> list[BaseTool]:
@@ -593,7 +630,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
                               await self._acall(lambda: self._recall_run(session_id, args)))
 
     def _recall_call(self, name: str, arguments: dict[str, Any]
-                     ) -> tuple[str, SearchArgs | ReadArgs]:
+                     ) -> tuple[str, SearchArgs | ReadArgs | CompactArgs]:
         """The session and the checked arguments, in the caller's thread: a refused call costs
         no round trip."""
         session_id = self._session()
@@ -602,8 +639,13 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         except RecallArgumentError as exc:
             raise ToolException(_refused(name, exc.argument, exc.reason)) from None
 
-    async def _recall_run(self, session_id: str, args: SearchArgs | ReadArgs) -> str:
+    async def _recall_run(self, session_id: str, args: SearchArgs | ReadArgs | CompactArgs
+                          ) -> str:
         handle = await self._recall_handle(session_id)
+        if isinstance(args, CompactArgs):
+            # Queued, never waited for: a later step's surface holds the checkpoint.
+            queued = await handle.compact_context(args.focus)
+            return compact_result_text(queued)
         if isinstance(args, SearchArgs):
             found = await handle.history_search(
                 args.query, None if args.checkpoint is None else str(args.checkpoint),
@@ -615,7 +657,7 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
 
     async def _recall_handle(self, session_id: str) -> SessionHandle:
         """The session as this process opened it, else opened now (a tool run before any model
-        call of this process, after a restart), never created: a read must not write."""
+        call of this process, after a restart), never created: a tool must not create it."""
         handle = self._handles.get(session_id)
         if handle is not None:
             return handle
@@ -744,6 +786,9 @@ def _recall_answer(name: str, session_id: str, outcome: str | BaseException) -> 
                                 f"history_search hit gives)"))
     if isinstance(outcome, SessionNotFound):
         raise ToolException(f"{name}: nothing of this conversation is stored in compactd yet")
+    if isinstance(outcome, CompactionRefused):
+        # The loop guard's own words: why, and that the agent should go on.
+        raise ToolException(str(outcome))
     if isinstance(outcome, BadInput):
         raise ToolException(f"{name}: {outcome}")
     logger.warning("a recall tool could not reach compactd: %s", outcome,

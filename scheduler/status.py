@@ -194,7 +194,9 @@ def _run_full(run: RunRecord) -> dict[str, Any]:
             "candidates": failures,
             "stages": (run.stages or {}).get("stages", []) if run.stages else [],
             # What the run expected to arrive before its pickup (keep_at: pickup).
-            "arrivals": (run.stages or {}).get("arrivals")}
+            "arrivals": (run.stages or {}).get("arrivals"),
+            # What a manual run was asked to focus on.
+            "instructions": run.instructions or []}
 
 
 def render_status(body: dict[str, Any]) -> str:

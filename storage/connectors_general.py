@@ -421,8 +421,13 @@ def end_event(session_id: str, run_id: str, seq: int, end: RunEnd, now: dt.datet
 
 
 def end_payload(run_id: str, end: RunEnd) -> dict[str, Any]:
-    return {"run_id": run_id, "outcome": end.outcome, "failure_class": end.failure_class,
-            "tokens_before": end.tokens_before, "tokens_after": end.tokens_after}
+    payload: dict[str, Any] = {
+        "run_id": run_id, "outcome": end.outcome, "failure_class": end.failure_class,
+        "tokens_before": end.tokens_before, "tokens_after": end.tokens_after}
+    if end.instructions:
+        # The journal says what the run was asked to focus on, beside how it ended.
+        payload["instructions"] = list(end.instructions)
+    return payload
 
 
 def journal_payload(rep: Replacement, run_id: str) -> dict[str, Any]:

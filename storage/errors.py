@@ -51,6 +51,10 @@ class InvalidMessage(BadInput):
         return InvalidMessage(self.reason, index=self.index, field=self.field, line=line)
 
 
+class CompactionRefused(BadInput):
+    """The compaction was refused: the loop guard holds this session."""
+
+
 class ConfigError(BadInput):
     """The configuration is not valid."""
 

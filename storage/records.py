@@ -231,6 +231,8 @@ class RunEnd:
     stages: dict[str, Any] | None = None
     range_seqs: list[int] | None = None
     signalled_at: dt.datetime | None = None
+    # The run's instructions, journaled with its end (the run row holds them from the claim).
+    instructions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +259,7 @@ class RunRecord:
     heartbeat_at: dt.datetime | None
     finished_at: dt.datetime | None
     signalled_at: dt.datetime | None = None
+    instructions: list[str] | None = None
 
     @property
     def finished(self) -> bool:

@@ -221,6 +221,9 @@ compaction_runs = sa.Table(
     # When the pressure signal that asked for an automatic run was marked: a committed
     # checkpoint's ``finished_at`` less this is what the lead is measured from.
     sa.Column("signalled_at", UTCDateTime, nullable=True),
+    # What a manual run was asked to focus on (``compact --instructions``, an agent's
+    # ``compact_context``), every distinct text of the requests it stands for (migration 0020).
+    sa.Column("instructions", JSONText, nullable=True),
     sa.Index(None, "session_id", "started_at"),
     sa.Index(None, "status", "started_at"),
     sa.Index(None, "task_id"),
@@ -274,6 +277,10 @@ manual_requests = sa.Table(
               primary_key=True),
     sa.Column("task_id", sa.String(64), nullable=False),
     sa.Column("queued_at", UTCDateTime, nullable=False),
+    # The distinct instructions of the requests the queued task stands for, in their order
+    # (migration 0020): a request coalesced into the task adds its own; the run reads them as
+    # it starts, when it deletes the row.
+    sa.Column("instructions", JSONText, nullable=True),
 )
 
 # Recall (migration 0010): what compaction replaced, kept searchable. Recorded by the commit of

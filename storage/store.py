@@ -39,6 +39,7 @@ from compactd.storage.errors import (
     StorageError,
 )
 from compactd.storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
+from compactd.storage.instructions import check_instructions, merge_instructions
 from compactd.storage.kinds import REPLACE_KINDS, NodeKind
 from compactd.storage.leads import LeadsMixin
 from compactd.storage.leases import LeasesMixin
@@ -224,6 +225,25 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         self._remember_model(session_id, info.run_model)
         return info, created
 
+    async def set_run_model(self, session_id: str, run_model: str,
+                            context_window: int | None) -> SessionInfo:
+        """Move the session to another run model (the agent's model changed): its window, and
+        its envelope counted again with the model's tokenizer. The messages keep the counts
+        they were appended with. SessionNotFound when there is no such session."""
+        check_id(run_model, field="run_model", what="a run model")
+        if context_window is not None:
+            check_count(context_window, "context_window", minimum=1)
+        async with transaction(self.engine) as conn:
+            info = await self._session(conn, session_id, lock=True)
+            await conn.execute(t.sessions.update().where(t.sessions.c.id == session_id).values(
+                run_model=run_model, context_window=context_window,
+                envelope_tokens=envelope_tokens(info.envelope, run_model),
+                # Its trigger thresholds are resolved again on the new window.
+                sweep_key=None))
+            info = await self._session(conn, session_id)
+        self._remember_model(session_id, run_model)
+        return info
+
     async def get_session(self, session_id: str) -> SessionInfo:
         async with connection(self.engine) as conn:
             return await self._session(conn, session_id)
@@ -382,32 +402,54 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         return None if record is None else session_from_record(record)
 
     async def mark_manual(self, session_id: str, task_id: str, *, ttl_s: float,
-                          now: dt.datetime | None = None) -> str:
+                          now: dt.datetime | None = None,
+                          instructions: Sequence[str] = ()) -> str:
         """Record ``task_id`` as the session's queued manual run unless one younger than
         ``ttl_s`` is recorded; the task id that holds the mark (``task_id`` when this call
-        took it). A missing session raises SessionNotFound."""
+        took it). ``instructions`` join the held mark's distinct ones (a request coalesced
+        into it keeps its focus); over the bound nothing is changed (InvalidMessage). A
+        missing session raises SessionNotFound."""
         now = now or utcnow()
+        for text in instructions:
+            check_instructions(text)
         m = t.manual_requests
-        taken = self.db.insert(m).values(session_id=session_id, task_id=task_id, queued_at=now)
+        own = list(merge_instructions((), instructions)) or None
+        taken = self.db.insert(m).values(session_id=session_id, task_id=task_id, queued_at=now,
+                                         instructions=own)
         taken = taken.on_conflict_do_update(
-            index_elements=[m.c.session_id], set_={"task_id": task_id, "queued_at": now},
+            index_elements=[m.c.session_id],
+            set_={"task_id": task_id, "queued_at": now, "instructions": own},
             where=m.c.queued_at <= now - dt.timedelta(seconds=ttl_s)).returning(m.c.task_id)
         async with transaction(self.engine) as conn:
             await self._session(conn, session_id)
             row = (await conn.execute(taken)).first()
-            if row is None:
-                # A live mark: on PostgreSQL the conflict locked its row, so it is still there.
-                row = (await conn.execute(sa.select(m.c.task_id)
-                                          .where(m.c.session_id == session_id))).first()
-        assert row is not None
-        return str(row[0])
+            if row is not None:
+                return str(row[0])
+            # A live mark: on PostgreSQL the conflict locked its row, so it is still there.
+            held = (await conn.execute(sa.select(m.c.task_id, m.c.instructions)
+                                       .where(m.c.session_id == session_id))).one()
+            merged = merge_instructions(held.instructions or (), instructions)
+            if list(merged) != list(held.instructions or ()):
+                await conn.execute(m.update().where(m.c.session_id == session_id)
+                                   .values(instructions=list(merged)))
+        return str(held.task_id)
 
-    async def clear_manual(self, session_id: str, task_id: str) -> None:
-        """The manual run of ``task_id`` started (or was never sent): the next request queues."""
+    async def clear_manual(self, session_id: str, task_id: str) -> tuple[str, ...]:
+        """The manual run of ``task_id`` started (or was never sent): the next request queues.
+        The instructions its requests left on the mark, which the run takes."""
         m = t.manual_requests
         async with transaction(self.engine) as conn:
-            await conn.execute(m.delete().where(m.c.session_id == session_id,
-                                                m.c.task_id == task_id))
+            held = (await conn.execute(
+                m.delete().where(m.c.session_id == session_id, m.c.task_id == task_id)
+                .returning(m.c.instructions))).first()
+        return tuple(held.instructions or ()) if held is not None else ()
+
+    async def note_instructions(self, run_id: str, instructions: Sequence[str]) -> None:
+        """Record on the run row what a run was asked to focus on (at its start)."""
+        r = t.compaction_runs
+        async with transaction(self.engine) as conn:
+            await conn.execute(r.update().where(r.c.id == run_id)
+                               .values(instructions=list(instructions)))
 
     # ---------------------------------------------------------------------------------------
     # reads

@@ -42,11 +42,17 @@ class RunRequest:
     bulk_job_id: str | None = None
     rate_per_s: float | None = None
     task_id: str = ""
+    # A manual run's focus (checked by the caller: storage.instructions).
+    instructions: tuple[str, ...] = ()
 
     def kwargs(self) -> dict[str, Any]:
-        return {"session_id": self.session_id, "trigger": self.trigger, "force": self.force,
-                "keep": self.keep, "bulk_job_id": self.bulk_job_id,
-                "rate_per_s": self.rate_per_s}
+        kwargs: dict[str, Any] = {
+            "session_id": self.session_id, "trigger": self.trigger, "force": self.force,
+            "keep": self.keep, "bulk_job_id": self.bulk_job_id, "rate_per_s": self.rate_per_s}
+        if self.instructions:
+            # Only when there are some: a worker of the release before takes no such argument.
+            kwargs["instructions"] = list(self.instructions)
+        return kwargs
 
 
 def broker_errors() -> tuple[type[Exception], ...]:
@@ -101,9 +107,11 @@ async def enqueue_manual(store: Store, enqueuer: Enqueuer, request: RunRequest, 
     """A manual run, coalesced as pressure signals are: while one for the session is queued and
     not started (its worker clears the mark when the run starts), a request gets that task's id
     instead of a second task on ``compaction.urgent``, the queue every tenant's overflow runs
-    use. A mark older than ``ttl_s`` (a lost message) is taken over."""
+    use. A mark older than ``ttl_s`` (a lost message) is taken over. The request's
+    instructions are kept on the mark, beside those of the requests coalesced into it."""
     task_id = request.task_id or uuid.uuid4().hex
-    held = await store.mark_manual(request.session_id, task_id, ttl_s=ttl_s)
+    held = await store.mark_manual(request.session_id, task_id, ttl_s=ttl_s,
+                                   instructions=request.instructions)
     if held != task_id:
         return Queued(held, coalesced=True)
     try:

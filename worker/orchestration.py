@@ -75,15 +75,18 @@ INDEX_RECHECK_S = 0.25
 async def compact(deps: Deps, session_id: str, *, trigger: str = RunCause.PRESSURE,
                   force: bool = False, keep: str | Clause | None = None, task_id: str | None = None,
                   bulk_job_id: str | None = None, rate_per_s: float | None = None,
-                  index_in_background: bool = False) -> Outcome:
+                  index_in_background: bool = False, instructions: Sequence[str] = ()
+                  ) -> Outcome:
     """Run one compaction of ``session_id`` to its end; never raises for a failed run. Then
     index what it replaced for recall: before returning, or with ``index_in_background`` (a
-    worker's task, whose slot the next run wants) by the process's indexer."""
+    worker's task, whose slot the next run wants) by the process's indexer. ``instructions``:
+    the focus its summary is asked to give (a manual run's), recorded on the run row."""
     keep_clause = parse_keep_text(keep) if isinstance(keep, str) else keep
     scope = await RunScope.open(deps, session_id, trigger=trigger, task_id=task_id,
                                 bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
     if isinstance(scope, Outcome):
         return scope
+    scope.out.instructions = tuple(instructions)
     deps.runs_in_flight += 1
     try:
         outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
@@ -175,6 +178,10 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         # run keeps only the newest turn (one session's operator may want that, a fleet never).
         manual, force = True, False
     policy = session_policy(info, deps.config)
+    if out.instructions:
+        # On the row from the start: an operator sees what a running run was asked for.
+        await store.note_instructions(scope.claim.run_id, out.instructions)
+        policy = dataclasses.replace(policy, focus=out.instructions)
     out.tokens_before = session_pressure(info, policy).tokens
     # Safety before cost: an overflow or forced run commits its edits at once.
     edits_may_wait = not force and out.trigger != RunCause.OVERFLOW
@@ -438,6 +445,8 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
     journal = {"text": summary, "replaced_tokens": step.replaced_tokens, "tokens": tokens,
                "model": out.model, "calls": len(step.calls), "usage": usage,
                "skills": [s.to_json() for s in step.skills]}
+    if policy.focus:
+        journal["instructions"] = list(policy.focus)
     rep = Replacement(seqs=step.replace_seqs, kind=NodeKind.CHECKPOINT,
                       payload=message.to_payload(), tokens=tokens,
                       journal_kind=JournalKind.SUMMARY, journal=journal)

@@ -88,6 +88,46 @@ def session_policy(info: SessionInfo, config: Config) -> Policy:
     return _resolved(config.policy, overrides, context_window(info, config))
 
 
+# The share of a window a session may fill when its trigger cannot say (no token threshold, or
+# one at or beyond the window): the default trigger's, so the rest is the reply's reserve.
+DEFAULT_FILL = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class WindowFit:
+    """Whether a session fits a run model's window: its pressure now, and the reserve the
+    window must keep free besides it (what the session's trigger keeps free on that window:
+    the room for the model's reply and the growth before the next checkpoint)."""
+
+    window: int
+    tokens: int
+    reserve: int
+    # What a run that makes the session fit keeps verbatim: the newest messages up to the
+    # policy's retain ratio of the window, the rest summarized.
+    keep_tokens: int
+
+    @property
+    def fits(self) -> bool:
+        return self.tokens + self.reserve <= self.window
+
+    def to_json(self) -> dict[str, Any]:
+        return {"window": self.window, "tokens": self.tokens, "reserve": self.reserve,
+                "fits": self.fits}
+
+
+def window_fit(info: SessionInfo, config: Config, *, run_model: str | None,
+               window: int) -> WindowFit:
+    """How the session as it stands fits ``window``, the window of ``run_model``: the reserve
+    is what its trigger, resolved on that window, leaves free above it."""
+    moved = dataclasses.replace(info, run_model=run_model, context_window=window)
+    policy = session_policy(moved, config)
+    threshold = policy.threshold_tokens()
+    fill = threshold if threshold is not None and threshold < window else window * DEFAULT_FILL
+    return WindowFit(window=window, tokens=session_pressure(info, policy).tokens,
+                     reserve=window - int(fill),
+                     keep_tokens=max(1, int(window * policy.retain_ratio)))
+
+
 def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
     """Pressure from the cached totals: surface (checkpoints included) plus envelope, or the
     provider's own count when it reported a larger one (``storage.schema``'s

@@ -96,6 +96,8 @@ class Outcome:
     arrivals: dict[str, Any] | None = None
     # Seconds from the claim to the run's first checkpoint commit.
     claim_to_commit_s: float | None = None
+    # What a manual run was asked to focus on (storage.instructions).
+    instructions: tuple[str, ...] = ()
 
     @property
     def failed(self) -> bool:
@@ -120,7 +122,8 @@ class Outcome:
                 "replaced_seqs": self.replaced_seqs, "model": self.model,
                 "stages": self.stages, "rounds": self.rounds, "trigger": self.trigger,
                 "rate_wait_s": round(self.rate_wait_s, 3), "usage": self.usage,
-                "error": self.error, "candidates": self.candidates, "arrivals": self.arrivals}
+                "error": self.error, "candidates": self.candidates, "arrivals": self.arrivals,
+                "instructions": list(self.instructions)}
 
     def brief(self) -> dict[str, Any]:
         """The outcome at a glance, which the Celery task returns (Flower's result column).
@@ -144,7 +147,8 @@ class Outcome:
                               **({"arrivals": self.arrivals} if self.arrivals else {}),
                               **({"claim_to_commit_s": round(self.claim_to_commit_s, 3)}
                                  if self.claim_to_commit_s is not None else {})},
-                      range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at)
+                      range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at,
+                      instructions=self.instructions)
 
 
 class RunFailed(Exception):

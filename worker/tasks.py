@@ -25,6 +25,7 @@ from celery.signals import (
 )
 
 from compactd.storage.errors import ConfigError, DatabaseUnavailable, StorageError
+from compactd.storage.instructions import merge_instructions
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
 from compactd.worker import logs
@@ -66,7 +67,8 @@ def _config(app: Any) -> Config:
 @shared_task(name=TASK_RUN, bind=True, acks_late=True)
 def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bool = False,
         keep: str | None = None, bulk_job_id: str | None = None,
-        rate_per_s: float | None = None) -> dict[str, Any]:
+        rate_per_s: float | None = None, instructions: list[str] | None = None
+        ) -> dict[str, Any]:
     config = _config(self.app)
     # Read the request here: it is thread-local, and the coroutine runs on the loop's thread.
     task_id = self.request.id
@@ -79,15 +81,19 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
     async def go(deps: Deps) -> Outcome:
         started_at = utcnow()
         outcome: Outcome | None = None
+        focus = tuple(instructions or ())
         if trigger == RunCause.MANUAL and task_id:
-            # Started: a manual request from now on queues a run of its own.
-            await deps.store.clear_manual(session_id, task_id)
+            # Started: a manual request from now on queues a run of its own. The requests
+            # coalesced into this one left their instructions on the mark.
+            focus = merge_instructions(
+                focus, await deps.store.clear_manual(session_id, task_id))
         try:
             # The loop thread has its own context: bind here too (compact adds the run id).
             with logs.bind(session_id=session_id, task_id=task_id):
                 outcome = await compact(deps, session_id, trigger=trigger, force=force,
                                         keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
-                                        rate_per_s=rate_per_s, index_in_background=True)
+                                        rate_per_s=rate_per_s, index_in_background=True,
+                                        instructions=focus)
             return outcome
         finally:
             if trigger in AUTOMATIC_TRIGGERS:

@@ -20,6 +20,7 @@ from compactd.scheduler.http.schemas import ErrorOut
 from compactd.scheduler.output import redact_url
 from compactd.storage.errors import (
     BadInput,
+    CompactionRefused,
     DatabaseUnavailable,
     InvalidMessage,
     RecallArgumentError,
@@ -49,7 +50,8 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 _HTTP_ERRORS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
-                405: "method_not_allowed", 408: "timeout", 413: "too_large", 503: "unavailable"}
+                405: "method_not_allowed", 408: "timeout", 413: "too_large", 429: "refused",
+                503: "unavailable"}
 
 
 def _location(loc: Sequence[Any]) -> str:
@@ -86,6 +88,9 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, InvalidMessage)
         return error_response(422, "invalid", exc.reason, field=exc.field, index=exc.index)
+
+    async def refused(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(429, "refused", str(exc))
 
     async def bad_input(request: Request, exc: Exception) -> JSONResponse:
         # ConfigError messages start with the key path (``policy.trigger[0]: ...``).
@@ -145,6 +150,7 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
     app.add_exception_handler(RecallArgumentError, recall_invalid)
     app.add_exception_handler(SessionExists, conflict)
     app.add_exception_handler(InvalidMessage, invalid)
+    app.add_exception_handler(CompactionRefused, refused)
     app.add_exception_handler(BadInput, bad_input)
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(StorageError, storage_failed)

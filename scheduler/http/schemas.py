@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from compactd.storage.ids import ID_PATTERN
+from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
 from compactd.storage.kinds import FailureClass, RunStatus, SignalReason, Stage
 
 
@@ -70,6 +71,33 @@ class SessionOut(BaseModel):
     envelope_tokens: int
     messages: int
     created: bool
+
+
+class RunModelIn(_Body):
+    run_model: str = Field(min_length=1, max_length=255, pattern=ID_PATTERN,
+                           description="the model the agent now talks to")
+    context_window: WholeNumber | None = Field(
+        default=None, gt=0, le=2_147_483_647,
+        description="its window (default: the configured or published one)")
+
+
+class WindowFitOut(BaseModel):
+    window: int
+    tokens: int = Field(description="the session's pressure when the model changed")
+    reserve: int = Field(description="what its trigger keeps free on the new window")
+    fits: bool
+
+
+class RunModelOut(BaseModel):
+    """The session moved to another run model; ``compacting`` when it did not fit the new
+    window and a compaction was queued on ``compaction.urgent`` (its ``task_id``)."""
+
+    session: str
+    run_model: str
+    context_window: int | None
+    fit: WindowFitOut | None = Field(description="null when the window is not known")
+    compacting: bool
+    task_id: str | None
 
 
 class DeletedOut(BaseModel):
@@ -218,6 +246,15 @@ class CompactIn(_Body):
     wait: bool = Field(default=False, description="answer with the run's result")
     timeout_s: float | None = Field(default=None, gt=0, le=3600,
                                     description="how long to wait (capped by api.max_wait_s)")
+    instructions: str | None = Field(
+        default=None, json_schema_extra={"maxLength": MAX_INSTRUCTION_CHARS},
+        description="what the summary should focus on for this run (kept by a queued run "
+                    "this request coalesces into)")
+
+
+class CompactContextIn(_Body):
+    focus: str = Field(json_schema_extra={"maxLength": MAX_INSTRUCTION_CHARS},
+                       description="the agent's handoff note: what the summary must keep")
 
 
 class RunOut(BaseModel):
@@ -243,6 +280,8 @@ class RunOut(BaseModel):
     stages: list[Stage]
     error: str | None
     candidates: list[dict[str, Any]]
+    instructions: list[str] = Field(default_factory=list,
+                                    description="what the run was asked to focus on")
     started_at: str
     finished_at: str | None
 

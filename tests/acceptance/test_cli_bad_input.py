@@ -15,6 +15,7 @@ import pytest
 
 from compactd.scheduler.cli import main
 from compactd.storage.database import embedded_url
+from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
 from compactd.storage.store import Store
 from tests.conftest import run_cli
 
@@ -264,3 +265,30 @@ def test_a_read_of_a_home_without_a_database_creates_no_file(
     assert code == 2, (code, out, err)
     assert "session 's1' does not exist" in err and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------
+# a manual run's instructions
+
+
+def test_instructions_over_the_bound_exit_2_and_an_inline_run_records_them(
+        cli: Run, tmp_path: Path) -> None:
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"role": "user" if i % 2 == 0 else "assistant",
+                                        "content": f"message {i} " + "words " * 200}) + "\n"
+                            for i in range(30)))
+    assert cli("ingest", str(path), "--session", "s1")[0] == 0
+    before = json.loads(cli("surface", "s1", "--json")[1])
+    too_long = "x" * (MAX_INSTRUCTION_CHARS + 1)
+    for how in ("--inline", "--wait"):
+        assert_refused(cli("compact", "s1", how, "--instructions", too_long),
+                       "instructions", f"at most {MAX_INSTRUCTION_CHARS}")
+    assert json.loads(cli("surface", "s1", "--json")[1]) == before
+    code, out, err = cli("compact", "s1", "--inline", "--json", "--instructions",
+                         "keep the failing test's name")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["outcome"] == "committed"
+    assert result["instructions"] == ["keep the failing test's name"]
+    status = json.loads(cli("status", "s1", "--json")[1])
+    assert status["runs"][0]["instructions"] == ["keep the failing test's name"]

@@ -244,7 +244,7 @@ def test_a_tool_called_before_any_model_call_opens_the_session_and_writes_nothin
     # A new process: its middleware has opened no session yet.
     middleware = CompactdMiddleware(config=config)
     other_tenant = CompactdMiddleware(config=config, tenant="someone-else")
-    search, read = middleware.tools
+    search, read, _compact = middleware.tools
     run_config = {"configurable": {"thread_id": "t3"}}
 
     def call(target: Any, arguments: dict[str, Any]) -> ToolMessage:
@@ -301,8 +301,8 @@ def test_the_model_is_offered_the_shipped_schemas_unless_turned_off(
         finally:
             middleware.close()
         offered[recall] = sent(fake)[earlier]["tools"]
-    assert offered[True][:2] == tool_schemas("openai")
-    assert [t["function"]["name"] for t in offered[True][2:]] == ["lookup"]
+    assert offered[True][:3] == tool_schemas("openai")
+    assert [t["function"]["name"] for t in offered[True][3:]] == ["lookup"]
     assert [t["function"]["name"] for t in offered[False]] == ["lookup"]
     assert CompactdMiddleware(recall_tools=False).tools == []
 

@@ -7,7 +7,9 @@ import datetime as dt
 
 import pytest
 
-from compactd.storage.errors import SessionNotFound
+from compactd.storage.errors import InvalidMessage, SessionNotFound
+from compactd.storage.instructions import MAX_INSTRUCTION_CHARS, MAX_INSTRUCTIONS
+from compactd.storage.records import Claim
 from compactd.storage.store import Store
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
@@ -40,3 +42,48 @@ async def test_racing_requests_agree_on_one_task(store: Store) -> None:
 async def test_a_missing_session_is_not_found(store: Store) -> None:
     with pytest.raises(SessionNotFound):
         await store.mark_manual("nope", "t1", ttl_s=120)
+
+
+async def test_coalesced_requests_keep_every_distinct_instruction_for_the_run(store: Store
+                                                                              ) -> None:
+    await store.create_session("s1")
+    assert await store.mark_manual("s1", "t1", ttl_s=120, now=NOW,
+                                   instructions=["focus on the migration"]) == "t1"
+    assert await store.mark_manual("s1", "t2", ttl_s=120, now=NOW) == "t1"
+    assert await store.mark_manual("s1", "t3", ttl_s=120, now=NOW,
+                                   instructions=["keep the error names"]) == "t1"
+    assert await store.mark_manual("s1", "t4", ttl_s=120, now=NOW,
+                                   instructions=["focus on the migration"]) == "t1"
+    # Another task's clear takes nothing; the run's own takes them all, once, in order.
+    assert await store.clear_manual("s1", "t2") == ()
+    assert await store.clear_manual("s1", "t1") == ("focus on the migration",
+                                                    "keep the error names")
+    assert await store.clear_manual("s1", "t1") == ()
+    # A stale mark's instructions went with its lost message: the new task has its own.
+    await store.mark_manual("s1", "t5", ttl_s=120, now=NOW, instructions=["old"])
+    later = NOW + dt.timedelta(seconds=121)
+    assert await store.mark_manual("s1", "t6", ttl_s=120, now=later,
+                                   instructions=["new"]) == "t6"
+    assert await store.clear_manual("s1", "t6") == ("new",)
+
+
+async def test_instructions_over_the_bound_change_nothing(store: Store) -> None:
+    await store.create_session("s1")
+    with pytest.raises(InvalidMessage, match=f"at most {MAX_INSTRUCTION_CHARS}"):
+        await store.mark_manual("s1", "t1", ttl_s=120, now=NOW,
+                                instructions=["x" * (MAX_INSTRUCTION_CHARS + 1)])
+    # No mark was left: the next request queues its own task.
+    assert await store.mark_manual("s1", "t2", ttl_s=120, now=NOW,
+                                   instructions=[f"i{n}" for n in range(MAX_INSTRUCTIONS)]) == "t2"
+    with pytest.raises(InvalidMessage, match="distinct instructions"):
+        await store.mark_manual("s1", "t3", ttl_s=120, now=NOW, instructions=["one more"])
+    assert await store.clear_manual("s1", "t2") == tuple(f"i{n}" for n in range(MAX_INSTRUCTIONS))
+
+
+async def test_a_run_row_records_its_instructions(store: Store) -> None:
+    await store.create_session("s1")
+    claim = await store.claim("s1", owner="test", trigger="manual", lease_s=30)
+    assert isinstance(claim, Claim)
+    assert (await store.get_run(claim.run_id)).instructions is None
+    await store.note_instructions(claim.run_id, ["keep the schema plan"])
+    assert (await store.get_run(claim.run_id)).instructions == ["keep the schema plan"]

@@ -160,7 +160,7 @@ async def test_tools_lists_both_forms_and_takes_a_token(api: Served) -> None:
     assert response.json() == tools_document()
     names = {t["function"]["name"] for t in response.json()["openai"]}
     assert names == {t["name"] for t in response.json()["anthropic"]} == {
-        "history_search", "history_read"}
+        "history_search", "history_read", "compact_context"}
     assert (await api.http.get("/v1/tools")).status_code == 401
 
 

@@ -10,9 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
 from compactd.worker.compaction.recall import RecallArgumentError, checkpoint_ref, pruned_ref
 from compactd.worker.compaction.recall_tools import (
     MAX_QUERY_BYTES,
+    CompactArgs,
     ReadArgs,
     SearchArgs,
     check_read,
@@ -25,11 +27,12 @@ from compactd.worker.compaction.recall_tools import (
 )
 
 
-def test_both_forms_define_the_same_two_tools() -> None:
+def test_both_forms_define_the_same_three_tools() -> None:
     openai = tool_schemas("openai")
     anthropic = tool_schemas("anthropic")
-    assert [t["function"]["name"] for t in openai] == ["history_search", "history_read"]
-    assert [t["name"] for t in anthropic] == ["history_search", "history_read"]
+    names = ["history_search", "history_read", "compact_context"]
+    assert [t["function"]["name"] for t in openai] == names
+    assert [t["name"] for t in anthropic] == names
     for o, a in zip(openai, anthropic, strict=True):
         assert o["type"] == "function"
         assert o["function"]["parameters"] == a["input_schema"]
@@ -43,12 +46,15 @@ def test_both_forms_define_the_same_two_tools() -> None:
     assert anthropic[1]["input_schema"]["required"] == ["checkpoint"]
     assert set(anthropic[1]["input_schema"]["properties"]) == {
         "checkpoint", "offset", "cursor", "budget_tokens"}
+    compact = anthropic[2]["input_schema"]
+    assert compact["required"] == ["focus"]
+    assert compact["properties"]["focus"]["maxLength"] == MAX_INSTRUCTION_CHARS
     assert tools_document() == {"openai": openai, "anthropic": anthropic}
     assert json.loads(json.dumps(tools_document())) == tools_document()  # plain JSON
 
 
 def test_the_read_description_says_the_cursor_is_how_to_resume() -> None:
-    [_, read] = tool_schemas("anthropic")
+    read = tool_schemas("anthropic")[1]
     assert "cursor" in read["description"] and "next offset" not in read["description"]
     properties = read["input_schema"]["properties"]
     assert "exact place to resume" in properties["cursor"]["description"]
@@ -217,3 +223,15 @@ def test_a_read_page_names_what_it_shows_and_how_to_continue() -> None:
     past = read_result_text(_page(transcript="", seqs=[], offset=50, next_offset=None,
                                   cursor=None))
     assert past == "[c1-9 replaced 9 messages; none from offset 50]\n[end of c1-9]"
+
+
+def test_compact_context_takes_a_bounded_focus() -> None:
+    assert check_tool_call("compact_context", {"focus": "keep the schema plan"}) == CompactArgs(
+        "keep the schema plan")
+    for arguments, reason in [({}, "is required"), ({"focus": "  "}, "is empty"),
+                              ({"focus": "x" * (MAX_INSTRUCTION_CHARS + 1)},
+                               f"at most {MAX_INSTRUCTION_CHARS}"),
+                              ({"focus": 7}, "must be a string")]:
+        with pytest.raises(RecallArgumentError) as caught:
+            check_tool_call("compact_context", arguments)
+        assert caught.value.argument == "focus" and reason in str(caught.value)

@@ -42,4 +42,4 @@ def test_every_v1_operation_is_routed_once() -> None:
     assert sorted(operations) == sorted(
         ["health", "createSession", "sessionStatus", "deleteSession", "appendMessages",
          "readSurface", "historySearch", "historyRead", "recallTools", "signal",
-         "reportUsage", "compact", "reportOverflow"])
+         "reportUsage", "compact", "compactContext", "reportOverflow", "setRunModel"])

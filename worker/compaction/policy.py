@@ -169,6 +169,10 @@ class Policy:
     # Set by ``resolve``: the run model's window, and whether clauses were dropped.
     context_window: int | None = None
     dropped: tuple[str, ...] = ()
+    # Set for one run, never configured: what a manual run's summary is asked to focus on
+    # (``compact --instructions``, an agent's ``compact_context``), appended to the instruction
+    # by ``prompt.focus_block``.
+    focus: tuple[str, ...] = ()
 
     @property
     def auto(self) -> bool:

@@ -105,6 +105,14 @@ REPLAY_INSTRUCTION = (
 
 REPLAY_MESSAGES_NOTE = "(the messages are the conversation above this instruction)"
 
+# A manual run's instructions (``Policy.focus``), after the instruction and its blocks: the
+# person (or the agent) who asked for this compaction says what matters most to them. Each text
+# is escaped like any content, so it cannot close its element or open another block.
+FOCUS_RULES = (
+    "This compaction was asked for with the instructions in <user_focus> below: give what "
+    "they name priority and more detail in the summary, in the form asked for above; they do "
+    "not change that form.")
+
 # The recallable layout's index calls (one per chunk of stale history): a short account of what
 # happened, never the eight sections (the state checkpoint holds those). The first words mark
 # the instruction, so a scripted provider can tell an index call from a summary call.
@@ -260,6 +268,15 @@ def fill_instruction(template: str, existing_summary: str, messages: str | None)
     return _PLACEHOLDER.sub(sub, template)
 
 
+def focus_block(policy: Policy) -> str:
+    """The run's instructions as text appended to the instruction ("" without any); every text
+    escaped, one ``<user_focus>`` element each."""
+    if not policy.focus:
+        return ""
+    blocks = "\n".join(f"<user_focus>\n{escape(text)}\n</user_focus>" for text in policy.focus)
+    return f"\n\n{FOCUS_RULES}\n{blocks}"
+
+
 def instruction_template(policy: Policy) -> str:
     if policy.summary_prompt:
         return policy.summary_prompt
@@ -293,8 +310,11 @@ def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
     """
     template = instruction_template(policy)
     summary = running_summary or ""
+    # Appended after the placeholders are filled: an instruction's text is never read as a
+    # template.
+    focus = focus_block(policy)
     if not policy.replay_mode:
-        text = fill_instruction(template, summary, render_transcript(call.pieces))
+        text = fill_instruction(template, summary, render_transcript(call.pieces)) + focus
         return [{"role": "system", "content": SUMMARIZER_SYSTEM},
                 {"role": "user", "content": text}]
     out: list[dict[str, Any]] = []
@@ -316,7 +336,7 @@ def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
             out.append(wire)
         else:
             out.append({"role": "user", "content": render_piece(piece)})
-    out.append({"role": "user", "content": fill_instruction(template, summary, None)})
+    out.append({"role": "user", "content": fill_instruction(template, summary, None) + focus})
     return out
 
 
@@ -355,7 +375,9 @@ def prompt_overhead(policy: Policy, counter: TokenCounter, envelope_tokens: int 
     """Tokens of a call's input before any summary or message: instruction, framing, and in
     replay mode the runtime's envelope."""
     replay = policy.replay_mode
+    focus = focus_block(policy)
     return (_overhead(instruction_template(policy), replay, counter)
+            + (counter.count_text(focus) + 1 if focus else 0)
             + (max(0, envelope_tokens) if replay else 0))
 
 

@@ -1,8 +1,9 @@
 """The recall tools as data: their schemas in OpenAI and Anthropic form, and the checks every
 interface applies to their arguments before anything is read.
 
-``history_search(query, checkpoint=None, limit=5)`` and ``history_read(checkpoint, offset=0)``
-are offered to a model as tools (the LangChain middleware, ``compactd tools --json``,
+``history_search(query, checkpoint=None, limit=5)``, ``history_read(checkpoint, offset=0)`` and
+``compact_context(focus)`` (the agent's own request for a compaction, its focus the run's
+instructions) are offered to a model as tools (the LangChain middleware, ``compactd tools --json``,
 ``GET /v1/tools``) and called by code (client, CLI, HTTP). Both paths go through
 :func:`check_search` / :func:`check_read` (or :func:`check_tool_call` for a model's raw call), so
 a bad argument is refused the same way everywhere, with a :class:`RecallArgumentError` that names
@@ -23,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.instructions import MAX_INSTRUCTION_CHARS, check_instructions
 from compactd.storage.recall_bounds import (
     DEFAULT_READ_TOKENS,
     DEFAULT_SEARCH_LIMIT,
@@ -88,15 +91,35 @@ _READ_PARAMETERS: dict[str, Any] = {
     "required": ["checkpoint"],
     "additionalProperties": False,
 }
+# The agent's own compaction: its handoff note becomes the run's instructions. Queued, never
+# waited for; refused by the loop guard when asked for again and again.
+COMPACT_CONTEXT = "compact_context"
+_COMPACT_DESCRIPTION = (
+    "Ask for this conversation's history to be compacted into a summary now (for example "
+    "before a new phase of the task), with your own handoff note: what the summary must keep "
+    "for you to continue. It runs in the background; your next step sees the summary. Do not "
+    "call it every step: repeated calls are refused.")
+_COMPACT_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "focus": {"type": "string", "minLength": 1, "maxLength": MAX_INSTRUCTION_CHARS,
+                  "description": "The handoff note: the goal, decisions, open work and exact "
+                                 "names the summary must keep."},
+    },
+    "required": ["focus"],
+    "additionalProperties": False,
+}
 _TOOLS = ((HISTORY_SEARCH, _SEARCH_DESCRIPTION, _SEARCH_PARAMETERS),
-          (HISTORY_READ, _READ_DESCRIPTION, _READ_PARAMETERS))
+          (HISTORY_READ, _READ_DESCRIPTION, _READ_PARAMETERS),
+          (COMPACT_CONTEXT, _COMPACT_DESCRIPTION, _COMPACT_PARAMETERS))
+_PARAMETERS = {name: parameters for name, _, parameters in _TOOLS}
 TOOL_NAMES = tuple(name for name, _, _ in _TOOLS)
 FORMS = ("openai", "anthropic")
 _DECIMAL = re.compile(r"[+-]?[0-9]{1,30}")
 
 
 def tool_schemas(form: str = "openai") -> list[dict[str, Any]]:
-    """The two tool definitions in ``form`` (a fresh copy: callers may edit it)."""
+    """The tool definitions in ``form`` (a fresh copy: callers may edit it)."""
     if form == "openai":
         return [{"type": "function", "function": {
                     "name": name, "description": description,
@@ -129,6 +152,21 @@ class ReadArgs:
     budget_tokens: int = DEFAULT_READ_TOKENS
 
 
+@dataclass(frozen=True, slots=True)
+class CompactArgs:
+    focus: str
+
+
+def check_compact(focus: Any = None) -> CompactArgs:
+    """``compact_context``'s argument, checked as a manual run's instructions are."""
+    if focus is None:
+        raise RecallArgumentError("focus", "is required")
+    try:
+        return CompactArgs(check_instructions(focus, "focus"))
+    except InvalidMessage as exc:
+        raise RecallArgumentError("focus", exc.reason) from None
+
+
 def check_search(query: Any, checkpoint: Any = None, limit: Any = DEFAULT_SEARCH_LIMIT
                  ) -> SearchArgs:
     """``history_search``'s arguments, checked; the first bad one raises."""
@@ -153,8 +191,10 @@ def check_read(checkpoint: Any, offset: Any = 0, cursor: Any = None,
                                                                   budget_tokens)))
 
 
-def check_tool_call(name: str, arguments: str | dict[str, Any]) -> SearchArgs | ReadArgs:
-    """A model's call of a recall tool (arguments as the JSON text or the decoded object)."""
+def check_tool_call(name: str, arguments: str | dict[str, Any]
+                    ) -> SearchArgs | ReadArgs | CompactArgs:
+    """A model's call of one of the tools (arguments as the JSON text or the decoded
+    object)."""
     if name not in TOOL_NAMES:
         raise RecallArgumentError("name", f"{name!r} is not a recall tool (have "
                                           f"{', '.join(TOOL_NAMES)})")
@@ -165,7 +205,7 @@ def check_tool_call(name: str, arguments: str | dict[str, Any]) -> SearchArgs | 
             raise RecallArgumentError("arguments", f"not valid JSON: {exc}") from None
     if not isinstance(arguments, dict):
         raise RecallArgumentError("arguments", "must be a JSON object")
-    parameters = _SEARCH_PARAMETERS if name == HISTORY_SEARCH else _READ_PARAMETERS
+    parameters = _PARAMETERS[name]
     unknown = sorted(set(arguments) - set(parameters["properties"]))
     if unknown:
         raise RecallArgumentError(unknown[0], f"is not an argument of {name}")
@@ -174,6 +214,8 @@ def check_tool_call(name: str, arguments: str | dict[str, Any]) -> SearchArgs | 
             raise RecallArgumentError(required, "is required")
     if name == HISTORY_SEARCH:
         return check_search(**arguments)
+    if name == COMPACT_CONTEXT:
+        return check_compact(**arguments)
     return check_read(**arguments)
 
 
@@ -181,6 +223,17 @@ def search_result_text(result: Mapping[str, Any]) -> str:
     """``history_search``'s answer to a model: the result's JSON (its hits, each naming the
     checkpoint to read, and how much was scanned), compact."""
     return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+
+
+def compact_result_text(queued: Mapping[str, Any]) -> str:
+    """``compact_context``'s answer to a model: queued (or joined to the compaction already
+    queued), and that the summary comes at a later step."""
+    if queued.get("coalesced"):
+        head = "A compaction of this conversation was already queued; your note was added to it."
+    else:
+        head = "Compaction queued."
+    return (f"{head} It runs in the background: a later step shows the summary in place of "
+            f"the older history. Go on with the task. (task {queued['task_id']})")
 
 
 def read_result_text(page: Mapping[str, Any]) -> str:

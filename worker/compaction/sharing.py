@@ -34,7 +34,7 @@ from typing import Any
 from compactd.storage.surface import SurfaceNode
 from compactd.storage.tokens import MESSAGE_FRAMING_TOKENS, TokenCounter
 from compactd.worker.compaction.policy import Policy
-from compactd.worker.compaction.prompt import SUMMARY_RULES, fill_instruction
+from compactd.worker.compaction.prompt import SUMMARY_RULES, fill_instruction, focus_block
 from compactd.worker.compaction.render import render_surface
 
 # The keys of a served message that a provider is sent (the surface adds seq, tokens, meta).
@@ -132,7 +132,7 @@ def shared_call(nodes: Sequence[SurfaceNode], replace_seqs: Sequence[int], polic
     kept = end - (last + 1)
     template = policy.summary_prompt or SHARED_INSTRUCTION
     instruction = (fill_instruction(template, SHARED_EXISTING, None)
-                   if policy.summary_prompt else template) + kept_note(kept)
+                   if policy.summary_prompt else template) + kept_note(kept) + focus_block(policy)
     env = envelope or {}
     chat: list[dict[str, Any]] = []
     system = env.get("system")

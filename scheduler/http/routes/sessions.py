@@ -1,6 +1,6 @@
 """``/v1/sessions/{id}`` itself: create or open it (the client's ``create_session``), its
-status (``compactd status``'s :func:`scheduler.status.session_status`), delete it (the client's
-``delete``)."""
+status (``compactd status``'s :func:`scheduler.status.session_status`), move it to another run model
+(the client's ``set_run_model``), delete it (the client's ``delete``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,14 @@ from compactd.scheduler.http.routes.common import (
     SessionId,
     error_response,
 )
-from compactd.scheduler.http.schemas import DeletedOut, SessionIn, SessionOut, StatusOut
+from compactd.scheduler.http.schemas import (
+    DeletedOut,
+    RunModelIn,
+    RunModelOut,
+    SessionIn,
+    SessionOut,
+    StatusOut,
+)
 from compactd.scheduler.http.state import ApiDep
 from compactd.scheduler.status import session_status
 from compactd.storage.errors import InvalidMessage, SessionExists
@@ -84,6 +91,19 @@ async def get_status(info: Owned, api: ApiDep) -> dict[str, Any]:
     """The session's totals, lease, loop-guard flag and recent runs (newest first)."""
     return await session_status(api.store, info.id, prices=api.config.prices,
                                 lead_config=api.config)
+
+
+@router.put("/sessions/{session_id}/run_model", response_model=RunModelOut,
+            operation_id="setRunModel", responses=WITH_BODY)
+async def set_run_model(info: Owned, api: ApiDep, body: Annotated[RunModelIn, Body()]
+                        ) -> dict[str, Any]:
+    """The agent moved to another run model. When the session does not fit the new window
+    with its reserve, it is compacted at once on ``compaction.urgent`` (``compacting``, and
+    the run's ``task_id``)."""
+    handle = api.handle(info)
+    result = await handle.set_run_model(body.run_model, body.context_window)
+    api.remember(handle.info)
+    return result
 
 
 @router.delete("/sessions/{session_id}", response_model=DeletedOut,

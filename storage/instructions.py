@@ -1,0 +1,51 @@
+"""Instructions for one manual compaction: the user's (or the agent's) focus for its summary.
+
+Checked the same way by every interface that takes them (the client's ``compact`` and
+``compact_context``, ``compactd compact --instructions``, the HTTP routes, the LangChain
+middleware's tool) and by storage before a request is recorded, so text over the bound is
+refused before anything is queued or stored. A run coalesced from several requests keeps each
+distinct text once, in the order they came, up to :data:`MAX_INSTRUCTIONS`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from compactd.storage.errors import InvalidMessage
+
+# A focus, not a document: a paragraph or two. Longer text is refused, never cut.
+MAX_INSTRUCTION_CHARS = 2000
+# Distinct texts one run carries; a request that would add one more is refused.
+MAX_INSTRUCTIONS = 8
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_instructions(text: object, argument: str = "instructions") -> str:
+    """``text`` as a run's instructions, or :class:`InvalidMessage` naming ``argument``."""
+    if not isinstance(text, str):
+        raise InvalidMessage(f"must be a string, got {type(text).__name__}", field=argument)
+    if not text.strip():
+        raise InvalidMessage("is empty", field=argument)
+    if "\x00" in text:
+        raise InvalidMessage("contains a NUL character", field=argument)
+    if _LONE_SURROGATE.search(text):
+        raise InvalidMessage("is not valid UTF-8 text (a lone surrogate)", field=argument)
+    if len(text) > MAX_INSTRUCTION_CHARS:
+        raise InvalidMessage(f"is {len(text)} characters long; at most "
+                             f"{MAX_INSTRUCTION_CHARS} are taken", field=argument)
+    return text
+
+
+def merge_instructions(held: Iterable[str], added: Iterable[str]) -> tuple[str, ...]:
+    """``held`` followed by the texts of ``added`` it lacks (a coalesced request's); over
+    :data:`MAX_INSTRUCTIONS` distinct texts is refused."""
+    merged = list(dict.fromkeys(held))
+    for text in added:
+        if text not in merged:
+            merged.append(text)
+    if len(merged) > MAX_INSTRUCTIONS:
+        raise InvalidMessage(f"the queued compaction of this session already carries "
+                             f"{MAX_INSTRUCTIONS} distinct instructions; wait for it to start",
+                             field="instructions")
+    return tuple(merged)
