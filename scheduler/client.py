@@ -38,6 +38,7 @@ from compactd.storage.errors import (
     InvalidMessage,
     SessionNotFound,
 )
+from compactd.storage.events import Event, EventKind
 from compactd.storage.ids import (
     check_count,
     check_id,
@@ -350,6 +351,17 @@ class SessionHandle:
         moved = await self.client.store.poll(self.id, since)
         return moved
 
+    async def wait_for_checkpoint(self, after_version: int | None = None,
+                                  timeout_s: float = 30.0) -> int | None:
+        """Wait until a compaction commits past ``after_version`` (default: the version this
+        handle last read or appended at) and return the new surface version; None when none
+        committed within ``timeout_s`` seconds. On PostgreSQL this is a LISTEN, not polling: it
+        returns as the commit's notification arrives. :meth:`surface` then reads the
+        checkpoint."""
+        check_seconds(timeout_s, "timeout_s")
+        since = self.version if after_version is None else after_version
+        return await self.client.store.wait_for_version(self.id, since, timeout_s)
+
     async def surface(self, render: str | None = None, *,
                       contract: bool = True) -> list[dict[str, Any]]:
         """The messages the model should see now, checkpoints rendered. A ``durable_context``
@@ -508,8 +520,10 @@ class SessionHandle:
             # that smaller surface is the answer, and the runtime retries with it.
             reason = "compacted" if result["outcome"] == RunStatus.COMMITTED else (
                 f"compacted in part ({', '.join(result['stages'])}); then {failed}")
-            return OverflowResult(True, reason, (await store.poll(self.id, None)) or 0,
-                                  messages=await self.surface(), run=result,
+            messages = await self.surface()
+            await store.publish(Event(EventKind.OVERFLOW_SERVED, self.id, self.info.tenant,
+                                      result["run_id"], self.version, None, result["outcome"]))
+            return OverflowResult(True, reason, self.version, messages=messages, run=result,
                                   pruned=result["pruned"],
                                   tokens_after=result["tokens_after"])
         return OverflowResult(False, failed, start_version, run=result)
@@ -618,6 +632,11 @@ class SyncSession:
 
     def poll(self, since_version: int | None = None) -> int | None:
         return self._loop.submit(lambda: self.handle.poll(since_version))
+
+    def wait_for_checkpoint(self, after_version: int | None = None,
+                            timeout_s: float = 30.0) -> int | None:
+        return self._loop.submit(lambda: self.handle.wait_for_checkpoint(after_version,
+                                                                         timeout_s))
 
     def surface(self, render: str | None = None, *,
                 contract: bool = True) -> list[dict[str, Any]]:

@@ -53,6 +53,7 @@ from compactd.storage.database import (
     translate,
 )
 from compactd.storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
+from compactd.storage.events import Event, Listener
 from compactd.storage.kinds import ItemState
 from compactd.storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
 from compactd.storage.recall_index import RecallBody, node_recall
@@ -120,6 +121,14 @@ class Connector:
 
     def _text(self, name: str) -> Any:
         raise NotImplementedError
+
+    async def notify(self, event: Event, *, conn: AsyncConnection | None = None) -> None:
+        """Send ``event`` to the listeners (inside ``conn``'s transaction: when it commits).
+        SQLite has none: its waiters read the version (:mod:`storage.events`)."""
+
+    def listener(self) -> Listener | None:
+        """A :class:`Listener` for this backend's notifications; None on SQLite."""
+        return None
 
     def insert(self, table: sa.Table) -> Any:
         """``INSERT`` with the dialect's ``ON CONFLICT`` clauses."""
@@ -246,6 +255,12 @@ class PostgresConnector(Connector):
 
     def insert(self, table: sa.Table) -> Any:
         return pg_insert(table)
+
+    async def notify(self, event: Event, *, conn: AsyncConnection | None = None) -> None:
+        await self.execute("notify", conn=conn, payload=event.dumps())
+
+    def listener(self) -> Listener | None:
+        return Listener(self.engine)
 
     def _text(self, name: str) -> Any:
         return _named_text(name)

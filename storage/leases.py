@@ -28,6 +28,8 @@ from compactd.storage.connectors_general import (
 )
 from compactd.storage.database import deadline_left_s, transaction
 from compactd.storage.errors import DeadlinePassed
+from compactd.storage.events import Event, EventKind
+from compactd.storage.kinds import RunStatus
 from compactd.storage.records import (
     Busy,
     Claim,
@@ -127,12 +129,18 @@ class LeasesMixin:
     async def finish(self, session_id: str, *, run_id: str, fence: int, end: RunEnd,
                      now: dt.datetime | None = None) -> bool:
         """End a claimed run without replacing anything. False when the lease was lost, in
-        which case the run is recorded as abandoned and the journal is left to its new owner."""
+        which case the run is recorded as abandoned and the journal is left to its new owner.
+        A failed run's end sends ``compaction.failed`` in the same transaction."""
         now = now or utcnow()
         async with transaction(self.engine) as conn:
             info = await self._session(conn, session_id, lock=True)
             if info.lease_fence == fence and info.lease_run_id == run_id:
                 await write_end(conn, session_id, run_id, info.last_seq + 1, end, now)
+                if end.outcome == RunStatus.FAILED:
+                    await self.db.notify(Event(
+                        EventKind.FAILED, session_id, info.tenant, run_id,
+                        info.surface_version, info.last_seq + 1,
+                        end.failure_class or end.outcome), conn=conn)
                 return True
             await abandon_run(conn, run_id, now, "lease lost before the run ended "
                               f"({end.failure_class or end.outcome})")

@@ -12,6 +12,7 @@ connector's (``storage.connectors``); the SQL text is in ``storage/sql``.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -38,6 +39,7 @@ from compactd.storage.errors import (
     SessionNotFound,
     StorageError,
 )
+from compactd.storage.events import POLL_S, Event
 from compactd.storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
 from compactd.storage.instructions import check_instructions, merge_instructions
 from compactd.storage.kinds import REPLACE_KINDS, NodeKind
@@ -136,12 +138,15 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         # run_model never changes once a session exists, so appends can count tokens before
         # their transaction without reading the session first.
         self._run_models: dict[str, str | None] = {}
+        self._listener = self.db.listener()
 
     @classmethod
     def from_url(cls, url: str, *, kept_connections: int = 1, **kwargs: Any) -> Store:
         return cls(create_engine(url, **kwargs), kept_connections=kept_connections)
 
     async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
         await self.db.close()
         await self.engine.dispose()
 
@@ -507,6 +512,49 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
             raise SessionNotFound(session_id)
         version = int(value)
         return None if since_version is not None and version == since_version else version
+
+    async def wait_for_version(self, session_id: str, after_version: int,
+                               timeout_s: float) -> int | None:
+        """The session's surface version once it is past ``after_version``, waiting up to
+        ``timeout_s``; None when it did not move in time. On PostgreSQL the wait is a LISTEN
+        (the commit's notification wakes it); on SQLite it reads the version every
+        ``storage.events.POLL_S``."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        if self._listener is None:
+            while True:
+                version = await self._version(session_id)
+                if version > after_version:
+                    return version
+                if loop.time() >= until:
+                    return None
+                await asyncio.sleep(min(POLL_S, max(0.0, until - loop.time())))
+        queue = await self._listener.watch(session_id)
+        try:
+            # Read after watching: a commit between the caller's read and the LISTEN is seen.
+            version = await self._version(session_id)
+            while version <= after_version:
+                left = until - loop.time()
+                if left <= 0:
+                    return None
+                try:
+                    event = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    return None
+                version = max(version, event.version)
+            return version
+        finally:
+            self._listener.unwatch(session_id, queue)
+
+    async def publish(self, event: Event) -> None:
+        """Send ``event`` to the listeners now (:mod:`storage.events`)."""
+        await self.db.notify(event)
+
+    async def _version(self, session_id: str) -> int:
+        value = await self.db.fetchval("poll", session_id=session_id)
+        if value is None:
+            raise SessionNotFound(session_id)
+        return int(value)
 
     async def read_events(self, session_id: str, *, kinds: Iterable[str] | None = None,
                           after_seq: int = 0) -> list[EventRecord]:

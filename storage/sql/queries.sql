@@ -72,11 +72,16 @@ SELECT * FROM compactd_claim_v2(:session_id, :run_id, :owner, :trigger, :expires
 
 -- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts)^
 -- postgres-only: calls compactd_commit_v2 (functions/compactd_commit_v2.sql); the SQLite connector
--- commits with separate statements in its transaction.
-SELECT * FROM compactd_commit_v2(:session_id, :run_id, :fence, :now, :seqs, :counts, :kinds,
-                              :payloads, :tokens, :journal_kinds, :journals, :expected_pos,
-                              :expected_seq, :end_payload, :before, :after, :refs, :firsts,
-                              :lasts);
+-- commits with separate statements in its transaction. The commit's event (storage.events) is
+-- sent by pg_notify in the same statement, so a listener hears of the commit once it is visible,
+-- and of no commit that was refused or rolled back.
+SELECT c.*, pg_notify('compactd_events', json_build_object(
+           'event', 'compaction.committed', 'session', c.id, 'tenant', c.tenant,
+           'run_id', :run_id::text, 'version', c.surface_version, 'seq', c.last_seq,
+           'outcome', 'running')::text) AS notified
+  FROM compactd_commit_v2(:session_id, :run_id, :fence, :now, :seqs, :counts, :kinds, :payloads,
+                          :tokens, :journal_kinds, :journals, :expected_pos, :expected_seq,
+                          :end_payload, :before, :after, :refs, :firsts, :lasts) AS c;
 
 -- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, signalled_at, item_state, item_done)^
 -- postgres-only: a data-modifying WITH around compactd_commit_v2. The commit that ends its run: the
@@ -102,7 +107,17 @@ WITH c AS (SELECT * FROM compactd_commit_v2(:session_id, :run_id, :fence, :now, 
              FROM r
             WHERE i.job_id = r.bulk_job_id AND i.session_id = :session_id::text
               AND i.state <> :item_done)
-SELECT * FROM c;
+SELECT c.*, pg_notify('compactd_events', json_build_object(
+           'event', 'compaction.committed', 'session', c.id, 'tenant', c.tenant,
+           'run_id', :run_id::text, 'version', c.surface_version, 'seq', c.last_seq,
+           'outcome', :status::text)::text) AS notified
+  FROM c;
+
+-- name: notify(payload)$
+-- postgres-only: SQLite has no LISTEN/NOTIFY (storage.events says what its waiters do). An event
+-- of storage.events on the channel compactd_events; inside a transaction it is sent when that
+-- commits, and not at all when it rolls back.
+SELECT pg_notify('compactd_events', :payload);
 
 -- name: set_timeouts(ms)
 -- postgres-only: SQLite has no statement timeout (its transactions wait on the busy timeout,

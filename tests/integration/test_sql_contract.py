@@ -3,6 +3,7 @@ each case checks what the query returns or changes, through the store's connecto
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 from collections.abc import Awaitable, Callable
@@ -210,6 +211,26 @@ async def _commit_ending(store: Store) -> None:
 async def _set_timeouts(store: Store) -> None:
     rows = await store.db.fetch("set_timeouts", ms="1500ms")
     assert [tuple(r.values()) for r in rows] == [("1500ms", "1500ms")]
+
+
+@case("notify")
+async def _notify(store: Store) -> None:
+    heard: list[str] = []
+    async with store.engine.connect() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+
+        def hear(*args: Any) -> None:
+            heard.append(args[-1])
+
+        await raw.add_listener("compactd_events", hear)
+        await store.db.execute("notify", payload='{"event": "compaction.committed"}')
+        for _ in range(100):
+            if heard:
+                break
+            await asyncio.sleep(0.01)
+        await raw.remove_listener("compactd_events", hear)
+        await conn.invalidate()
+    assert heard == ['{"event": "compaction.committed"}']
 
 
 @case("set_lock_wait")

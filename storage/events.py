@@ -1,0 +1,144 @@
+"""Events: what compactd tells a runtime and an operator without being asked.
+
+Three kinds, each a small JSON object (``event``, ``session``, ``tenant``, ``run_id``,
+``version``, ``seq``, ``outcome``):
+
+- ``compaction.committed``: a run's commit moved the surface (``version`` is the new surface
+  version; ``outcome`` is the run's, or ``running`` while later rounds may follow);
+- ``compaction.failed``: a run ended failed (``outcome`` is its failure class);
+- ``session.overflow_served``: the runtime reported a context overflow and got a smaller surface.
+
+On PostgreSQL each is sent with ``pg_notify`` on the channel :data:`CHANNEL` in the transaction
+that makes it true (the commit's own statement, the failed run's end), so a listener hears of
+nothing that was rolled back and never before the change is visible. :class:`Listener` holds one
+connection in ``LISTEN`` and wakes whoever waits for a session. SQLite has no notifications: a
+waiter there reads the session's version every ``POLL_S`` (the embedded default's worker is
+another process, which no in-process signal reaches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from enum import StrEnum, unique
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from compactd.storage.database import translated
+
+CHANNEL = "compactd_events"
+# How often a waiter on SQLite reads the session's version.
+POLL_S = 0.05
+
+logger = logging.getLogger(__name__)
+
+
+@unique
+class EventKind(StrEnum):
+    COMMITTED = "compaction.committed"
+    FAILED = "compaction.failed"
+    OVERFLOW_SERVED = "session.overflow_served"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    event: str
+    session: str
+    tenant: str
+    run_id: str | None
+    version: int
+    seq: int | None = None
+    outcome: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": self.event, "session": self.session, "tenant": self.tenant,
+                "run_id": self.run_id, "version": self.version, "seq": self.seq,
+                "outcome": self.outcome}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+
+def parse_event(text: str) -> Event | None:
+    """The event a notification carries; None (logged) for one that is not compactd's."""
+    try:
+        raw = json.loads(text)
+        return Event(event=str(raw["event"]), session=str(raw["session"]),
+                     tenant=str(raw["tenant"]), run_id=raw.get("run_id"),
+                     version=int(raw["version"]), seq=raw.get("seq"),
+                     outcome=raw.get("outcome"))
+    except (ValueError, KeyError, TypeError):
+        logger.warning("a notification on %s is not an event: %.200s", CHANNEL, text)
+        return None
+
+
+class Listener:
+    """One PostgreSQL connection in ``LISTEN compactd_events``, shared by every waiter of a
+    process: :meth:`watch` returns a queue that receives the events of one session until
+    :meth:`unwatch`. The connection is taken from the pool at the first watch and held until
+    :meth:`close`; a connection that drops is opened again at the next watch (a waiter reads the
+    session's version after watching, so a commit in between is not missed)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._conn: AsyncConnection | None = None
+        self._raw: Any = None
+        self._watchers: dict[str, set[asyncio.Queue[Event]]] = {}
+        self._opening = asyncio.Lock()
+
+    async def watch(self, session_id: str) -> asyncio.Queue[Event]:
+        await self._open()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._watchers.setdefault(session_id, set()).add(queue)
+        return queue
+
+    def unwatch(self, session_id: str, queue: asyncio.Queue[Event]) -> None:
+        queues = self._watchers.get(session_id)
+        if queues is not None:
+            queues.discard(queue)
+            if not queues:
+                del self._watchers[session_id]
+
+    async def _open(self) -> None:
+        async with self._opening:
+            if self._raw is not None and not self._raw.is_closed():
+                return
+            await self._drop()
+            with translated():
+                conn = await self._engine.connect()
+                try:
+                    raw: Any = (await conn.get_raw_connection()).driver_connection
+                    await raw.add_listener(CHANNEL, self._notified)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await conn.invalidate()
+                    raise
+            self._conn, self._raw = conn, raw
+
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        event = parse_event(payload)
+        if event is None:
+            return
+        for queue in self._watchers.get(event.session, ()):
+            queue.put_nowait(event)
+
+    async def close(self) -> None:
+        async with self._opening:
+            await self._drop()
+
+    async def _drop(self) -> None:
+        conn, raw, self._conn, self._raw = self._conn, self._raw, None, None
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):
+            if not raw.is_closed():
+                await raw.remove_listener(CHANNEL, self._notified)
+        with contextlib.suppress(Exception):
+            # Never back to the pool: its next holder would go on listening.
+            await conn.invalidate()
+        with contextlib.suppress(Exception):
+            await conn.close()
