@@ -7,6 +7,7 @@ compactd's exceptions to statuses. The served API under load and under schemathe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -20,6 +21,8 @@ from fastapi.routing import APIRoute
 
 from compactd.scheduler.http import API_PREFIX, create_app
 from compactd.storage.errors import ConfigError
+from compactd.storage.kinds import NodeKind
+from compactd.storage.records import Claim, Replacement, RunEnd
 from compactd.storage.store import Store
 from compactd.worker.settings import Settings, build_config
 from tests.support.asgi import (
@@ -164,6 +167,42 @@ async def test_surface_etag_is_the_version_and_an_unchanged_surface_is_304(api: 
                                headers={**A, "If-None-Match": first.headers["etag"]})
     assert moved.status_code == 200 and moved.headers["etag"] != first.headers["etag"]
     assert [m["role"] for m in moved.json()["messages"]] == ["user", "assistant"]
+
+
+async def test_a_long_poll_of_the_surface_returns_with_a_commit(api: Served,
+                                                                   db_url: str) -> None:
+    await api.create("s1", A)
+    for n in range(4):
+        await api.append("s1", A, {"role": "user", "content": f"m{n}"})
+    first = await api.http.get("/v1/sessions/s1/surface", headers=A)
+    tag = first.headers["etag"]
+    # Nothing commits: 304 once the wait is over.
+    idle = await api.http.get("/v1/sessions/s1/surface", params={"wait": 0.3},
+                              headers={**A, "If-None-Match": tag})
+    assert idle.status_code == 304
+    too_long = await api.http.get("/v1/sessions/s1/surface", params={"wait": 61},
+                                  headers={**A, "If-None-Match": tag})
+    assert too_long.status_code == 422 and "wait" in too_long.text
+
+    committer = Store.from_url(db_url)
+    try:
+        waiting = asyncio.create_task(api.http.get(
+            "/v1/sessions/s1/surface", params={"wait": 30}, headers={**A, "If-None-Match": tag}))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        claim = await committer.claim("s1", owner="w1", trigger="manual", lease_s=30)
+        assert isinstance(claim, Claim)
+        await committer.commit("s1", run_id=claim.run_id, fence=claim.fence, replacements=[
+            Replacement(seqs=(1, 2), kind=NodeKind.CHECKPOINT, tokens=3,
+                        payload={"role": "user", "content": "summary",
+                                 "meta": {"checkpoint": True, "summary": "summary"}},
+                        journal_kind="compaction/summary", journal={"text": "summary"})],
+            end=RunEnd(outcome="committed"))
+        moved = await asyncio.wait_for(waiting, 10)
+    finally:
+        await committer.close()
+    assert moved.status_code == 200 and moved.headers["etag"] != tag
+    assert len(moved.json()["messages"]) == 3
 
 
 async def test_usage_signal_and_status(api: Served) -> None:

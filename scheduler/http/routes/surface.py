@@ -20,11 +20,19 @@ from compactd.worker.compaction.render import render_surface
 
 router = APIRouter(prefix=API_PREFIX, tags=["sessions"])
 
+# The longest long poll: a client that wants longer asks again.
+MAX_WAIT_S = 60.0
 _ETAG = {"ETag": {"description": "the surface version, quoted", "schema": {"type": "string"}}}
 
 
 def _etag(version: int) -> str:
     return f'"{version}"'
+
+
+def _one_version(if_none_match: str) -> int | None:
+    """The version an ``If-None-Match`` of one tag names; None for a list or ``*``."""
+    tag = if_none_match.strip().removeprefix("W/").strip('"')
+    return int(tag) if tag.isdigit() else None
 
 
 def _matches(if_none_match: str, version: int) -> bool:
@@ -73,13 +81,23 @@ async def surface(info: Owned, api: ApiDep,
                   render: Annotated[RenderForm | None, Query(
                       description="how checkpoints read (default: the session's form)")]
                   = None,
-                  if_none_match: Annotated[str | None, Header()] = None) -> Any:
+                  if_none_match: Annotated[str | None, Header()] = None,
+                  wait: Annotated[float | None, Query(
+                      ge=0, le=MAX_WAIT_S,
+                      description="with If-None-Match of one version: wait up to this many "
+                                  "seconds for a compaction to commit past it (a long poll)")]
+                  = None) -> Any:
     """The messages the model should see now, checkpoints rendered. With
-    ``If-None-Match: "<version>"`` an unchanged surface costs one primary-key read."""
+    ``If-None-Match: "<version>"`` an unchanged surface costs one primary-key read; with
+    ``wait`` as well, the answer waits for a compaction's commit (on PostgreSQL its
+    notification, not polling) and is 304 only when none came within ``wait`` seconds."""
     if if_none_match:
         version = await api.store.poll(info.id, None)
         if version is not None and _matches(if_none_match, version):
-            return Response(status_code=304, headers={"ETag": _etag(version)})
+            since = _one_version(if_none_match)
+            if not wait or since is None or await api.store.wait_for_version(
+                    info.id, since, wait) is None:
+                return Response(status_code=304, headers={"ETag": _etag(version)})
     current = await api.store.read_surface(info.id)
     # Encoded here, not through the response model: its encoder refuses values nested
     # deeper than ~255 levels, and a row stored before input depth was bounded must still
