@@ -70,6 +70,7 @@ from compactd.worker.pressure import (
 )
 from compactd.worker.runtime import EventLoopThread
 from compactd.worker.settings import Config, load_config
+from compactd.worker.webhooks import send_event
 
 WAIT_POLL_S = 0.05
 # A signal's send starts this long after the append that set the mark: the publish runs in a
@@ -521,12 +522,25 @@ class SessionHandle:
             reason = "compacted" if result["outcome"] == RunStatus.COMMITTED else (
                 f"compacted in part ({', '.join(result['stages'])}); then {failed}")
             messages = await self.surface()
-            await store.publish(Event(EventKind.OVERFLOW_SERVED, self.id, self.info.tenant,
-                                      result["run_id"], self.version, None, result["outcome"]))
+            await self._served_overflow(Event(
+                EventKind.OVERFLOW_SERVED, self.id, self.info.tenant, result["run_id"],
+                self.version, None, result["outcome"]))
             return OverflowResult(True, reason, self.version, messages=messages, run=result,
                                   pruned=result["pruned"],
                                   tokens_after=result["tokens_after"])
         return OverflowResult(False, failed, start_version, run=result)
+
+    async def _served_overflow(self, event: Event) -> None:
+        """Tell the listeners and the webhooks that this overflow was served; the runtime has
+        its smaller surface whatever becomes of the event."""
+        try:
+            await self.client.store.publish(event)
+            if self._config.events.webhooks:
+                await asyncio.to_thread(send_event, self.client.enqueuer.app, self._config,
+                                        event)
+        except Exception as exc:
+            logger.warning("session.overflow_served was not sent: %s", exc,
+                           extra={"action": "events.not_sent", "session_id": self.id})
 
     async def wait_for_run(self, task_id: str, timeout_s: float, *,
                             retry_busy: bool = False) -> RunRecord:

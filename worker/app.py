@@ -27,6 +27,7 @@ from compactd.worker.keys import (
     TASK_RETENTION,
     TASK_RUN,
     TASK_SWEEP,
+    TASK_WEBHOOK,
 )
 from compactd.worker.settings import Config, broker_dirs, load_config
 
@@ -107,7 +108,8 @@ def celery_settings(config: Config) -> dict[str, Any]:
         "task_routes": {TASK_RUN: {"queue": QUEUE_PRESSURE},
                         TASK_SWEEP: {"queue": QUEUE_PRESSURE},
                         TASK_REAP: {"queue": QUEUE_PRESSURE},
-                        TASK_RETENTION: {"queue": QUEUE_PRESSURE}},
+                        TASK_RETENTION: {"queue": QUEUE_PRESSURE},
+                        TASK_WEBHOOK: {"queue": QUEUE_PRESSURE}},
         "beat_schedule": {
             "sweep": {"task": TASK_SWEEP, "schedule": w.sweep_interval_s,
                       "options": {"expires": w.sweep_interval_s}},

@@ -11,6 +11,7 @@ TASK_RUN = "compaction.run"
 TASK_SWEEP = "compaction.sweep"
 TASK_REAP = "compaction.reap"
 TASK_RETENTION = "retention.purge"
+TASK_WEBHOOK = "events.deliver"
 
 RATE_PREFIX = "compactd:rate:"
 RATE_PROVIDER = "provider"  # the global model-call meter

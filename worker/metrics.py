@@ -102,6 +102,14 @@ class Metrics:
         self.retention_last_run = Gauge(
             "compactd_retention_last_run_timestamp_seconds",
             "When retention's purge last finished (Unix time).", registry=registry)
+        self.webhook_deliveries = Counter(
+            "compactd_webhook_deliveries",
+            "Webhook deliveries by event and result (delivered; retried: failed and tried "
+            "again later).", ["event", "result"], registry=registry)
+        self.webhook_dead_letters = Counter(
+            "compactd_webhook_dead_letters",
+            "Webhook deliveries given up after events.retries failed retries, by event.",
+            ["event"], registry=registry)
         self.fleet = FleetCollector()
         registry.register(self.fleet)
 

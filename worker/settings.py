@@ -15,17 +15,26 @@ Every load-time error is a :class:`ConfigError` whose message starts with the ke
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from compactd.storage.database import embedded_url
 from compactd.storage.errors import ConfigError
+from compactd.storage.events import EventKind
 from compactd.storage.ids import ID_PATTERN, MAX_INT32
 from compactd.worker.compaction.lead import parse_lead
 from compactd.worker.compaction.policy import (
@@ -218,6 +227,37 @@ class DatabaseConfig(_Strict):
     statement_cache: bool = True
 
 
+class WebhookSpec(_Strict):
+    """One entry of ``events.webhooks``: where to POST the events, the secret that signs them
+    (HMAC-SHA256, :mod:`worker.webhooks`) and which kinds it wants (all when unset)."""
+
+    url: str
+    secret: str = Field(min_length=1)
+    events: tuple[EventKind, ...] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"an http:// or https:// URL with a host, not {url!r}")
+        return url
+
+    def wants(self, kind: str) -> bool:
+        return self.events is None or kind in self.events
+
+
+class EventsConfig(_Strict):
+    """``events:``, who hears of compactd's events besides PostgreSQL's listeners. A delivery
+    that fails (no answer, an answer other than 2xx) is tried again ``retries`` times, the
+    first after ``backoff_s`` and each wait doubling (up to 5 minutes); then it is counted as
+    dead-lettered."""
+
+    webhooks: tuple[WebhookSpec, ...] = ()
+    retries: int = Field(default=8, ge=0, le=100)
+    backoff_s: float = Field(default=2.0, gt=0)
+
+
 class FileConfig(_Strict):
     models: tuple[ModelSpec, ...] = ()
     default_model: str | None = None
@@ -226,6 +266,7 @@ class FileConfig(_Strict):
     prices: dict[str, PriceSpec] = Field(default_factory=dict)
     retention: RetentionConfig = RetentionConfig()
     database: DatabaseConfig = DatabaseConfig()
+    events: EventsConfig = EventsConfig()
 
 
 class Settings(BaseSettings):
@@ -266,6 +307,7 @@ class Config:
     prices: Mapping[str, Price] = field(default_factory=dict, hash=False)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     log_format: str = "auto"
     log_level: str = "INFO"
     config_path: str | None = None
@@ -330,7 +372,7 @@ def read_yaml(path: str) -> dict[str, Any]:
 
 
 _FILE_KEYS = {"models", "default_model", "summarization", "worker", "api", "prices",
-              "retention", "database"}
+              "retention", "database", "events"}
 
 
 def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
@@ -351,7 +393,7 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         home=home, models=file_config.models, default_model=file_config.default_model,
         policy=policy, lead=lead, worker=worker, api=file_config.api, prices=prices,
         retention=file_config.retention, database=file_config.database,
-        log_format=settings.log_format,
+        events=file_config.events, log_format=settings.log_format,
         log_level=settings.log_level, config_path=config_path)
 
 

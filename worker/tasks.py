@@ -30,7 +30,7 @@ from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
 from compactd.worker import logs
 from compactd.worker.enqueue import Enqueuer, broker_errors, follow_up
-from compactd.worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP
+from compactd.worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP, TASK_WEBHOOK
 from compactd.worker.llm.providers import import_sdks
 from compactd.worker.metrics import FleetSnapshot, metrics, serve
 from compactd.worker.orchestration import compact
@@ -40,6 +40,7 @@ from compactd.worker.run import AUTOMATIC_TRIGGERS, Outcome
 from compactd.worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from compactd.worker.settings import Config, load_config
 from compactd.worker.sweeps import index_recall, least_runways, reap_leases, sweep_pressure
+from compactd.worker.webhooks import backoff_s, post, send_run_event, webhook_for
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
                                         keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
                                         rate_per_s=rate_per_s, index_in_background=True,
                                         instructions=focus)
+            await send_run_event(self.app, config, deps.store, session_id, outcome)
             return outcome
         finally:
             if trigger in AUTOMATIC_TRIGGERS:
@@ -201,6 +203,40 @@ def retention(self: Task) -> dict[str, int]:
         m.retention_purged.labels(what).inc(purged[what])
     m.retention_last_run.set(time.time())
     return purged
+
+
+@shared_task(name=TASK_WEBHOOK, bind=True, ignore_result=True, acks_late=True)
+def deliver(self: Task, url: str, event: dict[str, Any], delivery_id: str) -> int | None:
+    """POST one event to one webhook (:mod:`worker.webhooks`); tried again with backoff until
+    ``events.retries`` retries failed, then dead-lettered. A webhook no longer configured
+    (the configuration changed since) is dropped."""
+    config = _config(self.app)
+    kind = str(event.get("event"))
+    hook = webhook_for(config, url)
+    if hook is None:
+        logger.warning("a delivery for a webhook no longer configured was dropped",
+                       extra={"action": "events.webhook_dropped", "event": kind})
+        return None
+    try:
+        status = post(hook, event, delivery_id)
+        failure = None if 200 <= status < 300 else f"answered {status}"
+    except Exception as exc:  # no answer: refused, reset, timed out, a bad address
+        status, failure = None, f"{type(exc).__name__}: {exc}"
+    if failure is None:
+        metrics().webhook_deliveries.labels(kind, "delivered").inc()
+        return status
+    if self.request.retries >= config.events.retries:
+        metrics().webhook_dead_letters.labels(kind).inc()
+        logger.error("webhook delivery given up after %d retries: %s", self.request.retries,
+                     failure, extra={"action": "events.webhook_dead_letter", "event": kind,
+                                     "delivery_id": delivery_id})
+        return status
+    metrics().webhook_deliveries.labels(kind, "retried").inc()
+    countdown = backoff_s(config, self.request.retries)
+    logger.warning("webhook delivery failed (%s); tried again in %.1f s", failure, countdown,
+                   extra={"action": "events.webhook_retry", "event": kind,
+                          "delivery_id": delivery_id})
+    raise self.retry(countdown=countdown, max_retries=config.events.retries)
 
 
 # The log context of the compaction.run a task thread is running, from task_prerun to

@@ -1,0 +1,119 @@
+"""Webhooks: each event of :mod:`storage.events` POSTed to the URLs of ``events.webhooks``.
+
+The body is the event's JSON. Three headers let a receiver trust it and drop a repeat:
+
+- ``X-Compactd-Timestamp``: Unix seconds when this attempt was signed;
+- ``X-Compactd-Signature``: ``sha256=`` and the hex HMAC-SHA256, keyed with the webhook's
+  secret, of the timestamp, a dot and the body (a receiver refuses an old timestamp, so a
+  captured request cannot be replayed later);
+- ``X-Compactd-Delivery``: the delivery's id, the same on every attempt (delivery is at least
+  once: a receiver that answered but whose answer was lost gets it again).
+
+Each delivery is an ``events.deliver`` task on ``compaction.pressure``: a receiver that does not
+answer 2xx is tried again ``events.retries`` times, waiting ``events.backoff_s`` and doubling,
+then counted in ``compactd_webhook_dead_letters``. The task carries the URL and the event, never
+the secret: the worker reads it from its own configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from compactd.storage.events import Event, EventKind
+from compactd.storage.kinds import FailureClass, RunStatus
+from compactd.storage.records import SessionInfo
+from compactd.storage.store import Store
+from compactd.worker.keys import QUEUE_PRESSURE, TASK_WEBHOOK
+from compactd.worker.run import Outcome
+from compactd.worker.settings import Config, WebhookSpec
+
+logger = logging.getLogger(__name__)
+
+# The longest wait between two attempts.
+BACKOFF_CAP_S = 300.0
+# How long one attempt waits for the receiver's answer.
+DELIVERY_TIMEOUT_S = 10.0
+SIGNATURE_HEADER = "X-Compactd-Signature"
+TIMESTAMP_HEADER = "X-Compactd-Timestamp"
+DELIVERY_HEADER = "X-Compactd-Delivery"
+EVENT_HEADER = "X-Compactd-Event"
+
+
+def signature(secret: str, timestamp: int, body: bytes) -> str:
+    """What ``X-Compactd-Signature`` holds for ``body`` signed at ``timestamp``."""
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"sha256={mac.hexdigest()}"
+
+
+def backoff_s(config: Config, retries_done: int) -> float:
+    """The wait before retry number ``retries_done + 1``."""
+    return float(min(BACKOFF_CAP_S, config.events.backoff_s * 2 ** retries_done))
+
+
+def send_event(app: Any, config: Config, event: Event) -> int:
+    """Queue one delivery of ``event`` per webhook that wants it; how many. Blocking broker
+    I/O (a task calls it from its thread; async callers hand it to one)."""
+    sent = 0
+    for hook in config.events.webhooks:
+        if hook.wants(event.event):
+            app.send_task(TASK_WEBHOOK, kwargs={"url": hook.url, "event": event.to_json(),
+                                                "delivery_id": uuid.uuid4().hex},
+                          queue=QUEUE_PRESSURE)
+            sent += 1
+    return sent
+
+
+def webhook_for(config: Config, url: str) -> WebhookSpec | None:
+    return next((hook for hook in config.events.webhooks if hook.url == url), None)
+
+
+def post(hook: WebhookSpec, event: Mapping[str, Any], delivery_id: str) -> int:
+    """POST ``event`` to ``hook``, signed now; the receiver's status. Raises
+    :class:`httpx.HTTPError` when no answer came."""
+    import httpx  # imported here: only a worker that delivers needs it
+
+    body = json.dumps(event, separators=(",", ":")).encode()
+    timestamp = int(time.time())
+    headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: str(timestamp),
+               SIGNATURE_HEADER: signature(hook.secret, timestamp, body),
+               DELIVERY_HEADER: delivery_id, EVENT_HEADER: str(event.get("event"))}
+    response = httpx.post(hook.url, content=body, headers=headers, timeout=DELIVERY_TIMEOUT_S)
+    return response.status_code
+
+
+def run_event(outcome: Outcome, info: SessionInfo) -> Event | None:
+    """The event a run's end is: ``compaction.committed`` or ``compaction.failed`` (a run that
+    found the session leased by another is contention, not an event); None for the others."""
+    if outcome.run_id is None:
+        return None
+    if outcome.outcome == RunStatus.COMMITTED:
+        return Event(EventKind.COMMITTED, info.id, info.tenant, outcome.run_id,
+                     info.surface_version, info.last_seq, str(outcome.outcome))
+    if outcome.outcome == RunStatus.FAILED and outcome.failure_class != FailureClass.BUSY:
+        return Event(EventKind.FAILED, info.id, info.tenant, outcome.run_id,
+                     info.surface_version, info.last_seq,
+                     str(outcome.failure_class or outcome.outcome))
+    return None
+
+
+async def send_run_event(app: Any, config: Config, store: Store, session_id: str,
+                         outcome: Outcome) -> None:
+    """Queue the deliveries of a run's event, when webhooks are configured. A failure is
+    logged: the run is over whatever becomes of its webhooks."""
+    if not config.events.webhooks:
+        return
+    try:
+        event = run_event(outcome, await store.get_session(session_id))
+        if event is not None:
+            await asyncio.to_thread(send_event, app, config, event)
+    except Exception as exc:
+        logger.warning("the run's webhooks were not queued: %s", exc,
+                       extra={"action": "events.webhook_not_queued", "session_id": session_id})
