@@ -82,8 +82,9 @@ def celery_settings(config: Config) -> dict[str, Any]:
         # shutdown (SIGQUIT, or SIGTERM with CELERY_REMAP_SIGTERM=SIGQUIT) is softened: runs
         # get this long before they are cancelled and their messages go back to the queue.
         "worker_soft_shutdown_timeout": 30.0,
-        # Soft shutdown on idle exists to requeue ETA tasks; there are none here, so an idle
-        # worker stops at once.
+        # Soft shutdown on idle exists to requeue ETA tasks. The only ones here are webhook
+        # deliveries waiting to be tried again (worker.webhooks): unacknowledged, they go back
+        # to the queue when the broker channel closes, so an idle worker still stops at once.
         "worker_enable_soft_shutdown_on_idle": False,
         # Most of a compaction is waiting on a model: one process runs many on a threads pool,
         # each thread handing its coroutine to the process's single event loop. Celery uses
