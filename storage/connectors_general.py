@@ -427,6 +427,8 @@ def end_payload(run_id: str, end: RunEnd) -> dict[str, Any]:
     if end.instructions:
         # The journal says what the run was asked to focus on, beside how it ended.
         payload["instructions"] = list(end.instructions)
+    if end.hook:
+        payload["hook"] = end.hook
     return payload
 
 

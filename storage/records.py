@@ -233,6 +233,8 @@ class RunEnd:
     signalled_at: dt.datetime | None = None
     # The run's instructions, journaled with its end (the run row holds them from the claim).
     instructions: tuple[str, ...] = ()
+    # What the pre-compaction hook answered or how it failed (worker.hooks), journaled.
+    hook: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from compactd.storage.errors import StorageError
+from compactd.storage.errors import InvalidMessage, StorageError
+from compactd.storage.instructions import merge_instructions
 from compactd.storage.kinds import JournalKind, NodeKind, RunCause, RunStatus, Stage
 from compactd.storage.records import Replacement, SessionInfo
 from compactd.storage.store import Store
@@ -50,6 +51,7 @@ from compactd.worker.compaction.pruning import prune_replacements, riding_action
 from compactd.worker.compaction.render import checkpoint_tokens
 from compactd.worker.compaction.sharing import SharedCall, cache_readable, shared_call
 from compactd.worker.compaction.triggers import should_compact
+from compactd.worker.hooks import PreCompaction, call_hook
 from compactd.worker.lead import refresh_after_checkpoint
 from compactd.worker.llm.fallback import SummaryRequest
 from compactd.worker.metrics import metrics
@@ -177,11 +179,9 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         # ignores the trigger as a manual run does and keeps the policy's tail, where a forced
         # run keeps only the newest turn (one session's operator may want that, a fleet never).
         manual, force = True, False
-    policy = session_policy(info, deps.config)
-    if out.instructions:
-        # On the row from the start: an operator sees what a running run was asked for.
-        await store.note_instructions(scope.claim.run_id, out.instructions)
-        policy = dataclasses.replace(policy, focus=out.instructions)
+    policy = await _asked(scope, info, session_policy(info, deps.config))
+    if policy is None:
+        return
     out.tokens_before = session_pressure(info, policy).tokens
     # Safety before cost: an overflow or forced run commits its edits at once.
     edits_may_wait = not force and out.trigger != RunCause.OVERFLOW
@@ -235,6 +235,52 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         # A summary committed in an earlier round, and a later round found nothing left to
         # do: exactly the session that is never relieved, which the guard is for.
         await _loop_guard(deps, out, final, policy)
+
+
+async def _asked(scope: RunScope, info: SessionInfo, policy: Policy) -> Policy | None:
+    """The policy with the run's focus: its instructions and the pre-compaction hook's; None
+    when the hook vetoed the run (ended here)."""
+    out = scope.out
+    if await _vetoed(scope, info, policy):
+        return None
+    if out.instructions:
+        # On the row from the start: an operator sees what a running run was asked for.
+        await scope.deps.store.note_instructions(scope.claim.run_id, out.instructions)
+        policy = dataclasses.replace(policy, focus=out.instructions)
+    return policy
+
+
+async def _vetoed(scope: RunScope, info: SessionInfo, policy: Policy) -> bool:
+    """Ask the pre-compaction hook (worker.hooks), when one is configured: its instructions
+    join the run's; its veto ends the run as nothing to do (True). Its failure is journaled
+    and the run goes on."""
+    deps, out = scope.deps, scope.out
+    entry_point = deps.config.events.pre_compaction
+    if entry_point is None:
+        return False
+    left = scope.deadline_at - asyncio.get_running_loop().time()
+    answer = await call_hook(entry_point, PreCompaction(
+        session_id=info.id, tenant=info.tenant, run_id=scope.claim.run_id,
+        trigger=out.trigger, tokens=session_pressure(info, policy).tokens,
+        instructions=out.instructions),
+        timeout_s=max(0.0, min(deps.config.events.hook_timeout_s, left)))
+    out.hook = answer.journal
+    if answer.error is not None:
+        logger.warning("the pre-compaction hook failed; the run goes on without it: %s",
+                       answer.error, extra={"action": "compaction.hook_failed"})
+        return False
+    if answer.instructions:
+        try:
+            out.instructions = merge_instructions(out.instructions, answer.instructions)
+        except InvalidMessage as exc:
+            out.hook = {**answer.journal, "error": f"its instructions were not added: {exc}"}
+    if answer.veto is None:
+        return False
+    out.outcome = RunStatus.NOTHING_TO_DO
+    out.error = f"vetoed by the pre-compaction hook: {answer.veto}"
+    out.tokens_before = out.tokens_after = session_pressure(info, policy).tokens
+    await scope.end()
+    return True
 
 
 def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, force: bool,

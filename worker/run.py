@@ -98,6 +98,8 @@ class Outcome:
     claim_to_commit_s: float | None = None
     # What a manual run was asked to focus on (storage.instructions).
     instructions: tuple[str, ...] = ()
+    # The pre-compaction hook's answer or failure (worker.hooks), for the journal.
+    hook: dict[str, Any] | None = None
 
     @property
     def failed(self) -> bool:
@@ -148,7 +150,7 @@ class Outcome:
                               **({"claim_to_commit_s": round(self.claim_to_commit_s, 3)}
                                  if self.claim_to_commit_s is not None else {})},
                       range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at,
-                      instructions=self.instructions)
+                      instructions=self.instructions, hook=self.hook)
 
 
 class RunFailed(Exception):

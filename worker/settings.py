@@ -15,6 +15,7 @@ Every load-time error is a :class:`ConfigError` whose message starts with the ke
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -227,6 +228,10 @@ class DatabaseConfig(_Strict):
     statement_cache: bool = True
 
 
+# An entry point: a dotted module, a colon, a dotted attribute path.
+HOOK_PATTERN = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+
+
 class WebhookSpec(_Strict):
     """One entry of ``events.webhooks``: where to POST the events, the secret that signs them
     (HMAC-SHA256, :mod:`worker.webhooks`) and which kinds it wants (all when unset)."""
@@ -256,6 +261,17 @@ class EventsConfig(_Strict):
     webhooks: tuple[WebhookSpec, ...] = ()
     retries: int = Field(default=8, ge=0, le=100)
     backoff_s: float = Field(default=2.0, gt=0)
+    # ``module:function`` the worker calls before each run (worker.hooks), and how long it may
+    # take (never past the run's deadline).
+    pre_compaction: str | None = None
+    hook_timeout_s: float = Field(default=5.0, gt=0)
+
+    @field_validator("pre_compaction")
+    @classmethod
+    def _entry_point(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(HOOK_PATTERN, value):
+            raise ValueError(f"a Python entry point module:function, not {value!r}")
+        return value
 
 
 class FileConfig(_Strict):

@@ -1,0 +1,73 @@
+"""worker.hooks: what the pre-compaction hook may answer, and how its failures are reported (the
+worker's use of it is tests/acceptance/test_pre_compaction_hook.py); the webhooks' retry waits."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from compactd.worker.hooks import PreCompaction, call_hook
+from compactd.worker.settings import build_config
+from compactd.worker.webhooks import BACKOFF_CAP_S, backoff_s
+
+CONTEXT = PreCompaction(session_id="s1", tenant="acme", run_id="r1", trigger="manual",
+                        tokens=1234, instructions=("keep the plan",))
+BAD_ANSWERS = [
+    ("go on", "the hook answered 'go on': None or a mapping"),
+    ({"skip": True}, "the hook answered {'skip': True}"),
+    ({"veto": ""}, "the hook's veto must be a non-empty reason"),
+    ({"veto": 3}, "the hook's veto must be a non-empty reason"),
+    ({"instructions": "one text"}, "the hook's instructions must be a list of texts"),
+    ({"instructions": [""]}, "the hook's instructions: field 'instructions': is empty"),
+]
+
+
+@pytest.fixture
+def hooks() -> Iterator[Any]:
+    module = types.ModuleType("compactd_unit_hooks")
+    for index, (answer, _) in enumerate(BAD_ANSWERS):
+        setattr(module, f"bad{index}", lambda run, answer=answer: answer)
+
+    async def asks(run: PreCompaction) -> dict[str, Any]:
+        return {"instructions": [f"{run.tenant}: {run.tokens} tokens"]}
+
+    async def hangs(run: PreCompaction) -> None:
+        await asyncio.sleep(30)
+
+    module.asks, module.hangs = asks, hangs
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
+
+
+@pytest.mark.parametrize("index", range(len(BAD_ANSWERS)))
+async def test_an_answer_that_is_not_one_is_the_hooks_error(hooks: Any, index: int) -> None:
+    out = await call_hook(f"compactd_unit_hooks:bad{index}", CONTEXT, 1.0)
+    assert out.veto is None and out.instructions == ()
+    assert out.error is not None
+    assert out.error.startswith("TypeError: " + BAD_ANSWERS[index][1]), out.error
+    assert out.journal == {"hook": f"compactd_unit_hooks:bad{index}", "error": out.error}
+
+
+async def test_a_coroutine_hook_is_awaited_and_bounded(hooks: Any) -> None:
+    asked = await call_hook("compactd_unit_hooks:asks", CONTEXT, 1.0)
+    assert asked.error is None and asked.instructions == ("acme: 1234 tokens",)
+    hung = await call_hook("compactd_unit_hooks:hangs", CONTEXT, 0.05)
+    assert hung.error == "the hook did not answer within 0.05 s"
+
+
+async def test_a_hook_that_cannot_be_loaded_is_its_error() -> None:
+    missing = await call_hook("compactd_no_such_module:before", CONTEXT, 1.0)
+    assert missing.error == "ModuleNotFoundError: No module named 'compactd_no_such_module'"
+
+
+def test_webhook_retries_wait_backoff_s_doubling_up_to_the_cap() -> None:
+    config = build_config({"events": {"backoff_s": 0.5}})
+    assert [backoff_s(config, n) for n in range(4)] == [0.5, 1.0, 2.0, 4.0]
+    assert backoff_s(config, 20) == BACKOFF_CAP_S
+    assert backoff_s(build_config({}), 0) == 2.0

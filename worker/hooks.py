@@ -1,0 +1,103 @@
+"""The pre-compaction hook: an operator's Python function the worker calls before each run.
+
+``events.pre_compaction: "module:function"`` names it. It is called with a :class:`PreCompaction`
+once the run holds the session's lease, and answers None (go on) or a mapping:
+
+- ``{"instructions": ["..."]}``: more focus for this run's summary, checked as any instructions
+  (``storage.instructions``) and recorded with the run's;
+- ``{"veto": "reason"}``: the run ends at once as ``nothing_to_do``, the reason in its error and
+  its journal.
+
+The function may be a coroutine function (awaited on the worker's loop) or a plain one (run in a
+thread). It gets ``events.hook_timeout_s``, and never more than what is left of the run's
+deadline. A hook that raises, hangs past its time or answers something else is the hook's
+failure, not the run's: the run goes on without it, and the error is in the run's journal
+(``compaction/end``'s ``hook``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from compactd.storage.errors import InvalidMessage
+from compactd.storage.instructions import check_instructions
+
+
+@dataclass(frozen=True, slots=True)
+class PreCompaction:
+    """What the hook is told about the run about to start."""
+
+    session_id: str
+    tenant: str
+    run_id: str
+    trigger: str
+    tokens: int  # the session's pressure now
+    instructions: tuple[str, ...]  # what the run was asked to focus on so far
+
+
+@dataclass(frozen=True, slots=True)
+class HookAnswer:
+    instructions: tuple[str, ...] = ()
+    veto: str | None = None
+    error: str | None = None
+    journal: dict[str, Any] = field(default_factory=dict)
+
+
+@functools.cache
+def load_hook(entry_point: str) -> Callable[[PreCompaction], Any]:
+    """The function ``module:attr.path`` names (imported once per process)."""
+    module_name, _, path = entry_point.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for name in path.split("."):
+        target = getattr(target, name)
+    if not callable(target):
+        raise TypeError(f"{entry_point} is not callable")
+    return target
+
+
+async def call_hook(entry_point: str, context: PreCompaction, timeout_s: float) -> HookAnswer:
+    """The hook's answer to ``context`` within ``timeout_s``; its failure as ``error``."""
+    try:
+        hook = load_hook(entry_point)
+        if inspect.iscoroutinefunction(hook):
+            raw = await asyncio.wait_for(hook(context), timeout_s)
+        else:
+            raw = await asyncio.wait_for(asyncio.to_thread(hook, context), timeout_s)
+        answer = _answer(raw)
+    except TimeoutError:
+        error = f"the hook did not answer within {timeout_s:g} s"
+        return HookAnswer(error=error, journal={"hook": entry_point, "error": error})
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        return HookAnswer(error=error, journal={"hook": entry_point, "error": error})
+    journal: dict[str, Any] = {"hook": entry_point}
+    if answer.instructions:
+        journal["instructions"] = list(answer.instructions)
+    if answer.veto is not None:
+        journal["veto"] = answer.veto
+    return HookAnswer(answer.instructions, answer.veto, None, journal)
+
+
+def _answer(raw: Any) -> HookAnswer:
+    if raw is None:
+        return HookAnswer()
+    if not isinstance(raw, Mapping) or set(raw) - {"instructions", "veto"}:
+        raise TypeError(f"the hook answered {raw!r:.200}: None or a mapping of instructions "
+                        "and veto was expected")
+    veto = raw.get("veto")
+    if veto is not None and (not isinstance(veto, str) or not veto.strip()):
+        raise TypeError("the hook's veto must be a non-empty reason")
+    texts = raw.get("instructions") or ()
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("the hook's instructions must be a list of texts")
+    try:
+        checked = tuple(check_instructions(t) for t in texts)
+    except InvalidMessage as exc:
+        raise TypeError(f"the hook's instructions: {exc}") from None
+    return HookAnswer(instructions=checked, veto=veto)
