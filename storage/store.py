@@ -517,7 +517,8 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
                                timeout_s: float) -> int | None:
         """The session's surface version once it is past ``after_version``, waiting up to
         ``timeout_s``; None when it did not move in time. On PostgreSQL the wait is a LISTEN
-        (the commit's notification wakes it); on SQLite it reads the version every
+        (the commit's notification wakes it), with a read of the version when it starts and
+        one when its time is up; on SQLite it reads the version every
         ``storage.events.POLL_S``."""
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout_s
@@ -535,12 +536,15 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
             version = await self._version(session_id)
             while version <= after_version:
                 left = until - loop.time()
-                if left <= 0:
-                    return None
                 try:
+                    if left <= 0:
+                        raise TimeoutError
                     event = await asyncio.wait_for(queue.get(), left)
                 except TimeoutError:
-                    return None
+                    # One more read: a notification lost with a dropped connection is not a
+                    # commit missed.
+                    version = await self._version(session_id)
+                    return version if version > after_version else None
                 version = max(version, event.version)
             return version
         finally:
