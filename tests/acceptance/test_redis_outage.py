@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.client import BROKER_HOLD_S, CompactdClient
 from compactd.storage.kinds import NodeKind
 from compactd.worker.settings import load_config
 from tests.support.db import Db
@@ -54,6 +54,7 @@ def turn(session: int, i: int) -> list[dict[str, str]]:
 class Appended:
     messages: dict[str, int] = field(default_factory=dict)
     signalled_during: set[str] = field(default_factory=set)
+    signals: int = 0  # appends during the outage that signalled
     broker_down_at: float = 0.0
 
 
@@ -77,6 +78,7 @@ async def append_through_the_outage(stack: Stack, broker: PrivateRedis) -> Appen
                 step = await handle.append(turn(k, i))
                 if step.signalled:
                     out.signalled_during.add(handle.id)
+                    out.signals += 1
             await asyncio.sleep(max(0.0, out.broker_down_at + (i - STEPS_BEFORE + 1) * interval
                                     - time.monotonic()))
         for handle in handles:
@@ -101,11 +103,14 @@ def test_redis_down_for_a_while_loses_nothing_and_the_sweep_catches_up(
                    what="beat to reach Redis before the outage")
         with caplog.at_level(logging.WARNING, logger="compactd.scheduler.client"):
             appended = asyncio.run(append_through_the_outage(stack, broker))
-        # Every session crossed its trigger while Redis was down and its signal failed.
+        # Every session crossed its trigger while Redis was down and kept signalling (a failed
+        # or held-back send frees the mark); the runtime tried the broker once per hold, not
+        # once per append, and logged each failure.
         assert appended.signalled_during == set(appended.messages), appended
-        failed = {getattr(r, "session_id", None) for r in caplog.records
-                  if getattr(r, "action", None) == "signal_failed"}
-        assert failed == set(appended.messages), failed
+        failures = [r for r in caplog.records if getattr(r, "action", None) == "signal_failed"]
+        # (the first sends of the outage run together; after one fails, one per hold)
+        assert 1 <= len(failures) <= SESSIONS + OUTAGE_S / BROKER_HOLD_S + 1, len(failures)
+        assert appended.signals > 2 * len(failures), (appended.signals, len(failures))
         assert "Connection to broker lost" in stack.log("w1")
         # The operator's view while Redis is down (status reads PostgreSQL only): no run
         # lately, and the sessions growing towards their window with their runway.
