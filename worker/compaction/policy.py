@@ -142,9 +142,9 @@ class ClearToolUsesConfig:
 class ClearThinkingConfig:
     """Anthropic's ``clear_thinking`` context edit, model-free: the reasoning blocks of all but
     the ``keep`` newest assistant messages holding reasoning are dropped
-    (``worker.compaction.reasoning``)."""
+    (``worker.compaction.reasoning``). ``keep`` defaults to Anthropic's default, one turn."""
 
-    keep: int
+    keep: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +298,7 @@ _TOP_KEYS = {
     "index_max_tokens", "keep_at", "clear_at_least", "cache_ttl_s",
 }
 _PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
+_CLEAR_THINKING_KEYS = {"keep"}
 _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs",
                "clear_at_least", "placeholder"}
 
@@ -587,10 +588,9 @@ def _parse_clear_thinking(raw: Any, path: str) -> ClearThinkingConfig | None:
         return None
     if not isinstance(raw, Mapping):
         raise PolicyError(path, "must be a mapping such as {keep: 1}, or null")
-    _no_unknown(raw, {"keep"}, path)
+    _no_unknown(raw, _CLEAR_THINKING_KEYS, path)
     if "keep" not in raw:
-        raise PolicyError(f"{path}.keep", "missing: how many of the newest assistant turns "
-                                          "keep their reasoning")
+        return ClearThinkingConfig()
     return ClearThinkingConfig(keep=_count(raw["keep"], f"{path}.keep", allow_zero=True))
 
 
