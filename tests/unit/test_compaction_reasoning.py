@@ -148,3 +148,34 @@ def test_clear_thinking_round_trips_through_the_config() -> None:
     assert parse_policy(policy.to_config()) == policy
     assert parse_policy({"clear_thinking": None}).clear_thinking is None
     assert parse_policy({"clear_thinking": {}}).clear_thinking == ClearThinkingConfig(keep=1)
+
+
+def test_langchain_messages_mirrored_by_the_middleware_clear_the_same_way() -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    from compactd.scheduler.langchain import to_compactd, to_langchain
+    from compactd.storage.messages import parse_openai
+
+    def ai(tag: str, call: str | None = None) -> AIMessage:
+        calls = [{"id": call, "name": "bash", "args": {}}] if call else []
+        return AIMessage([thinking(tag), {"type": "text", "text": tag}], tool_calls=calls)
+
+    state = [
+        HumanMessage("go"),
+        ai("a1", "c1"),
+        ToolMessage("ok", tool_call_id="c1"),
+        ai("a2"),
+        HumanMessage("next"),
+        ai("a3", "c2"),
+    ]
+    surface = nodes(*(parse_openai(m) for m in to_compactd(state)))
+    actions = clear_thinking(surface, ClearThinkingConfig(keep=0), COUNTER)
+    assert [a.seq for a in actions] == [2, 4]
+    back = [to_langchain({**a.message.to_openai(), "seq": a.seq}) for a in actions]
+    assert [m.content for m in back] == [
+        [{"type": "text", "text": "a1"}],
+        [{"type": "text", "text": "a2"}],
+    ]
+    assert back[0].tool_calls[0]["id"] == "c1"  # type: ignore[attr-defined]
+    kept = to_langchain({**surface[-1].message.to_openai(), "seq": 6})
+    assert kept.content == state[-1].content  # the open call's thinking, signature and all
