@@ -174,7 +174,10 @@ def configuration_reference() -> str:
             "forms (see the guide); `lead` is fleet-wide (`auto`, seconds, or `0`; default "
             "`auto`).\n", *table]
     nested_keys = {"prune": (policy_module._PRUNE_KEYS, defaults.prune),
-                   "clear_tool_uses": (policy_module._CLEAR_KEYS, defaults.clear_tool_uses)}
+                   "clear_tool_uses": (policy_module._CLEAR_KEYS, defaults.clear_tool_uses),
+                   # Off by default (None); its keys' defaults are those of a block given empty.
+                   "clear_thinking": (policy_module._CLEAR_THINKING_KEYS,
+                                      policy_module.ClearThinkingConfig())}
     fields = {f.name: f for f in dataclasses.fields(policy_module.Policy)}
     for key in sorted(policy_module._TOP_KEYS | {"lead"}):
         path = f"summarization.{key}"

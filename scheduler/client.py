@@ -78,6 +78,12 @@ WAIT_POLL_S = 0.05
 # (docs/benchmarks.md, "The agent's hot path"). A compaction takes seconds; 20 ms later is the
 # same to it.
 SIGNAL_SEND_DELAY_S = 0.02
+# After a send the broker refused, the signals of the next this-many seconds are not sent (their
+# marks are freed, as a failed send's is): while Redis is down each append over its trigger
+# would otherwise hold a thread of the loop's default executor on a send bound to fail, and
+# those queue without bound in a busy runtime (recall's reads wait behind them). The pressure
+# sweep enqueues the sessions once Redis is back.
+BROKER_HOLD_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +173,10 @@ class CompactdClient:
         self.enqueuer = enqueuer
         self._schema_checked = not self.config.embedded
         self._sending: set[asyncio.Task[None]] = set()
+        # When a send last failed (loop time), and the signals not sent since.
+        self._broker_failed_at: float | None = None
+        self._probing = False
+        self._held_signals = 0
 
     async def __aenter__(self) -> CompactdClient:
         await self._ensure_schema()
@@ -198,10 +208,25 @@ class CompactdClient:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
+    def _broker_held(self) -> bool:
+        """Whether a send now is held back: within the hold after a refused send, or while the
+        one send that tries the broker again after it is under way."""
+        failed = self._broker_failed_at
+        if failed is None:
+            return False
+        return self._probing or asyncio.get_running_loop().time() - failed < BROKER_HOLD_S
+
     async def _send_marked(self, request: RunRequest) -> None:
+        probe = False
         try:
             await asyncio.sleep(SIGNAL_SEND_DELAY_S)
+            if self._broker_held():
+                self._held_signals += 1
+                await self.store.clear_signal(request.session_id)
+                return
+            probe = self._probing = self._broker_failed_at is not None
             await enqueue_marked(self.store, self.enqueuer, request)
+            self._broker_failed_at = None
         except asyncio.CancelledError:
             # Cancelled before the broker had it (the loop is closing without aclose): free the
             # mark, or the session's next signal waits for its TTL or the pressure sweep.
@@ -211,8 +236,16 @@ class CompactdClient:
         except Exception as exc:
             # The messages are committed; a lost signal costs nothing lasting (enqueue_marked
             # frees the mark so the next append signals again, and the pressure sweep finds it).
-            logger.warning("an append's signal was not enqueued: %s", exc,
-                           extra={"action": "signal_failed", "session_id": request.session_id})
+            self._broker_failed_at = asyncio.get_running_loop().time()
+            held, self._held_signals = self._held_signals, 0
+            logger.warning("an append's signal was not enqueued: %s (signals held back since "
+                           "the last failure: %d; the next %.0f s are held back too)", exc,
+                           held, BROKER_HOLD_S,
+                           extra={"action": "signal_failed", "session_id": request.session_id,
+                                  "held": held})
+        finally:
+            if probe:
+                self._probing = False
 
     async def _ensure_schema(self) -> None:
         if not self._schema_checked:

@@ -18,6 +18,7 @@ import contextlib
 import datetime as dt
 import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -74,6 +75,30 @@ if TYPE_CHECKING:
 
 Row = Mapping[Any, Any]
 
+# SQLite has one writer, and a writer queued on the busy timeout sleeps between its tries, each
+# sleep about as long as it has waited so far. A deletion that begins its next batch as soon as
+# it commits takes the lock again while the queued writer sleeps, and an append then waits out
+# the whole deletion. So on SQLite each batch is sized to a short time and followed by a pause as
+# long as the batch took: a writer queued during the batch wakes inside the pause and goes first.
+SQLITE_DELETE_BATCH_S = 0.01
+SQLITE_DELETE_REST_S = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class DeletionPace:
+    """How a deletion spaces the short transactions it deletes in (``storage.deletion``)."""
+
+    #: The time one batch should take: its row count is fitted to it table by table, up to the
+    #: deletion's row count (None: every batch has that row count).
+    batch_s: float | None = None
+    #: The pause after each batch, in which the writers queued behind it take the database:
+    #: ``rest_ratio`` times as long as the batch took, and at least ``rest_s``.
+    rest_s: float = 0.0
+    rest_ratio: float = 0.0
+
+    def rest_after(self, took_s: float) -> float:
+        return max(self.rest_s, self.rest_ratio * took_s)
+
 
 class Connector:
     """The named queries of ``storage/sql``, and the operations one backend runs in one call.
@@ -88,6 +113,9 @@ class Connector:
     encodes_appends: bool
     #: The suffix of this backend's form of a query the two spell differently.
     variant_suffix: str
+    #: How a session's deletion spaces its batches (PostgreSQL locks rows, not the database:
+    #: batches of the deletion's row count, back to back, stall no other session there).
+    deletion_pace = DeletionPace()
 
     def _variant(self, name: str) -> str:
         """This backend's form of query ``name`` (``<name>_pg`` or ``<name>_sqlite`` in
@@ -363,6 +391,8 @@ class PostgresConnector(Connector):
 class SQLiteConnector(Connector):
     encodes_appends = False
     variant_suffix = "sqlite"
+    deletion_pace = DeletionPace(batch_s=SQLITE_DELETE_BATCH_S, rest_s=SQLITE_DELETE_REST_S,
+                                 rest_ratio=1.0)
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine

@@ -2,12 +2,15 @@
 
 A session's rows are deleted in short transactions of at most ``batch`` rows each, never under
 the session's row lock, so neither another session's appends nor this one's wait on a delete of
-a long log. First, in one short transaction on the session's row, the deletion takes the
-session's lease (a claim then finds it busy) and moves the fence, so a run in flight can no
-longer commit: the run is recorded ``cancelled`` and its holder finds its lease gone at its next
-renewal or commit. Last, the session row goes with what was appended meanwhile (the foreign
-keys cascade), in one transaction: the deletion takes effect there, and an append after it
-finds no session.
+a long log. How the batches are spaced is the backend's (``Connector.deletion_pace``): on SQLite,
+whose one writer at a time is every session's, each batch is sized to a few milliseconds and
+followed by a pause in which the appends queued behind it go first.
+
+First, in one short transaction on the session's row, the deletion takes the session's lease (a
+claim then finds it busy) and moves the fence, so a run in flight can no longer commit: the run
+is recorded ``cancelled`` and its holder finds its lease gone at its next renewal or commit.
+Last, the session row goes with what was appended meanwhile (the foreign keys cascade), in one
+transaction: the deletion takes effect there, and an append after it finds no session.
 
 The tables are every table of the schema with a ``session_id`` column (``SESSION_TABLES``), so a
 table added later is covered without a change here. The log (``events``) goes last: a deletion
@@ -16,7 +19,9 @@ that is interrupted leaves the session with part of its rows, and running it aga
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
@@ -25,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from compactd.storage import schema as t
+from compactd.storage.connectors import Connector, DeletionPace
 from compactd.storage.database import connection, snapshot, transaction
 from compactd.storage.errors import SessionNotFound
 from compactd.storage.kinds import FailureClass, NodeKind, RunStatus
@@ -72,6 +78,7 @@ class BeatRun:
 
 class DeletionMixin:
     engine: AsyncEngine
+    db: Connector
 
     if TYPE_CHECKING:  # provided by Store
         async def _session(self, conn: AsyncConnection, session_id: str, *, lock: bool = False,
@@ -101,17 +108,15 @@ class DeletionMixin:
         except _InUse:
             return None
         rows: dict[str, int] = {table.name: 0 for table in SESSION_TABLES}
+        sizes = _BatchSizes(self.db.deletion_pace, batch)
         while True:
             # A pass over every table; appends meanwhile add rows, so passes go on until one
-            # finds less than a batch anywhere, and the final transaction takes the rest.
+            # needs no more than a batch for any table, and the final transaction takes the rest.
             full = False
             for table in SESSION_TABLES:
-                deleted = await self._delete_batch(table, session_id, batch)
+                deleted, batches = await self._delete_rows(table, session_id, sizes)
                 rows[table.name] += deleted
-                full = full or deleted >= batch
-                while deleted >= batch:
-                    deleted = await self._delete_batch(table, session_id, batch)
-                    rows[table.name] += deleted
+                full = full or batches > 1
                 await self._renew_deletion(session_id, now=utcnow())
             if not full:
                 break
@@ -160,11 +165,29 @@ class DeletionMixin:
                                .values(lease_expires_at=now + dt.timedelta(
                                    seconds=DELETE_LEASE_S)))
 
-    async def _delete_batch(self, table: sa.Table, session_id: str, batch: int) -> int:
-        async with transaction(self.engine) as conn:
-            result = await conn.execute(_batch_delete(table), {"b_session": session_id,
-                                                               "b_batch": batch})
-            return result.rowcount or 0
+    async def _delete_rows(self, table: sa.Table, session_id: str, sizes: _BatchSizes
+                           ) -> tuple[int, int]:
+        """Delete the session's rows of ``table`` batch by batch, each in its own transaction
+        and followed by the backend's pause; (rows deleted, batches run)."""
+        deleted = batches = 0
+        while True:
+            limit = sizes.rows(table)
+            async with transaction(self.engine) as conn:
+                # Timed from when the transaction holds the database, not from when it waited
+                # for it: an append's turn is not the batch's cost.
+                started = time.perf_counter()
+                result = await conn.execute(_batch_delete(table), {"b_session": session_id,
+                                                                   "b_batch": limit})
+            done = result.rowcount or 0
+            took = time.perf_counter() - started
+            sizes.took(table, done, took)
+            deleted += done
+            batches += 1
+            rest = sizes.pace.rest_after(took)
+            if rest > 0:
+                await asyncio.sleep(rest)
+            if done < limit:
+                return deleted, batches
 
     # ---------------------------------------------------------------------------------------
     # export
@@ -222,6 +245,31 @@ class DeletionMixin:
         async with connection(self.engine) as conn:
             return [BeatRun(r.name, r.finished_at, r.result or {})
                     for r in await conn.execute(stmt)]
+
+
+class _BatchSizes:
+    """The row count of a table's next batch: the deletion's own, or fitted to the pace's time
+    per batch from the last batch of the same table (tables differ: a recall original also
+    leaves the full-text index)."""
+
+    # Below this a batch is mostly the transaction's own cost.
+    MIN_ROWS = 200
+
+    def __init__(self, pace: DeletionPace, batch: int) -> None:
+        self.pace = pace
+        self.batch = batch
+        self._rows: dict[str, int] = {}
+
+    def rows(self, table: sa.Table) -> int:
+        return self._rows.get(table.name, self.batch)
+
+    def took(self, table: sa.Table, deleted: int, seconds: float) -> None:
+        if self.pace.batch_s is None or deleted < self.rows(table):
+            return  # a partial batch is the table's last: nothing to fit
+        fitted = int(deleted * self.pace.batch_s / max(seconds, 1e-6))
+        # Grow at most twofold a batch: one fast batch (a warm cache) is not a new rate.
+        self._rows[table.name] = max(min(self.batch, fitted, 2 * deleted),
+                                     min(self.MIN_ROWS, self.batch))
 
 
 class _InUse(Exception):

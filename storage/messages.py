@@ -54,7 +54,7 @@ TOO_DEEP = (f"JSON nested too deep to read (a message may nest at most {MAX_NEST
 # to the keys the worker writes.
 RESERVED_META = frozenset({META_CHECKPOINT, "summary", "skills", "render", "authority_contract",
                            "run_id", META_PRUNED, "cleared", "cleared_tool_inputs",
-                           META_RECALL})
+                           "cleared_thinking", META_RECALL})
 
 
 class ToolCall(BaseModel):

@@ -24,7 +24,7 @@ import base64
 import hashlib
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from importlib import resources
 from typing import Any, Protocol
@@ -186,6 +186,16 @@ def counter_for(model: str | None) -> _FramedCounter:
     if is_anthropic(model):
         return CharRatioCounter(ANTHROPIC_CHARS_PER_TOKEN, "anthropic-estimate")
     return TiktokenCounter(encoding_name_for(model))
+
+
+def load_counters(models: Iterable[str | None]) -> list[str]:
+    """Load the encodings ``models`` are counted with (None: a model not configured, counted
+    in o200k); the names loaded. A process that counts later then does not parse a BPE file
+    on its first count, which for a worker is its first compaction."""
+    names = sorted({encoding_name_for(m) for m in models if not is_anthropic(m)})
+    for name in names:
+        encoding(name).encode_ordinary("warm")
+    return names
 
 
 def _compact_json(value: Any) -> str:

@@ -176,13 +176,46 @@ async def store(db_url: str) -> AsyncIterator[object]:
         await st.close()
 
 
+def isolated_cli_env(home: Path) -> dict[str, str]:
+    """Environment for running ``compactd`` as a subprocess with ``home`` as its home, isolated
+    from the developer's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COMPACTD_HOME"] = str(home)
+    return env
+
+
 @pytest.fixture
 def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     """Environment for running ``compactd`` as a subprocess, isolated from the developer's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPACTD_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["COMPACTD_HOME"] = str(tmp_path)
-    yield env
+    yield isolated_cli_env(tmp_path)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def module_cli_env(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A ``cli_env`` for the tests of one module that only read what its first user stored: a
+    home of its own and, on PostgreSQL, a database of its own (``clean_pg`` empties the shared
+    one between tests), made once per module and kind. ``TEST_DATABASE_URL`` names the database
+    for the test's own reads; compactd does not read it."""
+    home = tmp_path_factory.mktemp("module-cli")
+    env = isolated_cli_env(home)
+    if request.param == "sqlite":
+        from compactd.storage.database import embedded_url
+
+        env["TEST_DATABASE_URL"] = embedded_url(home)
+        yield env
+        return
+    base = str(request.getfixturevalue("pg_url"))
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    url = with_database(base, f"{urlparse(base).path.lstrip('/')}_{module}")
+    drop_database_sync(url)
+    create_database_sync(url)
+    env["COMPACTD_DATABASE_URL"] = env["TEST_DATABASE_URL"] = url
+    try:
+        yield env
+    finally:
+        drop_database_sync(url)
 
 
 def compactd_cmd() -> list[str]:

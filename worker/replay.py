@@ -21,6 +21,7 @@ five hits of ``history_search`` asked with :func:`worker.probes.query_words`), o
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,8 +47,14 @@ FACT_KINDS = ("paths", "errors", "ids")
 SEARCH_TOP = 5
 REPLAY_ID = "replay_id"  # the meta key that follows a message through prunes and summaries
 RENDER = "langchain"
-COUNTER = counter_for(None)
 MISSES_KEPT = 20  # lost probes listed per session in a report
+
+
+@functools.cache
+def counter() -> Any:
+    """The replay's token counter, made at first use: loading its encoding is the slowest part
+    of importing this module, which every CLI command does."""
+    return counter_for(None)
 
 
 class TranscriptError(BadInput):
@@ -76,7 +83,7 @@ class Session:
 
 
 def tokens_of(message: dict[str, Any]) -> int:
-    return sum(COUNTER.count_message(m) for m in parse(wire(message), "openai"))
+    return sum(counter().count_message(m) for m in parse(wire(message), "openai"))
 
 
 def wire(message: dict[str, Any]) -> dict[str, Any]:
@@ -291,7 +298,7 @@ async def replay(session: Session, config: Config, *, session_id: str | None = N
                 m = parse(wire(d), "openai")[0]
                 m = m.model_copy(update={"meta": {REPLAY_ID: rid}})
                 appended.messages[rid] = m
-                appended.sizes[rid] = (COUNTER.count_message(m), chars(m))
+                appended.sizes[rid] = (counter().count_message(m), chars(m))
                 batch.append(m)
             result = await store.append(sid, batch)
             appended.seqs.update(zip([m.meta[REPLAY_ID] for m in batch],
@@ -324,8 +331,8 @@ async def _compact(deps: Any, sid: str, last_seq: int,
     received: Counter[str] = Counter()
     carried = False
     for messages, existing in calls:
-        tally.input_tokens += sum(COUNTER.count_message(m) for m in messages)
-        tally.input_tokens += COUNTER.count_text(existing) if existing else 0
+        tally.input_tokens += sum(counter().count_message(m) for m in messages)
+        tally.input_tokens += counter().count_text(existing) if existing else 0
         carried = carried or bool(existing)
         for m in messages:
             if REPLAY_ID in m.meta:

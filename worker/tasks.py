@@ -28,6 +28,7 @@ from compactd.storage.errors import ConfigError, DatabaseUnavailable, StorageErr
 from compactd.storage.instructions import merge_instructions
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
+from compactd.storage.tokens import load_counters
 from compactd.worker import logs
 from compactd.worker.enqueue import Enqueuer, broker_errors, follow_up
 from compactd.worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP, TASK_WEBHOOK
@@ -266,6 +267,8 @@ def _prepare_process(sender: Any = None, **_: Any) -> None:
     # Before the worker consumes anything: the first compaction must not wait for them, and no
     # import may ever run on the event loop (see worker.llm.providers).
     import_sdks(config.models)
+    # Parsing an encoding's BPE file takes most of a second: paid here, not by the first run.
+    load_counters([None, *(m.name for m in config.models), *(m.model_id for m in config.models)])
     # Now, so a worker configured for a loop it cannot have does not start. Celery logs a
     # handler's exception and goes on (every task would then fail); SystemExit it lets through.
     try:

@@ -239,3 +239,31 @@ def test_the_script_exits_2_naming_a_bad_latency_or_a_missing_folder(tmp_path: P
     run = cache_cost("--corpus", str(tmp_path / "absent"))
     assert run.returncode == 2
     assert f"--corpus: no */*.jsonl transcripts under {tmp_path / 'absent'}" in run.stderr
+
+
+def test_under_usage_both_runtimes_fire_on_the_providers_count(tmp_path: Path) -> None:
+    """``--usage``: LangChain's middleware fires on the usage its step carries though its own
+    count is under the trigger, and the run says usage was reported."""
+    from langchain.agents.middleware import SummarizationMiddleware
+
+    from tests.bench.corpus import LCCounter
+    from tests.bench.peers import to_langchain
+    from tests.support.chat_models import fake_chat_openai
+
+    step = to_langchain([{"role": "assistant", "content": "looking it up"},
+                         {"role": "user", "content": "ok"}], ids=["m1", "m2"])
+    middleware: SummarizationMiddleware[Any, Any] = SummarizationMiddleware(
+        model=fake_chat_openai("http://127.0.0.1:9/v1", bench.SUMMARY_MODEL, api_key="k"),
+        trigger=("tokens", 3000), keep=("messages", 1), token_counter=LCCounter())
+    own = LCCounter()(step)
+    assert not middleware._should_summarize(step, own)
+    bench.carry_usage(step, 3000)
+    assert step[0].usage_metadata is not None  # type: ignore[attr-defined]
+    assert step[0].usage_metadata["total_tokens"] == 3000 + LCCounter()(step[:1])  # type: ignore[attr-defined]
+    assert middleware._should_summarize(step, own)
+
+    out = tmp_path / "usage.json"
+    run = cache_cost("--quick", "--sides", "langchain", "--usage", "--transcripts",
+                     str(transcripts(tmp_path / "corpus")), "--json", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(out.read_text())["config"]["usage_reports"] is True

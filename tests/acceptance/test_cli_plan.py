@@ -14,20 +14,32 @@ from tests.conftest import run_cli as run
 SAMPLE = coding_session(steps=16, big_output_lines=220)
 
 
+def _store_the_sample(env: dict[str, str], home: Path) -> dict[str, str]:
+    config = home / "compactd.yaml"
+    config.write_text("summarization:\n  trigger: [{type: tokens, value: 6000}]\n"
+                      "  keep: {type: messages, value: 6}\n")
+    env["COMPACTD_CONFIG"] = str(config)
+    path = home / "s.jsonl"
+    path.write_text(SAMPLE.jsonl())
+    run(env, "migrate")
+    run(env, "ingest", str(path), "--session", "s1", "--run-model", "gpt-4o")
+    return env
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def env(request: pytest.FixtureRequest, cli_env: dict[str, str], tmp_path: Path
         ) -> dict[str, str]:
+    """The sample stored afresh, for a test that writes."""
     if request.param == "postgres":
         cli_env["COMPACTD_DATABASE_URL"] = request.getfixturevalue("clean_pg")
-    config = tmp_path / "compactd.yaml"
-    config.write_text("summarization:\n  trigger: [{type: tokens, value: 6000}]\n"
-                      "  keep: {type: messages, value: 6}\n")
-    cli_env["COMPACTD_CONFIG"] = str(config)
-    path = tmp_path / "s.jsonl"
-    path.write_text(SAMPLE.jsonl())
-    run(cli_env, "migrate")
-    run(cli_env, "ingest", str(path), "--session", "s1", "--run-model", "gpt-4o")
-    return cli_env
+    return _store_the_sample(cli_env, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def planned(module_cli_env: dict[str, str]) -> dict[str, str]:
+    """The sample stored once per module and kind, for the tests that only plan (a plan writes
+    nothing: the first test checks it)."""
+    return _store_the_sample(module_cli_env, Path(module_cli_env["COMPACTD_HOME"]))
 
 
 def state(env: dict[str, str]) -> tuple[str, str]:
@@ -35,10 +47,10 @@ def state(env: dict[str, str]) -> tuple[str, str]:
             run(env, "status", "s1", "--json").stdout)
 
 
-def test_plan_json_follows_the_contract_and_writes_nothing(env: dict[str, str]) -> None:
-    before = state(env)
-    body = json.loads(run(env, "plan", "s1", "--json").stdout)
-    assert state(env) == before
+def test_plan_json_follows_the_contract_and_writes_nothing(planned: dict[str, str]) -> None:
+    before = state(planned)
+    body = json.loads(run(planned, "plan", "s1", "--json").stdout)
+    assert state(planned) == before
     assert body["session"] == "s1" and body["surface_version"] == 1
     assert set(body["pressure"]) >= {"tokens", "messages", "fraction"}
     assert body["trigger"]["fired"] is True and body["trigger"]["reason"]
@@ -56,19 +68,19 @@ def test_plan_json_follows_the_contract_and_writes_nothing(env: dict[str, str]) 
     assert all(call["input_tokens"] <= 4000 for call in summarize["calls"])
 
 
-def test_plan_force_and_keep(env: dict[str, str]) -> None:
-    normal = json.loads(run(env, "plan", "s1", "--json").stdout)["summarize"]
-    forced = json.loads(run(env, "plan", "s1", "--json", "--force").stdout)["summarize"]
+def test_plan_force_and_keep(planned: dict[str, str]) -> None:
+    normal = json.loads(run(planned, "plan", "s1", "--json").stdout)["summarize"]
+    forced = json.loads(run(planned, "plan", "s1", "--json", "--force").stdout)["summarize"]
     assert len(forced["keep_seqs"]) < len(normal["keep_seqs"])
-    wide = json.loads(run(env, "plan", "s1", "--json", "--keep", "messages:30").stdout)
+    wide = json.loads(run(planned, "plan", "s1", "--json", "--keep", "messages:30").stdout)
     assert len(wide["summarize"]["keep_seqs"]) > len(normal["keep_seqs"])
-    human = run(env, "plan", "s1").stdout
+    human = run(planned, "plan", "s1").stdout
     assert "trigger: fired" in human and "summarize: replace" in human
 
 
 @pytest.mark.parametrize("keep", ["messages", "pages:3", "fraction:80", "messages:-1"])
-def test_bad_keep_exits_2(env: dict[str, str], keep: str) -> None:
-    out = run(env, "plan", "s1", "--keep", keep, check=False)
+def test_bad_keep_exits_2(planned: dict[str, str], keep: str) -> None:
+    out = run(planned, "plan", "s1", "--keep", keep, check=False)
     assert out.returncode == 2 and "keep" in out.stderr
 
 

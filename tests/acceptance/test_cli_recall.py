@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from compactd.storage.database import embedded_url
 from compactd.storage.store import Store
 from compactd.worker.compaction.recall_tools import tools_document
 from tests.conftest import run_cli as run
@@ -19,25 +18,22 @@ from tests.support.recall_sample import NEEDLE, needle_messages
 from tests.support.tables import row_counts
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def env(request: pytest.FixtureRequest, cli_env: dict[str, str], tmp_path: Path
-        ) -> dict[str, str]:
-    url = embedded_url(tmp_path)
-    if request.param == "postgres":
-        url = request.getfixturevalue("clean_pg")
-        cli_env["COMPACTD_DATABASE_URL"] = url
-    cli_env["TEST_DATABASE_URL"] = url  # for the row counts below, not read by compactd
-    config = tmp_path / "compactd.yaml"
+@pytest.fixture(scope="module")
+def env(module_cli_env: dict[str, str]) -> dict[str, str]:
+    """The needle session ingested and compacted inline, once per module and kind: the tests
+    below only read it (the one that tries bad input checks that nothing was written)."""
+    home = Path(module_cli_env["COMPACTD_HOME"])
+    config = home / "compactd.yaml"
     config.write_text("summarization:\n  trigger: [{type: tokens, value: 20000}]\n"
                       "  keep: {type: messages, value: 12}\n")
-    cli_env["COMPACTD_CONFIG"] = str(config)
-    path = tmp_path / "s.jsonl"
+    module_cli_env["COMPACTD_CONFIG"] = str(config)
+    path = home / "s.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in needle_messages()))
-    run(cli_env, "migrate")
-    run(cli_env, "ingest", str(path), "--session", "s1")
-    compacted = json.loads(run(cli_env, "compact", "s1", "--inline", "--json").stdout)
+    run(module_cli_env, "migrate")
+    run(module_cli_env, "ingest", str(path), "--session", "s1")
+    compacted = json.loads(run(module_cli_env, "compact", "s1", "--inline", "--json").stdout)
     assert compacted["outcome"] == "committed", compacted
-    return cli_env
+    return module_cli_env
 
 
 def _rows(env: dict[str, str]) -> dict[str, int]:

@@ -13,14 +13,11 @@ import datetime as dt
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -30,10 +27,9 @@ from compactd.storage.messages import Message
 from compactd.storage.records import RunRecord
 from compactd.storage.store import Store
 from compactd.worker.enqueue import RunRequest
-from tests.conftest import missing
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
-from tests.support.probes import free_port
+from tests.support.private_redis import PrivateRedis
 from tests.support.stack import Stack, wait_until
 from tests.support.worker_stack import db, enqueuer
 
@@ -390,60 +386,6 @@ def test_every_candidate_returns_whitespace_fails_summary(
 
 # ------------------------------------------------------------------------------------------
 # 5. Redis restarted during a run
-
-
-class PrivateRedis:
-    """A redis-server of this test's own (the shared one must never be restarted)."""
-
-    def __init__(self, home: Path) -> None:
-        self.port = free_port()
-        self.home = home
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            missing("redis-server is not installed")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.home)],
-            stdout=(self.home / "redis.log").open("ab"), stderr=subprocess.STDOUT)
-        wait_until(self.answers, timeout=10, what="the private redis-server")
-
-    def answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
-
-    def queued_runs(self, session_id: str, queue: str = "compaction.pressure") -> list[Any]:
-        """The compaction.run messages for ``session_id`` waiting in ``queue``."""
-        import redis
-
-        client = redis.Redis.from_url(self.url)
-        try:
-            messages = client.lrange(queue, 0, -1)
-        finally:
-            client.close()
-        out = []
-        for raw in messages:
-            headers = json.loads(raw).get("headers") or {}
-            if headers.get("task") == "compaction.run" and repr(session_id) in str(
-                    headers.get("kwargsrepr")):
-                out.append(raw)
-        return out
 
 
 def test_redis_restarted_during_a_run_loses_nothing(clean_pg: str, fake: FakeProvider, db: Db,

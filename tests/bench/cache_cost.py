@@ -3,7 +3,7 @@
     python tests/bench/cache_cost.py --json OUT [--sessions NAME,...] [--profiles fast,realistic]
         [--latency S --think S] [--triggers 16000[,8000,...]] [--keep 6] [--trim 4000]
         [--summary-tokens 400] [--window 128000] [--concurrency 4] [--sides langchain,before,after]
-        [--corpus DIR | --transcripts DIR] [--quick]
+        [--corpus DIR | --transcripts DIR] [--usage] [--quick]
 
 Sessions: the long concatenations of 30k-150k conversation tokens that ``tests/bench/corpus.py``
 builds from ``--corpus`` (default ``../shared/corpus`` beside the repository), or with
@@ -36,6 +36,16 @@ much the fake chose to write:
 * ``after``: the same with compactd's defaults (``COMPACTD_SIDES``). While the two sides set the
   same policy, ``after`` is not run again: its report is ``before``'s, marked ``same_as``.
 * ``recallable`` (on request): ``summarization.layout: recallable``.
+
+Usage (``--usage``): both runtimes see the provider's usage of the agent's last call, as each
+documents: compactd's reports it after the call (``report_usage``, as ``ops/examples/agent_loop.py``
+does), so its pressure counts the provider's tokens; LangChain's step carries it on its first
+assistant message (the model's response to that call: ``usage_metadata``, ``model_provider``),
+which ``SummarizationMiddleware`` also fires on. Both report the conversation's share (the
+request's input less the system prompt), since the trigger counts the conversation only. Without
+it (the default), both sides fire on compactd's o200k count of the messages, which on tau-bench
+is 18% under the provider's (the fake's count of the request, JSON framing included), while
+``steps_over_trigger`` counts the provider's.
 
 Profiles (``--profiles``; ``--think`` and ``--latency`` together give one of your own): ``fast``
 (today's: agent call and summary call 0.1 s each, so the worker's own overheads, queueing, claims,
@@ -105,7 +115,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from langchain.agents.middleware import SummarizationMiddleware  # noqa: E402
-from langchain_core.messages import AnyMessage  # noqa: E402
+from langchain_core.messages import AIMessage, AnyMessage  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
 
@@ -326,6 +336,11 @@ def text_of(message: dict[str, Any]) -> str:
 class Agent:
     """One session's model calls through the openai SDK, with the session's cache key."""
 
+    @property
+    def conversation_tokens(self) -> int:
+        """The provider's count of the last request less its system prompt."""
+        return self.tally.final_context - sum(self.previous_sizes[:self.system])
+
     def __init__(self, sdk: AsyncOpenAI, cache_key: str, window: int, trigger: int,
                  system: int, originals: frozenset[str] = frozenset()) -> None:
         self.sdk = sdk
@@ -511,7 +526,10 @@ async def langchain_session(session: Session, agent: Agent, args: argparse.Names
     for step in session.steps:
         ids = [f"m{n + i + 1}" for i in range(len(step))]
         n += len(step)
-        state = add_step(state, to_langchain([wire(m) for m in step], ids=ids))
+        new = to_langchain([wire(m) for m in step], ids=ids)
+        if args.usage and agent.previous is not None:
+            carry_usage(new, agent.conversation_tokens)
+        state = add_step(state, new)
         started = time.perf_counter()
         update = await middleware.abefore_model({"messages": state}, None)  # type: ignore[arg-type]
         if update is not None:
@@ -522,6 +540,18 @@ async def langchain_session(session: Session, agent: Agent, args: argparse.Names
         # The step's messages still in the state (a keep shorter than the step cuts into it).
         own = sum(1 for m in state if m.id in ids)
         await agent.call(session.system + openai_wire(state), own)
+
+
+def carry_usage(step: list[AnyMessage], input_tokens: int) -> None:
+    """Put the usage of the call ``step`` answers on its first assistant message, as the
+    provider's response carries it (its output: the message's own tokens)."""
+    for m in step:
+        if isinstance(m, AIMessage):
+            output = LCCounter()([m])
+            m.usage_metadata = {"input_tokens": input_tokens, "output_tokens": output,
+                                "total_tokens": input_tokens + output}
+            m.response_metadata = {**m.response_metadata, "model_provider": "openai"}
+            return
 
 
 async def run_langchain(sessions: Sequence[Session], args: argparse.Namespace, trigger: int,
@@ -557,7 +587,8 @@ def session_envelope(session: Session, agent: Agent) -> dict[str, Any] | None:
     return {"system": session.system[0]["content"], "prompt_cache_key": agent.cache_key}
 
 
-async def compactd_session(client: CompactdClient, session: Session, agent: Agent) -> None:
+async def compactd_session(client: CompactdClient, session: Session, agent: Agent,
+                           usage: bool) -> None:
     envelope = session_envelope(session, agent)
     # The trigger counts the conversation only, as LangChain's does: pressure counts the
     # envelope too, so the session's trigger is raised by it.
@@ -576,6 +607,10 @@ async def compactd_session(client: CompactdClient, session: Session, agent: Agen
             held = [wire(m) for m in await handle.surface()]
             agent.tally.pickups += 1
         await agent.call(session.system + held, len(messages))
+        if usage:
+            # The whole request: the session's trigger is raised by its envelope. Before the
+            # next step is appended, which the store then counts on top.
+            await handle.report_usage(agent.tally.final_context, 0, response_appended=False)
 
 
 async def drive_compactd(stack: Stack, sessions: Sequence[Session], args: argparse.Namespace,
@@ -583,7 +618,8 @@ async def drive_compactd(stack: Stack, sessions: Sequence[Session], args: argpar
     config = load_config(env=stack.env)
     async with CompactdClient(config) as client, agent_sdk(agent_url) as sdk:
         agents = make_agents(sdk, sessions, stack.home.name, args, trigger)
-        await asyncio.gather(*(compactd_session(client, s, agents[s.name]) for s in sessions))
+        await asyncio.gather(*(compactd_session(client, s, agents[s.name], args.usage)
+                               for s in sessions))
         await client.drain()
         await drain(stack)
         runs = await client.store.recent_runs(limit=1_000_000)
@@ -684,6 +720,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the corpus the long sessions are built from")
     source.add_argument("--transcripts", type=Path,
                         help="take every DIR/<group>/*.jsonl as a session as it is")
+    parser.add_argument("--usage", action="store_true",
+                        help="both runtimes see the provider's usage of the agent's last call")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke run: the smallest session, agent and summary calls of "
                         f"{QUICK_THINK_S:g} s (unless given), one profile")
@@ -764,7 +802,7 @@ def config_report(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "triggers_tokens": args.trigger_list, "keep_messages": args.keep,
         "trim_tokens_to_summarize": args.trim, "window_tokens": args.window,
-        "summary_tokens": args.summary_tokens,
+        "summary_tokens": args.summary_tokens, "usage_reports": args.usage,
         "profiles": {name: {"think_s": t, "summary_latency_s": s}
                      for name, (t, s) in args.profile_table.items()},
         "sides": args.side_list,

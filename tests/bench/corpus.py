@@ -108,8 +108,8 @@ from compactd.worker import replay
 from compactd.worker.llm.errors import LocalSummaryError
 from compactd.worker.llm.local import summarize_local
 from compactd.worker.replay import (
-    COUNTER,
     Session,
+    counter,
     cut_steps,
     facts_of,
     finish,
@@ -315,7 +315,7 @@ class LCCounter:
         content = m.content if isinstance(m.content, str) else json.dumps(m.content)
         key = (m.type, content, calls, getattr(m, "tool_call_id", None))
         if key not in self.memo:
-            self.memo[key] = sum(COUNTER.count_message(x) for x in to_compactd([m]))
+            self.memo[key] = sum(counter().count_message(x) for x in to_compactd([m]))
         return self.memo[key]
 
 

@@ -1,7 +1,7 @@
 """Another session's append latency while ``compactd delete`` removes a session of 10^5 messages.
 
     python tests/bench/deletion.py [--backend postgres|sqlite] [--messages 100000]
-        [--rate 100] [--idle 3.0] [--json OUT.json]
+        [--rate 100] [--idle 3.0] [--database-url URL] [--json OUT.json]
 
 The deleted session is filled with ``--messages`` messages (a quarter of them assistant tool calls
 with their results, 300 to 2,000 characters each, so its log, surface and tool-call rows are
@@ -91,9 +91,9 @@ async def appends(store: Store, session_id: str, rate: float, until: asyncio.Eve
         due += interval
 
 
-def prepare(backend: str) -> str:
+def prepare(backend: str, database_url: str | None) -> str:
     if backend == "postgres":
-        return prepare_pg(pg_url("deletion"))
+        return prepare_pg(database_url or pg_url("deletion"))
     return prepare_sqlite(Path(tempfile.mkdtemp(prefix="compactd-bench-deletion-")))
 
 
@@ -147,9 +147,11 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--idle", type=float, default=3.0)
+    parser.add_argument("--database-url",
+                        help="PostgreSQL: this database (emptied) instead of the bench's own")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    report = asyncio.run(run(args, prepare(args.backend)))
+    report = asyncio.run(run(args, prepare(args.backend, args.database_url)))
     print(machine_line(report["machine"]))
     print(f"{args.backend}: deleted {args.messages} messages in {report['delete_s']} s "
           f"(fill {report['fill_s']} s)")

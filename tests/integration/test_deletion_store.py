@@ -5,6 +5,7 @@ row a session can have, then deleted through the client."""
 from __future__ import annotations
 
 import datetime as dt
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,9 @@ import sqlalchemy as sa
 
 from compactd.scheduler.client import CompactdClient
 from compactd.scheduler.samples import coding_session
+from compactd.storage import deletion
 from compactd.storage import schema as t
+from compactd.storage.connectors import SQLiteConnector
 from compactd.storage.database import snapshot, transaction
 from compactd.storage.deletion import DELETER, SESSION_TABLES
 from compactd.storage.errors import LeaseLost, SessionNotFound
@@ -153,6 +156,30 @@ async def test_appends_during_a_deletion_are_deleted_with_it(store: Store) -> No
     await store.append("live", [parse_openai({"role": "user", "content": "b"})] * 5)
     await store.delete_session("live", batch=2)
     assert await session_row_counts(store, "live") == dict.fromkeys(await session_tables(store), 0)
+
+
+async def test_each_batch_is_followed_by_the_backends_pause(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SQLite the deletion sleeps after every batch (the appends queued behind it go first);
+    on PostgreSQL it never does."""
+    await store.create_session("big")
+    await store.append("big", [parse_openai({"role": "user", "content": f"m{i}"})
+                               for i in range(50)])
+    pauses: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+
+    monkeypatch.setattr(deletion, "asyncio", types.SimpleNamespace(sleep=sleep), raising=False)
+    await store.delete_session("big", batch=10)
+    if store.engine.dialect.name == "sqlite":
+        # A pause per batch: the log's and the surface's full batches and their last, partial
+        # one, and one batch for each other table, in the first pass alone.
+        assert len(pauses) >= 2 * 6 + len(SESSION_TABLES) - 2, pauses
+        assert all(p >= SQLiteConnector.deletion_pace.rest_s for p in pauses), pauses
+    else:
+        assert pauses == []
+    assert await session_row_counts(store, "big") == dict.fromkeys(await session_tables(store), 0)
 
 
 async def _age(store: Store, session_id: str, days: float) -> None:

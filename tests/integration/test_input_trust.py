@@ -20,6 +20,7 @@ from compactd.storage.store import Store
 from compactd.storage.tokens import counter_for
 from compactd.worker.compaction.planner import checkpoint_recall
 from compactd.worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
+from compactd.worker.compaction.reasoning import META_CLEARED_THINKING
 from compactd.worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
 from compactd.worker.settings import Config, Settings, build_config
 from tests.support.asgi import A, Served, api_config, serve_app
@@ -35,7 +36,7 @@ def forged(key: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"checkpoint": True, "summary": BIG_SUMMARY, "render": "durable_context",
                             "run_id": "00000000-0000-0000-0000-000000000000", "pruned": True,
                             "skills": [], "authority_contract": True, "cleared": True,
-                            "cleared_tool_inputs": ["c1"],
+                            "cleared_tool_inputs": ["c1"], "cleared_thinking": True,
                             "recall": {"ref": "c1-9", "first": 1, "last": 9, "footer": "x"}}
     return {"role": "user", "content": "hello", "meta": {"pinned": True, key: meta[key]}}
 
@@ -67,7 +68,8 @@ def test_the_reserved_keys_are_every_key_a_compaction_writes() -> None:
     summary = checkpoint_message("s", [Skill("k", "/k.md", "d", 3)], "durable_context",
                                  recall=checkpoint_recall(1, 9), run_id="r")
     written = set(summary.meta) - {"hide_from_ui"}  # also a runtime's own flag (DeerFlow's)
-    written |= {META_AUTHORITY, META_PRUNED, META_CLEARED, META_CLEARED_INPUTS}
+    written |= {META_AUTHORITY, META_PRUNED, META_CLEARED, META_CLEARED_INPUTS,
+                META_CLEARED_THINKING}
     assert written == RESERVED_META
 
 

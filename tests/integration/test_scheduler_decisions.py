@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from compactd.scheduler import client as client_module
 from compactd.scheduler.bulk import BulkFilter, fan_out, matching_sessions
 from compactd.scheduler.client import CompactdClient
 from compactd.scheduler.intake import SignalPayload, accept_signal
@@ -215,6 +216,53 @@ async def test_a_send_cancelled_before_the_broker_had_it_frees_the_mark(
     await client.aclose()
     assert (await store.get_session("s1")).signal_at is None
     assert (await store.get_session("s1")).last_seq == 2
+
+
+class DownBroker(RecordingEnqueuer):
+    """A broker that is down: every send is tried (counted) and refused, until it is back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tried = 0
+        self.up = False
+
+    async def asend(self, request: RunRequest) -> str:
+        self.tried += 1
+        if not self.up:
+            raise ConnectionError("broker refused the connection")
+        return await super().asend(request)
+
+
+async def test_after_a_refused_send_the_next_signals_are_held_back_not_sent(
+        db_url: str, store: Store, config: Config, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While Redis is down each append over its trigger would start a send bound to fail, and a
+    busy runtime's sends would queue without bound: after one is refused, the signals of the
+    next seconds are held back (their marks freed; the sweep enqueues the sessions later)."""
+    broker = DownBroker()
+    async with CompactdClient(config, store=store, enqueuer=broker) as client:
+        handles = [await client.create_session(f"s{k}", run_model="gpt-4o") for k in range(4)]
+        for handle in handles:
+            await handle.append([user(TRIGGER - 20)])
+        with caplog.at_level(logging.WARNING, logger="compactd.scheduler.client"):
+            assert (await handles[0].append([user(30)])).signalled
+            await client.drain()
+            for handle in handles[1:]:
+                assert (await handle.append([user(30)])).signalled
+                await client.drain()
+                assert (await handle.append([user(5)])).signalled  # the mark was freed
+                await client.drain()
+        assert broker.tried == 1, "one send refused, the others held back"
+        assert caplog.text.count("signal was not enqueued") == 1
+        for handle in handles:
+            info = await store.get_session(handle.id)
+            assert info.signal_at is None and info.last_seq in (2, 3), info
+        # Once the hold is over the next signal is sent again, and reaches a broker back up.
+        monkeypatch.setattr(client_module, "BROKER_HOLD_S", 0.0)
+        broker.up = True
+        assert (await handles[1].append([user(5)])).signalled
+        await client.drain()
+    assert broker.tried == 2 and [r.session_id for r in broker.sent] == ["s1"]
 
 
 async def test_report_usage_moves_the_trigger(client: CompactdClient, store: Store,

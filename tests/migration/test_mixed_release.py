@@ -114,6 +114,9 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         stack.start_worker("old", concurrency=2, env=old)
         result = _ingest_and_compact(stack, "old-old", old, seed=1)
         assert result["outcome"] == "committed", (result, stack.log("old")[-3000:])
+        # A backend reports its function calls when its connection closes, else only after
+        # PostgreSQL's idle interval: the worker goes first, its counts at once.
+        stack.kill("old")
         calls = wait_until(lambda: _counted(migrated, "compactd_commit"),
                            timeout=30, what="the previous release's commit to be counted")
         assert calls.get("compactd_append", 0) > 0 and calls.get("compactd_claim", 0) > 0
@@ -122,22 +125,22 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
                                                              "compactd_commit")), calls
 
         # 2. This release's worker takes the previous release's client's runs.
-        stack.kill("old")
         stack.start_worker("new", concurrency=2, env=new)
         result = _ingest_and_compact(stack, "old-new", old, seed=2)
         assert result["outcome"] == "committed", (result, stack.log("new")[-3000:])
         assert _committed_by(stack, "new") == 1
+        stack.kill("new")
         calls = wait_until(lambda: _counted(migrated, "compactd_commit_v2"),
                            timeout=30, what="this release's commit to be counted")
         assert calls.get("compactd_claim_v2", 0) > 0
 
         # 3. And the previous release's worker takes this release's client's runs.
-        stack.kill("new")
         stack.start_worker("old2", concurrency=2, env=old)
         before = _calls(migrated).get("compactd_commit", 0)
         result = _ingest_and_compact(stack, "new-old", new, seed=3)
         assert result["outcome"] == "committed", (result, stack.log("old2")[-3000:])
         assert _committed_by(stack, "old2") == 1
+        stack.kill("old2")
         wait_until(lambda: _calls(migrated).get("compactd_commit", 0) > before, timeout=30,
                    what="the previous release's worker's commit to be counted")
         assert _calls(migrated).get("compactd_append_v2", 0) > 0

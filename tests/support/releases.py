@@ -11,6 +11,7 @@ code has proved nothing.
 
 from __future__ import annotations
 
+import compileall
 import os
 import shutil
 import subprocess
@@ -65,6 +66,11 @@ def release_tree(commit: str, dest: Path) -> Path:
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="data")
     archive.unlink()
+    # Compiled here once: every process the release starts (its CLI, its workers) would
+    # otherwise compile its modules again where PYTHONDONTWRITEBYTECODE is set, as ops/test's
+    # compileall does for the tree under test.
+    if not compileall.compile_dir(dest, quiet=1):
+        pytest.fail(f"release {commit}'s code does not compile under {dest}")
     return dest
 
 

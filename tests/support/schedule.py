@@ -23,8 +23,10 @@ from xdist.workermanage import WorkerController
 
 FIGURES = Path(__file__).with_name("file_seconds.json")
 # Seconds per test for a file without a figure, by its directory under tests/: the acceptance
-# tests start processes, the unit tests do no I/O.
-PER_TEST_GUESS = {"acceptance": 15.0, "migration": 3.0, "integration": 1.0, "unit": 0.05}
+# tests start processes, the unit tests do no I/O. A migration test may run whole releases (a
+# worker per release, a walk down the chain): guessed as long as an acceptance test, since a
+# long file guessed short is handed out last and runs alone at the end.
+PER_TEST_GUESS = {"acceptance": 15.0, "migration": 15.0, "integration": 1.0, "unit": 0.05}
 
 
 def load_figures(path: Path = FIGURES) -> dict[str, float]:

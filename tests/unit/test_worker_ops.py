@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 import compactd.worker.metrics as metrics_module
 from compactd.worker import logs
-from compactd.worker.settings import load_config
+from compactd.worker.settings import ModelSpec, load_config
 
 
 def test_concurrent_first_use_creates_the_metrics_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -274,3 +274,26 @@ def test_a_worker_told_to_have_uvloop_where_it_is_missing_does_not_start(
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_a_starting_worker_loads_its_models_encodings_before_its_first_run(
+        tmp_path: Any) -> None:
+    """A first compaction that parsed the BPE file itself landed most of a second later than
+    the next ones, and its session sent that many more steps over the trigger."""
+    from compactd.storage import tokens
+    from compactd.worker.tasks import _prepare_process
+
+    config = load_config({"COMPACTD_HOME": str(tmp_path)})  # the local summarizer: no SDK
+    config = dataclasses.replace(config, models=[
+        ModelSpec(name="legacy", model="gpt-4-0613", provider="local")])
+    sender = SimpleNamespace(app=SimpleNamespace(conf=SimpleNamespace(compactd_config=config)))
+    before = gc.get_threshold()
+    tokens.encoding.cache_clear()
+    try:
+        _prepare_process(sender=sender)  # what Celery's worker_init runs
+        loaded = tokens.encoding.cache_info().currsize
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    # o200k for a model the config does not name, cl100k for the configured model's id.
+    assert loaded == 2

@@ -9,7 +9,9 @@ validates the summary and commits the checkpoint. ``compactd plan --json`` print
 Gating. Nothing happens unless a trigger fired or the run is forced. The clearing edit has its
 own trigger (LangChain's ``ClearToolUsesEdit``): over it, old tool results are cleared even when
 the summary trigger has not fired, and such a run stops at the clearing (model-free, committed
-like a prune). Size pruning belongs to the summary trigger. After pruning, an automatic run
+like a prune). Size pruning belongs to the summary trigger. The clearing of old reasoning
+(``clear_thinking``) has no trigger of its own: it joins every run that edits, whichever trigger
+fired it. After pruning, an automatic run
 summarizes only if the summary trigger still fires; a forced run (overflow, manual) always goes
 on to a maximal head reduction, as DeepSeek Harness does after a provider confirmed the overflow.
 
@@ -49,6 +51,7 @@ from compactd.worker.compaction.pruning import (
     merge_actions,
     prune_tool_results,
 )
+from compactd.worker.compaction.reasoning import clear_thinking
 from compactd.worker.compaction.recall import checkpoint_ref, recall_meta, span_of
 from compactd.worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
 from compactd.worker.compaction.render import Skill, checkpoint_message
@@ -275,11 +278,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     if not summary_due and not should_clear(pressure, policy):
         return done((), pressure.tokens, None, f"trigger did not fire: {reason}")
 
-    sized = prune_tool_results(nodes, policy.prune, counter) if summary_due else []
-    saved = sum(a.saved for a in sized)
-    cleared = clear_tool_uses(apply_actions(nodes, sized), policy.clear_tool_uses, counter,
-                              pressure_tokens=pressure.tokens - saved)
-    actions = tuple(merge_actions(sized, cleared))
+    actions = _edits(nodes, policy, counter, pressure, summary_due=summary_due)
     saved = sum(a.saved for a in actions)
     after = pressure.reduced_by(saved, window)
     held = (hold_edits(saved, policy=policy, pressure_tokens=pressure.tokens,
@@ -310,6 +309,20 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         # relief there is, and commit alone.
         return done(actions, after.tokens, None, step.reason)
     return done(actions, after.tokens, step, None, held=held)
+
+
+def _edits(nodes: Sequence[SurfaceNode], policy: Policy, counter: TokenCounter,
+           pressure: Pressure, *, summary_due: bool) -> tuple[PruneAction, ...]:
+    """The model-free edits of a run, in order: size pruning (the summary trigger's), the
+    clearing of old tool results (its own trigger), the clearing of old reasoning (on any run
+    that edits), each on the surface the earlier ones make."""
+    sized = prune_tool_results(nodes, policy.prune, counter) if summary_due else []
+    saved = sum(a.saved for a in sized)
+    cleared = merge_actions(sized, clear_tool_uses(
+        apply_actions(nodes, sized), policy.clear_tool_uses, counter,
+        pressure_tokens=pressure.tokens - saved))
+    thought = clear_thinking(apply_actions(nodes, cleared), policy.clear_thinking, counter)
+    return tuple(merge_actions(cleared, thought))
 
 
 def _kept_clause(inputs: PlanInputs) -> Clause | None:

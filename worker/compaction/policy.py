@@ -139,6 +139,15 @@ class ClearToolUsesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClearThinkingConfig:
+    """Anthropic's ``clear_thinking`` context edit, model-free: the reasoning blocks of all but
+    the ``keep`` newest assistant messages holding reasoning are dropped
+    (``worker.compaction.reasoning``). ``keep`` defaults to Anthropic's default, one turn."""
+
+    keep: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     enabled: bool = True
     model_name: str | None = None
@@ -151,6 +160,7 @@ class Policy:
     skills_path: str = DEFAULT_SKILLS_PATH
     prune: PruneConfig = field(default_factory=PruneConfig)
     clear_tool_uses: ClearToolUsesConfig = field(default_factory=ClearToolUsesConfig)
+    clear_thinking: ClearThinkingConfig | None = None  # None: reasoning is never cleared
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
     max_rounds: int = 3
     render: str = "durable_context"
@@ -262,6 +272,8 @@ class Policy:
                 "clear_tool_inputs": self.clear_tool_uses.clear_tool_inputs,
                 "clear_at_least": self.clear_tool_uses.clear_at_least,
                 "placeholder": self.clear_tool_uses.placeholder},
+            "clear_thinking": (None if self.clear_thinking is None
+                               else {"keep": self.clear_thinking.keep}),
             "max_summary_tokens": self.max_summary_tokens, "max_rounds": self.max_rounds,
             "render": self.render, "replay_mode": self.replay_mode,
             "share_cache": self.share_cache, "strategy": self.strategy,
@@ -281,11 +293,12 @@ class Policy:
 _TOP_KEYS = {
     "enabled", "model_name", "trigger", "keep", "trim_tokens_to_summarize", "summary_prompt",
     "skill_file_read_tool_names", "skills_path", "prune", "clear_tool_uses", "retain_ratio",
-    "max_summary_tokens", "max_rounds", "render", "replay_mode", "share_cache", "strategy",
-    "layout", "chunk_tokens", "index_summary_tokens", "index_max_tokens", "keep_at",
-    "clear_at_least", "cache_ttl_s",
+    "clear_thinking", "max_summary_tokens", "max_rounds", "render", "replay_mode",
+    "share_cache", "strategy", "layout", "chunk_tokens", "index_summary_tokens",
+    "index_max_tokens", "keep_at", "clear_at_least", "cache_ttl_s",
 }
 _PRUNE_KEYS = {"enabled", "threshold_chars", "head_chars", "tail_chars"}
+_CLEAR_THINKING_KEYS = {"keep"}
 _CLEAR_KEYS = {"enabled", "trigger", "keep", "exclude_tools", "clear_tool_inputs",
                "clear_at_least", "placeholder"}
 
@@ -319,6 +332,7 @@ _FIELD_PARSERS: tuple[tuple[str, Callable[[Any, str, Policy], Any]], ...] = (
     ("skills_path", lambda v, p, _: _str(v, p)),
     ("prune", lambda v, p, base: _parse_prune(v, p, base.prune)),
     ("clear_tool_uses", lambda v, p, base: _parse_clear(v, p, base.clear_tool_uses)),
+    ("clear_thinking", lambda v, p, _: _parse_clear_thinking(v, p)),
     ("max_summary_tokens", lambda v, p, _: _count(v, p)),
     ("max_rounds", lambda v, p, _: _count(v, p)),
     ("render", lambda v, p, _: _choice(v, RENDERS, p)),
@@ -567,6 +581,17 @@ def _parse_clear(raw: Any, path: str, base: ClearToolUsesConfig) -> ClearToolUse
         elif key == "placeholder":
             changes[key] = _str(value, where)
     return replace(base, **changes)
+
+
+def _parse_clear_thinking(raw: Any, path: str) -> ClearThinkingConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise PolicyError(path, "must be a mapping such as {keep: 1}, or null")
+    _no_unknown(raw, _CLEAR_THINKING_KEYS, path)
+    if "keep" not in raw:
+        return ClearThinkingConfig()
+    return ClearThinkingConfig(keep=_count(raw["keep"], f"{path}.keep", allow_zero=True))
 
 
 # ------------------------------------------------------------------------------------------
