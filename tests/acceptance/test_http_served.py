@@ -33,7 +33,8 @@ values = {json.dumps(list(FUZZ_SESSIONS))}
 "path.session_id" = {{ dictionary = "sessions", probability = 0.7 }}
 """
 EXAMPLES = 25
-OPERATIONS = 14  # every route of the document but DELETE and /healthz, the recall and steering routes included
+# Every route of the document but DELETE and /healthz, the recall and steering routes included.
+OPERATIONS = 14
 # A fixed seed: with random seeds about one run in four generated no message that storage
 # accepts (most schema-valid messages are refused for what JSON Schema cannot say), and the
 # depth check below failed by luck. COMPACTD_FUZZ_SEED picks another for exploratory runs.
