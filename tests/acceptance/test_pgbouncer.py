@@ -52,7 +52,6 @@ async def test_append_poll_a_queued_compaction_and_recall_through_pgbouncer(
         bouncer: PgBouncer, clean_redis: str, tmp_path: Path, fake: FakeProvider) -> None:
     with Stack(bouncer.url, clean_redis, tmp_path / "stack", fake_url=fake.url,
                summarization=POLICY, extra_config=BEHIND_POOLER) as stack:
-        stack.start_worker("w1", concurrency=4)
         config = config_of(stack)
         assert config.database_url == bouncer.url and not config.database.statement_cache
         async with CompactdClient(config) as client:
@@ -65,6 +64,10 @@ async def test_append_poll_a_queued_compaction_and_recall_through_pgbouncer(
                 appended_at = step.version
                 fired = fired or step.fired
             assert fired, "the appends never crossed the trigger"
+            # The worker starts once the session is whole and takes the run the trigger queued:
+            # started first, on a loaded machine it compacted between appends, and the needle
+            # stayed in the tail that run kept (the session then stayed under its trigger).
+            stack.start_worker("w1", concurrency=4)
             # A first run may only prune (the needle's tool result stays); the trigger still
             # holds, so another follows with a summary that replaces it.
             surface = await _poll_until_replaced(handle, appended_at, timeout_s=120)
