@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -168,9 +168,11 @@ def context_text(messages: Iterable[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------------------- tallies
 
 
-_SUMMED = ("calls", "compactions", "failed", "input_tokens", "replaced_tokens", "covered_tokens",
-           "replaced_original", "covered_original", "summaries_replaced", "summaries_carried",
-           "source_tokens", "final_tokens", "facts", "retained")
+@functools.cache
+def _summed_fields() -> tuple[str, ...]:
+    """The tally's counts, which a total adds up: every field with a plain default (the lists
+    and counters of probes have factories and are merged or kept per session)."""
+    return tuple(f.name for f in fields(Tally) if f.default is not MISSING)
 
 
 @dataclass
@@ -197,7 +199,7 @@ class Tally:
     usages: list[dict[str, Any] | None] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
-        for name in _SUMMED:
+        for name in _summed_fields():
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.probes.update(other.probes)
         self.kept.update(other.kept)
