@@ -89,27 +89,35 @@ def post(hook: WebhookSpec, event: Mapping[str, Any], delivery_id: str) -> int:
     return response.status_code
 
 
-def run_event(outcome: Outcome, info: SessionInfo) -> Event | None:
+def run_event_kind(outcome: Outcome) -> EventKind | None:
     """The event a run's end is: ``compaction.committed`` or ``compaction.failed`` (a run that
     found the session leased by another is contention, not an event); None for the others."""
     if outcome.run_id is None:
         return None
     if outcome.outcome == RunStatus.COMMITTED:
-        return Event(EventKind.COMMITTED, info.id, info.tenant, outcome.run_id,
-                     info.surface_version, info.last_seq, str(outcome.outcome))
+        return EventKind.COMMITTED
     if outcome.outcome == RunStatus.FAILED and outcome.failure_class != FailureClass.BUSY:
-        return Event(EventKind.FAILED, info.id, info.tenant, outcome.run_id,
-                     info.surface_version, info.last_seq,
-                     str(outcome.failure_class or outcome.outcome))
+        return EventKind.FAILED
     return None
+
+
+def run_event(outcome: Outcome, info: SessionInfo) -> Event | None:
+    """The event of :func:`run_event_kind`, on the session as the run left it."""
+    kind = run_event_kind(outcome)
+    if kind is None:
+        return None
+    detail = outcome.outcome if kind == EventKind.COMMITTED else (
+        outcome.failure_class or outcome.outcome)
+    return Event(kind, info.id, info.tenant, outcome.run_id, info.surface_version,
+                 info.last_seq, str(detail))
 
 
 async def send_run_event(app: Any, config: Config, store: Store, session_id: str,
                          outcome: Outcome) -> None:
     """Queue the deliveries of a run's event, when webhooks are configured. A failure is
     logged: the run is over whatever becomes of its webhooks."""
-    if not config.events.webhooks:
-        return
+    if not config.events.webhooks or run_event_kind(outcome) is None:
+        return  # most run ends are no event: the session is read only for those that are
     try:
         event = run_event(outcome, await store.get_session(session_id))
         if event is not None:
