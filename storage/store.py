@@ -513,6 +513,11 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         version = int(value)
         return None if since_version is not None and version == since_version else version
 
+    async def _current_version(self, session_id: str) -> int:
+        version = await self.poll(session_id, None)
+        assert version is not None  # poll answers the version when given nothing to compare
+        return version
+
     async def wait_for_version(self, session_id: str, after_version: int,
                                timeout_s: float) -> int | None:
         """The session's surface version once it is past ``after_version``, waiting up to
@@ -524,7 +529,7 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         until = loop.time() + timeout_s
         if self._listener is None:
             while True:
-                version = await self._version(session_id)
+                version = await self._current_version(session_id)
                 if version > after_version:
                     return version
                 if loop.time() >= until:
@@ -533,7 +538,7 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         queue = await self._listener.watch(session_id)
         try:
             # Read after watching: a commit between the caller's read and the LISTEN is seen.
-            version = await self._version(session_id)
+            version = await self._current_version(session_id)
             while version <= after_version:
                 left = until - loop.time()
                 try:
@@ -543,7 +548,7 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
                 except TimeoutError:
                     # One more read: a notification lost with a dropped connection is not a
                     # commit missed.
-                    version = await self._version(session_id)
+                    version = await self._current_version(session_id)
                     return version if version > after_version else None
                 version = max(version, event.version)
             return version
@@ -553,12 +558,6 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
     async def publish(self, event: Event) -> None:
         """Send ``event`` to the listeners now (:mod:`storage.events`)."""
         await self.db.notify(event)
-
-    async def _version(self, session_id: str) -> int:
-        value = await self.db.fetchval("poll", session_id=session_id)
-        if value is None:
-            raise SessionNotFound(session_id)
-        return int(value)
 
     async def read_events(self, session_id: str, *, kinds: Iterable[str] | None = None,
                           after_seq: int = 0) -> list[EventRecord]:
