@@ -309,16 +309,25 @@ async def replay(session: Session, config: Config, *, session_id: str | None = N
             if over_trigger(info, config):
                 calls.clear()
                 await _compact(deps, sid, info.last_seq, calls, appended, tally)
-            surface = await store.read_surface(sid)
-            final = session.system + [wire(m) for m in render_surface(surface.nodes, RENDER)]
             if on_request is not None:
+                # The request the agent sends next: only a caller that watches each one needs
+                # the surface read after every step.
+                final = await _request(store, sid, session)
                 on_request(final)
+        if session.steps and on_request is None:
+            final = await _request(store, sid, session)
         finish(tally, session, final)
         await _probe(store, sid, session, appended, final, tally)
     finally:
         SUMMARY_OBSERVER.reset(token)
         await deps.aclose()
     return tally
+
+
+async def _request(store: Any, sid: str, session: Session) -> list[dict[str, Any]]:
+    """What the agent sends as its context now: the system prompt and the rendered surface."""
+    surface = await store.read_surface(sid)
+    return session.system + [wire(m) for m in render_surface(surface.nodes, RENDER)]
 
 
 async def _compact(deps: Any, sid: str, last_seq: int,
