@@ -49,7 +49,11 @@ POLICY = {"trigger": [{"type": "tokens", "value": 1500}],
 # The beat's pressure sweep is what finds a session whose signal the failover lost (an append
 # that committed, with its signal, on the primary, but whose answer never arrived: its retry
 # sees the signal pending): every few seconds here, as the RUNBOOK advises behind a failover.
-WORKER = {"sweep_interval_s": 2.0}
+# A run the crash cut in its commit may be unable to write its end before the lease runs out;
+# its session then waits for the lease to expire and the reaper to re-enqueue it (60 s and
+# 15 s by default, the RUNBOOK's failover section): short here, so the resume is seen in the
+# test's window through that path too.
+WORKER = {"sweep_interval_s": 2.0, "lease_s": 5.0, "reap_interval_s": 1.0}
 STEP_PAUSE_S = 0.05
 BEFORE_S = 4.0  # the fleet runs this long on the first primary
 UNPROMOTED_S = 1.0  # from the crash to the promotion (what a failover manager takes to decide)
