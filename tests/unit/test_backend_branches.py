@@ -16,6 +16,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.support.source import parse_file
+
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("storage", "worker", "scheduler")
 BELOW_THE_CONNECTORS = {
@@ -43,7 +45,7 @@ def backend_branches(root: Path) -> list[str]:
         if (rel.startswith("storage/connectors") or rel.startswith("storage/migrations/")
                 or rel in BELOW_THE_CONNECTORS):
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
+        tree = parse_file(path, rel)
         found.extend(f"{rel}:{line}: {what}" for line, what in _branches(tree))
     return found
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import compactd.worker.compaction
+from tests.support.source import parse_file
 
 BANNED = ("celery", "kombu", "sqlalchemy", "alembic", "asyncpg", "aiosqlite", "redis", "httpx",
           "requests", "aiohttp", "openai", "anthropic")
@@ -48,7 +49,7 @@ def test_imports_with_io_modules_blocked():
 def test_no_module_names_a_banned_import_even_lazily():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = parse_file(path)
         for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):

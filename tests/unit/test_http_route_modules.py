@@ -7,13 +7,14 @@ import ast
 from pathlib import Path
 
 import compactd.scheduler.http.routes as routes_package
+from tests.support.source import parse_file
 
 ROUTES = Path(routes_package.__file__).parent
 
 
 def _private_attributes(path: Path) -> list[str]:
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_file(path)):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
                 and not node.attr.startswith("__"):
             found.append(f"{path.name}:{node.lineno}: .{node.attr}")

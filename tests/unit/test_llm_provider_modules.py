@@ -10,6 +10,7 @@ from pathlib import Path
 import compactd.worker.llm as llm
 from compactd.worker.llm.providers import PROVIDERS
 from compactd.worker.settings import ModelSpec
+from tests.support.source import parse_file
 
 LLM = Path(llm.__file__).parent
 SDKS = {"openai", "anthropic"}
@@ -18,7 +19,7 @@ SDKS = {"openai", "anthropic"}
 def _sdks_named(path: Path) -> set[str]:
     """The SDKs a module imports or reads attributes of (``openai.APIStatusError``)."""
     named = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_file(path)):
         if isinstance(node, ast.Import):
             named |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:

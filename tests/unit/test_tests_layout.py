@@ -10,6 +10,8 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.support.source import parse_file
+
 TESTS = Path(__file__).resolve().parents[1]
 # Packages of tests/ a test module may import: the shared harnesses, and the benchmarks whose
 # smoke tests run them small (a benchmark is a program, not a test module).
@@ -38,7 +40,7 @@ def imported_modules(tree: ast.Module, package: str) -> Iterator[tuple[int, str]
 
 @functools.cache
 def _parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return parse_file(path)
 
 
 def is_shared(module: str) -> bool:
