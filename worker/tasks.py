@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import random
 import threading
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from compactd.storage.tokens import load_counters
 from compactd.worker import logs
 from compactd.worker.enqueue import Enqueuer, broker_errors, follow_up
 from compactd.worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP, TASK_WEBHOOK
+from compactd.worker.llm.fallback import compute_backoff
 from compactd.worker.llm.providers import import_sdks
 from compactd.worker.metrics import FleetSnapshot, metrics, serve
 from compactd.worker.orchestration import compact
@@ -54,7 +56,16 @@ BULK_BUSY_RETRIES = 12
 # sent again this many times, its waits doubling up to the cap: long enough for a standby's
 # promotion, short of hiding a database that is gone (the pressure sweep finds the session).
 DATABASE_RETRIES = 10
+DATABASE_RETRY_FIRST_S = 0.5
 DATABASE_RETRY_CAP_S = 8.0
+
+
+def database_retry_countdown(retries_done: int, rng: random.Random | None = None) -> float:
+    """The wait before a run's retry number ``retries_done + 1`` after the database was
+    unavailable, jittered: after a failover every worker's runs fail at once, and retries in
+    lockstep would meet the new primary together."""
+    return compute_backoff(retries_done + 1, initial_s=DATABASE_RETRY_FIRST_S,
+                           max_s=DATABASE_RETRY_CAP_S, rng=rng)
 
 
 class CompactionFailed(Exception):
@@ -121,7 +132,7 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         # Nothing of the run is committed that its next claim would not see: send it again.
         if self.request.retries >= DATABASE_RETRIES:
             raise
-        countdown = min(DATABASE_RETRY_CAP_S, 0.5 * 2 ** self.request.retries)
+        countdown = database_retry_countdown(self.request.retries)
         logger.warning("the database is unavailable; the run is retried in %.1f s: %s",
                        countdown, exc, extra={"action": "compaction.retry_unavailable",
                                               "session_id": session_id})

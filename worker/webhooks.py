@@ -10,9 +10,10 @@ The body is the event's JSON. Three headers let a receiver trust it and drop a r
   once: a receiver that answered but whose answer was lost gets it again).
 
 Each delivery is an ``events.deliver`` task on ``compaction.pressure``: a receiver that does not
-answer 2xx is tried again ``events.retries`` times, waiting ``events.backoff_s`` and doubling,
-then counted in ``compactd_webhook_dead_letters``. The task carries the URL and the event, never
-the secret: the worker reads it from its own configuration.
+answer 2xx is tried again ``events.retries`` times, waiting ``events.backoff_s`` and doubling
+(each wait drawn between half and all of that), then counted in
+``compactd_webhook_dead_letters``. The task carries the URL and the event, never the secret: the
+worker reads it from its own configuration.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 import hmac
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import Mapping
@@ -32,6 +34,7 @@ from compactd.storage.kinds import FailureClass, RunStatus
 from compactd.storage.records import SessionInfo
 from compactd.storage.store import Store
 from compactd.worker.keys import QUEUE_PRESSURE, TASK_WEBHOOK
+from compactd.worker.llm.fallback import compute_backoff
 from compactd.worker.run import Outcome
 from compactd.worker.settings import Config, WebhookSpec
 
@@ -53,9 +56,12 @@ def signature(secret: str, timestamp: int, body: bytes) -> str:
     return f"sha256={mac.hexdigest()}"
 
 
-def backoff_s(config: Config, retries_done: int) -> float:
-    """The wait before retry number ``retries_done + 1``."""
-    return float(min(BACKOFF_CAP_S, config.events.backoff_s * 2 ** retries_done))
+def backoff_s(config: Config, retries_done: int, rng: random.Random | None = None) -> float:
+    """The wait before retry number ``retries_done + 1``: ``events.backoff_s`` doubling up to
+    the cap, jittered, so the workers retrying the deliveries of one outage do not all hit the
+    receiver again at the same instant."""
+    return compute_backoff(retries_done + 1, initial_s=config.events.backoff_s,
+                           max_s=BACKOFF_CAP_S, rng=rng)
 
 
 def send_event(app: Any, config: Config, event: Event) -> int:
