@@ -476,9 +476,11 @@ class SessionHandle:
                 f"{info.cooldown_until.isoformat(timespec='seconds')} "
                 f"({info.flagged_reason or 'compacting without relief'})")
         since = now - dt.timedelta(seconds=guard.window_s)
-        runs = await store.recent_runs(session_id=self.id, since=since,
-                                       limit=guard.max_compactions * 4 + 1)
-        asked = sum(1 for r in runs if r.trigger == RunCause.MANUAL)
+        # Only manual runs: the session's automatic runs in the window, however many, must not
+        # push the agent's own out of a limited read.
+        asked = len(await store.recent_runs(session_id=self.id, since=since,
+                                            trigger=RunCause.MANUAL,
+                                            limit=guard.max_compactions))
         if asked >= guard.max_compactions:
             raise CompactionRefused(
                 f"compact_context refused: this session was compacted on request {asked} "
