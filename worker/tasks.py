@@ -25,7 +25,12 @@ from celery.signals import (
     worker_ready,
 )
 
-from compactd.storage.errors import ConfigError, DatabaseUnavailable, StorageError
+from compactd.storage.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    SessionNotFound,
+    StorageError,
+)
 from compactd.storage.instructions import merge_instructions
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
@@ -68,6 +73,21 @@ def database_retry_countdown(retries_done: int, rng: random.Random | None = None
                            max_s=DATABASE_RETRY_CAP_S, rng=rng)
 
 
+async def _keep_instructions(deps: Deps, session_id: str, focus: tuple[str, ...]) -> None:
+    """A manual run that found the session leased never used its instructions: they go back on
+    the session's manual mark for the next manual run (the busy outcome is the answer to this
+    request, whatever becomes of them)."""
+    try:
+        kept = await deps.store.keep_manual(session_id, focus)
+    except SessionNotFound:
+        return  # deleted meanwhile: no run will want them
+    if not kept:
+        logger.warning("a busy manual run's instructions were not kept: the session's next "
+                       "manual run would carry more than it may",
+                       extra={"action": "compaction.instructions_dropped",
+                              "session_id": session_id})
+
+
 class CompactionFailed(Exception):
     """A compaction ended as failed; the message starts with its failure class."""
 
@@ -107,6 +127,9 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
                                         keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
                                         rate_per_s=rate_per_s, index_in_background=True,
                                         instructions=focus)
+            if focus and trigger == RunCause.MANUAL \
+                    and outcome.failure_class == FailureClass.BUSY:
+                await _keep_instructions(deps, session_id, focus)
             await send_run_event(self.app, config, deps.store, session_id, outcome)
             return outcome
         finally:
