@@ -29,8 +29,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from compactd.storage.events import Event, EventKind
-from compactd.storage.kinds import FailureClass, RunStatus
+from compactd.storage.events import Event, EventKind, run_end_event, run_end_kind
 from compactd.storage.records import SessionInfo
 from compactd.storage.store import Store
 from compactd.worker.keys import QUEUE_PRESSURE, TASK_WEBHOOK
@@ -96,26 +95,20 @@ def post(hook: WebhookSpec, event: Mapping[str, Any], delivery_id: str) -> int:
 
 
 def run_event_kind(outcome: Outcome) -> EventKind | None:
-    """The event a run's end is: ``compaction.committed`` or ``compaction.failed`` (a run that
-    found the session leased by another is contention, not an event); None for the others."""
+    """The event a run's end is (:func:`storage.events.run_end_kind`); None for a run that
+    never started."""
     if outcome.run_id is None:
         return None
-    if outcome.outcome == RunStatus.COMMITTED:
-        return EventKind.COMMITTED
-    if outcome.outcome == RunStatus.FAILED and outcome.failure_class != FailureClass.BUSY:
-        return EventKind.FAILED
-    return None
+    return run_end_kind(outcome.outcome, outcome.failure_class)
 
 
 def run_event(outcome: Outcome, info: SessionInfo) -> Event | None:
     """The event of :func:`run_event_kind`, on the session as the run left it."""
-    kind = run_event_kind(outcome)
-    if kind is None:
+    if outcome.run_id is None:
         return None
-    detail = outcome.outcome if kind == EventKind.COMMITTED else (
-        outcome.failure_class or outcome.outcome)
-    return Event(kind, info.id, info.tenant, outcome.run_id, info.surface_version,
-                 info.last_seq, str(detail))
+    return run_end_event(info.id, info.tenant, outcome.run_id, version=info.surface_version,
+                         seq=info.last_seq, status=outcome.outcome,
+                         failure_class=outcome.failure_class)
 
 
 async def send_run_event(app: Any, config: Config, store: Store, session_id: str,
