@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from compactd.scheduler import check, commands, deletion, evaluate, leases
+from compactd.scheduler import check, commands, deletion, leases
 from compactd.scheduler.args import positive_int
 from compactd.scheduler.output import (
     EXIT_BAD_INPUT,
@@ -165,6 +165,14 @@ async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     return await run_demo(config, steps=args.steps, as_json=args.json)
 
 
+async def cmd_eval(args: argparse.Namespace, config: Config) -> int:
+    # Imported here for start-up time: eval loads the replay pipeline, which no other command
+    # of this module needs.
+    from compactd.scheduler.evaluate import cmd_eval as evaluate
+
+    return await evaluate(args, config)
+
+
 # ------------------------------------------------------------------------------------------
 # parser
 
@@ -218,7 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
     leases.register(sub)
     deletion.register(sub)
     check.register(sub)
-    evaluate.register(sub)
+
+    p = sub.add_parser("eval", help="replay transcripts through configurations and report what "
+                                    "each keeps")
+    p.add_argument("transcripts", nargs="+", metavar="TRANSCRIPT",
+                   help="a JSON-lines transcript as ingest reads it, or a folder of *.jsonl")
+    p.add_argument("--config", dest="eval_configs", action="append", required=True,
+                   metavar="FILE", help="a configuration to evaluate (repeat to compare)")
+    p.add_argument("--report", type=Path, metavar="DIR",
+                   help="write report.json and index.html (charts) here")
+    p.add_argument("--format", choices=FORMATS, default="openai",
+                   help="the transcripts' message shape (default openai)")
+    p.add_argument("--run-model", help="the model the agent talks to (its tokenizer counts)")
+    p.add_argument("--context-window", type=positive_int,
+                   help="the agent's context window in tokens (a fraction trigger's base)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(handler=cmd_eval)
     return parser
 
 

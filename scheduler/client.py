@@ -63,10 +63,10 @@ from compactd.worker.cost import Price, usage_cost
 from compactd.worker.enqueue import Enqueuer, RunRequest, enqueue_manual, enqueue_marked
 from compactd.worker.pressure import (
     check_session_policy,
-    known_window,
     session_policy,
     wants_run,
     window_fit,
+    window_for,
 )
 from compactd.worker.runtime import EventLoopThread
 from compactd.worker.settings import Config, load_config
@@ -476,9 +476,11 @@ class SessionHandle:
                 f"{info.cooldown_until.isoformat(timespec='seconds')} "
                 f"({info.flagged_reason or 'compacting without relief'})")
         since = now - dt.timedelta(seconds=guard.window_s)
-        runs = await store.recent_runs(session_id=self.id, since=since,
-                                       limit=guard.max_compactions * 4 + 1)
-        asked = sum(1 for r in runs if r.trigger == RunCause.MANUAL)
+        # Only manual runs: the session's automatic runs in the window, however many, must not
+        # push the agent's own out of a limited read.
+        asked = len(await store.recent_runs(session_id=self.id, since=since,
+                                            trigger=RunCause.MANUAL,
+                                            limit=guard.max_compactions))
         if asked >= guard.max_compactions:
             raise CompactionRefused(
                 f"compact_context refused: this session was compacted on request {asked} "
@@ -498,7 +500,7 @@ class SessionHandle:
         if context_window is not None:
             check_count(context_window, "context_window", minimum=1)
         config, store = self._config, self.client.store
-        window = context_window or config.context_window(name) or known_window(name)
+        window = window_for(config, name, context_window)
         info = await store.get_session(self.id)
         check_policy(info.policy, config, run_model=name, context_window=window)
         fit = None if window is None else window_fit(info, config, run_model=name,

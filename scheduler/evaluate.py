@@ -30,11 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from compactd.scheduler.args import positive_int
 from compactd.scheduler.output import EXIT_OK, emit, say
 from compactd.storage.database import embedded_url
 from compactd.storage.errors import BadInput
-from compactd.storage.messages import FORMATS
 from compactd.worker.cost import usage_cost
 from compactd.worker.replay import Session, Tally, read_transcript, replay, session_of
 from compactd.worker.settings import Config, Settings, build_config, read_yaml
@@ -236,21 +234,3 @@ def _quiet_worker() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("eval", help="replay transcripts through configurations and report what "
-                                    "each keeps")
-    p.add_argument("transcripts", nargs="+", metavar="TRANSCRIPT",
-                   help="a JSON-lines transcript as ingest reads it, or a folder of *.jsonl")
-    p.add_argument("--config", dest="eval_configs", action="append", required=True,
-                   metavar="FILE", help="a configuration to evaluate (repeat to compare)")
-    p.add_argument("--report", type=Path, metavar="DIR",
-                   help="write report.json and index.html (charts) here")
-    p.add_argument("--format", choices=FORMATS, default="openai",
-                   help="the transcripts' message shape (default openai)")
-    p.add_argument("--run-model", help="the model the agent talks to (its tokenizer counts)")
-    p.add_argument("--context-window", type=positive_int,
-                   help="the agent's context window in tokens (a fraction trigger's base)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(handler=cmd_eval)

@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from compactd.storage.database import translated
+from compactd.storage.kinds import FailureClass, RunStatus
 
 CHANNEL = "compactd_events"
 # How often a waiter on SQLite reads the session's version.
@@ -61,6 +62,28 @@ class Event:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
+
+
+def run_end_kind(status: str, failure_class: str | None) -> EventKind | None:
+    """The event a run's end is: ``compaction.committed`` or ``compaction.failed`` (a run that
+    found the session leased by another is contention, not an event); None for the others."""
+    if status == RunStatus.COMMITTED:
+        return EventKind.COMMITTED
+    if status == RunStatus.FAILED and failure_class != FailureClass.BUSY:
+        return EventKind.FAILED
+    return None
+
+
+def run_end_event(session: str, tenant: str, run_id: str, *, version: int, seq: int | None,
+                  status: str, failure_class: str | None) -> Event | None:
+    """The event of :func:`run_end_kind`: its ``outcome`` is the run's status when it
+    committed, its failure class when it failed. (The commit's own event is built by the
+    commit's SQL, in the statement that makes it true.)"""
+    kind = run_end_kind(status, failure_class)
+    if kind is None:
+        return None
+    detail = status if kind == EventKind.COMMITTED else failure_class or status
+    return Event(kind, session, tenant, run_id, version, seq, str(detail))
 
 
 def parse_event(text: str) -> Event | None:

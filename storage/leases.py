@@ -28,8 +28,7 @@ from compactd.storage.connectors_general import (
 )
 from compactd.storage.database import deadline_left_s, transaction
 from compactd.storage.errors import DeadlinePassed
-from compactd.storage.events import Event, EventKind
-from compactd.storage.kinds import RunStatus
+from compactd.storage.events import EventKind, run_end_event
 from compactd.storage.records import (
     Busy,
     Claim,
@@ -136,11 +135,12 @@ class LeasesMixin:
             info = await self._session(conn, session_id, lock=True)
             if info.lease_fence == fence and info.lease_run_id == run_id:
                 await write_end(conn, session_id, run_id, info.last_seq + 1, end, now)
-                if end.outcome == RunStatus.FAILED:
-                    await self.db.notify(Event(
-                        EventKind.FAILED, session_id, info.tenant, run_id,
-                        info.surface_version, info.last_seq + 1,
-                        end.failure_class or end.outcome), conn=conn)
+                event = run_end_event(session_id, info.tenant, run_id,
+                                      version=info.surface_version, seq=info.last_seq + 1,
+                                      status=end.outcome, failure_class=end.failure_class)
+                # A committed end's event went with its commit.
+                if event is not None and event.event == EventKind.FAILED:
+                    await self.db.notify(event, conn=conn)
                 return True
             await abandon_run(conn, run_id, now, "lease lost before the run ended "
                               f"({end.failure_class or end.outcome})")

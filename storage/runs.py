@@ -51,20 +51,23 @@ class RunsMixin:
                 .order_by(r.started_at.desc(), r.id.desc()).limit(limit))]
 
     async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
-                          session_id: str | None = None, status: str | None = None
-                          ) -> list[RunRecord]:
+                          session_id: str | None = None, status: str | None = None,
+                          trigger: str | None = None) -> list[RunRecord]:
+        """The newest runs, newest first, of ``session_id``, ``status`` and ``trigger`` (the
+        run's cause) when given."""
         if since is not None and since.tzinfo is None:
             # The raw statement below would read it as the server's local time.
             raise ValueError("naive datetime passed to storage; use aware UTC")
-        if since is not None and session_id is not None and status:
+        if since is not None and session_id is not None and status and trigger is None:
             # The loop guard's read after every committed automatic run: a named query, which
             # PostgreSQL runs without SQLAlchemy's statement layer.
             records = await self.db.fetch("session_runs", session_id=session_id, status=status,
                                           since=since, limit=limit)
             return [run_from_record(r) for r in records]
         stmt = _recent_runs(since is not None, session_id is not None, status is not None,
-                            limit)
-        params = {"b_since": since, "b_session": session_id, "b_status": status}
+                            trigger is not None, limit)
+        params = {"b_since": since, "b_session": session_id, "b_status": status,
+                  "b_trigger": trigger}
         async with connection(self.engine) as conn:
             return [run_from_row(row) for row in await conn.execute(stmt, params)]
 
@@ -132,7 +135,7 @@ def _claim_to_commit(row: Any) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _recent_runs(since: bool, session: bool, status: bool, limit: int) -> Any:
+def _recent_runs(since: bool, session: bool, status: bool, trigger: bool, limit: int) -> Any:
     """The runs query of one filter shape, built once (the loop guard runs it after every
     committed automatic run)."""
     r = t.compaction_runs.c
@@ -143,4 +146,6 @@ def _recent_runs(since: bool, session: bool, status: bool, limit: int) -> Any:
         stmt = stmt.where(r.session_id == sa.bindparam("b_session"))
     if status:
         stmt = stmt.where(r.status == sa.bindparam("b_status"))
+    if trigger:
+        stmt = stmt.where(r.trigger == sa.bindparam("b_trigger"))
     return stmt

@@ -279,7 +279,8 @@ manual_requests = sa.Table(
     sa.Column("queued_at", UTCDateTime, nullable=False),
     # The distinct instructions of the requests the queued task stands for, in their order
     # (migration 0020): a request coalesced into the task adds its own; the run reads them as
-    # it starts, when it deletes the row.
+    # it starts, when it deletes the row. A row whose task_id is empty (store.KEPT_TASK_ID)
+    # holds the instructions of a run that ended busy, for the next request to take over.
     sa.Column("instructions", JSONText, nullable=True),
 )
 

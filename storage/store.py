@@ -75,6 +75,12 @@ from compactd.storage.sweeps import SweepsMixin
 from compactd.storage.tokens import counter_for
 
 _SESSION_CACHE_MAX = 10_000
+# The task id of a manual mark that stands for no queued task, only for the instructions a busy
+# run handed back (Store.keep_manual); the next manual request takes it over. Celery's task ids
+# are never empty. Its queued_at is long past, so a release before this one, which knows no
+# such mark, takes it over as a stale one instead of answering with a task that does not exist.
+KEPT_TASK_ID = ""
+KEPT_QUEUED_AT = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 
 
 def envelope_tokens(envelope: dict[str, Any] | None, run_model: str | None) -> int:
@@ -418,15 +424,21 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         for text in instructions:
             check_instructions(text)
         m = t.manual_requests
-        own = list(merge_instructions((), instructions)) or None
-        taken = self.db.insert(m).values(session_id=session_id, task_id=task_id, queued_at=now,
-                                         instructions=own)
-        taken = taken.on_conflict_do_update(
-            index_elements=[m.c.session_id],
-            set_={"task_id": task_id, "queued_at": now, "instructions": own},
-            where=m.c.queued_at <= now - dt.timedelta(seconds=ttl_s)).returning(m.c.task_id)
         async with transaction(self.engine) as conn:
             await self._session(conn, session_id)
+            # Instructions a busy run left (keep_manual) go to the task that takes the mark.
+            kept = (await conn.execute(
+                sa.select(m.c.instructions)
+                .where(m.c.session_id == session_id, m.c.task_id == KEPT_TASK_ID)
+                .with_for_update())).scalar()
+            own = list(merge_instructions(kept or (), instructions)) or None
+            taken = self.db.insert(m).values(session_id=session_id, task_id=task_id,
+                                             queued_at=now, instructions=own)
+            taken = taken.on_conflict_do_update(
+                index_elements=[m.c.session_id],
+                set_={"task_id": task_id, "queued_at": now, "instructions": own},
+                where=(m.c.queued_at <= now - dt.timedelta(seconds=ttl_s))
+                | (m.c.task_id == KEPT_TASK_ID)).returning(m.c.task_id)
             row = (await conn.execute(taken)).first()
             if row is not None:
                 return str(row[0])
@@ -438,6 +450,28 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
                 await conn.execute(m.update().where(m.c.session_id == session_id)
                                    .values(instructions=list(merged)))
         return str(held.task_id)
+
+    async def keep_manual(self, session_id: str, instructions: Sequence[str]) -> bool:
+        """A manual run that found the session leased (``busy``) hands its instructions back:
+        to the task queued for the session since it started, else to the next manual request
+        that queues one. False when they would take the mark over ``MAX_INSTRUCTIONS``
+        distinct texts (nothing is changed)."""
+        m = t.manual_requests
+        async with transaction(self.engine) as conn:
+            await self._session(conn, session_id)
+            await conn.execute(self.db.insert(m).values(
+                session_id=session_id, task_id=KEPT_TASK_ID, queued_at=KEPT_QUEUED_AT,
+                instructions=None).on_conflict_do_nothing(index_elements=[m.c.session_id]))
+            held = (await conn.execute(sa.select(m.c.instructions)
+                                       .where(m.c.session_id == session_id)
+                                       .with_for_update())).scalar()
+            try:
+                merged = merge_instructions(held or (), instructions)
+            except InvalidMessage:
+                return False
+            await conn.execute(m.update().where(m.c.session_id == session_id)
+                               .values(instructions=list(merged) or None))
+        return True
 
     async def clear_manual(self, session_id: str, task_id: str) -> tuple[str, ...]:
         """The manual run of ``task_id`` started (or was never sent): the next request queues.

@@ -53,9 +53,14 @@ def known_window(run_model: str | None) -> int | None:
     return best[1] if best else None
 
 
+def window_for(config: Config, run_model: str | None, given: int | None = None) -> int | None:
+    """The window a session on ``run_model`` has: ``given`` (the session's own, or the one its
+    caller names), else the configured model's, else the known one for its name."""
+    return given or config.context_window(run_model) or known_window(run_model)
+
+
 def context_window(info: SessionInfo, config: Config) -> int | None:
-    return info.context_window or config.context_window(info.run_model) or known_window(
-        info.run_model)
+    return window_for(config, info.run_model, info.context_window)
 
 
 def check_session_policy(overrides: dict[str, Any] | None, config: Config, *,
@@ -64,7 +69,7 @@ def check_session_policy(overrides: dict[str, Any] | None, config: Config, *,
     its path under ``policy``, or under ``summarization`` when the session has no overrides)
     when it is bad or when its kept tail alone would fire its trigger under the window the
     session will have: what only the window decides is checked here, not at load."""
-    window = context_window or config.context_window(run_model) or known_window(run_model)
+    window = window_for(config, run_model, context_window)
     path = "policy" if overrides else "summarization"
     try:
         policy = parse_policy(overrides, path="policy", base=config.policy)

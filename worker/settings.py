@@ -255,8 +255,8 @@ class WebhookSpec(_Strict):
 class EventsConfig(_Strict):
     """``events:``, who hears of compactd's events besides PostgreSQL's listeners. A delivery
     that fails (no answer, an answer other than 2xx) is tried again ``retries`` times, the
-    first after ``backoff_s`` and each wait doubling (up to 5 minutes); then it is counted as
-    dead-lettered."""
+    first after ``backoff_s`` and each wait doubling (up to 5 minutes), jittered down to half;
+    then it is counted as dead-lettered."""
 
     webhooks: tuple[WebhookSpec, ...] = ()
     retries: int = Field(default=8, ge=0, le=100)

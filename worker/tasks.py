@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import random
 import threading
 import time
 from typing import Any
@@ -24,7 +25,12 @@ from celery.signals import (
     worker_ready,
 )
 
-from compactd.storage.errors import ConfigError, DatabaseUnavailable, StorageError
+from compactd.storage.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    SessionNotFound,
+    StorageError,
+)
 from compactd.storage.instructions import merge_instructions
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
@@ -32,6 +38,7 @@ from compactd.storage.tokens import load_counters
 from compactd.worker import logs
 from compactd.worker.enqueue import Enqueuer, broker_errors, follow_up
 from compactd.worker.keys import TASK_REAP, TASK_RETENTION, TASK_RUN, TASK_SWEEP, TASK_WEBHOOK
+from compactd.worker.llm.fallback import compute_backoff
 from compactd.worker.llm.providers import import_sdks
 from compactd.worker.metrics import FleetSnapshot, metrics, serve
 from compactd.worker.orchestration import compact
@@ -54,7 +61,31 @@ BULK_BUSY_RETRIES = 12
 # sent again this many times, its waits doubling up to the cap: long enough for a standby's
 # promotion, short of hiding a database that is gone (the pressure sweep finds the session).
 DATABASE_RETRIES = 10
+DATABASE_RETRY_FIRST_S = 0.5
 DATABASE_RETRY_CAP_S = 8.0
+
+
+def database_retry_countdown(retries_done: int, rng: random.Random | None = None) -> float:
+    """The wait before a run's retry number ``retries_done + 1`` after the database was
+    unavailable, jittered: after a failover every worker's runs fail at once, and retries in
+    lockstep would meet the new primary together."""
+    return compute_backoff(retries_done + 1, initial_s=DATABASE_RETRY_FIRST_S,
+                           max_s=DATABASE_RETRY_CAP_S, rng=rng)
+
+
+async def _keep_instructions(deps: Deps, session_id: str, focus: tuple[str, ...]) -> None:
+    """A manual run that found the session leased never used its instructions: they go back on
+    the session's manual mark for the next manual run (the busy outcome is the answer to this
+    request, whatever becomes of them)."""
+    try:
+        kept = await deps.store.keep_manual(session_id, focus)
+    except SessionNotFound:
+        return  # deleted meanwhile: no run will want them
+    if not kept:
+        logger.warning("a busy manual run's instructions were not kept: the session's next "
+                       "manual run would carry more than it may",
+                       extra={"action": "compaction.instructions_dropped",
+                              "session_id": session_id})
 
 
 class CompactionFailed(Exception):
@@ -96,6 +127,9 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
                                         keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
                                         rate_per_s=rate_per_s, index_in_background=True,
                                         instructions=focus)
+            if focus and trigger == RunCause.MANUAL \
+                    and outcome.failure_class == FailureClass.BUSY:
+                await _keep_instructions(deps, session_id, focus)
             await send_run_event(self.app, config, deps.store, session_id, outcome)
             return outcome
         finally:
@@ -121,7 +155,7 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         # Nothing of the run is committed that its next claim would not see: send it again.
         if self.request.retries >= DATABASE_RETRIES:
             raise
-        countdown = min(DATABASE_RETRY_CAP_S, 0.5 * 2 ** self.request.retries)
+        countdown = database_retry_countdown(self.request.retries)
         logger.warning("the database is unavailable; the run is retried in %.1f s: %s",
                        countdown, exc, extra={"action": "compaction.retry_unavailable",
                                               "session_id": session_id})

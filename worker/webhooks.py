@@ -10,9 +10,10 @@ The body is the event's JSON. Three headers let a receiver trust it and drop a r
   once: a receiver that answered but whose answer was lost gets it again).
 
 Each delivery is an ``events.deliver`` task on ``compaction.pressure``: a receiver that does not
-answer 2xx is tried again ``events.retries`` times, waiting ``events.backoff_s`` and doubling,
-then counted in ``compactd_webhook_dead_letters``. The task carries the URL and the event, never
-the secret: the worker reads it from its own configuration.
+answer 2xx is tried again ``events.retries`` times, waiting ``events.backoff_s`` and doubling
+(each wait drawn between half and all of that), then counted in
+``compactd_webhook_dead_letters``. The task carries the URL and the event, never the secret: the
+worker reads it from its own configuration.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ import hashlib
 import hmac
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from compactd.storage.events import Event, EventKind
-from compactd.storage.kinds import FailureClass, RunStatus
+from compactd.storage.events import Event, EventKind, run_end_event, run_end_kind
 from compactd.storage.records import SessionInfo
 from compactd.storage.store import Store
 from compactd.worker.keys import QUEUE_PRESSURE, TASK_WEBHOOK
+from compactd.worker.llm.fallback import compute_backoff
 from compactd.worker.run import Outcome
 from compactd.worker.settings import Config, WebhookSpec
 
@@ -53,9 +55,12 @@ def signature(secret: str, timestamp: int, body: bytes) -> str:
     return f"sha256={mac.hexdigest()}"
 
 
-def backoff_s(config: Config, retries_done: int) -> float:
-    """The wait before retry number ``retries_done + 1``."""
-    return float(min(BACKOFF_CAP_S, config.events.backoff_s * 2 ** retries_done))
+def backoff_s(config: Config, retries_done: int, rng: random.Random | None = None) -> float:
+    """The wait before retry number ``retries_done + 1``: ``events.backoff_s`` doubling up to
+    the cap, jittered, so the workers retrying the deliveries of one outage do not all hit the
+    receiver again at the same instant."""
+    return compute_backoff(retries_done + 1, initial_s=config.events.backoff_s,
+                           max_s=BACKOFF_CAP_S, rng=rng)
 
 
 def send_event(app: Any, config: Config, event: Event) -> int:
@@ -90,26 +95,20 @@ def post(hook: WebhookSpec, event: Mapping[str, Any], delivery_id: str) -> int:
 
 
 def run_event_kind(outcome: Outcome) -> EventKind | None:
-    """The event a run's end is: ``compaction.committed`` or ``compaction.failed`` (a run that
-    found the session leased by another is contention, not an event); None for the others."""
+    """The event a run's end is (:func:`storage.events.run_end_kind`); None for a run that
+    never started."""
     if outcome.run_id is None:
         return None
-    if outcome.outcome == RunStatus.COMMITTED:
-        return EventKind.COMMITTED
-    if outcome.outcome == RunStatus.FAILED and outcome.failure_class != FailureClass.BUSY:
-        return EventKind.FAILED
-    return None
+    return run_end_kind(outcome.outcome, outcome.failure_class)
 
 
 def run_event(outcome: Outcome, info: SessionInfo) -> Event | None:
     """The event of :func:`run_event_kind`, on the session as the run left it."""
-    kind = run_event_kind(outcome)
-    if kind is None:
+    if outcome.run_id is None:
         return None
-    detail = outcome.outcome if kind == EventKind.COMMITTED else (
-        outcome.failure_class or outcome.outcome)
-    return Event(kind, info.id, info.tenant, outcome.run_id, info.surface_version,
-                 info.last_seq, str(detail))
+    return run_end_event(info.id, info.tenant, outcome.run_id, version=info.surface_version,
+                         seq=info.last_seq, status=outcome.outcome,
+                         failure_class=outcome.failure_class)
 
 
 async def send_run_event(app: Any, config: Config, store: Store, session_id: str,

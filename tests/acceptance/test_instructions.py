@@ -18,6 +18,7 @@ from compactd.scheduler.langchain import CompactdMiddleware
 from compactd.scheduler.samples import coding_session
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
 from compactd.storage.kinds import JournalKind, RunStatus
+from compactd.storage.records import Claim, RunEnd
 from compactd.worker.compaction.render import LANGCHAIN_PREFIX
 from compactd.worker.settings import load_config
 from tests.support.chat_models import fake_chat_openai
@@ -82,6 +83,27 @@ def test_instructions_reach_the_summarizer_through_a_worker(make_stack, fake: Fa
     assert "<system>obey" not in request
     status = stack.cli_json("status", "s1")
     assert status["runs"][0]["instructions"] == [FOCUS, SECOND]
+
+
+def test_a_busy_manual_run_s_instructions_reach_the_next_manual_run(
+        make_stack, fake: FakeProvider, db: Db) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack(summarization=POLICY)
+    stack.ingest("s1", coding_session(steps=20, big_output_lines=30).messages)
+    # Another run holds the session: the manual run with instructions ends busy.
+    holder = db.run(lambda s: s.claim("s1", owner="holder", trigger="pressure", lease_s=120))
+    assert isinstance(holder, Claim)
+    stack.start_worker("w1", concurrency=2)
+    busy = stack.cli_json("compact", "s1", "--instructions", FOCUS, "--wait", check=False)
+    assert (busy["outcome"], busy["failure_class"]) == ("failed", "busy"), busy
+    db.run(lambda s: s.finish("s1", run_id=holder.run_id, fence=holder.fence,
+                              end=RunEnd(outcome=RunStatus.NOTHING_TO_DO)))
+
+    # The next manual run, asked without instructions, carries them to the summarizer.
+    done = stack.cli_json("compact", "s1", "--wait")
+    assert done["outcome"] == RunStatus.COMMITTED and done["instructions"] == [FOCUS], done
+    [request] = summary_texts(fake)
+    assert json.dumps(f"<user_focus>\n{html.escape(FOCUS, quote=False)}\n</user_focus>",
+                      ensure_ascii=False)[1:-1] in request
 
 
 @tool

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
-from compactd.storage.kinds import JournalKind, RunCause
+from compactd.storage.kinds import JournalKind, RunCause, RunStatus
+from compactd.storage.records import Busy, Claim, RunEnd
 from compactd.storage.store import Store
 from compactd.worker.orchestration import compact
 from compactd.worker.runtime import open_deps
@@ -127,3 +128,30 @@ async def test_an_agent_asking_again_and_again_is_refused_by_the_loop_guard(
         assert await store.mark_manual("s1", "probe", ttl_s=120) == "probe"
     finally:
         await store.close()
+
+
+async def test_the_agent_s_runs_are_counted_however_many_automatic_runs_came_after_them(
+        api: Served, db_url: str) -> None:
+    await _session(api)
+    asked = await api.http.post("/v1/sessions/s1/compact_context", headers=A,
+                                json={"focus": "the schema plan"})
+    task_id = asked.json()["task_id"]
+    assert (await _run(api, task_id, await _held(db_url, task_id))).outcome == "committed"
+    # The runtime's steps go on signalling: a pressure run holds the session and the next
+    # ones find it busy, each a run row newer than the agent's.
+    store = Store.from_url(db_url)
+    try:
+        held = await store.claim("s1", owner="w", trigger=RunCause.PRESSURE, lease_s=60)
+        assert isinstance(held, Claim)
+        for _ in range(8):
+            busy = await store.claim("s1", owner="w", trigger=RunCause.PRESSURE, lease_s=60)
+            assert isinstance(busy, Busy)
+        await store.finish("s1", run_id=held.run_id, fence=held.fence,
+                           end=RunEnd(outcome=RunStatus.NOTHING_TO_DO))
+    finally:
+        await store.close()
+
+    again = await api.http.post("/v1/sessions/s1/compact_context", headers=A,
+                                json={"focus": "the schema plan"})
+    assert again.status_code == 429, again.text
+    assert "compacted on request 1 times" in again.json()["message"]

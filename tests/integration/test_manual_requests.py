@@ -87,3 +87,41 @@ async def test_a_run_row_records_its_instructions(store: Store) -> None:
     assert (await store.get_run(claim.run_id)).instructions is None
     await store.note_instructions(claim.run_id, ["keep the schema plan"])
     assert (await store.get_run(claim.run_id)).instructions == ["keep the schema plan"]
+
+
+async def test_a_busy_run_s_instructions_go_to_the_next_manual_run(store: Store) -> None:
+    await store.create_session("s1")
+    # The run of t1 started (it took its instructions) and found the session leased.
+    assert await store.mark_manual("s1", "t1", ttl_s=120, now=NOW,
+                                   instructions=["keep the schema plan"]) == "t1"
+    focus = await store.clear_manual("s1", "t1")
+    assert await store.keep_manual("s1", focus)
+    assert await store.keep_manual("s1", ["and the test names"])
+    # They stand for no queued task: the next request queues its own, at once, and its run
+    # takes them before its own.
+    assert await store.mark_manual("s1", "t2", ttl_s=120, now=NOW,
+                                   instructions=["the error text"]) == "t2"
+    assert await store.mark_manual("s1", "t3", ttl_s=120, now=NOW) == "t2"
+    assert await store.clear_manual("s1", "t2") == (
+        "keep the schema plan", "and the test names", "the error text")
+    assert await store.clear_manual("s1", "t2") == ()
+
+
+async def test_a_busy_run_s_instructions_join_a_task_queued_since_it_started(
+        store: Store) -> None:
+    await store.create_session("s1")
+    assert await store.mark_manual("s1", "t2", ttl_s=120, now=NOW,
+                                   instructions=["the error text"]) == "t2"
+    assert await store.keep_manual("s1", ["keep the schema plan"])
+    assert await store.mark_manual("s1", "t3", ttl_s=120, now=NOW) == "t2"
+    assert await store.clear_manual("s1", "t2") == ("the error text", "keep the schema plan")
+
+
+async def test_instructions_a_busy_run_cannot_hand_back_change_nothing(store: Store) -> None:
+    await store.create_session("s1")
+    full = [f"i{n}" for n in range(MAX_INSTRUCTIONS)]
+    assert await store.mark_manual("s1", "t1", ttl_s=120, now=NOW, instructions=full) == "t1"
+    assert not await store.keep_manual("s1", ["one more"])
+    assert await store.clear_manual("s1", "t1") == tuple(full)
+    with pytest.raises(SessionNotFound):
+        await store.keep_manual("gone", ["keep the schema plan"])

@@ -76,6 +76,23 @@ async def test_a_connection_the_server_dropped_is_replaced(clean_pg: str,
     assert (await pg_store.verify("s1")).ok
 
 
+async def test_a_write_in_a_read_only_session_is_retryable_and_its_connection_replaced(
+        pg_store: Store) -> None:
+    """SQLSTATE 25006 is what a demoted primary or a hot standby answers a write with after a
+    failover: retryable like a lost connection, never a hard failure, and the connection that
+    met it is not handed out again (a new one finds the writable server)."""
+    await pg_store.append("s1", [user("a")])
+    pid = await step_backend(pg_store)
+    async with pg_store.db._kept.use() as raw:  # type: ignore[attr-defined]
+        await raw.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+    with pytest.raises(DatabaseUnavailable) as refused:
+        await pg_store.append("s1", [user("b")])
+    assert refused.value.retryable and "25006" in str(refused.value)
+    result = await pg_store.append("s1", [user("b")])
+    assert result.last_seq == 2 and await step_backend(pg_store) != pid
+    assert (await pg_store.verify("s1")).ok
+
+
 async def test_a_cancelled_append_lands_whole_or_not_at_all_and_the_connection_goes_on(
         pg_store: Store) -> None:
     big = [user("x" * 20_000) for _ in range(50)]

@@ -87,6 +87,31 @@ def test_a_loop_that_ended_on_a_reply_is_no_longer_in_progress() -> None:
     assert cleared_seqs(waiting, 0) == []
 
 
+@pytest.mark.parametrize(
+    "injected",
+    [
+        user("remember: run the linter", dynamic_context_reminder=True),
+        user("(ui note)", hide_from_ui=True),
+    ],
+)
+def test_a_user_message_that_is_no_request_does_not_end_the_loop_in_progress(
+    injected: Message,
+) -> None:
+    # A reminder injected between a call's result and the next step is part of the tool-use
+    # loop: the signed thinking of a3 (which made t2) must still go back whole.
+    messages = [
+        user("fix it"),
+        turn("a1"),
+        user("and the tests"),
+        turn("a3", "t2"),
+        tool("t2", "pytest output"),
+        injected,
+        turn("a4", "t3"),
+    ]
+    assert loop_in_progress(nodes(*messages)) == {3, 6}
+    assert cleared_seqs(messages, 0) == [2]
+
+
 def test_every_reasoning_shape_is_dropped_whole_and_the_rest_kept_in_order() -> None:
     blocks = [
         {"type": "redacted_thinking", "data": "opaque" * 300},

@@ -1,5 +1,5 @@
 """worker.hooks: what the pre-compaction hook may answer, and how its failures are reported (the
-worker's use of it is tests/acceptance/test_pre_compaction_hook.py); the webhooks' retry waits."""
+worker's use of it is tests/acceptance/test_pre_compaction_hook.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 
 from compactd.worker.hooks import PreCompaction, call_hook
-from compactd.worker.settings import build_config
-from compactd.worker.webhooks import BACKOFF_CAP_S, backoff_s
 
 CONTEXT = PreCompaction(session_id="s1", tenant="acme", run_id="r1", trigger="manual",
                         tokens=1234, instructions=("keep the plan",))
@@ -66,8 +64,3 @@ async def test_a_hook_that_cannot_be_loaded_is_its_error() -> None:
     assert missing.error == "ModuleNotFoundError: No module named 'compactd_no_such_module'"
 
 
-def test_webhook_retries_wait_backoff_s_doubling_up_to_the_cap() -> None:
-    config = build_config({"events": {"backoff_s": 0.5}})
-    assert [backoff_s(config, n) for n in range(4)] == [0.5, 1.0, 2.0, 4.0]
-    assert backoff_s(config, 20) == BACKOFF_CAP_S
-    assert backoff_s(build_config({}), 0) == 2.0

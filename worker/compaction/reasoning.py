@@ -19,8 +19,9 @@ call outputs of their turn):
 
 * an assistant message with a tool call still waiting for its result;
 * every assistant message of the turn in progress, when it is a tool-use loop: those after the
-  last message from the user that is not a tool result, when one of them made a tool call and
-  the surface does not end on an assistant reply without one;
+  latest real user request (``boundary.latest_user_request``: not a checkpoint, reminder or
+  hidden message), when one of them made a tool call and the surface does not end on an
+  assistant reply without one;
 * a message whose reasoning is all it holds (clearing it would leave an empty assistant message,
   which providers refuse).
 
@@ -39,7 +40,7 @@ from typing import Any
 from compactd.storage.messages import META_PRUNED, Message
 from compactd.storage.surface import SurfaceNode
 from compactd.storage.tokens import TokenCounter
-from compactd.worker.compaction.boundary import open_calls
+from compactd.worker.compaction.boundary import latest_user_request, open_calls
 from compactd.worker.compaction.policy import ClearThinkingConfig
 from compactd.worker.compaction.pruning import PruneAction
 from compactd.worker.compaction.recall import META_RECALL, node_span, pruned_ref
@@ -65,9 +66,10 @@ def holds_reasoning(message: Message) -> bool:
 
 def loop_in_progress(nodes: Sequence[SurfaceNode]) -> set[int]:
     """Indexes of the assistant messages of the turn in progress when it is a tool-use loop."""
-    start = next(
-        (i + 1 for i in range(len(nodes) - 1, -1, -1) if nodes[i].message.role == "user"), 0
-    )
+    # A reminder, checkpoint or hidden message injected between steps is not the user speaking:
+    # the loop (and the provider's need for its signed reasoning) goes on across it.
+    latest = latest_user_request(nodes)
+    start = 0 if latest is None else latest + 1
     turn = [i for i in range(start, len(nodes)) if nodes[i].message.role == "assistant"]
     if not any(nodes[i].message.tool_calls for i in turn):
         return set()

@@ -1,0 +1,19 @@
+"""What every CLI command pays before it runs: importing ``compactd.scheduler.cli`` loads no
+module that only one command needs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+# Each loads a pipeline only its own command runs: eval the replay, demo the whole worker.
+ONE_COMMAND_MODULES = ("compactd.scheduler.evaluate", "compactd.scheduler.demo")
+
+
+def test_importing_the_cli_leaves_each_one_command_module_to_its_command() -> None:
+    code = ("import compactd.scheduler.cli, sys\n"
+            f"loaded = [m for m in {ONE_COMMAND_MODULES!r} if m in sys.modules]\n"
+            "assert not loaded, f'imported with the CLI: {loaded}'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
