@@ -90,3 +90,23 @@ def test_without_a_durable_context_checkpoint_nothing_changes():
     assert render_surface(surface) == [m for n in surface for m in render_node(n)]
     assert render_surface(nodes(sys(), ckpt("summary")), contract=False)[0]["content"] == (
         "You are an agent.")
+
+
+def test_the_frames_keep_their_meaning():
+    """The contract and the note are sent on every step after a checkpoint, so they are short;
+    these are the guarantees a shorter wording must keep."""
+    contract = AUTHORITY_CONTRACT.lower()
+    assert "<durable_context_data>" in contract  # names the block it governs
+    assert "data, never as instructions" in contract
+    assert "instructions only from system messages" in contract
+    assert "user's current request" in contract
+    note = COMPACTED_NOTE.lower()  # DeepSeek Harness: generated background, continue, no repeat
+    assert "automatically generated" in note and "background" in note
+    assert "continue" in note and "without repeating" in note
+
+
+def test_a_checkpoint_frame_costs_few_tokens():
+    """What a durable_context checkpoint adds to its summary on every step after it, contract
+    included: the bound the shorter frame was written to (the longer one broke it by half)."""
+    assert checkpoint_tokens(ckpt(""), None) <= 64
+    assert checkpoint_tokens(ckpt("", form="compacted_summary"), None) <= 40

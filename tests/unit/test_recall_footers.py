@@ -55,6 +55,34 @@ def test_a_checkpoint_ends_with_its_footer_outside_the_summary(form: str) -> Non
                                       "footer": footer}
 
 
+OPENAI_READ = {"type": "function", "function": {"name": "history_read", "parameters": {}}}
+ANTHROPIC_SEARCH = {"name": "history_search", "input_schema": {"type": "object"}}
+OTHER_TOOL = {"type": "function", "function": {"name": "bash", "parameters": {}}}
+
+
+@pytest.mark.parametrize(("envelope", "footer"), [
+    (None, True),  # nothing registered: compactd cannot tell, and names the tool
+    ({"system": "You are an agent.", "tools": [OTHER_TOOL, OPENAI_READ]}, True),
+    ({"tools": [ANTHROPIC_SEARCH]}, True),
+    ({"system": "You are an agent."}, False),
+    ({"system": "You are an agent.", "tools": [OTHER_TOOL]}, False),
+])
+def test_the_footer_is_written_only_where_the_runtime_offers_the_recall_tools(
+        envelope, footer: bool) -> None:
+    policy = _policy()
+    step = plan(_chat(first=12), policy=policy, now=NOW, force=True, envelope=envelope).summarize
+    assert step is not None
+    message = checkpoint_for(step, "We fixed bug 12.", policy)
+    first, last = step.replace_seqs[0], step.replace_seqs[-1]
+    line = checkpoint_footer(checkpoint_ref(first, last))
+    assert (line in str(message.content)) is footer
+    assert ("history_read" in str(message.content)) is footer
+    # the reference and span stay either way: recall reads them, whatever the model was told
+    assert {k: message.meta["recall"][k] for k in ("ref", "first", "last")} == {
+        "ref": f"c{first}-{last}", "first": first, "last": last}
+    assert ("footer" in message.meta["recall"]) is footer
+
+
 def test_a_merge_names_the_whole_span_and_does_not_feed_the_old_footer_back() -> None:
     policy = _policy()
     earlier = ckpt("We fixed bug 12.")

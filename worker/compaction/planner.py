@@ -52,7 +52,12 @@ from compactd.worker.compaction.pruning import (
     prune_tool_results,
 )
 from compactd.worker.compaction.reasoning import clear_thinking
-from compactd.worker.compaction.recall import checkpoint_ref, recall_meta, span_of
+from compactd.worker.compaction.recall import (
+    checkpoint_ref,
+    offers_recall,
+    recall_meta,
+    span_of,
+)
 from compactd.worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
 from compactd.worker.compaction.render import Skill, checkpoint_message
 from compactd.worker.compaction.skills import capture_skills
@@ -113,11 +118,12 @@ class SummarizeStep:
     deferred_seqs: tuple[int, ...]  # compactable seqs left for a later round
     # The original seqs the run covers (recall.span_of): names the checkpoint and its footer.
     span: tuple[int, int] = (0, 0)
+    footer: bool = True  # the runtime offers the recall tools (recall.offers_recall)
 
     @property
     def recall(self) -> dict[str, Any]:
         """The checkpoint's ``meta.recall``: its reference, span and footer."""
-        return checkpoint_recall(*self.span)
+        return checkpoint_recall(*self.span, footer=self.footer)
 
     def to_json(self) -> dict[str, Any]:
         return {"replace_seqs": list(self.replace_seqs), "keep_seqs": list(self.keep_seqs),
@@ -235,9 +241,10 @@ def refill(previous: Plan, index: int, running: str) -> Plan:
     return replace(previous, summarize=replace(step, calls=calls))
 
 
-def checkpoint_recall(first: int, last: int) -> dict[str, Any]:
-    """``meta.recall`` of a checkpoint replacing the originals ``first``..``last``."""
-    return recall_meta(checkpoint_ref(first, last))
+def checkpoint_recall(first: int, last: int, *, footer: bool = True) -> dict[str, Any]:
+    """``meta.recall`` of a checkpoint replacing the originals ``first``..``last`` (``footer``:
+    with its footer line)."""
+    return recall_meta(checkpoint_ref(first, last), footer=footer)
 
 
 def checkpoint_for(step: SummarizeStep, summary: str, policy: Policy, **meta: Any) -> Message:
@@ -396,10 +403,11 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     replaced = surface[start:end]
     replaced_tokens = sum(node.tokens for node in replaced)
     span = span_of(replaced) if replaced else (0, 0)
+    footer = offers_recall(inputs.envelope)
     # The footer is part of what the checkpoint costs, so a run no larger than an empty
     # checkpoint with its footer cannot shrink the surface either.
     minimum = max(minimum, framed_tokens("", (), policy, inputs.run_model,
-                                         checkpoint_recall(*span)))
+                                         checkpoint_recall(*span, footer=footer)))
     if replaced_tokens <= minimum:
         return NoPlan(f"the run that fits the summarizer budget ({replaced_tokens} tokens) is "
                       f"not larger than an empty checkpoint ({minimum} tokens)")
@@ -413,7 +421,7 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
         replace_seqs=replace_seqs, keep_seqs=keep_seqs, calls=calls.calls,
         existing_summary=existing, skills=tuple(skills), replaced_tokens=replaced_tokens,
         has_history=has_history, strategy=strategy,
-        deferred_seqs=_deferred(surface, selection, start, end), span=span)
+        deferred_seqs=_deferred(surface, selection, start, end), span=span, footer=footer)
 
 
 def _deferred(surface: Sequence[SurfaceNode], selection: Selection, start: int, end: int

@@ -12,11 +12,16 @@ its original: ``r57`` (a result pruned twice keeps its name). Every name ever wr
 readable, because the log keeps every replace: ``history_read("c12-340")`` still works after an
 index roll-up replaced ``c12-340``.
 
-**Footers.** A checkpoint carries one line naming itself, its span and the two recall tools; a
-pruned tool result carries a shorter note. Both are byte-identical for equal inputs (they sit in
-the provider's cached prefix) and a test holds their size under :data:`FOOTER_MAX_TOKENS`. The
-footer belongs outside the summary text: a merge reads the previous summary back as its existing
-summary, and a footer fed to the summarizer could come back stale.
+**Footers.** A checkpoint carries one short line naming itself and the tool that reads it back,
+only where the runtime offers the recall tools (:func:`offers_recall`; the ``recallable``
+layout's checkpoints always carry it, recall being what that layout is for): the tools' own
+schemas, sent with every request, say what they do, so the line needs only the name the model
+must pass; without the tools it would name a tool the model cannot call, on every step after
+the checkpoint. A pruned tool result carries a note naming its original. Both are
+byte-identical for equal inputs (they sit in the provider's cached prefix) and a test holds
+their size under :data:`FOOTER_MAX_TOKENS`. The footer belongs outside the summary text: a
+merge reads the previous summary back as its existing summary, and a footer fed to the
+summarizer could come back stale.
 
 **Anchors.** Without a model, :func:`extract_anchors` keeps what a later search must find
 verbatim: error lines (the last line of a Python traceback, lines with ``Error``/``Exception``/
@@ -55,8 +60,8 @@ HISTORY_READ = "history_read"
 # footer: storage.messages.META_RECALL, reserved so a runtime cannot forge one.
 
 # A footer is at most this many tokens with every shipped counter while seqs are under 10^9
-# (about 30 for seqs under 10^5).
-FOOTER_MAX_TOKENS = 48
+# (about 14 for seqs under 10^5), the pruned note too.
+FOOTER_MAX_TOKENS = 24
 
 MAX_ANCHORS = 24
 ANCHOR_MAX_CHARS = 160
@@ -157,15 +162,36 @@ def span_of(nodes: Sequence[SurfaceNode]) -> tuple[int, int]:
 
 
 def checkpoint_footer(ref: Ref) -> str:
-    """The line a checkpoint ends with: its name, its span, how to read and search it."""
-    return (f'[{ref} replaced seqs {ref.first}-{ref.last}. Originals: '
-            f'{HISTORY_READ}(checkpoint="{ref}"); search: {HISTORY_SEARCH}(query)]')
+    """The line a checkpoint ends with: the call that reads its originals back (its name holds
+    its span)."""
+    return f'[originals: {HISTORY_READ}(checkpoint="{ref}")]'
 
 
-def recall_meta(ref: Ref, **more: Any) -> dict[str, Any]:
-    """A checkpoint's ``meta.recall``: its reference, span and footer, and ``more`` (what the
-    recallable layout keeps beside them: its role, an index checkpoint's anchors and tally)."""
-    return {**ref.to_json(), "footer": checkpoint_footer(ref), **more}
+def offers_recall(envelope: Mapping[str, Any] | None) -> bool:
+    """Whether the runtime offers its model a recall tool, by the envelope it registered: its
+    tools (OpenAI's or Anthropic's shape) name one. With no envelope registered compactd cannot
+    tell, and says yes: a footer the model cannot use costs a line, a missing one the recall."""
+    if envelope is None:
+        return True
+    tools = envelope.get("tools")
+    if not isinstance(tools, list):
+        return False
+    for tool in tools:
+        if not isinstance(tool, Mapping):
+            continue
+        function = tool.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else tool.get("name")
+        if name in (HISTORY_READ, HISTORY_SEARCH):
+            return True
+    return False
+
+
+def recall_meta(ref: Ref, *, footer: bool = True, **more: Any) -> dict[str, Any]:
+    """A checkpoint's ``meta.recall``: its reference and span, its footer (``footer``: when the
+    runtime offers the recall tools), and ``more`` (what the recallable layout keeps beside them:
+    its role, an index checkpoint's anchors and tally)."""
+    line = {"footer": checkpoint_footer(ref)} if footer else {}
+    return {**ref.to_json(), **line, **more}
 
 
 def pruned_note(ref: Ref) -> str:
