@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from compactd.storage import schema as t
 from compactd.storage import sql
 from compactd.storage.bulk_jobs import bulk_item_state
+from compactd.storage.connectors_errors import driver_error
 from compactd.storage.connectors_general import (
     CLAIM_LOCK_WAIT_S,
     RUN_JSON_COLUMNS,
@@ -48,8 +49,6 @@ from compactd.storage.database import (
     KeptConnections,
     connection,
     deadline_left_s,
-    driver_error,
-    is_sqlite,
     transaction,
     translate,
 )
@@ -471,7 +470,9 @@ class SQLiteConnector(Connector):
 def connector_for(engine: AsyncEngine, *, kept: int = 1) -> Connector:
     """The engine's connector; on PostgreSQL it keeps up to ``kept`` connections for the named
     queries (see :class:`KeptConnections`)."""
-    return SQLiteConnector(engine) if is_sqlite(engine) else PostgresConnector(engine, kept=kept)
+    if engine.dialect.name == "sqlite":
+        return SQLiteConnector(engine)
+    return PostgresConnector(engine, kept=kept)
 
 
 
