@@ -53,7 +53,7 @@ from compactd.storage.database import (
     translate,
 )
 from compactd.storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
-from compactd.storage.events import Event, Listener
+from compactd.storage.events import Event, Listener, VersionPoller, VersionWaiter
 from compactd.storage.kinds import ItemState
 from compactd.storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
 from compactd.storage.recall_index import RecallBody, node_recall
@@ -153,9 +153,9 @@ class Connector:
         """Send ``event`` to the listeners (inside ``conn``'s transaction: when it commits).
         SQLite has none: its waiters read the version (:mod:`storage.events`)."""
 
-    def listener(self) -> Listener | None:
-        """A :class:`Listener` for this backend's notifications; None on SQLite."""
-        return None
+    def waiter(self) -> VersionWaiter:
+        """How this backend waits for a session's version to move (``Store.wait_for_version``)."""
+        raise NotImplementedError
 
     def insert(self, table: sa.Table) -> Any:
         """``INSERT`` with the dialect's ``ON CONFLICT`` clauses."""
@@ -286,7 +286,8 @@ class PostgresConnector(Connector):
     async def notify(self, event: Event, *, conn: AsyncConnection | None = None) -> None:
         await self.execute("notify", conn=conn, payload=event.dumps())
 
-    def listener(self) -> Listener | None:
+    def waiter(self) -> VersionWaiter:
+        # The commit's notification wakes the waiter.
         return Listener(self.engine)
 
     def _text(self, name: str) -> Any:
@@ -410,6 +411,10 @@ class SQLiteConnector(Connector):
 
     def insert(self, table: sa.Table) -> Any:
         return sqlite_insert(table)
+
+    def waiter(self) -> VersionWaiter:
+        # No notifications: the waiter reads the version.
+        return VersionPoller()
 
     def _text(self, name: str) -> Any:
         return _sqlite_text(name)

@@ -19,10 +19,11 @@ from tests.support.source import parse_file
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("storage", "worker", "scheduler")
 # Members a caller would branch on: methods that answered None where the backend lacked a
-# function, flags that said what the backend could do, and the suffix of a query's form.
+# function or a notification channel, flags that said what the backend could do, and the
+# suffix of a query's form.
 CONNECTOR_BRANCHES = frozenset({
-    "append_call", "claim_call", "commit_call", "encodes_appends", "locks_rows", "takes_arrays",
-    "variant", "variant_suffix", "wait_for_row_lock"})
+    "append_call", "claim_call", "commit_call", "encodes_appends", "listener", "locks_rows",
+    "takes_arrays", "variant", "variant_suffix", "wait_for_row_lock"})
 BACKEND_NAMES = frozenset({"sqlite", "postgresql", "postgres", "asyncpg", "aiosqlite"})
 CONNECTOR_CLASSES = frozenset({"PostgresConnector", "SQLiteConnector"})
 
