@@ -45,8 +45,8 @@ from compactd.storage.connectors_general import (
     row_stayed_locked,
     run_end_values,
 )
+from compactd.storage.connectors_kept import KeptConnections
 from compactd.storage.database import (
-    KeptConnections,
     connection,
     deadline_left_s,
     transaction,

@@ -1,7 +1,9 @@
-"""Engines, transactions and the translation of driver errors.
+"""Engines, transactions, deadlines and driver errors, the same calls on every backend.
 
 PostgreSQL is reached through asyncpg; the embedded default is a SQLite file through aiosqlite.
-Every transaction here is short: none is ever held open across a model call.
+What each does differently is its backend's (``storage.connectors_engines``, the drivers'
+errors in ``storage.connectors_errors``). Every transaction here is short: none is ever held
+open across a model call.
 """
 
 from __future__ import annotations
@@ -10,9 +12,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from compactd.storage import sql
-from compactd.storage.connectors_engines import POOL_RECYCLE_S, backend_for_url, backend_of
-from compactd.storage.connectors_errors import connection_survives, is_driver_error, storage_error
+from compactd.storage.connectors_engines import backend_for_url, backend_of
+from compactd.storage.connectors_errors import is_driver_error, storage_error
 from compactd.storage.errors import CompactdError, DeadlinePassed
 
 SQLITE_FILENAME = "compactd.sqlite3"
@@ -29,7 +29,7 @@ SQLITE_FILENAME = "compactd.sqlite3"
 # The end of the work this task is doing (a compaction run), in its event loop's time, or None.
 # Statements run under it wait no longer: lock waits and statements of a transaction get the
 # time left as PostgreSQL's lock_timeout and statement_timeout (SQLite: its busy timeout), and
-# the single statements of raw_connection are cancelled when it passes.
+# the single statements of storage.connectors_kept are cancelled when it passes.
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "compactd_deadline", default=None)
 
@@ -63,9 +63,9 @@ def _time_left_ms() -> int | None:
 
 
 @contextlib.asynccontextmanager
-async def _bounded() -> AsyncIterator[None]:
+async def cancelled_at_deadline() -> AsyncIterator[None]:
     """Cancel the block when the deadline passes (asyncpg then cancels its statement on the
-    server, and the connection stays usable)."""
+    server, and the connection stays usable: ``storage.connectors_kept``)."""
     at = _DEADLINE.get()
     if at is None:
         yield
@@ -160,146 +160,6 @@ async def snapshot(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
             await conn.execution_options(**backend_of(engine).snapshot_options)
             async with conn.begin():
                 yield conn
-
-
-@contextlib.asynccontextmanager
-async def raw_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
-    """The asyncpg connection under a pooled SQLAlchemy connection, in autocommit mode, for one
-    named query without SQLAlchemy's statement layer (asyncpg's own statement cache serves it).
-
-    Errors are translated like everywhere else; a connection the error leaves in an unknown
-    state is invalidated, so the pool opens a new one instead of handing it out again. Callers
-    that raise compactd's own SQLSTATEs inspect them first.
-    """
-    with translated():
-        async with _open_raw(engine) as (conn, driver):
-            try:
-                async with _bounded():
-                    yield driver
-            except BaseException as exc:
-                if driver.is_closed() or not connection_survives(exc):
-                    with contextlib.suppress(Exception):
-                        await conn.invalidate()
-                raise
-
-
-class KeptConnections:
-    """Up to ``capacity`` pooled PostgreSQL connections kept checked out for the named queries
-    a process runs over and over, instead of a pool checkout and return around each.
-
-    A checkout and its return through SQLAlchemy cost several times the CPU of the statement
-    they serve (measured in alternating pairs; the figures are in docs/benchmarks.md). The
-    connections are the pool's own (no extra server connections) and are taken at first use,
-    so a process that never runs these statements holds none. A statement that finds every
-    kept connection busy goes through the pool as before, so the pool always has
-    ``pool_size - capacity`` connections for everything else. A connection that fails is
-    dropped and taken afresh by a later statement; refused and cancelled statements leave it
-    in place. Each goes back to the pool as often as the pool recycles its own connections
-    (``pool_recycle``), so they are renewed as those are. With a capacity of 0 every statement
-    goes through the pool.
-    """
-
-    def __init__(self, engine: AsyncEngine, capacity: int = 1) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be 0 or more, not {capacity}")
-        self._engine = engine
-        self.capacity = capacity
-        self._idle: list[_Kept] = []
-        self._held = 0  # kept connections, idle or in use
-        self._generation = 0  # close() drops those in use when they come back
-
-    @contextlib.asynccontextmanager
-    async def use(self) -> AsyncIterator[Any]:
-        kept = await self._checkout()
-        if kept is None:
-            async with raw_connection(self._engine) as raw:
-                yield raw
-            return
-        try:
-            with translated():
-                try:
-                    async with _bounded():
-                        yield kept.raw
-                except BaseException as exc:
-                    if kept.raw.is_closed() or not connection_survives(exc):
-                        dropped, kept = kept, None
-                        await self._drop(dropped, broken=True)
-                    raise
-        finally:
-            if kept is not None:
-                await self._give_back(kept)
-
-    async def close(self) -> None:
-        self._generation += 1
-        idle, self._idle = self._idle, []
-        for kept in idle:
-            await self._drop(kept, broken=False)
-
-    async def _checkout(self) -> _Kept | None:
-        while self._idle:
-            kept = self._idle.pop()
-            if not kept.raw.is_closed() and time.monotonic() - kept.taken_at <= POOL_RECYCLE_S:
-                return kept
-            await self._drop(kept, broken=kept.raw.is_closed())
-        if self._held >= self.capacity:
-            return None
-        self._held += 1
-        # Read before connecting: a close() while it connects makes this one stale too.
-        generation = self._generation
-        try:
-            with translated():
-                conn = await self._engine.connect()
-                try:
-                    raw = (await conn.get_raw_connection()).driver_connection
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        await conn.close()
-                    raise
-        except BaseException:
-            self._held -= 1
-            raise
-        return _Kept(conn, raw, time.monotonic(), generation)
-
-    async def _give_back(self, kept: _Kept) -> None:
-        """Keep ``kept`` for the next statement, unless close() ran since it was taken."""
-        if kept.generation == self._generation:
-            self._idle.append(kept)
-        else:
-            await self._drop(kept, broken=False)
-
-    async def _drop(self, kept: _Kept, *, broken: bool) -> None:
-        self._held -= 1
-        if broken:
-            # Its state is unknown (a statement may still be running): never reuse it.
-            with contextlib.suppress(Exception):
-                await kept.conn.invalidate()
-        with contextlib.suppress(Exception):
-            await kept.conn.close()
-
-
-@dataclass
-class _Kept:
-    conn: AsyncConnection
-    raw: Any
-    taken_at: float
-    generation: int
-
-
-@contextlib.asynccontextmanager
-async def _open_raw(engine: AsyncEngine) -> AsyncIterator[tuple[AsyncConnection, Any]]:
-    """A pooled connection in autocommit and its asyncpg connection, skipping those the client
-    has already seen closed (the server ended them while they sat in the pool)."""
-    while True:
-        async with engine.connect() as conn:
-            fairy = await conn.get_raw_connection()
-            driver = fairy.driver_connection
-            assert driver is not None
-            if driver.is_closed():
-                await conn.invalidate()
-                continue
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-            yield conn, driver
-            return
 
 
 async def ping(engine: AsyncEngine) -> None:
