@@ -49,7 +49,7 @@ from compactd.storage.ids import (
 from compactd.storage.instructions import check_instructions
 from compactd.storage.kinds import FailureClass, RunCause, RunStatus, SignalReason
 from compactd.storage.messages import Message, check_json, check_message, parse
-from compactd.storage.migrate import ensure_schema
+from compactd.storage.migrate import open_schema
 from compactd.storage.recall import DEFAULT_READ_TOKENS, ReadPage, SearchResult
 from compactd.storage.recall_bounds import DEFAULT_SEARCH_LIMIT
 from compactd.storage.records import RunRecord, SessionInfo, utcnow
@@ -171,7 +171,7 @@ class CompactdClient:
 
             enqueuer = Enqueuer(client_app(self.config))
         self.enqueuer = enqueuer
-        self._schema_checked = not self.config.embedded
+        self._schema_checked = False
         self._sending: set[asyncio.Task[None]] = set()
         # When a send last failed (loop time), and the signals not sent since.
         self._broker_failed_at: float | None = None
@@ -249,7 +249,7 @@ class CompactdClient:
 
     async def _ensure_schema(self) -> None:
         if not self._schema_checked:
-            await ensure_schema(self.store.engine, self.config.database_url)
+            await open_schema(self.store.engine, self.config.database_url)
             self._schema_checked = True
 
     async def create_session(self, session_id: str, *, run_model: str | None = None,

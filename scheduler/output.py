@@ -15,7 +15,7 @@ from typing import Any
 
 from compactd.storage.database import database_exists
 from compactd.storage.errors import SessionNotFound
-from compactd.storage.migrate import ensure_schema
+from compactd.storage.migrate import open_schema
 from compactd.storage.store import Store
 from compactd.worker.settings import Config
 
@@ -36,8 +36,7 @@ async def open_store(config: Config, *, reads: str | None = None) -> AsyncIterat
         raise SessionNotFound(reads)
     store = Store.from_url(config.database_url, pool_size=5,
                            statement_cache=config.database.statement_cache)
-    if config.embedded:
-        await ensure_schema(store.engine, config.database_url)
+    await open_schema(store.engine, config.database_url)
     try:
         yield store
     finally:

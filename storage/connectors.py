@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from compactd.storage import schema as t
 from compactd.storage import sql
 from compactd.storage.bulk_jobs import bulk_item_state
+from compactd.storage.connectors_errors import driver_error
 from compactd.storage.connectors_general import (
     CLAIM_LOCK_WAIT_S,
     RUN_JSON_COLUMNS,
@@ -44,17 +45,15 @@ from compactd.storage.connectors_general import (
     row_stayed_locked,
     run_end_values,
 )
+from compactd.storage.connectors_kept import KeptConnections
 from compactd.storage.database import (
-    KeptConnections,
     connection,
     deadline_left_s,
-    driver_error,
-    is_sqlite,
     transaction,
     translate,
 )
 from compactd.storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
-from compactd.storage.events import Event, Listener
+from compactd.storage.events import Event, Listener, VersionPoller, VersionWaiter
 from compactd.storage.kinds import ItemState
 from compactd.storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
 from compactd.storage.recall_index import RecallBody, node_recall
@@ -154,9 +153,9 @@ class Connector:
         """Send ``event`` to the listeners (inside ``conn``'s transaction: when it commits).
         SQLite has none: its waiters read the version (:mod:`storage.events`)."""
 
-    def listener(self) -> Listener | None:
-        """A :class:`Listener` for this backend's notifications; None on SQLite."""
-        return None
+    def waiter(self) -> VersionWaiter:
+        """How this backend waits for a session's version to move (``Store.wait_for_version``)."""
+        raise NotImplementedError
 
     def insert(self, table: sa.Table) -> Any:
         """``INSERT`` with the dialect's ``ON CONFLICT`` clauses."""
@@ -287,7 +286,8 @@ class PostgresConnector(Connector):
     async def notify(self, event: Event, *, conn: AsyncConnection | None = None) -> None:
         await self.execute("notify", conn=conn, payload=event.dumps())
 
-    def listener(self) -> Listener | None:
+    def waiter(self) -> VersionWaiter:
+        # The commit's notification wakes the waiter.
         return Listener(self.engine)
 
     def _text(self, name: str) -> Any:
@@ -412,6 +412,10 @@ class SQLiteConnector(Connector):
     def insert(self, table: sa.Table) -> Any:
         return sqlite_insert(table)
 
+    def waiter(self) -> VersionWaiter:
+        # No notifications: the waiter reads the version.
+        return VersionPoller()
+
     def _text(self, name: str) -> Any:
         return _sqlite_text(name)
 
@@ -471,7 +475,9 @@ class SQLiteConnector(Connector):
 def connector_for(engine: AsyncEngine, *, kept: int = 1) -> Connector:
     """The engine's connector; on PostgreSQL it keeps up to ``kept`` connections for the named
     queries (see :class:`KeptConnections`)."""
-    return SQLiteConnector(engine) if is_sqlite(engine) else PostgresConnector(engine, kept=kept)
+    if engine.dialect.name == "sqlite":
+        return SQLiteConnector(engine)
+    return PostgresConnector(engine, kept=kept)
 
 
 

@@ -12,16 +12,19 @@ On PostgreSQL each is sent with ``pg_notify`` on the channel :data:`CHANNEL` in 
 that makes it true (the commit's own statement, the failed run's end), so a listener hears of
 nothing that was rolled back and never before the change is visible. :class:`Listener` holds one
 connection in ``LISTEN`` and wakes whoever waits for a session. SQLite has no notifications: a
-waiter there reads the session's version every ``POLL_S`` (the embedded default's worker is
-another process, which no in-process signal reaches).
+waiter there (:class:`VersionPoller`) reads the session's version every ``POLL_S`` (the
+embedded default's worker is another process, which no in-process signal reaches). Each
+backend's connector gives its own :class:`VersionWaiter` (``Connector.waiter``).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum, unique
 from typing import Any
@@ -99,7 +102,44 @@ def parse_event(text: str) -> Event | None:
         return None
 
 
-class Listener:
+class VersionWaiter(abc.ABC):
+    """How a process waits for a session's surface version to move past one it has seen
+    (``Store.wait_for_version``)."""
+
+    @abc.abstractmethod
+    async def wait(self, session_id: str, after_version: int, timeout_s: float,
+                   read_version: Callable[[str], Awaitable[int]]) -> int | None:
+        """The session's version once it is past ``after_version``, None when it did not move
+        within ``timeout_s``; ``read_version`` reads it (SessionNotFound for a session that is
+        not there)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Give back what the waiter holds."""
+
+
+class VersionPoller(VersionWaiter):
+    """A waiter that reads the version every :data:`POLL_S` (SQLite, which has no
+    notifications)."""
+
+    async def wait(self, session_id: str, after_version: int, timeout_s: float,
+                   read_version: Callable[[str], Awaitable[int]]) -> int | None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while True:
+            version = await read_version(session_id)
+            if version > after_version:
+                return version
+            if loop.time() >= until:
+                return None
+            await asyncio.sleep(min(POLL_S, max(0.0, until - loop.time())))
+
+    async def close(self) -> None:
+        # It holds nothing between waits.
+        return None
+
+
+class Listener(VersionWaiter):
     """One PostgreSQL connection in ``LISTEN compactd_events``, shared by every waiter of a
     process: :meth:`watch` returns a queue that receives the events of one session until
     :meth:`unwatch`. The connection is taken from the pool at the first watch and held until
@@ -125,6 +165,32 @@ class Listener:
             queues.discard(queue)
             if not queues:
                 del self._watchers[session_id]
+
+    async def wait(self, session_id: str, after_version: int, timeout_s: float,
+                   read_version: Callable[[str], Awaitable[int]]) -> int | None:
+        """A LISTEN: the commit's notification wakes it, with a read of the version when it
+        starts and one when its time is up."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        queue = await self.watch(session_id)
+        try:
+            # Read after watching: a commit between the caller's read and the LISTEN is seen.
+            version = await read_version(session_id)
+            while version <= after_version:
+                left = until - loop.time()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    event = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    # One more read: a notification lost with a dropped connection is not a
+                    # commit missed.
+                    version = await read_version(session_id)
+                    return version if version > after_version else None
+                version = max(version, event.version)
+            return version
+        finally:
+            self.unwatch(session_id, queue)
 
     async def _open(self) -> None:
         async with self._opening:

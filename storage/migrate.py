@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from compactd.storage.connectors_engines import backend_for_url
 from compactd.storage.database import normalize_url, translated
 
 if TYPE_CHECKING:
@@ -50,8 +51,15 @@ def check(url: str) -> None:
     command.check(alembic_config(url))
 
 
+async def open_schema(engine: AsyncEngine, url: str) -> None:
+    """What opening the database at ``url`` does to its schema, before its first statement:
+    the embedded SQLite file is migrated to head when it is behind (it has no operator); a
+    server's is left to ``compactd migrate``."""
+    await backend_for_url(url).open_schema(engine, url)
+
+
 async def ensure_schema(engine: AsyncEngine, url: str) -> None:
-    """Migrate the embedded SQLite file to head when it is behind (it has no operator)."""
+    """Migrate the database to head when it is behind."""
     import sqlalchemy as sa
 
     from compactd.storage import sql

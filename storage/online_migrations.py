@@ -16,7 +16,8 @@ write:
   index an interrupted build left invalid is dropped and built again.
 
 SQLite (the embedded default, one process) has no concurrent writers to keep: the same calls
-run there as plain statements in the revision's transaction.
+run there as plain statements in the revision's transaction. Each backend's way is in
+:mod:`storage.connectors_migrations`.
 """
 
 from __future__ import annotations
@@ -26,14 +27,10 @@ from collections.abc import Callable, Mapping, Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from compactd.storage import sql
+from compactd.storage.connectors_migrations import online_changes
 
 # Rows per backfill transaction: each batch's row locks are held only while it writes.
 BATCH_ROWS = 2000
-
-
-def _postgres() -> bool:
-    return bool(op.get_bind().dialect.name == "postgresql")
 
 
 def add_column(table: str, column: sa.Column[object]) -> None:
@@ -72,11 +69,7 @@ def backfill(table: str, key: str, values: Mapping[str, str], where: str, *,
     statement = (sa.update(rows).where(rows.c[key].in_(batch))
                  .values({name: sa.literal_column(expression)
                           for name, expression in values.items()}))
-    if not _postgres():
-        # SQLite: one writer at a time anyway; the batches run in the revision's transaction.
-        return _batches(statement, batch_rows, progress)
-    with op.get_context().autocommit_block():
-        # Autocommit: each batch's UPDATE is a transaction of its own.
+    with online_changes().batches():
         return _batches(statement, batch_rows, progress)
 
 
@@ -97,24 +90,9 @@ def create_index(name: str, table: str, columns: Sequence[str | sa.TextClause], 
                  where: str | None = None, unique: bool = False) -> None:
     """``CREATE INDEX CONCURRENTLY`` on PostgreSQL (outside the revision's transaction; an
     invalid index a failed build left is dropped first), a plain ``CREATE INDEX`` on SQLite."""
-    if not _postgres():
-        op.create_index(name, table, list(columns), unique=unique, if_not_exists=True,
-                        sqlite_where=sa.text(where) if where else None)
-        return
-    with op.get_context().autocommit_block():
-        invalid = op.get_bind().execute(sa.text(sql.NAMED_TEXT["invalid_index"]),
-                                        {"index_name": name}).first()
-        if invalid is not None:
-            op.drop_index(name, table_name=table, postgresql_concurrently=True)
-        op.create_index(name, table, list(columns), unique=unique, if_not_exists=True,
-                        postgresql_concurrently=True,
-                        postgresql_where=sa.text(where) if where else None)
+    online_changes().create_index(name, table, columns, where=where, unique=unique)
 
 
 def drop_index(name: str, table: str) -> None:
     """``DROP INDEX CONCURRENTLY`` on PostgreSQL, a plain ``DROP INDEX`` on SQLite."""
-    if not _postgres():
-        op.drop_index(name, table_name=table, if_exists=True)
-        return
-    with op.get_context().autocommit_block():
-        op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
+    online_changes().drop_index(name, table)

@@ -32,8 +32,9 @@ def dumps(value: Any) -> str:
 class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
     """Aware UTC datetimes on every backend.
 
-    PostgreSQL stores ``timestamptz``; SQLite has no time zones, so values are stored as naive UTC
-    and made aware again on the way out. Comparisons in SQL see the same representation on both.
+    PostgreSQL stores ``timestamptz``; SQLite has no time zones, and its dialect's DATETIME
+    writes the UTC value's fields without the zone: values are stored as naive UTC there and
+    made aware again on the way out. Comparisons in SQL see the same representation on both.
     """
 
     impl = sa.DateTime(timezone=True)
@@ -44,8 +45,7 @@ class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
             return None
         if value.tzinfo is None:
             raise ValueError("naive datetime passed to storage; use aware UTC")
-        value = value.astimezone(dt.UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+        return value.astimezone(dt.UTC)
 
     def process_result_value(self, value: dt.datetime | None, dialect: Dialect
                              ) -> dt.datetime | None:

@@ -12,7 +12,6 @@ connector's (``storage.connectors``); the SQL text is in ``storage/sql``.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +38,7 @@ from compactd.storage.errors import (
     SessionNotFound,
     StorageError,
 )
-from compactd.storage.events import POLL_S, Event
+from compactd.storage.events import Event
 from compactd.storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
 from compactd.storage.instructions import check_instructions, merge_instructions
 from compactd.storage.kinds import REPLACE_KINDS, NodeKind
@@ -144,15 +143,14 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         # run_model never changes once a session exists, so appends can count tokens before
         # their transaction without reading the session first.
         self._run_models: dict[str, str | None] = {}
-        self._listener = self.db.listener()
+        self._waiter = self.db.waiter()
 
     @classmethod
     def from_url(cls, url: str, *, kept_connections: int = 1, **kwargs: Any) -> Store:
         return cls(create_engine(url, **kwargs), kept_connections=kept_connections)
 
     async def close(self) -> None:
-        if self._listener is not None:
-            await self._listener.close()
+        await self._waiter.close()
         await self.db.close()
         await self.engine.dispose()
 
@@ -555,39 +553,10 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
     async def wait_for_version(self, session_id: str, after_version: int,
                                timeout_s: float) -> int | None:
         """The session's surface version once it is past ``after_version``, waiting up to
-        ``timeout_s``; None when it did not move in time. On PostgreSQL the wait is a LISTEN
-        (the commit's notification wakes it), with a read of the version when it starts and
-        one when its time is up; on SQLite it reads the version every
-        ``storage.events.POLL_S``."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout_s
-        if self._listener is None:
-            while True:
-                version = await self._current_version(session_id)
-                if version > after_version:
-                    return version
-                if loop.time() >= until:
-                    return None
-                await asyncio.sleep(min(POLL_S, max(0.0, until - loop.time())))
-        queue = await self._listener.watch(session_id)
-        try:
-            # Read after watching: a commit between the caller's read and the LISTEN is seen.
-            version = await self._current_version(session_id)
-            while version <= after_version:
-                left = until - loop.time()
-                try:
-                    if left <= 0:
-                        raise TimeoutError
-                    event = await asyncio.wait_for(queue.get(), left)
-                except TimeoutError:
-                    # One more read: a notification lost with a dropped connection is not a
-                    # commit missed.
-                    version = await self._current_version(session_id)
-                    return version if version > after_version else None
-                version = max(version, event.version)
-            return version
-        finally:
-            self._listener.unwatch(session_id, queue)
+        ``timeout_s``; None when it did not move in time. The backend's waiter waits
+        (``storage.events.VersionWaiter``)."""
+        return await self._waiter.wait(session_id, after_version, timeout_s,
+                                       self._current_version)
 
     async def publish(self, event: Event) -> None:
         """Send ``event`` to the listeners now (:mod:`storage.events`)."""

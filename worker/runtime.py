@@ -129,10 +129,9 @@ async def build_deps(config: Config, *, owner: str | None = None,
     else:
         store = Store.from_url(config.database_url, pool_size=pool_size,
                                statement_cache=config.database.statement_cache)
-    if config.embedded:
-        from compactd.storage.migrate import ensure_schema
+    from compactd.storage.migrate import open_schema
 
-        await ensure_schema(store.engine, config.database_url)
+    await open_schema(store.engine, config.database_url)
     redis = None
     limiter: Limiter = LocalLimiter()
     limits = BreakerLimits.from_config(config.worker)

@@ -329,10 +329,6 @@ class Config:
     config_path: str | None = None
 
     @property
-    def embedded(self) -> bool:
-        return self.database_url.startswith("sqlite")
-
-    @property
     def embedded_broker(self) -> bool:
         return self.broker_url.startswith("filesystem://")
 

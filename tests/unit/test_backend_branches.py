@@ -3,11 +3,9 @@ other code asks which backend it is on: not by the dialect's name, not by ``is_s
 URL's scheme, not by a connector method that answers None on one backend, and not by a
 connector's capability flags.
 
-Four modules below the connectors are named here, each for what it does on each backend and
-nothing else: the engine and how its transactions begin (storage/database.py), a column type's
-binding (storage/schema.py), and the deployment's choice of an embedded broker beside an
-embedded database (worker/settings.py), and the migrations' online helpers
-(storage/online_migrations.py). Migrations build each backend's schema and are left out.
+Migrations build each backend's schema and are left out; the engines below the connectors
+(storage/connectors_engines.py), the drivers' errors (storage/connectors_errors.py) and the
+migrations' online changes (storage/connectors_migrations.py) are connectors' modules too.
 """
 
 from __future__ import annotations
@@ -20,18 +18,12 @@ from tests.support.source import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("storage", "worker", "scheduler")
-BELOW_THE_CONNECTORS = {
-    "storage/database.py": "creates the engine and begins its transactions",
-    "storage/schema.py": "binds an aware datetime as each dialect stores it",
-    "worker/settings.py": "chooses the embedded broker for an embedded database",
-    "storage/online_migrations.py": "the migrations' helpers: CONCURRENTLY and autocommit "
-                                    "blocks exist on PostgreSQL only",
-}
 # Members a caller would branch on: methods that answered None where the backend lacked a
-# function, flags that said what the backend could do, and the suffix of a query's form.
+# function or a notification channel, flags that said what the backend could do, and the
+# suffix of a query's form.
 CONNECTOR_BRANCHES = frozenset({
-    "append_call", "claim_call", "commit_call", "encodes_appends", "locks_rows", "takes_arrays",
-    "variant", "variant_suffix", "wait_for_row_lock"})
+    "append_call", "claim_call", "commit_call", "encodes_appends", "listener", "locks_rows",
+    "takes_arrays", "variant", "variant_suffix", "wait_for_row_lock"})
 BACKEND_NAMES = frozenset({"sqlite", "postgresql", "postgres", "asyncpg", "aiosqlite"})
 CONNECTOR_CLASSES = frozenset({"PostgresConnector", "SQLiteConnector"})
 
@@ -42,8 +34,7 @@ def backend_branches(root: Path) -> list[str]:
     found: list[str] = []
     for path in sorted(p for d in SCANNED for p in (root / d).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if (rel.startswith("storage/connectors") or rel.startswith("storage/migrations/")
-                or rel in BELOW_THE_CONNECTORS):
+        if rel.startswith(("storage/connectors", "storage/migrations/")):
             continue
         tree = parse_file(path, rel)
         found.extend(f"{rel}:{line}: {what}" for line, what in _branches(tree))

@@ -3,11 +3,13 @@ URL (a primary and its standbys, with target_session_attrs) reaches asyncpg as a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 
-from compactd.storage.database import normalize_url
+from compactd.storage.database import create_engine, database_exists, normalize_url
 from compactd.storage.errors import CompactdError
 
 MULTI = ("postgresql://compactd:pw@db-a:5432,db-b:5433/compactd"
@@ -42,3 +44,35 @@ def test_a_single_host_url_is_unchanged() -> None:
 def test_an_empty_host_in_the_list_is_refused_by_name() -> None:
     with pytest.raises(CompactdError, match="empty host"):
         normalize_url("postgresql://u@a:1,,b:2/db")
+
+
+@pytest.mark.parametrize(("url", "normalized"), [
+    ("postgres://u@h/db", "postgresql+asyncpg://u@h/db"),
+    ("postgresql://u@h/db", "postgresql+asyncpg://u@h/db"),
+    ("postgresql+psycopg2://u@h/db", "postgresql+asyncpg://u@h/db"),
+    ("postgresql+psycopg://u@h/db", "postgresql+asyncpg://u@h/db"),
+    ("postgresql+asyncpg://u@h/db", "postgresql+asyncpg://u@h/db"),
+    ("sqlite:///var/compactd.sqlite3", "sqlite+aiosqlite:///var/compactd.sqlite3"),
+    ("sqlite+aiosqlite:///var/compactd.sqlite3", "sqlite+aiosqlite:///var/compactd.sqlite3"),
+])
+def test_each_backends_schemes_pick_its_async_driver(url: str, normalized: str) -> None:
+    assert normalize_url(url) == normalized
+
+
+@pytest.mark.parametrize("url", ["mysql://u@h/db", "sqlite3:///x", "postgresqlx://u@h/db"])
+def test_a_scheme_no_backend_takes_is_refused_by_name(url: str) -> None:
+    scheme = url.split("://")[0]
+    with pytest.raises(CompactdError, match=f"unsupported database URL {scheme}://"):
+        normalize_url(url)
+    with pytest.raises(CompactdError, match=f"unsupported database URL {scheme}://"):
+        create_engine(url)
+
+
+def test_a_sqlite_file_exists_only_once_created_and_a_server_database_always(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'compactd.sqlite3'}"
+    assert not database_exists(url)
+    (tmp_path / "compactd.sqlite3").touch()
+    assert database_exists(url)
+    assert database_exists("sqlite+aiosqlite:///:memory:")
+    assert database_exists("postgresql://u@nowhere.invalid/db")

@@ -168,7 +168,7 @@ def test_policy_round_trips_through_config() -> None:
 def test_embedded_default_with_nothing_set(tmp_path: Path) -> None:
     c = load_config({"COMPACTD_HOME": str(tmp_path)})
     assert c.database_url == f"sqlite+aiosqlite:///{tmp_path}/compactd.sqlite3"
-    assert c.embedded and c.embedded_broker and c.redis_url is None
+    assert c.embedded_broker and c.redis_url is None
     assert c.models == () and c.policy == Policy()
 
 

@@ -9,7 +9,8 @@ import asyncio
 import asyncpg.exceptions as pg
 import pytest
 
-from compactd.storage.database import _connection_survives, translate
+from compactd.storage.connectors_errors import connection_survives
+from compactd.storage.database import translate
 from compactd.storage.errors import (
     DatabaseUnavailable,
     InvalidMessage,
@@ -40,9 +41,9 @@ def translated(driver: BaseException) -> BaseException:
     asyncio.CancelledError(),
 ])
 def test_refused_and_cancelled_statements_keep_the_connection(exc: BaseException) -> None:
-    assert _connection_survives(exc)
+    assert connection_survives(exc)
     if isinstance(exc, pg.PostgresError):
-        assert _connection_survives(translated(exc))
+        assert connection_survives(translated(exc))
 
 
 @pytest.mark.parametrize("exc", [
@@ -55,14 +56,14 @@ def test_refused_and_cancelled_statements_keep_the_connection(exc: BaseException
     RuntimeError("unknown"),
 ])
 def test_failed_connections_are_dropped(exc: BaseException) -> None:
-    assert not _connection_survives(exc)
-    assert not _connection_survives(translated(exc))
+    assert not connection_survives(exc)
+    assert not connection_survives(translated(exc))
 
 
 def test_a_translated_lock_timeout_still_counts_as_the_statement_s() -> None:
     exc = translated(pg.LockNotAvailableError("could not obtain lock"))
     assert isinstance(exc, LockNotAvailable | StorageError)
-    assert _connection_survives(exc)
+    assert connection_survives(exc)
 
 
 def test_a_write_on_a_standby_is_an_unavailable_database_and_drops_the_connection() -> None:
@@ -72,8 +73,8 @@ def test_a_write_on_a_standby_is_an_unavailable_database_and_drops_the_connectio
     exc = translated(pg.ReadOnlySQLTransactionError("cannot execute INSERT in a read-only "
                                                     "transaction"))
     assert isinstance(exc, DatabaseUnavailable) and "SQLSTATE 25006" in str(exc)
-    assert not _connection_survives(exc)
-    assert not _connection_survives(pg.ReadOnlySQLTransactionError("read-only"))
+    assert not connection_survives(exc)
+    assert not connection_survives(pg.ReadOnlySQLTransactionError("read-only"))
 
 
 def test_no_writable_host_among_the_url_s_hosts_is_an_unavailable_database() -> None:

@@ -1,0 +1,255 @@
+"""Each backend's engine, below its connector: the URLs it takes, how its engine is made, how
+its transactions, reads and snapshots begin, and what opening it does to its schema.
+
+:mod:`storage.database` runs these through :func:`backend_for_url` and :func:`backend_of`
+and never asks which backend it is on. This module imports nothing of ``storage.database``,
+which imports it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from compactd.storage import sql
+from compactd.storage.connectors_errors import PG_READ_ONLY_TRANSACTION
+from compactd.storage.errors import CompactdError
+from compactd.storage.recall_text import fold, snippet
+from compactd.storage.schema import dumps
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+READ_ONLY_OPTION = "compactd_read_only"
+BUSY_TIMEOUT_OPTION = "compactd_busy_timeout_ms"
+POOL_RECYCLE_S = 1800
+
+
+class Backend(abc.ABC):
+    """What one backend does below its connector. Each backend implements every method (an
+    abstract one left out fails at import, where the backends are made)."""
+
+    #: The URL schemes it takes, each with the one that picks its async driver.
+    schemes: tuple[tuple[str, str], ...]
+    #: The execution options of a connection for reads of one statement each.
+    read_options: Mapping[str, Any]
+    #: The execution options of a connection whose transaction sees one consistent snapshot.
+    snapshot_options: Mapping[str, Any]
+
+    def takes(self, url: str) -> bool:
+        return url.startswith(tuple(scheme for scheme, _ in self.schemes))
+
+    def normalize(self, url: str) -> str:
+        """``url`` with the async driver's scheme."""
+        for scheme, driver in self.schemes:
+            if url.startswith(scheme):
+                return driver + url[len(scheme):]
+        raise AssertionError(f"{type(self).__name__} does not take {url.split('://')[0]}://")
+
+    @abc.abstractmethod
+    def exists(self, url: str) -> bool:
+        """Whether the database ``url`` names is there to open without creating it."""
+
+    @abc.abstractmethod
+    def create_engine(self, url: str, *, pool_size: int, max_overflow: int | None,
+                      statement_cache: bool, echo: bool) -> AsyncEngine:
+        """A new engine for ``url`` (in its driver's scheme): ``storage.database.create_engine``."""
+
+    @abc.abstractmethod
+    def bounded(self, conn: AsyncConnection, left_ms: int
+                ) -> contextlib.AbstractAsyncContextManager[None]:
+        """Begin ``conn``'s transaction with its lock waits and statements ending within
+        ``left_ms``."""
+
+    @abc.abstractmethod
+    async def open_schema(self, engine: AsyncEngine, url: str) -> None:
+        """What opening the database does to its schema (``storage.migrate.open_schema``)."""
+
+
+class PostgresBackend(Backend):
+    # Reads in autocommit: no BEGIN/ROLLBACK round trips around the statement.
+    read_options = MappingProxyType({"isolation_level": "AUTOCOMMIT"})
+    snapshot_options = MappingProxyType({"isolation_level": "REPEATABLE READ"})
+    schemes = (
+        ("postgres://", "postgresql+asyncpg://"),
+        ("postgresql://", "postgresql+asyncpg://"),
+        ("postgresql+psycopg2://", "postgresql+asyncpg://"),
+        ("postgresql+psycopg://", "postgresql+asyncpg://"),
+        ("postgresql+asyncpg://", "postgresql+asyncpg://"),
+    )
+
+    def normalize(self, url: str) -> str:
+        return _hosts_as_query(super().normalize(url))
+
+    def exists(self, url: str) -> bool:
+        # Any server database: only ``migrate`` creates one, and opening it tells.
+        return True
+
+    def create_engine(self, url: str, *, pool_size: int, max_overflow: int | None,
+                      statement_cache: bool, echo: bool) -> AsyncEngine:
+        engine = create_async_engine(
+            # No pool_pre_ping: it costs a round trip on every checkout, as much as a poll
+            # itself. A connection that died is invalidated by SQLAlchemy when its error
+            # surfaces (as DatabaseUnavailable) and the caller's retry gets a fresh one.
+            url, echo=echo, json_serializer=dumps, pool_size=pool_size,
+            max_overflow=pool_size if max_overflow is None else max_overflow,
+            pool_recycle=POOL_RECYCLE_S,
+            connect_args={"server_settings": {"application_name": "compactd"},
+                          **({} if statement_cache else _UNNAMED_STATEMENTS)},
+        )
+        event.listen(engine.sync_engine, "handle_error", _read_only_is_a_disconnect)
+        return engine
+
+    @contextlib.asynccontextmanager
+    async def bounded(self, conn: AsyncConnection, left_ms: int) -> AsyncIterator[None]:
+        async with conn.begin():
+            await conn.execute(_SET_TIMEOUTS, {"ms": f"{left_ms}ms"})
+            yield
+
+    async def open_schema(self, engine: AsyncEngine, url: str) -> None:
+        # A server's schema is its operator's: ``compactd migrate``, run before the workers.
+        return None
+
+
+class SQLiteBackend(Backend):
+    # Reads take a deferred BEGIN (_configure_sqlite): never queued behind a writer, and in
+    # WAL mode one snapshot for the whole transaction.
+    read_options = MappingProxyType({READ_ONLY_OPTION: True})
+    snapshot_options = read_options
+    schemes = (
+        ("sqlite://", "sqlite+aiosqlite://"),
+        ("sqlite+aiosqlite://", "sqlite+aiosqlite://"),
+    )
+
+    def exists(self, url: str) -> bool:
+        name = sa.engine.make_url(self.normalize(url)).database
+        return not name or name == ":memory:" or Path(name).exists()
+
+    def create_engine(self, url: str, *, pool_size: int, max_overflow: int | None,
+                      statement_cache: bool, echo: bool) -> AsyncEngine:
+        path = url.split(":///", 1)[1] if ":///" in url else ""
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(
+            url, echo=echo, json_serializer=dumps,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None},
+        )
+        _configure_sqlite(engine)
+        return engine
+
+    @contextlib.asynccontextmanager
+    async def bounded(self, conn: AsyncConnection, left_ms: int) -> AsyncIterator[None]:
+        # SQLite has no statement timeout: the transaction waits for the write lock no longer
+        # than it has left (its BEGIN, in _configure_sqlite, sets the busy timeout).
+        await conn.execution_options(
+            **{BUSY_TIMEOUT_OPTION: min(left_ms, SQLITE_BUSY_TIMEOUT_MS)})
+        async with conn.begin():
+            yield
+
+    async def open_schema(self, engine: AsyncEngine, url: str) -> None:
+        # The embedded file has no operator to run ``compactd migrate``: it is migrated to head
+        # when it is behind. Imported here: storage.migrate imports storage.database, which
+        # imports this module.
+        from compactd.storage.migrate import ensure_schema
+
+        await ensure_schema(engine, url)
+
+
+_BACKENDS: tuple[Backend, ...] = (PostgresBackend(), SQLiteBackend())
+_BY_DIALECT: dict[str, Backend] = {"postgresql": _BACKENDS[0], "sqlite": _BACKENDS[1]}
+
+
+def backend_for_url(url: str) -> Backend:
+    """The backend a database URL names; CompactdError for a scheme none takes."""
+    for backend in _BACKENDS:
+        if backend.takes(url):
+            return backend
+    raise CompactdError(
+        f"unsupported database URL {url.split('://')[0]}:// (use postgresql:// or sqlite:///)")
+
+
+def backend_of(engine: AsyncEngine | AsyncConnection) -> Backend:
+    """The backend an engine (or one of its connections) runs on."""
+    return _BY_DIALECT[engine.dialect.name]
+
+
+def _hosts_as_query(url: str) -> str:
+    """libpq's multi-host form (``user@h1:5432,h2:5432/db?target_session_attrs=read-write``) in
+    the form SQLAlchemy's asyncpg dialect reads (``user@/db?host=h1:5432&host=h2:5432&...``),
+    which hands asyncpg the host list; asyncpg tries them in order and, with
+    ``target_session_attrs``, keeps the first that is what it asks for (read-write: the
+    primary). A URL of one host is returned as it is."""
+    scheme, rest = url.split("://", 1)
+    authority, _, tail = rest.partition("/")
+    credentials, at, hosts = authority.rpartition("@")
+    if "," not in hosts:
+        return url
+    if not all(hosts.split(",")):
+        raise CompactdError("database URL: an empty host in the host list")
+    path, _, query = tail.partition("?")
+    params = "&".join(f"host={host}" for host in hosts.split(","))
+    return f"{scheme}://{credentials}{at}/{path}?{params}{'&' + query if query else ''}"
+
+
+def _read_only_is_a_disconnect(context: Any) -> None:
+    """A pooled connection whose server refuses writes (a primary demoted to a standby) is
+    dropped with the rest of the pool, as a lost connection is: new connections go to the
+    server that is the primary now (target_session_attrs=read-write)."""
+    if getattr(context.original_exception, "sqlstate", None) == PG_READ_ONLY_TRANSACTION:
+        context.is_disconnect = True
+
+
+def _unnamed() -> str:
+    # asyncpg reads an empty name as the unnamed statement: without a statement cache it is
+    # parsed again in the same message as its execution, so it never outlives one round trip.
+    return ""
+
+
+# Neither asyncpg's statement cache (the raw connections' named queries) nor SQLAlchemy's
+# (its dialect prepares every statement it runs, by a generated name) keeps anything.
+_UNNAMED_STATEMENTS: dict[str, Any] = {
+    "statement_cache_size": 0, "prepared_statement_cache_size": 0,
+    "prepared_statement_name_func": _unnamed}
+
+
+def _configure_sqlite(engine: AsyncEngine) -> None:
+    # pysqlite's own transaction handling starts transactions lazily and as DEFERRED, so two
+    # writers can both read and then deadlock on upgrade. Taking over BEGIN makes every
+    # transaction IMMEDIATE: writers queue on the busy timeout instead of failing.
+    sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
+        # Recall's searches compare text as PostgreSQL's do (storage.recall_text): SQLite's
+        # lower() folds ASCII only, and its substr() stops at a NUL.
+        dbapi_conn.create_function("compactd_fold", 1, fold, deterministic=True)
+        dbapi_conn.create_function("compactd_snippet", 4, snippet, deterministic=True)
+
+    @event.listens_for(sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        options = conn.get_execution_options()
+        # A transaction under a deadline waits for the write lock no longer than it has left;
+        # the next one on this connection gets the default back.
+        busy_ms = options.get(BUSY_TIMEOUT_OPTION) or SQLITE_BUSY_TIMEOUT_MS
+        if conn.info.get(BUSY_TIMEOUT_OPTION, SQLITE_BUSY_TIMEOUT_MS) != busy_ms:
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={int(busy_ms)}")
+            conn.info[BUSY_TIMEOUT_OPTION] = busy_ms
+        # Reads take a plain deferred BEGIN so they never queue behind a writer (WAL lets
+        # them read the last committed state).
+        read_only = options.get(READ_ONLY_OPTION, False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+_SET_TIMEOUTS = sa.text(sql.NAMED_TEXT["set_timeouts"])
