@@ -117,7 +117,10 @@ def test_two_workers_with_their_own_homes_never_lease_a_session_twice(
         assert watch.snapshots > 20
         assert not watch.double, f"sessions with two runs in flight at once: {watch.double}"
         # Every lease the poller saw belongs to a run of that session, and a session's fences
-        # only ever grew: no two claims held it with the same or an older fence.
+        # only ever grew: no two claims held it with the same or an older fence. The runs are
+        # read again once the poller has stopped: a late duplicate can claim (and find nothing
+        # to do) between the settled read and the poller's last snapshot.
+        runs = db.run(lambda s: s.recent_runs(limit=10_000))
         by_id = {r.id: r for r in runs}
         for sid, seen in watch.leases.items():
             assert all(by_id[run_id].session_id == sid for _, run_id, _ in seen), sid
