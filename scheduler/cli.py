@@ -94,7 +94,9 @@ async def cmd_ingest(args: argparse.Namespace, config: Config) -> int:
                 existing.run_model if existing else None),
             context_window=args.context_window or config.context_window(args.run_model))
         try:
-            result = await store.append(info.id, messages)
+            result = await store.append(
+                info.id, messages, idempotency_key=args.idempotency_key,
+                key_window_s=config.retention.append_key_window_s)
         except InvalidMessage as exc:
             if exc.index is not None:
                 raise exc.at_line(lines[exc.index]) from None
@@ -102,7 +104,10 @@ async def cmd_ingest(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         emit({"session": info.id, "appended": len(messages), "first_seq": result.first_seq,
               "last_seq": result.last_seq, "version": result.version,
-              "tokens": result.session.surface_tokens})
+              "tokens": result.session.surface_tokens, "replayed": result.replayed})
+    elif result.replayed:
+        say(f"already ingested with this idempotency key: {len(messages)} messages in "
+            f"{info.id} (seqs {result.first_seq}-{result.last_seq}); nothing stored now")
     else:
         say(f"ingested {len(messages)} messages into {info.id} (seqs {result.first_seq}-"
             f"{result.last_seq}); surface: {result.session.surface_messages} messages, "
@@ -199,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-window", type=positive_int,
                    help="the run model's context window in tokens")
     p.add_argument("--tenant", help="the tenant the session belongs to (default: default)")
+    p.add_argument("--idempotency-key", metavar="KEY",
+                   help="run again with the same key and file (within "
+                        "retention.append_keys_hours), the ingest stores nothing twice; "
+                        "1-255 printable ASCII characters")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_ingest)
 

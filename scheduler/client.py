@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -52,7 +53,7 @@ from compactd.storage.messages import Message, check_json, check_message, parse
 from compactd.storage.migrate import open_schema
 from compactd.storage.recall import DEFAULT_READ_TOKENS, ReadPage, SearchResult
 from compactd.storage.recall_bounds import DEFAULT_SEARCH_LIMIT
-from compactd.storage.records import RunRecord, SessionInfo, utcnow
+from compactd.storage.records import AppendResult, RunRecord, SessionInfo, utcnow
 from compactd.storage.store import PreparedAppend, Store
 from compactd.storage.tokens import counter_for
 from compactd.worker.compaction.planner import plan
@@ -78,6 +79,10 @@ WAIT_POLL_S = 0.05
 # (docs/benchmarks.md, "The agent's hot path"). A compaction takes seconds; 20 ms later is the
 # same to it.
 SIGNAL_SEND_DELAY_S = 0.02
+# An append with an idempotency key is made this many times at most when the database
+# connection fails under it (a failover takes seconds: the waits double from APPEND_RETRY_S).
+APPEND_ATTEMPTS = 4
+APPEND_RETRY_S = 0.25
 # After a send the broker refused, the signals of the next this-many seconds are not sent (their
 # marks are freed, as a failed send's is): while Redis is down each append over its trigger
 # would otherwise hold a thread of the loop's default executor on a send bound to fail, and
@@ -109,11 +114,14 @@ class StepResult:
     # burst). The send runs in the background: a failed one clears the mark and is logged, and
     # the pressure sweep finds the session anyway.
     signalled: bool
+    # The append was made earlier with this idempotency key: this is what it returned (its
+    # version, seqs and totals), and nothing was stored now.
+    replayed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "first_seq": self.first_seq,
                 "last_seq": self.last_seq, "tokens": self.tokens, "messages": self.messages,
-                "fired": self.fired, "signalled": self.signalled}
+                "fired": self.fired, "signalled": self.signalled, "replayed": self.replayed}
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,16 +338,26 @@ class SessionHandle:
         return not cooling and wants_run(info, self._config)
 
     async def append(self, messages: Sequence[Mapping[str, Any] | Message] | PreparedAppend, *,
-                     format: str = "openai") -> StepResult:
+                     format: str = "openai", idempotency_key: str | None = None,
+                     retry: bool = False) -> StepResult:
         """Append one step's messages; when the trigger fires, one compaction is enqueued
         (the first append of a burst does it, the others see it pending). A batch already
-        parsed and prepared (``storage.store.prepare_append``) is stored as it is."""
+        parsed and prepared (``storage.store.prepare_append``) is stored as it is.
+
+        ``idempotency_key``: the same key with the same messages, within
+        ``retention.append_keys_hours``, returns the first append's result and stores nothing
+        (``StepResult.replayed``); with other messages it is refused
+        (:class:`~compactd.storage.errors.IdempotencyKeyReused`). ``retry``: use a new key
+        (a uuid4) when none is given. With a key, an append the database connection failed
+        under (it may have committed) is made again, up to ``APPEND_ATTEMPTS`` times; without
+        one it is not, since a second append could store the step twice."""
         parsed = messages if isinstance(messages, PreparedAppend) else \
             parse_messages(messages, format)
-        result = await self.client.store.append(
-            self.id, parsed, signal_if=self._wants_signal,
-            signal_ttl_s=self._config.worker.signal_ttl_s)
-        self.info = result.session
+        if idempotency_key is None and retry:
+            idempotency_key = uuid.uuid4().hex
+        result = await self._append(parsed, idempotency_key)
+        if not result.replayed:
+            self.info = result.session
         if result.version == self.version + 1:
             # Only this append moved the version: the runtime has these messages already, so the
             # next poll must report a compaction's commit, not our own append.
@@ -350,7 +368,25 @@ class SessionHandle:
         return StepResult(version=result.version, first_seq=result.first_seq,
                           last_seq=result.last_seq, tokens=result.session.surface_tokens,
                           messages=result.session.surface_messages, fired=fired,
-                          signalled=result.signalled)
+                          signalled=result.signalled, replayed=result.replayed)
+
+    async def _append(self, parsed: Sequence[Message] | PreparedAppend,
+                      key: str | None) -> AppendResult:
+        store, config = self.client.store, self._config
+        for attempt in range(1, APPEND_ATTEMPTS + 1):
+            try:
+                return await store.append(
+                    self.id, parsed, signal_if=self._wants_signal,
+                    signal_ttl_s=config.worker.signal_ttl_s, idempotency_key=key,
+                    key_window_s=config.retention.append_key_window_s)
+            except CompactdError as exc:
+                if key is None or not exc.retryable or attempt == APPEND_ATTEMPTS:
+                    raise
+                logger.warning("append failed (%s); retrying with its idempotency key", exc,
+                               extra={"action": "append_retry", "session_id": self.id,
+                                      "attempt": attempt})
+                await asyncio.sleep(APPEND_RETRY_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
 
     async def signal(self, reason: str = SignalReason.PRESSURE) -> SignalResult:
         payload = parse_signal({"session": self.id, "reason": reason})

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import json
 import logging
 import threading
@@ -148,6 +149,15 @@ class _Opening:
     envelope: dict[str, Any] | None
     run_model: str | None
     context_window: int | None
+
+
+def step_key(session_id: str, after_seq: int, payload: Sequence[Mapping[str, Any]]) -> str:
+    """The idempotency key of a step's append: the same messages appended after the same seq
+    of the session are one step (a retry); the same messages again, later in the session,
+    another step."""
+    text = json.dumps([session_id, after_seq, payload], ensure_ascii=False, sort_keys=True,
+                      separators=(",", ":"), default=str)
+    return "lc-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -525,9 +535,11 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
         """Append what of the tail compactd does not hold yet; None when it holds all of it.
 
         An append that failed without an answer (a timeout, a dropped connection) may still
-        have committed. The tail is then appended again at the next step, so that step first
-        reads which of its messages did arrive (by the LangChain id each carries in ``meta``)
-        and appends only the rest: the session never holds a message twice.
+        have committed. The client makes it again with its idempotency key (:func:`step_key`),
+        so a retry answers with what the first stored. If every retry failed, the tail is
+        appended again at the next step, so that step first reads which of its messages did
+        arrive (by the LangChain id each carries in ``meta``) and appends only the rest: the
+        session never holds a message twice.
         """
         sid = step.session_id
         payload = step.payload
@@ -540,7 +552,8 @@ class CompactdMiddleware(AgentMiddleware[CompactdState, Any]):
             self._unsure.discard(sid)
             return None
         try:
-            appended = await handle.append(payload)
+            appended = await handle.append(
+                payload, idempotency_key=step_key(sid, self._last_seqs.get(sid, 0), payload))
         except BadInput:
             raise  # refused whole: nothing was stored
         except Exception:

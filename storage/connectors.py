@@ -15,6 +15,7 @@ they are on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -33,15 +34,19 @@ from compactd.storage.connectors_errors import driver_error
 from compactd.storage.connectors_general import (
     CLAIM_LOCK_WAIT_S,
     RUN_JSON_COLUMNS,
+    KeyTaken,
     append_in,
     claim_in,
     commit_in,
     end_payload,
+    first_with_key,
     journal_payload,
+    key_params,
     lease_lost,
     node_payload,
     prefix_changed,
     refused,
+    replayed,
     row_stayed_locked,
     run_end_values,
 )
@@ -58,6 +63,7 @@ from compactd.storage.kinds import ItemState
 from compactd.storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
 from compactd.storage.recall_index import RecallBody, node_recall
 from compactd.storage.records import (
+    AppendKey,
     AppendResult,
     Busy,
     Claim,
@@ -197,6 +203,16 @@ class Connector:
         holds on the new totals and no mark younger than ``signal_ttl_s`` is set."""
         raise NotImplementedError
 
+    async def append_keyed(self, session_id: str, batch: PreparedAppend, now: dt.datetime,
+                           key: AppendKey, *, signal_if: Callable[[SessionInfo], bool] | None,
+                           signal_ttl_s: float) -> AppendResult:
+        """:meth:`append` made with an idempotency key: when ``key`` has a live row, the append
+        made with it is answered (``replayed``; :class:`IdempotencyKeyReused` for another
+        batch) and nothing is stored; else the batch is stored and its result recorded under
+        the key, in one transaction, so an append that committed and one that did not are
+        never confused."""
+        raise NotImplementedError
+
     async def claim(self, session_id: str, *, run_id: str, owner: str, trigger: str,
                     lease_s: float, now: dt.datetime, task_id: str | None,
                     bulk_job_id: str | None) -> Claim | Busy | Skipped:
@@ -302,27 +318,59 @@ class PostgresConnector(Connector):
         """One call of ``compactd_append`` (one round trip); the pending-signal mark is one more
         autocommit statement, made only when the trigger fires and no mark is live (BEGIN and
         COMMIT would be two more round trips on the runtime's critical path)."""
-        links, texts, tokens = batch.links, batch.texts, batch.tokens
-        assert links is not None and texts is not None
         try:
-            row = await self.fetchrow(
-                "append", session_id=session_id, payloads=texts, tokens=list(tokens), now=now,
-                call_ids=[c[0] for c in links.calls], call_idx=[c[1] for c in links.calls],
-                call_result_idx=[c[2] for c in links.calls],
-                ext_ids=[e[0] for e in links.external], ext_idx=[e[1] for e in links.external])
+            row = await self.fetchrow("append", **_append_params(session_id, batch, now))
         except Exception as exc:
             raise _append_error(exc) from None
-        if row is None:
-            raise SessionNotFound(session_id)
-        info = session_from_record(row)
-        signalled = False
-        if signal_if is not None and signal_if(info) and _signal_due(info, now, signal_ttl_s):
-            signalled = bool(await self.execute(
-                "mark_signal", session_id=session_id, now=now,
-                stale_before=now - dt.timedelta(seconds=signal_ttl_s)))
-        n = len(tokens)
-        return AppendResult(session=info, first_seq=info.last_seq - n + 1,
-                            last_seq=info.last_seq, tokens=tokens, signalled=signalled)
+        return await self._signal(_appended(row, session_id, batch), now, signal_if,
+                                  signal_ttl_s)
+
+    async def append_keyed(self, session_id: str, batch: PreparedAppend, now: dt.datetime,
+                           key: AppendKey, *, signal_if: Callable[[SessionInfo], bool] | None,
+                           signal_ttl_s: float) -> AppendResult:
+        """In one transaction: the key's row, else one call of ``compactd_append`` and the
+        key's row written; the mark after the commit, as an unkeyed append makes it."""
+
+        async def attempt() -> AppendResult | None:
+            async with self._kept.use() as raw:
+                try:
+                    async with raw.transaction():
+                        text, args = _positional("append_key_find", {
+                            "session_id": session_id, "key": key.key,
+                            "live_after": key.live_after})
+                        found = await raw.fetchrow(text, *args)
+                        if found is not None:
+                            return replayed(found, key, batch.tokens)
+                        text, args = _positional("append",
+                                                 _append_params(session_id, batch, now))
+                        result = _appended(await raw.fetchrow(text, *args), session_id, batch)
+                        text, args = _positional("append_key_store",
+                                                 key_params(session_id, key, result, now))
+                        if await raw.fetchval(text, *args):
+                            return result
+                        raise KeyTaken
+                except KeyTaken:
+                    return None
+
+        try:
+            result = await first_with_key(attempt)
+        except Exception as exc:
+            raise _append_error(exc) from None
+        if result.replayed:
+            return result
+        return await self._signal(result, now, signal_if, signal_ttl_s)
+
+    async def _signal(self, result: AppendResult, now: dt.datetime,
+                      signal_if: Callable[[SessionInfo], bool] | None,
+                      signal_ttl_s: float) -> AppendResult:
+        """The pending-signal mark when ``signal_if`` holds on the append's totals."""
+        info = result.session
+        if signal_if is None or not signal_if(info) or not _signal_due(info, now, signal_ttl_s):
+            return result
+        signalled = bool(await self.execute(
+            "mark_signal", session_id=info.id, now=now,
+            stale_before=now - dt.timedelta(seconds=signal_ttl_s)))
+        return dataclasses.replace(result, signalled=signalled)
 
     async def claim(self, session_id: str, *, run_id: str, owner: str, trigger: str,
                     lease_s: float, now: dt.datetime, task_id: str | None,
@@ -427,6 +475,33 @@ class SQLiteConnector(Connector):
             return await append_in(conn, session_id, batch, now, signal_if=signal_if,
                                    signal_ttl_s=signal_ttl_s,
                                    mark_signal=functools.partial(self.execute, "mark_signal"))
+
+    async def append_keyed(self, session_id: str, batch: PreparedAppend, now: dt.datetime,
+                           key: AppendKey, *, signal_if: Callable[[SessionInfo], bool] | None,
+                           signal_ttl_s: float) -> AppendResult:
+        """The key's row, else the general statements and the key's row written, in one
+        transaction."""
+
+        async def attempt() -> AppendResult | None:
+            try:
+                async with transaction(self.engine) as conn:
+                    found = await self.fetchrow("append_key_find", conn=conn,
+                                                session_id=session_id, key=key.key,
+                                                live_after=key.live_after)
+                    if found is not None:
+                        return replayed(found, key, batch.tokens)
+                    result = await append_in(
+                        conn, session_id, batch, now, signal_if=signal_if,
+                        signal_ttl_s=signal_ttl_s,
+                        mark_signal=functools.partial(self.execute, "mark_signal"))
+                    if await self.fetchval("append_key_store", conn=conn,
+                                           **key_params(session_id, key, result, now)):
+                        return result
+                    raise KeyTaken
+            except KeyTaken:
+                return None
+
+        return await first_with_key(attempt)
 
     async def claim(self, session_id: str, *, run_id: str, owner: str, trigger: str,
                     lease_s: float, now: dt.datetime, task_id: str | None,
@@ -564,6 +639,27 @@ def _commit_error(exc: BaseException, session_id: str, run_id: str, fence: int,
         what, _, index = detail.partition(":")
         return refused(replacements[int(index) - 1], what)
     return None
+
+
+def _append_params(session_id: str, batch: PreparedAppend, now: dt.datetime
+                   ) -> dict[str, Any]:
+    links, texts = batch.links, batch.texts
+    assert links is not None and texts is not None
+    return {"session_id": session_id, "payloads": texts, "tokens": list(batch.tokens),
+            "now": now, "call_ids": [c[0] for c in links.calls],
+            "call_idx": [c[1] for c in links.calls],
+            "call_result_idx": [c[2] for c in links.calls],
+            "ext_ids": [e[0] for e in links.external], "ext_idx": [e[1] for e in links.external]}
+
+
+def _appended(row: Row | None, session_id: str, batch: PreparedAppend) -> AppendResult:
+    """``compactd_append``'s row as the append's result."""
+    if row is None:
+        raise SessionNotFound(session_id)
+    info = session_from_record(row)
+    n = len(batch.tokens)
+    return AppendResult(session=info, first_seq=info.last_seq - n + 1, last_seq=info.last_seq,
+                        tokens=batch.tokens)
 
 
 def _json_or_none(value: Any) -> str | None:

@@ -10,9 +10,10 @@ both store and say the same thing.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -20,11 +21,19 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from compactd.storage import schema as t
 from compactd.storage.bulk_jobs import bulk_item_state
-from compactd.storage.errors import LeaseLost, LockNotAvailable, SessionNotFound, SurfaceChanged
+from compactd.storage.errors import (
+    IdempotencyKeyReused,
+    LeaseLost,
+    LockNotAvailable,
+    SessionNotFound,
+    StorageError,
+    SurfaceChanged,
+)
 from compactd.storage.kinds import FailureClass, ItemState, JournalKind, NodeKind, RunStatus
 from compactd.storage.leads import pool_lead
 from compactd.storage.messages import BatchLinks, Message, ToolLinks, referenced_call_ids
 from compactd.storage.records import (
+    AppendKey,
     AppendResult,
     Busy,
     Claim,
@@ -34,7 +43,7 @@ from compactd.storage.records import (
     Skipped,
     growth_rate_after,
 )
-from compactd.storage.schema import SESSION_COLUMNS, session_from_row
+from compactd.storage.schema import SESSION_COLUMNS, session_from_record, session_from_row
 from compactd.storage.surface import PlacementError, SurfaceRows, commit_seqs
 
 if TYPE_CHECKING:
@@ -113,6 +122,47 @@ async def append_in(conn: AsyncConnection, session_id: str, batch: PreparedAppen
             stale_before=now - dt.timedelta(seconds=signal_ttl_s)))
     return AppendResult(session=info, first_seq=first_seq, last_seq=info.last_seq,
                         tokens=tokens, signalled=signalled)
+
+
+class KeyTaken(Exception):
+    """Another append with the key committed first: this one is rolled back and answered
+    from that append's row (raised and caught inside the connector)."""
+
+
+def key_params(session_id: str, key: AppendKey, result: AppendResult,
+               now: dt.datetime) -> dict[str, Any]:
+    """The parameters of ``append_key_store``: what ``result`` says, under ``key``."""
+    info = result.session
+    return {"session_id": session_id, "key": key.key, "request_sha256": key.request_sha256,
+            "first_seq": result.first_seq, "last_seq": result.last_seq,
+            "surface_version": info.surface_version, "surface_tokens": info.surface_tokens,
+            "surface_messages": info.surface_messages, "now": now,
+            "live_after": key.live_after}
+
+
+def replayed(found: Any, key: AppendKey, tokens: tuple[int, ...]) -> AppendResult:
+    """The answer to an append made again with ``key``, from ``append_key_find``'s row: the
+    seqs, version and totals the first append returned (the session's other fields as they
+    are now). Refused when the key came with another batch."""
+    if found["key_request_sha256"] != key.request_sha256:
+        raise IdempotencyKeyReused(key.key)
+    info = dataclasses.replace(
+        session_from_record(found), surface_version=found["key_surface_version"],
+        surface_tokens=found["key_surface_tokens"],
+        surface_messages=found["key_surface_messages"])
+    return AppendResult(session=info, first_seq=found["key_first_seq"],
+                        last_seq=found["key_last_seq"], tokens=tokens, replayed=True)
+
+
+async def first_with_key(attempt: Callable[[], Awaitable[AppendResult | None]]
+                         ) -> AppendResult:
+    """Run a keyed append's ``attempt`` (None: :class:`KeyTaken`, rolled back); a second
+    attempt then finds the row of the append that took the key."""
+    for _ in range(2):
+        result = await attempt()
+        if result is not None:
+            return result
+    raise StorageError("an append key was taken and then not found")
 
 
 async def _link_tool_calls(conn: AsyncConnection, session_id: str, messages: Sequence[Message],

@@ -217,6 +217,15 @@ class DeletionMixin:
                                                            "b_limit": limit})
             return result.rowcount or 0
 
+    async def purge_append_keys(self, *, created_before: dt.datetime, limit: int) -> int:
+        """Delete up to ``limit`` append idempotency keys stored before ``created_before``
+        (expired: an append no longer answers from them), in one short transaction; how
+        many."""
+        async with transaction(self.engine) as conn:
+            result = await conn.execute(_PURGE_APPEND_KEYS, {"b_before": created_before,
+                                                             "b_limit": limit})
+            return result.rowcount or 0
+
     async def idle_sessions(self, *, idle_before: dt.datetime, limit: int) -> list[str]:
         """Up to ``limit`` sessions with no append since ``idle_before`` (none at all: created
         before it) and no live lease, oldest first."""
@@ -291,4 +300,9 @@ _PURGE_ORIGINALS = t.recall_originals.delete().where(sa.tuple_(_o.session_id, _o
     sa.select(_o.session_id, _o.seq)
     .join(t.events, sa.and_(_e.session_id == _o.session_id, _e.seq == _o.seq))
     .where(_e.created_at < sa.bindparam("b_before"))
+    .limit(sa.bindparam("b_limit"))))
+
+_k = t.append_keys.c
+_PURGE_APPEND_KEYS = t.append_keys.delete().where(sa.tuple_(_k.session_id, _k.key).in_(
+    sa.select(_k.session_id, _k.key).where(_k.created_at < sa.bindparam("b_before"))
     .limit(sa.bindparam("b_limit"))))

@@ -81,6 +81,16 @@ class SessionNotFound(BadInput):
         super().__init__(f"session {session_id!r} does not exist")
 
 
+class IdempotencyKeyReused(BadInput):
+    """The idempotency key was used for another append."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"idempotency key {key!r} was used for an append of other messages "
+                         "to this session; a retry must send the same messages, a new step "
+                         "a new key")
+
+
 class SessionExists(BadInput):
     """The session already exists with other settings."""
 

@@ -55,6 +55,29 @@ def check_id(value: Any, *, field: str = "session", what: str = "a session id") 
     return str(value)
 
 
+# An append's idempotency key: printable ASCII without blanks, as the ``Idempotency-Key``
+# header of HTTP APIs that take one carries it (a uuid4 is 32 or 36 of these).
+_KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def check_idempotency_key(value: Any, *, field: str = "idempotency_key") -> str:
+    """``value`` when it can be an append's idempotency key (1 to 255 printable ASCII
+    characters, no blank), else :class:`InvalidMessage` naming ``field``."""
+    if not isinstance(value, str):
+        problem = f"an idempotency key must be a string, not {type(value).__name__}"
+    elif not value:
+        problem = "an idempotency key must not be empty"
+    elif len(value) > MAX_ID_LENGTH:
+        problem = f"an idempotency key is at most {MAX_ID_LENGTH} characters, not {len(value)}"
+    elif _KEY.fullmatch(value) is None:
+        position = next(i for i, ch in enumerate(value) if _KEY.fullmatch(ch) is None)
+        problem = ("an idempotency key is printable ASCII without blanks (U+"
+                   f"{ord(value[position]):04X} at character {position})")
+    else:
+        return value
+    raise InvalidMessage(problem, field=field)
+
+
 def check_session_id(value: Any, field: str = "session") -> str:
     return check_id(value, field=field, what="a session id")
 

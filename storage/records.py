@@ -138,10 +138,28 @@ class AppendResult:
     last_seq: int
     tokens: tuple[int, ...]
     signalled: bool = False
+    # Answered from the append made earlier with the same idempotency key: nothing was stored,
+    # and ``session`` holds the version and totals that append returned.
+    replayed: bool = False
 
     @property
     def version(self) -> int:
         return self.session.surface_version
+
+
+# How long an append's idempotency key answers for the append made with it, by default
+# (``retention.append_keys_hours``): longer than any retry of a step takes.
+APPEND_KEY_WINDOW_S = 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class AppendKey:
+    """An append's idempotency key, the digest of its batch, and the time before which a row
+    stored under the key has expired."""
+
+    key: str
+    request_sha256: str
+    live_after: dt.datetime
 
 
 @dataclass(frozen=True, slots=True)

@@ -322,6 +322,27 @@ recall_originals = sa.Table(
     sa.Column("bytes", sa.Integer, nullable=False),
 )
 
+# Idempotent appends (migration 0021): one row per append made with a client's key, holding
+# what that append returned. An append made again with the key (a runtime retrying one whose
+# answer it never got) is answered from this row and stores nothing; the row counts only while
+# it is younger than ``retention.append_keys_hours`` (an older one is taken over by the next
+# append with its key, and retention's purge deletes it). ``request_sha256`` is the digest of
+# the batch, so the key reused with another batch is refused instead of answered wrongly.
+append_keys = sa.Table(
+    "append_keys", metadata,
+    sa.Column("session_id", sa.String(255), sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("request_sha256", sa.String(64), nullable=False),
+    sa.Column("first_seq", sa.BigInteger, nullable=False),
+    sa.Column("last_seq", sa.BigInteger, nullable=False),
+    sa.Column("surface_version", sa.BigInteger, nullable=False),
+    sa.Column("surface_tokens", sa.BigInteger, nullable=False),
+    sa.Column("surface_messages", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Index(None, "created_at"),
+)
+
 # The last run of each beat task that records itself (migration 0018): retention's purge, so
 # `compactd status` can say when it last ran and what it removed.
 beat_runs = sa.Table(

@@ -13,6 +13,7 @@ connector's (``storage.connectors``); the SQL text is in ``storage/sql``.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,15 @@ from compactd.storage.errors import (
     StorageError,
 )
 from compactd.storage.events import Event
-from compactd.storage.ids import MAX_INT32, check_count, check_id, check_session_id, check_tenant
+from compactd.storage.ids import (
+    MAX_INT32,
+    check_count,
+    check_id,
+    check_idempotency_key,
+    check_seconds,
+    check_session_id,
+    check_tenant,
+)
 from compactd.storage.instructions import check_instructions, merge_instructions
 from compactd.storage.kinds import REPLACE_KINDS, NodeKind
 from compactd.storage.leads import LeadsMixin
@@ -54,7 +63,9 @@ from compactd.storage.messages import (
 from compactd.storage.recall import RecallMixin
 from compactd.storage.recall_index import RecallIndexMixin
 from compactd.storage.records import (
+    APPEND_KEY_WINDOW_S,
     GROWTH_WINDOW_S,
+    AppendKey,
     AppendResult,
     EventRecord,
     SessionInfo,
@@ -130,6 +141,18 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
         return PreparedAppend(run_model, tokens, messages=messages, payloads=payloads)
     return PreparedAppend(run_model, tokens, texts=[dumps(p) for p in payloads],
                           links=BatchLinks(messages))
+
+
+def request_digest(batch: PreparedAppend) -> str:
+    """The SHA-256 of a batch's messages as stored: what tells a retried append (the same
+    messages) from another append made with its idempotency key."""
+    texts = batch.texts if batch.texts is not None else map(dumps, batch.payloads or ())
+    digest = hashlib.sha256()
+    for text in texts:
+        # JSON text escapes every control character, so a NUL separates messages unambiguously.
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, RecallMixin,
@@ -357,6 +380,7 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         self, session_id: str, messages: Sequence[Message] | PreparedAppend, *,
         now: dt.datetime | None = None,
         signal_if: Callable[[SessionInfo], bool] | None = None, signal_ttl_s: float = 60.0,
+        idempotency_key: str | None = None, key_window_s: float = APPEND_KEY_WINDOW_S,
     ) -> AppendResult:
         """Append a batch in one transaction: gapless seqs, tokens counted once.
 
@@ -369,6 +393,12 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         trigger fires and no mark is live; elsewhere it is part of the append's transaction. A
         :class:`PreparedAppend` built for the session's run model is stored as it is (its counts
         are not taken again).
+
+        ``idempotency_key``: an append made again with the key within ``key_window_s`` of the
+        first is answered with what the first returned (``replayed``; its seqs, version and
+        totals) and stores nothing, so a runtime may retry an append whose answer it lost; the
+        key with another batch is refused (:class:`IdempotencyKeyReused`). Without a key the
+        append is the one round trip above.
         """
         batch = messages if isinstance(messages, PreparedAppend) else None
         if not (batch.tokens if batch is not None else messages):
@@ -380,8 +410,14 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
             batch = self.db.prepare_append(messages, run_model)
         elif batch.run_model != run_model or not self.db.prepared_here(batch):
             raise ValueError("the batch was prepared for another run model or backend")
-        return await self.db.append(session_id, batch, now, signal_if=signal_if,
-                                    signal_ttl_s=signal_ttl_s)
+        if idempotency_key is None:
+            return await self.db.append(session_id, batch, now, signal_if=signal_if,
+                                        signal_ttl_s=signal_ttl_s)
+        check_seconds(key_window_s, "key_window_s")
+        key = AppendKey(check_idempotency_key(idempotency_key), request_digest(batch),
+                        now - dt.timedelta(seconds=key_window_s))
+        return await self.db.append_keyed(session_id, batch, now, key, signal_if=signal_if,
+                                          signal_ttl_s=signal_ttl_s)
 
     # ---------------------------------------------------------------------------------------
     # signals

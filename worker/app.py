@@ -116,9 +116,9 @@ def celery_settings(config: Config) -> dict[str, Any]:
                       "options": {"expires": w.sweep_interval_s}},
             "reap": {"task": TASK_REAP, "schedule": w.reap_interval_s,
                      "options": {"expires": w.reap_interval_s}},
-            **({"retention": {"task": TASK_RETENTION, "schedule": config.retention.interval_s,
-                              "options": {"expires": config.retention.interval_s}}}
-               if config.retention.enabled else {}),
+            # Always: expired append idempotency keys are purged whatever else is kept.
+            "retention": {"task": TASK_RETENTION, "schedule": config.retention.interval_s,
+                          "options": {"expires": config.retention.interval_s}},
         },
         "beat_schedule_filename": str(config.home / "celerybeat-schedule"),
         # compactd's own structured logging (worker.logs) is installed by the setup_logging

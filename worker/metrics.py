@@ -97,7 +97,8 @@ class Metrics:
         self.retention_purged = Counter(
             "compactd_retention_purged",
             "What retention's purge deleted: recall originals past retention.originals_days, "
-            "sessions idle past retention.sessions_idle_days, and those sessions' rows.",
+            "sessions idle past retention.sessions_idle_days, and those sessions' rows, and "
+            "append idempotency keys past retention.append_keys_hours.",
             ["what"], registry=registry)
         self.retention_last_run = Gauge(
             "compactd_retention_last_run_timestamp_seconds",

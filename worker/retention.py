@@ -3,6 +3,8 @@
 
 * Recall originals (the text of what compaction replaced, kept searchable) of messages appended
   more than ``retention.originals_days`` ago, in short transactions of ``DELETE_BATCH_ROWS``.
+* Append idempotency keys older than ``retention.append_keys_hours`` (always: an append no
+  longer answers from them), in the same batches.
 * Whole sessions with no append for ``retention.sessions_idle_days``, deleted as ``compactd
   delete`` deletes one (``storage.deletion``); a session that appended since it was picked, or
   holds a live lease, is left.
@@ -36,6 +38,7 @@ class PurgeResult:
     originals: int = 0
     sessions: int = 0
     session_rows: int = 0
+    append_keys: int = 0
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -45,6 +48,14 @@ async def purge_expired(store: Store, retention: RetentionConfig, *,
                         now: dt.datetime | None = None) -> PurgeResult:
     """Purge what ``retention`` keeps no longer as of ``now``, and record the run."""
     now = now or utcnow()
+    append_keys = 0
+    keys_before = now - dt.timedelta(seconds=retention.append_key_window_s)
+    for _ in range(PURGE_BATCHES):
+        purged = await store.purge_append_keys(created_before=keys_before,
+                                               limit=DELETE_BATCH_ROWS)
+        append_keys += purged
+        if purged < DELETE_BATCH_ROWS:
+            break
     originals = 0
     if retention.originals_days is not None:
         before = now - dt.timedelta(days=retention.originals_days)
@@ -65,6 +76,7 @@ async def purge_expired(store: Store, retention: RetentionConfig, *,
             if deleted is not None:
                 sessions += 1
                 rows += sum(deleted.rows.values())
-    result = PurgeResult(originals=originals, sessions=sessions, session_rows=rows)
+    result = PurgeResult(originals=originals, sessions=sessions, session_rows=rows,
+                         append_keys=append_keys)
     await store.record_beat_run(RETENTION_RUN, result=result.to_json())
     return result

@@ -37,6 +37,7 @@ from compactd.storage.database import embedded_url
 from compactd.storage.errors import ConfigError
 from compactd.storage.events import EventKind
 from compactd.storage.ids import ID_PATTERN, MAX_INT32
+from compactd.storage.records import APPEND_KEY_WINDOW_S
 from compactd.worker.compaction.lead import parse_lead
 from compactd.worker.compaction.policy import (
     Policy,
@@ -205,16 +206,21 @@ class RetentionConfig(_Strict):
     """``retention:``, what the beat's purge deletes (unset: kept for ever). ``originals_days``:
     the recall index's originals (the text of what compaction replaced, kept searchable) of
     messages appended longer ago; ``sessions_idle_days``: whole sessions with no append for
-    that long, with everything of them (as ``compactd delete``). ``interval_s``: how often the
-    purge runs."""
+    that long, with everything of them (as ``compactd delete``); ``append_keys_hours``: how
+    long an append's idempotency key holds (always set: older keys are purged).
+    ``interval_s``: how often the purge runs."""
 
     originals_days: float | None = _DAYS
     sessions_idle_days: float | None = _DAYS
     interval_s: float = Field(default=3600.0, gt=0, strict=True)
+    # How long an append's idempotency key answers for the append made with it (a retry after
+    # that stores the step again); the purge deletes older keys. Up to 30 days.
+    append_keys_hours: float = Field(default=APPEND_KEY_WINDOW_S / 3600, gt=0, le=720,
+                                     strict=True)
 
     @property
-    def enabled(self) -> bool:
-        return self.originals_days is not None or self.sessions_idle_days is not None
+    def append_key_window_s(self) -> float:
+        return self.append_keys_hours * 3600
 
 
 class DatabaseConfig(_Strict):

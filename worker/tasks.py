@@ -234,7 +234,7 @@ def retention(self: Task) -> dict[str, int]:
 
     purged = process_loop(config).run(go)
     m = metrics()
-    for what in ("originals", "sessions", "session_rows"):
+    for what in ("originals", "sessions", "session_rows", "append_keys"):
         m.retention_purged.labels(what).inc(purged[what])
     m.retention_last_run.set(time.time())
     return purged

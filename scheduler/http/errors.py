@@ -22,6 +22,7 @@ from compactd.storage.errors import (
     BadInput,
     CompactionRefused,
     DatabaseUnavailable,
+    IdempotencyKeyReused,
     InvalidMessage,
     RecallArgumentError,
     RecallNotFound,
@@ -149,6 +150,7 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
     app.add_exception_handler(RecallNotFound, not_found)
     app.add_exception_handler(RecallArgumentError, recall_invalid)
     app.add_exception_handler(SessionExists, conflict)
+    app.add_exception_handler(IdempotencyKeyReused, conflict)
     app.add_exception_handler(InvalidMessage, invalid)
     app.add_exception_handler(CompactionRefused, refused)
     app.add_exception_handler(BadInput, bad_input)

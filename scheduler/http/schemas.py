@@ -168,6 +168,8 @@ class StepOut(BaseModel):
     signalled: bool = Field(description="this append marked the session and sent a compaction "
                             "to the queue (in the background; a failed send is logged and frees "
                             "the mark for the next append)")
+    replayed: bool = Field(default=False, description="the append was made earlier with this "
+                           "Idempotency-Key: this is its result, and nothing was stored now")
 
 
 class FunctionOut(BaseModel):

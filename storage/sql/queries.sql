@@ -65,6 +65,32 @@ SELECT model, started_at, finished_at, stages FROM compaction_runs
 SELECT * FROM compactd_append_v2(:session_id, :payloads, :tokens, :now, :call_ids, :call_idx,
                               :call_result_idx, :ext_ids, :ext_idx);
 
+-- name: append_key_find(session_id, key, live_after)^
+-- An append made with a key: what the first append with it returned (a row younger than
+-- :live_after), beside the session's row; none when the key is new or expired.
+SELECT k.request_sha256 AS key_request_sha256, k.first_seq AS key_first_seq,
+       k.last_seq AS key_last_seq, k.surface_version AS key_surface_version,
+       k.surface_tokens AS key_surface_tokens, k.surface_messages AS key_surface_messages,
+       s.*
+  FROM append_keys k JOIN sessions s ON s.id = k.session_id
+ WHERE k.session_id = :session_id AND k.key = :key AND k.created_at > :live_after;
+
+-- name: append_key_store(session_id, key, request_sha256, first_seq, last_seq, surface_version, surface_tokens, surface_messages, now, live_after)$
+-- Record what the append in the same transaction returned under its key. An expired row is
+-- taken over; a live one (another append with the key committed first) is left, no row is
+-- returned, and the caller rolls its append back and answers from that row.
+INSERT INTO append_keys (session_id, key, request_sha256, first_seq, last_seq,
+                         surface_version, surface_tokens, surface_messages, created_at)
+VALUES (:session_id, :key, :request_sha256, :first_seq, :last_seq, :surface_version,
+        :surface_tokens, :surface_messages, :now)
+ON CONFLICT (session_id, key) DO UPDATE
+   SET request_sha256 = excluded.request_sha256, first_seq = excluded.first_seq,
+       last_seq = excluded.last_seq, surface_version = excluded.surface_version,
+       surface_tokens = excluded.surface_tokens, surface_messages = excluded.surface_messages,
+       created_at = excluded.created_at
+ WHERE append_keys.created_at <= :live_after
+RETURNING 1;
+
 -- name: claim_free(session_id, run_id, owner, trigger, expires, now, task_id)^
 -- postgres-only: calls compactd_claim_v2 (functions/compactd_claim_v2.sql); on SQLite every claim
 -- takes the general path.

@@ -71,3 +71,25 @@ def test_ingest_refuses_what_a_runtime_may_not_store(env: dict[str, str], tmp_pa
     assert run(env, "surface", "kept", "--json").stdout == before
     missing = run(env, "surface", "fresh", check=False)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_an_ingest_run_again_with_its_idempotency_key_stores_nothing_twice(
+        env: dict[str, str], tmp_path: Path) -> None:
+    run(env, "migrate")
+    path = tmp_path / "step.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in GOOD))
+    args = ("ingest", str(path), "--session", "s", "--idempotency-key", "import-1", "--json")
+    first = json.loads(run(env, *args).stdout)
+    again = json.loads(run(env, *args).stdout)
+    assert (first["replayed"], again["replayed"]) == (False, True)
+    assert {**again, "replayed": False} == first
+    assert len(json.loads(run(env, "surface", "s", "--json").stdout)["messages"]) == len(GOOD)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"role": "user", "content": "another"}) + "\n")
+    reused = run(env, "ingest", str(other), "--session", "s", "--idempotency-key", "import-1",
+                 check=False)
+    assert reused.returncode == 2 and "'import-1'" in reused.stderr, reused.stderr
+    odd = run(env, "ingest", str(other), "--session", "s", "--idempotency-key", "x" * 1000,
+              check=False)
+    assert odd.returncode == 2 and "at most 255 characters" in odd.stderr, odd.stderr
+    assert len(json.loads(run(env, "surface", "s", "--json").stdout)["messages"]) == len(GOOD)

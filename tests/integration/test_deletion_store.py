@@ -36,10 +36,11 @@ POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
 async def _full_session(deps: Deps, session_id: str, tenant: str) -> None:
     """A session with a row in every table a session has rows in: its log and surface, tool
     calls, a committed compaction (run, journal, recall nodes and originals, indexed), a queued
-    manual request, a bulk job's item and a pending signal."""
+    manual request, a bulk job's item, a pending signal and an append's idempotency key."""
     store = deps.store
     await store.create_session(session_id, tenant=tenant, context_window=128_000, policy=POLICY)
-    await store.append(session_id, [parse_openai(m) for m in coding_session(steps=40).messages])
+    await store.append(session_id, [parse_openai(m) for m in coding_session(steps=40).messages],
+                       idempotency_key=f"step-{session_id}")
     outcome = await compact(deps, session_id, trigger="pressure")
     assert outcome.outcome == "committed", outcome.to_json()
     await store.mark_manual(session_id, f"task-{session_id}", ttl_s=60)

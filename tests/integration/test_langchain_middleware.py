@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from compactd.scheduler.langchain import (
@@ -20,6 +21,8 @@ from compactd.scheduler.langchain import (
     to_compactd,
     to_langchain,
 )
+from compactd.storage import schema as t
+from compactd.storage.database import transaction
 from compactd.storage.store import Store
 from compactd.worker.compaction.render import LANGCHAIN_PREFIX
 from compactd.worker.settings import Settings, build_config
@@ -60,6 +63,17 @@ async def read_events(db_url: str, session: str) -> list[Any]:
         await store.close()
 
 
+async def append_keys(db_url: str, session: str) -> list[str]:
+    store = Store.from_url(db_url)
+    try:
+        async with transaction(store.engine) as conn:
+            return list((await conn.execute(
+                sa.select(t.append_keys.c.key).where(t.append_keys.c.session_id == session)
+            )).scalars())
+    finally:
+        await store.close()
+
+
 async def stored(db_url: str, session: str) -> tuple[list[dict[str, Any]], Any, bool]:
     store = Store.from_url(db_url)
     try:
@@ -88,6 +102,10 @@ async def test_every_state_message_is_mirrored_once_in_order_and_usage_reported(
     assert [p["role"] for p in payloads] == [m["role"] for m in to_compactd(state)]
     assert [(p.get("meta") or {}).get("lc_id") for p in payloads] == [m.id for m in state]
     assert info.envelope_tokens > 0 and info.run_model == AGENT_MODEL
+    # Each step's append carried the key the middleware derives for it (a retry of the step
+    # is answered from the first, never stored twice).
+    keys = await append_keys(db_url, "s1")
+    assert len(keys) >= len(sent_messages(fake)) and all(k.startswith("lc-") for k in keys)
     # The provider's own count for the last call (the fake's prompt_tokens) was reported.
     last = fake.requests_for(model=AGENT_MODEL)[-1]
     assert info.reported_input_tokens == -(-last.body_bytes // 4)

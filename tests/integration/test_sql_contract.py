@@ -151,6 +151,43 @@ async def _append(store: Store) -> None:
     assert row is not None and (row["last_seq"], row["surface_messages"]) == (3, 3)
 
 
+def _key_row(now: dt.datetime, digest: str, version: int) -> dict[str, Any]:
+    return {"session_id": "s1", "key": "k", "request_sha256": digest, "first_seq": 1,
+            "last_seq": 2, "surface_version": version, "surface_tokens": 9,
+            "surface_messages": 2, "now": now, "live_after": now - HOUR}
+
+
+@case("append_key_store")
+async def _append_key_store(store: Store) -> None:
+    now = utcnow()
+    assert await store.db.fetchval("append_key_store", **_key_row(now, "a" * 64, 1)) == 1
+    # a live row is left as it is; an expired one is taken over
+    assert await store.db.fetchval("append_key_store",
+                                   **_key_row(now + HOUR / 2, "b" * 64, 2)) is None
+    assert await store.db.fetchval("append_key_store",
+                                   **_key_row(now + 2 * HOUR, "c" * 64, 3)) == 1
+    row = await store.db.fetchrow("append_key_find", session_id="s1", key="k",
+                                  live_after=now)
+    assert row is not None
+    assert (row["key_request_sha256"], row["key_surface_version"]) == ("c" * 64, 3)
+
+
+@case("append_key_find")
+async def _append_key_find(store: Store) -> None:
+    now = utcnow()
+    await store.db.execute("append_key_store", **_key_row(now, "a" * 64, 7))
+    row = await store.db.fetchrow("append_key_find", session_id="s1", key="k",
+                                  live_after=now - HOUR)
+    assert row is not None
+    assert (row["key_first_seq"], row["key_last_seq"], row["key_surface_version"],
+            row["key_surface_tokens"], row["key_surface_messages"]) == (1, 2, 7, 9, 2)
+    # beside the session's row, typed as the session's columns are
+    assert row["id"] == "s1" and row["created_at"].tzinfo is not None
+    for gone in ({"key": "other", "live_after": now - HOUR},
+                 {"key": "k", "live_after": now}):
+        assert await store.db.fetchrow("append_key_find", session_id="s1", **gone) is None
+
+
 async def _claimed(store: Store) -> dict[str, Any]:
     now = utcnow()
     row = await store.db.fetchrow("claim_free", session_id="s1", run_id="r1", owner="w",

@@ -13,7 +13,7 @@ from compactd.scheduler.bulk import BulkFilter
 from compactd.scheduler.intake import parse_signal
 from compactd.storage.errors import ConfigError, InvalidMessage
 from compactd.worker.app import celery_settings
-from compactd.worker.keys import TASK_REAP, TASK_SWEEP
+from compactd.worker.keys import TASK_REAP, TASK_RETENTION, TASK_SWEEP
 from compactd.worker.limits import parse_rate
 from compactd.worker.settings import Settings, build_config
 
@@ -117,7 +117,9 @@ def test_sweep_and_reap_intervals_drive_the_beat_schedule() -> None:
     config = _config({"sweep_interval_s": 2.5, "reap_interval_s": 0.75})
     schedule = celery_settings(config)["beat_schedule"]
     by_task = {entry["task"]: entry for entry in schedule.values()}
-    assert set(by_task) == {TASK_SWEEP, TASK_REAP}
+    # Retention's purge runs too (expired append idempotency keys), on its own interval.
+    assert set(by_task) == {TASK_SWEEP, TASK_REAP, TASK_RETENTION}
+    assert by_task[TASK_RETENTION]["schedule"] == 3600.0
     assert by_task[TASK_SWEEP]["schedule"] == 2.5
     assert by_task[TASK_REAP]["schedule"] == 0.75
     # A tick that could not run within its interval is dropped, not piled up behind the next.

@@ -12,14 +12,23 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from compactd.scheduler.http.bodies import in_body
-from compactd.scheduler.http.routes.common import API_PREFIX, COMMON, WITH_BODY, Owned
+from compactd.scheduler.http.routes.common import (
+    API_PREFIX,
+    COMMON,
+    WITH_BODY,
+    Owned,
+    error_response,
+)
 from compactd.scheduler.http.schemas import AppendIn, RenderForm, StepOut, SurfaceOut
 from compactd.scheduler.http.state import OFFLOAD_BYTES, ApiDep
 from compactd.storage.errors import InvalidMessage
+from compactd.storage.ids import check_idempotency_key
 from compactd.worker.compaction.render import render_surface
 
 router = APIRouter(prefix=API_PREFIX, tags=["sessions"])
 
+# The header an append's idempotency key comes in (as in Stripe's and others' APIs).
+IDEMPOTENCY_HEADER = "Idempotency-Key"
 # The longest long poll: a client that wants longer asks again.
 MAX_WAIT_S = 60.0
 _ETAG = {"ETag": {"description": "the surface version, quoted", "schema": {"type": "string"}}}
@@ -51,10 +60,20 @@ def _matches(if_none_match: str, version: int) -> bool:
              operation_id="appendMessages",
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/json": {"schema": AppendIn.model_json_schema()}}}},
-             responses=WITH_BODY)
-async def append(info: Owned, api: ApiDep, request: Request) -> StepOut:
+             responses={**WITH_BODY, 409: error_response(
+                 "the Idempotency-Key was used for an append of other messages")})
+async def append(info: Owned, api: ApiDep, request: Request,
+                 idempotency_key: Annotated[str | None, Header(
+                     alias=IDEMPOTENCY_HEADER,
+                     description="makes a retry safe: the same key with the same messages "
+                                 "(within retention.append_keys_hours) answers with the first "
+                                 "append's result and stores nothing (`replayed`); with other "
+                                 "messages, 409. 1-255 printable ASCII characters (a uuid4).")]
+                 = None) -> StepOut:
     """Append one step's messages in one transaction. When the trigger fires, one compaction
     is enqueued (the first append of a burst does it); the step never waits for it."""
+    if idempotency_key is not None:
+        check_idempotency_key(idempotency_key, field=f"header.{IDEMPOTENCY_HEADER}")
     # The body is read here rather than by FastAPI so that a large one is decoded,
     # validated and counted off the event loop (AppendIn is still what it must match).
     raw = await request.body()
@@ -63,7 +82,7 @@ async def append(info: Owned, api: ApiDep, request: Request) -> StepOut:
         if len(raw) > OFFLOAD_BYTES else \
         api.decode(raw, content_type, info.run_model)
     try:
-        step = await api.handle(info).append(batch)
+        step = await api.handle(info).append(batch, idempotency_key=idempotency_key)
     except InvalidMessage as exc:
         raise in_body(exc, "messages") from None
     return StepOut(**step.to_json())
