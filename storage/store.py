@@ -26,6 +26,7 @@ from compactd.storage import schema as t
 from compactd.storage.bulk_jobs import BulkJobsMixin
 from compactd.storage.connectors import connector_for
 from compactd.storage.connectors_general import read_session
+from compactd.storage.counters import Counts, batch_counts
 from compactd.storage.database import (
     connection,
     create_engine,
@@ -111,6 +112,10 @@ class PreparedAppend:
     payloads: list[dict[str, Any]] | None = None
     texts: list[str] | None = None
     links: BatchLinks | None = None
+    # What each message adds to the counters kept by name (``storage.counters``), and their
+    # sum; empty and None while no such counter is registered. Encoded, as JSON text.
+    counts: Sequence[Counts | None] | Sequence[str | None] = ()
+    counts_sum: Counts | str | None = None
 
 
 def prepare_append(messages: Sequence[Message], run_model: str | None, *,
@@ -121,10 +126,14 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
     counter = counter_for(run_model)
     tokens = tuple(counter.count_message(m) for m in messages)
     payloads = [m.to_payload() for m in messages]
+    counts, counts_sum = batch_counts(messages, tokens)
     if not encoded:
-        return PreparedAppend(run_model, tokens, messages=messages, payloads=payloads)
+        return PreparedAppend(run_model, tokens, messages=messages, payloads=payloads,
+                              counts=counts, counts_sum=counts_sum)
     return PreparedAppend(run_model, tokens, texts=[dumps(p) for p in payloads],
-                          links=BatchLinks(messages))
+                          links=BatchLinks(messages),
+                          counts=[None if c is None else dumps(c) for c in counts],
+                          counts_sum=None if counts_sum is None else dumps(counts_sum))
 
 
 class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, RecallMixin,
