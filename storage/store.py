@@ -26,7 +26,7 @@ from compactd.storage import schema as t
 from compactd.storage.bulk_jobs import BulkJobsMixin
 from compactd.storage.connectors import connector_for
 from compactd.storage.connectors_general import read_session
-from compactd.storage.counters import Counts, batch_counts
+from compactd.storage.counters import Counts, batch_counts, summed
 from compactd.storage.database import (
     connection,
     create_engine,
@@ -595,9 +595,10 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
                           .where(e.session_id == session_id,
                                  e.kind.in_([NodeKind.MESSAGE, *REPLACE_KINDS]))
                           .order_by(e.seq))]
-            stored = [(r.seq, r.tokens) for r in await conn.execute(
-                sa.select(s.seq, s.tokens).where(s.session_id == session_id)
-                .order_by(s.position))]
+            rows = (await conn.execute(
+                sa.select(s.seq, s.tokens, s.counts).where(s.session_id == session_id)
+                .order_by(s.position))).all()
+            stored = [(r.seq, r.tokens) for r in rows]
             last_seq = (await conn.execute(sa.select(sa.func.max(e.seq))
                                            .where(e.session_id == session_id))).scalar()
         problems: list[str] = []
@@ -614,6 +615,9 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         if info.surface_messages != len(stored):
             problems.append(
                 f"cached surface_messages {info.surface_messages} != {len(stored)} nodes")
+        counted = summed(r.counts for r in rows)
+        if info.counts != counted:
+            problems.append(f"cached counts {info.counts} != sum of nodes {counted}")
         if (last_seq or 0) != info.last_seq:
             problems.append(f"last_seq {info.last_seq} != highest event seq {last_seq}")
         return VerifyResult(session_id=session_id, ok=not problems, problems=tuple(problems),

@@ -25,7 +25,7 @@ from compactd.worker.compaction.planner import plan
 from compactd.worker.pressure import over_trigger, session_policy, sweep_thresholds, wants_run
 from compactd.worker.settings import Config, build_config
 
-TURNS = 3  # the trigger: three turns, six surface messages
+TURNS = 3  # the trigger: three exchanges (six surface messages), or three requests
 
 
 class Exchanges(Kind):
@@ -60,23 +60,23 @@ def user(i: int) -> Message:
     return parse_openai({"role": "user", "content": f"request {i}: " + "word " * 40})
 
 
-async def test_a_registered_kind_fires_from_the_append_the_sweep_and_the_plan(
-        exchanges: None, store: Store) -> None:
-    c = config("exchanges")
+async def fires_from_the_append_the_sweep_and_the_plan(
+        store: Store, kind: str, under: list[Message], last: Message) -> None:
+    """Sessions ``under`` (``under`` appended) and ``over`` (``last`` on top): only ``over``
+    is signalled by its append, flagged and chosen by the sweep, and fired by the plan of
+    the surface it reads, on the clause of ``kind``."""
+    c = config(kind)
     now = utcnow() - dt.timedelta(seconds=30)
     for sid in ("under", "over"):
         await store.create_session(sid, run_model="gpt-4o", now=now)
-        first = await store.append(sid, [user(i) for i in range(2 * TURNS - 1)], now=now,
+        first = await store.append(sid, under, now=now,
                                    signal_if=lambda info: wants_run(info, c))
-        assert not first.signalled  # five messages: two and a half turns
-    last = await store.append("over", [user(9)], now=now + dt.timedelta(seconds=1),
-                              signal_if=lambda info: wants_run(info, c))
-    assert last.signalled
+        assert not first.signalled
+    signalled = await store.append("over", [last], now=now + dt.timedelta(seconds=1),
+                                   signal_if=lambda info: wants_run(info, c))
+    assert signalled.signalled
 
     await store.resolve_sweep_thresholds(key="k", resolve=lambda i: sweep_thresholds(i, c))
-    over = await store.get_session("over")
-    assert (over.sweep_tokens, over.sweep_messages) == (None, 2 * TURNS)
-    assert over.over_sweep and not (await store.get_session("under")).over_sweep
     await store.clear_signal("over")
     chosen, _ = await store.select_for_sweep(decide=lambda i: over_trigger(i, c), limit=10,
                                              fresh_signal_s=0)
@@ -84,13 +84,22 @@ async def test_a_registered_kind_fires_from_the_append_the_sweep_and_the_plan(
 
     for sid, fires in (("under", False), ("over", True)):
         info = await store.get_session(sid)
-        policy = session_policy(info, c)
         surface = await store.read_surface(sid)
-        planned = plan(surface.nodes, policy=policy, now=utcnow())
+        planned = plan(surface.nodes, policy=session_policy(info, c), now=utcnow())
         assert planned.fired is fires, planned.reason
         if fires:
-            assert planned.reason.startswith(f"exchanges>={TURNS}")
+            assert planned.reason.startswith(f"{kind}>={TURNS}")
             assert planned.compacts
+
+
+async def test_a_registered_kind_fires_from_the_append_the_sweep_and_the_plan(
+        exchanges: None, store: Store) -> None:
+    # Five messages, two and a half exchanges, then the sixth.
+    await fires_from_the_append_the_sweep_and_the_plan(
+        store, "exchanges", [user(i) for i in range(2 * TURNS - 1)], user(9))
+    over = await store.get_session("over")
+    assert (over.sweep_tokens, over.sweep_messages) == (None, 2 * TURNS)
+    assert over.over_sweep and not (await store.get_session("under")).over_sweep
 
 
 class TurnCounter(Counter):
@@ -132,36 +141,14 @@ def reply(i: int) -> Message:
 
 async def test_a_kind_over_a_new_counter_fires_from_the_append_the_sweep_and_the_plan(
         turns: None, store: Store) -> None:
-    c = config("turns")
-    now = utcnow() - dt.timedelta(seconds=30)
-    # Many replies and TURNS - 1 requests: every other counter is well over TURNS.
+    # Many replies and TURNS - 1 requests (every other counter is well over TURNS), then one.
     exchange = [m for i in range(TURNS - 1) for m in (user(i), reply(i), reply(i + 10))]
-    for sid in ("under", "over"):
-        await store.create_session(sid, run_model="gpt-4o", now=now)
-        first = await store.append(sid, exchange, now=now,
-                                   signal_if=lambda info: wants_run(info, c))
-        assert not first.signalled and first.session.counts == {"turns": TURNS - 1}
-    last = await store.append("over", [user(9)], now=now + dt.timedelta(seconds=1),
-                              signal_if=lambda info: wants_run(info, c))
-    assert last.signalled and last.session.counts == {"turns": TURNS}
-
-    await store.resolve_sweep_thresholds(key="k", resolve=lambda i: sweep_thresholds(i, c))
+    await fires_from_the_append_the_sweep_and_the_plan(store, "turns", exchange, user(9))
     over, under = await store.get_session("over"), await store.get_session("under")
+    assert (over.counts, under.counts) == ({"turns": TURNS}, {"turns": TURNS - 1})
     assert (over.sweep_tokens, over.sweep_messages, over.sweep_counts) == (
         None, None, {"turns": TURNS})
     assert over.over_counts and not over.over_sweep and not under.over_counts
-    await store.clear_signal("over")
-    chosen, _ = await store.select_for_sweep(decide=lambda i: over_trigger(i, c), limit=10,
-                                             fresh_signal_s=0)
-    assert [s.id for s in chosen] == ["over"]
-
-    for sid, fires in (("under", False), ("over", True)):
-        info = await store.get_session(sid)
-        surface = await store.read_surface(sid)
-        planned = plan(surface.nodes, policy=session_policy(info, c), now=utcnow())
-        assert planned.fired is fires, planned.reason
-        if fires:
-            assert planned.reason.startswith(f"turns>={TURNS}")
 
     # A checkpoint in place of the first two exchanges: two requests fewer, under the floor
     # again; the next request counts on top of what is left.
@@ -172,5 +159,6 @@ async def test_a_kind_over_a_new_counter_fires_from_the_append_the_sweep_and_the
         Replacement(seqs=tuple(range(1, 7)), kind=NodeKind.CHECKPOINT, payload=summary,
                     tokens=5, journal_kind=JournalKind.SUMMARY)])
     assert committed.counts == {"turns": TURNS - 2} and not committed.over_counts
-    again = await store.append("over", [user(11), user(12)], now=now + dt.timedelta(seconds=2))
+    again = await store.append("over", [user(11), user(12)])
     assert again.session.counts == {"turns": TURNS} and again.session.over_counts
+    assert (await store.verify("over")).ok

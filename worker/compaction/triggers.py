@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from compactd.storage.counters import MESSAGES, TOKENS, Counter, kept_by_name, summed
 from compactd.storage.surface import SurfaceNode
@@ -39,9 +40,13 @@ class Pressure:
             return self.messages
         return self.counts.get(counter.name, 0)
 
-    def to_json(self) -> dict[str, int | float | None]:
-        return {"tokens": self.tokens, "messages": self.messages,
-                "fraction": None if self.fraction is None else round(self.fraction, 6)}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tokens": self.tokens, "messages": self.messages,
+            "fraction": None if self.fraction is None else round(self.fraction, 6)}
+        if self.counts:
+            out["counts"] = dict(self.counts)
+        return out
 
     def ahead_by(self, tokens: int, context_window: int | None) -> Pressure:
         """The pressure once the session has grown by ``tokens`` (its lead's growth)."""
@@ -138,6 +143,7 @@ def should_run(pressure: Pressure, policy: Policy, *, lead_tokens: int = 0
 
 def _describe(pressure: Pressure) -> str:
     out = f"{pressure.tokens} tokens, {pressure.messages} messages"
+    out += "".join(f", {n} {name}" for name, n in pressure.counts.items())
     if pressure.fraction is not None:
         out += f", {pressure.fraction:.3f} of the window"
     return out
