@@ -17,7 +17,7 @@ import pytest
 from compactd.storage.counters import COUNTERS, MESSAGES, Counter
 from compactd.storage.kinds import JournalKind, NodeKind
 from compactd.storage.messages import META_CHECKPOINT, Message, parse_openai
-from compactd.storage.records import Claim, Replacement, utcnow
+from compactd.storage.records import Claim, Replacement, SessionInfo, utcnow
 from compactd.storage.store import Store
 from compactd.worker.compaction.kinds import KINDS, Kind, check_registry
 from compactd.worker.compaction.kinds.base import count
@@ -78,9 +78,15 @@ async def fires_from_the_append_the_sweep_and_the_plan(
 
     await store.resolve_sweep_thresholds(key="k", resolve=lambda i: sweep_thresholds(i, c))
     await store.clear_signal("over")
-    chosen, _ = await store.select_for_sweep(decide=lambda i: over_trigger(i, c), limit=10,
-                                             fresh_signal_s=0)
-    assert [s.id for s in chosen] == ["over"]
+    read: list[str] = []
+
+    def decide(info: SessionInfo) -> bool:
+        read.append(info.id)
+        return over_trigger(info, c)
+
+    chosen, _ = await store.select_for_sweep(decide=decide, limit=10, fresh_signal_s=0)
+    # The stored floor flags the session: the one under it is never read.
+    assert read == [s.id for s in chosen] == ["over"]
 
     for sid, fires in (("under", False), ("over", True)):
         info = await store.get_session(sid)
