@@ -51,6 +51,7 @@ from compactd.storage.connectors_general import (
     run_end_values,
 )
 from compactd.storage.connectors_kept import KeptConnections
+from compactd.storage.counters import node_counts
 from compactd.storage.database import (
     connection,
     deadline_left_s,
@@ -612,10 +613,18 @@ def _commit_params(session_id: str, *, run_id: str, fence: int,
         # What each node states about itself for recall, read here: the payload may hold
         # what no JSON operator of PostgreSQL reads (a NUL).
         "refs": [r.ref for r in recalls], "firsts": [r.first for r in recalls],
-        "lasts": [r.last for r in recalls]}
+        "lasts": [r.last for r in recalls],
+        # NULL unless a node adds to a counter kept by name.
+        "node_counts": _node_counts(replacements)}
     if end is None:
         return "commit", params
     return "commit_ending", {**params, **_run_end_params(end)}
+
+
+def _node_counts(replacements: Sequence[Replacement]) -> list[str | None] | None:
+    counts = [node_counts(rep.payload, rep.tokens) for rep in replacements]
+    return None if all(c is None for c in counts) else [
+        None if c is None else dumps(c) for c in counts]
 
 
 def _run_end_params(end: RunEnd) -> dict[str, Any]:
@@ -649,7 +658,9 @@ def _append_params(session_id: str, batch: PreparedAppend, now: dt.datetime
             "now": now, "call_ids": [c[0] for c in links.calls],
             "call_idx": [c[1] for c in links.calls],
             "call_result_idx": [c[2] for c in links.calls],
-            "ext_ids": [e[0] for e in links.external], "ext_idx": [e[1] for e in links.external]}
+            "ext_ids": [e[0] for e in links.external], "ext_idx": [e[1] for e in links.external],
+            "counts": list(batch.counts) if batch.counts else None,
+            "counts_sum": batch.counts_sum}
 
 
 def _appended(row: Row | None, session_id: str, batch: PreparedAppend) -> AppendResult:

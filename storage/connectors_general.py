@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from compactd.storage import schema as t
 from compactd.storage.bulk_jobs import bulk_item_state
+from compactd.storage.counters import node_counts, reaches, summed
 from compactd.storage.errors import (
     IdempotencyKeyReused,
     LeaseLost,
@@ -29,7 +30,14 @@ from compactd.storage.errors import (
     StorageError,
     SurfaceChanged,
 )
-from compactd.storage.kinds import FailureClass, ItemState, JournalKind, NodeKind, RunStatus
+from compactd.storage.kinds import (
+    REPLACE_KINDS,
+    FailureClass,
+    ItemState,
+    JournalKind,
+    NodeKind,
+    RunStatus,
+)
 from compactd.storage.leads import pool_lead
 from compactd.storage.messages import BatchLinks, Message, ToolLinks, referenced_call_ids
 from compactd.storage.records import (
@@ -104,6 +112,8 @@ async def append_in(conn: AsyncConnection, session_id: str, batch: PreparedAppen
     if row is None:
         raise SessionNotFound(session_id)
     info = session_from_row(row)
+    if batch.counts_sum is not None:
+        info = await _add_counts(conn, info, batch.counts_sum)
     first_seq = info.last_seq - n + 1
     first_position = info.last_position - n + 1
     if linked:
@@ -112,9 +122,10 @@ async def append_in(conn: AsyncConnection, session_id: str, batch: PreparedAppen
         {"session_id": session_id, "seq": first_seq + i, "kind": NodeKind.MESSAGE,
          "payload": payloads[i], "tokens": tokens[i], "created_at": now}
         for i in range(n)])
+    counts = batch.counts or [None] * n
     await conn.execute(t.surface.insert(), [
         {"session_id": session_id, "position": first_position + i,
-         "seq": first_seq + i, "tokens": tokens[i]} for i in range(n)])
+         "seq": first_seq + i, "tokens": tokens[i], "counts": counts[i]} for i in range(n)])
     signalled = False
     if signal_if is not None and signal_if(info):
         signalled = bool(await mark_signal(
@@ -163,6 +174,16 @@ async def first_with_key(attempt: Callable[[], Awaitable[AppendResult | None]]
         if result is not None:
             return result
     raise StorageError("an append key was taken and then not found")
+
+
+async def _add_counts(conn: AsyncConnection, info: SessionInfo, added: Any) -> SessionInfo:
+    """The session's counts kept by name with ``added`` on top, and whether they reach their
+    floors (``compactd_append_v3`` does the same in its one statement)."""
+    counts = summed([info.counts, added])
+    over = reaches(counts, info.sweep_counts)
+    await conn.execute(t.sessions.update().where(t.sessions.c.id == info.id)
+                       .values(counts=counts, over_counts=over))
+    return dataclasses.replace(info, counts=counts, over_counts=over)
 
 
 async def _link_tool_calls(conn: AsyncConnection, session_id: str, messages: Sequence[Message],
@@ -319,12 +340,30 @@ async def commit_in(conn: AsyncConnection, session_id: str, *, run_id: str, fenc
         # compaction/end is the last event, in the same transaction as the checkpoint.
         seq += 1
         events.append(end_event(session_id, run_id, seq, end, now))
-    row = await _write_commit(conn, session_id, events, window, placed,
+    added = {node["seq"]: counts for node in events
+             if node["kind"] in REPLACE_KINDS and (counts := node_counts(
+                 node["payload"]["message"], node["tokens"])) is not None}
+    row = await _write_commit(conn, session_id, events, window, placed, added,
                               update=_commit_update(bool(replacements), end is not None),
                               last_seq=seq)
+    after = session_from_row(row)
+    if replacements and (after.counts is not None or added):
+        after = await _recount(conn, after)
     if end is not None:
         await end_run(conn, session_id, run_id, end, now)
-    return session_from_row(row)
+    return after
+
+
+async def _recount(conn: AsyncConnection, info: SessionInfo) -> SessionInfo:
+    """The session's counts kept by name summed again from its surface rows, which a commit
+    replaced some of (``compactd_commit_v3`` does the same)."""
+    rows = (await conn.execute(
+        sa.select(_s.counts).where(_s.session_id == info.id, _s.counts.is_not(None)))).all()
+    counts = summed(r.counts for r in rows)
+    over = reaches(counts, info.sweep_counts)
+    await conn.execute(t.sessions.update().where(_c.id == info.id)
+                       .values(counts=counts, over_counts=over))
+    return dataclasses.replace(info, counts=counts, over_counts=over)
 
 
 async def _checked_prefix(conn: AsyncConnection, session_id: str, run_id: str,
@@ -368,15 +407,22 @@ def _placed(session_id: str, run_id: str, replacements: Sequence[Replacement],
 
 
 async def _write_commit(conn: AsyncConnection, session_id: str, events: list[dict[str, Any]],
-                        window: list[tuple[int, int, int]], placed: SurfaceRows, *,
-                        update: Any, last_seq: int) -> Any:
+                        window: list[tuple[int, int, int]], placed: SurfaceRows,
+                        counts: dict[int, Any], *, update: Any, last_seq: int) -> Any:
     """The commit's writes: the events, the window's rows that went and came, the session's
     totals. A handful of statements however many replacements (a prune commit has one per
     large tool result): the commit holds the session row, and appends wait on it."""
     before = {(p, q): tokens for p, q, tokens in window}
     after = {(p, q): tokens for p, q, tokens in placed.rows()}
     gone = [q for (p, q) in before if (p, q) not in after]
-    nodes = [{"session_id": session_id, "position": p, "seq": q, "tokens": tokens}
+    moved = {q for p, q, _ in window} & {q for (p, q) in after if (p, q) not in before}
+    if moved:
+        # A node placed before another moves that one: it is written again with its counts.
+        counts = {**counts, **{r.seq: r.counts for r in await conn.execute(
+            sa.select(_s.seq, _s.counts).where(_s.session_id == session_id,
+                                               _s.seq.in_(sorted(moved))))}}
+    nodes = [{"session_id": session_id, "position": p, "seq": q, "tokens": tokens,
+              "counts": counts.get(q)}
              for (p, q), tokens in after.items() if (p, q) not in before]
     if events:
         await conn.execute(_INSERT_EVENTS, events)

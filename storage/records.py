@@ -96,6 +96,11 @@ class SessionInfo:
     compacted_version: int | None = None
     lead_s: float = 0.0
     compacted_tokens: int | None = None
+    # The counters kept by name (``storage.counters``): the sums, the sweep's floors, and
+    # whether some sum reaches its floor.
+    counts: dict[str, int] | None = None
+    sweep_counts: dict[str, int] | None = None
+    over_counts: bool = False
 
     def growth_rate_at(self, now: dt.datetime) -> float:
         """Tokens per second the session is growing by (see :data:`GROWTH_WINDOW_S`)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -72,20 +71,6 @@ OVER_SWEEP_SQL = (
     f" + envelope_tokens - reported_base_tokens + {_LEAD_GROWTH}"
     " OR sweep_messages <= surface_messages")
 
-# The counters a session keeps for its trigger kinds (``worker.compaction.kinds.Counter``), each
-# with the stored floor the sweep compares (``sweep_<counter>``) in ``OVER_SWEEP_SQL``.
-SWEEP_FLOORS = ("tokens", "messages")
-
-
-def sweep_floor_values(floors: Mapping[str, int | None]) -> dict[str, int | None]:
-    """``floors`` (one per counter) as the ``sweep_<counter>`` column values; a counter without
-    its column, or a column left out, is an error rather than a floor never stored."""
-    if set(floors) != set(SWEEP_FLOORS):
-        raise ValueError(f"sweep floors are given for {sorted(floors)}, the sessions table "
-                         f"stores {sorted(SWEEP_FLOORS)}")
-    return {f"sweep_{name}": floors[name] for name in SWEEP_FLOORS}
-
-
 sessions = sa.Table(
     "sessions", metadata,
     sa.Column("id", sa.String(255), primary_key=True),
@@ -150,6 +135,13 @@ sessions = sa.Table(
     # The surface and envelope tokens the last commit that replaced part of the surface left
     # (NULL: none yet): the lead fires a session early by at most what it grew since.
     sa.Column("compacted_tokens", sa.BigInteger, nullable=True),
+    # The counters kept by name (``storage.counters``; NULL: none counted), their floors for
+    # the sweep (NULL: none), and whether some count reaches its floor: kept by every write of
+    # either (the append, the commit, the sweep's resolve) since a generated column cannot
+    # read JSON by names it does not know.
+    sa.Column("counts", JSONText, nullable=True),
+    sa.Column("sweep_counts", JSONText, nullable=True),
+    sa.Column("over_counts", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index(None, "tenant"),
     sa.Index(None, "lease_expires_at"),
     sa.Index(None, "sweep_key"),
@@ -160,6 +152,12 @@ sessions = sa.Table(
 OVER_SWEEP_THRESHOLD = sessions.c.over_sweep == sa.true()
 sa.Index("ix_sessions_over_trigger", sessions.c.id, postgresql_where=OVER_SWEEP_THRESHOLD,
          sqlite_where=OVER_SWEEP_THRESHOLD)
+# And the sessions whose counters kept by name reach their floors.
+OVER_COUNTS = sessions.c.over_counts == sa.true()
+sa.Index("ix_sessions_over_counts", sessions.c.id, postgresql_where=OVER_COUNTS,
+         sqlite_where=OVER_COUNTS)
+# What the sweep selects: either flag.
+OVER_SWEEP_FLOORS = sa.or_(OVER_SWEEP_THRESHOLD, OVER_COUNTS)
 
 events = sa.Table(
     "events", metadata,
@@ -180,6 +178,8 @@ surface = sa.Table(
     sa.Column("position", sa.BigInteger, primary_key=True),
     sa.Column("seq", sa.BigInteger, nullable=False),
     sa.Column("tokens", sa.Integer, nullable=False),
+    # What the node adds to each counter kept by name (``storage.counters``; NULL: nothing).
+    sa.Column("counts", JSONText, nullable=True),
     sa.UniqueConstraint("session_id", "seq"),
 )
 

@@ -26,6 +26,7 @@ from compactd.storage import schema as t
 from compactd.storage.bulk_jobs import BulkJobsMixin
 from compactd.storage.connectors import connector_for
 from compactd.storage.connectors_general import read_session
+from compactd.storage.counters import Counts, batch_counts, summed
 from compactd.storage.database import (
     connection,
     create_engine,
@@ -127,6 +128,10 @@ class PreparedAppend:
     payloads: list[dict[str, Any]] | None = None
     texts: list[str] | None = None
     links: BatchLinks | None = None
+    # What each message adds to the counters kept by name (``storage.counters``), and their
+    # sum; empty and None while no such counter is registered. Encoded, as JSON text.
+    counts: Sequence[Counts | None] | Sequence[str | None] = ()
+    counts_sum: Counts | str | None = None
 
 
 def prepare_append(messages: Sequence[Message], run_model: str | None, *,
@@ -137,10 +142,14 @@ def prepare_append(messages: Sequence[Message], run_model: str | None, *,
     counter = counter_for(run_model)
     tokens = tuple(counter.count_message(m) for m in messages)
     payloads = [m.to_payload() for m in messages]
+    counts, counts_sum = batch_counts(messages, tokens)
     if not encoded:
-        return PreparedAppend(run_model, tokens, messages=messages, payloads=payloads)
+        return PreparedAppend(run_model, tokens, messages=messages, payloads=payloads,
+                              counts=counts, counts_sum=counts_sum)
     return PreparedAppend(run_model, tokens, texts=[dumps(p) for p in payloads],
-                          links=BatchLinks(messages))
+                          links=BatchLinks(messages),
+                          counts=[None if c is None else dumps(c) for c in counts],
+                          counts_sum=None if counts_sum is None else dumps(counts_sum))
 
 
 def request_digest(batch: PreparedAppend) -> str:
@@ -625,9 +634,10 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
                           .where(e.session_id == session_id,
                                  e.kind.in_([NodeKind.MESSAGE, *REPLACE_KINDS]))
                           .order_by(e.seq))]
-            stored = [(r.seq, r.tokens) for r in await conn.execute(
-                sa.select(s.seq, s.tokens).where(s.session_id == session_id)
-                .order_by(s.position))]
+            rows = (await conn.execute(
+                sa.select(s.seq, s.tokens, s.counts).where(s.session_id == session_id)
+                .order_by(s.position))).all()
+            stored = [(r.seq, r.tokens) for r in rows]
             last_seq = (await conn.execute(sa.select(sa.func.max(e.seq))
                                            .where(e.session_id == session_id))).scalar()
         problems: list[str] = []
@@ -644,6 +654,9 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         if info.surface_messages != len(stored):
             problems.append(
                 f"cached surface_messages {info.surface_messages} != {len(stored)} nodes")
+        counted = summed(r.counts for r in rows)
+        if info.counts != counted:
+            problems.append(f"cached counts {info.counts} != sum of nodes {counted}")
         if (last_seq or 0) != info.last_seq:
             problems.append(f"last_seq {info.last_seq} != highest event seq {last_seq}")
         return VerifyResult(session_id=session_id, ok=not problems, problems=tuple(problems),

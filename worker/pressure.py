@@ -31,6 +31,7 @@ from compactd.worker.compaction.triggers import (
     pressure_tokens,
     should_compact,
     should_run,
+    surface_counts,
 )
 from compactd.worker.settings import Config
 
@@ -140,7 +141,7 @@ def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
     tokens = pressure_tokens(info.surface_tokens, info.envelope_tokens, info.reported_tokens)
     window = policy.context_window
     return Pressure(tokens=tokens, messages=info.surface_messages,
-                    fraction=tokens / window if window else None)
+                    fraction=tokens / window if window else None, counts=info.counts or {})
 
 
 def session_lead_s(info: SessionInfo, config: Config) -> float:
@@ -175,7 +176,8 @@ def read_pressure(info: SessionInfo, surface: Surface, policy: Policy) -> Pressu
     claim's row, while appends went on), and its cached totals then undercount what the plan
     replaces; the read itself never does."""
     read = dataclasses.replace(info, surface_tokens=surface.tokens,
-                               surface_messages=len(surface.nodes))
+                               surface_messages=len(surface.nodes),
+                               counts=surface_counts(surface.nodes))
     return session_pressure(read, policy)
 
 
@@ -250,4 +252,4 @@ def sweep_key(config: Config) -> str:
 def sweep_thresholds(info: SessionInfo, config: Config) -> dict[str, int | None]:
     """The stored thresholds the sweep selects on, by counter (see ``Policy.trigger_floors``)."""
     floors = session_policy(info, config).trigger_floors()
-    return {counter.value: floor for counter, floor in floors.items()}
+    return {counter.name: floor for counter, floor in floors.items()}

@@ -147,8 +147,10 @@ async def _append(store: Store) -> None:
     row = await store.db.fetchrow(
         "append", session_id="s1", payloads=[json.dumps({"role": "user", "content": "c"})],
         tokens=[5], now=utcnow(), call_ids=[], call_idx=[], call_result_idx=[], ext_ids=[],
-        ext_idx=[])
+        ext_idx=[], counts=[json.dumps({"turns": 1})], counts_sum=json.dumps({"turns": 1}))
     assert row is not None and (row["last_seq"], row["surface_messages"]) == (3, 3)
+    # The counters kept by name, summed onto the session.
+    assert (row["counts"], row["over_counts"]) == ({"turns": 1}, False)
 
 
 def _key_row(now: dt.datetime, digest: str, version: int) -> dict[str, Any]:
@@ -210,7 +212,8 @@ def _prune_of_seq_1() -> dict[str, Any]:
             "tokens": [1], "journal_kinds": [JournalKind.PRUNE],
             "journals": [json.dumps({"run_id": "r1", "replaced_seqs": [1]})],
             "expected_pos": [1], "expected_seq": [1], "before": None, "after": None,
-            "refs": ["r1"], "firsts": [1], "lasts": [1]}
+            "refs": ["r1"], "firsts": [1], "lasts": [1],
+            "node_counts": [json.dumps({"turns": 2})]}
 
 
 @case("commit")
@@ -218,6 +221,8 @@ async def _commit(store: Store) -> None:
     lease = await _claimed(store)
     row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None)
     assert row is not None and row["lease_run_id"] == "r1" and row["surface_version"] == 2
+    # The counters kept by name, summed again from the surface rows with the new node's.
+    assert row["counts"] == {"turns": 2}
     assert (await store.read_surface("s1")).nodes[0].kind == NodeKind.PRUNED
     # the node recorded for recall by the name and span the caller stated, its original pending
     row = await store.db.fetchrow("history_node", session_id="s1", ref="r1")

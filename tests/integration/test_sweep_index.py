@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from compactd.scheduler.client import CompactdClient
+from compactd.storage.counters import MESSAGES, TOKENS
 from compactd.storage.records import SessionInfo
 from compactd.storage.store import Store
-from compactd.worker.compaction.kinds import Counter
 from compactd.worker.compaction.policy import parse_policy
 from compactd.worker.pressure import over_trigger, sweep_key, sweep_thresholds
 from compactd.worker.settings import Settings, build_config
@@ -145,10 +145,10 @@ def test_trigger_floors(trigger: Any, window: int | None,
                         floors: tuple[int | None, int | None]) -> None:
     tokens, messages = floors
     assert parse_policy({"trigger": trigger}).resolve(window).trigger_floors() == {
-        Counter.TOKENS: tokens, Counter.MESSAGES: messages}
+        TOKENS: tokens, MESSAGES: messages}
 
 
 def test_a_disabled_policy_is_never_swept() -> None:
     policy = parse_policy({"enabled": False, "trigger": {"type": "tokens", "value": 1}})
-    assert policy.resolve(None).trigger_floors() == {Counter.TOKENS: None,
-                                                     Counter.MESSAGES: None}
+    assert policy.resolve(None).trigger_floors() == {TOKENS: None,
+                                                     MESSAGES: None}

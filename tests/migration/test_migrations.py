@@ -95,7 +95,7 @@ def test_code_newer_than_the_schema_says_run_migrate(empty_pg: str) -> None:
 
     from compactd.storage.migrate import alembic_config
 
-    # Revision 0019 creates the versions this code calls: undone and done again, it restores them.
+    # Revision 0019 creates the claim this code calls: undone and done again, it restores it.
     command.downgrade(alembic_config(empty_pg), "0018")
     upgrade(empty_pg)
 
@@ -121,7 +121,7 @@ def test_a_commit_on_a_schema_without_the_commit_function_says_run_migrate(empty
     from compactd.storage.store import Store
 
     upgrade(empty_pg)
-    _execute(empty_pg, "DROP FUNCTION compactd_commit_v2")
+    _execute(empty_pg, "DROP FUNCTION compactd_commit_v3")
 
     async def attempt() -> None:
         store = Store.from_url(empty_pg)

@@ -120,9 +120,8 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         calls = wait_until(lambda: _counted(migrated, "compactd_commit"),
                            timeout=30, what="the previous release's commit to be counted")
         assert calls.get("compactd_append", 0) > 0 and calls.get("compactd_claim", 0) > 0
-        assert not any(calls.get(f"{name}_v2") for name in ("compactd_append",
-                                                             "compactd_claim",
-                                                             "compactd_commit")), calls
+        assert not any(calls.get(name) for name in ("compactd_append_v3", "compactd_claim_v2",
+                                                     "compactd_commit_v3")), calls
 
         # 2. This release's worker takes the previous release's client's runs.
         stack.start_worker("new", concurrency=2, env=new)
@@ -130,7 +129,7 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         assert result["outcome"] == "committed", (result, stack.log("new")[-3000:])
         assert _committed_by(stack, "new") == 1
         stack.kill("new")
-        calls = wait_until(lambda: _counted(migrated, "compactd_commit_v2"),
+        calls = wait_until(lambda: _counted(migrated, "compactd_commit_v3"),
                            timeout=30, what="this release's commit to be counted")
         assert calls.get("compactd_claim_v2", 0) > 0
 
@@ -143,7 +142,7 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         stack.kill("old2")
         wait_until(lambda: _calls(migrated).get("compactd_commit", 0) > before, timeout=30,
                    what="the previous release's worker's commit to be counted")
-        assert _calls(migrated).get("compactd_append_v2", 0) > 0
+        assert _calls(migrated).get("compactd_append_v3", 0) > 0
 
     # Every session came out whole: its surface replays from its log.
     with Db(migrated) as db:

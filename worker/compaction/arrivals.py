@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import Any
 
+from compactd.storage.counters import MESSAGES, TOKENS, Counter
 from compactd.storage.messages import META_CHECKPOINT
 from compactd.storage.surface import SurfaceNode
-from compactd.worker.compaction.kinds import Counter
 from compactd.worker.compaction.lead import percentile as nearest_rank
 from compactd.worker.compaction.policy import Clause
 
@@ -45,14 +45,13 @@ class Arrivals:
     rate_tokens_per_s: float  # the session's growth rate at the claim
 
     def count(self, counter: Counter) -> int:
-        """What the arrivals add to ``counter``."""
-        match counter:
-            case Counter.TOKENS:
-                return self.tokens
-            case Counter.MESSAGES:
-                return self.messages
-            case _:
-                assert_never(counter)
+        """What the arrivals add to ``counter``: none expected to a counter kept by name (its
+        keep is kept at the claim)."""
+        if counter is TOKENS:
+            return self.tokens
+        if counter is MESSAGES:
+            return self.messages
+        return 0
 
     def to_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "messages": self.messages,
@@ -102,4 +101,4 @@ def keep_at_pickup(keep: Clause, arrivals: Arrivals, context_window: int | None)
     expected; never below zero."""
     counter = keep.measure.counter
     budget = keep.threshold(context_window) or 0
-    return Clause(counter.value, max(0, math.floor(budget) - arrivals.count(counter)))
+    return Clause(counter.name, max(0, math.floor(budget) - arrivals.count(counter)))

@@ -54,12 +54,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import assert_never
 
+from compactd.storage.counters import Counter
 from compactd.storage.kinds import NodeKind
 from compactd.storage.messages import META_CHECKPOINT, META_HIDDEN, META_PINNED, META_REMINDER
 from compactd.storage.surface import SurfaceNode
-from compactd.worker.compaction.kinds import Counter
 from compactd.worker.compaction.policy import Clause, Policy, effective_keep
 
 
@@ -184,13 +183,7 @@ def keep_cut(nodes: Sequence[SurfaceNode], keep: Clause, context_window: int | N
 
 def node_count(node: SurfaceNode, counter: Counter) -> int:
     """What one surface node adds to ``counter``."""
-    match counter:
-        case Counter.TOKENS:
-            return node.tokens
-        case Counter.MESSAGES:
-            return 1
-        case _:
-            assert_never(counter)
+    return counter.of(node.message, node.tokens)
 
 
 def forced_cut(nodes: Sequence[SurfaceNode]) -> int:

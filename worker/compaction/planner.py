@@ -29,6 +29,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from compactd.storage.counters import TOKENS
 from compactd.storage.messages import Message
 from compactd.storage.surface import SurfaceNode
 from compactd.storage.tokens import TokenCounter, counter_for
@@ -41,7 +42,6 @@ from compactd.worker.compaction.boundary import (
     unsafe_boundaries,
 )
 from compactd.worker.compaction.cache_breaks import hold_edits
-from compactd.worker.compaction.kinds import Counter
 from compactd.worker.compaction.policy import Clause, Policy
 from compactd.worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
 from compactd.worker.compaction.pruning import (
@@ -354,9 +354,9 @@ def _kept_clause(inputs: PlanInputs) -> Clause | None:
 def _in_counted_tokens(keep: Clause, scale: float, window: int | None) -> Clause:
     """A keep of the tokens counter (the provider's tokens) in compactd's counts: over
     ``scale``. A keep of another counter is as it was."""
-    if scale <= 1 or keep.measure.counter is not Counter.TOKENS:
+    if scale <= 1 or keep.measure.counter is not TOKENS:
         return keep
-    return Clause(Counter.TOKENS.value, math.floor((keep.threshold(window) or 0) / scale))
+    return Clause(TOKENS.name, math.floor((keep.threshold(window) or 0) / scale))
 
 
 def _provider_scale(inputs: PlanInputs) -> float:

@@ -22,7 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from compactd.worker.compaction.kinds import KINDS, Counter, Kind
+from compactd.storage.counters import COUNTERS, TOKENS, Counter
+from compactd.worker.compaction.kinds import KINDS, Kind
 from compactd.worker.compaction.kinds import base as kind_values
 
 logger = logging.getLogger(__name__)
@@ -232,23 +233,24 @@ class Policy:
     def threshold_tokens(self) -> float | None:
         """The lowest token count at which some trigger group could fire (for sweeps/metrics)."""
         lows = [c.threshold(self.context_window) for group in self.trigger for c in group
-                if c.measure.counter is Counter.TOKENS]
+                if c.measure.counter is TOKENS]
         return min((low for low in lows if low is not None), default=None)
 
     def trigger_floors(self) -> dict[Counter, int | None]:
         """The lowest count of each counter at which the trigger can fire, for a sweep that
         selects on stored columns: it fires only if some counter reaches its floor (None: never
         by that counter). Exact for OR lists of single clauses and for one group; an AND group
-        over several counters is floored on its first counter alone (in ``Counter``'s order),
+        over several counters is floored on its first counter alone (in ``COUNTERS``' order),
         so the floors select a superset that ``should_compact`` narrows. A group with a clause
         that cannot be judged (a fraction without a window) never fires and has no floor."""
-        lows: dict[Counter, list[int]] = {counter: [] for counter in Counter}
+        order = list(COUNTERS.values())
+        lows: dict[Counter, list[int]] = {counter: [] for counter in order}
         for group in self.trigger if self.auto else ():
             floors = [(c.measure.counter, c.measure.floor(c.value, self.context_window))
                       for c in group]
             if any(floor is None for _, floor in floors):
                 continue
-            counter = min((counter for counter, _ in floors), key=list(Counter).index)
+            counter = min((counter for counter, _ in floors), key=order.index)
             lows[counter].append(max(f for c, f in floors if c is counter and f is not None))
         return {counter: min(found, default=None) for counter, found in lows.items()}
 

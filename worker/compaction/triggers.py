@@ -13,12 +13,12 @@ never the summary model's (a 0.8 of a 128k summary model's window would never fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import assert_never
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from compactd.storage.counters import MESSAGES, TOKENS, Counter, kept_by_name, summed
 from compactd.storage.surface import SurfaceNode
-from compactd.worker.compaction.kinds import Counter
 from compactd.worker.compaction.policy import Clause, Policy
 
 
@@ -29,29 +29,34 @@ class Pressure:
     tokens: int
     messages: int
     fraction: float | None  # tokens / the run model's window; None without a known window
+    # The counters kept by name (``storage.counters``), a name left out at 0.
+    counts: Mapping[str, int] = field(default_factory=dict)
 
     def count(self, counter: Counter) -> int:
         """What ``counter`` stands at: the measure every kind of that counter compares."""
-        match counter:
-            case Counter.TOKENS:
-                return self.tokens
-            case Counter.MESSAGES:
-                return self.messages
-            case _:
-                assert_never(counter)
+        if counter is TOKENS:
+            return self.tokens
+        if counter is MESSAGES:
+            return self.messages
+        return self.counts.get(counter.name, 0)
 
-    def to_json(self) -> dict[str, int | float | None]:
-        return {"tokens": self.tokens, "messages": self.messages,
-                "fraction": None if self.fraction is None else round(self.fraction, 6)}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tokens": self.tokens, "messages": self.messages,
+            "fraction": None if self.fraction is None else round(self.fraction, 6)}
+        if self.counts:
+            out["counts"] = dict(self.counts)
+        return out
 
     def ahead_by(self, tokens: int, context_window: int | None) -> Pressure:
         """The pressure once the session has grown by ``tokens`` (its lead's growth)."""
-        return self if tokens <= 0 else _pressure(self.tokens + tokens, self.messages,
-                                                 context_window)
+        return self if tokens <= 0 else replace(
+            _pressure(self.tokens + tokens, self.messages, context_window), counts=self.counts)
 
     def reduced_by(self, tokens: int, context_window: int | None) -> Pressure:
         """The pressure after replacements saved ``tokens`` (node count unchanged)."""
-        return _pressure(self.tokens - tokens, self.messages, context_window)
+        return replace(_pressure(self.tokens - tokens, self.messages, context_window),
+                       counts=self.counts)
 
 
 def measure(nodes: Sequence[SurfaceNode], *, envelope_tokens: int = 0,
@@ -60,7 +65,17 @@ def measure(nodes: Sequence[SurfaceNode], *, envelope_tokens: int = 0,
     """Pressure of a surface: node tokens plus the envelope, or the provider's count if larger."""
     tokens = pressure_tokens(sum(node.tokens for node in nodes), envelope_tokens,
                              reported_input_tokens)
-    return _pressure(tokens, len(nodes), context_window)
+    return replace(_pressure(tokens, len(nodes), context_window), counts=surface_counts(nodes))
+
+
+def surface_counts(nodes: Sequence[SurfaceNode]) -> dict[str, int]:
+    """The counters kept by name, counted on ``nodes`` as the append and the commit count
+    them node by node (``storage.counters``)."""
+    counters = kept_by_name()
+    if not counters:
+        return {}
+    return summed({c.name: c.of(node.message, node.tokens) for c in counters}
+                  for node in nodes) or {}
 
 
 def pressure_tokens(surface_tokens: int, envelope_tokens: int, reported_tokens: int | None
@@ -128,6 +143,7 @@ def should_run(pressure: Pressure, policy: Policy, *, lead_tokens: int = 0
 
 def _describe(pressure: Pressure) -> str:
     out = f"{pressure.tokens} tokens, {pressure.messages} messages"
+    out += "".join(f", {n} {name}" for name, n in pressure.counts.items())
     if pressure.fraction is not None:
         out += f", {pressure.fraction:.3f} of the window"
     return out

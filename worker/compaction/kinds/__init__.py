@@ -2,13 +2,16 @@
 module, registered here by name.
 
 Adding a kind: a module here with its ``Kind`` subclass, a line in :data:`KINDS`, and its tests.
-A kind that measures something no :class:`~base.Counter` counts also needs the counter (a member,
-the append's increment on both backends, and the sweep's floor column in ``storage``).
+A kind that measures something no registered counter counts also needs the counter: a
+``storage.counters.Counter`` object (what one message adds to it) registered in
+``storage.counters.COUNTERS``, with a kind of its own name; the storage keeps it counted by name
+with no change of its own.
 """
 
 from __future__ import annotations
 
-from compactd.worker.compaction.kinds.base import Counter, Kind
+from compactd.storage.counters import COUNTERS, Counter
+from compactd.worker.compaction.kinds.base import Kind
 from compactd.worker.compaction.kinds.fraction import Fraction
 from compactd.worker.compaction.kinds.messages import Messages
 from compactd.worker.compaction.kinds.tokens import Tokens
@@ -21,14 +24,19 @@ def kind_of(name: str) -> Kind:
     return KINDS[name]
 
 
-def check_registry(kinds: dict[str, Kind]) -> None:
+def check_registry(kinds: dict[str, Kind], counters: dict[str, Counter] = COUNTERS) -> None:
     """Each kind is registered under its own name, and each counter has the kind of its own
     name measuring it as it is (what a keep falls back to and ``keep_at_pickup`` writes)."""
     for name, kind in kinds.items():
         if kind.name != name:
             raise RuntimeError(f"kind {kind.name!r} is registered as {name!r}")
-    for counter in Counter:
-        base = kinds.get(counter.value)
+        if counters.get(kind.counter.name) is not kind.counter:
+            raise RuntimeError(f"kind {name!r} measures {kind.counter!r}, which is not "
+                               "registered in storage.counters.COUNTERS")
+    for name, counter in counters.items():
+        if counter.name != name:
+            raise RuntimeError(f"counter {counter.name!r} is registered as {name!r}")
+        base = kinds.get(counter.name)
         if base is None or base.counter is not counter or base.needs_window:
             raise RuntimeError(f"counter {counter!r} has no kind of its own name measuring it")
 

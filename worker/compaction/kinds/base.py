@@ -1,13 +1,13 @@
 """What a trigger or keep kind is: one object with everything the hot path, the sweep and the
 plan ask of it.
 
-A kind measures one of the counters a session keeps (:class:`Counter`): the append keeps each
-one counted on the session row (both backends), the sweep stores one floor per counter
-(``sessions.sweep_<counter>``) and compares it with the row, and the plan compares the same
-counter of the surface it read. A kind turns its configured value into a threshold on its
-counter (``fraction`` of the window into tokens); nothing else branches on a kind's name, so a
-kind that is not registered (``worker.compaction.kinds.KINDS``) is refused when the policy is
-read, never read as another unit.
+A kind measures one of the counters a session keeps (``storage.counters``, each one object
+saying what a message adds to it): the append keeps each one counted on the session row (both
+backends), the sweep stores one floor per counter and compares it with the row, and the plan
+counts the same counter on the surface it read. A kind turns its configured value into a
+threshold on its counter (``fraction`` of the window into tokens); nothing else branches on a
+kind's name, so a kind that is not registered (``worker.compaction.kinds.KINDS``) is refused
+when the policy is read, never read as another unit.
 
 Pure: no I/O.
 """
@@ -16,19 +16,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from enum import StrEnum, unique
 from typing import Any, ClassVar
 
-
-@unique
-class Counter(StrEnum):
-    """What a session keeps counted for its kinds. Each member is also the name of the kind
-    that measures it as it is (its threshold is its value), which a keep falls back to."""
-
-    # The pressure: the surface's tokens plus the envelope, or the provider's report when it
-    # is larger; an automatic decision counts the lead's growth on top (``worker.pressure``).
-    TOKENS = "tokens"
-    MESSAGES = "messages"  # the surface's nodes (a checkpoint is one)
+from compactd.storage.counters import Counter
 
 
 class Kind(ABC):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from compactd.worker.compaction.kinds.base import Counter, Kind, fraction
+from compactd.storage.counters import TOKENS
+from compactd.worker.compaction.kinds.base import Kind, fraction
 
 
 class Fraction(Kind):
     name = "fraction"
-    counter = Counter.TOKENS
+    counter = TOKENS
     needs_window = True
 
     def check(self, value: Any) -> float:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from compactd.worker.compaction.kinds.base import Counter, Kind, count
+from compactd.storage.counters import MESSAGES
+from compactd.worker.compaction.kinds.base import Kind, count
 
 
 class Messages(Kind):
     name = "messages"
-    counter = Counter.MESSAGES
+    counter = MESSAGES
 
     def check(self, value: Any) -> float:
         return count(value)
