@@ -74,9 +74,11 @@ one-row commit then a primary-key read on raw asyncpg, each after ``--think-ms``
 samples). On a VM whose idle vCPUs halt, the wake-up after the agent's think time costs more
 than the round trips: when this floor's p50 is over 1 ms, so is any append-and-poll.
 
-Databases: ``compactd_bench_hotpath`` on ``COMPACTD_BENCH_DATABASE_URL`` (created, migrated and
-emptied) and Redis ``COMPACTD_BENCH_REDIS_URL`` (default db 9, FLUSHDB'd). Every process the
-script starts (fake provider, worker) is stopped when it ends, also on Ctrl-C or SIGTERM.
+Databases: ``--database-url`` (created, migrated and emptied; by default ``compactd_bench_hotpath``
+on ``COMPACTD_BENCH_DATABASE_URL``) and ``--redis-url`` (FLUSHDB'd; by default
+``COMPACTD_BENCH_REDIS_URL``, db 9), so runs side by side, or of two releases in alternating
+pairs, each have their own. Every process the script starts (fake provider, worker) is stopped
+when it ends, also on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -307,13 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trim", type=int, default=16_000,
                         help="summarizer input budget, tokens (0: LangChain untrimmed)")
     parser.add_argument("--concurrency", type=int, default=4, help="worker threads")
+    parser.add_argument("--database-url", default=pg_url("hotpath"),
+                        help="PostgreSQL database to create, migrate and empty")
+    parser.add_argument("--redis-url", default=REDIS_URL, help="Redis database to flush and use")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_exit)
     info = machine()
     system, steps = agent_steps(args.steps)
-    database = prepare_pg(pg_url("hotpath"))
+    database = prepare_pg(args.database_url)
     calibration = calibrate_pg(database)
-    flush_redis(REDIS_URL)
+    flush_redis(args.redis_url)
     policy = {"trigger": {"type": "tokens", "value": args.trigger},
               "keep": {"type": "messages", "value": args.keep}, "model_name": "fake-gpt"}
     if args.trim:
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="compactd-hotpath-") as home, \
             fake_provider_process(args.latency) as fake_url, \
-            Stack(database, REDIS_URL, Path(home), fake_url=fake_url,
+            Stack(database, args.redis_url, Path(home), fake_url=fake_url,
                   summarization=policy) as stack:
         stack.start_worker("w1", concurrency=args.concurrency)
         print(f"langchain: {len(steps)} steps ...", flush=True)
