@@ -212,6 +212,7 @@ async def _fleet_through_failover(pair: PostgresPair, stack: Stack) -> dict[str,
     }
 
 
+@pytest.mark.timed
 @pytest.mark.timeout(150)
 async def test_a_run_whose_end_the_failover_cut_releases_its_lease_on_the_new_primary(
         clean_redis: str, tmp_path: Path, fake: FakeProvider) -> None:
