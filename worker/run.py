@@ -35,7 +35,14 @@ from compactd.storage.errors import (
     StorageError,
     SurfaceChanged,
 )
-from compactd.storage.kinds import FailureClass, JournalKind, NodeKind, RunCause, RunStatus
+from compactd.storage.kinds import (
+    FailureClass,
+    JournalKind,
+    NodeKind,
+    RunCause,
+    RunStatus,
+    Stage,
+)
 from compactd.storage.leases import REAPER
 from compactd.storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from compactd.worker import logs
@@ -71,7 +78,7 @@ COMMIT_RESERVE_S = 10.0
 class Outcome:
     session: str
     run_id: str | None
-    outcome: RunStatus  # committed, nothing_to_do or failed
+    outcome: RunStatus  # committed, nothing_to_do, failed or partial
     failure_class: FailureClass | None = None
     trigger: str = RunCause.PRESSURE
     tokens_before: int | None = None
@@ -115,9 +122,16 @@ class Outcome:
                 or self.pruned > 0)
 
     def fail(self, failure_class: FailureClass, error: str) -> None:
-        self.outcome = RunStatus.FAILED
+        """End as failed with ``failure_class``; as ``partial`` when some of the run's steps
+        committed before (the session did shrink: a failed status alone would hide that)."""
         self.failure_class = failure_class
-        self.error = error
+        committed = committed_steps(self.stages.count(Stage.SUMMARY), self.pruned)
+        if committed:
+            self.outcome = RunStatus.PARTIAL
+            self.error = f"committed {committed}, then failed: {error}"
+        else:
+            self.outcome = RunStatus.FAILED
+            self.error = error
 
     def to_json(self) -> dict[str, Any]:
         return {"session": self.session, "run_id": self.run_id, "outcome": self.outcome,
@@ -153,6 +167,13 @@ class Outcome:
                                  if self.claim_to_commit_s is not None else {})},
                       range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at,
                       instructions=self.instructions, hook=self.hook)
+
+
+def committed_steps(checkpoints: int, prunes: int) -> str:
+    """What a run committed, in words ("" for nothing)."""
+    parts = [f"{n} {what}{'s' if n != 1 else ''}"
+             for n, what in ((checkpoints, "checkpoint"), (prunes, "prune")) if n]
+    return " and ".join(parts)
 
 
 class RunFailed(Exception):
@@ -546,7 +567,7 @@ def _counted(out: Outcome) -> Outcome:
     metrics().compactions.labels(out.outcome, out.failure_class or "", out.trigger).inc()
     if out.tokens_before is not None:
         metrics().tokens_before.observe(out.tokens_before)
-    if out.outcome == RunStatus.COMMITTED and out.tokens_after is not None:
+    if out.outcome in (RunStatus.COMMITTED, RunStatus.PARTIAL) and out.tokens_after is not None:
         metrics().tokens_after.observe(out.tokens_after)
     return out
 

@@ -2,8 +2,9 @@
 
 Each hands its coroutine to the process's event loop (``worker.runtime``) and waits. A failed
 compaction raises :class:`CompactionFailed` so Flower shows the task as failed with its class;
-``busy`` and ``changed`` are contention, not faults, and a run whose lease an operator released
-ended as asked: they return normally with the class in the result. Either way the run row in
+``busy`` and ``changed`` are contention, not faults, a run whose lease an operator released
+ended as asked, and a ``partial`` run committed some of its steps (the session shrank) before
+it failed: they return normally with the class in the result. Either way the run row in
 PostgreSQL is the record.
 """
 
