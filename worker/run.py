@@ -170,9 +170,10 @@ class Outcome:
 
 
 def committed_steps(checkpoints: int, prunes: int) -> str:
-    """What a run committed, in words ("" for nothing)."""
+    """What a run committed, in words ("" for nothing): its rounds that committed a summary
+    (a checkpoint, or a recallable pass's index checkpoints) and its prunes."""
     parts = [f"{n} {what}{'s' if n != 1 else ''}"
-             for n, what in ((checkpoints, "checkpoint"), (prunes, "prune")) if n]
+             for n, what in ((checkpoints, "summary round"), (prunes, "prune")) if n]
     return " and ".join(parts)
 
 
