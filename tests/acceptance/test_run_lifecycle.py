@@ -417,7 +417,7 @@ def test_a_run_that_fails_after_committing_a_round_ends_partial_everywhere(
     before = db.session("p1")
     stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
     result = stack.cli_json("compact", "p1", "--wait")
-    cause = "committed 1 checkpoint, then failed: "
+    cause = "committed 1 summary round, then failed: "
     assert (result["outcome"], result["failure_class"]) == ("partial", "summary"), result
     assert result["error"].startswith(cause), result
     after = db.session("p1")
@@ -438,3 +438,36 @@ def test_a_run_that_fails_after_committing_a_round_ends_partial_everywhere(
              if "celery.app.trace" in line and run["run_id"] in line]
     assert ended and "succeeded" in ended[0], ended
     assert "CompactionFailed" not in stack.log("w1")
+
+
+# ------------------------------------------------------------------------------------------
+# a worker that crashed leaves no lease behind its restart
+
+
+@pytest.mark.timed
+def test_a_worker_started_after_a_crash_releases_the_dead_workers_leases_at_once(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # The run's summary call hangs and its worker is killed: its lease (the default 60 s) would
+    # hold the session until it expired and the reaper came.
+    fake.script(Behaviour(model="fake-gpt", hang=True))
+    stack = make_stack(summarization=POLICY)
+    db.ingest("k1", coding_session(steps=20, big_output_lines=30, seed=900).messages)
+    stack.start_worker("w1", concurrency=2)
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("k1", "pressure"))
+    wait_until(lambda: fake.requests_for(model="fake-gpt"), timeout=30, what="the summary call")
+    assert db.session("k1").lease_run_id is not None
+    stack.kill("w1")
+    started = time.monotonic()
+    stack.start_worker("w2", concurrency=2)  # the same host
+    wait_until(lambda: db.session("k1").lease_run_id is None, timeout=30,
+               what="the dead worker's lease released")
+    print(f"\nreleased {time.monotonic() - started:.2f} s after the restart began")
+    cut = db.runs("k1")[0]
+    assert (cut.status, cut.failure_class) == ("failed", "abandoned"), cut
+    assert "at its start (process gone)" in (cut.error or ""), cut
+    assert "released the lease of a worker process that is gone" in stack.log("w2")
+    # Still over its trigger: sent again, as the reaper would.
+    [again] = wait_until(lambda: [r for r in db.runs("k1") if r.status == "committed"],
+                         timeout=30, what="k1 compacted again")
+    assert again.trigger == "reap", again
