@@ -143,6 +143,10 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
 
 def _say_outcome(result: dict[str, Any]) -> None:
     outcome = result["outcome"]
+    if outcome == RunStatus.PARTIAL:
+        say(f"partial ({result['failure_class']}): {result.get('error')}; "
+            f"{result.get('tokens_before')} -> {result.get('tokens_after')} tokens")
+        return
     if outcome == RunStatus.FAILED:
         say(f"failed ({result['failure_class']}): {result.get('error')}")
         for c in result.get("candidates") or ():

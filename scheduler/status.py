@@ -34,11 +34,12 @@ async def status(store: Store, *, since: dt.datetime | None = None,
                  config: Config | None = None) -> dict[str, Any]:
     now = utcnow()
     counts = await store.run_counts(since=since)
+    # Failed and partial runs (committed some steps, then failed) by failure class.
     runs: dict[str, Any] = {RunStatus.COMMITTED: 0, RunStatus.NOTHING_TO_DO: 0,
-                            RunStatus.RUNNING: 0, RunStatus.FAILED: {}}
+                            RunStatus.RUNNING: 0, RunStatus.FAILED: {}, RunStatus.PARTIAL: {}}
     for (state, failure_class), n in counts.items():
-        if state == RunStatus.FAILED:
-            runs[RunStatus.FAILED][failure_class or "unknown"] = runs[RunStatus.FAILED].get(
+        if state in (RunStatus.FAILED, RunStatus.PARTIAL):
+            runs[state][failure_class or "unknown"] = runs[state].get(
                 failure_class or "unknown", 0) + n
         else:
             runs[state] = runs.get(state, 0) + n
@@ -235,10 +236,13 @@ def _fleet_lines(body: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     runs = body["runs"]
     failed = runs[RunStatus.FAILED]
+    partial = runs.get(RunStatus.PARTIAL, {})
     lines.append(f"runs: {runs[RunStatus.COMMITTED]} committed, "
                  f"{runs[RunStatus.NOTHING_TO_DO]} nothing to do, "
-                 f"{sum(failed.values())} failed, {runs.get(RunStatus.RUNNING, 0)} running")
-    for cls, n in sorted(failed.items(), key=lambda kv: -kv[1]):
+                 f"{sum(failed.values())} failed, {sum(partial.values())} partial, "
+                 f"{runs.get(RunStatus.RUNNING, 0)} running")
+    by_class = {cls: failed.get(cls, 0) + partial.get(cls, 0) for cls in {*failed, *partial}}
+    for cls, n in sorted(by_class.items(), key=lambda kv: -kv[1]):
         last = body["last_errors"].get(cls)
         lines.append(f"  {cls:<12} {n:>6}   last: {(last or {}).get('error') or ''}"[:160])
     lines.append(f"leases: {len(body['leases'])}")

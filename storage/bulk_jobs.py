@@ -24,7 +24,8 @@ _ITEM_INSERT_CHUNK = 1000
 
 def bulk_item_state(outcome: str) -> ItemState:
     """What a bulk item becomes when its run ends with ``outcome``."""
-    if outcome == RunStatus.FAILED:
+    if outcome in (RunStatus.FAILED, RunStatus.PARTIAL):
+        # A partial run did not do what the job asked of it either.
         return ItemState.FAILED
     return ItemState.SKIPPED if outcome == RunStatus.NOTHING_TO_DO else ItemState.DONE
 

@@ -72,7 +72,7 @@ def run_end_kind(status: str, failure_class: str | None) -> EventKind | None:
     found the session leased by another is contention, not an event); None for the others."""
     if status == RunStatus.COMMITTED:
         return EventKind.COMMITTED
-    if status == RunStatus.FAILED and failure_class != FailureClass.BUSY:
+    if status in (RunStatus.FAILED, RunStatus.PARTIAL) and failure_class != FailureClass.BUSY:
         return EventKind.FAILED
     return None
 

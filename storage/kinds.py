@@ -52,6 +52,9 @@ class RunStatus(StrEnum):
     COMMITTED = "committed"
     NOTHING_TO_DO = "nothing_to_do"
     FAILED = "failed"
+    # Committed some of its steps (prunes, an earlier round's checkpoint), then failed: the
+    # session did shrink; its failure class says why the rest did not happen.
+    PARTIAL = "partial"
 
 
 @unique

@@ -95,11 +95,13 @@ class RunsMixin:
             return {(row[0], row[1]): int(row[2]) for row in await conn.execute(stmt)}
 
     async def last_errors(self, *, since: dt.datetime | None = None) -> dict[str, RunRecord]:
-        """The newest failed run of each failure class."""
+        """The newest failed or partial run of each failure class."""
         out: dict[str, RunRecord] = {}
-        for run in await self.recent_runs(since=since, status=RunStatus.FAILED, limit=500):
-            if run.failure_class and run.failure_class not in out:
-                out[run.failure_class] = run
+        for status in (RunStatus.FAILED, RunStatus.PARTIAL):
+            for run in await self.recent_runs(since=since, status=status, limit=500):
+                newest = out.get(run.failure_class or "")
+                if run.failure_class and (newest is None or run.started_at > newest.started_at):
+                    out[run.failure_class] = run
         return out
 
     async def run_usages(self, *, session_id: str | None = None,

@@ -35,7 +35,14 @@ from compactd.storage.errors import (
     StorageError,
     SurfaceChanged,
 )
-from compactd.storage.kinds import FailureClass, JournalKind, NodeKind, RunCause, RunStatus
+from compactd.storage.kinds import (
+    FailureClass,
+    JournalKind,
+    NodeKind,
+    RunCause,
+    RunStatus,
+    Stage,
+)
 from compactd.storage.leases import REAPER
 from compactd.storage.records import Busy, Claim, Replacement, RunEnd, SessionInfo, Skipped
 from compactd.worker import logs
@@ -60,6 +67,8 @@ FINISH_GRACE_S = 10.0
 T = TypeVar("T")
 # Between two attempts to end a run while the database cannot be reached.
 UNAVAILABLE_PAUSE_S = 0.25
+# Between two attempts to end the runs whose end the database could not take.
+UNENDED_RETRY_S = 0.5
 # The part of a run's deadline the remote models never get (at most a tenth of it): the local
 # fallback writes its summary and the checkpoint is committed in it.
 COMMIT_RESERVE_S = 10.0
@@ -69,7 +78,7 @@ COMMIT_RESERVE_S = 10.0
 class Outcome:
     session: str
     run_id: str | None
-    outcome: RunStatus  # committed, nothing_to_do or failed
+    outcome: RunStatus  # committed, nothing_to_do, failed or partial
     failure_class: FailureClass | None = None
     trigger: str = RunCause.PRESSURE
     tokens_before: int | None = None
@@ -113,9 +122,16 @@ class Outcome:
                 or self.pruned > 0)
 
     def fail(self, failure_class: FailureClass, error: str) -> None:
-        self.outcome = RunStatus.FAILED
+        """End as failed with ``failure_class``; as ``partial`` when some of the run's steps
+        committed before (the session did shrink: a failed status alone would hide that)."""
         self.failure_class = failure_class
-        self.error = error
+        committed = committed_steps(self.stages.count(Stage.SUMMARY), self.pruned)
+        if committed:
+            self.outcome = RunStatus.PARTIAL
+            self.error = f"committed {committed}, then failed: {error}"
+        else:
+            self.outcome = RunStatus.FAILED
+            self.error = error
 
     def to_json(self) -> dict[str, Any]:
         return {"session": self.session, "run_id": self.run_id, "outcome": self.outcome,
@@ -151,6 +167,14 @@ class Outcome:
                                  if self.claim_to_commit_s is not None else {})},
                       range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at,
                       instructions=self.instructions, hook=self.hook)
+
+
+def committed_steps(checkpoints: int, prunes: int) -> str:
+    """What a run committed, in words ("" for nothing): its rounds that committed a summary
+    (a checkpoint, or a recallable pass's index checkpoints) and its prunes."""
+    parts = [f"{n} {what}{'s' if n != 1 else ''}"
+             for n, what in ((checkpoints, "summary round"), (prunes, "prune")) if n]
+    return " and ".join(parts)
 
 
 class RunFailed(Exception):
@@ -225,8 +249,12 @@ class RunScope:
         """The scope of a new run of ``session_id``, or the outcome of a run that could not
         start (nothing to do, or ``busy``: another run holds the lease)."""
         deadline_at = asyncio.get_running_loop().time() + deps.config.worker.deadline_s
-        claimed_at = deps.clock()
         with deadline(deadline_at):
+            if deps.unended is not None:
+                # This process's own run of the session that could not end holds its lease:
+                # ended first, or this claim would find the session busy until it expires.
+                await deps.unended.end(session_id)
+            claimed_at = deps.clock()
             claim = await deps.store.claim(session_id, owner=deps.owner, trigger=trigger,
                                            lease_s=deps.config.worker.lease_s,
                                            now=claimed_at, task_id=task_id,
@@ -393,8 +421,12 @@ class RunScope:
             self.out.fail(FailureClass.CANCELLED, DELETED_ERROR)
             self.out.released_by = DELETER
         except StorageError as exc:
-            logger.warning("could not record the end of a failed run; the reaper will",
+            logger.warning("could not record the end of a failed run; it is ended once the "
+                           "database answers again",
                            extra={"action": "compaction.finish_failed", "error": str(exc)})
+            if self.deps.unended is None:
+                self.deps.unended = UnendedRuns(self.deps)
+            self.deps.unended.add(self.claim, self.out.run_end())
 
     def _kept(self) -> _KeptLease:
         assert self._lease is not None, "the lease is kept only inside RunScope.run"
@@ -453,6 +485,72 @@ class RunScope:
         return step_usage
 
 
+class UnendedRuns:
+    """This process's failed runs whose end could not be written (a failover slower than the
+    run's grace, the run's own connection lost). Their leases would hold until they expire
+    (``worker.lease_s``, then the reaper): each is ended instead as soon as the database answers
+    again, by a retry every ``retry_s``, and before this process claims its session again. The
+    end is fenced (:meth:`Store.finish`): a lease that moved on is left to its new holder, and a
+    run whose commit landed after all keeps its end. Past the lease's length the reaper's
+    expiry ends it anyway, and the retries stop."""
+
+    def __init__(self, deps: Deps, *, retry_s: float = UNENDED_RETRY_S) -> None:
+        self._deps = deps
+        self._retry_s = retry_s
+        # by session: its claim, the end to write, the loop time the lease is expired by
+        self._runs: dict[str, tuple[Claim, RunEnd, float]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, claim: Claim, end: RunEnd) -> None:
+        expired_by = asyncio.get_running_loop().time() + self._deps.config.worker.lease_s
+        self._runs[claim.session.id] = (claim, end, expired_by)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._retry())
+
+    async def end(self, session_id: str) -> None:
+        """End ``session_id``'s unended run now, if this process has one.
+        :class:`DatabaseUnavailable` when the database still cannot be reached."""
+        if session_id in self._runs:
+            await self._end(*self._runs[session_id][:2])
+
+    async def _end(self, claim: Claim, end: RunEnd) -> None:
+        deps = self._deps
+        ours = await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
+                                       end=end, now=deps.clock())
+        if self._runs.get(claim.session.id, (None,))[0] is claim:
+            del self._runs[claim.session.id]
+        logger.info("the end of a run the database could not take is written%s",
+                    "" if ours else " (its lease had moved on)",
+                    extra={"action": "compaction.unended_ended", "session_id": claim.session.id,
+                           "run_id": claim.run_id, "lease_released": ours})
+
+    async def _retry(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._runs:
+            await asyncio.sleep(self._retry_s)
+            for claim, end, expired_by in list(self._runs.values()):
+                if loop.time() >= expired_by:
+                    self._runs.pop(claim.session.id, None)
+                    continue
+                try:
+                    await self._end(claim, end)
+                except DatabaseUnavailable:
+                    break  # still unreachable: every run waits for the next attempt
+                except SessionNotFound:
+                    self._runs.pop(claim.session.id, None)  # deleted: nothing left to end
+                except StorageError as exc:
+                    logger.warning("ending a run the database could not take failed: %s",
+                                   exc, extra={"action": "compaction.unended_failed",
+                                               "session_id": claim.session.id})
+
+    async def aclose(self) -> None:
+        """Stop retrying; what is left the reaper ends when the leases expire."""
+        self._runs.clear()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+
+
 def _add_usage(total: dict[str, Any] | None, candidate: str, tokens: dict[str, int]
                ) -> dict[str, Any]:
     """``total`` with one more call's tokens, overall and under its candidate."""
@@ -470,7 +568,7 @@ def _counted(out: Outcome) -> Outcome:
     metrics().compactions.labels(out.outcome, out.failure_class or "", out.trigger).inc()
     if out.tokens_before is not None:
         metrics().tokens_before.observe(out.tokens_before)
-    if out.outcome == RunStatus.COMMITTED and out.tokens_after is not None:
+    if out.outcome in (RunStatus.COMMITTED, RunStatus.PARTIAL) and out.tokens_after is not None:
         metrics().tokens_after.observe(out.tokens_after)
     return out
 

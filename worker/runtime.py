@@ -94,10 +94,15 @@ class Deps:
     indexer: Any = None
     # Compaction runs in progress on this loop (the indexer defers to them).
     runs_in_flight: int = 0
+    # This process's runs whose end could not be written (worker.run.UnendedRuns), made on
+    # first use.
+    unended: Any = None
 
     async def aclose(self) -> None:
         if self.indexer is not None:
             await self.indexer.aclose()
+        if self.unended is not None:
+            await self.unended.aclose()
         if self.models is not None and hasattr(self.models, "aclose"):
             await self.models.aclose()
         if self.redis is not None:

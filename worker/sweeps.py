@@ -20,6 +20,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
+import socket
 from dataclasses import dataclass
 
 from compactd.storage.errors import StorageError
@@ -108,14 +110,60 @@ async def reap_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
         logger.warning("reaped an expired lease; its run is abandoned",
                        extra={"action": "reap", "session_id": lease.session_id,
                               "run_id": lease.run_id, "owner": lease.owner})
-        info = await store.get_session(lease.session_id)
-        cooling = info.cooldown_until is not None and info.cooldown_until > now
-        if over_trigger(info, config, now) and not cooling:
-            # The dead run's signal mark would block signals until its TTL: replace it.
-            await store.clear_signal(info.id)
-            if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
-                await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.REAP))
+        await _enqueue_if_pressed(store, config, enqueuer, lease.session_id, now)
     return reaped
+
+
+async def _enqueue_if_pressed(store: Store, config: Config, enqueuer: Enqueuer, session_id: str,
+                              now: dt.datetime) -> None:
+    """Send a run for a session whose run was ended for it (its lease reaped or released),
+    when it is still over its trigger and not cooling down."""
+    info = await store.get_session(session_id)
+    cooling = info.cooldown_until is not None and info.cooldown_until > now
+    if over_trigger(info, config, now) and not cooling:
+        # The dead run's signal mark would block signals until its TTL: replace it.
+        await store.clear_signal(info.id)
+        if await store.mark_signal(info.id, ttl_s=config.worker.signal_ttl_s, now=now):
+            await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.REAP))
+
+
+async def release_dead_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
+                              host: str | None = None, me: int | None = None
+                              ) -> list[ReapedLease]:
+    """At a worker's start: release the leases of this host's worker processes that are gone
+    (a crash, a kill), whose runs could not end, so their sessions do not wait for the leases
+    to expire. A lease's owner is ``host:pid`` (worker.runtime.default_owner); a pid that is
+    still a process on this host (another worker, or one that took the number) is left to the
+    reaper. The release is fenced to the run read, and its run ends abandoned, naming why; a
+    session still under pressure is sent again, as the reaper does."""
+    host = host or socket.gethostname()
+    me = os.getpid() if me is None else me
+    released: list[ReapedLease] = []
+    for info in await store.live_leases():
+        owner_host, _, pid = (info.lease_owner or "").rpartition(":")
+        if owner_host != host or not pid.isdigit() or not _gone(int(pid), me):
+            continue
+        lease = await store.release_lease(info.id, run_id=info.lease_run_id,
+                                          by=f"{host}:{me} at its start (process gone)")
+        if lease is not None:
+            logger.warning("released the lease of a worker process that is gone",
+                           extra={"action": "lease.released_dead", "session_id": info.id,
+                                  "run_id": lease.run_id, "owner": lease.owner})
+            released.append(lease)
+            await _enqueue_if_pressed(store, config, enqueuer, info.id, utcnow())
+    return released
+
+
+def _gone(pid: int, me: int) -> bool:
+    if pid == me:
+        return True  # this process is new: a lease in its name is a previous one's
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # a process of another user
+    return False
 
 
 async def index_recall(store: Store, config: Config) -> int:

@@ -2,8 +2,9 @@
 
 Each hands its coroutine to the process's event loop (``worker.runtime``) and waits. A failed
 compaction raises :class:`CompactionFailed` so Flower shows the task as failed with its class;
-``busy`` and ``changed`` are contention, not faults, and a run whose lease an operator released
-ended as asked: they return normally with the class in the result. Either way the run row in
+``busy`` and ``changed`` are contention, not faults, a run whose lease an operator released
+ended as asked, and a ``partial`` run committed some of its steps (the session shrank) before
+it failed: they return normally with the class in the result. Either way the run row in
 PostgreSQL is the record.
 """
 
@@ -47,7 +48,13 @@ from compactd.worker.retention import purge_expired
 from compactd.worker.run import AUTOMATIC_TRIGGERS, Outcome
 from compactd.worker.runtime import Deps, new_worker_loop, process_loop, reset_process_loop, tune_gc
 from compactd.worker.settings import Config, load_config
-from compactd.worker.sweeps import index_recall, least_runways, reap_leases, sweep_pressure
+from compactd.worker.sweeps import (
+    index_recall,
+    least_runways,
+    reap_leases,
+    release_dead_leases,
+    sweep_pressure,
+)
 from compactd.worker.webhooks import backoff_s, post, send_run_event, webhook_for
 
 logger = logging.getLogger(__name__)
@@ -321,7 +328,15 @@ def _after_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    port = _config(sender.app).worker.metrics_port
+    config = _config(sender.app)
+    try:
+        process_loop(config).run(lambda deps: release_dead_leases(
+            deps.store, config, Enqueuer(sender.app)))
+    except StorageError as exc:
+        # The reaper ends them when they expire.
+        logger.warning("the leases of this host's dead workers were not released: %s", exc,
+                       extra={"action": "lease.release_dead_failed"})
+    port = config.worker.metrics_port
     pool = type(getattr(sender, "pool", None)).__module__
     if port and pool.endswith(".prefork"):
         # Each child would count into its own registry; this endpoint would serve zeros.

@@ -49,11 +49,9 @@ POLICY = {"trigger": [{"type": "tokens", "value": 1500}],
 # The beat's pressure sweep is what finds a session whose signal the failover lost (an append
 # that committed, with its signal, on the primary, but whose answer never arrived: its retry
 # sees the signal pending): every few seconds here, as the RUNBOOK advises behind a failover.
-# A run the crash cut in its commit may be unable to write its end before the lease runs out;
-# its session then waits for the lease to expire and the reaper to re-enqueue it (60 s and
-# 15 s by default, the RUNBOOK's failover section): short here, so the resume is seen in the
-# test's window through that path too.
-WORKER = {"sweep_interval_s": 2.0, "lease_s": 5.0, "reap_interval_s": 1.0}
+# The lease and the reaper keep their defaults (60 s, 15 s): a run the crash cut in its commit
+# releases its lease once the new primary answers, so its session resumes long before either.
+WORKER = {"sweep_interval_s": 2.0}
 STEP_PAUSE_S = 0.05
 BEFORE_S = 4.0  # the fleet runs this long on the first primary
 UNPROMOTED_S = 1.0  # from the crash to the promotion (what a failover manager takes to decide)
@@ -63,6 +61,12 @@ AFTER_S = 2.0  # and this long on the new primary, once every session compacted 
 RESUME_TIMEOUT_S = 30.0
 RETRY_PAUSE_S = 0.1
 RETRY_BUDGET_S = 30.0  # a runtime that cannot append this long after the crash fails the test
+# The run the failover cuts: its summary call is answered after the crash, its checkpoint's
+# commit meets no primary, and its end's grace (half of what the task's time limit leaves past
+# the deadline: 1 s) runs out before the promotion.
+CUT_CALL_S = 3.0
+CUT_UNPROMOTED_S = 6.0
+CUT_WORKER = {"deadline_s": 20.0, "task_time_limit_s": 22.0}
 COMMIT_SETTINGS = ("on", "local", "off")
 COST_ROUNDS = 4
 COST_APPENDS = 40  # per setting and round
@@ -206,6 +210,60 @@ async def _fleet_through_failover(pair: PostgresPair, stack: Stack) -> dict[str,
         "messages_stored_twice": stored_twice,
         "every_session_compacted_after_promotion_s": round(compacted_again - promoted_at, 2),
     }
+
+
+@pytest.mark.timed
+@pytest.mark.timeout(150)
+async def test_a_run_whose_end_the_failover_cut_releases_its_lease_on_the_new_primary(
+        clean_redis: str, tmp_path: Path, fake: FakeProvider) -> None:
+    """A run asks for its summary, the primary crashes, the answer comes: the checkpoint's
+    commit fails and so does writing the run's end, for the whole of its grace. Its lease (the
+    default 60 s) would hold the session until it expired and the reaper came; the worker ends
+    the run instead once the new primary answers (failed, with its cause), and the session
+    compacts again well within 30 s of the promotion."""
+    with PostgresPair(synchronous=True) as pair:
+        pair.psql(pair.primary_port, f"CREATE DATABASE {DATABASE}")
+        url = pair.url(DATABASE)
+        await upgrade_async(url)
+        fake.script(model="fake-gpt", latency_s=CUT_CALL_S)
+        with Stack(url, clean_redis, tmp_path / "stack", fake_url=fake.url,
+                   summarization=POLICY, worker=CUT_WORKER) as stack:
+            stack.start_worker("w1", concurrency=2)
+            async with CompactdClient(config_of(stack)) as client:
+                handle = await client.create_session("cut", run_model="fake-gpt")
+                for n in range(16):
+                    await handle.append([
+                        {"role": "user", "content": f"step {n} asks: " + "what next? " * 20},
+                        {"role": "assistant", "content": f"step {n}: " + "it goes on. " * 20}])
+                for _ in range(300):
+                    if fake.requests_for(model="fake-gpt"):
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("no summary was asked for")
+            await asyncio.to_thread(pair.stop_primary)
+            await asyncio.sleep(CUT_UNPROMOTED_S)
+            await asyncio.to_thread(pair.promote_standby)
+            promoted_at = time.monotonic()
+            promoted_db_time = pair.psql(pair.standby_port, "SELECT now()")
+            runs = ("SELECT status || ' ' || coalesce(failure_class, '') || ' ' || "
+                    "coalesce(error, '') FROM compaction_runs ORDER BY started_at")
+            committed = ("SELECT count(*) FROM compaction_runs WHERE status = 'committed' "
+                         f"AND finished_at > '{promoted_db_time}'")
+            while pair.psql(pair.standby_port, committed, DATABASE) == "0":
+                assert time.monotonic() - promoted_at < RESUME_TIMEOUT_S, (
+                    f"no compaction within {RESUME_TIMEOUT_S:g} s of the promotion: "
+                    f"{pair.psql(pair.standby_port, runs, DATABASE)}\n"
+                    f"{stack.log('w1')[-3000:]}")
+                await asyncio.sleep(0.2)
+            resumed_s = time.monotonic() - promoted_at
+            history = pair.psql(pair.standby_port, runs, DATABASE).splitlines()
+            worker_log = stack.log("w1")
+        print(f"\ncut run: compacted again {resumed_s:.2f} s after the promotion; runs: {history}")
+        cut = history[0]
+        assert cut.startswith("failed commit ") and "cannot be reached" in cut, history
+        assert "compaction.unended_ended" in worker_log
+        assert "reaped an expired lease" not in worker_log
 
 
 async def _wait(tasks: list[asyncio.Task[None]], seconds: float) -> None:

@@ -242,7 +242,8 @@ async def test_overflow_after_a_durable_prune_reports_the_smaller_surface(
         result = await handle.report_overflow(timeout_s=60)
     after = db.session("o1")
     assert result.run is not None
-    assert (result.run["outcome"], result.run["failure_class"]) == ("failed", "summary")
+    # Partial: its prunes committed, then the summary failed.
+    assert (result.run["outcome"], result.run["failure_class"]) == ("partial", "summary")
     assert result.run["stages"] == ["prune"], result.run
     assert after.surface_tokens < before.surface_tokens, "the prunes are durable"
     assert result.compacted, result.reason
@@ -396,3 +397,77 @@ def test_a_hanging_candidate_is_skipped_by_the_next_run_on_another_worker(
         "fake-gpt", "circuit_open", 0), skipped
     assert skipped["reason"].startswith("circuit open: 1 failed calls in a row"), skipped
     assert "circuit open" in stack.cli("status", "h2").stdout
+
+
+# ------------------------------------------------------------------------------------------
+# a run that committed a round and then failed says both
+
+
+def test_a_run_that_fails_after_committing_a_round_ends_partial_everywhere(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # Each round summarizes what fits the summarizer's budget (shrink), so one round cannot
+    # relieve the session: the first round's checkpoint commits, the second round's call is
+    # refused (400: no retry) and nothing closes the candidate list.
+    fake.script(Behaviour(model="fake-gpt"), Behaviour(model="fake-gpt", status=400, times=-1))
+    stack = make_stack(summarization={**POLICY, "strategy": "shrink",
+                                      "trim_tokens_to_summarize": 2000},
+                       worker={"local_fallback": False})
+    port = free_port()
+    db.ingest("p1", coding_session(steps=40, big_output_lines=30, seed=800).messages)
+    before = db.session("p1")
+    stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
+    result = stack.cli_json("compact", "p1", "--wait")
+    cause = "committed 1 summary round, then failed: "
+    assert (result["outcome"], result["failure_class"]) == ("partial", "summary"), result
+    assert result["error"].startswith(cause), result
+    after = db.session("p1")
+    assert after.surface_tokens < before.surface_tokens
+    assert [n.kind for n in db.surface("p1").nodes].count("checkpoint") == 1
+    [run] = stack.cli_json("status", "p1")["runs"]
+    assert (run["status"], run["failure_class"]) == ("partial", "summary"), run
+    assert run["error"].startswith(cause)
+    [end] = db.events("p1", ["compaction/end"])
+    assert (end.payload["outcome"], end.payload["failure_class"]) == ("partial", "summary")
+    fleet = stack.cli_json("status")
+    assert fleet["runs"]["partial"] == {"summary": 1}, fleet["runs"]
+    assert fleet["runs"]["failed"] == {}, fleet["runs"]
+    assert value(scrape(port), "compactd_compactions_total", outcome="partial",
+                 failure_class="summary", trigger="manual") == 1
+    # Celery's state for the task is SUCCESS: the run row and its result say partial.
+    ended = [line for line in stack.log("w1").splitlines()
+             if "celery.app.trace" in line and run["run_id"] in line]
+    assert ended and "succeeded" in ended[0], ended
+    assert "CompactionFailed" not in stack.log("w1")
+
+
+# ------------------------------------------------------------------------------------------
+# a worker that crashed leaves no lease behind its restart
+
+
+@pytest.mark.timed
+def test_a_worker_started_after_a_crash_releases_the_dead_workers_leases_at_once(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # The run's summary call hangs and its worker is killed: its lease (the default 60 s) would
+    # hold the session until it expired and the reaper came.
+    fake.script(Behaviour(model="fake-gpt", hang=True))
+    stack = make_stack(summarization=POLICY)
+    db.ingest("k1", coding_session(steps=20, big_output_lines=30, seed=900).messages)
+    stack.start_worker("w1", concurrency=2)
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("k1", "pressure"))
+    wait_until(lambda: fake.requests_for(model="fake-gpt"), timeout=30, what="the summary call")
+    assert db.session("k1").lease_run_id is not None
+    stack.kill("w1")
+    started = time.monotonic()
+    stack.start_worker("w2", concurrency=2)  # the same host
+    wait_until(lambda: db.session("k1").lease_run_id is None, timeout=30,
+               what="the dead worker's lease released")
+    print(f"\nreleased {time.monotonic() - started:.2f} s after the restart began")
+    cut = db.runs("k1")[0]
+    assert (cut.status, cut.failure_class) == ("failed", "abandoned"), cut
+    assert "at its start (process gone)" in (cut.error or ""), cut
+    assert "released the lease of a worker process that is gone" in stack.log("w2")
+    # Still over its trigger: sent again, as the reaper would.
+    [again] = wait_until(lambda: [r for r in db.runs("k1") if r.status == "committed"],
+                         timeout=30, what="k1 compacted again")
+    assert again.trigger == "reap", again

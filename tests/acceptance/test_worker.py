@@ -305,10 +305,12 @@ def test_kill_9_during_model_call_is_reaped_and_recompacted(
             runs = db.runs(sid)
             killed = next(r for r in runs if r.id == victim[0].id)
             assert (killed.status, killed.failure_class) == ("failed", "abandoned"), killed
-            assert done[0].trigger == "reap", "the reaper re-enqueued the session"
+            assert done[0].trigger == "reap", "the session was sent again for the dead run"
             ends = [e for e in db.events(sid, ["compaction/end"]) if e.run_id == killed.id]
             assert len(ends) == 1 and ends[0].payload["failure_class"] == "abandoned", ends
-            assert ends[0].payload["closed_by"] == "reaper"
+            # The reaper, or the restarted worker, which releases its host's dead leases.
+            closed_by = ends[0].payload["closed_by"]
+            assert closed_by == "reaper" or closed_by.endswith("(process gone)"), closed_by
             assert checkpoint_count(db, sid) == (1, 1), f"{sid}: one checkpoint"
             assert db.journal(sid)["compaction/prune"] >= 1, "the killed run's prunes stayed"
             assert_journal_closed(db, sid)

@@ -78,7 +78,7 @@ async def test_status_reports_runs_failures_leases_flags_and_bulk_jobs(store: St
     assert {r["session"] for r in body["recent"]} == {"done", "bad", "held", "dead"}
 
     text = render_status(body)
-    assert "runs: 1 committed, 0 nothing to do, 3 failed, 2 running" in text
+    assert "runs: 1 committed, 0 nothing to do, 3 failed, 0 partial, 2 running" in text
     assert "summary" in text and "last: every candidate failed on call 2 of 2" in text
     assert f"held: run {held.run_id} by w1:100, held 3" in text
     assert "EXPIRED" in text and "(the reaper will end it)" in text
