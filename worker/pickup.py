@@ -1,6 +1,7 @@
 """What a run expects the agent to append before it picks the checkpoint up (``keep_at:
 pickup``): the session's growth rate, kept by every append, times the claim-to-commit time of
-recent runs of the same summary model, read once per run.
+recent runs of the same summary model, read once per run, and the step the agent appends before
+the read that picks the checkpoint up (``worker.compaction.arrivals``).
 
 The claim-to-commit time is this module's own statistic: the lead time of a pressure signal
 (signal to checkpoint) is measured elsewhere and includes the wait in the queue, which comes
@@ -33,7 +34,7 @@ RECENT_RUNS = 64
 async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInfo,
                                   policy: Policy, now: dt.datetime) -> float | None:
     """The expected claim-to-commit seconds of a run of ``info`` (None: no recent run, or
-    the read failed; the run then keeps at the claim)."""
+    the read failed)."""
     first = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
                             models=config.models, default_model=config.default_model,
                             local_fallback=config.worker.local_fallback)
@@ -43,7 +44,7 @@ async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInf
         durations = await store.claim_to_commit_durations(model, since=since,
                                                                limit=RECENT_RUNS)
     except StorageError as exc:
-        logger.warning("keep_at: recent runs unreadable; keeping at the claim",
+        logger.warning("keep_at: recent runs unreadable; expecting the pickup's step only",
                        extra={"action": "keep_at.unread", "error": str(exc)})
         return None
     return claim_to_commit_s(durations)
@@ -52,13 +53,15 @@ async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInf
 async def predict_arrivals(store: Store, config: Config, info: SessionInfo, policy: Policy,
                            nodes: Sequence[SurfaceNode], now: dt.datetime) -> Arrivals | None:
     """What the agent is expected to append before the pickup, or None when the run keeps at
-    the claim: ``keep_at: claim``, a session not growing, or no run to learn the time from."""
+    the claim: ``keep_at: claim``, or a session not growing (no agent stepping: an idle chat's
+    next message may be hours away). With no run to learn the claim-to-commit time from, only
+    the step appended before the pickup is expected."""
     if policy.keep_at != "pickup":
         return None
-    rate = info.growth_rate_at(now)
+    # The rate the lead counts: a young session's stored rate is still climbing from 0 (a
+    # fifth of its true rate ten seconds in), and the arrivals it would give fall short.
+    rate = info.growth_at(now)
     if rate <= 0:
         return None
     seconds = await claim_to_commit_seconds(store, config, info, policy, now)
-    if seconds is None:
-        return None
-    return expected_arrivals(rate, seconds, nodes)
+    return expected_arrivals(rate, seconds or 0.0, nodes)
