@@ -72,6 +72,16 @@ async def grow(stack: Stack, session_id: str) -> Trace:
     raise AssertionError(f"{session_id}: no checkpoint landed in {MAX_STEPS} steps ({trace})")
 
 
+def assert_landed_early(db: Db, session_id: str, trace: Trace) -> None:
+    """The session fired before its trigger, by its pressure run, and the agent picked the
+    checkpoint up before its context reached the trigger."""
+    assert trace.signalled_at_tokens is not None and trace.signalled_at_tokens < TRIGGER, trace
+    assert trace.landed_at_tokens is not None and trace.landed_at_tokens < TRIGGER, trace
+    [run] = db.runs(session_id)
+    assert run.status == "committed" and run.trigger == "pressure"
+    assert run.tokens_before is not None and run.tokens_before < TRIGGER
+
+
 def test_a_growing_session_fires_early_by_the_measured_lead_and_lands_before_its_trigger(
         make_stack: MakeStack, clean_pg: str, fake) -> None:  # type: ignore[no-untyped-def]
     stack = make_stack(summarization={**POLICY, "first_lead_s": 0})
@@ -92,13 +102,7 @@ def test_a_growing_session_fires_early_by_the_measured_lead_and_lands_before_its
         assert measured.lead_s >= 4.0
 
         fake.latency_s = 0.1
-        grown = asyncio.run(grow(stack, "grown"))
-        assert grown.signalled_at_tokens is not None and grown.signalled_at_tokens < TRIGGER, \
-            grown
-        assert grown.landed_at_tokens is not None and grown.landed_at_tokens < TRIGGER, grown
-        [run] = db.runs("grown")
-        assert run.status == "committed" and run.trigger == "pressure"
-        assert run.tokens_before is not None and run.tokens_before < TRIGGER
+        assert_landed_early(db, "grown", asyncio.run(grow(stack, "grown")))
 
     status = stack.cli_json("status", "grown", "--json")
     assert status["lead"]["source"] == "auto", status["lead"]
@@ -136,12 +140,6 @@ def test_a_fresh_workers_first_checkpoint_lands_before_the_trigger_by_the_first_
         # None stored, or the first lead a sweep stored: nothing measured.
         assert all(row.source == "first"
                    for row in db.run(lambda s: s.read_leads([ALL_POOLS])).values())
-        first = asyncio.run(grow(stack, "first"))
-        assert first.signalled_at_tokens is not None and first.signalled_at_tokens < TRIGGER, \
-            first
-        assert first.landed_at_tokens is not None and first.landed_at_tokens < TRIGGER, first
-        [run] = db.runs("first")
-        assert run.status == "committed" and run.trigger == "pressure"
-        assert run.tokens_before is not None and run.tokens_before < TRIGGER
+        assert_landed_early(db, "first", asyncio.run(grow(stack, "first")))
         # The run's commit measured the lead: auto from now on.
         assert db.run(lambda s: s.read_leads([ALL_POOLS]))[ALL_POOLS].source == "auto"
