@@ -34,7 +34,7 @@ RECENT_RUNS = 64
 async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInfo,
                                   policy: Policy, now: dt.datetime) -> float | None:
     """The expected claim-to-commit seconds of a run of ``info`` (None: no recent run, or
-    the read failed)."""
+    the read failed; the run then keeps at the claim)."""
     first = candidate_order(run_model=info.run_model, summary_model=policy.model_name,
                             models=config.models, default_model=config.default_model,
                             local_fallback=config.worker.local_fallback)
@@ -44,7 +44,7 @@ async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInf
         durations = await store.claim_to_commit_durations(model, since=since,
                                                                limit=RECENT_RUNS)
     except StorageError as exc:
-        logger.warning("keep_at: recent runs unreadable; expecting the pickup's step only",
+        logger.warning("keep_at: recent runs unreadable; keeping at the claim",
                        extra={"action": "keep_at.unread", "error": str(exc)})
         return None
     return claim_to_commit_s(durations)
@@ -53,9 +53,9 @@ async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInf
 async def predict_arrivals(store: Store, config: Config, info: SessionInfo, policy: Policy,
                            nodes: Sequence[SurfaceNode], now: dt.datetime) -> Arrivals | None:
     """What the agent is expected to append before the pickup, or None when the run keeps at
-    the claim: ``keep_at: claim``, or a session not growing (no agent stepping: an idle chat's
-    next message may be hours away). With no run to learn the claim-to-commit time from, only
-    the step appended before the pickup is expected."""
+    the claim: ``keep_at: claim``, a session not growing (no agent stepping: an idle chat's
+    next message may be hours away), or no run to learn the claim-to-commit time from (a
+    fresh worker's first runs, an ingested history's)."""
     if policy.keep_at != "pickup":
         return None
     # The rate the lead counts: a young session's stored rate is still climbing from 0 (a
@@ -64,4 +64,6 @@ async def predict_arrivals(store: Store, config: Config, info: SessionInfo, poli
     if rate <= 0:
         return None
     seconds = await claim_to_commit_seconds(store, config, info, policy, now)
-    return expected_arrivals(rate, seconds or 0.0, nodes)
+    if seconds is None:
+        return None
+    return expected_arrivals(rate, seconds, nodes)

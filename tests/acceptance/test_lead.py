@@ -130,10 +130,10 @@ def test_with_lead_0_a_session_fires_at_its_trigger_as_before(
 
 def test_a_fresh_workers_first_checkpoint_lands_before_the_trigger_by_the_first_lead(
         make_stack: MakeStack, clean_pg: str, fake) -> None:  # type: ignore[no-untyped-def]
-    # The default first lead, no run measured, no lead stored (no sweep has run): the session
-    # fires before its trigger by its growth over the first lead, and its checkpoint lands
-    # before the trigger.
-    stack = make_stack(summarization=POLICY)
+    # A first lead of about one summary call, no run measured, no lead stored (no sweep has
+    # run): the session fires before its trigger by its growth over the first lead, and its
+    # checkpoint lands before the trigger.
+    stack = make_stack(summarization={**POLICY, "first_lead_s": 5})
     stack.start_worker("w1", concurrency=2)
     fake.latency_s = 0.2
     with Db(clean_pg) as db:

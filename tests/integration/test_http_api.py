@@ -216,10 +216,10 @@ async def test_usage_signal_and_status(api: Served) -> None:
     status = (await api.http.get("/v1/sessions/s1", headers=A)).json()
     assert status["messages"] == 1 and status["runs"] == []
     # The lead the session fires by and why: auto (the default), and no run measured yet:
-    # the first lead.
+    # the first lead (0 by default).
     assert status["lead"] == {
-        "seconds": 5.0, "source": "first", "runs": None, "p90_s": None,
-        "why": "auto, no run measured yet: the first lead, summarization.first_lead_s 5 s"}
+        "seconds": 0.0, "source": "first", "runs": None, "p90_s": None,
+        "why": "auto, no run measured yet: the first lead, summarization.first_lead_s 0 s"}
 
 
 async def test_compact_and_overflow_without_a_worker_answer_202_within_the_wait_cap(

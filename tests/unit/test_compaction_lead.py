@@ -135,7 +135,7 @@ def test_auto_measures_every_pool_from_one_run_and_a_pool_from_five() -> None:
 def test_before_any_run_is_measured_auto_stores_the_first_lead() -> None:
     assert measure_leads(config(), {}, T0) == [
         LeadRow(ALL_POOLS, FIRST_LEAD_S, "first", 0, None, T0)]
-    assert measure_leads(config(first_lead_s=0), {}, T0)[0].lead_s == 0.0
+    assert measure_leads(config(first_lead_s=5), {}, T0)[0].lead_s == 5.0
     # a configured lead is the lead from the start: the first lead is auto's only
     assert measure_leads(config(lead=7, first_lead_s=2), {}, T0)[0].lead_s == 7.0
 

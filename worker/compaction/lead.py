@@ -35,11 +35,12 @@ LEAD_MAX_SHARE = 0.5
 # ``summarization.lead``'s value for a measured lead.
 AUTO = "auto"
 # The lead an ``auto`` fleet fires by until its first checkpoint is measured
-# (``summarization.first_lead_s``'s default): about one summary call of a hosted model over a
-# trigger's worth of history. Without it a fresh deployment's first checkpoints land late, by
-# the whole run, on exactly the sessions that fire first; too long a first lead only fires
-# those sessions early (the cap below), once.
-FIRST_LEAD_S = 5.0
+# (``summarization.first_lead_s``'s default): 0, as before the key existed. About one summary
+# call (5 s for a hosted model) lands a fresh deployment's first checkpoints on time instead of
+# a whole run late; it is not the default because it also fires an ingested history early (a
+# burst reads as a steep growth rate), which a fleet with measured leads does too but a fresh
+# one never did.
+FIRST_LEAD_S = 0.0
 
 
 def parse_lead(value: Any, path: str = "summarization.lead") -> float | None:
