@@ -77,7 +77,8 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     if arrivals is not None:
         say(f"keep_at pickup: {arrivals.messages} messages ({arrivals.tokens} tokens) expected "
             f"before the pickup ({arrivals.rate_tokens_per_s:.1f} tokens/s for "
-            f"{arrivals.seconds:.1f} s); the kept tail is smaller by them")
+            f"{arrivals.seconds:.1f} s, then a step of {arrivals.pickup_step.messages:.1f} "
+            f"messages); the kept tail is smaller by them")
     if result.prune:
         saved = sum(a.tokens_before - a.tokens_after for a in result.prune)
         say(f"prune: {len(result.prune)} tool results, saving {saved} tokens "

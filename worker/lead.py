@@ -27,7 +27,7 @@ from compactd.worker.compaction.lead import (
     LEAD_SAMPLE_S,
     percentile,
 )
-from compactd.worker.pressure import session_lead_s
+from compactd.worker.pressure import FIRST, session_lead_s
 from compactd.worker.settings import Config
 
 logger = logging.getLogger(__name__)
@@ -40,11 +40,14 @@ _refreshed_at = -LEAD_REFRESH_S
 
 def measure_leads(config: Config, seconds_by_pool: dict[str, list[float]],
                   now: dt.datetime) -> list[LeadRow]:
-    """The rows to store for the configuration and the measured signal-to-checkpoint seconds."""
+    """The rows to store for the configuration and the measured signal-to-checkpoint seconds:
+    with ``auto`` and no run measured, every pool's is the first lead."""
     if config.lead is not None:
         source = "off" if config.lead == 0 else "configured"
         return [LeadRow(ALL_POOLS, config.lead, source, 0, None, now)]
     every = [s for seconds in seconds_by_pool.values() for s in seconds]
+    if not every:
+        return [LeadRow(ALL_POOLS, config.first_lead_s, FIRST, 0, None, now)]
     rows = []
     for pool, seconds in sorted([(ALL_POOLS, every), *seconds_by_pool.items()]):
         if len(seconds) >= (1 if pool == ALL_POOLS else LEAD_MIN_RUNS):
@@ -86,7 +89,7 @@ class LeadUsed:
     """The lead a session fires by, and why: what ``compactd status ID`` shows."""
 
     seconds: float
-    source: str  # auto, configured, off, no_growth
+    source: str  # auto, first, configured, off, no_growth
     why: str
     runs: int | None = None
     p90_s: float | None = None
@@ -111,7 +114,8 @@ async def lead_used(store: Store, info: SessionInfo, config: Config,
     rows = await store.read_leads([pool, ALL_POOLS])
     row = rows.get(pool) or rows.get(ALL_POOLS)
     if row is None or row.source != "auto":
-        return LeadUsed(seconds, "auto", f"auto: no run measured yet, lead {seconds:g} s")
+        return LeadUsed(seconds, FIRST, f"auto, no run measured yet: the first lead, "
+                                        f"summarization.first_lead_s {seconds:g} s")
     whose = "of its run model" if row.pool == pool else "of every pool"
     return LeadUsed(seconds, "auto",
                     f"auto from {row.runs} runs {whose}: p{round(LEAD_PERCENTILE * 100)} = "

@@ -1,6 +1,7 @@
 """What a run expects the agent to append before it picks the checkpoint up (``keep_at:
 pickup``): the session's growth rate, kept by every append, times the claim-to-commit time of
-recent runs of the same summary model, read once per run.
+recent runs of the same summary model, read once per run, and the step the agent appends before
+the read that picks the checkpoint up (``worker.compaction.arrivals``).
 
 The claim-to-commit time is this module's own statistic: the lead time of a pressure signal
 (signal to checkpoint) is measured elsewhere and includes the wait in the queue, which comes
@@ -52,10 +53,14 @@ async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInf
 async def predict_arrivals(store: Store, config: Config, info: SessionInfo, policy: Policy,
                            nodes: Sequence[SurfaceNode], now: dt.datetime) -> Arrivals | None:
     """What the agent is expected to append before the pickup, or None when the run keeps at
-    the claim: ``keep_at: claim``, a session not growing, or no run to learn the time from."""
+    the claim: ``keep_at: claim``, a session not growing (no agent stepping: an idle chat's
+    next message may be hours away), or no run to learn the claim-to-commit time from (a
+    fresh worker's first runs, an ingested history's)."""
     if policy.keep_at != "pickup":
         return None
-    rate = info.growth_rate_at(now)
+    # The rate the lead counts: a young session's stored rate is still climbing from 0 (a
+    # fifth of its true rate ten seconds in), and the arrivals it would give fall short.
+    rate = info.growth_at(now)
     if rate <= 0:
         return None
     seconds = await claim_to_commit_seconds(store, config, info, policy, now)

@@ -144,10 +144,18 @@ def session_pressure(info: SessionInfo, policy: Policy) -> Pressure:
                     fraction=tokens / window if window else None, counts=info.counts or {})
 
 
+# ``checkpoint_leads.source`` of an ``auto`` lead before any run is measured.
+FIRST = "first"
+
+
 def session_lead_s(info: SessionInfo, config: Config) -> float:
     """The seconds ``info``'s session fires early by (``worker.lead``): the configured lead,
-    else its pool's as its last append read it."""
-    return info.lead_s if config.lead is None else config.lead
+    else its pool's as its last append read it, else (no lead stored yet: a deployment whose
+    sweep and workers have not refreshed the leads since it started) the first lead. A
+    measured lead is never 0 (a run takes time), so 0 read under ``auto`` is no row."""
+    if config.lead is not None:
+        return config.lead
+    return info.lead_s or config.first_lead_s
 
 
 def growth_tokens(info: SessionInfo, policy: Policy, config: Config,

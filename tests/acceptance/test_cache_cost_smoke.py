@@ -242,8 +242,8 @@ def test_the_script_exits_2_naming_a_bad_latency_or_a_missing_folder(tmp_path: P
 
 
 def test_under_usage_both_runtimes_fire_on_the_providers_count(tmp_path: Path) -> None:
-    """``--usage``: LangChain's middleware fires on the usage its step carries though its own
-    count is under the trigger, and the run says usage was reported."""
+    """Usage (the default): LangChain's middleware fires on the usage its step carries though
+    its own count is under the trigger, and the run says usage was reported."""
     from langchain.agents.middleware import SummarizationMiddleware
 
     from tests.bench.corpus import LCCounter
@@ -262,8 +262,11 @@ def test_under_usage_both_runtimes_fire_on_the_providers_count(tmp_path: Path) -
     assert step[0].usage_metadata["total_tokens"] == 3000 + LCCounter()(step[:1])  # type: ignore[attr-defined]
     assert middleware._should_summarize(step, own)
 
-    out = tmp_path / "usage.json"
-    run = cache_cost("--quick", "--sides", "langchain", "--usage", "--transcripts",
-                     str(transcripts(tmp_path / "corpus")), "--json", str(out))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(out.read_text())["config"]["usage_reports"] is True
+    # Usage is the default (what a runtime's chat model reports); --no-usage turns it off.
+    corpus = str(transcripts(tmp_path / "corpus"))
+    for switch, reported in (((), True), (("--no-usage",), False)):
+        out = tmp_path / "usage.json"
+        run = cache_cost("--quick", "--sides", "langchain", *switch, "--transcripts", corpus,
+                         "--json", str(out))
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert json.loads(out.read_text())["config"]["usage_reports"] is reported

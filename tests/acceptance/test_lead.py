@@ -7,7 +7,9 @@ The lead is measured from the worker's own runs (auto, the default): a first ses
 the measure. Its summary call is made slower than the growing session's (the fake's latency),
 so the lead measured covers the growing session's run with room on a loaded machine: the test
 shows the mechanism (fire early by growth x measured lead, land before the trigger), not how
-close the percentile comes.
+close the percentile comes. Until a run is measured, ``auto`` fires by the first lead
+(``summarization.first_lead_s``): a fresh worker's first checkpoint lands before the trigger
+too, and with a first lead of 0 it lands after it, as before the first lead existed.
 """
 
 from __future__ import annotations
@@ -70,13 +72,24 @@ async def grow(stack: Stack, session_id: str) -> Trace:
     raise AssertionError(f"{session_id}: no checkpoint landed in {MAX_STEPS} steps ({trace})")
 
 
+def assert_landed_early(db: Db, session_id: str, trace: Trace) -> None:
+    """The session fired before its trigger, by its pressure run, and the agent picked the
+    checkpoint up before its context reached the trigger."""
+    assert trace.signalled_at_tokens is not None and trace.signalled_at_tokens < TRIGGER, trace
+    assert trace.landed_at_tokens is not None and trace.landed_at_tokens < TRIGGER, trace
+    [run] = db.runs(session_id)
+    assert run.status == "committed" and run.trigger == "pressure"
+    assert run.tokens_before is not None and run.tokens_before < TRIGGER
+
+
 def test_a_growing_session_fires_early_by_the_measured_lead_and_lands_before_its_trigger(
         make_stack: MakeStack, clean_pg: str, fake) -> None:  # type: ignore[no-untyped-def]
-    stack = make_stack(summarization=POLICY)
+    stack = make_stack(summarization={**POLICY, "first_lead_s": 0})
     stack.start_worker("w1", concurrency=2)
     fake.latency_s = 4.0
     first = asyncio.run(grow(stack, "first"))
-    # Nothing measured yet: it fires at its trigger and lands after it, as before the lead.
+    # Nothing measured yet, and no first lead: it fires at its trigger and lands after it, as
+    # before the lead.
     assert first.signalled_at_tokens is not None and first.signalled_at_tokens >= TRIGGER
     assert first.landed_at_tokens is not None and first.landed_at_tokens > TRIGGER
     with Db(clean_pg) as db:
@@ -89,13 +102,7 @@ def test_a_growing_session_fires_early_by_the_measured_lead_and_lands_before_its
         assert measured.lead_s >= 4.0
 
         fake.latency_s = 0.1
-        grown = asyncio.run(grow(stack, "grown"))
-        assert grown.signalled_at_tokens is not None and grown.signalled_at_tokens < TRIGGER, \
-            grown
-        assert grown.landed_at_tokens is not None and grown.landed_at_tokens < TRIGGER, grown
-        [run] = db.runs("grown")
-        assert run.status == "committed" and run.trigger == "pressure"
-        assert run.tokens_before is not None and run.tokens_before < TRIGGER
+        assert_landed_early(db, "grown", asyncio.run(grow(stack, "grown")))
 
     status = stack.cli_json("status", "grown", "--json")
     assert status["lead"]["source"] == "auto", status["lead"]
@@ -119,3 +126,20 @@ def test_with_lead_0_a_session_fires_at_its_trigger_as_before(
     status = stack.cli_json("status", "grown", "--json")
     assert status["lead"] == {"seconds": 0.0, "source": "off", "runs": None, "p90_s": None,
                               "why": "off (summarization.lead: 0): fires at its trigger"}
+
+
+def test_a_fresh_workers_first_checkpoint_lands_before_the_trigger_by_the_first_lead(
+        make_stack: MakeStack, clean_pg: str, fake) -> None:  # type: ignore[no-untyped-def]
+    # A first lead of about one summary call, no run measured, no lead stored (no sweep has
+    # run): the session fires before its trigger by its growth over the first lead, and its
+    # checkpoint lands before the trigger.
+    stack = make_stack(summarization={**POLICY, "first_lead_s": 5})
+    stack.start_worker("w1", concurrency=2)
+    fake.latency_s = 0.2
+    with Db(clean_pg) as db:
+        # None stored, or the first lead a sweep stored: nothing measured.
+        assert all(row.source == "first"
+                   for row in db.run(lambda s: s.read_leads([ALL_POOLS])).values())
+        assert_landed_early(db, "first", asyncio.run(grow(stack, "first")))
+        # The run's commit measured the lead: auto from now on.
+        assert db.run(lambda s: s.read_leads([ALL_POOLS]))[ALL_POOLS].source == "auto"

@@ -3,7 +3,7 @@
     python tests/bench/cache_cost.py --json OUT [--sessions NAME,...] [--profiles fast,realistic]
         [--latency S --think S] [--triggers 16000[,8000,...]] [--keep 6] [--trim 4000]
         [--summary-tokens 400] [--window 128000] [--concurrency 4] [--sides langchain,before,after]
-        [--corpus DIR | --transcripts DIR] [--usage] [--quick]
+        [--corpus DIR | --transcripts DIR] [--no-usage] [--quick]
 
 Sessions: the long concatenations of 30k-150k conversation tokens that ``tests/bench/corpus.py``
 builds from ``--corpus`` (default ``../shared/corpus`` beside the repository), or with
@@ -37,15 +37,18 @@ much the fake chose to write:
   same policy, ``after`` is not run again: its report is ``before``'s, marked ``same_as``.
 * ``recallable`` (on request): ``summarization.layout: recallable``.
 
-Usage (``--usage``): both runtimes see the provider's usage of the agent's last call, as each
-documents: compactd's reports it after the call (``report_usage``, as ``ops/examples/agent_loop.py``
-does), so its pressure counts the provider's tokens; LangChain's step carries it on its first
-assistant message (the model's response to that call: ``usage_metadata``, ``model_provider``),
-which ``SummarizationMiddleware`` also fires on. Both report the conversation's share (the
-request's input less the system prompt), since the trigger counts the conversation only. Without
-it (the default), both sides fire on compactd's o200k count of the messages, which on tau-bench
-is 18% under the provider's (the fake's count of the request, JSON framing included), while
-``steps_over_trigger`` counts the provider's.
+Usage (the default; ``--no-usage`` turns it off): both runtimes see the provider's usage of the
+agent's last call, as each documents: compactd's reports it after the call (``report_usage``, as
+``ops/examples/agent_loop.py`` does), so its pressure counts the provider's tokens; LangChain's
+step carries it on its first assistant message (the model's response to that call:
+``usage_metadata``, ``model_provider``), which ``SummarizationMiddleware`` fires on by default
+(LangChain 1.x: a tokens trigger fires when the last AI message's reported ``total_tokens``
+reach it, and its default counter scales by them). A real runtime's chat model puts that usage
+on every response, so this is the count both sides see in use. Both report the conversation's
+share (the request's input less the system prompt), since the trigger counts the conversation
+only. With ``--no-usage``, both sides fire on compactd's o200k count of the messages, which on
+tau-bench is 18% under the provider's (the fake's count of the request, JSON framing included),
+while ``steps_over_trigger`` counts the provider's.
 
 Profiles (``--profiles``; ``--think`` and ``--latency`` together give one of your own): ``fast``
 (today's: agent call and summary call 0.1 s each, so the worker's own overheads, queueing, claims,
@@ -720,8 +723,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the corpus the long sessions are built from")
     source.add_argument("--transcripts", type=Path,
                         help="take every DIR/<group>/*.jsonl as a session as it is")
-    parser.add_argument("--usage", action="store_true",
-                        help="both runtimes see the provider's usage of the agent's last call")
+    parser.add_argument("--usage", action=argparse.BooleanOptionalAction, default=True,
+                        help="both runtimes see the provider's usage of the agent's last call "
+                        "(the default; --no-usage: both fire on compactd's count)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke run: the smallest session, agent and summary calls of "
                         f"{QUICK_THINK_S:g} s (unless given), one profile")

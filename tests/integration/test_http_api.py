@@ -215,9 +215,11 @@ async def test_usage_signal_and_status(api: Served) -> None:
     assert signal.json()["reason"].startswith("not compacting")
     status = (await api.http.get("/v1/sessions/s1", headers=A)).json()
     assert status["messages"] == 1 and status["runs"] == []
-    # The lead the session fires by and why: auto (the default), and no run measured yet.
-    assert status["lead"] == {"seconds": 0.0, "source": "auto", "runs": None, "p90_s": None,
-                              "why": "auto: no run measured yet, lead 0 s"}
+    # The lead the session fires by and why: auto (the default), and no run measured yet:
+    # the first lead (0 by default).
+    assert status["lead"] == {
+        "seconds": 0.0, "source": "first", "runs": None, "p90_s": None,
+        "why": "auto, no run measured yet: the first lead, summarization.first_lead_s 0 s"}
 
 
 async def test_compact_and_overflow_without_a_worker_answer_202_within_the_wait_cap(

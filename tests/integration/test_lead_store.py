@@ -14,6 +14,7 @@ from compactd.storage.leads import ALL_POOLS, LeadRow
 from compactd.storage.messages import Message, parse_openai
 from compactd.storage.records import utcnow
 from compactd.storage.store import Store
+from compactd.worker.compaction.lead import FIRST_LEAD_S
 from compactd.worker.lead import refresh_leads
 from compactd.worker.pressure import over_trigger, sweep_thresholds, wants_run
 from compactd.worker.settings import Config, build_config
@@ -90,7 +91,9 @@ async def test_sqlite_and_postgres_decide_the_same(clean_pg: str, sqlite_url: st
     assert sqlite["swept"] == (["s1"] if fires else []), sqlite
     expected_lead = {"auto, its own pool's lead before every pool's": 10.0,
                      "auto, a short lead does not reach it": 10.0,
-                     "auto, nothing measured yet": 0.0, "over the trigger already": 0.0,
+                     # the first lead, stored by the refresh, read by the append
+                     "auto, nothing measured yet": FIRST_LEAD_S,
+                     "over the trigger already": 0.0,
                      "lead 0, today's rule, whatever was measured": 100.0}.get(name, 100.0)
     assert sqlite["lead_s"] == expected_lead
     if fires:
@@ -116,10 +119,12 @@ async def test_the_measured_lead_is_the_signal_to_commit_time_of_summaries(
         store: Store) -> None:
     assert await store.lead_samples(since=utcnow() - dt.timedelta(hours=1), limit=10) == []
     rows = await refresh_leads(store, config(5_000, "auto"))
-    assert rows == [] and await store.read_leads([ALL_POOLS]) == {}
+    # Nothing measured: every pool's lead is the first lead until a run is.
+    assert [(r.pool, r.lead_s, r.source) for r in rows] == [(ALL_POOLS, FIRST_LEAD_S, "first")]
+    assert (await store.read_leads([ALL_POOLS]))[ALL_POOLS].source == "first"
     rows = await refresh_leads(store, config(5_000, 7))
     assert [(r.pool, r.lead_s, r.source) for r in rows] == [(ALL_POOLS, 7.0, "configured")]
     assert (await store.read_leads([ALL_POOLS]))[ALL_POOLS].lead_s == 7.0
-    # Back to auto with nothing measured: the configured row goes.
+    # Back to auto with nothing measured: the configured row goes, the first lead is back.
     await refresh_leads(store, config(5_000, "auto"))
-    assert await store.read_leads([ALL_POOLS]) == {}
+    assert (await store.read_leads([ALL_POOLS]))[ALL_POOLS].lead_s == FIRST_LEAD_S

@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 from compactd.worker.compaction.arrivals import (
     Arrivals,
+    Step,
     claim_to_commit_s,
     expected_arrivals,
     keep_at_pickup,
+    recent_step,
     tokens_per_message,
 )
 from compactd.worker.compaction.boundary import protected, unsafe_boundaries
@@ -183,14 +185,32 @@ def test_claim_to_commit_is_a_high_percentile_of_recent_durations(durations, sec
     assert claim_to_commit_s(durations) == seconds
 
 
-def test_expected_arrivals_convert_tokens_to_messages_at_the_recent_size() -> None:
-    surface = nodes(sys("x" * 4000), user("go"), *_steps(4), tokens=[5000] + [50] * 9)
+def test_expected_arrivals_are_the_growth_to_the_commit_and_the_step_before_the_pickup(
+        ) -> None:
+    surface = nodes(sys("x" * 4000), *_steps(4), tokens=[5000] + [50] * 8)
     assert tokens_per_message(surface) == 50  # the system message is not what arrives
+    assert recent_step(surface) == Step(tokens=100, messages=2)
     got = expected_arrivals(40.0, 3.0, surface)
-    assert (got.tokens, got.messages) == (120, 2)
-    assert expected_arrivals(0.0, 3.0, surface).messages == 0
-    assert expected_arrivals(float("nan"), 3.0, surface).tokens == 0
+    # 120 tokens to the commit (2.4 messages), then a step of 100 tokens, 2 messages
+    assert (got.tokens, got.messages) == (220, 4)
+    assert got.to_json()["pickup_step"] == {"tokens": 100, "messages": 2}
+    # no time to the commit: the step the pickup comes after is still expected
+    assert (expected_arrivals(40.0, 0.0, surface).tokens,
+            expected_arrivals(40.0, 0.0, surface).messages) == (100, 2)
+    assert expected_arrivals(float("nan"), 3.0, surface).tokens == 100
     assert expected_arrivals(40.0, 3.0, nodes(sys())).messages == 0
+    assert expected_arrivals(40.0, 3.0, nodes(sys())).tokens == 120
+
+
+def test_a_step_is_an_assistant_message_and_what_follows_it() -> None:
+    # a tool step: the call and two results
+    surface = nodes(sys(), user("go"), ai("", ("a", "t"), ("b", "t")), tool("a", "1"),
+                    tool("b", "2"), ai("", ("c", "t"), ("d", "t")), tool("c", "3"),
+                    tool("d", "4"), tokens=[10, 30, 10, 10, 10, 10, 10, 10])
+    assert recent_step(surface) == Step(tokens=45, messages=3.5)  # the request rides along
+    # a conversation with no assistant message steps a message at a time
+    assert recent_step(nodes(user("a"), user("b"), tokens=[10, 30])) == Step(20, 1)
+    assert recent_step(nodes(sys())) is None
 
 
 def test_keep_at_pickup_never_keeps_less_than_zero() -> None:

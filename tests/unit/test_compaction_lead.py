@@ -11,10 +11,16 @@ import pytest
 import yaml
 
 from compactd.storage.errors import ConfigError
-from compactd.storage.leads import ALL_POOLS
+from compactd.storage.leads import ALL_POOLS, LeadRow
 from compactd.storage.records import SessionInfo
 from compactd.storage.surface import SurfaceNode
-from compactd.worker.compaction.lead import LEAD_MAX_SHARE, lead_tokens, parse_lead, percentile
+from compactd.worker.compaction.lead import (
+    FIRST_LEAD_S,
+    LEAD_MAX_SHARE,
+    lead_tokens,
+    parse_lead,
+    percentile,
+)
 from compactd.worker.compaction.planner import Outlook, plan
 from compactd.worker.compaction.policy import PolicyError, parse_policy
 from compactd.worker.lead import measure_leads
@@ -58,6 +64,31 @@ def test_the_default_lead_is_auto() -> None:
     assert config().lead is None
 
 
+@pytest.mark.parametrize(("value", "seconds"), [(0, 0.0), (2, 2.0), (0.5, 0.5)])
+def test_the_first_lead_is_seconds(value: Any, seconds: float) -> None:
+    assert config(first_lead_s=value).first_lead_s == seconds
+    assert build_config({}).first_lead_s == FIRST_LEAD_S
+
+
+@pytest.mark.parametrize("value", [-1, "auto", "5", True, None, float("nan"), float("inf")])
+def test_a_bad_first_lead_is_a_load_time_error_naming_the_key(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^summarization\.first_lead_s: "):
+        config(first_lead_s=value)
+    with pytest.raises(PolicyError, match=r"^policy\.first_lead_s: unknown key"):
+        parse_policy({"first_lead_s": 5}, path="policy")
+
+
+def test_with_no_lead_stored_an_auto_session_fires_by_the_first_lead() -> None:
+    # No row yet (a fresh deployment before any refresh): the append read 0.
+    info = session(9_000, 100.0, 0.0)
+    assert wants_run(info, config(first_lead_s=10), T0)  # 9,000 + 100 x 10
+    assert not wants_run(info, config(first_lead_s=9.9), T0)
+    assert not wants_run(info, config(first_lead_s=0), T0)  # as before the first lead
+    assert not wants_run(info, config(lead=0, first_lead_s=10), T0)
+    # a stored lead is what it says, whatever the first lead
+    assert not wants_run(session(9_000, 100.0, 5.0), config(first_lead_s=10), T0)
+
+
 @pytest.mark.parametrize("value", [-1, -0.5, "soon", "10", True, False, None, [5], {"s": 1},
                                    float("nan"), float("inf")])
 def test_a_bad_lead_is_a_load_time_error_naming_the_key(value: Any) -> None:
@@ -99,7 +130,14 @@ def test_auto_measures_every_pool_from_one_run_and_a_pool_from_five() -> None:
     assert set(by_pool) == {ALL_POOLS, "m2"}
     assert by_pool["m2"].lead_s == 9.0 and by_pool["m2"].runs == 5
     assert by_pool[ALL_POOLS].runs == 8 and by_pool[ALL_POOLS].source == "auto"
-    assert measure_leads(config(), {}, T0) == []
+
+
+def test_before_any_run_is_measured_auto_stores_the_first_lead() -> None:
+    assert measure_leads(config(), {}, T0) == [
+        LeadRow(ALL_POOLS, FIRST_LEAD_S, "first", 0, None, T0)]
+    assert measure_leads(config(first_lead_s=5), {}, T0)[0].lead_s == 5.0
+    # a configured lead is the lead from the start: the first lead is auto's only
+    assert measure_leads(config(lead=7, first_lead_s=2), {}, T0)[0].lead_s == 7.0
 
 
 @pytest.mark.parametrize(("lead", "source"), [(7, "configured"), (0, "off")])

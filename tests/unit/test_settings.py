@@ -200,7 +200,8 @@ def test_example_config_loads_and_shows_every_key() -> None:
                 "replay_mode", "strategy", "loop_guard", "metrics_port", "sweep_interval_s",
                 "body_timeout_s", "max_body_bytes", "layout", "chunk_tokens",
                 "index_summary_tokens", "index_max_tokens", "breaker", "failures",
-                "cooldown_s", "prices", "cached_input", "cache_write", "lead", "clear_thinking"):
+                "cooldown_s", "prices", "cached_input", "cache_write", "lead", "first_lead_s",
+                "clear_thinking"):
         assert f"{key}:" in text, key
     # Every configured model has a price, every price a model.
     assert set(c.prices) == {m.name for m in c.models}

@@ -6,6 +6,13 @@ follows the changed prefix, so all of it is re-sent uncached. Under ``keep_at: p
 keeps less by what it expects to arrive, so that the tail at the pickup is what the policy's
 keep asked for; under ``keep_at: claim`` it keeps the policy's tail as it stands at the read.
 
+What arrives is what the agent appends from the read to the commit, at the session's growth
+rate, and then the step it appends before the poll that sees the commit: a runtime appends a
+step and then reads the surface for its next request, so the first read after the commit comes
+with one whole step more. The wait from the commit to that read is half a step interval on
+average, but what it adds to the tail is not half a step: it is the whole step appended before
+the read, whatever the phase the commit fell in.
+
 The expectation is an input (:class:`Arrivals`), computed by the orchestration from the
 session's growth rate and a recent percentile of claim-to-commit durations (both read from
 storage); this module only does the arithmetic, and never moves a cut past what
@@ -36,6 +43,14 @@ RECENT_MESSAGES = 32
 
 
 @dataclass(frozen=True, slots=True)
+class Step:
+    """The mean size of the session's recent steps: what an agent appends at once."""
+
+    tokens: float
+    messages: float
+
+
+@dataclass(frozen=True, slots=True)
 class Arrivals:
     """What a run expects the agent to append between the run's read and the pickup."""
 
@@ -43,6 +58,8 @@ class Arrivals:
     messages: int
     seconds: float  # the expected claim-to-commit duration
     rate_tokens_per_s: float  # the session's growth rate at the claim
+    # The step the agent appends after the commit, before the read that picks it up.
+    pickup_step: Step = Step(0.0, 0.0)
 
     def count(self, counter: Counter) -> int:
         """What the arrivals add to ``counter``: none expected to a counter kept by name (its
@@ -56,7 +73,9 @@ class Arrivals:
     def to_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "messages": self.messages,
                 "claim_to_commit_s": round(self.seconds, 3),
-                "rate_tokens_per_s": round(self.rate_tokens_per_s, 2)}
+                "rate_tokens_per_s": round(self.rate_tokens_per_s, 2),
+                "pickup_step": {"tokens": round(self.pickup_step.tokens),
+                                "messages": round(self.pickup_step.messages, 2)}}
 
 
 def claim_to_commit_s(durations: Sequence[float],
@@ -67,34 +86,53 @@ def claim_to_commit_s(durations: Sequence[float],
     return nearest_rank(usable, percentile) if usable else None
 
 
+def _recent_conversation(nodes: Sequence[SurfaceNode], recent: int) -> list[SurfaceNode]:
+    """The newest ``recent`` conversation messages, oldest first (system messages and
+    checkpoints are not what an agent appends)."""
+    found: list[SurfaceNode] = []
+    for node in reversed(nodes):
+        if len(found) >= recent:
+            break
+        if node.message.role == "system" or node.message.meta.get(META_CHECKPOINT):
+            continue
+        found.append(node)
+    return found[::-1]
+
+
 def tokens_per_message(nodes: Sequence[SurfaceNode], recent: int = RECENT_MESSAGES
                        ) -> float | None:
-    """Mean tokens of the session's newest ``recent`` conversation messages (system messages
-    and checkpoints are not what an agent appends), None when there are none."""
-    sizes: list[int] = []
-    for node in reversed(nodes):
-        if len(sizes) >= recent:
-            break
-        meta = node.message.meta
-        if node.message.role == "system" or meta.get(META_CHECKPOINT):
-            continue
-        sizes.append(node.tokens)
+    """Mean tokens of the session's newest ``recent`` conversation messages, None when there
+    are none."""
+    sizes = [node.tokens for node in _recent_conversation(nodes, recent)]
     return sum(sizes) / len(sizes) if sizes and sum(sizes) > 0 else None
+
+
+def recent_step(nodes: Sequence[SurfaceNode], recent: int = RECENT_MESSAGES) -> Step | None:
+    """The mean step over the newest ``recent`` conversation messages: a step is an assistant
+    message and what follows it up to the next one (its tool results, the user's reply), as a
+    runtime appends them; a conversation with no assistant message steps a message at a time.
+    None when there is no conversation message."""
+    found = _recent_conversation(nodes, recent)
+    if not found:
+        return None
+    steps = sum(1 for node in found if node.message.role == "assistant") or len(found)
+    return Step(tokens=sum(node.tokens for node in found) / steps,
+                messages=len(found) / steps)
 
 
 def expected_arrivals(rate_tokens_per_s: float, seconds: float,
                       nodes: Sequence[SurfaceNode]) -> Arrivals:
-    """Tokens the session grows by in ``seconds`` at its rate, and as messages at its recent
-    tokens per message (rounded to the nearest: the expectation is no better than a message)."""
+    """Tokens the session grows by in ``seconds`` at its rate, as messages at its recent tokens
+    per message, and the step appended before the pickup at its recent step size (the messages
+    rounded to the nearest: the expectation is no better than a message)."""
     rate = max(0.0, rate_tokens_per_s) if math.isfinite(rate_tokens_per_s) else 0.0
     span = max(0.0, seconds) if math.isfinite(seconds) else 0.0
-    tokens = rate * span
+    grown = rate * span
     per_message = tokens_per_message(nodes)
-    messages = round(tokens / per_message) if per_message else 0
-    return Arrivals(tokens=round(tokens), messages=messages, seconds=span,
-                    rate_tokens_per_s=rate)
-
-
+    step = recent_step(nodes) or Step(0.0, 0.0)
+    messages = (grown / per_message if per_message else 0.0) + step.messages
+    return Arrivals(tokens=round(grown + step.tokens), messages=round(messages), seconds=span,
+                    rate_tokens_per_s=rate, pickup_step=step)
 def keep_at_pickup(keep: Clause, arrivals: Arrivals, context_window: int | None) -> Clause:
     """The clause to keep at the read so the tail at the pickup is ``keep``: a count less the
     messages expected, a token budget (a ``fraction`` is one, of the window) less the tokens

@@ -34,6 +34,13 @@ LEAD_MAX_SHARE = 0.5
 
 # ``summarization.lead``'s value for a measured lead.
 AUTO = "auto"
+# The lead an ``auto`` fleet fires by until its first checkpoint is measured
+# (``summarization.first_lead_s``'s default): 0, as before the key existed. About one summary
+# call (5 s for a hosted model) lands a fresh deployment's first checkpoints on time instead of
+# a whole run late; it is not the default because it also fires an ingested history early (a
+# burst reads as a steep growth rate), which a fleet with measured leads does too but a fresh
+# one never did.
+FIRST_LEAD_S = 0.0
 
 
 def parse_lead(value: Any, path: str = "summarization.lead") -> float | None:
@@ -41,11 +48,20 @@ def parse_lead(value: Any, path: str = "summarization.lead") -> float | None:
     the lead existed)."""
     if value == AUTO and isinstance(value, str):
         return None
+    return _seconds(value, path, "auto or a")
+
+
+def parse_first_lead(value: Any, path: str = "summarization.first_lead_s") -> float:
+    """The seconds an ``auto`` lead is until a run is measured (0: at the trigger)."""
+    return _seconds(value, path, "a")
+
+
+def _seconds(value: Any, path: str, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PolicyError(path, f"must be auto or a number of seconds (0 turns it off), "
+        raise PolicyError(path, f"must be {allowed} number of seconds (0 turns it off), "
                                 f"got {value!r}")
     if not math.isfinite(value) or value < 0:
-        raise PolicyError(path, f"must be auto or a finite number of seconds, not negative, "
+        raise PolicyError(path, f"must be {allowed} finite number of seconds, not negative, "
                                 f"got {value!r}")
     return float(value)
 
