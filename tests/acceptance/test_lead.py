@@ -24,7 +24,7 @@ from compactd.scheduler.client import CompactdClient
 from compactd.storage.leads import ALL_POOLS
 from compactd.worker.settings import load_config
 from tests.support.db import Db
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -142,4 +142,7 @@ def test_a_fresh_workers_first_checkpoint_lands_before_the_trigger_by_the_first_
                    for row in db.run(lambda s: s.read_leads([ALL_POOLS])).values())
         assert_landed_early(db, "first", asyncio.run(grow(stack, "first")))
         # The run's commit measured the lead: auto from now on.
-        assert db.run(lambda s: s.read_leads([ALL_POOLS]))[ALL_POOLS].source == "auto"
+        # (the worker stores it after the commit, which the runtime may see first).
+        wait_until(lambda: (lead := db.run(lambda s: s.read_leads([ALL_POOLS])).get(ALL_POOLS))
+                   is not None and lead.source == "auto", timeout=30, interval=0.2,
+                   what="the measured lead stored after the first commit")
