@@ -144,13 +144,25 @@ async def _recent_summary_runs(store: Store) -> None:
 
 @case("append")
 async def _append(store: Store) -> None:
-    row = await store.db.fetchrow(
-        "append", session_id="s1", payloads=[json.dumps({"role": "user", "content": "c"})],
-        tokens=[5], now=utcnow(), call_ids=[], call_idx=[], call_result_idx=[], ext_ids=[],
-        ext_idx=[], counts=[json.dumps({"turns": 1})], counts_sum=json.dumps({"turns": 1}))
+    now = utcnow()
+    batch = {"session_id": "s1", "payloads": [json.dumps({"role": "user", "content": "c"})],
+             "tokens": [5], "now": now, "call_ids": [], "call_idx": [], "call_result_idx": [],
+             "ext_ids": [], "ext_idx": [], "counts": [json.dumps({"turns": 1})],
+             "counts_sum": json.dumps({"turns": 1})}
+    row = await store.db.fetchrow("append", **batch, key=None, request_sha256=None,
+                                  key_live_after=None)
     assert row is not None and (row["last_seq"], row["surface_messages"]) == (3, 3)
+    assert row["key_request_sha256"] is None
     # The counters kept by name, summed onto the session.
     assert (row["counts"], row["over_counts"]) == ({"turns": 1}, False)
+    # With a key: appended and recorded, then answered from the key's row.
+    keyed = {**batch, "key": "k", "request_sha256": "a" * 64, "key_live_after": now - HOUR}
+    row = await store.db.fetchrow("append", **keyed)
+    assert row is not None and (row["last_seq"], row["key_request_sha256"]) == (4, None)
+    row = await store.db.fetchrow("append", **keyed)
+    assert row is not None and (row["last_seq"], row["surface_messages"]) == (4, 4)
+    assert (row["key_request_sha256"], row["key_first_seq"], row["key_last_seq"],
+            row["key_surface_messages"]) == ("a" * 64, 4, 4, 4)
 
 
 def _key_row(now: dt.datetime, digest: str, version: int) -> dict[str, Any]:
