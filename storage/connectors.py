@@ -59,8 +59,14 @@ from compactd.storage.database import (
     translate,
 )
 from compactd.storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
-from compactd.storage.events import Event, Listener, VersionPoller, VersionWaiter
-from compactd.storage.kinds import ItemState
+from compactd.storage.events import (
+    Event,
+    Listener,
+    VersionPoller,
+    VersionWaiter,
+    commit_event_fields,
+)
+from compactd.storage.kinds import ItemState, RunStatus
 from compactd.storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
 from compactd.storage.recall_index import RecallBody, node_recall
 from compactd.storage.records import (
@@ -598,8 +604,10 @@ def _commit_params(session_id: str, *, run_id: str, fence: int,
         # NULL unless a node adds to a counter kept by name.
         "node_counts": _node_counts(replacements)}
     if end is None:
-        return "commit", params
-    return "commit_ending", {**params, **_run_end_params(end)}
+        return "commit", {**params, "event": commit_event_fields(session_id, run_id,
+                                                                 RunStatus.RUNNING)}
+    return "commit_ending", {**params, **_run_end_params(end),
+                             "event": commit_event_fields(session_id, run_id, end.outcome)}
 
 
 def _node_counts(replacements: Sequence[Replacement]) -> list[str | None] | None:

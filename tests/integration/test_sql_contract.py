@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from compactd.storage import schema as t
 from compactd.storage import sql
 from compactd.storage.database import transaction
+from compactd.storage.events import commit_event_fields
 from compactd.storage.kinds import JournalKind, NodeKind
 from compactd.storage.migrate import HEAD_REVISION
 from compactd.storage.records import Claim, Replacement, RunEnd, utcnow
@@ -231,7 +232,8 @@ def _prune_of_seq_1() -> dict[str, Any]:
 @case("commit")
 async def _commit(store: Store) -> None:
     lease = await _claimed(store)
-    row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None)
+    row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None,
+                                  event=commit_event_fields("s1", "r1", "running"))
     assert row is not None and row["lease_run_id"] == "r1" and row["surface_version"] == 2
     # The counters kept by name, summed again from the surface rows with the new node's.
     assert row["counts"] == {"turns": 2}
@@ -254,7 +256,8 @@ async def _commit_ending(store: Store) -> None:
         end_payload=json.dumps({"run_id": "r1", "outcome": "succeeded"}), status="succeeded",
         failure_class=None, error=None, tokens_before=10, tokens_after=6, model="m", usage=None,
         candidates=None, stages=None, range_seqs=json.dumps([1]), signalled_at=SIGNALLED_AT,
-        item_state="done", item_done="done")
+        item_state="done", item_done="done",
+        event=commit_event_fields("s1", "r1", "succeeded"))
     assert row is not None and row["lease_run_id"] is None
     run = await store.get_run("r1")
     assert run is not None and (run.status, run.tokens_after, run.range_seqs,
