@@ -59,8 +59,14 @@ from compactd.storage.database import (
     translate,
 )
 from compactd.storage.errors import CompactdError, InvalidMessage, LockNotAvailable, SessionNotFound
-from compactd.storage.events import Event, Listener, VersionPoller, VersionWaiter
-from compactd.storage.kinds import ItemState
+from compactd.storage.events import (
+    Event,
+    Listener,
+    VersionPoller,
+    VersionWaiter,
+    commit_event_fields,
+)
+from compactd.storage.kinds import ItemState, RunStatus
 from compactd.storage.messages import ANSWERED, ORPHAN, REUSED_OPEN
 from compactd.storage.recall_index import RecallBody, node_recall
 from compactd.storage.records import (
@@ -319,47 +325,28 @@ class PostgresConnector(Connector):
         """One call of ``compactd_append`` (one round trip); the pending-signal mark is one more
         autocommit statement, made only when the trigger fires and no mark is live (BEGIN and
         COMMIT would be two more round trips on the runtime's critical path)."""
-        try:
-            row = await self.fetchrow("append", **_append_params(session_id, batch, now))
-        except Exception as exc:
-            raise _append_error(exc) from None
-        return await self._signal(_appended(row, session_id, batch), now, signal_if,
-                                  signal_ttl_s)
+        return await self._append(session_id, batch, now, None, signal_if=signal_if,
+                                  signal_ttl_s=signal_ttl_s)
 
     async def append_keyed(self, session_id: str, batch: PreparedAppend, now: dt.datetime,
                            key: AppendKey, *, signal_if: Callable[[SessionInfo], bool] | None,
                            signal_ttl_s: float) -> AppendResult:
-        """In one transaction: the key's row, else one call of ``compactd_append`` and the
-        key's row written; the mark after the commit, as an unkeyed append makes it."""
+        """The same one call with the key: ``compactd_append`` answers from the key's row or
+        appends and records the key; the mark after it, as an unkeyed append makes it."""
+        return await self._append(session_id, batch, now, key, signal_if=signal_if,
+                                  signal_ttl_s=signal_ttl_s)
 
-        async def attempt() -> AppendResult | None:
-            async with self._kept.use() as raw:
-                try:
-                    async with raw.transaction():
-                        text, args = _positional("append_key_find", {
-                            "session_id": session_id, "key": key.key,
-                            "live_after": key.live_after})
-                        found = await raw.fetchrow(text, *args)
-                        if found is not None:
-                            return replayed(found, key, batch.tokens)
-                        text, args = _positional("append",
-                                                 _append_params(session_id, batch, now))
-                        result = _appended(await raw.fetchrow(text, *args), session_id, batch)
-                        text, args = _positional("append_key_store",
-                                                 key_params(session_id, key, result, now))
-                        if await raw.fetchval(text, *args):
-                            return result
-                        raise KeyTaken
-                except KeyTaken:
-                    return None
-
+    async def _append(self, session_id: str, batch: PreparedAppend, now: dt.datetime,
+                      key: AppendKey | None, *, signal_if: Callable[[SessionInfo], bool] | None,
+                      signal_ttl_s: float) -> AppendResult:
         try:
-            result = await first_with_key(attempt)
+            row = await self.fetchrow("append", **_append_params(session_id, batch, now, key))
+            if key is not None and row is not None and row["key_request_sha256"] is not None:
+                return replayed(row, key, batch.tokens)
         except Exception as exc:
             raise _append_error(exc) from None
-        if result.replayed:
-            return result
-        return await self._signal(result, now, signal_if, signal_ttl_s)
+        return await self._signal(_appended(row, session_id, batch), now, signal_if,
+                                  signal_ttl_s)
 
     async def _signal(self, result: AppendResult, now: dt.datetime,
                       signal_if: Callable[[SessionInfo], bool] | None,
@@ -617,8 +604,10 @@ def _commit_params(session_id: str, *, run_id: str, fence: int,
         # NULL unless a node adds to a counter kept by name.
         "node_counts": _node_counts(replacements)}
     if end is None:
-        return "commit", params
-    return "commit_ending", {**params, **_run_end_params(end)}
+        return "commit", {**params, "event": commit_event_fields(session_id, run_id,
+                                                                 RunStatus.RUNNING)}
+    return "commit_ending", {**params, **_run_end_params(end),
+                             "event": commit_event_fields(session_id, run_id, end.outcome)}
 
 
 def _node_counts(replacements: Sequence[Replacement]) -> list[str | None] | None:
@@ -650,8 +639,8 @@ def _commit_error(exc: BaseException, session_id: str, run_id: str, fence: int,
     return None
 
 
-def _append_params(session_id: str, batch: PreparedAppend, now: dt.datetime
-                   ) -> dict[str, Any]:
+def _append_params(session_id: str, batch: PreparedAppend, now: dt.datetime,
+                   key: AppendKey | None) -> dict[str, Any]:
     links, texts = batch.links, batch.texts
     assert links is not None and texts is not None
     return {"session_id": session_id, "payloads": texts, "tokens": list(batch.tokens),
@@ -660,7 +649,10 @@ def _append_params(session_id: str, batch: PreparedAppend, now: dt.datetime
             "call_result_idx": [c[2] for c in links.calls],
             "ext_ids": [e[0] for e in links.external], "ext_idx": [e[1] for e in links.external],
             "counts": list(batch.counts) if batch.counts else None,
-            "counts_sum": batch.counts_sum}
+            "counts_sum": batch.counts_sum,
+            "key": None if key is None else key.key,
+            "request_sha256": None if key is None else key.request_sha256,
+            "key_live_after": None if key is None else key.live_after}
 
 
 def _appended(row: Row | None, session_id: str, batch: PreparedAppend) -> AppendResult:

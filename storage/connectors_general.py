@@ -178,7 +178,7 @@ async def first_with_key(attempt: Callable[[], Awaitable[AppendResult | None]]
 
 async def _add_counts(conn: AsyncConnection, info: SessionInfo, added: Any) -> SessionInfo:
     """The session's counts kept by name with ``added`` on top, and whether they reach their
-    floors (``compactd_append_v3`` does the same in its one statement)."""
+    floors (``compactd_append_v4`` does the same in its one statement)."""
     counts = summed([info.counts, added])
     over = reaches(counts, info.sweep_counts)
     await conn.execute(t.sessions.update().where(t.sessions.c.id == info.id)

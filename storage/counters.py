@@ -11,8 +11,20 @@ knowing the names: each surface row holds what its node adds (``surface.counts``
 row the sum (``sessions.counts``), the sweep's floors (``sessions.sweep_counts``) and whether
 some count reaches its floor (``sessions.over_counts``, the sweep's second index). A new
 counter is therefore its object and a line registering it: no column, no SQL, no migration.
-A session appended to before its counter was registered counts only what came after (the
-plan, which counts its surface, is exact).
+Adding a counter to a deployment with live sessions: a session appended to before it was
+registered counts only what came after. Its surface rows from before hold no count of it, and
+the commits re-sum ``sessions.counts`` from those rows, so the stored count (the append's signal
+and the sweep's flag) stays short by what those rows add until they leave the surface (replaced
+by a run, whose new nodes are counted). The plan counts the surface it read, so a run that does
+start measures exactly. The error is late, never early: the new kind fires after its
+threshold on such a session, and the other kinds of its policy are unaffected (a policy that
+gives the new kind beside a ``tokens`` trigger keeps the sessions from overflowing meanwhile).
+There is no backfill: a name left out of ``counts`` is 0, so a row counted before the
+registration cannot be told from one that adds nothing without a record of which counters
+each session has counted, and re-counting every surface row of every session would read each
+stored message again to make a trigger fire sooner on sessions that will compact anyway by their
+other triggers. A deployment that needs the new count closer on old sessions compacts them
+(``compactd compact``) after the release: all but the kept tail is then counted.
 
 No I/O.
 """

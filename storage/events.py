@@ -80,13 +80,34 @@ def run_end_kind(status: str, failure_class: str | None) -> EventKind | None:
 def run_end_event(session: str, tenant: str, run_id: str, *, version: int, seq: int | None,
                   status: str, failure_class: str | None) -> Event | None:
     """The event of :func:`run_end_kind`: its ``outcome`` is the run's status when it
-    committed, its failure class when it failed. (The commit's own event is built by the
-    commit's SQL, in the statement that makes it true.)"""
+    committed, its failure class when it failed."""
     kind = run_end_kind(status, failure_class)
     if kind is None:
         return None
-    detail = status if kind == EventKind.COMMITTED else failure_class or status
-    return Event(kind, session, tenant, run_id, version, seq, str(detail))
+    if kind == EventKind.COMMITTED:
+        return commit_event(session, tenant, run_id, version=version, seq=seq, outcome=status)
+    return Event(kind, session, tenant, run_id, version, seq, str(failure_class or status))
+
+
+def commit_event(session: str, tenant: str, run_id: str, *, version: int, seq: int | None,
+                 outcome: str) -> Event:
+    """A commit's event: ``outcome`` is the run's status when the commit ends the run,
+    ``running`` while later rounds may follow."""
+    return Event(EventKind.COMMITTED, session, tenant, run_id, version, seq, outcome)
+
+
+# The fields of a commit's event that only the commit knows: its statement on PostgreSQL
+# (queries.sql's ``commit`` and ``commit_ending``) adds them to :func:`commit_event_fields`
+# from the session row it returns (tenant, surface_version, last_seq) and sends the event.
+COMMIT_ROW_FIELDS = ("tenant", "version", "seq")
+
+
+def commit_event_fields(session: str, run_id: str, outcome: str) -> str:
+    """A commit's event as JSON, without :data:`COMMIT_ROW_FIELDS`: the rest is built here
+    whatever the statement adds, so the event the commit sends is :func:`commit_event`'s."""
+    event = commit_event(session, "", run_id, version=0, seq=None, outcome=outcome)
+    return json.dumps({k: v for k, v in event.to_json().items() if k not in COMMIT_ROW_FIELDS},
+                      separators=(",", ":"))
 
 
 def parse_event(text: str) -> Event | None:

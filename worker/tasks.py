@@ -61,8 +61,9 @@ logger = logging.getLogger(__name__)
 
 # Failures an operator should see as failed tasks; the others are contention.
 QUIET_FAILURES = (FailureClass.BUSY, FailureClass.CHANGED)
-# A bulk item that finds its session leased is retried this many times, a third of a lease
-# apart (an expired lease is closed by the next claim), before the item is marked failed.
+# A bulk item that finds its session leased is retried this many times, a third to two thirds
+# of a lease apart (bulk_busy_countdown; an expired lease is closed by the next claim), before
+# the item is marked failed.
 BULK_BUSY_RETRIES = 12
 # A run that could not reach a writable database (lost connections, a primary failing over) is
 # sent again this many times, its waits doubling up to the cap: long enough for a standby's
@@ -78,6 +79,17 @@ def database_retry_countdown(retries_done: int, rng: random.Random | None = None
     lockstep would meet the new primary together."""
     return compute_backoff(retries_done + 1, initial_s=DATABASE_RETRY_FIRST_S,
                            max_s=DATABASE_RETRY_CAP_S, rng=rng)
+
+
+def bulk_busy_countdown(retries_done: int, lease_s: float,
+                        rng: random.Random | None = None) -> float:
+    """The wait before a bulk item's retry after its session was leased by another run: a
+    third to two thirds of a lease, drawn afresh each time. Never sooner than a third (twelve
+    retries outlast four leases), and jittered: a bulk job sends many items at once, and those
+    that met busy sessions together would otherwise come back together, lease after lease. The
+    wait does not double: the holder's lease ends within a lease whatever the retry's number."""
+    return compute_backoff(retries_done + 1, initial_s=2 * lease_s / 3, max_s=2 * lease_s / 3,
+                           rng=rng)
 
 
 async def _keep_instructions(deps: Deps, session_id: str, focus: tuple[str, ...]) -> None:
@@ -174,7 +186,9 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         # Another run holds the session (or this item is a duplicate delivery still running):
         # try again after the lease has had time to end, or the bulk job would wait forever.
         if self.request.retries < BULK_BUSY_RETRIES:
-            raise self.retry(countdown=config.worker.lease_s / 3, max_retries=BULK_BUSY_RETRIES)
+            raise self.retry(countdown=bulk_busy_countdown(self.request.retries,
+                                                           config.worker.lease_s),
+                             max_retries=BULK_BUSY_RETRIES)
         process_loop(config).run(lambda deps: deps.store.mark_bulk_items(
             bulk_job_id, [session_id], ItemState.FAILED,
             from_states=[ItemState.PENDING, ItemState.ENQUEUED]))

@@ -59,15 +59,24 @@ SELECT model, started_at, finished_at, stages FROM compaction_runs
  ORDER BY started_at DESC
  LIMIT :limit;
 
--- name: append(session_id, payloads, tokens, now, call_ids, call_idx, call_result_idx, ext_ids, ext_idx, counts, counts_sum)^
--- postgres-only: calls compactd_append_v3 (functions/compactd_append_v3.sql); the SQLite connector
--- appends with separate statements in its transaction.
-SELECT * FROM compactd_append_v3(:session_id, :payloads, :tokens, :now, :call_ids, :call_idx,
-                              :call_result_idx, :ext_ids, :ext_idx, :counts, :counts_sum);
+-- name: append(session_id, payloads, tokens, now, call_ids, call_idx, call_result_idx, ext_ids, ext_idx, counts, counts_sum, key, request_sha256, key_live_after)^
+-- postgres-only: calls compactd_append_v4 (functions/compactd_append_v4.sql); the SQLite connector
+-- appends with separate statements in its transaction. The session's row, and with :key the
+-- key's row when one answers the append (the key_ columns, as append_key_find names them; NULL
+-- when the batch was appended).
+SELECT (a.s).*, (a.k).request_sha256 AS key_request_sha256, (a.k).first_seq AS key_first_seq,
+       (a.k).last_seq AS key_last_seq, (a.k).surface_version AS key_surface_version,
+       (a.k).surface_tokens AS key_surface_tokens,
+       (a.k).surface_messages AS key_surface_messages
+  FROM compactd_append_v4(:session_id, :payloads, :tokens, :now, :call_ids, :call_idx,
+                          :call_result_idx, :ext_ids, :ext_idx, :counts, :counts_sum, :key,
+                          :request_sha256, :key_live_after) AS a;
 
 -- name: append_key_find(session_id, key, live_after)^
 -- An append made with a key: what the first append with it returned (a row younger than
--- :live_after), beside the session's row; none when the key is new or expired.
+-- :live_after), beside the session's row; none when the key is new or expired. SQLite's keyed
+-- append (PostgreSQL's reads the row inside compactd_append_v4, and the releases at 0021 and
+-- 0022 with this statement).
 SELECT k.request_sha256 AS key_request_sha256, k.first_seq AS key_first_seq,
        k.last_seq AS key_last_seq, k.surface_version AS key_surface_version,
        k.surface_tokens AS key_surface_tokens, k.surface_messages AS key_surface_messages,
@@ -76,9 +85,10 @@ SELECT k.request_sha256 AS key_request_sha256, k.first_seq AS key_first_seq,
  WHERE k.session_id = :session_id AND k.key = :key AND k.created_at > :live_after;
 
 -- name: append_key_store(session_id, key, request_sha256, first_seq, last_seq, surface_version, surface_tokens, surface_messages, now, live_after)$
--- Record what the append in the same transaction returned under its key. An expired row is
--- taken over; a live one (another append with the key committed first) is left, no row is
--- returned, and the caller rolls its append back and answers from that row.
+-- Record what the append in the same transaction returned under its key (SQLite's keyed append,
+-- and the releases at 0021 and 0022 on PostgreSQL). An expired row is taken over; a live one
+-- (another append with the key committed first) is left, no row is returned, and the caller
+-- rolls its append back and answers from that row.
 INSERT INTO append_keys (session_id, key, request_sha256, first_seq, last_seq,
                          surface_version, surface_tokens, surface_messages, created_at)
 VALUES (:session_id, :key, :request_sha256, :first_seq, :last_seq, :surface_version,
@@ -96,27 +106,27 @@ RETURNING 1;
 -- takes the general path.
 SELECT * FROM compactd_claim_v2(:session_id, :run_id, :owner, :trigger, :expires, :now, :task_id);
 
--- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts)^
+-- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts, event)^
 -- postgres-only: calls compactd_commit_v3 (functions/compactd_commit_v3.sql); the SQLite connector
--- commits with separate statements in its transaction. The commit's event (storage.events) is
--- sent by pg_notify in the same statement, so a listener hears of the commit once it is visible,
--- and of no commit that was refused or rolled back.
-SELECT c.*, pg_notify('compactd_events', json_build_object(
-           'event', 'compaction.committed', 'session', c.id, 'tenant', c.tenant,
-           'run_id', :run_id::text, 'version', c.surface_version, 'seq', c.last_seq,
-           'outcome', 'running')::text) AS notified
+-- commits with separate statements in its transaction. The commit's event is sent by pg_notify in
+-- the same statement, so a listener hears of the commit once it is visible, and of no commit
+-- that was refused or rolled back: :event is built by storage.events (commit_event_fields), and
+-- the fields only the commit knows (events.COMMIT_ROW_FIELDS) are added from its row.
+SELECT c.*, pg_notify('compactd_events', (:event::jsonb || jsonb_build_object(
+           'tenant', c.tenant, 'version', c.surface_version, 'seq', c.last_seq))::text)
+           AS notified
   FROM compactd_commit_v3(:session_id, :run_id, :fence, :now, :seqs, :counts, :kinds, :payloads,
                           :tokens, :journal_kinds, :journals, :expected_pos, :expected_seq,
                           :end_payload, :before, :after, :refs, :firsts, :lasts,
                           :node_counts) AS c;
 
--- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, signalled_at, item_state, item_done)^
+-- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, signalled_at, item_state, item_done, event)^
 -- postgres-only: a data-modifying WITH around compactd_commit_v3. The commit that ends its run: the
 -- run row's result and its bulk item's ride on the call. The run row's UPDATE waits for the call
 -- (EXISTS on its result), so the session row is locked before the run row, as everywhere else,
 -- and a refused call (moved fence, changed surface) changes nothing. The call does not touch
 -- compaction_runs; the run row's UPDATE re-reads the row's newest version if a lease renewal
--- changed it meanwhile, as any UPDATE does.
+-- changed it meanwhile, as any UPDATE does. The commit's event as in commit.
 WITH c AS (SELECT * FROM compactd_commit_v3(:session_id, :run_id, :fence, :now, :seqs, :counts,
                                          :kinds, :payloads, :tokens, :journal_kinds, :journals,
                                          :expected_pos, :expected_seq, :end_payload, :before,
@@ -134,10 +144,9 @@ WITH c AS (SELECT * FROM compactd_commit_v3(:session_id, :run_id, :fence, :now, 
              FROM r
             WHERE i.job_id = r.bulk_job_id AND i.session_id = :session_id::text
               AND i.state <> :item_done)
-SELECT c.*, pg_notify('compactd_events', json_build_object(
-           'event', 'compaction.committed', 'session', c.id, 'tenant', c.tenant,
-           'run_id', :run_id::text, 'version', c.surface_version, 'seq', c.last_seq,
-           'outcome', :status::text)::text) AS notified
+SELECT c.*, pg_notify('compactd_events', (:event::jsonb || jsonb_build_object(
+           'tenant', c.tenant, 'version', c.surface_version, 'seq', c.last_seq))::text)
+           AS notified
   FROM c;
 
 -- name: notify(payload)$

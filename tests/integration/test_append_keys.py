@@ -268,13 +268,36 @@ async def test_an_append_whose_commit_answer_is_lost_is_made_again_with_its_key_
         cut: tuple[CutProxy, SessionHandle, Store]) -> None:
     proxy, session, direct = cut
     await session.append([{"role": "user", "content": "before"}])
-    proxy.arm(b"COMMIT")
+    # The keyed append is one autocommit statement: its answer is lost after it committed.
+    proxy.arm()
     step = await session.append([{"role": "user", "content": "step"}], retry=True)
     assert proxy.cuts == 1
     # The first attempt committed; the retry found its key and stored nothing.
     assert step.replayed and (step.first_seq, step.last_seq) == (2, 2)
     assert await _messages(direct, "s") == ["before", "step"]
     assert step.version == (await direct.get_session("s")).surface_version
+
+
+async def test_a_keyed_append_is_one_round_trip_as_an_unkeyed_one_is(
+        cut: tuple[CutProxy, SessionHandle, Store]) -> None:
+    # The key's check, its replay, its refusal and the append are one call of the append's
+    # function (a transaction around separate statements was five round trips).
+    proxy, session, direct = cut
+    # Each statement is prepared once per connection: the first appends prepare them.
+    await session.append([{"role": "user", "content": "warm"}])
+    await session.append([{"role": "user", "content": "warm"}], idempotency_key="warm")
+    for content, key, answer in (("plain", None, "appended"), ("step", "k", "appended"),
+                                 ("step", "k", "replayed"), ("other", "k", "refused")):
+        before = proxy.round_trips
+        try:
+            result = await session.append([{"role": "user", "content": content}],
+                                          idempotency_key=key)
+        except IdempotencyKeyReused:
+            got = "refused"
+        else:
+            got = "replayed" if result.replayed else "appended"
+        assert (got, proxy.round_trips - before) == (answer, 1), (content, key)
+    assert await _messages(direct, "s") == ["warm", "warm", "plain", "step"]
 
 
 async def test_without_a_key_an_append_whose_answer_is_lost_is_not_made_again(

@@ -6,15 +6,17 @@ and a published event are notifications on ``compactd_events``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from compactd.storage.errors import SessionNotFound, SurfaceChanged
-from compactd.storage.events import CHANNEL, Event, EventKind
+from compactd.storage.events import CHANNEL, Event, EventKind, commit_event, run_end_event
 from compactd.storage.kinds import NodeKind
-from compactd.storage.records import Claim, Replacement, RunEnd
+from compactd.storage.records import Claim, Replacement, RunEnd, SessionInfo
 from compactd.storage.store import Store
 from tests.support.surfaces import user
 
@@ -60,34 +62,54 @@ async def test_a_commit_elsewhere_ends_the_wait_with_its_version(db_url: str) ->
         await committer.close()
 
 
-@pytest.mark.postgres
-async def test_commits_failed_ends_and_published_events_are_notifications(
-        clean_pg: str) -> None:
-    store = Store.from_url(clean_pg)
+@contextlib.asynccontextmanager
+async def listening(store: Store) -> AsyncIterator[list[dict[str, Any]]]:
+    """The events heard on the channel while the block runs (a connection of the store's pool
+    in LISTEN)."""
     heard: list[dict[str, Any]] = []
 
     def hear(*args: Any) -> None:
         heard.append(json.loads(args[-1]))
 
+    async with store.engine.connect() as conn:
+        raw: Any = (await conn.get_raw_connection()).driver_connection
+        await raw.add_listener(CHANNEL, hear)
+        try:
+            yield heard
+        finally:
+            await raw.remove_listener(CHANNEL, hear)
+            await conn.invalidate()
+
+
+async def committed_once(store: Store) -> tuple[Claim, SessionInfo]:
+    """Session s1 of tenant acme, claimed, and its first two messages checkpointed."""
+    await store.create_session("s1", tenant="acme")
+    await store.append("s1", [user(f"m{i}") for i in range(6)])
+    claim = await claimed(store)
+    info = await store.commit("s1", run_id=claim.run_id, fence=claim.fence,
+                              replacements=[checkpoint((1, 2))])
+    return claim, info
+
+
+async def until_heard(heard: list[dict[str, Any]], count: int) -> None:
+    for _ in range(200):
+        if len(heard) >= count:
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.postgres
+async def test_commits_failed_ends_and_published_events_are_notifications(
+        clean_pg: str) -> None:
+    store = Store.from_url(clean_pg)
     try:
-        async with store.engine.connect() as conn:
-            raw: Any = (await conn.get_raw_connection()).driver_connection
-            await raw.add_listener(CHANNEL, hear)
-            await store.create_session("s1", tenant="acme")
-            await store.append("s1", [user(f"m{i}") for i in range(6)])
-            claim = await claimed(store)
-            info = await store.commit("s1", run_id=claim.run_id, fence=claim.fence,
-                                      replacements=[checkpoint((1, 2))])
+        async with listening(store) as heard:
+            claim, info = await committed_once(store)
             assert await store.finish("s1", run_id=claim.run_id, fence=claim.fence,
                                       end=RunEnd(outcome="failed", failure_class="summary"))
             await store.publish(Event(EventKind.OVERFLOW_SERVED, "s1", "acme", claim.run_id,
                                       info.surface_version))
-            for _ in range(200):
-                if len(heard) >= 3:
-                    break
-                await asyncio.sleep(0.01)
-            await raw.remove_listener(CHANNEL, hear)
-            await conn.invalidate()
+            await until_heard(heard, 3)
     finally:
         await store.close()
     base = {"session": "s1", "tenant": "acme", "run_id": claim.run_id}
@@ -98,3 +120,25 @@ async def test_commits_failed_ends_and_published_events_are_notifications(
          "seq": info.last_seq + 1, "outcome": "summary"},
         {**base, "event": "session.overflow_served", "version": info.surface_version,
          "seq": None, "outcome": None}]
+
+
+@pytest.mark.postgres
+async def test_a_commits_notification_is_the_event_storage_events_builds(clean_pg: str) -> None:
+    """The commit's statement sends its event (queries.sql); storage.events builds it for
+    everything else (webhooks, a run's end): a commit, and one that ends its run, are heard
+    as exactly the events Python builds for them."""
+    store = Store.from_url(clean_pg)
+    try:
+        async with listening(store) as heard:
+            claim, running = await committed_once(store)
+            ended = await store.commit("s1", run_id=claim.run_id, fence=claim.fence,
+                                       replacements=[checkpoint((3, 4))],
+                                       end=RunEnd(outcome="committed"))
+            await until_heard(heard, 2)
+    finally:
+        await store.close()
+    assert heard == [
+        commit_event("s1", "acme", claim.run_id, version=running.surface_version,
+                     seq=running.last_seq, outcome="running").to_json(),
+        run_end_event("s1", "acme", claim.run_id, version=ended.surface_version,
+                      seq=ended.last_seq, status="committed", failure_class=None).to_json()]

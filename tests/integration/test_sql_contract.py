@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from compactd.storage import schema as t
 from compactd.storage import sql
 from compactd.storage.database import transaction
+from compactd.storage.events import commit_event_fields
 from compactd.storage.kinds import JournalKind, NodeKind
 from compactd.storage.migrate import HEAD_REVISION
 from compactd.storage.records import Claim, Replacement, RunEnd, utcnow
@@ -144,13 +145,25 @@ async def _recent_summary_runs(store: Store) -> None:
 
 @case("append")
 async def _append(store: Store) -> None:
-    row = await store.db.fetchrow(
-        "append", session_id="s1", payloads=[json.dumps({"role": "user", "content": "c"})],
-        tokens=[5], now=utcnow(), call_ids=[], call_idx=[], call_result_idx=[], ext_ids=[],
-        ext_idx=[], counts=[json.dumps({"turns": 1})], counts_sum=json.dumps({"turns": 1}))
+    now = utcnow()
+    batch = {"session_id": "s1", "payloads": [json.dumps({"role": "user", "content": "c"})],
+             "tokens": [5], "now": now, "call_ids": [], "call_idx": [], "call_result_idx": [],
+             "ext_ids": [], "ext_idx": [], "counts": [json.dumps({"turns": 1})],
+             "counts_sum": json.dumps({"turns": 1})}
+    row = await store.db.fetchrow("append", **batch, key=None, request_sha256=None,
+                                  key_live_after=None)
     assert row is not None and (row["last_seq"], row["surface_messages"]) == (3, 3)
+    assert row["key_request_sha256"] is None
     # The counters kept by name, summed onto the session.
     assert (row["counts"], row["over_counts"]) == ({"turns": 1}, False)
+    # With a key: appended and recorded, then answered from the key's row.
+    keyed = {**batch, "key": "k", "request_sha256": "a" * 64, "key_live_after": now - HOUR}
+    row = await store.db.fetchrow("append", **keyed)
+    assert row is not None and (row["last_seq"], row["key_request_sha256"]) == (4, None)
+    row = await store.db.fetchrow("append", **keyed)
+    assert row is not None and (row["last_seq"], row["surface_messages"]) == (4, 4)
+    assert (row["key_request_sha256"], row["key_first_seq"], row["key_last_seq"],
+            row["key_surface_messages"]) == ("a" * 64, 4, 4, 4)
 
 
 def _key_row(now: dt.datetime, digest: str, version: int) -> dict[str, Any]:
@@ -219,7 +232,8 @@ def _prune_of_seq_1() -> dict[str, Any]:
 @case("commit")
 async def _commit(store: Store) -> None:
     lease = await _claimed(store)
-    row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None)
+    row = await store.db.fetchrow("commit", **lease, **_prune_of_seq_1(), end_payload=None,
+                                  event=commit_event_fields("s1", "r1", "running"))
     assert row is not None and row["lease_run_id"] == "r1" and row["surface_version"] == 2
     # The counters kept by name, summed again from the surface rows with the new node's.
     assert row["counts"] == {"turns": 2}
@@ -242,7 +256,8 @@ async def _commit_ending(store: Store) -> None:
         end_payload=json.dumps({"run_id": "r1", "outcome": "succeeded"}), status="succeeded",
         failure_class=None, error=None, tokens_before=10, tokens_after=6, model="m", usage=None,
         candidates=None, stages=None, range_seqs=json.dumps([1]), signalled_at=SIGNALLED_AT,
-        item_state="done", item_done="done")
+        item_state="done", item_done="done",
+        event=commit_event_fields("s1", "r1", "succeeded"))
     assert row is not None and row["lease_run_id"] is None
     run = await store.get_run("r1")
     assert run is not None and (run.status, run.tokens_after, run.range_seqs,

@@ -120,7 +120,7 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         calls = wait_until(lambda: _counted(migrated, "compactd_commit"),
                            timeout=30, what="the previous release's commit to be counted")
         assert calls.get("compactd_append", 0) > 0 and calls.get("compactd_claim", 0) > 0
-        assert not any(calls.get(name) for name in ("compactd_append_v3", "compactd_claim_v2",
+        assert not any(calls.get(name) for name in ("compactd_append_v4", "compactd_claim_v2",
                                                      "compactd_commit_v3")), calls
 
         # 2. This release's worker takes the previous release's client's runs.
@@ -142,7 +142,7 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         stack.kill("old2")
         wait_until(lambda: _calls(migrated).get("compactd_commit", 0) > before, timeout=30,
                    what="the previous release's worker's commit to be counted")
-        assert _calls(migrated).get("compactd_append_v3", 0) > 0
+        assert _calls(migrated).get("compactd_append_v4", 0) > 0
 
     # Every session came out whole: its surface replays from its log.
     with Db(migrated) as db:

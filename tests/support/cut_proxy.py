@@ -4,7 +4,8 @@ whose tag starts with the armed prefix (``COMMIT``), or with no prefix at the ne
 ReadyForQuery (the end of the next statement's answer: an autocommit statement has committed
 by then), instead of passing it on. The server has done the work and committed; the client
 sees its connection drop mid-answer, as it would when a network path or a restarting server
-cut it.
+cut it. It counts the answers it passes on (``round_trips``: each ends with a ReadyForQuery, one
+per simple query or extended-protocol Sync, so one per round trip a client waits for).
 
     async with CutProxy(pg_url) as proxy:
         proxy.arm(b"COMMIT")
@@ -37,6 +38,7 @@ class CutProxy:
         self._armed_end = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.cuts = 0
+        self.round_trips = 0
 
     def url(self, target_url: str) -> str:
         """``target_url`` through the proxy."""
@@ -104,5 +106,7 @@ class CutProxy:
                 self._armed, self._armed_end = None, False
                 self.cuts += 1
                 return  # the caller closes both connections: the answer is lost
+            if head[0] == _READY_FOR_QUERY:
+                self.round_trips += 1
             writer.write(head + body)
             await writer.drain()

@@ -1,5 +1,6 @@
 """The waits before a task is tried again (a run after the database was unavailable, a webhook
-delivery): doubling up to a cap, and jittered so a fleet of workers does not retry in lockstep."""
+delivery, a bulk item whose session was leased): doubling up to a cap (a bulk item's wait is
+its cap from the first), and jittered so a fleet of workers does not retry in lockstep."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from compactd.worker.settings import build_config
 from compactd.worker.tasks import (
     DATABASE_RETRY_CAP_S,
     DATABASE_RETRY_FIRST_S,
+    bulk_busy_countdown,
     database_retry_countdown,
 )
 from compactd.worker.webhooks import BACKOFF_CAP_S, backoff_s
@@ -22,6 +24,8 @@ HOOKS = build_config({"events": {"backoff_s": 0.5}})
 WAITS: list[tuple[str, Wait, float, float]] = [
     ("database", database_retry_countdown, DATABASE_RETRY_FIRST_S, DATABASE_RETRY_CAP_S),
     ("webhook", lambda n, rng: backoff_s(HOOKS, n, rng), 0.5, BACKOFF_CAP_S),
+    # A third to two thirds of a 30 s lease, whatever the retry's number.
+    ("bulk busy", lambda n, rng: bulk_busy_countdown(n, 30.0, rng), 20.0, 20.0),
 ]
 
 

@@ -5,7 +5,8 @@ Adding a kind: a module here with its ``Kind`` subclass, a line in :data:`KINDS`
 A kind that measures something no registered counter counts also needs the counter: a
 ``storage.counters.Counter`` object (what one message adds to it) registered in
 ``storage.counters.COUNTERS``, with a kind of its own name; the storage keeps it counted by name
-with no change of its own.
+with no change of its own (sessions appended to before the release count it from then on:
+``storage.counters`` says what that does and why there is no backfill).
 """
 
 from __future__ import annotations
