@@ -9,8 +9,9 @@ once the run holds the session's lease, and answers None (go on) or a mapping:
   its journal.
 
 The function may be a coroutine function (awaited on the worker's loop) or a plain one (run in a
-thread). It gets ``events.hook_timeout_s``, and never more than what is left of the run's
-deadline. A hook that raises, hangs past its time or answers something else is the hook's
+thread). It gets ``events.hook_timeout_s``, and never more than :data:`HOOK_SHARE_OF_LEFT` of
+what is left of the run's deadline (:func:`hook_time_s`), so a hook that hangs leaves the run the
+rest. A hook that raises, hangs past its time or answers something else is the hook's
 failure, not the run's: the run goes on without it, and the error is in the run's journal
 (``compaction/end``'s ``hook``).
 """
@@ -27,6 +28,10 @@ from typing import Any
 
 from compactd.storage.errors import InvalidMessage
 from compactd.storage.instructions import check_instructions
+
+# The share of what is left of the run's deadline a hook may take: given all of it, a hook that
+# hangs would end the run as cancelled instead of letting it go on without the hook.
+HOOK_SHARE_OF_LEFT = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,12 @@ def load_hook(entry_point: str) -> Callable[[PreCompaction], Any]:
     if not callable(target):
         raise TypeError(f"{entry_point} is not callable")
     return target
+
+
+def hook_time_s(timeout_s: float, left_s: float) -> float:
+    """How long the hook may take: its ``timeout_s``, within its share of the ``left_s``
+    seconds the run has before its deadline."""
+    return max(0.0, min(timeout_s, left_s * HOOK_SHARE_OF_LEFT))
 
 
 async def call_hook(entry_point: str, context: PreCompaction, timeout_s: float) -> HookAnswer:
