@@ -9,24 +9,32 @@ once the run holds the session's lease, and answers None (go on) or a mapping:
   its journal.
 
 The function may be a coroutine function (awaited on the worker's loop) or a plain one (run in a
-thread). It gets ``events.hook_timeout_s``, and never more than what is left of the run's
-deadline. A hook that raises, hangs past its time or answers something else is the hook's
-failure, not the run's: the run goes on without it, and the error is in the run's journal
-(``compaction/end``'s ``hook``).
+daemon thread of its own). It gets ``events.hook_timeout_s``, and never more than
+:data:`HOOK_SHARE_OF_LEFT` of what is left of the run's deadline (:func:`hook_time_s`), so a hook
+that hangs leaves the run the rest. A hook that raises, hangs past its time or answers something
+else is the hook's failure, not the run's: the run goes on without it, and the error is in the
+run's journal (``compaction/end``'s ``hook``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from compactd.storage.errors import InvalidMessage
 from compactd.storage.instructions import check_instructions
+
+# The share of what is left of the run's deadline a hook may take: given all of it, a hook that
+# hangs would end the run as cancelled instead of letting it go on without the hook.
+HOOK_SHARE_OF_LEFT = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,12 @@ def load_hook(entry_point: str) -> Callable[[PreCompaction], Any]:
     return target
 
 
+def hook_time_s(timeout_s: float, left_s: float) -> float:
+    """How long the hook may take: its ``timeout_s``, within its share of the ``left_s``
+    seconds the run has before its deadline."""
+    return max(0.0, min(timeout_s, left_s * HOOK_SHARE_OF_LEFT))
+
+
 async def call_hook(entry_point: str, context: PreCompaction, timeout_s: float) -> HookAnswer:
     """The hook's answer to ``context`` within ``timeout_s``; its failure as ``error``."""
     try:
@@ -68,7 +82,7 @@ async def call_hook(entry_point: str, context: PreCompaction, timeout_s: float) 
         if inspect.iscoroutinefunction(hook):
             raw = await asyncio.wait_for(hook(context), timeout_s)
         else:
-            raw = await asyncio.wait_for(asyncio.to_thread(hook, context), timeout_s)
+            raw = await asyncio.wait_for(_in_daemon_thread(hook, context), timeout_s)
         answer = _answer(raw)
     except TimeoutError:
         error = f"the hook did not answer within {timeout_s:g} s"
@@ -82,6 +96,36 @@ async def call_hook(entry_point: str, context: PreCompaction, timeout_s: float) 
     if answer.veto is not None:
         journal["veto"] = answer.veto
     return HookAnswer(answer.instructions, answer.veto, None, journal)
+
+
+async def _in_daemon_thread(hook: Callable[[PreCompaction], Any], context: PreCompaction) -> Any:
+    """``hook(context)`` in a daemon thread of its own: one that hangs past its time is left to
+    itself, and neither the loop's executor (shared with the run's other blocking calls) nor the
+    process's exit waits for it (a worker's warm shutdown would hang until the hook returned)."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[Any] = loop.create_future()
+    copied = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if answer.done():  # given up on: the hook's time was up
+            return
+        if error is None:
+            answer.set_result(result)
+        else:
+            answer.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = copied.run(hook, context), None
+        except Exception as exc:
+            result, error = None, exc
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt: the hook's, not the run's
+            result, error = None, RuntimeError(f"the hook raised {type(exc).__name__}")
+        with contextlib.suppress(RuntimeError):  # the loop closed while the hook ran
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="compactd-pre-compaction-hook", daemon=True).start()
+    return await answer
 
 
 def _answer(raw: Any) -> HookAnswer:

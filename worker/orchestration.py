@@ -51,7 +51,7 @@ from compactd.worker.compaction.pruning import prune_replacements, riding_action
 from compactd.worker.compaction.render import checkpoint_tokens
 from compactd.worker.compaction.sharing import SharedCall, cache_readable, shared_call
 from compactd.worker.compaction.triggers import should_compact
-from compactd.worker.hooks import PreCompaction, call_hook
+from compactd.worker.hooks import PreCompaction, call_hook, hook_time_s
 from compactd.worker.lead import refresh_after_checkpoint
 from compactd.worker.llm.fallback import SummaryRequest
 from compactd.worker.metrics import metrics
@@ -263,7 +263,7 @@ async def _vetoed(scope: RunScope, info: SessionInfo, policy: Policy) -> bool:
         session_id=info.id, tenant=info.tenant, run_id=scope.claim.run_id,
         trigger=out.trigger, tokens=session_pressure(info, policy).tokens,
         instructions=out.instructions),
-        timeout_s=max(0.0, min(deps.config.events.hook_timeout_s, left)))
+        timeout_s=hook_time_s(deps.config.events.hook_timeout_s, left))
     out.hook = answer.journal
     if answer.error is not None:
         logger.warning("the pre-compaction hook failed; the run goes on without it: %s",

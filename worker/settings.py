@@ -268,7 +268,7 @@ class EventsConfig(_Strict):
     retries: int = Field(default=8, ge=0, le=100)
     backoff_s: float = Field(default=2.0, gt=0)
     # ``module:function`` the worker calls before each run (worker.hooks), and how long it may
-    # take (never past the run's deadline).
+    # take (never more than a quarter of what is left of the run's deadline: worker.hooks).
     pre_compaction: str | None = None
     hook_timeout_s: float = Field(default=5.0, gt=0)
 

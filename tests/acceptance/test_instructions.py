@@ -1,7 +1,7 @@
 """A manual compaction's instructions and the agent's own ``compact_context``, on the user's path:
-``compactd compact --instructions`` and a LangChain agent with CompactdMiddleware, a real Celery
-worker, real PostgreSQL and Redis, the fake provider over HTTP as the summarizer and the agent's
-model."""
+``compactd compact --instructions``, a LangChain agent with CompactdMiddleware and a runtime on
+``compactd serve``, a real Celery worker, real PostgreSQL and Redis, the fake provider over HTTP as
+the summarizer and the agent's model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import html
 import json
 
+import httpx
 import pytest
 from langchain.agents import create_agent
 from langchain_core.tools import tool
@@ -21,6 +22,7 @@ from compactd.storage.kinds import JournalKind, RunStatus
 from compactd.storage.records import Claim, RunEnd
 from compactd.worker.compaction.render import LANGCHAIN_PREFIX
 from compactd.worker.settings import load_config
+from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.chat_models import fake_chat_openai
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
@@ -167,3 +169,36 @@ def test_an_agent_compacts_its_own_context_and_the_next_step_has_the_checkpoint(
     assert all(carried[first:]) and first >= 8
     assert agent_calls[first].body_bytes < agent_calls[first - 1].body_bytes
     assert db.verify("agent-1").ok
+
+
+def test_an_agent_over_http_compacts_its_own_context_and_its_next_read_has_the_checkpoint(
+        make_stack, fake: FakeProvider, db: Db) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack(summarization=POLICY, worker={"loop_guard": {"max_compactions": 1}})
+    url = start_api(stack)
+    stack.start_worker("w1", concurrency=2)
+    focus = "Handoff: the migration of table users is done; next: orders"
+    session = f"{url}/v1/sessions/agent-2"
+    with httpx.Client(headers=bearer(TOKEN_A), timeout=120) as http:
+        http.put(session, json={}).raise_for_status()
+        http.post(f"{session}/messages", json={
+            "messages": coding_session(steps=20, big_output_lines=30).messages}
+                  ).raise_for_status()
+        before = http.get(f"{session}/surface")
+        # The agent's tool call, as its runtime forwards it: queued, never waited on.
+        asked = http.post(f"{session}/compact_context", json={"focus": focus})
+        assert asked.status_code == 202 and asked.json()["outcome"] == "queued", asked.text
+        # The runtime's next read: the surface once the worker's commit moved it.
+        after = http.get(f"{session}/surface", params={"wait": 60},
+                         headers={"If-None-Match": before.headers["etag"]})
+        assert after.status_code == 200, after.text
+        again = http.post(f"{session}/compact_context", json={"focus": focus})
+    messages = after.json()["messages"]
+    assert any((m.get("meta") or {}).get("checkpoint") for m in messages), messages
+    assert len(messages) < len(before.json()["messages"])
+    [run] = db.runs("agent-2")
+    assert run.status == RunStatus.COMMITTED and run.instructions == [focus]
+    assert run.task_id == asked.json()["task_id"]
+    assert any(html.escape(focus, quote=False) in text for text in summary_texts(fake))
+    # Asked again at once: refused by the loop guard, and nothing more queued.
+    assert again.status_code == 429 and "compact_context refused" in again.json()["message"]
+    assert len(db.runs("agent-2")) == 1

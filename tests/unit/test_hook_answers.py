@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -37,9 +38,15 @@ def hooks() -> Iterator[Any]:
     async def hangs(run: PreCompaction) -> None:
         await asyncio.sleep(30)
 
-    module.asks, module.hangs = asks, hangs
+    def blocks(run: PreCompaction) -> None:
+        module.thread = threading.current_thread()
+        module.release.wait(60)
+
+    module.asks, module.hangs, module.blocks = asks, hangs, blocks
+    module.release = threading.Event()
     sys.modules[module.__name__] = module
     yield module
+    module.release.set()
     del sys.modules[module.__name__]
 
 
@@ -64,3 +71,12 @@ async def test_a_hook_that_cannot_be_loaded_is_its_error() -> None:
     assert missing.error == "ModuleNotFoundError: No module named 'compactd_no_such_module'"
 
 
+
+
+async def test_a_plain_hook_that_hangs_never_holds_the_process_at_its_exit(hooks: Any) -> None:
+    hung = await call_hook("compactd_unit_hooks:blocks", CONTEXT, 0.05)
+    assert hung.error == "the hook did not answer within 0.05 s"
+    # Still running after the run went on: in a daemon thread, which the interpreter does not
+    # wait for at exit (a worker's warm shutdown would wait on the pool's thread until the
+    # hook returned).
+    assert hooks.thread.is_alive() and hooks.thread.daemon
