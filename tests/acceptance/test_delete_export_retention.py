@@ -37,7 +37,8 @@ def odd_messages() -> list[dict[str, Any]]:
     """What a log can hold that a careless export would change: NUL, non-ASCII, an emoji
     outside the BMP, the line and paragraph separators (a line break to some readers), CR,
     a large tool result, content blocks, tool calls, a name, pass-through fields and meta."""
-    big = "".join(f"{i:06d} résumé ✓ \x00\n" for i in range(40_000))  # about 0.8 MB
+    big = "".join(f"{i:06d} résumé ✓ \x00\n" for i in range(50_000))
+    assert len(big.encode()) > 1 << 20, "a tool result over a MiB"
     return [
         {"role": "system", "content": "Du bist ein Agent. 你好 \u2028 \u2029 \r\n end"},
         {"role": "user", "content": "NUL:\x00 tab:\t quote:\" backslash:\\ 😀",

@@ -206,7 +206,7 @@ async def _fleet_through_failover(pair: PostgresPair, stack: Stack) -> dict[str,
         "errors": dict(sum((r.errors for r in runtimes), Counter())),
         "checkpoints_read": sum(len(r.checkpoints) for r in runtimes),
         # An append whose connection was lost under it may have committed: its retry then
-        # stores it again (appends carry no id to recognise it by).
+        # stores it again (these runtimes append without an idempotency key).
         "messages_stored_twice": stored_twice,
         "every_session_compacted_after_promotion_s": round(compacted_again - promoted_at, 2),
     }

@@ -7,9 +7,11 @@ stored (appends never need Redis), the signals the appends hand to the broker fa
 background and are logged, and the worker and beat stay up. Redis comes back empty: the pressure
 sweep finds every session over its trigger and the worker compacts it, with nothing lost.
 
-The outage lasts ``COMPACTD_TEST_REDIS_OUTAGE_S`` seconds (default 12; the RUNBOOK's minute is
-``COMPACTD_TEST_REDIS_OUTAGE_S=60``): the worker's reconnect backoff and the client's failed
-sends behave the same after the first seconds.
+The outage lasts ``COMPACTD_TEST_REDIS_OUTAGE_S`` seconds, a minute by default (issue 29's): the
+worker's reconnect waits grow by 2 s a try, so after a minute it reconnects some seconds after
+Redis is back, where after a shorter outage it would at once. The test checks the log lines the
+RUNBOOK's "Redis down or restarted" quotes, and prints the appends' latency before and during
+the outage.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +37,7 @@ from tests.support.worker_stack import db
 
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
 
-OUTAGE_S = float(os.environ.get("COMPACTD_TEST_REDIS_OUTAGE_S", "12"))
+OUTAGE_S = float(os.environ.get("COMPACTD_TEST_REDIS_OUTAGE_S", "60"))
 SESSIONS = 4
 TRIGGER_TOKENS = 3000
 # Steps each session takes before the outage (under its trigger) and during it (over it by the
@@ -56,6 +59,8 @@ class Appended:
     signalled_during: set[str] = field(default_factory=set)
     signals: int = 0  # appends during the outage that signalled
     broker_down_at: float = 0.0
+    before_ms: list[float] = field(default_factory=list)  # each append's time, before the outage
+    during_ms: list[float] = field(default_factory=list)  # and during it
 
 
 async def append_through_the_outage(stack: Stack, broker: PrivateRedis) -> Appended:
@@ -68,14 +73,18 @@ async def append_through_the_outage(stack: Stack, broker: PrivateRedis) -> Appen
                    for k in range(SESSIONS)]
         for i in range(STEPS_BEFORE):
             for k, handle in enumerate(handles):
+                started = time.perf_counter()
                 step = await handle.append(turn(k, i))
+                out.before_ms.append((time.perf_counter() - started) * 1000)
                 assert not step.fired, "under the trigger before the outage"
         broker.stop()
         out.broker_down_at = time.monotonic()
         interval = OUTAGE_S / STEPS_DURING
         for i in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_DURING):
             for k, handle in enumerate(handles):
+                started = time.perf_counter()
                 step = await handle.append(turn(k, i))
+                out.during_ms.append((time.perf_counter() - started) * 1000)
                 if step.signalled:
                     out.signalled_during.add(handle.id)
                     out.signals += 1
@@ -111,7 +120,11 @@ def test_redis_down_for_a_while_loses_nothing_and_the_sweep_catches_up(
         # (the first sends of the outage run together; after one fails, one per hold)
         assert 1 <= len(failures) <= SESSIONS + OUTAGE_S / BROKER_HOLD_S + 1, len(failures)
         assert appended.signals > 2 * len(failures), (appended.signals, len(failures))
+        # What the RUNBOOK says the worker and beat log while Redis is down.
         assert "Connection to broker lost" in stack.log("w1")
+        assert "Cannot connect to redis://" in stack.log("w1")
+        assert "Trying again in " in stack.log("w1")
+        assert "Couldn't apply scheduled task sweep: Error 111 connecting" in stack.log("beat")
         # The operator's view while Redis is down (status reads PostgreSQL only): no run
         # lately, and the sessions growing towards their window with their runway.
         status = stack.cli_json("status")
@@ -139,6 +152,11 @@ def test_redis_down_for_a_while_loses_nothing_and_the_sweep_catches_up(
         assert worker.poll() is None and beat.poll() is None
         assert stack.log("w1").count("Connected to redis") >= 2, "the worker reconnected"
         assert "Unrecoverable error" not in stack.log("w1")
+        print(f"\nredis outage {OUTAGE_S:g} s: append median / max before "
+              f"{statistics.median(appended.before_ms):.1f} / {max(appended.before_ms):.1f} ms "
+              f"({len(appended.before_ms)}), during {statistics.median(appended.during_ms):.1f} / "
+              f"{max(appended.during_ms):.1f} ms ({len(appended.during_ms)}); signal failures "
+              f"logged {len(failures)} for {appended.signals} signalling appends")
     finally:
         stack.close()
         broker.stop()

@@ -1,7 +1,9 @@
-"""A rolling upgrade: the previous release's worker and client (commit bd287a3, revision 0018,
-calling the unversioned functions) run on the schema migrated to this release's head beside
-this release's worker and client, and every pairing compacts. Real Celery worker processes,
-PostgreSQL and Redis; the previous release's code comes from the repository's history."""
+"""A rolling upgrade: a previous release's worker and client run on the schema migrated to this
+release's head beside this release's worker and client, and every pairing compacts. Two
+releases: the last one before this release's schema (commit c1a9f07, revision 0022, calling the
+third generation of the append and the commit) and the last one before versioned functions
+(commit bd287a3, revision 0018, calling the unversioned ones). Real Celery worker processes,
+PostgreSQL and Redis; the releases' code comes from the repository's history."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -19,6 +22,7 @@ from compactd.scheduler.samples import coding_session
 from compactd.storage.migrate import HEAD_REVISION, upgrade
 from tests.support.db import Db
 from tests.support.releases import (
+    LATEST_RELEASE,
     MODULE_PREFIX_ENV,
     PREVIOUS_RELEASE,
     module_prefix,
@@ -35,9 +39,31 @@ POLICY = {"trigger": [{"type": "tokens", "value": 1_000_000}],
           "trim_tokens_to_summarize": 16000}
 
 
-@pytest.fixture(scope="session")
-def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return release_tree(PREVIOUS_RELEASE, tmp_path_factory.mktemp(f"release-{PREVIOUS_RELEASE}"))
+# The functions this release calls.
+CURRENT = {"append": "compactd_append_v4", "claim": "compactd_claim_v2",
+           "commit": "compactd_commit_v3"}
+
+
+@dataclass(frozen=True)
+class Release:
+    commit: str
+    revision: str
+    functions: dict[str, str]  # the functions it calls, as CURRENT
+
+
+RELEASES = [
+    Release(LATEST_RELEASE, "0022", {"append": "compactd_append_v3", "claim": "compactd_claim_v2",
+                                     "commit": "compactd_commit_v3"}),
+    Release(PREVIOUS_RELEASE, "0018", {"append": "compactd_append", "claim": "compactd_claim",
+                                       "commit": "compactd_commit"}),
+]
+
+
+@pytest.fixture(scope="session", params=RELEASES, ids=[r.commit for r in RELEASES])
+def release(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[Release, Path]:
+    case: Release = request.param
+    return case, release_tree(case.commit, tmp_path_factory.mktemp(f"release-{case.commit}"))
 
 
 @pytest.fixture
@@ -94,7 +120,9 @@ def _committed_by(stack: Stack, worker: str) -> int:
 
 def test_previous_and_current_releases_compact_on_the_new_schema(
         migrated: str, clean_redis: str, fake, tmp_path: Path,  # type: ignore[no-untyped-def]
-        previous_release: Path) -> None:
+        release: tuple[Release, Path]) -> None:
+    case, previous_release = release
+    theirs = case.functions
     assert _run(migrated, "SELECT version_num FROM alembic_version")[0][0] == HEAD_REVISION  # type: ignore[index]
     stack = Stack(migrated, clean_redis, tmp_path / "stack", fake_url=fake.url,
                   summarization=POLICY)
@@ -104,11 +132,12 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
     with stack:
         # The old code is what runs: its own head revision, from the extracted tree.
         # namespace: keep
-        probe = "import storage.migrate as m; print(m.__file__, m.HEAD_REVISION)"
+        probe = (f"import {module_prefix(previous_release)}storage.migrate as m; "
+                 "print(m.__file__, m.HEAD_REVISION)")
         head = stack.start("probe", [stack.python, "-c", probe], env=old)
         head.wait(timeout=60)
-        assert f"{previous_release}" in stack.log("probe") and " 0018" in stack.log("probe"), \
-            stack.log("probe")
+        assert f"{previous_release}" in stack.log("probe") \
+            and f" {case.revision}" in stack.log("probe"), stack.log("probe")
 
         # 1. The previous release's client and worker, on the migrated schema.
         stack.start_worker("old", concurrency=2, env=old)
@@ -117,11 +146,11 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         # A backend reports its function calls when its connection closes, else only after
         # PostgreSQL's idle interval: the worker goes first, its counts at once.
         stack.kill("old")
-        calls = wait_until(lambda: _counted(migrated, "compactd_commit"),
+        calls = wait_until(lambda: _counted(migrated, theirs["commit"]),
                            timeout=30, what="the previous release's commit to be counted")
-        assert calls.get("compactd_append", 0) > 0 and calls.get("compactd_claim", 0) > 0
-        assert not any(calls.get(name) for name in ("compactd_append_v4", "compactd_claim_v2",
-                                                     "compactd_commit_v3")), calls
+        assert calls.get(theirs["append"], 0) > 0 and calls.get(theirs["claim"], 0) > 0
+        ours_only = set(CURRENT.values()) - set(theirs.values())
+        assert not any(calls.get(name) for name in ours_only), calls
 
         # 2. This release's worker takes the previous release's client's runs.
         stack.start_worker("new", concurrency=2, env=new)
@@ -129,20 +158,20 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         assert result["outcome"] == "committed", (result, stack.log("new")[-3000:])
         assert _committed_by(stack, "new") == 1
         stack.kill("new")
-        calls = wait_until(lambda: _counted(migrated, "compactd_commit_v3"),
+        calls = wait_until(lambda: _counted(migrated, CURRENT["commit"]),
                            timeout=30, what="this release's commit to be counted")
-        assert calls.get("compactd_claim_v2", 0) > 0
+        assert calls.get(CURRENT["claim"], 0) > 0
 
         # 3. And the previous release's worker takes this release's client's runs.
         stack.start_worker("old2", concurrency=2, env=old)
-        before = _calls(migrated).get("compactd_commit", 0)
+        before = _calls(migrated).get(theirs["commit"], 0)
         result = _ingest_and_compact(stack, "new-old", new, seed=3)
         assert result["outcome"] == "committed", (result, stack.log("old2")[-3000:])
         assert _committed_by(stack, "old2") == 1
         stack.kill("old2")
-        wait_until(lambda: _calls(migrated).get("compactd_commit", 0) > before, timeout=30,
+        wait_until(lambda: _calls(migrated).get(theirs["commit"], 0) > before, timeout=30,
                    what="the previous release's worker's commit to be counted")
-        assert _calls(migrated).get("compactd_append_v4", 0) > 0
+        assert _calls(migrated).get(CURRENT["append"], 0) > 0
 
     # Every session came out whole: its surface replays from its log.
     with Db(migrated) as db:

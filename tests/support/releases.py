@@ -26,28 +26,36 @@ REPO = Path(__file__).resolve().parents[2]
 # The release before versioned functions: the last commit at revision 0018, which calls the
 # unversioned compactd_claim and its kin.
 PREVIOUS_RELEASE = "bd287a3"
+# The last release before this one's schema (revision 0022, counters by name), which calls the
+# third generation of the append and the commit.
+LATEST_RELEASE = "c1a9f07"
 # Releases whose head revision the chain still has as they had it (a downgrade's landing
 # places): 0015 before the checkpoint lead changed the append and the commit, 0017 before
 # the beat_runs table.
 RELEASE_AT = {"0015": "e746056", "0017": "e34ca83"}
 
 _PACKAGES = ("storage", "worker", "scheduler")
-# The releases above predate the compactd namespace: their modules import as ``storage.x``, not
-# ``compactd.storage.x``. An environment naming this variable tells the stack which (the empty
-# string: the bare names of a release before the namespace).
+# A release with the compactd namespace keeps the namespace's own modules (compactd.client)
+# here (its pyproject's package-dir).
+_PUBLIC = Path("scheduler") / "public"
+# Releases before the compactd namespace import as ``storage.x``, not ``compactd.storage.x``. An
+# environment naming this variable tells the stack which (the empty string: the bare names of a
+# release before the namespace).
 MODULE_PREFIX_ENV = "RELEASE_MODULE_PREFIX"
 CURRENT_PREFIX = "compactd."
 
 
 def module_prefix(tree: Path) -> str:
-    """What ``tree``'s packages import under: bare for a release extracted here (all predate the
-    namespace), ``compactd.`` for the tree under test."""
-    return CURRENT_PREFIX if tree.resolve() == REPO else ""
+    """What ``tree``'s packages import under: ``compactd.`` for the tree under test and for a
+    release extracted with the namespace (``tree/compactd``), bare for one before it."""
+    return CURRENT_PREFIX if tree.resolve() == REPO or (tree / "compactd").is_dir() else ""
 
 
 def release_tree(commit: str, dest: Path) -> Path:
-    """The code of ``commit`` (its Python packages) under ``dest``, extracted once."""
-    if (dest / "storage").is_dir():
+    """The code of ``commit`` (its Python packages) under ``dest``, extracted once: a release
+    with the compactd namespace laid out as it installs (``dest/compactd/storage``, its public
+    modules in ``dest/compactd``), so that it imports ahead of the tree under test."""
+    if (dest / "storage").is_dir() or (dest / "compactd").is_dir():
         return dest
     git = shutil.which("git")
     if git is None:
@@ -66,6 +74,13 @@ def release_tree(commit: str, dest: Path) -> Path:
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="data")
     archive.unlink()
+    if (dest / _PUBLIC).is_dir():
+        namespace = dest / "compactd"
+        namespace.mkdir()
+        for module in (dest / _PUBLIC).glob("*.py"):
+            shutil.copy2(module, namespace / module.name)
+        for package in _PACKAGES:
+            (dest / package).rename(namespace / package)
     # Compiled here once: every process the release starts (its CLI, its workers) would
     # otherwise compile its modules again where PYTHONDONTWRITEBYTECODE is set, as ops/test's
     # compileall does for the tree under test.
