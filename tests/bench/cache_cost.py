@@ -89,6 +89,11 @@ rule under ``rules``:
   messages) and ``compaction_uncached_per_compaction``, ``summarizer_cached_tokens``.
 * ``summarizer_calls``, ``summarizer_input_tokens``, ``summarizer_output_tokens``,
   ``compactions`` (LangChain updates applied, compactd runs committed), ``pickups``.
+* ``resent``: what the requests that did not extend the previous one re-sent, on average
+  (messages a request, tokens a message) beside the tokens a message of the step each added;
+  per session, ``breaks`` lists each such request (:func:`prefix_break`). In band the
+  compaction comes on the step that crossed the trigger, which its request sends as its own;
+  out of band the pickup comes steps later, and that step is among the re-sent.
 
 A compactd side drains (no queued task, lease or pending signal) before it is counted: late
 runs' summary calls are costs too. Databases: ``--database-url`` (default
@@ -361,6 +366,8 @@ class Agent:
         # a later compaction replaces reaches the summarizer as its previous summary, not as
         # it was rendered).
         self.originals = originals
+        # Per request that did not extend the previous one: what it re-sent (prefix_break).
+        self.breaks: list[dict[str, int]] = []
 
     async def call(self, messages: list[dict[str, Any]], new: int) -> None:
         """Send ``messages``, of which the last ``new`` are the step's own."""
@@ -391,6 +398,7 @@ class Agent:
         t.overflows += prompt > self.window
         t.over_trigger += sum(sizes[self.system:]) > self.trigger
         if not extends and self.previous is not None:
+            self.breaks.append(prefix_break(self.previous, messages, sizes, new, self.system))
             kept = {json.dumps(m, sort_keys=True) for m in messages}
             self.removed.extend(
                 (text_of(m), size) for m, size in zip(self.previous, self.previous_sizes,
@@ -399,6 +407,37 @@ class Agent:
                 and text_of(m).strip() in self.originals)
         self.previous = list(messages)
         self.previous_sizes = sizes
+
+
+def prefix_break(previous: Sequence[dict[str, Any]], messages: Sequence[dict[str, Any]],
+                 sizes: Sequence[int], new: int, system: int) -> dict[str, int]:
+    """Where a request left the previous one, and what it sent after that: the messages it
+    re-sent (from the first changed one, a new checkpoint or summary, up to the step) and the
+    step's own. ``break_at`` counts conversation messages; above 0, the request began with
+    messages of the previous one after the system prompt (a summary identical to the last)."""
+    at = next((i for i, (a, b) in enumerate(zip(previous, messages, strict=False)) if a != b),
+              min(len(previous), len(messages)))
+    step_from = max(at, len(messages) - new)
+    return {"break_at": at - system, "resent_messages": step_from - at,
+            "resent_tokens": sum(sizes[at:step_from]), "step_messages": len(messages) - step_from,
+            "step_tokens": sum(sizes[step_from:])}
+
+
+def resent_summary(breaks: Sequence[dict[str, int]]) -> dict[str, Any]:
+    """What the requests after a compaction re-sent, on average: messages per request and their
+    tokens per message, beside the tokens per message of the step each request added (which
+    it sends uncached anyway). An in-band compaction happens on the step that crossed the
+    trigger, so that step is its request's own; an out-of-band pickup comes steps later."""
+    n = len(breaks)
+    resent = sum(b["resent_messages"] for b in breaks)
+    step = sum(b["step_messages"] for b in breaks)
+    return {"requests": n,
+            "messages_per_request": round(resent / n, 2) if n else None,
+            "tokens_per_message": round(sum(b["resent_tokens"] for b in breaks) / resent)
+            if resent else None,
+            "step_tokens_per_message": round(sum(b["step_tokens"] for b in breaks) / step)
+            if step else None,
+            "summary_reused": sum(1 for b in breaks if b["break_at"] > 0)}
 
 
 def agent_sdk(fake_url: str) -> AsyncOpenAI:
@@ -479,7 +518,9 @@ def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
         "summarizer_output_tokens": summary.output_tokens,
         "cost_usd": {rule: rep["cost_usd"] for rule, rep in out["rules"].items()},
         "seconds": round(seconds, 1),
-        "sessions": {name: a.tally.report() for name, a in agents.items()},
+        "resent": resent_summary([b for a in agents.values() for b in a.breaks]),
+        "sessions": {name: {**a.tally.report(), "breaks": a.breaks}
+                     for name, a in agents.items()},
     })
     return out
 
@@ -911,6 +952,13 @@ def print_report(report: dict[str, Any]) -> None:
         print_table(["side", "rule", "cost $", "agent in", "uncached",
                      "compaction uncached / compaction", "steps over trigger", "coverage",
                      "final context", "summarizer cached", "compactions", "stall s"], rows)
+        for side, rep in run["sides"].items():
+            r = rep["resent"]
+            if r["requests"]:
+                print(f"{side}: {r['requests']} requests after a compaction re-sent "
+                      f"{r['messages_per_request']} messages each at {r['tokens_per_message']} "
+                      f"tokens a message; their own steps {r['step_tokens_per_message']} tokens "
+                      f"a message")
         for side, reason in run["not_available"].items():
             print(f"{side}: not available ({reason})")
     if len({run["trigger"] for run in report["runs"]}) > 1:
