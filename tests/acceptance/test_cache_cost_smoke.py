@@ -5,6 +5,7 @@ accounting; and its refusals of bad input."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -100,6 +101,13 @@ def test_a_quick_run_reports_every_side_with_consistent_token_counts(
     # surface picked up; every other request extends the previous one.
     assert langchain["pickups"] == 0
     assert langchain["compaction_requests"] == langchain["compactions"]
+    for side in sides.values():
+        assert side["resent"]["requests"] == side["compaction_requests"] == sum(
+            len(s["breaks"]) for s in side["sessions"].values())
+    # Each committed compactd run says what it kept at its read and what arrived meanwhile.
+    assert langchain["run_tails"] is None
+    assert before["run_tails"]["runs"] == before["compactions"] == sum(
+        len(s["runs"]) for s in before["sessions"].values())
     assert before["compaction_requests"] == before["pickups"] > 0
     # In band the agent waits for every summary; out of band it never does.
     assert langchain["stall_s"] > 0 and before["stall_s"] == 0
@@ -145,6 +153,63 @@ def test_compaction_uncached_counts_what_a_changed_prefix_re_sent(
         uncached: int, new: int, extends: bool, expected: int) -> None:
     assert bench.compaction_uncached(10_000, 10_000 - uncached, new,
                                      extends_previous=extends) == expected
+
+
+def _chat(*names: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": n} for n in names]
+
+
+@pytest.mark.parametrize(("previous", "sent", "new", "expected"), [
+    # A new summary replaced everything after the system prompt: the summary and the two kept
+    # messages are re-sent, the step is the request's own.
+    (["sys", "a", "b", "c", "d"], ["sys", "S", "c", "d", "e"], 1,
+     {"break_at": 0, "resent_messages": 3, "resent_tokens": 30, "step_messages": 1,
+      "step_tokens": 10}),
+    # The same summary as the last one (a fixed text): the break comes after it.
+    (["sys", "S", "a", "b", "c"], ["sys", "S", "c", "d", "e"], 2,
+     {"break_at": 1, "resent_messages": 1, "resent_tokens": 10, "step_messages": 2,
+      "step_tokens": 20}),
+    # A keep shorter than the step: nothing re-sent but what the step brings.
+    (["sys", "a", "b"], ["sys", "S", "e"], 2,
+     {"break_at": 0, "resent_messages": 0, "resent_tokens": 0, "step_messages": 2,
+      "step_tokens": 20}),
+])
+def test_a_prefix_break_splits_what_was_re_sent_from_the_steps_own(
+        previous: list[str], sent: list[str], new: int, expected: dict[str, int]) -> None:
+    assert bench.prefix_break(_chat(*previous), _chat(*sent), [10] * len(sent), new,
+                              1) == expected
+
+
+def test_the_re_sent_summary_averages_per_request_and_per_message() -> None:
+    breaks = [{"break_at": 0, "resent_messages": 4, "resent_tokens": 1200, "step_messages": 2,
+               "step_tokens": 100},
+              {"break_at": 1, "resent_messages": 2, "resent_tokens": 600, "step_messages": 2,
+               "step_tokens": 700}]
+    assert bench.resent_summary(breaks) == {
+        "requests": 2, "messages_per_request": 3.0, "tokens_per_message": 300,
+        "step_tokens_per_message": 200, "summary_reused": 1}
+    assert bench.resent_summary([])["messages_per_request"] is None
+
+
+def test_a_runs_tail_is_what_it_kept_at_its_read_and_what_arrived_while_it_ran() -> None:
+    t0 = dt.datetime(2026, 12, 6, 18, 0, tzinfo=dt.UTC)
+    at = [t0 + dt.timedelta(seconds=s) for s in range(8)]
+    # Seqs 1-5 by second 4, the run's claim at 4.5 s, seqs 6-7 while it ran, 8 after; seq 9
+    # (the last checkpoint's) is not an appended message.
+    appended = [bench.Appended(seq, at[min(seq - 1, 7)] if seq < 6 else
+                               at[4] + dt.timedelta(seconds=seq - 5.4), 100 * seq)
+                for seq in range(1, 9)]
+    got = bench.run_tail([9, 1, 2, 3], at[4] + dt.timedelta(seconds=0.5),
+                         at[4] + dt.timedelta(seconds=2.0), appended)
+    assert got == {"kept_at_read_messages": 2, "kept_at_read_tokens": 900,
+                   "arrived_messages": 2, "arrived_tokens": 1300}
+    agent = bench.Agent(None, "k", 1000, 100, 1)  # type: ignore[arg-type]
+    agent.appended, agent.runs = appended, [got]
+    assert bench.tail_summary([agent]) == {
+        "runs": 1, "kept_at_read": {"messages_per_run": 2.0, "tokens_per_message": 450},
+        "arrived_during_run": {"messages_per_run": 2.0, "tokens_per_message": 650},
+        "appended_tokens_per_message": 450}
+    assert bench.tail_summary([bench.Agent(None, "k", 1000, 100, 1)]) is None  # type: ignore[arg-type]
 
 
 def test_summarizer_usage_counts_every_answered_call_but_the_agents() -> None:

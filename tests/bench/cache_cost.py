@@ -89,6 +89,14 @@ rule under ``rules``:
   messages) and ``compaction_uncached_per_compaction``, ``summarizer_cached_tokens``.
 * ``summarizer_calls``, ``summarizer_input_tokens``, ``summarizer_output_tokens``,
   ``compactions`` (LangChain updates applied, compactd runs committed), ``pickups``.
+* ``resent``: what the requests that did not extend the previous one re-sent, on average
+  (messages a request, tokens a message) beside the tokens a message of the step each added;
+  per session, ``breaks`` lists each such request (:func:`prefix_break`). In band the
+  compaction comes on the step that crossed the trigger, which its request sends as its own;
+  out of band the pickup comes steps later, and that step is among the re-sent.
+* ``run_tails`` (compactd sides): per committed run, on average, the messages it kept at its
+  read and those that arrived while it ran (messages a run, tokens a message), beside the
+  tokens a message of everything appended; per session, ``runs`` lists each (:func:`run_tail`).
 
 A compactd side drains (no queued task, lease or pending signal) before it is counted: late
 runs' summary calls are costs too. Databases: ``--database-url`` (default
@@ -102,6 +110,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime as dt
 import hashlib
 import html
 import json
@@ -361,6 +370,12 @@ class Agent:
         # a later compaction replaces reaches the summarizer as its previous summary, not as
         # it was rendered).
         self.originals = originals
+        # Per request that did not extend the previous one: what it re-sent (prefix_break).
+        self.breaks: list[dict[str, int]] = []
+        # A compactd session's appended messages, and per committed run what it kept at its
+        # read and what arrived while it ran (run_tail).
+        self.appended: list[Appended] = []
+        self.runs: list[dict[str, int]] = []
 
     async def call(self, messages: list[dict[str, Any]], new: int) -> None:
         """Send ``messages``, of which the last ``new`` are the step's own."""
@@ -391,6 +406,7 @@ class Agent:
         t.overflows += prompt > self.window
         t.over_trigger += sum(sizes[self.system:]) > self.trigger
         if not extends and self.previous is not None:
+            self.breaks.append(prefix_break(self.previous, messages, sizes, new, self.system))
             kept = {json.dumps(m, sort_keys=True) for m in messages}
             self.removed.extend(
                 (text_of(m), size) for m, size in zip(self.previous, self.previous_sizes,
@@ -399,6 +415,82 @@ class Agent:
                 and text_of(m).strip() in self.originals)
         self.previous = list(messages)
         self.previous_sizes = sizes
+
+
+def prefix_break(previous: Sequence[dict[str, Any]], messages: Sequence[dict[str, Any]],
+                 sizes: Sequence[int], new: int, system: int) -> dict[str, int]:
+    """Where a request left the previous one, and what it sent after that: the messages it
+    re-sent (from the first changed one, a new checkpoint or summary, up to the step) and the
+    step's own. ``break_at`` counts conversation messages; above 0, the request began with
+    messages of the previous one after the system prompt (a summary identical to the last)."""
+    at = next((i for i, (a, b) in enumerate(zip(previous, messages, strict=False)) if a != b),
+              min(len(previous), len(messages)))
+    step_from = max(at, len(messages) - new)
+    return {"break_at": at - system, "resent_messages": step_from - at,
+            "resent_tokens": sum(sizes[at:step_from]), "step_messages": len(messages) - step_from,
+            "step_tokens": sum(sizes[step_from:])}
+
+
+def resent_summary(breaks: Sequence[dict[str, int]]) -> dict[str, Any]:
+    """What the requests after a compaction re-sent, on average: messages per request and their
+    tokens per message, beside the tokens per message of the step each request added (which
+    it sends uncached anyway). An in-band compaction happens on the step that crossed the
+    trigger, so that step is its request's own; an out-of-band pickup comes steps later."""
+    n = len(breaks)
+    resent = sum(b["resent_messages"] for b in breaks)
+    step = sum(b["step_messages"] for b in breaks)
+    return {"requests": n,
+            "messages_per_request": round(resent / n, 2) if n else None,
+            "tokens_per_message": round(sum(b["resent_tokens"] for b in breaks) / resent)
+            if resent else None,
+            "step_tokens_per_message": round(sum(b["step_tokens"] for b in breaks) / step)
+            if step else None,
+            "summary_reused": sum(1 for b in breaks if b["break_at"] > 0)}
+
+
+@dataclass(frozen=True)
+class Appended:
+    """A message a compactd session's agent appended: its seq, when, its tokens."""
+
+    seq: int
+    at: dt.datetime
+    tokens: int
+
+
+def run_tail(range_seqs: Iterable[int], started_at: dt.datetime, finished_at: dt.datetime,
+             appended: Sequence[Appended]) -> dict[str, int]:
+    """What a committed run left after its range: the messages it kept at its read (after the
+    last message it replaced, appended by its claim, which the read follows by milliseconds)
+    and those appended while it ran. Both are re-sent at the pickup, with what the agent
+    appends before it."""
+    replaced = set(range_seqs)
+    last = max((a.seq for a in appended if a.seq in replaced), default=0)
+    kept = [a for a in appended if a.seq > last and a.at <= started_at]
+    arrived = [a for a in appended if started_at < a.at <= finished_at]
+    return {"kept_at_read_messages": len(kept),
+            "kept_at_read_tokens": sum(a.tokens for a in kept),
+            "arrived_messages": len(arrived), "arrived_tokens": sum(a.tokens for a in arrived)}
+
+
+def tail_summary(agents: Iterable[Agent]) -> dict[str, Any] | None:
+    """Per committed run, on average: what it kept at its read and what arrived while it ran,
+    in messages a run and tokens a message, beside the tokens a message of all appended."""
+    runs = [r for a in agents for r in a.runs]
+    appended = [m for a in agents for m in a.appended]
+    if not runs or not appended:
+        return None
+
+    def per(messages: str, tokens: str) -> dict[str, float | None]:
+        count = sum(r[messages] for r in runs)
+        return {"messages_per_run": round(count / len(runs), 2),
+                "tokens_per_message": round(sum(r[tokens] for r in runs) / count)
+                if count else None}
+
+    return {"runs": len(runs),
+            "kept_at_read": per("kept_at_read_messages", "kept_at_read_tokens"),
+            "arrived_during_run": per("arrived_messages", "arrived_tokens"),
+            "appended_tokens_per_message": round(
+                sum(m.tokens for m in appended) / len(appended))}
 
 
 def agent_sdk(fake_url: str) -> AsyncOpenAI:
@@ -479,7 +571,10 @@ def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
         "summarizer_output_tokens": summary.output_tokens,
         "cost_usd": {rule: rep["cost_usd"] for rule, rep in out["rules"].items()},
         "seconds": round(seconds, 1),
-        "sessions": {name: a.tally.report() for name, a in agents.items()},
+        "resent": resent_summary([b for a in agents.values() for b in a.breaks]),
+        "run_tails": tail_summary(agents.values()),
+        "sessions": {name: {**a.tally.report(), "breaks": a.breaks, "runs": a.runs}
+                     for name, a in agents.items()},
     })
     return out
 
@@ -602,10 +697,15 @@ async def compactd_session(client: CompactdClient, session: Session, agent: Agen
     held: list[dict[str, Any]] = []
     for step in session.steps:
         messages = parse_messages([wire(m) for m in step])
-        await handle.append(messages)
+        appended = await handle.append(messages)
         # The runtime holds its steps as the surface renders them, so a re-read surface only
         # differs from what it held where a compaction changed it.
-        held = [*held, *(wire(m.to_openai()) for m in messages)]
+        sent = [wire(m.to_openai()) for m in messages]
+        held = [*held, *sent]
+        at = dt.datetime.now(dt.UTC)
+        agent.appended.extend(
+            Appended(appended.first_seq + i, at, size) for i, size in enumerate(
+                COUNTS.count(request_segments("openai", {"messages": sent}), agent.counter)))
         if await handle.poll() is not None:
             held = [wire(m) for m in await handle.surface()]
             agent.tally.pickups += 1
@@ -626,9 +726,13 @@ async def drive_compactd(stack: Stack, sessions: Sequence[Session], args: argpar
         await client.drain()
         await drain(stack)
         runs = await client.store.recent_runs(limit=1_000_000)
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r.started_at):
         if run.status == RunStatus.COMMITTED and run.session_id in agents:
-            agents[run.session_id].tally.compactions += 1
+            agent = agents[run.session_id]
+            agent.tally.compactions += 1
+            if run.finished_at is not None:
+                agent.runs.append(run_tail(run.range_seqs or (), run.started_at,
+                                           run.finished_at, agent.appended))
     return agents
 
 
@@ -911,6 +1015,21 @@ def print_report(report: dict[str, Any]) -> None:
         print_table(["side", "rule", "cost $", "agent in", "uncached",
                      "compaction uncached / compaction", "steps over trigger", "coverage",
                      "final context", "summarizer cached", "compactions", "stall s"], rows)
+        for side, rep in run["sides"].items():
+            r = rep["resent"]
+            if r["requests"]:
+                print(f"{side}: {r['requests']} requests after a compaction re-sent "
+                      f"{r['messages_per_request']} messages each at {r['tokens_per_message']} "
+                      f"tokens a message; their own steps {r['step_tokens_per_message']} tokens "
+                      f"a message")
+            tails = rep.get("run_tails")
+            if tails:
+                kept, arrived = tails["kept_at_read"], tails["arrived_during_run"]
+                print(f"{side}: its {tails['runs']} runs kept {kept['messages_per_run']} "
+                      f"messages each at their read ({kept['tokens_per_message']} tokens a "
+                      f"message) and {arrived['messages_per_run']} arrived while each ran "
+                      f"({arrived['tokens_per_message']}); all appended: "
+                      f"{tails['appended_tokens_per_message']} tokens a message")
         for side, reason in run["not_available"].items():
             print(f"{side}: not available ({reason})")
     if len({run["trigger"] for run in report["runs"]}) > 1:
