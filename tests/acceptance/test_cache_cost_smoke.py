@@ -335,3 +335,9 @@ def test_under_usage_both_runtimes_fire_on_the_providers_count(tmp_path: Path) -
                          "--json", str(out))
         assert run.returncode == 0, run.stderr[-3000:]
         assert json.loads(out.read_text())["config"]["usage_reports"] is reported
+
+
+def test_every_summary_names_the_call_that_wrote_it() -> None:
+    # Two summaries a model writes differ: a checkpoint that replaces an identical one would
+    # otherwise be read from the prefix cache on both sides.
+    assert bench.fixed_summary(400).startswith("Summary {request}\n")

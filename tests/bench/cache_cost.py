@@ -266,15 +266,18 @@ def prefix_keys(messages: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def fixed_summary(tokens: int) -> str:
-    """A summary of about ``tokens`` o200k tokens in the eight sections, the same on every side
-    (the summary fake answers each summary call with it)."""
+    """A summary of about ``tokens`` o200k tokens in the eight sections, the same size on every
+    side. Its first line names the call that wrote it (the fake's request id): two summaries a
+    model writes are never byte-identical, so a new checkpoint is not served from the cache that
+    held the one it replaces."""
     counter = counter_for(AGENT_MODEL)
     filler = "the work so far, its files, errors and decisions, carried forward"
+    head = "Summary {request}\n"
     out = ""
     n = 0
-    while not out or counter.count_text(out) < tokens:
+    while not out or counter.count_text(out.replace("{request}", "req_fake_000000")) < tokens:
         n += 1
-        out = "\n".join(f"## {name}\n- " + "; ".join([filler] * n) for name in SECTIONS)
+        out = head + "\n".join(f"## {name}\n- " + "; ".join([filler] * n) for name in SECTIONS)
     return out
 
 

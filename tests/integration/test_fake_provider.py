@@ -192,3 +192,18 @@ def test_the_strict_mode_refuses_a_system_message_after_the_first() -> None:
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="m", messages=late)  # type: ignore[arg-type]
     assert [r.status for r in fake.requests] == [200, 200, 400]
+
+
+async def test_a_scripted_text_names_its_request_so_answers_of_one_size_differ(
+        fake: FakeProvider) -> None:
+    fake.script(Behaviour(output="text", times=2, text="Summary {request}: the work so far."))
+    client = openai.AsyncOpenAI(api_key="k", base_url=fake.openai_base_url, max_retries=0)
+    try:
+        answers = [(await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "summarize"}])
+        ).choices[0].message.content or "" for _ in range(2)]
+    finally:
+        await client.close()
+    assert answers[0] != answers[1]
+    assert len(answers[0]) == len(answers[1])
+    assert all(a.startswith("Summary req_fake_") and "{request}" not in a for a in answers)

@@ -131,7 +131,8 @@ class Behaviour:
     # (its text as JSON, then that dotted path); missing, it is null.
     tool_calls: list[dict[str, Any]] | None = None
     # ``output="text"``: each "{quote}" in ``text`` becomes the first match of this pattern in
-    # the last tool result in the request ("" when nothing matches).
+    # the last tool result in the request ("" when nothing matches); each "{request}" becomes
+    # the request's id (fixed length), so answers of one size still differ as a model's do.
     quote: str | None = None
     # Record the body of the requests it answers, whether or not the fake keeps bodies (the
     # few summary calls among an agent's many large requests).
@@ -495,7 +496,7 @@ def _answer(api: str, behaviour: Behaviour, body: dict[str, Any], raw: bytes,
     elif behaviour.output == "echo":
         text = text_in
     elif behaviour.output == "text":
-        text = behaviour.text or ""
+        text = (behaviour.text or "").replace("{request}", request_id)
         if behaviour.quote is not None:
             found = re.search(behaviour.quote, last_tool_result(api, body))
             text = text.replace("{quote}", found.group(0) if found else "")
