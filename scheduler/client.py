@@ -491,8 +491,8 @@ class SessionHandle:
         ``focus``, queued and never waited for; the agent's next step picks up its checkpoint
         as any other. Refused (:class:`CompactionRefused`) while the loop guard cools the
         session down, or once the session had ``worker.loop_guard.max_compactions`` manual
-        runs within ``window_s``: an agent that calls it every step gets that answer, not a
-        run per step."""
+        runs within ``window_s`` (not counting those that found it busy): an agent that calls
+        it every step gets that answer, not a run per step."""
         text = check_instructions(focus, "focus")
         await self._check_agent_guard()
         queued = await enqueue_manual(
@@ -513,9 +513,10 @@ class SessionHandle:
                 f"({info.flagged_reason or 'compacting without relief'})")
         since = now - dt.timedelta(seconds=guard.window_s)
         # Only manual runs: the session's automatic runs in the window, however many, must not
-        # push the agent's own out of a limited read.
+        # push the agent's own out of a limited read. Only those that held the lease: one that
+        # found the session busy compacted nothing (its instructions wait for the next).
         asked = len(await store.recent_runs(session_id=self.id, since=since,
-                                            trigger=RunCause.MANUAL,
+                                            trigger=RunCause.MANUAL, leased=True,
                                             limit=guard.max_compactions))
         if asked >= guard.max_compactions:
             raise CompactionRefused(
