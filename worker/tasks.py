@@ -118,6 +118,10 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         queue = (self.request.delivery_info or {}).get("routing_key") or "unknown"
         metrics().queue_wait.labels(queue).observe(max(0.0, time.time() - sent_at))
 
+    # The run's instructions once it took those the mark held: a retry is sent with them, as
+    # the mark no longer has them for it.
+    taken: list[str] = list(instructions or ())
+
     async def go(deps: Deps) -> Outcome:
         started_at = utcnow()
         outcome: Outcome | None = None
@@ -127,6 +131,7 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
             # coalesced into this one left their instructions on the mark.
             focus = merge_instructions(
                 focus, await deps.store.clear_manual(session_id, task_id))
+            taken[:] = focus
         try:
             # The loop thread has its own context: bind here too (compact adds the run id).
             with logs.bind(session_id=session_id, task_id=task_id):
@@ -166,7 +171,8 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         logger.warning("the database is unavailable; the run is retried in %.1f s: %s",
                        countdown, exc, extra={"action": "compaction.retry_unavailable",
                                               "session_id": session_id})
-        raise self.retry(countdown=countdown, max_retries=DATABASE_RETRIES) from exc
+        raise self.retry(kwargs={**(self.request.kwargs or {}), "instructions": taken or None},
+                         countdown=countdown, max_retries=DATABASE_RETRIES) from exc
     if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)
