@@ -10,6 +10,7 @@ PostgreSQL is the record.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import random
@@ -35,6 +36,7 @@ from compactd.storage.errors import (
 from compactd.storage.instructions import merge_instructions
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
+from compactd.storage.store import Store
 from compactd.storage.tokens import load_counters
 from compactd.worker import logs
 from compactd.worker.enqueue import Enqueuer, broker_errors, follow_up
@@ -332,12 +334,22 @@ def _after_fork(**_: Any) -> None:
     reset_process_loop()
 
 
+async def _release_dead_leases(config: Config, app: Any) -> None:
+    store = Store.from_url(config.database_url, pool_size=1,
+                           statement_cache=config.database.statement_cache)
+    try:
+        await release_dead_leases(store, config, Enqueuer(app))
+    finally:
+        await store.close()
+
+
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
     config = _config(sender.app)
     try:
-        process_loop(config).run(lambda deps: release_dead_leases(
-            deps.store, config, Enqueuer(sender.app)))
+        # On a loop and a store of its own, closed after: a prefork pool's parent forks its
+        # children after this, and must hold no loop thread and no database connection then.
+        asyncio.run(_release_dead_leases(config, sender.app))
     except StorageError as exc:
         # The reaper ends them when they expire.
         logger.warning("the leases of this host's dead workers were not released: %s", exc,
