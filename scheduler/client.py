@@ -311,7 +311,8 @@ class CompactdClient:
 async def _warm_counter(run_model: str | None) -> None:
     """Load the run model's tokenizer now (a few hundred milliseconds, once per process), in a
     thread: otherwise the agent's first step pays for it."""
-    await asyncio.to_thread(counter_for(run_model).count_text, "warm")
+    # The counter is made in the thread too: making it is what loads the file.
+    await asyncio.to_thread(lambda: counter_for(run_model).count_text("warm"))
 
 
 class SessionHandle:
@@ -542,8 +543,10 @@ class SessionHandle:
         check_policy(info.policy, config, run_model=name, context_window=window)
         fit = None if window is None else window_fit(info, config, run_model=name,
                                                      window=window)
-        self.info = await store.set_run_model(self.id, name, window)
+        # Before the row is locked, and in a thread: the store counts the envelope with the
+        # new model's tokenizer under the session's lock, on this loop.
         await _warm_counter(name)
+        self.info = await store.set_run_model(self.id, name, window)
         result: dict[str, Any] = {"session": self.id, "run_model": name,
                                   "context_window": window,
                                   "fit": None if fit is None else fit.to_json(),
