@@ -309,7 +309,7 @@ class CompactdClient:
 
 
 async def _warm_counter(run_model: str | None) -> None:
-    """Load the run model's tokenizer now (a few hundred milliseconds, once per process), in a
+    """Load the run model's tokenizer now (a BPE file parsed, once per process), in a
     thread: otherwise the agent's first step pays for it."""
     # The counter is made in the thread too: making it is what loads the file.
     await asyncio.to_thread(lambda: counter_for(run_model).count_text("warm"))

@@ -316,7 +316,8 @@ def _prepare_process(sender: Any = None, **_: Any) -> None:
     # Before the worker consumes anything: the first compaction must not wait for them, and no
     # import may ever run on the event loop (see worker.llm.providers).
     import_sdks(config.models)
-    # Parsing an encoding's BPE file takes most of a second: paid here, not by the first run.
+    # Parsing an encoding's BPE file is slow (docs/benchmarks.md): paid here, not by the first
+    # run.
     load_counters([None, *(m.name for m in config.models), *(m.model_id for m in config.models)])
     # Now, so a worker configured for a loop it cannot have does not start. Celery logs a
     # handler's exception and goes on (every task would then fail); SystemExit it lets through.

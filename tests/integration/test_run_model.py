@@ -101,7 +101,7 @@ async def test_the_middleware_moves_its_session_and_opens_with_the_new_model(
 @pytest.mark.timed
 async def test_moving_to_a_model_whose_tokenizer_is_not_loaded_locks_the_session_briefly(
         clean_pg: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The new model's tokenizer is loaded (a BPE file parsed, most of a second) in a thread
+    """The new model's tokenizer is loaded (a BPE file parsed, which is slow) in a thread
     before the session's row is locked, not on the client's loop under the lock, where every
     append of the session, and every other call on that loop, would wait for it. The load is
     made slow here by a sleep, which unlike the parse leaves the GIL to the loop: polled with
