@@ -309,9 +309,10 @@ class CompactdClient:
 
 
 async def _warm_counter(run_model: str | None) -> None:
-    """Load the run model's tokenizer now (a few hundred milliseconds, once per process), in a
+    """Load the run model's tokenizer now (a BPE file parsed, once per process), in a
     thread: otherwise the agent's first step pays for it."""
-    await asyncio.to_thread(counter_for(run_model).count_text, "warm")
+    # The counter is made in the thread too: making it is what loads the file.
+    await asyncio.to_thread(lambda: counter_for(run_model).count_text("warm"))
 
 
 class SessionHandle:
@@ -491,8 +492,8 @@ class SessionHandle:
         ``focus``, queued and never waited for; the agent's next step picks up its checkpoint
         as any other. Refused (:class:`CompactionRefused`) while the loop guard cools the
         session down, or once the session had ``worker.loop_guard.max_compactions`` manual
-        runs within ``window_s``: an agent that calls it every step gets that answer, not a
-        run per step."""
+        runs within ``window_s`` (not counting those that found it busy): an agent that calls
+        it every step gets that answer, not a run per step."""
         text = check_instructions(focus, "focus")
         await self._check_agent_guard()
         queued = await enqueue_manual(
@@ -513,9 +514,10 @@ class SessionHandle:
                 f"({info.flagged_reason or 'compacting without relief'})")
         since = now - dt.timedelta(seconds=guard.window_s)
         # Only manual runs: the session's automatic runs in the window, however many, must not
-        # push the agent's own out of a limited read.
+        # push the agent's own out of a limited read. Only those that held the lease: one that
+        # found the session busy compacted nothing (its instructions wait for the next).
         asked = len(await store.recent_runs(session_id=self.id, since=since,
-                                            trigger=RunCause.MANUAL,
+                                            trigger=RunCause.MANUAL, leased=True,
                                             limit=guard.max_compactions))
         if asked >= guard.max_compactions:
             raise CompactionRefused(
@@ -541,8 +543,10 @@ class SessionHandle:
         check_policy(info.policy, config, run_model=name, context_window=window)
         fit = None if window is None else window_fit(info, config, run_model=name,
                                                      window=window)
-        self.info = await store.set_run_model(self.id, name, window)
+        # Before the row is locked, and in a thread: the store counts the envelope with the
+        # new model's tokenizer under the session's lock, on this loop.
         await _warm_counter(name)
+        self.info = await store.set_run_model(self.id, name, window)
         result: dict[str, Any] = {"session": self.id, "run_model": name,
                                   "context_window": window,
                                   "fit": None if fit is None else fit.to_json(),

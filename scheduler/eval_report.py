@@ -5,8 +5,10 @@ nothing from anywhere: it opens from the folder, offline."""
 from __future__ import annotations
 
 import html
+import importlib.util
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +38,46 @@ class ReportError(BadInput):
     """The report cannot be drawn or written."""
 
 
+def check_report_dir(directory: Path) -> None:
+    """Refuse ``--report directory`` before the replays, which may take long, rather than after
+    them: the chart library must be installed, and the folder must be one, or be creatable
+    under the nearest folder that exists. Nothing is created here (bad input leaves no
+    folder behind)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ReportError(MATPLOTLIB_MISSING)
+    if directory.exists():
+        if not directory.is_dir():
+            raise ReportError(f"--report {directory}: not a folder")
+        target = directory
+    else:
+        target = directory.parent
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        if not target.is_dir():
+            raise ReportError(f"--report {directory}: {target} is not a folder")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ReportError(f"--report {directory}: {target} is not writable")
+
+
+MATPLOTLIB_MISSING = "--report draws charts with matplotlib: pip install 'compactd[eval]'"
+
+
 def write_report(directory: Path, report: dict[str, Any]) -> list[Path]:
     """Write ``report.json`` and ``index.html`` into ``directory`` (created when missing)."""
     try:
         import matplotlib
     except ImportError:
-        raise ReportError("--report draws charts with matplotlib: pip install "
-                          "'compactd[eval]'") from None
+        raise ReportError(MATPLOTLIB_MISSING) from None
     matplotlib.use("Agg")
-    directory.mkdir(parents=True, exist_ok=True)
-    data = directory / "report.json"
-    data.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    page = directory / "index.html"
-    page.write_text(render_html(report), encoding="utf-8")
+    page_text = render_html(report)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        data = directory / "report.json"
+        data.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+        page = directory / "index.html"
+        page.write_text(page_text, encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(f"--report {directory}: {exc.strerror or exc}") from None
     return [data, page]
 
 

@@ -198,8 +198,10 @@ def _pct(value: float | None) -> str:
 async def cmd_eval(args: argparse.Namespace, _config: Config) -> int:
     paths = transcript_paths(args.transcripts)
     sessions = await asyncio.to_thread(load_sessions, paths, args.format)
-    if args.report is not None and args.report.exists() and not args.report.is_dir():
-        raise EvalInputError(f"--report {args.report}: not a folder")
+    if args.report is not None:
+        from compactd.scheduler.eval_report import check_report_dir
+
+        check_report_dir(args.report)
     with tempfile.TemporaryDirectory(prefix="compactd-eval-") as tmp, _quiet_worker():
         candidates = load_candidates(args.eval_configs, Path(tmp))
         results = await run_eval(candidates, sessions, run_model=args.run_model,

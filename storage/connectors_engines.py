@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from compactd.storage import sql
 from compactd.storage.connectors_errors import PG_READ_ONLY_TRANSACTION
-from compactd.storage.errors import CompactdError
+from compactd.storage.errors import CompactdError, ConfigError
 from compactd.storage.recall_text import fold, snippet
 from compactd.storage.schema import dumps
 
@@ -188,13 +188,38 @@ def _hosts_as_query(url: str) -> str:
     scheme, rest = url.split("://", 1)
     authority, _, tail = rest.partition("/")
     credentials, at, hosts = authority.rpartition("@")
+    path, _, query = tail.partition("?")
+    _check_hosts(hosts)
+    _check_session_attrs(query)
     if "," not in hosts:
         return url
-    if not all(hosts.split(",")):
-        raise CompactdError("database URL: an empty host in the host list")
-    path, _, query = tail.partition("?")
     params = "&".join(f"host={host}" for host in hosts.split(","))
     return f"{scheme}://{credentials}{at}/{path}?{params}{'&' + query if query else ''}"
+
+
+# What asyncpg takes as target_session_attrs (it refuses any other at every connection, as a
+# connection error that reads like an unreachable server).
+SESSION_ATTRS = ("any", "primary", "standby", "prefer-standby", "read-write", "read-only")
+
+
+def _check_hosts(hosts: str) -> None:
+    """Refuse, naming it, a host list with an empty host or a port that is not a TCP port: the
+    driver would fail on it with a traceback, or at every connection."""
+    for host in hosts.split(",") if hosts else ():
+        if not host:
+            raise ConfigError("database URL: an empty host in the host list")
+        name, colon, port = host.rpartition(":") if not host.endswith("]") else ("", "", "")
+        if colon and port and not name.endswith(":") and not (port.isdigit()
+                                                              and 1 <= int(port) <= 65535):
+            raise ConfigError(f"database URL: the port of host {name or host!r} must be a "
+                              f"number from 1 to 65535, not {port!r}")
+
+
+def _check_session_attrs(query: str) -> None:
+    for key, _, value in (item.partition("=") for item in query.split("&") if item):
+        if key == "target_session_attrs" and value not in SESSION_ATTRS:
+            raise ConfigError(f"database URL: target_session_attrs must be one of "
+                              f"{', '.join(SESSION_ATTRS)}, not {value!r}")
 
 
 def _read_only_is_a_disconnect(context: Any) -> None:

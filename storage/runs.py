@@ -52,20 +52,23 @@ class RunsMixin:
 
     async def recent_runs(self, *, since: dt.datetime | None = None, limit: int = 50,
                           session_id: str | None = None, status: str | None = None,
-                          trigger: str | None = None) -> list[RunRecord]:
+                          trigger: str | None = None, leased: bool = False
+                          ) -> list[RunRecord]:
         """The newest runs, newest first, of ``session_id``, ``status`` and ``trigger`` (the
-        run's cause) when given."""
+        run's cause) when given; with ``leased``, only runs that held the session's lease (not
+        the attempts that found it leased by another, which compacted nothing)."""
         if since is not None and since.tzinfo is None:
             # The raw statement below would read it as the server's local time.
             raise ValueError("naive datetime passed to storage; use aware UTC")
-        if since is not None and session_id is not None and status and trigger is None:
+        if since is not None and session_id is not None and status and trigger is None \
+                and not leased:
             # The loop guard's read after every committed automatic run: a named query, which
             # PostgreSQL runs without SQLAlchemy's statement layer.
             records = await self.db.fetch("session_runs", session_id=session_id, status=status,
                                           since=since, limit=limit)
             return [run_from_record(r) for r in records]
         stmt = _recent_runs(since is not None, session_id is not None, status is not None,
-                            trigger is not None, limit)
+                            trigger is not None, leased, limit)
         params = {"b_since": since, "b_session": session_id, "b_status": status,
                   "b_trigger": trigger}
         async with connection(self.engine) as conn:
@@ -137,7 +140,8 @@ def _claim_to_commit(row: Any) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _recent_runs(since: bool, session: bool, status: bool, trigger: bool, limit: int) -> Any:
+def _recent_runs(since: bool, session: bool, status: bool, trigger: bool, leased: bool,
+                 limit: int) -> Any:
     """The runs query of one filter shape, built once (the loop guard runs it after every
     committed automatic run)."""
     r = t.compaction_runs.c
@@ -150,4 +154,7 @@ def _recent_runs(since: bool, session: bool, status: bool, trigger: bool, limit:
         stmt = stmt.where(r.status == sa.bindparam("b_status"))
     if trigger:
         stmt = stmt.where(r.trigger == sa.bindparam("b_trigger"))
+    if leased:
+        # A busy attempt's row has no fence: it never held the lease.
+        stmt = stmt.where(r.fence.is_not(None))
     return stmt

@@ -469,19 +469,22 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         m = t.manual_requests
         async with transaction(self.engine) as conn:
             await self._session(conn, session_id)
-            # Instructions a busy run left (keep_manual) go to the task that takes the mark.
-            kept = (await conn.execute(
+            # The task that takes the mark over takes the instructions on it: those a busy run
+            # left (keep_manual), and those of a stale mark, whose task never reads them (its
+            # clear finds another task on the mark, or its message was lost).
+            taken_over = (m.c.queued_at <= now - dt.timedelta(seconds=ttl_s)) \
+                | (m.c.task_id == KEPT_TASK_ID)
+            carried = (await conn.execute(
                 sa.select(m.c.instructions)
-                .where(m.c.session_id == session_id, m.c.task_id == KEPT_TASK_ID)
+                .where(m.c.session_id == session_id, taken_over)
                 .with_for_update())).scalar()
-            own = list(merge_instructions(kept or (), instructions)) or None
+            own = list(merge_instructions(carried or (), instructions)) or None
             taken = self.db.insert(m).values(session_id=session_id, task_id=task_id,
                                              queued_at=now, instructions=own)
             taken = taken.on_conflict_do_update(
                 index_elements=[m.c.session_id],
                 set_={"task_id": task_id, "queued_at": now, "instructions": own},
-                where=(m.c.queued_at <= now - dt.timedelta(seconds=ttl_s))
-                | (m.c.task_id == KEPT_TASK_ID)).returning(m.c.task_id)
+                where=taken_over).returning(m.c.task_id)
             row = (await conn.execute(taken)).first()
             if row is not None:
                 return str(row[0])

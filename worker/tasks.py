@@ -10,6 +10,7 @@ PostgreSQL is the record.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import random
@@ -35,6 +36,7 @@ from compactd.storage.errors import (
 from compactd.storage.instructions import merge_instructions
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
+from compactd.storage.store import Store
 from compactd.storage.tokens import load_counters
 from compactd.worker import logs
 from compactd.worker.enqueue import Enqueuer, broker_errors, follow_up
@@ -130,6 +132,10 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         queue = (self.request.delivery_info or {}).get("routing_key") or "unknown"
         metrics().queue_wait.labels(queue).observe(max(0.0, time.time() - sent_at))
 
+    # The run's instructions once it took those the mark held: a retry is sent with them, as
+    # the mark no longer has them for it.
+    taken: list[str] = list(instructions or ())
+
     async def go(deps: Deps) -> Outcome:
         started_at = utcnow()
         outcome: Outcome | None = None
@@ -139,6 +145,7 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
             # coalesced into this one left their instructions on the mark.
             focus = merge_instructions(
                 focus, await deps.store.clear_manual(session_id, task_id))
+            taken[:] = focus
         try:
             # The loop thread has its own context: bind here too (compact adds the run id).
             with logs.bind(session_id=session_id, task_id=task_id):
@@ -178,7 +185,8 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         logger.warning("the database is unavailable; the run is retried in %.1f s: %s",
                        countdown, exc, extra={"action": "compaction.retry_unavailable",
                                               "session_id": session_id})
-        raise self.retry(countdown=countdown, max_retries=DATABASE_RETRIES) from exc
+        raise self.retry(kwargs={**(self.request.kwargs or {}), "instructions": taken or None},
+                         countdown=countdown, max_retries=DATABASE_RETRIES) from exc
     if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)
@@ -322,7 +330,8 @@ def _prepare_process(sender: Any = None, **_: Any) -> None:
     # Before the worker consumes anything: the first compaction must not wait for them, and no
     # import may ever run on the event loop (see worker.llm.providers).
     import_sdks(config.models)
-    # Parsing an encoding's BPE file takes most of a second: paid here, not by the first run.
+    # Parsing an encoding's BPE file is slow (docs/benchmarks.md): paid here, not by the first
+    # run.
     load_counters([None, *(m.name for m in config.models), *(m.model_id for m in config.models)])
     # Now, so a worker configured for a loop it cannot have does not start. Celery logs a
     # handler's exception and goes on (every task would then fail); SystemExit it lets through.
@@ -340,12 +349,22 @@ def _after_fork(**_: Any) -> None:
     reset_process_loop()
 
 
+async def _release_dead_leases(config: Config, app: Any) -> None:
+    store = Store.from_url(config.database_url, pool_size=1,
+                           statement_cache=config.database.statement_cache)
+    try:
+        await release_dead_leases(store, config, Enqueuer(app))
+    finally:
+        await store.close()
+
+
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
     config = _config(sender.app)
     try:
-        process_loop(config).run(lambda deps: release_dead_leases(
-            deps.store, config, Enqueuer(sender.app)))
+        # On a loop and a store of its own, closed after: a prefork pool's parent forks its
+        # children after this, and must hold no loop thread and no database connection then.
+        asyncio.run(_release_dead_leases(config, sender.app))
     except StorageError as exc:
         # The reaper ends them when they expire.
         logger.warning("the leases of this host's dead workers were not released: %s", exc,

@@ -292,3 +292,20 @@ def test_instructions_over_the_bound_exit_2_and_an_inline_run_records_them(
     assert result["instructions"] == ["keep the failing test's name"]
     status = json.loads(cli("status", "s1", "--json")[1])
     assert status["runs"][0]["instructions"] == ["keep the failing test's name"]
+
+
+@pytest.mark.parametrize(("database", "problem"), [
+    ("postgresql://compactd:hunter2@127.0.0.1:1,127.0.0.1:notaport/db",
+     "port of host '127.0.0.1' must be a number"),
+    ("postgresql://compactd:hunter2@127.0.0.1:1,127.0.0.1:2/db?target_session_attrs=bogus",
+     "target_session_attrs must be one of"),
+])
+def test_a_database_host_list_the_driver_cannot_use_exits_2_naming_it_without_a_traceback(
+        cli_env: dict[str, str], database: str, problem: str) -> None:
+    cli_env["COMPACTD_DATABASE_URL"] = database
+    for command in (["status"], ["surface", "s1"], ["migrate"]):
+        out = run_cli(cli_env, *command, check=False)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith("compactd: database URL: ") and problem in out.stderr
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+        assert "hunter2" not in out.stderr + out.stdout

@@ -173,6 +173,34 @@ def test_bad_input_names_the_file_and_changes_nothing(
     assert asyncio.run(_sessions(url)) == before
 
 
+def test_a_report_folder_that_cannot_be_written_is_refused_before_the_replays(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    """A --report under a file (or any place no folder can be made) is bad input found before
+    the replays run, not a traceback after them that loses the whole evaluation; and a missing
+    chart library is said before them too."""
+    configs = _configs(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n", encoding="utf-8")
+    report = blocker / "report"
+    out = _eval(env, str(FIXTURES / "airline-change.jsonl"), "--config", str(configs[0]),
+                "--report", str(report), "--json")
+    assert out.returncode == 2, out.stderr
+    assert f"--report {report}: {blocker} is not a folder" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+    probe = ("import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = ['compactd', "
+             f"'eval', {str(FIXTURES / 'airline-change.jsonl')!r}, '--config', "
+             f"{str(configs[0])!r}, '--report', {str(tmp_path / 'report')!r}, '--json']; "
+             "runpy.run_module('compactd.scheduler.cli', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", probe], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "pip install 'compactd[eval]'" in out.stderr
+    assert out.stdout == ""
+    assert not (tmp_path / "report").exists()
+
+
 async def _append(url: str, messages: list[dict[str, Any]]) -> None:
     store = Store.from_url(url)
     try:

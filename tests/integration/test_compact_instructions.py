@@ -4,6 +4,7 @@ queued, what the run records, what the loop guard refuses, and bad input changin
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,20 @@ async def _run(api: Served, task_id: str, instructions: tuple[str, ...]) -> Any:
     async with open_deps(config, owner="test") as deps:
         return await compact(deps, "s1", trigger=RunCause.MANUAL, task_id=task_id,
                              instructions=instructions)
+
+
+@contextlib.asynccontextmanager
+async def _pressure_run(db_url: str) -> AsyncIterator[Store]:
+    """A pressure run of another worker holds s1's lease for the block (ended after it)."""
+    store = Store.from_url(db_url)
+    try:
+        held = await store.claim("s1", owner="w", trigger=RunCause.PRESSURE, lease_s=60)
+        assert isinstance(held, Claim)
+        yield store
+        await store.finish("s1", run_id=held.run_id, fence=held.fence,
+                           end=RunEnd(outcome=RunStatus.NOTHING_TO_DO))
+    finally:
+        await store.close()
 
 
 async def test_instructions_over_the_bound_are_refused_and_nothing_is_queued(
@@ -139,19 +154,30 @@ async def test_the_agent_s_runs_are_counted_however_many_automatic_runs_came_aft
     assert (await _run(api, task_id, await _held(db_url, task_id))).outcome == "committed"
     # The runtime's steps go on signalling: a pressure run holds the session and the next
     # ones find it busy, each a run row newer than the agent's.
-    store = Store.from_url(db_url)
-    try:
-        held = await store.claim("s1", owner="w", trigger=RunCause.PRESSURE, lease_s=60)
-        assert isinstance(held, Claim)
+    async with _pressure_run(db_url) as store:
         for _ in range(8):
             busy = await store.claim("s1", owner="w", trigger=RunCause.PRESSURE, lease_s=60)
             assert isinstance(busy, Busy)
-        await store.finish("s1", run_id=held.run_id, fence=held.fence,
-                           end=RunEnd(outcome=RunStatus.NOTHING_TO_DO))
-    finally:
-        await store.close()
 
     again = await api.http.post("/v1/sessions/s1/compact_context", headers=A,
                                 json={"focus": "the schema plan"})
     assert again.status_code == 429, again.text
     assert "compacted on request 1 times" in again.json()["message"]
+
+
+async def test_an_agent_s_request_that_found_the_session_busy_is_not_counted_as_a_compaction(
+        api: Served, db_url: str) -> None:
+    """The agent asks while an automatic run holds the session: its run ends ``busy``, having
+    compacted nothing (its note waits for the next manual run). Asking again is not refused
+    as if the session had been compacted on request."""
+    await _session(api)
+    async with _pressure_run(db_url):
+        asked = await api.http.post("/v1/sessions/s1/compact_context", headers=A,
+                                    json={"focus": "the schema plan"})
+        task_id = asked.json()["task_id"]
+        outcome = await _run(api, task_id, await _held(db_url, task_id))
+        assert outcome.failure_class == "busy"
+
+    again = await api.http.post("/v1/sessions/s1/compact_context", headers=A,
+                                json={"focus": "the schema plan, again"})
+    assert again.status_code == 202, again.text

@@ -59,12 +59,33 @@ async def test_coalesced_requests_keep_every_distinct_instruction_for_the_run(st
     assert await store.clear_manual("s1", "t1") == ("focus on the migration",
                                                     "keep the error names")
     assert await store.clear_manual("s1", "t1") == ()
-    # A stale mark's instructions went with its lost message: the new task has its own.
+    # A stale mark's instructions are not lost with its task's message: the task that takes
+    # the mark over carries them (test_a_stale_mark_s_instructions_go_to_the_task_that_...).
     await store.mark_manual("s1", "t5", ttl_s=120, now=NOW, instructions=["old"])
     later = NOW + dt.timedelta(seconds=121)
     assert await store.mark_manual("s1", "t6", ttl_s=120, now=later,
                                    instructions=["new"]) == "t6"
-    assert await store.clear_manual("s1", "t6") == ("new",)
+    assert await store.clear_manual("s1", "t6") == ("old", "new")
+
+
+async def test_a_stale_mark_s_instructions_go_to_the_task_that_takes_it_over(store: Store
+                                                                             ) -> None:
+    """A mark past its TTL (its task's message lost, or the urgent queue backed up) is taken
+    over by the next request's task, and with it the instructions the requests coalesced into
+    the stale task left there: the stale task's clear no longer finds its mark, so they would
+    reach no run at all."""
+    await store.create_session("s1")
+    assert await store.mark_manual("s1", "t1", ttl_s=120, now=NOW,
+                                   instructions=["focus on the migration"]) == "t1"
+    assert await store.mark_manual("s1", "t2", ttl_s=120, now=NOW,
+                                   instructions=["keep the error names"]) == "t1"
+    later = NOW + dt.timedelta(seconds=121)
+    assert await store.mark_manual("s1", "t3", ttl_s=120, now=later,
+                                   instructions=["name the open ticket"]) == "t3"
+    assert await store.clear_manual("s1", "t1") == ()
+    assert await store.clear_manual("s1", "t3") == ("focus on the migration",
+                                                    "keep the error names",
+                                                    "name the open ticket")
 
 
 async def test_instructions_over_the_bound_change_nothing(store: Store) -> None:

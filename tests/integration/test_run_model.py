@@ -4,10 +4,16 @@ fit queues a compaction at once, one it fits queues nothing, bad input changes n
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from compactd.client import CompactdClient
 from compactd.scheduler.langchain import CompactdMiddleware
@@ -90,3 +96,57 @@ async def test_the_middleware_moves_its_session_and_opens_with_the_new_model(
     assert moved["compacting"] is True and moved["task_id"]
     assert middleware.run_model == "small-model" and middleware.context_window == 2000
     assert await _stored(db_url) == ("small-model", 2000, 0)
+
+
+@pytest.mark.timed
+async def test_moving_to_a_model_whose_tokenizer_is_not_loaded_locks_the_session_briefly(
+        clean_pg: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new model's tokenizer is loaded (a BPE file parsed, which is slow) in a thread
+    before the session's row is locked, not on the client's loop under the lock, where every
+    append of the session, and every other call on that loop, would wait for it. The load is
+    made slow here by a sleep, which unlike the parse leaves the GIL to the loop: polled with
+    NOWAIT from the same loop while the model moves, the row is free, and found locked for the
+    update's own moment at most."""
+    from compactd.storage import tokens
+    from compactd.worker.settings import Settings, build_config
+    from tests.support.enqueuer import RecordingEnqueuer
+
+    loaded: set[str] = set()
+    real = tokens.encoding
+
+    def slow_first_load(name: str) -> Any:
+        if name not in loaded:
+            time.sleep(0.5)
+            loaded.add(name)
+        return real(name)
+
+    monkeypatch.setattr(tokens, "encoding", slow_first_load)
+    config = build_config({}, settings=Settings(database_url=clean_pg, home=str(tmp_path),
+                                                broker_url="memory://"), home=tmp_path)
+    engine = create_async_engine(clean_pg.replace("postgresql://", "postgresql+asyncpg://"))
+    free = locked = 0
+    try:
+        async with CompactdClient(config, enqueuer=RecordingEnqueuer()) as client:
+            # A model counted without a BPE file, and an envelope the new one must count.
+            await client.create_session(
+                "s1", run_model="claude-sonnet-4-5", context_window=200_000,
+                envelope={"system": "You are a careful assistant. " * 200})
+            handle = await client.get_session("s1")
+            tokens.counter_for.cache_clear()
+            moving = asyncio.create_task(handle.set_run_model("gpt-4o", 128_000))
+            async with engine.connect() as conn:
+                while not moving.done():
+                    try:
+                        await conn.execute(sa.text(
+                            "SELECT 1 FROM sessions WHERE id = 's1' FOR UPDATE NOWAIT"))
+                        free += 1
+                    except DBAPIError:
+                        locked += 1
+                    await conn.rollback()
+                    await asyncio.sleep(0.005)
+            assert (await moving)["run_model"] == "gpt-4o"
+    finally:
+        tokens.counter_for.cache_clear()
+        await engine.dispose()
+    assert free >= 5, f"the loop was held: {free} polls answered during the load"
+    assert locked <= 1, f"the row was found locked {locked} times of {locked + free}"

@@ -3,6 +3,7 @@ URL (a primary and its standbys, with target_session_attrs) reaches asyncpg as a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 
 from compactd.storage.database import create_engine, database_exists, normalize_url
-from compactd.storage.errors import CompactdError
+from compactd.storage.errors import CompactdError, ConfigError
 
 MULTI = ("postgresql://compactd:pw@db-a:5432,db-b:5433/compactd"
          "?target_session_attrs=read-write")
@@ -76,3 +77,21 @@ def test_a_sqlite_file_exists_only_once_created_and_a_server_database_always(
     assert database_exists(url)
     assert database_exists("sqlite+aiosqlite:///:memory:")
     assert database_exists("postgresql://u@nowhere.invalid/db")
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("postgresql://u:pw@db-a:5432,db-b:notaport/db", "the port of host 'db-b' must be a number"),
+    ("postgresql://u:pw@db-a:notaport/db", "the port of host 'db-a' must be a number"),
+    ("postgresql://u:pw@db-a:0,db-b/db", "the port of host 'db-a' must be a number"),
+    ("postgresql://u:pw@db-a,db-b/db?target_session_attrs=primary-please",
+     "target_session_attrs must be one of any, primary, standby, prefer-standby, read-write, "
+     "read-only, not 'primary-please'"),
+])
+def test_a_host_list_the_driver_cannot_use_is_refused_as_bad_input_naming_it(
+        url: str, problem: str) -> None:
+    """Refused where the URL is read, as bad input: a port that is not one was a traceback out
+    of SQLAlchemy's URL parser, an unknown target_session_attrs a connection error at every
+    connection (retryable, as if the server were down)."""
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        normalize_url(url)
+    assert normalize_url("postgresql://u@db-a:,[::1]:5433/db")  # empty port: the default
