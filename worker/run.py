@@ -115,6 +115,13 @@ class Outcome:
         return self.outcome == RunStatus.FAILED
 
     @property
+    def checkpoint_committed(self) -> bool:
+        """Whether one of the run's commits was a checkpoint: a committed run's summary round,
+        or a partial run's round before it failed (the agent has it either way)."""
+        return self.outcome in (RunStatus.COMMITTED, RunStatus.PARTIAL) \
+            and Stage.SUMMARY in self.stages
+
+    @property
     def replaced_nodes(self) -> bool:
         """Whether one of the run's commits replaced nodes: a run that failed in a later round
         keeps what its earlier rounds committed."""
@@ -316,12 +323,12 @@ class RunScope:
             finally:
                 metrics().in_flight.dec()
             signalled_at = self.claim.session.signal_at
-            if (out.outcome == RunStatus.COMMITTED and out.trigger in AUTOMATIC_TRIGGERS
-                    and signalled_at):
+            checkpoint_at = self._checkpoint_at()
+            if checkpoint_at is not None and out.trigger in AUTOMATIC_TRIGGERS and signalled_at:
                 # The wait an agent under pressure has for its checkpoint: the alert on the
                 # runway (ops/prometheus/alerts.yaml) compares its p99 with the least runway.
                 metrics().pressure_to_checkpoint.labels(out.trigger).observe(
-                    max(0.0, (deps.clock() - signalled_at).total_seconds()))
+                    max(0.0, (checkpoint_at - signalled_at).total_seconds()))
             logger.info("compaction %s%s", out.outcome,
                         f" ({out.failure_class})" if out.failure_class else "",
                         extra={"action": "compaction.end", "outcome": out.outcome,
@@ -332,6 +339,17 @@ class RunScope:
         return _counted(out)
 
     # ---------------------------------------------------------------------------- writing
+
+    def _checkpoint_at(self) -> Any:
+        """When the agent had its checkpoint: a committed run's end; a partial run's first
+        checkpoint commit (its end is its failure's); None for any other run."""
+        out = self.out
+        if out.outcome == RunStatus.COMMITTED:
+            return self.deps.clock()
+        if out.checkpoint_committed and out.claim_to_commit_s is not None \
+                and self.claimed_at is not None:
+            return self.claimed_at + dt.timedelta(seconds=out.claim_to_commit_s)
+        return None
 
     async def commit(self, replacements: Sequence[Replacement], *, what: str,
                      expected: Sequence[tuple[int, int]] | None = None,

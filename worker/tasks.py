@@ -162,7 +162,9 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
             if trigger in AUTOMATIC_TRIGGERS:
                 # The signal's run is over: the next signal may enqueue again.
                 after = await deps.store.clear_signal(session_id)
-                committed = outcome is not None and outcome.outcome == RunStatus.COMMITTED
+                # A partial run committed too: the appends its mark held back still count.
+                committed = outcome is not None and outcome.outcome in (
+                    RunStatus.COMMITTED, RunStatus.PARTIAL)
                 if after is not None and committed:
                     try:
                         await follow_up(deps.store, config, Enqueuer(self.app), after,
