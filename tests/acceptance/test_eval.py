@@ -173,6 +173,28 @@ def test_bad_input_names_the_file_and_changes_nothing(
     assert asyncio.run(_sessions(url)) == before
 
 
+def test_a_run_model_no_configuration_or_tokenizer_knows_is_refused_naming_it(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    # A typo would be counted as an unknown model (o200k, no window) without a word.
+    roomy = _configs(tmp_path)[0]
+    report = tmp_path / "report"
+    out = _eval(env, str(FIXTURES / "coding-export.jsonl"), "--config", str(roomy),
+                "--run-model", "a b", "--report", str(report))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (f"compactd: --run-model: 'a b' is not in models of --config {roomy}, "
+                          "and is no OpenAI or Anthropic model name the tokenizer knows\n")
+    assert not report.exists()
+    # A configured model's name, or one the tokenizer knows, is taken.
+    named = tmp_path / "named.yaml"
+    named.write_text(json.dumps({"models": [{"name": "a b", "provider": "local"}],
+                                 "summarization": POLICIES["roomy"]}))
+    for config, model in ((named, "a b"), (roomy, "claude-sonnet-4-5"), (roomy, "gpt-4o")):
+        out = _eval(env, str(FIXTURES / "coding-export.jsonl"), "--config", str(config),
+                    "--run-model", model, "--json")
+        assert out.returncode == 0, (model, out.stderr)
+        assert json.loads(out.stdout)["run_model"] == model
+
+
 def test_a_report_folder_that_cannot_be_written_is_refused_before_the_replays(
         tmp_path: Path, env: dict[str, str]) -> None:
     """A --report under a file (or any place no folder can be made) is bad input found before
