@@ -26,7 +26,13 @@ from compactd.scheduler.output import (
     redact_url,
     say,
 )
-from compactd.storage.errors import BadInput, CompactdError, InvalidMessage, SchemaMissing
+from compactd.storage.errors import (
+    BadInput,
+    CompactdError,
+    DatabaseMissing,
+    InvalidMessage,
+    SchemaMissing,
+)
 from compactd.storage.ids import check_id, check_session_id, check_tenant
 from compactd.storage.messages import FORMATS, ToolLinks, read_jsonl
 from compactd.storage.migrate import upgrade_async
@@ -281,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return asyncio.run(handler(args, config))
-    except SchemaMissing as exc:
+    except (SchemaMissing, DatabaseMissing) as exc:
         sys.stderr.write(f"compactd: {exc}\n")
         return EXIT_BAD_INPUT
     except BadInput as exc:

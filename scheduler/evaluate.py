@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from compactd.scheduler.output import EXIT_OK, emit, say
 from compactd.storage.database import embedded_url
 from compactd.storage.errors import BadInput
+from compactd.storage.tokens import tokenizer_knows
 from compactd.worker.cost import usage_cost
 from compactd.worker.replay import Session, Tally, read_transcript, replay, session_of
 from compactd.worker.settings import Config, Settings, build_config, read_yaml
@@ -92,6 +93,19 @@ def load_candidates(paths: list[str], home: Path) -> list[Candidate]:
         names.add(name)
         out.append(Candidate(name, path, config))
     return out
+
+
+def check_run_model(run_model: str, candidates: list[Candidate]) -> None:
+    """``--run-model`` picks a model's window and tokenizer: it must be a model of every
+    configuration's ``models`` (as ``summarization.model_name`` must be), or one the tokenizer
+    knows by its name; any other (a typo) would be counted as an unknown model, silently."""
+    if tokenizer_knows(run_model):
+        return
+    for candidate in candidates:
+        if candidate.config.model(run_model) is None:
+            raise EvalInputError(
+                f"--run-model: {run_model!r} is not in models of --config {candidate.path}, "
+                "and is no OpenAI or Anthropic model name the tokenizer knows")
 
 
 def isolated_config(path: Path, home: Path) -> Config:
@@ -204,6 +218,8 @@ async def cmd_eval(args: argparse.Namespace, _config: Config) -> int:
         check_report_dir(args.report)
     with tempfile.TemporaryDirectory(prefix="compactd-eval-") as tmp, _quiet_worker():
         candidates = load_candidates(args.eval_configs, Path(tmp))
+        if args.run_model is not None:
+            check_run_model(args.run_model, candidates)
         results = await run_eval(candidates, sessions, run_model=args.run_model,
                                  context_window=args.context_window)
     report: dict[str, Any] = {"transcripts": [str(p) for p in paths],

@@ -5,6 +5,7 @@ exceptions leave storage (``storage.database.translated``)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
@@ -12,6 +13,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, Program
 from compactd.storage.errors import (
     BadInput,
     CompactdError,
+    DatabaseMissing,
     DatabaseUnavailable,
     DeadlinePassed,
     LockNotAvailable,
@@ -73,8 +75,7 @@ def storage_error(exc: BaseException, *, under_deadline: bool) -> CompactdError:
         return SchemaMissing("the database schema is older than this compactd (a column is"
                              " missing): run `compactd migrate`")
     if code == _PG_NO_DATABASE:
-        return DatabaseUnavailable("the database does not exist: create it (createdb) before "
-                                   "`compactd migrate`")
+        return DatabaseMissing(_missing_database(text))
     if under_deadline and (code == _PG_QUERY_CANCELED or (
             code == _PG_LOCK_NOT_AVAILABLE and "lock timeout" in text)):
         return DeadlinePassed()
@@ -83,6 +84,13 @@ def storage_error(exc: BaseException, *, under_deadline: bool) -> CompactdError:
     if isinstance(orig, sqlite3.OperationalError) and "locked" in text:
         return LockNotAvailable("the database is locked")
     return _unavailable(exc, orig, code, reason) or StorageError(f"database error: {reason}")
+
+
+def _missing_database(text: str) -> str | None:
+    """The name in the server's 3D000 message (``database "NAME" does not exist``), which is
+    the operator's own URL, not data; None when the server words it otherwise (lc_messages)."""
+    found = re.fullmatch(r'database "(.{1,63})" does not exist', text.strip())
+    return found.group(1) if found else None
 
 
 def _unavailable(exc: BaseException, orig: BaseException, code: str | None,

@@ -73,6 +73,21 @@ class DatabaseUnavailable(StorageError):
     retryable = True
 
 
+class DatabaseMissing(StorageError):
+    """The database does not exist: check the database URL, or create it (createdb) before
+    `compactd migrate`."""
+
+    # Not retryable: a typo in the URL does not heal. A server that is starting up answers
+    # with another SQLSTATE (57P03), which stays DatabaseUnavailable.
+
+    def __init__(self, database: str | None = None) -> None:
+        self.database = database
+        named = f"the database {database!r} does not exist" if database else \
+            "the database does not exist"
+        super().__init__(f"{named}: check the database URL, or create it (createdb) before "
+                         "`compactd migrate`")
+
+
 class SessionNotFound(BadInput):
     """No such session."""
 

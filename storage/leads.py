@@ -55,21 +55,33 @@ class LeadsMixin:
     db: Connector
 
     async def lead_samples(self, *, since: dt.datetime, limit: int) -> list[LeadSample]:
-        """The newest ``limit`` committed automatic runs finished since ``since`` that were
-        asked for by a signal, newest first; only those that wrote a summary count (a prune
-        alone is not what the lead waits for)."""
+        """The newest ``limit`` committed or partial automatic runs finished since ``since``
+        that were asked for by a signal, newest first; only those that committed a summary
+        count (a prune alone is not what the lead waits for). A committed run is timed to its
+        end; a partial one to its first checkpoint's commit (its end is its failure's)."""
         r, s = t.compaction_runs.c, t.sessions.c
-        stmt = (sa.select(s.run_model, r.signalled_at, r.finished_at, r.stages)
+        stmt = (sa.select(s.run_model, r.status, r.signalled_at, r.started_at, r.finished_at,
+                          r.stages)
                 .select_from(t.compaction_runs.join(t.sessions, s.id == r.session_id))
-                .where(r.status == RunStatus.COMMITTED, r.signalled_at.is_not(None),
-                       r.finished_at >= since)
+                .where(r.status.in_([RunStatus.COMMITTED, RunStatus.PARTIAL]),
+                       r.signalled_at.is_not(None), r.finished_at >= since)
                 .order_by(r.finished_at.desc()).limit(limit))
         async with connection(self.engine) as conn:
             rows = (await conn.execute(stmt)).all()
-        return [LeadSample(pool_of(row.run_model),
-                           max(0.0, (row.finished_at - row.signalled_at).total_seconds()))
-                for row in rows
-                if row.finished_at is not None and Stage.SUMMARY in _stages(row.stages)]
+        samples = []
+        for row in rows:
+            if row.finished_at is None or Stage.SUMMARY not in _stages(row.stages):
+                continue
+            if row.status == RunStatus.COMMITTED:
+                checkpoint_at = row.finished_at
+            else:
+                first = checkpoint_commit_s(row.stages)
+                if first is None:
+                    continue
+                checkpoint_at = row.started_at + dt.timedelta(seconds=first)
+            samples.append(LeadSample(pool_of(row.run_model), max(
+                0.0, (checkpoint_at - row.signalled_at).total_seconds())))
+        return samples
 
     async def store_leads(self, leads: Sequence[LeadRow]) -> None:
         """Replace every pool's lead with ``leads`` (pools not named lose theirs)."""
@@ -101,6 +113,15 @@ def pool_lead() -> sa.ColumnElement[float]:
            .scalar_subquery())
     every = sa.select(lead.lead_s).where(lead.pool == ALL_POOLS).scalar_subquery()
     return sa.type_coerce(sa.func.coalesce(own, every, 0.0), sa.Float)
+
+
+def checkpoint_commit_s(stages: object) -> float | None:
+    """Seconds from a run's claim to its first checkpoint's commit, None when it committed none
+    (a ``partial`` run's end is its failure's, not its checkpoint's)."""
+    recorded = stages.get("claim_to_commit_s") if isinstance(stages, dict) else None
+    if Stage.SUMMARY not in _stages(stages) or not isinstance(recorded, int | float):
+        return None
+    return float(recorded)
 
 
 def _stages(value: object) -> list[str]:

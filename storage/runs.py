@@ -17,6 +17,7 @@ from compactd.storage import schema as t
 from compactd.storage.connectors import Connector
 from compactd.storage.database import connection
 from compactd.storage.kinds import RunStatus
+from compactd.storage.leads import checkpoint_commit_s
 from compactd.storage.records import RunRecord, SessionInfo
 from compactd.storage.schema import (
     RUN_COLUMNS,
@@ -76,13 +77,17 @@ class RunsMixin:
 
     async def claim_to_commit_durations(self, model: str | None, *, since: dt.datetime,
                                         limit: int = 64) -> list[float]:
-        """Seconds from the claim to the first checkpoint's commit (a run that recorded none:
-        to its end) of the newest committed runs since ``since`` that wrote a summary with
-        ``model``, newest first; of every model's when none did (a provider may report its
-        model under another name than the one configured). One indexed read."""
-        rows = await self.db.fetch("recent_summary_runs", status=RunStatus.COMMITTED,
-                                   since=since, limit=limit)
-        spans = [(r["model"], _claim_to_commit(r)) for r in rows]
+        """Seconds from the claim to the first checkpoint's commit (a committed run that
+        recorded none: to its end) of the newest committed runs since ``since`` that wrote a
+        summary with ``model``, and of the partial ones that committed a checkpoint before they
+        failed, newest first; of every model's when none did (a provider may report its model
+        under another name than the one configured). One indexed read of each status."""
+        rows = [r for status in (RunStatus.COMMITTED, RunStatus.PARTIAL)
+                for r in await self.db.fetch("recent_summary_runs", status=status,
+                                             since=since, limit=limit)]
+        rows.sort(key=lambda r: r["started_at"], reverse=True)
+        spans = [(r["model"], span) for r in rows[:limit]
+                 if (span := _claim_to_commit(r)) is not None]
         mine = [s for m, s in spans if m == model]
         return mine or [s for _, s in spans]
 
@@ -132,7 +137,9 @@ class RunsMixin:
                 .order_by(c.lease_expires_at))]
 
 
-def _claim_to_commit(row: Any) -> float:
+def _claim_to_commit(row: Any) -> float | None:
+    if row["status"] == RunStatus.PARTIAL:
+        return checkpoint_commit_s(row["stages"])
     recorded = (row["stages"] or {}).get("claim_to_commit_s")
     if isinstance(recorded, int | float):
         return float(recorded)

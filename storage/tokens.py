@@ -99,6 +99,13 @@ def encoding_name_for(model: str | None) -> str:
     return "o200k_base"
 
 
+def tokenizer_knows(model: str) -> bool:
+    """Whether ``model`` names a model whose tokenizer is known by its name (OpenAI's families,
+    Anthropic's), not one counted in o200k for want of knowing it."""
+    m = model.lower().rsplit("/", 1)[-1]
+    return is_anthropic(model) or m.startswith(_O200K_PREFIXES + _CL100K_PREFIXES)
+
+
 def is_anthropic(model: str | None) -> bool:
     m = (model or "").lower()
     return "claude" in m or m.startswith("anthropic")

@@ -94,8 +94,7 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = RunCause.PRESSU
         outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
     finally:
         deps.runs_in_flight -= 1
-    if (outcome.outcome == RunStatus.COMMITTED and outcome.signalled_at is not None
-            and Stage.SUMMARY in outcome.stages):
+    if outcome.checkpoint_committed and outcome.signalled_at is not None:
         # A new measure of the time to a checkpoint: the lead the append reads follows it.
         await refresh_after_checkpoint(deps.store, deps.config)
     if deps.config.worker.recall_index and outcome.replaced_nodes:

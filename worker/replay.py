@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from compactd.storage.errors import BadInput, InvalidMessage
-from compactd.storage.kinds import JournalKind, NodeKind, RunCause
+from compactd.storage.kinds import JournalKind, NodeKind, RunCause, RunStatus
 from compactd.storage.messages import Message, ToolLinks, from_payload, parse, read_jsonl
 from compactd.storage.tokens import counter_for
 from compactd.worker import orchestration, probes
@@ -336,7 +336,8 @@ async def _compact(deps: Any, sid: str, last_seq: int,
     before = await deps.store.read_surface(sid)
     nodes = {node.seq: (node.message, node.tokens, node.kind) for node in before.nodes}
     outcome = await orchestration.compact(deps, sid, trigger=RunCause.PRESSURE)
-    tally.failed += bool(outcome.failed)
+    # A partial run committed some rounds, then failed: a failure, as status counts it.
+    tally.failed += outcome.outcome in (RunStatus.FAILED, RunStatus.PARTIAL)
     tally.usages.append(outcome.usage)
     tally.calls += len(calls)
     received: Counter[str] = Counter()

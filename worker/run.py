@@ -115,6 +115,13 @@ class Outcome:
         return self.outcome == RunStatus.FAILED
 
     @property
+    def checkpoint_committed(self) -> bool:
+        """Whether one of the run's commits was a checkpoint: a committed run's summary round,
+        or a partial run's round before it failed (the agent has it either way)."""
+        return self.outcome in (RunStatus.COMMITTED, RunStatus.PARTIAL) \
+            and Stage.SUMMARY in self.stages
+
+    @property
     def replaced_nodes(self) -> bool:
         """Whether one of the run's commits replaced nodes: a run that failed in a later round
         keeps what its earlier rounds committed."""
@@ -316,12 +323,12 @@ class RunScope:
             finally:
                 metrics().in_flight.dec()
             signalled_at = self.claim.session.signal_at
-            if (out.outcome == RunStatus.COMMITTED and out.trigger in AUTOMATIC_TRIGGERS
-                    and signalled_at):
+            checkpoint_at = self._checkpoint_at()
+            if checkpoint_at is not None and out.trigger in AUTOMATIC_TRIGGERS and signalled_at:
                 # The wait an agent under pressure has for its checkpoint: the alert on the
                 # runway (ops/prometheus/alerts.yaml) compares its p99 with the least runway.
                 metrics().pressure_to_checkpoint.labels(out.trigger).observe(
-                    max(0.0, (deps.clock() - signalled_at).total_seconds()))
+                    max(0.0, (checkpoint_at - signalled_at).total_seconds()))
             logger.info("compaction %s%s", out.outcome,
                         f" ({out.failure_class})" if out.failure_class else "",
                         extra={"action": "compaction.end", "outcome": out.outcome,
@@ -332,6 +339,17 @@ class RunScope:
         return _counted(out)
 
     # ---------------------------------------------------------------------------- writing
+
+    def _checkpoint_at(self) -> Any:
+        """When the agent had its checkpoint: a committed run's end; a partial run's first
+        checkpoint commit (its end is its failure's); None for any other run."""
+        out = self.out
+        if out.outcome == RunStatus.COMMITTED:
+            return self.deps.clock()
+        if out.checkpoint_committed and out.claim_to_commit_s is not None \
+                and self.claimed_at is not None:
+            return self.claimed_at + dt.timedelta(seconds=out.claim_to_commit_s)
+        return None
 
     async def commit(self, replacements: Sequence[Replacement], *, what: str,
                      expected: Sequence[tuple[int, int]] | None = None,
@@ -499,6 +517,8 @@ class UnendedRuns:
         self._retry_s = retry_s
         # by session: its claim, the end to write, the loop time the lease is expired by
         self._runs: dict[str, tuple[Claim, RunEnd, float]] = {}
+        # by session: the last error its end's write failed with, logged once until it changes
+        self._failed_with: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
 
     def add(self, claim: Claim, end: RunEnd) -> None:
@@ -518,7 +538,7 @@ class UnendedRuns:
         ours = await deps.store.finish(claim.session.id, run_id=claim.run_id, fence=claim.fence,
                                        end=end, now=deps.clock())
         if self._runs.get(claim.session.id, (None,))[0] is claim:
-            del self._runs[claim.session.id]
+            self._drop(claim.session.id)
         logger.info("the end of a run the database could not take is written%s",
                     "" if ours else " (its lease had moved on)",
                     extra={"action": "compaction.unended_ended", "session_id": claim.session.id,
@@ -530,22 +550,35 @@ class UnendedRuns:
             await asyncio.sleep(self._retry_s)
             for claim, end, expired_by in list(self._runs.values()):
                 if loop.time() >= expired_by:
-                    self._runs.pop(claim.session.id, None)
+                    self._drop(claim.session.id)
                     continue
                 try:
                     await self._end(claim, end)
                 except DatabaseUnavailable:
                     break  # still unreachable: every run waits for the next attempt
                 except SessionNotFound:
-                    self._runs.pop(claim.session.id, None)  # deleted: nothing left to end
+                    self._drop(claim.session.id)  # deleted: nothing left to end
                 except StorageError as exc:
-                    logger.warning("ending a run the database could not take failed: %s",
-                                   exc, extra={"action": "compaction.unended_failed",
-                                               "session_id": claim.session.id})
+                    # Retried still (a lock held, a schema migrated meanwhile: the lease's
+                    # expiry bounds it), but logged once, and again only when it changes.
+                    failure = f"{type(exc).__name__}: {exc}"
+                    if self._failed_with.get(claim.session.id) != failure:
+                        self._failed_with[claim.session.id] = failure
+                        logger.warning("ending a run the database could not take failed: %s "
+                                       "(retried every %.1f s until its lease expires)",
+                                       exc, self._retry_s,
+                                       extra={"action": "compaction.unended_failed",
+                                              "session_id": claim.session.id,
+                                              "run_id": claim.run_id})
+
+    def _drop(self, session_id: str) -> None:
+        self._runs.pop(session_id, None)
+        self._failed_with.pop(session_id, None)
 
     async def aclose(self) -> None:
         """Stop retrying; what is left the reaper ends when the leases expire."""
         self._runs.clear()
+        self._failed_with.clear()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from compactd.storage.records import utcnow
 from compactd.storage.store import Store
 from compactd.worker.limits import Limiter, LocalLimiter, RedisLimiter
 from compactd.worker.llm.breaker import Breaker, BreakerLimits, LocalBreaker, RedisBreaker
+from compactd.worker.owners import format_owner, this_process
 from compactd.worker.settings import Config
 
 T = TypeVar("T")
@@ -74,8 +74,9 @@ def new_worker_loop(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def default_owner() -> str:
-    """Who holds a lease: host and pid, enough to find the process in an incident."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """Who holds a lease: host, pid and PID namespace (worker.owners), enough to find the
+    process in an incident and for a worker of the same namespace to tell it is gone."""
+    return format_owner(this_process())
 
 
 @dataclass

@@ -21,7 +21,6 @@ import datetime as dt
 import json
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 from compactd.storage.errors import StorageError
@@ -30,6 +29,7 @@ from compactd.storage.records import ReapedLease, SessionInfo, utcnow
 from compactd.storage.store import Store
 from compactd.worker.enqueue import Enqueuer, RunRequest, enqueue_marked
 from compactd.worker.lead import refresh_leads
+from compactd.worker.owners import Owner, format_owner, parse_owner, this_process
 from compactd.worker.pressure import (
     Runway,
     over_trigger,
@@ -128,23 +128,26 @@ async def _enqueue_if_pressed(store: Store, config: Config, enqueuer: Enqueuer, 
 
 
 async def release_dead_leases(store: Store, config: Config, enqueuer: Enqueuer, *,
-                              host: str | None = None, me: int | None = None
-                              ) -> list[ReapedLease]:
+                              me: Owner | None = None) -> list[ReapedLease]:
     """At a worker's start: release the leases of this host's worker processes that are gone
     (a crash, a kill), whose runs could not end, so their sessions do not wait for the leases
-    to expire. A lease's owner is ``host:pid`` (worker.runtime.default_owner); a pid that is
-    still a process on this host (another worker, or one that took the number) is left to the
-    reaper. The release is fenced to the run read, and its run ends abandoned, naming why; a
-    session still under pressure is sent again, as the reaper does."""
-    host = host or socket.gethostname()
-    me = os.getpid() if me is None else me
+    to expire. Only leases whose owner (worker.owners) names this host AND this process's PID
+    namespace: a pid means nothing in another one (a container sharing the host name), and an
+    owner with no namespace (the old ``host:pid`` form) is left to expire. A pid that is still
+    a process here (another worker, or one that took the number) is left to the reaper. The
+    release is fenced to the run read, and its run ends abandoned, naming why; a session still
+    under pressure is sent again, as the reaper does."""
+    me = me or this_process()
+    if me.namespace is None:
+        return []  # no namespace to match: no pid of any lease can be checked from here
     released: list[ReapedLease] = []
     for info in await store.live_leases():
-        owner_host, _, pid = (info.lease_owner or "").rpartition(":")
-        if owner_host != host or not pid.isdigit() or not _gone(int(pid), me):
+        owner = parse_owner(info.lease_owner)
+        if (owner is None or owner.host != me.host or owner.namespace != me.namespace
+                or not _gone(owner.pid, me.pid)):
             continue
         lease = await store.release_lease(info.id, run_id=info.lease_run_id,
-                                          by=f"{host}:{me} at its start (process gone)")
+                                          by=f"{format_owner(me)} at its start (process gone)")
         if lease is not None:
             logger.warning("released the lease of a worker process that is gone",
                            extra={"action": "lease.released_dead", "session_id": info.id,

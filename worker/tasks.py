@@ -94,6 +94,12 @@ def bulk_busy_countdown(retries_done: int, lease_s: float,
                            rng=rng)
 
 
+async def _earlier_instructions(deps: Deps, task_id: str) -> list[str]:
+    """The instructions the earlier deliveries of ``task_id`` recorded on their run rows."""
+    return [text for earlier in await deps.store.runs_for_task(task_id)
+            for text in earlier.instructions or ()]
+
+
 async def _keep_instructions(deps: Deps, session_id: str, focus: tuple[str, ...]) -> None:
     """A manual run that found the session leased never used its instructions: they go back on
     the session's manual mark for the next manual run (the busy outcome is the answer to this
@@ -142,9 +148,12 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         focus = tuple(instructions or ())
         if trigger == RunCause.MANUAL and task_id:
             # Started: a manual request from now on queues a run of its own. The requests
-            # coalesced into this one left their instructions on the mark.
+            # coalesced into this one left their instructions on the mark; a redelivery (its
+            # worker killed mid-run) finds the mark cleared by the first delivery, whose run
+            # row holds them.
             focus = merge_instructions(
                 focus, await deps.store.clear_manual(session_id, task_id))
+            focus = merge_instructions(focus, await _earlier_instructions(deps, task_id))
             taken[:] = focus
         try:
             # The loop thread has its own context: bind here too (compact adds the run id).
@@ -162,7 +171,9 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
             if trigger in AUTOMATIC_TRIGGERS:
                 # The signal's run is over: the next signal may enqueue again.
                 after = await deps.store.clear_signal(session_id)
-                committed = outcome is not None and outcome.outcome == RunStatus.COMMITTED
+                # A partial run committed too: the appends its mark held back still count.
+                committed = outcome is not None and outcome.outcome in (
+                    RunStatus.COMMITTED, RunStatus.PARTIAL)
                 if after is not None and committed:
                     try:
                         await follow_up(deps.store, config, Enqueuer(self.app), after,

@@ -21,6 +21,7 @@ from compactd.scheduler.output import redact_url
 from compactd.storage.errors import (
     BadInput,
     CompactionRefused,
+    DatabaseMissing,
     DatabaseUnavailable,
     IdempotencyKeyReused,
     InvalidMessage,
@@ -123,6 +124,8 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
     async def storage_failed(request: Request, exc: Exception) -> JSONResponse:
         logger.warning("storage failed: %s", exc, extra={"action": "api_unavailable"})
         # Where the database lives is the operator's business (the log), not the caller's.
+        if isinstance(exc, DatabaseMissing):
+            return _unavailable("the server's database is not configured correctly")
         return _unavailable("the database cannot be reached; retry"
                             if isinstance(exc, DatabaseUnavailable) else str(exc))
 

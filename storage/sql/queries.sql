@@ -53,7 +53,7 @@ SELECT * FROM compaction_runs
 -- The newest runs that wrote a summary (a model is recorded), with their claim, end and stages
 -- (the first checkpoint's commit): what a run expects its own claim-to-commit to take
 -- (keep_at: pickup), on the (status, started_at) index.
-SELECT model, started_at, finished_at, stages FROM compaction_runs
+SELECT status, model, started_at, finished_at, stages FROM compaction_runs
  WHERE status = :status AND started_at >= :since AND model IS NOT NULL
    AND finished_at IS NOT NULL
  ORDER BY started_at DESC

@@ -309,3 +309,15 @@ def test_a_database_host_list_the_driver_cannot_use_exits_2_naming_it_without_a_
         assert out.stderr.startswith("compactd: database URL: ") and problem in out.stderr
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
         assert "hunter2" not in out.stderr + out.stdout
+
+
+def test_a_database_that_does_not_exist_exits_2_naming_it_at_once(
+        cli_env: dict[str, str], pg_url: str) -> None:
+    # An operator's typo: not an outage to wait out (exit 1 after retries), but bad config.
+    missing = pg_url.rsplit("/", 1)[0] + "/compactd_no_such_database"
+    cli_env["COMPACTD_DATABASE_URL"] = missing
+    for command in (["status"], ["surface", "s1"], ["migrate"]):
+        out = run_cli(cli_env, *command, check=False)
+        assert out.returncode == 2, out.stderr
+        assert "'compactd_no_such_database' does not exist" in out.stderr
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr

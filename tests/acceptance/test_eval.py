@@ -173,6 +173,28 @@ def test_bad_input_names_the_file_and_changes_nothing(
     assert asyncio.run(_sessions(url)) == before
 
 
+def test_a_run_model_no_configuration_or_tokenizer_knows_is_refused_naming_it(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    # A typo would be counted as an unknown model (o200k, no window) without a word.
+    roomy = _configs(tmp_path)[0]
+    report = tmp_path / "report"
+    out = _eval(env, str(FIXTURES / "coding-export.jsonl"), "--config", str(roomy),
+                "--run-model", "a b", "--report", str(report))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (f"compactd: --run-model: 'a b' is not in models of --config {roomy}, "
+                          "and is no OpenAI or Anthropic model name the tokenizer knows\n")
+    assert not report.exists()
+    # A configured model's name, or one the tokenizer knows, is taken.
+    named = tmp_path / "named.yaml"
+    named.write_text(json.dumps({"models": [{"name": "a b", "provider": "local"}],
+                                 "summarization": POLICIES["roomy"]}))
+    for config, model in ((named, "a b"), (roomy, "claude-sonnet-4-5"), (roomy, "gpt-4o")):
+        out = _eval(env, str(FIXTURES / "coding-export.jsonl"), "--config", str(config),
+                    "--run-model", model, "--json")
+        assert out.returncode == 0, (model, out.stderr)
+        assert json.loads(out.stdout)["run_model"] == model
+
+
 def test_a_report_folder_that_cannot_be_written_is_refused_before_the_replays(
         tmp_path: Path, env: dict[str, str]) -> None:
     """A --report under a file (or any place no folder can be made) is bad input found before
@@ -257,3 +279,29 @@ def test_a_configured_model_is_called_and_its_usage_priced(
     assert usage["output_tokens"] > 0
     assert result["cost"]["usd"] == pytest.approx(expected, abs=1e-6)
     assert result["cost"]["usd"] > 0
+
+
+def test_a_run_that_committed_a_round_and_then_failed_is_a_failed_run(
+        tmp_path: Path, env: dict[str, str], fake: Any) -> None:
+    """A partial run (a round's checkpoint committed, the next round's call refused) is a
+    failed run in the report, as ``compactd status`` lists it with the failures."""
+    from tests.support.fake_provider import Behaviour
+    from tests.support.stack import FAKE_KEY_ENV, fake_models
+
+    # Each round summarizes what fits the summarizer's budget (shrink), so the first run's
+    # first round cannot relieve the session; its second call is refused (400: no retry), and
+    # every later call answers.
+    fake.script(Behaviour(model="fake-gpt"), Behaviour(model="fake-gpt", status=400))
+    config = tmp_path / "partial.yaml"
+    config.write_text(json.dumps({
+        "models": fake_models(fake.url)[:1], "worker": {"local_fallback": False},
+        "summarization": {**POLICIES["tight"], "model_name": "fake-gpt", "strategy": "shrink",
+                          "trim_tokens_to_summarize": 800}}))
+    out = _eval({**env, FAKE_KEY_ENV: "test-key"}, str(FIXTURES / "coding-export.jsonl"),
+                "--config", str(config), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)["configs"][0]
+    statuses = [r.status for r in fake.requests_for(model="fake-gpt")]
+    assert statuses[:2] == [200, 400] and set(statuses[2:]) <= {200}, statuses
+    # The first run is partial; every later one committed.
+    assert (result["failed"], result["calls"]) == (1, len(statuses)), result

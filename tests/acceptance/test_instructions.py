@@ -18,16 +18,17 @@ from langgraph.checkpoint.memory import InMemorySaver
 from compactd.scheduler.langchain import CompactdMiddleware
 from compactd.scheduler.samples import coding_session
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
-from compactd.storage.kinds import JournalKind, RunStatus
+from compactd.storage.kinds import JournalKind, RunCause, RunStatus
 from compactd.storage.records import Claim, RunEnd
 from compactd.worker.compaction.render import LANGCHAIN_PREFIX
+from compactd.worker.enqueue import RunRequest
 from compactd.worker.settings import load_config
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.chat_models import fake_chat_openai
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import wait_until
-from tests.support.worker_stack import db
+from tests.support.worker_stack import db, enqueuer
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
@@ -106,6 +107,35 @@ def test_a_busy_manual_run_s_instructions_reach_the_next_manual_run(
     [request] = summary_texts(fake)
     assert json.dumps(f"<user_focus>\n{html.escape(FOCUS, quote=False)}\n</user_focus>",
                       ensure_ascii=False)[1:-1] in request
+
+
+def test_a_redelivered_manual_run_keeps_the_instructions_of_the_requests_it_stood_for(
+        make_stack, fake: FakeProvider, db: Db) -> None:  # type: ignore[no-untyped-def]
+    # The first delivery takes the coalesced request's instructions off the mark, then its
+    # worker is killed mid-run (the summary call hangs). Celery redelivers the unacked message
+    # with its original arguments (the first request's instructions only): sent again here with
+    # the same task id, as the broker would after its visibility timeout.
+    fake.script(Behaviour(model=SUMMARY_MODEL, hang=True))
+    stack = make_stack(summarization=POLICY)
+    stack.ingest("s1", coding_session(steps=20, big_output_lines=30).messages)
+    first = stack.cli_json("compact", "s1", "--instructions", FOCUS)
+    assert stack.cli_json("compact", "s1", "--instructions", SECOND)["coalesced"]
+    stack.start_worker("w1", concurrency=2)
+    wait_until(lambda: fake.requests_for(model=SUMMARY_MODEL), timeout=60,
+               what="the first delivery's summary call")
+    [cut] = db.runs("s1")
+    assert cut.instructions == [FOCUS, SECOND] and cut.task_id == first["task_id"]
+    stack.kill("w1")
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("s1", RunCause.MANUAL, task_id=first["task_id"],
+                            instructions=(FOCUS,)))
+    stack.start_worker("w2", concurrency=2)  # the same host: w1's lease is released at once
+    again = wait_until(lambda: next((r for r in db.runs("s1")[1:] if r.finished), None),
+                       timeout=60, what="the redelivered run to end")
+    assert (again.status, again.task_id) == (RunStatus.COMMITTED, first["task_id"]), again
+    assert again.instructions == [FOCUS, SECOND]
+    request = summary_texts(fake)[-1]
+    assert json.dumps(f"<user_focus>\n{SECOND}\n</user_focus>")[1:-1] in request
 
 
 @tool

@@ -24,6 +24,8 @@ import yaml
 from compactd.scheduler.client import CompactdClient
 from compactd.scheduler.samples import coding_session
 from compactd.storage.errors import ConfigError, SessionNotFound
+from compactd.storage.leads import ALL_POOLS
+from compactd.storage.messages import parse_openai
 from compactd.storage.store import Store
 from compactd.worker.enqueue import RunRequest
 from compactd.worker.settings import load_config
@@ -438,6 +440,44 @@ def test_a_run_that_fails_after_committing_a_round_ends_partial_everywhere(
              if "celery.app.trace" in line and run["run_id"] in line]
     assert ended and "succeeded" in ended[0], ended
     assert "CompactionFailed" not in stack.log("w1")
+
+
+@pytest.mark.timed
+def test_a_partial_pressure_run_is_timed_to_its_checkpoint_and_followed_up(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # As above, on a signal: the first round's checkpoint commits, the second round's call is
+    # refused after 3 s (and every later call at once). The agent had its checkpoint before the
+    # failure: the pressure-to-checkpoint wait is observed up to it; appends made while the run
+    # held the signal mark are followed up as after a committed run.
+    fake.script(Behaviour(model="fake-gpt"),
+                Behaviour(model="fake-gpt", status=400, latency_s=3.0),
+                Behaviour(model="fake-gpt", status=400, times=-1))
+    stack = make_stack(summarization={**POLICY, "strategy": "shrink",
+                                      "trim_tokens_to_summarize": 2000},
+                       worker={"local_fallback": False})
+    port = free_port()
+    db.ingest("p1", coding_session(steps=40, big_output_lines=30, seed=800).messages)
+    stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
+    signalled = time.monotonic()
+    assert stack.cli_json("signal", "p1")["enqueued"]
+    wait_until(lambda: len(fake.requests_for(model="fake-gpt")) >= 2, timeout=60,
+               what="the second round's call")
+    checkpointed = time.monotonic()
+    db.run(lambda s: s.append("p1", [parse_openai({"role": "user", "content": "more"})]))
+    runs = wait_until(lambda: (r := db.runs("p1")) and len(r) >= 2 and r, timeout=60,
+                      what="the follow-up run")
+    assert (runs[0].status, runs[0].failure_class) == ("partial", "summary"), runs[0]
+    assert runs[1].trigger == "pressure"
+    samples = scrape(port)
+    assert value(samples, "compactd_pressure_to_checkpoint_seconds_count",
+                 trigger="pressure") == 1
+    took = value(samples, "compactd_pressure_to_checkpoint_seconds_sum", trigger="pressure")
+    # Not the partial run's end, 3 s after the second call was received.
+    assert 0 < took <= checkpointed - signalled
+    # And the lead the appends fire by learnt it, measured the same way.
+    lead = db.run(lambda s: s.read_leads([ALL_POOLS]))[ALL_POOLS]
+    assert (lead.source, lead.runs) == ("auto", 1), lead
+    assert 0 < lead.lead_s <= checkpointed - signalled
 
 
 # ------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import re
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,7 @@ from compactd.scheduler.client import CompactdClient, SessionHandle
 from compactd.storage import schema as t
 from compactd.storage.database import transaction
 from compactd.storage.errors import (
+    DatabaseMissing,
     DatabaseUnavailable,
     IdempotencyKeyReused,
     InvalidMessage,
@@ -244,6 +246,24 @@ def test_append_keys_hours_is_read_from_the_configuration() -> None:
     assert build_config({}, settings=settings).retention.append_key_window_s == 24 * 3600
     assert build_config({"retention": {"append_keys_hours": 0.5}},
                         settings=settings).retention.append_key_window_s == 1800
+
+
+async def test_a_keyed_append_to_a_database_that_does_not_exist_fails_at_once_naming_it(
+        clean_pg: str, caplog: pytest.LogCaptureFixture) -> None:
+    # A retry cannot create the database: the client must not wait out its attempts.
+    settings = Settings(database_url=clean_pg, broker_url="memory://")
+    async with CompactdClient(build_config({}, settings=settings),
+                              enqueuer=RecordingEnqueuer()) as real:
+        info = (await real.create_session("s")).info
+    missing = clean_pg.rsplit("/", 1)[0] + "/compactd_no_such_database"
+    config = build_config({}, settings=Settings(database_url=missing, broker_url="memory://"))
+    async with CompactdClient(config, enqueuer=RecordingEnqueuer()) as client:
+        session = SessionHandle(client, info)
+        with caplog.at_level(logging.WARNING), pytest.raises(DatabaseMissing) as refused:
+            await session.append([{"role": "user", "content": "step"}], retry=True)
+    assert not refused.value.retryable
+    assert "'compactd_no_such_database' does not exist" in str(refused.value)
+    assert [r for r in caplog.records if getattr(r, "action", None) == "append_retry"] == []
 
 
 # ------------------------------------------------------------------------------------------

@@ -169,3 +169,18 @@ async def test_a_database_that_cannot_be_reached_is_503_without_its_address(
     logged = "\n".join(r.getMessage() for r in caplog.records
                        if r.name.startswith("compactd.scheduler.http"))
     assert "the database cannot be reached" in logged and "hunter2" not in logged
+
+
+async def test_a_database_that_does_not_exist_is_503_without_its_name(
+        pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Not "retry" (a typo does not heal), and the name is the operator's (the log), not the
+    # caller's.
+    caplog.set_level(logging.INFO)
+    config = api_config(pg_url.rsplit("/", 1)[0] + "/compactd_no_such_database", tmp_path)
+    async for served in serve_app(config):
+        response = await served.http.get("/v1/sessions/s1", headers=A)
+        assert response.status_code == 503, response.text
+        assert response.json()["message"] == "the server's database is not configured correctly"
+    logged = "\n".join(r.getMessage() for r in caplog.records
+                       if r.name.startswith("compactd.scheduler.http"))
+    assert "'compactd_no_such_database' does not exist" in logged

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from compactd.storage.kinds import RunStatus
 from compactd.storage.leads import ALL_POOLS, LeadRow
 from compactd.storage.messages import Message, parse_openai
-from compactd.storage.records import utcnow
+from compactd.storage.records import Claim, RunEnd, utcnow
 from compactd.storage.store import Store
 from compactd.worker.compaction.lead import FIRST_LEAD_S
 from compactd.worker.lead import refresh_leads
@@ -128,3 +129,37 @@ async def test_the_measured_lead_is_the_signal_to_commit_time_of_summaries(
     # Back to auto with nothing measured: the configured row goes, the first lead is back.
     await refresh_leads(store, config(5_000, "auto"))
     assert (await store.read_leads([ALL_POOLS]))[ALL_POOLS].lead_s == FIRST_LEAD_S
+
+
+async def _signalled_run(store: Store, session_id: str, outcome: str,
+                         stages: dict[str, Any], *, ended_after_s: float) -> None:
+    """A run of ``session_id`` signalled 2 s before its claim, ended ``ended_after_s`` after."""
+    start = utcnow() - dt.timedelta(minutes=5)
+    await store.create_session(session_id, run_model="gpt-4o")
+    claim = await store.claim(session_id, owner="w", trigger="pressure", lease_s=600, now=start)
+    assert isinstance(claim, Claim)
+    assert await store.finish(session_id, run_id=claim.run_id, fence=claim.fence, end=RunEnd(
+        outcome=outcome, model="gpt-4o", stages=stages,
+        signalled_at=start - dt.timedelta(seconds=2)),
+        now=start + dt.timedelta(seconds=ended_after_s))
+
+
+async def test_a_partial_run_s_checkpoint_is_a_lead_sample_timed_to_its_commit(
+        store: Store) -> None:
+    # A partial run committed a checkpoint 3 s after its claim, then failed 40 s later: the
+    # agent waited 2 + 3 s for it, and that is what the lead learns, not the failure's time.
+    await _signalled_run(store, "committed", RunStatus.COMMITTED,
+                         {"stages": ["summary"], "claim_to_commit_s": 4.0}, ended_after_s=8)
+    await _signalled_run(store, "partial", RunStatus.PARTIAL,
+                         {"stages": ["summary"], "claim_to_commit_s": 3.0}, ended_after_s=43)
+    # Committed only prunes, or nothing: no checkpoint to time.
+    await _signalled_run(store, "pruned", RunStatus.PARTIAL,
+                         {"stages": ["prune"], "pruned": 2}, ended_after_s=20)
+    await _signalled_run(store, "failed", RunStatus.FAILED,
+                         {"stages": [], "claim_to_commit_s": 1.0}, ended_after_s=30)
+    samples = await store.lead_samples(since=utcnow() - dt.timedelta(hours=1), limit=10)
+    assert sorted((s.pool, round(s.seconds, 3)) for s in samples) == [
+        ("gpt-4o", 5.0), ("gpt-4o", 10.0)]
+    # The claim-to-commit time keep_at: pickup expects: the partial run's first checkpoint too.
+    assert sorted(await store.claim_to_commit_durations(
+        "gpt-4o", since=utcnow() - dt.timedelta(hours=1))) == [3.0, 4.0]

@@ -12,6 +12,7 @@ import pytest
 from compactd.storage.connectors_errors import connection_survives
 from compactd.storage.database import translate
 from compactd.storage.errors import (
+    DatabaseMissing,
     DatabaseUnavailable,
     InvalidMessage,
     LockNotAvailable,
@@ -94,3 +95,17 @@ def test_a_connection_the_driver_lost_is_an_unavailable_database(exc: BaseExcept
     under its statement: retryable, never a data error."""
     translated_exc = translated(exc)
     assert isinstance(translated_exc, DatabaseUnavailable) and translated_exc.retryable
+
+
+def test_a_database_that_does_not_exist_is_not_retryable_and_is_named() -> None:
+    """An operator's typo in the URL (3D000) does not heal with retries; a server that is
+    starting up (57P03) does, and stays a retryable DatabaseUnavailable."""
+    missing = translated(pg.InvalidCatalogNameError('database "compactd_typo" does not exist'))
+    assert isinstance(missing, DatabaseMissing) and not missing.retryable
+    assert not isinstance(missing, DatabaseUnavailable)
+    assert "'compactd_typo' does not exist" in str(missing)
+    # Worded otherwise (a server's lc_messages): still the error, without a name.
+    reworded = translated(pg.InvalidCatalogNameError("la base n'existe pas"))
+    assert isinstance(reworded, DatabaseMissing) and "n'existe" not in str(reworded)
+    starting = translated(pg.CannotConnectNowError("the database system is starting up"))
+    assert isinstance(starting, DatabaseUnavailable) and starting.retryable

@@ -133,7 +133,9 @@ def compute_backoff(attempt: int, *, initial_s: float, max_s: float, jitter: boo
     """Seconds to wait after HTTP attempt ``attempt`` (1-based) failed.
 
     Doubles from ``initial_s`` up to ``max_s``; with ``jitter``, "equal jitter": a uniform draw in
-    [half, full], so a fleet of workers does not retry in lockstep yet never retries early.
+    [half, full] of that step, so a fleet of workers does not retry in lockstep. A jittered wait
+    can be half its step, so it is shorter than the unjittered one; below the cap it is never
+    shorter than the previous attempt's full step, so the waits still grow.
     """
     base = min(max_s, initial_s * (2 ** max(0, attempt - 1)))
     if not jitter:

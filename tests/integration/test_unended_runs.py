@@ -1,0 +1,54 @@
+"""A run whose end the database could not take (worker.run.UnendedRuns), on the real database:
+its end is written again every ``retry_s`` until it lands or the lease expires; a failure that
+is not the database's reachability is logged once, and again only when it changes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from compactd.storage.errors import LockNotAvailable, SchemaMissing
+from compactd.storage.kinds import FailureClass, RunCause, RunStatus
+from compactd.storage.records import Claim, RunEnd
+from compactd.storage.store import Store
+from compactd.worker.limits import LocalLimiter
+from compactd.worker.run import UnendedRuns
+from compactd.worker.runtime import Deps
+from compactd.worker.settings import Settings, build_config
+
+
+async def test_a_failure_to_end_a_run_is_logged_once_and_again_when_it_changes(
+        store: Store, db_url: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = build_config({}, settings=Settings(database_url=db_url, broker_url="memory://"))
+    deps = Deps(config=config, store=store, limiter=LocalLimiter(), owner="w1")
+    await store.create_session("s1")
+    claim = await store.claim("s1", owner="w1", trigger=RunCause.PRESSURE, lease_s=600)
+    assert isinstance(claim, Claim)
+    # The write fails twelve times with one error, then four with another, then lands.
+    failures: list[Exception] = [SchemaMissing()] * 12 + [LockNotAvailable()] * 4
+    finish = store.finish
+
+    async def failing_finish(*args: Any, **kwargs: Any) -> bool:
+        if failures:
+            raise failures.pop(0)
+        return await finish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "finish", failing_finish)
+    unended = UnendedRuns(deps, retry_s=0.01)
+    with caplog.at_level(logging.WARNING, logger="compactd"):
+        unended.add(claim, RunEnd(outcome=RunStatus.FAILED,
+                                  failure_class=FailureClass.PERSISTENCE, error="lost"))
+        for _ in range(500):
+            if not failures and (await store.get_session("s1")).lease_run_id is None:
+                break
+            await asyncio.sleep(0.01)
+        await unended.aclose()
+    assert (await store.get_session("s1")).lease_run_id is None
+    logged = [r.getMessage() for r in caplog.records
+              if getattr(r, "action", None) == "compaction.unended_failed"]
+    assert len(logged) == 2, logged
+    assert "compactd schema" in logged[0] and "locked" in logged[1]
