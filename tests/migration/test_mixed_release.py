@@ -121,7 +121,7 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
                            timeout=30, what="the previous release's commit to be counted")
         assert calls.get("compactd_append", 0) > 0 and calls.get("compactd_claim", 0) > 0
         assert not any(calls.get(name) for name in ("compactd_append_v3", "compactd_claim_v2",
-                                                     "compactd_commit_v3")), calls
+                                                     "compactd_commit_v4")), calls
 
         # 2. This release's worker takes the previous release's client's runs.
         stack.start_worker("new", concurrency=2, env=new)
@@ -129,7 +129,7 @@ def test_previous_and_current_releases_compact_on_the_new_schema(
         assert result["outcome"] == "committed", (result, stack.log("new")[-3000:])
         assert _committed_by(stack, "new") == 1
         stack.kill("new")
-        calls = wait_until(lambda: _counted(migrated, "compactd_commit_v3"),
+        calls = wait_until(lambda: _counted(migrated, "compactd_commit_v4"),
                            timeout=30, what="this release's commit to be counted")
         assert calls.get("compactd_claim_v2", 0) > 0
 
