@@ -602,12 +602,21 @@ def _commit_params(session_id: str, *, run_id: str, fence: int,
         "refs": [r.ref for r in recalls], "firsts": [r.first for r in recalls],
         "lasts": [r.last for r in recalls],
         # NULL unless a node adds to a counter kept by name.
-        "node_counts": _node_counts(replacements)}
+        "node_counts": _node_counts(replacements), **_keeps(replacements)}
     if end is None:
         return "commit", {**params, "event": commit_event_fields(session_id, run_id,
                                                                  RunStatus.RUNNING)}
     return "commit_ending", {**params, **_run_end_params(end),
                              "event": commit_event_fields(session_id, run_id, end.outcome)}
+
+
+def _keeps(replacements: Sequence[Replacement]) -> dict[str, list[int] | None]:
+    """The nodes each replacement keeps inside its run, flattened as its seqs are; NULL unless
+    one keeps any."""
+    if not any(rep.keeps for rep in replacements):
+        return {"keeps": None, "keep_counts": None}
+    return {"keeps": [q for rep in replacements for q in rep.keeps],
+            "keep_counts": [len(rep.keeps) for rep in replacements]}
 
 
 def _node_counts(replacements: Sequence[Replacement]) -> list[str | None] | None:

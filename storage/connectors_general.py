@@ -356,7 +356,7 @@ async def commit_in(conn: AsyncConnection, session_id: str, *, run_id: str, fenc
 
 async def _recount(conn: AsyncConnection, info: SessionInfo) -> SessionInfo:
     """The session's counts kept by name summed again from its surface rows, which a commit
-    replaced some of (``compactd_commit_v3`` does the same)."""
+    replaced some of (``compactd_commit_v4`` does the same)."""
     rows = (await conn.execute(
         sa.select(_s.counts).where(_s.session_id == info.id, _s.counts.is_not(None)))).all()
     counts = summed(r.counts for r in rows)
@@ -393,7 +393,8 @@ def _placed(session_id: str, run_id: str, replacements: Sequence[Replacement],
     for rep, (journal_seq, seq) in zip(
             replacements, commit_seqs(last_seq, len(replacements)), strict=True):
         try:
-            rows.replace(seq, rep.tokens, rep.seqs, before=rep.before, after=rep.after)
+            rows.replace(seq, rep.tokens, rep.seqs, before=rep.before, after=rep.after,
+                         keeps=rep.keeps)
         except PlacementError as exc:
             raise refused(rep, exc.what) from None
         # Journal entry, then the node, per replacement: the same seqs as one at a time.
@@ -538,8 +539,10 @@ def node_payload(rep: Replacement, run_id: str) -> dict[str, Any]:
             **_placement(rep)}
 
 
-def _placement(rep: Replacement) -> dict[str, int]:
+def _placement(rep: Replacement) -> dict[str, Any]:
     """Where a placed node went, beside what it replaced: replay needs it."""
+    if rep.keeps:
+        return {"keeps": list(rep.keeps)}
     if rep.before is not None:
         return {"before": rep.before}
     if rep.after is not None:

@@ -202,3 +202,7 @@ def check_replacements(replacements: Sequence[Replacement]) -> None:
             raise ValueError("a replacement placed after a node replaces nothing")
         if not rep.seqs and rep.after is None:
             raise ValueError("a replacement must name at least one seq")
+        if rep.keeps and rep.placed:
+            raise ValueError("a replacement that keeps nodes is not placed")
+        if set(rep.keeps) & set(rep.seqs) or len(set(rep.keeps)) != len(rep.keeps):
+            raise ValueError("a replacement keeps a seq it replaces, or one seq twice")

@@ -223,6 +223,8 @@ class Replacement:
     which must directly precede the run (the two swap places); ``after``, with ``seqs`` empty,
     inserts it into the free position directly after that node. Either names a node on the
     surface or a seq an earlier replacement of the same commit replaced (its new node).
+    ``keeps``: nodes inside the run that stay where they are (the run is ``seqs`` and
+    ``keeps`` together); the node then takes the first position after the last of them.
     """
 
     seqs: tuple[int, ...]
@@ -233,6 +235,7 @@ class Replacement:
     journal: dict[str, Any] = field(default_factory=dict)
     before: int | None = None
     after: int | None = None
+    keeps: tuple[int, ...] = ()
 
     @property
     def placed(self) -> bool:

@@ -631,7 +631,8 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
             events = [LoggedEvent(seq=r.seq, kind=r.kind, tokens=r.tokens,
                                   replaces=tuple(r.payload.get("replaces", ()))
                                   if r.kind in REPLACE_KINDS else (),
-                                  before=r.payload.get("before"), after=r.payload.get("after"))
+                                  before=r.payload.get("before"), after=r.payload.get("after"),
+                                  keeps=tuple(r.payload.get("keeps", ())))
                       for r in await conn.execute(
                           sa.select(e.seq, e.kind, e.tokens, e.payload)
                           .where(e.session_id == session_id,

@@ -19,6 +19,12 @@ Event kinds:
 
   X and Y name a node on the surface, or a node replaced earlier in the same commit, which
   then means the node that replaced it (a commit cannot know the seqs it is about to give).
+
+  A replace may also name ``keeps``: nodes inside its run that it leaves where they are (the
+  latest user request, a reminder: the nodes the policy rescues from a summarized range). The
+  replaced seqs and the kept ones together must be the contiguous run; the kept nodes stay in
+  their positions and order, and the new node takes the first position after the last of them
+  (the first position of the last stretch it replaces), so it follows every node it leaves.
 * ``compaction/start``, ``compaction/prune``, ``compaction/summary``, ``compaction/end``: journal
   entries. They never touch the surface.
 
@@ -86,6 +92,7 @@ class LoggedEvent:
     payload: dict[str, Any] = field(default_factory=dict)
     before: int | None = None
     after: int | None = None
+    keeps: tuple[int, ...] = ()
 
 
 class ReplayError(ValueError):
@@ -96,7 +103,7 @@ class PlacementError(ReplayError):
     """A replace that does not fit the surface. ``what`` says how: ``order`` (a seq is not on
     the surface, or not in that order), ``contiguous`` (another node lies inside the run),
     ``before`` (the node to go before does not directly precede the run), ``after`` (no free
-    position directly after that node)."""
+    position directly after that node). A kept node that is not inside the run is ``order``."""
 
     def __init__(self, what: str, message: str) -> None:
         super().__init__(message)
@@ -150,12 +157,19 @@ class SurfaceRows:
         return holder if holder in self._position_of else None
 
     def replace(self, seq: int, tokens: int, replaces: Sequence[int], *,
-                before: int | None = None, after: int | None = None) -> int:
+                before: int | None = None, after: int | None = None,
+                keeps: Sequence[int] = ()) -> int:
         """Apply the replace that puts node ``seq`` on the surface; its position. Raises
         :class:`PlacementError`, changing nothing, when it does not fit."""
         if before is not None and after is not None:
             raise PlacementError("before", "a node is placed before one node or after one, "
                                            "not both")
+        if keeps:
+            if before is not None or after is not None:
+                raise PlacementError("order", "a replace that keeps nodes is not placed")
+            at = self._split_run(replaces, keeps)
+            self._replace_run(seq, tokens, replaces, at)
+            return at
         if after is not None:
             return self._insert_after(seq, tokens, replaces, after)
         first = self._run(replaces)
@@ -177,6 +191,33 @@ class SurfaceRows:
     def _run(self, replaces: Sequence[int]) -> int:
         """The first position of the run ``replaces``, which must be on the surface, in that
         order, with no other node inside it."""
+        first = self._run_positions(replaces)
+        if self._count(first, self._position_of[replaces[-1]]) != len(replaces):
+            raise PlacementError("contiguous", f"seqs {list(replaces)} are not a contiguous "
+                                               "run of the surface")
+        return first
+
+    def _split_run(self, replaces: Sequence[int], keeps: Sequence[int]) -> int:
+        """Where the node of a replace keeping ``keeps`` goes: the first replaced position after
+        the last kept node. ``replaces`` must be on the surface in that order, the kept nodes
+        strictly inside their run, and the two together the whole run."""
+        first = self._run_positions(replaces)
+        last = self._position_of[replaces[-1]]
+        kept = [self._position_of.get(q) for q in keeps]
+        if any(p is None or not first < p < last for p in kept):
+            raise PlacementError("order", f"seqs {list(keeps)} are not on the surface inside "
+                                          f"the run of seqs {list(replaces)}")
+        if len(set(keeps)) != len(keeps) or (
+                self._count(first, last) != len(replaces) + len(keeps)):
+            raise PlacementError("contiguous", f"seqs {list(replaces)} and the kept "
+                                               f"{list(keeps)} are not a contiguous run of "
+                                               "the surface")
+        after_kept = max(p for p in kept if p is not None)
+        return min(self._position_of[q] for q in replaces
+                   if self._position_of[q] > after_kept)
+
+    def _run_positions(self, replaces: Sequence[int]) -> int:
+        """The first position of ``replaces``, which must be on the surface in that order."""
         if not replaces:
             raise PlacementError("order", "a replace must name at least one seq")
         positions = []
@@ -188,9 +229,6 @@ class SurfaceRows:
         if any(a >= b for a, b in itertools.pairwise(positions)):
             raise PlacementError("order", f"seqs {list(replaces)} are not on the surface in "
                                           "that order")
-        if self._count(positions[0], positions[-1]) != len(positions):
-            raise PlacementError("contiguous", f"seqs {list(replaces)} are not a contiguous "
-                                               "run of the surface")
         return positions[0]
 
     def _replace_run(self, seq: int, tokens: int, replaces: Sequence[int],
@@ -229,7 +267,7 @@ def replay(events: Iterable[LoggedEvent]) -> list[tuple[int, int]]:
             rows.add(appended, event.seq, tokens)
         elif event.kind in REPLACE_KINDS:
             rows.replace(event.seq, tokens, event.replaces, before=event.before,
-                         after=event.after)
+                         after=event.after, keeps=event.keeps)
     return [(seq, tokens) for _, seq, tokens in rows.rows()]
 
 
@@ -249,6 +287,7 @@ class NewNode:
     tokens: int
     before: int | None = None
     after: int | None = None
+    keeps: tuple[int, ...] = ()
 
 
 def surface_after_commit(surface: Surface, new_nodes: Sequence[NewNode], *, version: int,
@@ -268,7 +307,8 @@ def surface_after_commit(surface: Surface, new_nodes: Sequence[NewNode], *, vers
     added: dict[int, NewNode] = {}
     try:
         for new, (_, seq) in zip(new_nodes, seqs, strict=True):
-            rows.replace(seq, new.tokens, new.replaces, before=new.before, after=new.after)
+            rows.replace(seq, new.tokens, new.replaces, before=new.before, after=new.after,
+                         keeps=new.keeps)
             added[seq] = new
     except PlacementError:
         return None  # not what the commit did: read what it did

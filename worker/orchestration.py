@@ -445,7 +445,7 @@ def _shared(current: Plan, surface: Surface, policy: Policy, info: SessionInfo,
             or first.name != info.run_model or not cache_readable(first.provider, info.envelope)):
         return None
     return shared_call(surface.nodes, step.replace_seqs, policy, info.envelope,
-                       info.envelope_tokens, counter_for(info.run_model))
+                       info.envelope_tokens, counter_for(info.run_model), step.kept_inside)
 
 
 async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, summary: str,
@@ -494,14 +494,16 @@ async def _commit_checkpoint(scope: RunScope, current: Plan, surface: Surface, s
         journal["instructions"] = list(policy.focus)
     rep = Replacement(seqs=step.replace_seqs, kind=NodeKind.CHECKPOINT,
                       payload=message.to_payload(), tokens=tokens,
-                      journal_kind=JournalKind.SUMMARY, journal=journal)
+                      journal_kind=JournalKind.SUMMARY, journal=journal,
+                      keeps=step.kept_inside)
     durable_tokens = out.tokens_after
     if final:
         # The end goes in the checkpoint's transaction: the outcome as it will be.
         out.outcome = RunStatus.COMMITTED
         out.tokens_after = predicted.tokens
     try:
-        info = await scope.commit([*prune_replacements(riding), rep], what="the checkpoint",
+        # The checkpoint first: a held edit of a node it keeps would give that node a new seq.
+        info = await scope.commit([rep, *prune_replacements(riding)], what="the checkpoint",
                                   expected=expected, final=final)
     except BaseException:
         # Not committed: the outcome keeps only what was.

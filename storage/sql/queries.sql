@@ -106,8 +106,8 @@ RETURNING 1;
 -- takes the general path.
 SELECT * FROM compactd_claim_v2(:session_id, :run_id, :owner, :trigger, :expires, :now, :task_id);
 
--- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts, event)^
--- postgres-only: calls compactd_commit_v3 (functions/compactd_commit_v3.sql); the SQLite connector
+-- name: commit(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts, keeps, keep_counts, event)^
+-- postgres-only: calls compactd_commit_v4 (functions/compactd_commit_v4.sql); the SQLite connector
 -- commits with separate statements in its transaction. The commit's event is sent by pg_notify in
 -- the same statement, so a listener hears of the commit once it is visible, and of no commit
 -- that was refused or rolled back: :event is built by storage.events (commit_event_fields), and
@@ -115,22 +115,23 @@ SELECT * FROM compactd_claim_v2(:session_id, :run_id, :owner, :trigger, :expires
 SELECT c.*, pg_notify('compactd_events', (:event::jsonb || jsonb_build_object(
            'tenant', c.tenant, 'version', c.surface_version, 'seq', c.last_seq))::text)
            AS notified
-  FROM compactd_commit_v3(:session_id, :run_id, :fence, :now, :seqs, :counts, :kinds, :payloads,
+  FROM compactd_commit_v4(:session_id, :run_id, :fence, :now, :seqs, :counts, :kinds, :payloads,
                           :tokens, :journal_kinds, :journals, :expected_pos, :expected_seq,
                           :end_payload, :before, :after, :refs, :firsts, :lasts,
-                          :node_counts) AS c;
+                          :node_counts, :keeps, :keep_counts) AS c;
 
--- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, signalled_at, item_state, item_done, event)^
--- postgres-only: a data-modifying WITH around compactd_commit_v3. The commit that ends its run: the
+-- name: commit_ending(session_id, run_id, fence, now, seqs, counts, kinds, payloads, tokens, journal_kinds, journals, expected_pos, expected_seq, end_payload, before, after, refs, firsts, lasts, node_counts, keeps, keep_counts, status, failure_class, error, tokens_before, tokens_after, model, usage, candidates, stages, range_seqs, signalled_at, item_state, item_done, event)^
+-- postgres-only: a data-modifying WITH around compactd_commit_v4. The commit that ends its run: the
 -- run row's result and its bulk item's ride on the call. The run row's UPDATE waits for the call
 -- (EXISTS on its result), so the session row is locked before the run row, as everywhere else,
 -- and a refused call (moved fence, changed surface) changes nothing. The call does not touch
 -- compaction_runs; the run row's UPDATE re-reads the row's newest version if a lease renewal
 -- changed it meanwhile, as any UPDATE does. The commit's event as in commit.
-WITH c AS (SELECT * FROM compactd_commit_v3(:session_id, :run_id, :fence, :now, :seqs, :counts,
+WITH c AS (SELECT * FROM compactd_commit_v4(:session_id, :run_id, :fence, :now, :seqs, :counts,
                                          :kinds, :payloads, :tokens, :journal_kinds, :journals,
                                          :expected_pos, :expected_seq, :end_payload, :before,
-                                         :after, :refs, :firsts, :lasts, :node_counts)),
+                                         :after, :refs, :firsts, :lasts, :node_counts,
+                                         :keeps, :keep_counts)),
      r AS (UPDATE compaction_runs
               SET status = :status, failure_class = :failure_class, error = :error,
                   tokens_before = :tokens_before, tokens_after = :tokens_after, model = :model,

@@ -226,7 +226,7 @@ def _prune_of_seq_1() -> dict[str, Any]:
             "journals": [json.dumps({"run_id": "r1", "replaced_seqs": [1]})],
             "expected_pos": [1], "expected_seq": [1], "before": None, "after": None,
             "refs": ["r1"], "firsts": [1], "lasts": [1],
-            "node_counts": [json.dumps({"turns": 2})]}
+            "node_counts": [json.dumps({"turns": 2})], "keeps": None, "keep_counts": None}
 
 
 @case("commit")

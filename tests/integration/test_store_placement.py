@@ -22,7 +22,7 @@ def user(text: str) -> Message:
 
 def node(name: str, *, first: int | None = None, last: int | None = None,
          seqs: tuple[int, ...] = (), before: int | None = None,
-         after: int | None = None) -> Replacement:
+         after: int | None = None, keeps: tuple[int, ...] = ()) -> Replacement:
     """A checkpoint named ``name``; ``first``/``last`` its stated recall span."""
     meta: dict[str, object] = {"checkpoint": True}
     if first is not None and last is not None:
@@ -30,7 +30,7 @@ def node(name: str, *, first: int | None = None, last: int | None = None,
     message = user(name).model_copy(update={"meta": meta})
     return Replacement(seqs=seqs, kind=NodeKind.CHECKPOINT, payload=message.to_payload(),
                        tokens=3, journal_kind=JournalKind.SUMMARY, journal={"text": name},
-                       before=before, after=after)
+                       before=before, after=after, keeps=keeps)
 
 
 async def open_session(store: Store, count: int = 8) -> Claim:
@@ -55,7 +55,7 @@ async def commit(store: Store, c: Claim, reps: list[Replacement], *,
     if not end:
         predicted = surface_after_commit(
             before, [NewNode(r.seqs, r.kind, from_payload(r.payload), r.tokens, r.before,
-                             r.after) for r in reps],
+                             r.after, r.keeps) for r in reps],
             version=info.surface_version, last_seq=info.last_seq)
         assert predicted is not None
         assert [(n.position, n.seq, n.tokens) for n in predicted.nodes] == [
@@ -177,6 +177,38 @@ async def test_a_placement_that_does_not_fit_is_refused_with_nothing_written(
             ([node("x", seqs=(4,), before=11, after=11)], "before a node or after one"),
             ([node("x", seqs=(4,), after=11)], "placed after a node replaces nothing"),
             ([node("x")], "at least one seq")):
+        with pytest.raises(ValueError, match=problem):
+            await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=bad)
+    assert (await store.verify("s1")).ok
+
+
+async def test_a_checkpoint_keeping_nodes_inside_its_run_follows_them(store: Store) -> None:
+    """A summary of a range split by the latest request (seq 4): one commit replaces both
+    sides, the request stays verbatim, the checkpoint follows it; the log replays."""
+    c = await open_session(store)
+    info = await commit(store, c, [node("summary", seqs=(2, 3, 5, 6), keeps=(4,)),
+                                   node("pruned", seqs=(7,))])
+    assert texts(await store.read_surface("s1")) == [
+        "message 1", "message 4", "summary", "pruned", "message 8"]
+    assert info.surface_messages == 5
+    # The next commit replaces the checkpoint and what follows it, keeping the request.
+    await commit(store, c, [node("summary 2", seqs=(11, 13))], end=True)
+    assert texts(await store.read_surface("s1")) == [
+        "message 1", "message 4", "summary 2", "message 8"]
+
+
+async def test_a_checkpoint_keeping_nodes_that_do_not_fit_is_refused_with_nothing_written(
+        store: Store) -> None:
+    c = await open_session(store)
+    # Message 5 lies inside the run, neither replaced nor kept.
+    await _unchanged(store, c, [node("s", seqs=(2, 3, 6), keeps=(4,))],
+                     "no longer one contiguous run")
+    # The kept node is not inside the run.
+    await _unchanged(store, c, [node("s", seqs=(2, 3), keeps=(4,))],
+                     "no longer on the surface in that order")
+    for bad, problem in (
+            ([node("s", seqs=(2, 4), keeps=(3,), after=1)], "placed after a node"),
+            ([node("s", seqs=(2, 3), keeps=(3,))], "keeps a seq it replaces")):
         with pytest.raises(ValueError, match=problem):
             await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=bad)
     assert (await store.verify("s1")).ok

@@ -121,7 +121,7 @@ def test_a_commit_on_a_schema_without_the_commit_function_says_run_migrate(empty
     from compactd.storage.store import Store
 
     upgrade(empty_pg)
-    _execute(empty_pg, "DROP FUNCTION compactd_commit_v3")
+    _execute(empty_pg, "DROP FUNCTION compactd_commit_v4")
 
     async def attempt() -> None:
         store = Store.from_url(empty_pg)

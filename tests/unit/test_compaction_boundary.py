@@ -21,7 +21,8 @@ def _select(surface, keep, *, window=None, force=False, min_tokens=0, policy=Non
     sel = select_range(surface, keep=keep, policy=policy, force=force, min_tokens=min_tokens)
     if sel.nothing_to_do:
         return None
-    return [n.seq for n in surface[sel.start:sel.end]]
+    return [n.seq for i, n in enumerate(surface[sel.start:sel.end], sel.start)
+            if i not in sel.kept]
 
 
 def _flat(*messages, tokens=100):
@@ -32,10 +33,11 @@ CASES = [
     # plain keep messages 2: system stays before the range, latest user request is in the tail
     ("keep messages", _flat(sys(), user("u1"), ai("a1"), user("u2"), ai("a2"), user("u3"),
                             ai("a3")), M, [2, 3, 4, 5]),
-    # the cut falls between a call and its result: it moves toward the head
+    # the cut falls between a call and its result: it moves toward the head; the latest
+    # request u2 stays, the work before and after it goes
     ("cut inside a group", _flat(sys(), user("u1"), ai("a1"), user("u2"), ai("", ("c1", "t")),
                                  tool("c1"), ai("", ("c2", "t")), tool("c2"), ai("end")),
-     Clause("messages", 2), [2, 3]),
+     Clause("messages", 2), [2, 3, 5, 6]),
     # parallel calls: the cut between two results of one assistant message moves before it
     ("parallel calls", _flat(user("u1"), ai("a1"), user("u2"), ai("", ("p1", "t"), ("p2", "t")),
                              tool("p1"), tool("p2")), Clause("messages", 1), [1, 2]),
@@ -46,11 +48,17 @@ CASES = [
     # keep tokens: the longest tail within the budget (2 x 100 <= 250)
     ("keep tokens", _flat(user("u0"), ai("a0"), user("u1"), ai("a1"), ai("a2")),
      Clause("tokens", 250), [1, 2]),
-    # nothing fits: the whole surface is the head; the latest request u1 splits it, and the
-    # larger segment goes (the earliest on a tie)
+    # nothing fits: the whole surface is the head; the latest request u1 splits it, both
+    # segments go in one range and u1 stays
     ("keep tokens, none fits", _flat(user("u0"), ai("a0"), user("u1"), ai("a1")),
-     Clause("tokens", 50), [1, 2]),
-    # a pinned message and a reminder inside the head split it; the larger segment is replaced
+     Clause("tokens", 50), [1, 2, 4]),
+    # a reminder and the latest request between segments: one range, both stay
+    ("rescued nodes split", _flat(sys(), user("u1"), ai("a1"),
+                                  sys("today is Monday", dynamic_context_reminder=True),
+                                  ai("a2"), user("u2"), ai("a3"), ai("a4"), ai("last")),
+     Clause("messages", 1), [2, 3, 5, 7, 8]),
+    # a pinned message inside the head splits it: what came before it stays before it, so
+    # only the group with more tokens is replaced
     ("pinned splits", _flat(sys(), user("u1"), user("pin", pinned=True), ai("a1"), user("u2"),
                             ai("a2"), ai("a3"), user("u3"), ai("last")),
      Clause("messages", 1), [4, 5, 6, 7]),
@@ -91,14 +99,16 @@ def test_select_range(surface, keep, replaced):
 
 
 FORCED = [
-    # keeps the newest whole tool-call group and the latest user request, drops the rest
+    # keeps the newest whole tool-call group and the latest user request, drops the rest on
+    # both sides of the request, whichever side is larger
     ("newest group", nodes(sys(), user("u1"), ai("a1"), user("u2"), ai("", ("c1", "t")),
                            tool("c1"), ai("", ("c2", "t")), tool("c2"), ai("end"),
-                           tokens=[10, 10, 10, 10, 300, 300, 10, 10, 10]), [5, 6]),
+                           tokens=[10, 10, 10, 10, 300, 300, 10, 10, 10]), [2, 3, 5, 6]),
     ("newest group, earlier bigger", nodes(sys(), user("u1"), ai("a1"), user("u2"),
                                            ai("", ("c1", "t")), tool("c1"),
                                            ai("", ("c2", "t")), tool("c2"),
-                                           tokens=[10, 300, 300, 10, 10, 10, 10, 10]), [2, 3]),
+                                           tokens=[10, 300, 300, 10, 10, 10, 10, 10]),
+     [2, 3, 5, 6]),
     ("plain chat", _flat(sys(), user("u1"), ai("a1"), user("u2"), ai("a2"), user("u3")),
      [2, 3, 4]),
     # a group of an earlier turn is history: the turns after it go with it, the latest

@@ -141,8 +141,14 @@ def test_plan_properties(surface: list[SurfaceNode], case: Any) -> None:
         return
     order = [n.seq for n in surface]
     replaced = set(step.replace_seqs)
-    index = [order.index(s) for s in step.replace_seqs]
+    index = sorted(order.index(s) for s in (*step.replace_seqs, *step.kept_inside))
     assert index == list(range(index[0], index[0] + len(index)))  # one contiguous run
+    # with the nodes kept inside it: rescued ones, or what tool-pair safety left, never the
+    # range's first or last node
+    assert not step.kept_inside or (order.index(step.replace_seqs[0])
+                                    < min(map(order.index, step.kept_inside))
+                                    <= max(map(order.index, step.kept_inside))
+                                    < order.index(step.replace_seqs[-1]))
     assert sorted(step.keep_seqs + step.replace_seqs) == sorted(order)
 
     # 1. tool-pair safety on both sides of the cut
@@ -154,7 +160,8 @@ def test_plan_properties(surface: list[SurfaceNode], case: Any) -> None:
         if is_protected:
             assert node.seq not in replaced
 
-    # 3. each replaced seq reaches exactly one input (each part once, in order), in budget
+    # 3. each replaced seq reaches exactly one input (each part once, in order), in budget;
+    # the nodes kept inside the range are read too, as context
     seen: list[tuple[int, int]] = []
     for call in step.calls:
         seen += [(s, 1) for s in call.summary_seqs]
@@ -171,7 +178,7 @@ def test_plan_properties(surface: list[SurfaceNode], case: Any) -> None:
             exact = exact - COUNTER.count_text("s") - 3 + case[3]
         assert exact <= call.input_tokens
     expected = []
-    for seq in step.replace_seqs:
+    for seq in sorted({*step.replace_seqs, *step.kept_inside}):
         parts = sorted({part for s, part in seen if s == seq})
         expected += [(seq, part) for part in parts]
         assert parts == list(range(1, len(parts) + 1))

@@ -44,6 +44,23 @@ def _step(surface, policy):
     return step
 
 
+def test_the_instruction_names_the_request_that_stays_inside_the_range():
+    # "go on" is the latest request; the work before it and after it is one range.
+    surface = nodes(user("fix the parser " * 20), ai("found it " * 20), user("go on"),
+                    ai("patched " * 20), ai("tests pass " * 20), ai("done"))
+    policy = _policy()
+    step = _step(surface, policy)
+    assert step.kept_inside == (surface[2].seq,)
+    assert step.replace_seqs == (surface[0].seq, surface[1].seq, surface[3].seq)
+    call = shared_call(surface, step.replace_seqs, policy, ENVELOPE, 10, COUNTER,
+                       step.kept_inside)
+    assert call is not None
+    instruction = call.chat[-1]["content"]
+    assert 'the user message "go on"' in instruction
+    assert "word for word, before your summary" in instruction
+    assert call.kept == 2
+
+
 def test_the_call_is_the_envelope_the_served_surface_then_the_instruction():
     surface = _surface()
     policy = _policy()

@@ -70,6 +70,33 @@ def test_a_replace_that_does_not_fit_changes_nothing(replaces: tuple[int, ...],
     assert rows.rows() == kept
 
 
+def test_a_replace_keeping_nodes_puts_its_node_after_the_last_of_them() -> None:
+    rows = rows_of(1, 2, 3, 4, 5, 6, 7)
+    # 3 (a request) and 5 (a reminder) stay where they are; the node follows them.
+    assert rows.replace(10, 1, (2, 4, 6), keeps=(3, 5)) == 6
+    assert order(rows) == [1, 3, 5, 10, 7]
+    # The next plain replace of the node and what follows it starts where the node is.
+    assert rows.replace(11, 1, (10, 7)) == 6
+    assert order(rows) == [1, 3, 5, 11]
+
+
+@pytest.mark.parametrize(("replaces", "keeps", "what"), [
+    ((2, 4), (5,), "order"),  # the kept node is not inside the run
+    ((2, 4), (2,), "order"),
+    ((2, 5), (3,), "contiguous"),  # 4 lies inside, neither replaced nor kept
+    ((2, 4), (9,), "order"),
+    ((2, 4), (3, 3), "contiguous"),
+])
+def test_a_replace_keeping_nodes_that_does_not_fit_changes_nothing(
+        replaces: tuple[int, ...], keeps: tuple[int, ...], what: str) -> None:
+    rows = rows_of(1, 2, 3, 4, 5)
+    kept = rows.rows()
+    with pytest.raises(PlacementError) as exc:
+        rows.replace(10, 1, replaces, keeps=keeps)
+    assert exc.value.what == what
+    assert rows.rows() == kept
+
+
 @given(st.lists(st.tuples(st.sampled_from(["plain", "before", "after"]),
                           st.integers(0, 30), st.integers(1, 4)), max_size=40))
 def test_placements_keep_the_order_a_model_of_the_order_gives(ops: list[tuple[str, int, int]]
@@ -124,3 +151,10 @@ def test_replay_follows_placements_and_refuses_one_that_does_not_fit() -> None:
         replay([*log, checkpoint(14, (), after=1)])
     with pytest.raises(ReplayError, match="does not directly precede"):
         replay([*log, checkpoint(14, (12,), before=7)])
+
+
+def test_replay_follows_a_replace_that_keeps_nodes() -> None:
+    log = [message(1), message(2), message(3), message(4), message(5),
+           LoggedEvent(seq=7, kind=NodeKind.CHECKPOINT, tokens=2, replaces=(2, 4), keeps=(3,)),
+           message(8)]
+    assert replay(log) == [(1, 1), (3, 1), (7, 2), (5, 1), (8, 1)]

@@ -30,24 +30,37 @@ Selection:
    request (a user message that is not a checkpoint, reminder or hidden message). Earlier user
    messages are compacted normally; that is what stops an old request from contaminating later
    turns.
-3. **One contiguous run.** A summary is committed as a *replace*: one contiguous run of surface
-   rows becomes one checkpoint node, and there is no remove. Protected nodes inside the head
-   therefore split it into *segments* (maximal runs of unprotected nodes), each shrunk inward to
-   safe boundaries. The plan replaces exactly one segment: the one holding the most tokens (the
-   earliest on a tie), so each round buys the most relief. The others stay as they are and are
-   candidates of the next round; the orchestration's bounded re-rounds pick them up.
+3. **One range, the rescued nodes left in place.** Protected nodes inside the head split it
+   into *segments* (maximal runs of unprotected nodes), each shrunk inward to safe boundaries.
+   Segments separated only by rescued nodes (reminders, the latest user request) and what a
+   shrink left out are one *group*, replaced at once: the range runs from its first segment's
+   start to its last one's end, and the nodes between its segments are *kept*: they stay
+   verbatim, in their order, and the checkpoint follows the last of them (``storage.surface``:
+   a replace that keeps nodes). One summary, one commit, one break of the agent's cache. The
+   plan replaces the group holding the most tokens (the earliest on a tie); the others stay
+   for a later round. A node never replaced where it stands (system, pinned, an open call)
+   ends a group: what the runtime put before it stays before it.
 
-   Why not "the run before the first protected node"? The commonest protected node inside the head
-   is the latest user request of a long first turn (``system, user, 300 tool steps``): the run
-   before it is empty and the session could never be compacted. Why not "the run after the last
-   protected node"? A pinned message near the head would then keep every older turn forever.
-   The segment with the most tokens handles both, and stacked checkpoints self-heal: an earlier
-   checkpoint inside the chosen segment is merged (its summary is the input's existing summary or
-   an inline earlier summary), and once the rescued user request is no longer the latest, the
-   segments on both sides of it join.
-4. **Worth it.** A segment that is a lone checkpoint, or whose tokens do not exceed an empty
-   checkpoint's framed size, cannot shrink the surface (validation demands strictly fewer
-   tokens), so it is not a candidate. No candidate: nothing to do.
+   Why all at once. The commonest protected node inside the head is the latest user request:
+   a tau-bench session's request arrives, the agent works on it for forty steps, and the range
+   is ``[older history, the request, the work on it]``. Replacing only the largest segment (the
+   rule until 2026-12-06) left the other one verbatim until a later run, and the agent carried
+   it on every step meanwhile; a run per segment would break the agent's cache and pay the
+   summarizer once per segment.
+
+   Why the checkpoint after the kept nodes. The agent then reads ``[system, the request, the
+   summary, the latest steps]``: the request first, then what was done on it, then where the
+   work stands, in the order it happened; the summary's account of earlier turns is background
+   it names as such ("Conversation summary so far"). Put before the request, the summary would
+   tell the work done on the request before the request itself, and a model could take the
+   request for new and start its work again. The request is never summarized away: it stays the
+   latest real user request on the surface, so the next run keeps it too, and once a newer
+   request arrives it is ordinary history and joins the range. Stacked checkpoints self-heal as
+   before: an earlier checkpoint at the range's start is merged (its summary is the input's
+   existing summary), one further in is read inline.
+4. **Worth it.** Segments that are all lone checkpoints, or a range whose replaced tokens do not
+   exceed an empty checkpoint's framed size, cannot shrink the surface (validation demands
+   strictly fewer tokens): nothing to do.
 """
 
 from __future__ import annotations
@@ -64,12 +77,14 @@ from compactd.worker.compaction.policy import Clause, Policy, effective_keep
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """Where the kept tail starts and which run ``nodes[start:end]`` a summary replaces."""
+    """Where the kept tail starts and which range ``nodes[start:end]`` a summary replaces:
+    all of it but ``kept`` (indexes inside it that stay where they are)."""
 
     cut: int
     start: int
     end: int
     nothing_to_do: str | None = None
+    kept: tuple[int, ...] = ()
 
 
 NO_HEAD = "the kept tail and its tool-call groups are the whole surface"
@@ -257,7 +272,7 @@ def segments(nodes: Sequence[SurfaceNode], start: int, end: int, guard: Sequence
 def select_range(nodes: Sequence[SurfaceNode], *, keep: Clause | None, policy: Policy,
                  force: bool = False, min_tokens: int = 0,
                  unsafe: Sequence[bool] | None = None) -> Selection:
-    """The run a summary replaces (see the module docstring for every rule).
+    """The range a summary replaces (see the module docstring for every rule).
 
     ``keep`` None in forced mode means a maximal head reduction; otherwise it is resolved with
     :func:`resolve_keep`. ``min_tokens`` is the framed size of an empty checkpoint: a run not
@@ -268,19 +283,49 @@ def select_range(nodes: Sequence[SurfaceNode], *, keep: Clause | None, policy: P
     cut = tail_cut(nodes, keep=keep, policy=policy, force=force, unsafe=unsafe)
     if cut == 0:
         return Selection(cut, 0, 0, NO_HEAD)
-    best: tuple[int, int, int] | None = None  # tokens, start, end
-    for start, end in segments(nodes, 0, cut, protected(nodes), unsafe):
-        if not (end - start == 1 and is_checkpoint(nodes[start])):
-            tokens = sum(node.tokens for node in nodes[start:end])
-            if best is None or tokens > best[0]:
-                best = (tokens, start, end)
+    guard = protected(nodes)
+    rescued = rescued_nodes(nodes)
+    best: tuple[int, list[tuple[int, int]]] | None = None  # tokens, the group's segments
+    for group in joined_segments(segments(nodes, 0, cut, guard, unsafe), guard, rescued):
+        # Earlier checkpoints alone are no candidate (re-summarizing summaries only churns
+        # the cache); beside anything else they are merged into the new one.
+        if all(hi - lo == 1 and is_checkpoint(nodes[lo]) for lo, hi in group):
+            continue
+        tokens = sum(node.tokens for lo, hi in group for node in nodes[lo:hi])
+        if best is None or tokens > best[0]:
+            best = (tokens, group)
     if best is None:
         return Selection(cut, 0, 0, "no compactable run before the kept tail: only system, "
                                     "pinned, rescued nodes, an earlier checkpoint or an "
                                     "unclosed tool-call step")
-    tokens, start, end = best
+    tokens, group = best
+    start, end = group[0][0], group[-1][1]
     if tokens <= min_tokens:
         return Selection(cut, start, start,
-                         f"the largest compactable run ({tokens} tokens) is not larger than an "
-                         f"empty checkpoint ({min_tokens} tokens)")
-    return Selection(cut, start, end)
+                         f"the largest compactable range ({tokens} tokens) is not larger than "
+                         f"an empty checkpoint ({min_tokens} tokens)")
+    replaced = {i for lo, hi in group for i in range(lo, hi)}
+    return Selection(cut, start, end,
+                     kept=tuple(i for i in range(start, end) if i not in replaced))
+
+
+def rescued_nodes(nodes: Sequence[SurfaceNode]) -> list[bool]:
+    """Per node: rescued from a range (a reminder, the latest user request), as opposed to
+    never replaced where it stands (system, pinned, an open call)."""
+    latest = latest_user_request(nodes)
+    return [bool(node.message.meta.get(META_REMINDER)) or i == latest
+            for i, node in enumerate(nodes)]
+
+
+def joined_segments(parts: Sequence[tuple[int, int]], guard: Sequence[bool],
+                    rescued: Sequence[bool]) -> list[list[tuple[int, int]]]:
+    """``parts`` (segments, in order) in groups one summary replaces: consecutive segments
+    join when only rescued nodes, or nodes a segment's shrink to safe boundaries left out,
+    lie between them (rule 3)."""
+    groups: list[list[tuple[int, int]]] = []
+    for lo, hi in parts:
+        if groups and all(rescued[i] or not guard[i] for i in range(groups[-1][-1][1], lo)):
+            groups[-1].append((lo, hi))
+        else:
+            groups.append([(lo, hi)])
+    return groups

@@ -105,9 +105,11 @@ class PlanInputs:
 
 @dataclass(frozen=True, slots=True)
 class SummarizeStep:
-    """The summary part of a plan: one contiguous run replaced by one checkpoint."""
+    """The summary part of a plan: one range replaced by one checkpoint, but for the nodes
+    inside it that stay (``kept_inside``; see :mod:`worker.compaction.boundary`, rule 3)."""
 
-    replace_seqs: tuple[int, ...]  # a contiguous run of the surface, in order
+    # Surface seqs, in order: with ``kept_inside``, a contiguous run of the surface.
+    replace_seqs: tuple[int, ...]
     keep_seqs: tuple[int, ...]  # every other surface seq, in order
     calls: tuple[SummaryCall, ...]
     existing_summary: str  # the summary call 0 merges into ("" when none)
@@ -119,6 +121,9 @@ class SummarizeStep:
     # The original seqs the run covers (recall.span_of): names the checkpoint and its footer.
     span: tuple[int, int] = (0, 0)
     footer: bool = True  # the runtime offers the recall tools (recall.offers_recall)
+    # The protected nodes inside the range (the latest user request, a reminder, ...): they
+    # stay verbatim where they are, and the checkpoint follows the last of them.
+    kept_inside: tuple[int, ...] = ()
 
     @property
     def recall(self) -> dict[str, Any]:
@@ -127,6 +132,7 @@ class SummarizeStep:
 
     def to_json(self) -> dict[str, Any]:
         return {"replace_seqs": list(self.replace_seqs), "keep_seqs": list(self.keep_seqs),
+                "kept_inside": list(self.kept_inside),
                 "calls": [call.to_json() for call in self.calls],
                 "replaced_tokens": self.replaced_tokens, "strategy": self.strategy,
                 "skills": [s.to_json() for s in self.skills],
@@ -395,12 +401,17 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
 
     # Leading checkpoints carry the existing summary, unless it is too large to carry: then
     # they are read inline like messages (and split if need be), never dropped.
+    # The calls read the kept nodes inside the range too (the request the work answered), as
+    # context: only the others are replaced.
     calls = plan_calls(surface, start, end, unsafe, policy, counter, inputs.envelope_tokens)
     if isinstance(calls, str):
         return NoPlan(calls)
     end, existing, strategy = calls.end, calls.existing, calls.strategy
-
-    replaced = surface[start:end]
+    kept = set(selection.kept)
+    while end > start and end - 1 in kept:  # ``shrink`` may stop just after a kept node
+        end -= 1
+    replaced = [surface[i] for i in range(start, end) if i not in kept]
+    kept_inside = tuple(surface[i].seq for i in range(start, end) if i in kept)
     replaced_tokens = sum(node.tokens for node in replaced)
     span = span_of(replaced) if replaced else (0, 0)
     footer = offers_recall(inputs.envelope)
@@ -415,19 +426,20 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
                             skills_path=policy.skills_path)
     has_history = bool(existing) or any(message_body(node.message).strip() for node in replaced)
     replace_seqs = tuple(node.seq for node in replaced)
-    keep_seqs = tuple(node.seq for node in surface[:start]) + tuple(
-        node.seq for node in surface[end:])
+    gone = set(replace_seqs)
+    keep_seqs = tuple(node.seq for node in surface if node.seq not in gone)
     return SummarizeStep(
-        replace_seqs=replace_seqs, keep_seqs=keep_seqs, calls=calls.calls,
+        replace_seqs=replace_seqs, kept_inside=kept_inside, keep_seqs=keep_seqs,
+        calls=calls.calls,
         existing_summary=existing, skills=tuple(skills), replaced_tokens=replaced_tokens,
         has_history=has_history, strategy=strategy,
-        deferred_seqs=_deferred(surface, selection, start, end), span=span, footer=footer)
+        deferred_seqs=_deferred(surface, selection, gone), span=span, footer=footer)
 
 
-def _deferred(surface: Sequence[SurfaceNode], selection: Selection, start: int, end: int
+def _deferred(surface: Sequence[SurfaceNode], selection: Selection, replaced: set[int]
               ) -> tuple[int, ...]:
-    """Seqs before the kept tail that stay although compactable (other segments, or what the
-    shrink strategy left): a later round's candidates. Protected nodes are not listed."""
+    """Seqs before the kept tail that stay although compactable (what the shrink strategy or a
+    tool group's safety left): a later round's candidates. Protected nodes are not listed."""
     guard = protected(surface)
     return tuple(surface[i].seq for i in range(selection.cut)
-                 if not guard[i] and not start <= i < end)
+                 if not guard[i] and surface[i].seq not in replaced)

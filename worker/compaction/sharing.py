@@ -34,7 +34,12 @@ from typing import Any
 from compactd.storage.surface import SurfaceNode
 from compactd.storage.tokens import MESSAGE_FRAMING_TOKENS, TokenCounter
 from compactd.worker.compaction.policy import Policy
-from compactd.worker.compaction.prompt import SUMMARY_RULES, fill_instruction, focus_block
+from compactd.worker.compaction.prompt import (
+    SUMMARY_RULES,
+    fill_instruction,
+    focus_block,
+    message_body,
+)
 from compactd.worker.compaction.render import render_surface
 
 # The keys of a served message that a provider is sent (the surface adds seq, tokens, meta).
@@ -47,6 +52,26 @@ SHARED_INSTRUCTION = (
     f"\n\n{SUMMARY_RULES}"
 )
 SHARED_EXISTING = "(the conversation summary above, if there is one)"
+
+
+# How much of a message the instruction quotes to name a message that stays inside the range.
+KEPT_QUOTE_CHARS = 120
+
+
+def kept_inside_note(nodes: Sequence[SurfaceNode]) -> str:
+    """What the instruction says of the messages inside the range that stay (the latest user
+    request, a reminder): they stay before the summary, so it tells what was done after them
+    without repeating them."""
+    if not nodes:
+        return ""
+    quoted = []
+    for node in nodes:
+        text = " ".join(message_body(node.message).split())
+        cut = text[:KEPT_QUOTE_CHARS] + ("..." if len(text) > KEPT_QUOTE_CHARS else "")
+        quoted.append(f'- the {node.message.role} message "{cut}"')
+    return ("\n\nThese messages above stay in the conversation word for word, before your "
+            "summary: leave them out of it, and say what was done after them.\n"
+            + "\n".join(quoted))
 
 
 def kept_note(kept: int) -> str:
@@ -116,9 +141,10 @@ def prefix_end(nodes: Sequence[SurfaceNode]) -> int:
 
 def shared_call(nodes: Sequence[SurfaceNode], replace_seqs: Sequence[int], policy: Policy,
                 envelope: Mapping[str, Any] | None, envelope_tokens: int,
-                counter: TokenCounter) -> SharedCall | None:
+                counter: TokenCounter, kept_inside: Sequence[int] = ()) -> SharedCall | None:
     """The shared call for a step replacing ``replace_seqs`` of ``nodes`` (the surface as
-    stored), or None when it cannot be made within the run model's window."""
+    stored), keeping ``kept_inside`` among them, or None when it cannot be made within the run
+    model's window."""
     if not replace_seqs:
         return None
     index = {node.seq: i for i, node in enumerate(nodes)}
@@ -132,7 +158,8 @@ def shared_call(nodes: Sequence[SurfaceNode], replace_seqs: Sequence[int], polic
     kept = end - (last + 1)
     template = policy.summary_prompt or SHARED_INSTRUCTION
     instruction = (fill_instruction(template, SHARED_EXISTING, None)
-                   if policy.summary_prompt else template) + kept_note(kept) + focus_block(policy)
+                   if policy.summary_prompt else template) + kept_note(kept) + kept_inside_note(
+        [node for node in nodes if node.seq in set(kept_inside)]) + focus_block(policy)
     env = envelope or {}
     chat: list[dict[str, Any]] = []
     system = env.get("system")
