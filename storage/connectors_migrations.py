@@ -34,6 +34,14 @@ class OnlineChanges(abc.ABC):
     def drop_index(self, name: str, table: str) -> None:
         """Drop the index if it is there, without blocking writes to ``table``."""
 
+    @abc.abstractmethod
+    def create_functions(self, names: Sequence[str]) -> None:
+        """Create these versions of compactd's SQL functions (``storage/sql/functions/``)."""
+
+    @abc.abstractmethod
+    def drop_functions(self, names: Sequence[str]) -> None:
+        """Drop these versions of compactd's SQL functions if they are there."""
+
 
 class PostgresOnlineChanges(OnlineChanges):
     @contextlib.contextmanager
@@ -58,6 +66,14 @@ class PostgresOnlineChanges(OnlineChanges):
         with op.get_context().autocommit_block():
             op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
 
+    def create_functions(self, names: Sequence[str]) -> None:
+        for name in names:
+            op.execute(sql.function_definition(name))
+
+    def drop_functions(self, names: Sequence[str]) -> None:
+        for name in reversed(names):
+            op.execute(f"DROP FUNCTION IF EXISTS {sql.function_signature(name)}")
+
 
 class SQLiteOnlineChanges(OnlineChanges):
     @contextlib.contextmanager
@@ -72,6 +88,13 @@ class SQLiteOnlineChanges(OnlineChanges):
 
     def drop_index(self, name: str, table: str) -> None:
         op.drop_index(name, table_name=table, if_exists=True)
+
+    def create_functions(self, names: Sequence[str]) -> None:
+        # No stored functions: the SQLite connector runs their logic in Python.
+        pass
+
+    def drop_functions(self, names: Sequence[str]) -> None:
+        pass
 
 
 _BY_DIALECT: dict[str, OnlineChanges] = {

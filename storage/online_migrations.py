@@ -96,3 +96,14 @@ def create_index(name: str, table: str, columns: Sequence[str | sa.TextClause], 
 def drop_index(name: str, table: str) -> None:
     """``DROP INDEX CONCURRENTLY`` on PostgreSQL, a plain ``DROP INDEX`` on SQLite."""
     online_changes().drop_index(name, table)
+
+
+def create_functions(names: Sequence[str]) -> None:
+    """Create these versions of compactd's SQL functions on PostgreSQL (a new version beside the
+    ones the previous releases call); nothing on SQLite, whose connector runs them in Python."""
+    online_changes().create_functions(names)
+
+
+def drop_functions(names: Sequence[str]) -> None:
+    """Drop these versions of compactd's SQL functions on PostgreSQL, newest first."""
+    online_changes().drop_functions(names)

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from alembic import op
-
-from compactd.storage.sql import function_definition, function_signature
+from compactd.storage import online_migrations as online
 
 revision: str = "0023"
 down_revision: str | None = "0022"
@@ -33,12 +31,8 @@ _CREATED = ("compactd_append_v4",)
 
 
 def upgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        for name in _CREATED:
-            op.execute(function_definition(name))
+    online.create_functions(_CREATED)
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        for name in reversed(_CREATED):
-            op.execute(f"DROP FUNCTION IF EXISTS {function_signature(name)}")
+    online.drop_functions(_CREATED)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from alembic import op
-
-from compactd.storage.sql import function_definition, function_signature
+from compactd.storage import online_migrations as online
 
 revision: str = "0024"
 down_revision: str | None = "0023"
@@ -30,12 +28,8 @@ _CREATED = ("compactd_commit_v4",)
 
 
 def upgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        for name in _CREATED:
-            op.execute(function_definition(name))
+    online.create_functions(_CREATED)
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        for name in reversed(_CREATED):
-            op.execute(f"DROP FUNCTION IF EXISTS {function_signature(name)}")
+    online.drop_functions(_CREATED)
