@@ -211,16 +211,24 @@ def test_a_report_folder_that_cannot_be_written_is_refused_before_the_replays(
     assert "Traceback" not in out.stderr
     assert out.stdout == ""
 
-    probe = ("import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = ['compactd', "
-             f"'eval', {str(FIXTURES / 'airline-change.jsonl')!r}, '--config', "
-             f"{str(configs[0])!r}, '--report', {str(tmp_path / 'report')!r}, '--json']; "
-             "runpy.run_module('compactd.scheduler.cli', run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", probe], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = _eval_without_matplotlib(env, str(configs[0]), "--report", str(tmp_path / "report"))
     assert out.returncode == 2, out.stderr
     assert "pip install 'compactd[eval]'" in out.stderr
     assert out.stdout == ""
     assert not (tmp_path / "report").exists()
+
+
+def _eval_without_matplotlib(env: dict[str, str], config: str,
+                             *args: str) -> subprocess.CompletedProcess[str]:
+    """``compactd eval`` of the airline fixture under ``config`` (with ``args``, then --json) in
+    a process where matplotlib cannot be imported, as on a plain install."""
+    argv = ["compactd", "eval", str(FIXTURES / "airline-change.jsonl"), "--config", config,
+            *args, "--json"]
+    probe = ("import sys, runpy; sys.modules['matplotlib'] = None; "
+             f"sys.argv = {argv!r}; "
+             "runpy.run_module('compactd.scheduler.cli', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", probe], env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 async def _append(url: str, messages: list[dict[str, Any]]) -> None:
@@ -244,12 +252,7 @@ async def _sessions(url: str) -> list[tuple[str, int]]:
 def test_report_needs_matplotlib_only_when_asked(tmp_path: Path, env: dict[str, str]) -> None:
     """Without --report, no chart library is imported: the CLI runs on a plain install."""
     configs = _configs(tmp_path)
-    probe = ("import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = ['compactd', "
-             f"'eval', {str(FIXTURES / 'airline-change.jsonl')!r}, '--config', "
-             f"{str(configs[0])!r}, '--json']; runpy.run_module('compactd.scheduler.cli', "
-             "run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", probe], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = _eval_without_matplotlib(env, str(configs[0]))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["configs"][0]["name"] == "roomy"
 
