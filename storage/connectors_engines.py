@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import re
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -179,6 +180,13 @@ def backend_of(engine: AsyncEngine | AsyncConnection) -> Backend:
     return _BY_DIALECT[engine.dialect.name]
 
 
+# What follows ``scheme://``, split as SQLAlchemy's URL parser splits it: a user name holds no
+# ``:`` or ``/``, a password no ``@`` (so it may hold ``/``, ``?`` and ``+`` unencoded, as generated
+# passwords do), then the hosts up to the path or the query.
+_AUTHORITY = re.compile(r"(?:(?P<credentials>[^:/@]*(?::[^@]*)?)(?P<at>@))?"
+                        r"(?P<hosts>[^/?]*)(?P<tail>.*)", re.DOTALL)
+
+
 def _hosts_as_query(url: str) -> str:
     """libpq's multi-host form (``user@h1:5432,h2:5432/db?target_session_attrs=read-write``) in
     the form SQLAlchemy's asyncpg dialect reads (``user@/db?host=h1:5432&host=h2:5432&...``),
@@ -186,9 +194,11 @@ def _hosts_as_query(url: str) -> str:
     ``target_session_attrs``, keeps the first that is what it asks for (read-write: the
     primary). A URL of one host is returned as it is."""
     scheme, rest = url.split("://", 1)
-    authority, _, tail = rest.partition("/")
-    credentials, at, hosts = authority.rpartition("@")
-    path, _, query = tail.partition("?")
+    parts = _AUTHORITY.match(rest)
+    assert parts is not None  # every part of the pattern may be empty
+    credentials, at = parts["credentials"] or "", parts["at"] or ""
+    hosts, tail = parts["hosts"], parts["tail"]
+    path, _, query = tail.removeprefix("/").partition("?")
     _check_hosts(hosts)
     _check_session_attrs(query)
     if "," not in hosts:

@@ -49,3 +49,20 @@ def merge_instructions(held: Iterable[str], added: Iterable[str]) -> tuple[str, 
                              f"{MAX_INSTRUCTIONS} distinct instructions; wait for it to start",
                              field="instructions")
     return tuple(merged)
+
+
+def carry_instructions(carried: Iterable[str], added: Iterable[str]
+                       ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A request that takes a manual mark over (a stale one, whose task was lost, or one a busy
+    run left): its own texts after those of ``carried`` that fit, and the carried texts left
+    out. No task will start for the texts on that mark, so "wait for it to start" would refuse
+    every request that brings a new text; the oldest carried ones give way instead."""
+    held = list(dict.fromkeys(carried))
+    dropped: list[str] = []
+    while True:
+        try:
+            return merge_instructions(held, added), tuple(dropped)
+        except InvalidMessage:
+            if not held:
+                raise
+            dropped.append(held.pop(0))

@@ -195,6 +195,7 @@ def check_replacements(replacements: Sequence[Replacement]) -> None:
     wanted = [q for rep in replacements for q in rep.seqs]
     if len(set(wanted)) != len(wanted):
         raise ValueError("a seq is named by more than one replacement")
+    replaced: set[int] = set()
     for rep in replacements:
         if rep.before is not None and rep.after is not None:
             raise ValueError("a replacement is placed before a node or after one, not both")
@@ -206,3 +207,8 @@ def check_replacements(replacements: Sequence[Replacement]) -> None:
             raise ValueError("a replacement that keeps nodes is not placed")
         if set(rep.keeps) & set(rep.seqs) or len(set(rep.keeps)) != len(rep.keeps):
             raise ValueError("a replacement keeps a seq it replaces, or one seq twice")
+        # Replacements apply in order, so that seq is gone; PostgreSQL checks unplaced ones on
+        # the surface as the commit found it and would write a log that does not replay.
+        if set(rep.keeps) & replaced:
+            raise ValueError("a replacement keeps a seq an earlier replacement replaces")
+        replaced.update(rep.seqs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,11 @@ from compactd.storage.ids import (
     check_session_id,
     check_tenant,
 )
-from compactd.storage.instructions import check_instructions, merge_instructions
+from compactd.storage.instructions import (
+    carry_instructions,
+    check_instructions,
+    merge_instructions,
+)
 from compactd.storage.kinds import REPLACE_KINDS, NodeKind
 from compactd.storage.leads import LeadsMixin
 from compactd.storage.leases import LeasesMixin
@@ -84,6 +89,8 @@ from compactd.storage.surface import (
 )
 from compactd.storage.sweeps import SweepsMixin
 from compactd.storage.tokens import counter_for
+
+logger = logging.getLogger(__name__)
 
 _SESSION_CACHE_MAX = 10_000
 # The task id of a manual mark that stands for no queued task, only for the instructions a busy
@@ -478,7 +485,16 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
                 sa.select(m.c.instructions)
                 .where(m.c.session_id == session_id, taken_over)
                 .with_for_update())).scalar()
-            own = list(merge_instructions(carried or (), instructions)) or None
+            merged, dropped = carry_instructions(carried or (), instructions)
+            if dropped:
+                # Not silently: the texts are in the log, as the requests that gave them
+                # were answered queued.
+                logger.warning("a manual request took over a mark no task will start; the "
+                               "oldest %d of its instructions gave way to the request's: %s",
+                               len(dropped), json.dumps(dropped, ensure_ascii=False),
+                               extra={"action": "manual.instructions_dropped",
+                                      "session_id": session_id})
+            own = list(merged) or None
             taken = self.db.insert(m).values(session_id=session_id, task_id=task_id,
                                              queued_at=now, instructions=own)
             taken = taken.on_conflict_do_update(

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
 from compactd.scheduler.samples import coding_session
 from tests.conftest import run_cli as run
-from tests.support.services import create_database_sync, drop_database_sync, with_database
+from tests.support.services import (
+    admin_execute,
+    create_database_sync,
+    drop_database_sync,
+    with_database,
+)
 
 SAMPLE = coding_session(steps=12, big_output_lines=40)
 
@@ -120,3 +127,22 @@ def test_postgres_without_schema_says_to_migrate(cli_env: dict[str, str], pg_url
         assert out.returncode == 2 and "compactd migrate" in out.stderr
     finally:
         drop_database_sync(url)
+
+
+def test_a_password_with_a_slash_written_as_is_in_the_url_reaches_postgres(
+        cli_env: dict[str, str], clean_pg: str, transcript: Path) -> None:
+    """Generated passwords (base64) hold ``/`` and ``+``; SQLAlchemy's URL reads them unencoded,
+    and the database URL check must not take the password for a host and its port."""
+    role, password = f"compactd_slash_{uuid.uuid4().hex[:8]}", "pa/ss+w0rd"
+    asyncio.run(admin_execute(clean_pg, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'; "
+                                        f"GRANT pg_read_all_data, pg_write_all_data TO {role}"))
+    try:
+        server = urlparse(clean_pg)
+        cli_env["COMPACTD_DATABASE_URL"] = (f"postgresql://{role}:{password}@{server.hostname}:"
+                                            f"{server.port or 5432}{server.path}")
+        out = run(cli_env, "ingest", str(transcript), "--session", "s1", "--json", check=False)
+        assert out.returncode == 0, out.stderr
+        surface = json.loads(run(cli_env, "surface", "s1", "--json").stdout)
+        assert len(surface["messages"]) == len(SAMPLE.messages)
+    finally:
+        asyncio.run(admin_execute(clean_pg, f"DROP ROLE IF EXISTS {role}"))

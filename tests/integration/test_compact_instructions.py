@@ -4,6 +4,7 @@ queued, what the run records, what the loop guard refuses, and bad input changin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
+from compactd.storage.instructions import MAX_INSTRUCTION_CHARS, MAX_INSTRUCTIONS
 from compactd.storage.kinds import JournalKind, RunCause, RunStatus
 from compactd.storage.records import Busy, Claim, RunEnd
 from compactd.storage.store import Store
@@ -181,3 +182,34 @@ async def test_an_agent_s_request_that_found_the_session_busy_is_not_counted_as_
     again = await api.http.post("/v1/sessions/s1/compact_context", headers=A,
                                 json={"focus": "the schema plan, again"})
     assert again.status_code == 202, again.text
+
+
+async def test_a_request_after_a_lost_task_s_mark_went_stale_is_queued_whatever_it_carried(
+        db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A queued manual task whose message never reached a worker (a broker outage) leaves its
+    mark, with the instructions of every request coalesced into it, until the mark is stale.
+    The next request takes the mark over with a task of its own, and carries what fits of
+    those instructions beside its own: it is never refused because a lost task's mark is
+    full."""
+    config = api_config(db_url, tmp_path, worker={"signal_ttl_s": 0.5})
+    async for api in serve_app(config):
+        await _session(api)
+        asked = [await api.http.post("/v1/sessions/s1/compact", headers=A,
+                                     json={"instructions": f"note {i}"})
+                 for i in range(MAX_INSTRUCTIONS)]
+        assert [r.status_code for r in asked] == [202] * MAX_INSTRUCTIONS
+        lost = asked[0].json()["task_id"]
+        assert {r.json()["task_id"] for r in asked} == {lost}
+        await asyncio.sleep(0.6)  # the lost task's mark is stale
+
+        again = await api.http.post("/v1/sessions/s1/compact_context", headers=A,
+                                    json={"focus": "the handoff note"})
+        assert again.status_code == 202, again.text
+        assert again.json()["task_id"] != lost
+        held = await _held(db_url, again.json()["task_id"])
+        assert held[-1] == "the handoff note" and len(held) == MAX_INSTRUCTIONS
+        assert held[:-1] == tuple(f"note {i}" for i in range(1, MAX_INSTRUCTIONS))
+    # The text that gave way is named in the log, not dropped silently.
+    [dropped] = [r for r in caplog.records
+                 if getattr(r, "action", None) == "manual.instructions_dropped"]
+    assert '["note 0"]' in dropped.getMessage()

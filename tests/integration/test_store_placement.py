@@ -212,3 +212,22 @@ async def test_a_checkpoint_keeping_nodes_that_do_not_fit_is_refused_with_nothin
         with pytest.raises(ValueError, match=problem):
             await store.commit("s1", run_id=c.run_id, fence=c.fence, replacements=bad)
     assert (await store.verify("s1")).ok
+
+
+async def test_a_checkpoint_keeping_a_node_an_earlier_replacement_replaced_is_refused(
+        store: Store) -> None:
+    """Replacements apply in order: a node an earlier one replaced (a pruned result) is gone
+    before a later one could keep it. PostgreSQL's one call checks every unplaced replacement
+    on the surface as it was, so it wrote that commit, leaving a log that does not replay;
+    SQLite refused it as a changed surface. Both refuse it before anything is read."""
+    c = await open_session(store)
+    pruned = node("pruned", seqs=(4,))
+    with pytest.raises(ValueError, match="keeps a seq an earlier replacement replaces"):
+        await store.commit("s1", run_id=c.run_id, fence=c.fence,
+                           replacements=[pruned, node("summary", seqs=(2, 3, 5, 6), keeps=(4,))])
+    assert texts(await store.read_surface("s1")) == [f"message {i}" for i in range(1, 9)]
+    assert (await store.verify("s1")).ok
+    # In the other order the checkpoint keeps the node, then the prune replaces it.
+    await commit(store, c, [node("summary", seqs=(2, 3, 5, 6), keeps=(4,)), pruned])
+    assert texts(await store.read_surface("s1")) == [
+        "message 1", "pruned", "summary", "message 7", "message 8"]

@@ -95,3 +95,11 @@ def test_a_host_list_the_driver_cannot_use_is_refused_as_bad_input_naming_it(
     with pytest.raises(ConfigError, match=re.escape(problem)):
         normalize_url(url)
     assert normalize_url("postgresql://u@db-a:,[::1]:5433/db")  # empty port: the default
+
+
+@pytest.mark.parametrize("url", ["postgresql://u:pa/ss+w0rd@db-a:5432/db",
+                                 "postgresql://u:pa/ss+w0rd@db-a:5432,db-b:5433/db"])
+def test_a_password_with_a_slash_is_read_as_sqlalchemy_reads_it(url: str) -> None:
+    args = connect_args(url)
+    assert args["user"] == "u" and args["password"] == "pa/ss+w0rd"
+    assert args["database"] == "db" and "db-a" in str(args["host"])

@@ -11,9 +11,10 @@ runtime's critical path for every step a client keys (the LangChain middleware k
 the record with the append in the one call; without a key it is ``compactd_append_v3``. Expand
 only: a new function beside the old ones, no table or row changes; the release at 0022 goes on
 calling ``compactd_append_v3`` and the two key statements (the release at 0021
-``compactd_append_v2`` and them), whose rows this function reads and writes the same way (it
-locks the session's row before it reads the key's, so an append of any of them racing with it
-on one key is stored once).
+``compactd_append_v2`` and them), whose rows this function reads and writes the same way (a
+live key's row answers at once, without a lock; else it locks the session's row and reads the
+key's again before it appends, so an append of any of them racing with it on one key is stored
+once).
 """
 
 from __future__ import annotations
