@@ -71,7 +71,6 @@ from compactd.worker.pressure import (
 )
 from compactd.worker.runtime import EventLoopThread
 from compactd.worker.settings import Config, load_config
-from compactd.worker.webhooks import send_event
 
 WAIT_POLL_S = 0.05
 # A signal's send starts this long after the append that set the mark: the publish runs in a
@@ -608,6 +607,10 @@ class SessionHandle:
     async def _served_overflow(self, event: Event) -> None:
         """Tell the listeners and the webhooks that this overflow was served; the runtime has
         its smaller surface whatever becomes of the event."""
+        # Imported here for start-up time: the webhooks bring the worker's run and metrics
+        # modules, which a CLI command or a runtime without webhooks never uses.
+        from compactd.worker.webhooks import send_event
+
         try:
             await self.client.store.publish(event)
             if self._config.events.webhooks:

@@ -23,6 +23,7 @@ from compactd.storage.messages import parse_openai
 from compactd.storage.store import Store
 from compactd.worker.replay import read_transcript, session_of
 from tests.conftest import REPO, missing, run_cli
+from tests.support.services import debian_packages_settled
 
 pytestmark = [pytest.mark.slow]
 
@@ -68,6 +69,7 @@ def _eval(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _dom(page: Path) -> str:
+    debian_packages_settled()
     if not Path(CHROMIUM).exists():
         missing(f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")
     out = subprocess.run([CHROMIUM, *CHROMIUM_ARGS, "--dump-dom", page.as_uri()],

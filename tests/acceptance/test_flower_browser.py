@@ -20,6 +20,7 @@ from compactd.scheduler.samples import coding_session
 from tests.conftest import REPO, missing
 from tests.support.fake_provider import Behaviour
 from tests.support.probes import free_port, http_status, query
+from tests.support.services import debian_packages_settled
 from tests.support.stack import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -36,6 +37,7 @@ POLICY = {"trigger": [{"type": "tokens", "value": 4000}],
 
 
 def _chromium() -> str:
+    debian_packages_settled()
     if Path(CHROMIUM).exists() or shutil.which("chromium") == CHROMIUM:
         return CHROMIUM
     missing(f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")

@@ -5,16 +5,16 @@ import that only works because of them passes every other test and fails for a u
 kombu's Redis transport imports `packaging`, which kombu declares only under its `redis` extra,
 and `celery -A compactd.worker.app worker` died at start on a plain install (the Docker image's
 too).
-Here a fresh venv gets `pip install` of a copy of the repository, and its interpreter, with the
-repository off its path, imports every module and runs a queued compaction through a worker.
+Here a fresh venv gets compactd with no extra, as `pip install .` gives it (the wheel pip builds
+from a copy of the repository, installed: the run's one, shared with the wheel's test, see
+tests/support/install.py), and its interpreter, with the repository off its path, imports every
+module and runs a queued compaction through a worker.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import pytest
 
 from compactd import scheduler, storage, worker
 from compactd.scheduler.samples import coding_session
+from tests.support.install import installed_compactd
 from tests.support.stack import REPO, Stack
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,23 +32,11 @@ PACKAGES = {"storage": storage.__name__, "worker": worker.__name__,
             "scheduler": scheduler.__name__}
 # A module that needs an extra: the plain install leaves it out on purpose.
 NEEDS_AN_EXTRA = {"compactd.scheduler.langchain"}
-COPY_IGNORES = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
-                                      "dist", ".*_cache", ".hypothesis", "test-artifacts")
 
 
 @pytest.fixture(scope="module")
 def plain_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("plain-install")
-    source = root / "src"
-    shutil.copytree(REPO, source, ignore=COPY_IGNORES)
-    venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet",
-                           "--disable-pip-version-check", str(source)],
-                          capture_output=True, text=True, timeout=480, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return python
+    return installed_compactd(tmp_path_factory).python
 
 
 def _modules() -> list[str]:

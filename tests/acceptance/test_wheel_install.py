@@ -3,19 +3,18 @@ compactd.storage, never a top-level worker, scheduler or storage. A Celery proje
 worker.py (its Celery app's module), often a storage/ package too; compactd beside them must
 neither shadow them nor be shadowed.
 
-Here the wheel is built from a copy of the repository and installed into a fresh venv, and in a
-project directory holding its own worker.py and storage/ package, the directory every process
-starts in (`python -m` and `celery -A` put it first on the path), a real `celery -A
-compactd.worker.app worker` runs a queued compaction the CLI asked for, and one interpreter
-imports the project's modules beside compactd's.
+Here the wheel is built from a copy of the repository and installed into a fresh venv (the
+run's one, shared with the plain install's test: tests/support/install.py), and in a project
+directory holding its own worker.py and storage/ package, the directory every process starts in
+(`python -m` and `celery -A` put it first on the path), a real `celery -A compactd.worker.app
+worker` runs a queued compaction the CLI asked for, and one interpreter imports the project's
+modules beside compactd's.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -23,12 +22,11 @@ from pathlib import Path
 import pytest
 
 from compactd.scheduler.samples import coding_session
-from tests.support.stack import REPO, Stack
+from tests.support.install import installed_compactd
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(600)
 
-COPY_IGNORES = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
-                                      "dist", ".*_cache", ".hypothesis", "test-artifacts")
 PROJECT_WORKER = '''"""The project's own Celery app."""
 from celery import Celery
 
@@ -41,27 +39,12 @@ PROJECT_STORAGE = 'OWNER = "the project"\n'
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("wheel")
-    source = root / "src"
-    shutil.copytree(REPO, source, ignore=COPY_IGNORES)
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                           "--disable-pip-version-check", "--wheel-dir", str(root / "dist"),
-                           str(source)], capture_output=True, text=True, timeout=300, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (built,) = (root / "dist").glob("compactd-*.whl")
-    return built
+    return installed_compactd(tmp_path_factory).wheel
 
 
 @pytest.fixture(scope="module")
-def wheel_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    venv = tmp_path_factory.mktemp("wheel-venv") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet",
-                           "--disable-pip-version-check", str(wheel)],
-                          capture_output=True, text=True, timeout=480, cwd=venv)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return python
+def wheel_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return installed_compactd(tmp_path_factory).python
 
 
 def test_the_wheel_installs_one_top_level_package(wheel: Path) -> None:

@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from tests.support.pgbouncer import free_port
+from tests.support.services import debian_packages_settled
 
 SERVER_USER = "postgres"
 TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "psql")
@@ -36,6 +37,7 @@ TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "psql")
 def server_bin_dir() -> Path | None:
     """The newest installed server's binaries (all that the pair runs), None when there is
     none."""
+    debian_packages_settled()
     found = sorted((Path(p).parent for p in glob.glob("/usr/lib/postgresql/*/bin/initdb")),
                    key=lambda d: int(d.parent.name) if d.parent.name.isdigit() else 0)
     complete = [d for d in found if all((d / tool).exists() for tool in TOOLS)]

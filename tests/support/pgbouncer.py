@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlparse
 
+from tests.support.services import debian_packages_settled
+
 BINARY = "/usr/sbin/pgbouncer"
 
 
@@ -66,6 +68,7 @@ class PgBouncer:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def __enter__(self) -> PgBouncer:
+        debian_packages_settled()
         binary = shutil.which("pgbouncer") or BINARY
         if not Path(binary).exists():
             from tests.conftest import missing

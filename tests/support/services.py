@@ -4,7 +4,26 @@ their own, and Redis databases they may empty (never the whole server)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import time
+from pathlib import Path
 from urllib.parse import urlparse
+
+# ops/test installs the Debian packages some tests need (chromium, pgbouncer, the server's
+# binaries, docker-compose) in the background while the tests run, and names a file it creates
+# when that install has ended, whether it installed them or not.
+APT_DONE_ENV = "COMPACTD_TEST_APT_DONE"
+
+
+def debian_packages_settled(timeout_s: float = 900.0) -> None:
+    """Wait for ops/test's background install of Debian packages to end, if one is under way,
+    so that a test looking for one of them finds it (or, after a failed install, misses it)."""
+    marker = os.environ.get(APT_DONE_ENV)
+    if not marker:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not Path(marker).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def admin_url(url: str) -> str:

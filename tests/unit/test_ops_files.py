@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from compactd.worker.metrics import FleetSnapshot, Metrics, fleet_families
 from compactd.worker.settings import load_config
+from tests.support.services import debian_packages_settled
 
 REPO = Path(__file__).resolve().parents[2]
 OPS = REPO / "ops"
@@ -125,6 +126,7 @@ def test_compose_mounts_a_config_that_loads() -> None:
 
 
 def _compose_tool() -> list[str] | None:
+    debian_packages_settled()
     if shutil.which("docker"):
         probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
         if probe.returncode == 0:

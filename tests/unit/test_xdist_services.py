@@ -4,9 +4,13 @@ would take each other's tasks)."""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 
-from tests.conftest import worker_database_url, worker_redis_url
+from tests.conftest import REPO, worker_database_url, worker_redis_url
+from tests.support.services import APT_DONE_ENV, debian_packages_settled
 
 PG = "postgresql://postgres@127.0.0.1:5432/compactd_test"
 REDIS = "redis://127.0.0.1:6379/15"
@@ -36,3 +40,14 @@ def test_a_redis_database_too_low_for_the_worker_count_is_refused_by_name() -> N
         worker_redis_url("redis://127.0.0.1:6379/1", "gw2")
     with pytest.raises(pytest.UsageError, match="Redis database 0, too low for xdist worker gw1"):
         worker_redis_url("redis://127.0.0.1:6379", "gw1")
+
+
+def test_a_test_needing_a_debian_package_waits_for_ops_tests_background_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ops/test names the file its background apt-get creates when it ends.
+    assert f"export {APT_DONE_ENV}" in (REPO / "ops" / "test").read_text()
+    marker = tmp_path / "apt-done"
+    monkeypatch.setenv(APT_DONE_ENV, str(marker))
+    threading.Timer(0.3, marker.touch).start()
+    debian_packages_settled(timeout_s=30)
+    assert marker.exists()
