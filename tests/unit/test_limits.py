@@ -11,6 +11,7 @@ import pytest
 from compactd.worker.limits import LocalLimiter
 
 
+@pytest.mark.timed  # gaps in wall-clock time: beside another test a descheduled loop shrinks them
 @pytest.mark.parametrize("stall_s", [0.0, 0.1])
 def test_callers_woken_late_by_a_stall_do_not_leave_together(stall_s: float) -> None:
     """Four callers at one instant get slots 20 ms apart; a 100 ms stall of the event loop wakes
