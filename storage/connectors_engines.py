@@ -30,6 +30,15 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 READ_ONLY_OPTION = "compactd_read_only"
 BUSY_TIMEOUT_OPTION = "compactd_busy_timeout_ms"
 POOL_RECYCLE_S = 1800
+# What one host of the URL has to accept a connection (TCP, TLS negotiation, authentication),
+# unless the URL sets libpq's connect_timeout: a primary that stopped answering without refusing
+# (a frozen host, a partition) must not hold every new connection for asyncpg's 60 s default,
+# nor keep the next host of a failover URL from being tried.
+CONNECT_TIMEOUT_S = 5.0
+# The longest wait for a pooled connection when all are checked out (SQLAlchemy's default is
+# 30 s): past it the caller gets the retryable DatabaseUnavailable, as for a lost connection.
+# Above CONNECT_TIMEOUT_S, so a waiter outlasts a connection being opened for it.
+POOL_TIMEOUT_S = 10.0
 
 
 class Backend(abc.ABC):
@@ -100,8 +109,9 @@ class PostgresBackend(Backend):
             # surfaces (as DatabaseUnavailable) and the caller's retry gets a fresh one.
             url, echo=echo, json_serializer=dumps, pool_size=pool_size,
             max_overflow=pool_size if max_overflow is None else max_overflow,
-            pool_recycle=POOL_RECYCLE_S,
+            pool_recycle=POOL_RECYCLE_S, pool_timeout=POOL_TIMEOUT_S,
             connect_args={"server_settings": {"application_name": "compactd"},
+                          "async_creator_fn": _connect_host_by_host,
                           **({} if statement_cache else _UNNAMED_STATEMENTS)},
         )
         event.listen(engine.sync_engine, "handle_error", _read_only_is_a_disconnect)
@@ -200,7 +210,7 @@ def _hosts_as_query(url: str) -> str:
     hosts, tail = parts["hosts"], parts["tail"]
     path, _, query = tail.removeprefix("/").partition("?")
     _check_hosts(hosts)
-    _check_session_attrs(query)
+    _check_query(query)
     if "," not in hosts:
         return url
     params = "&".join(f"host={host}" for host in hosts.split(","))
@@ -225,11 +235,60 @@ def _check_hosts(hosts: str) -> None:
                               f"number from 1 to 65535, not {port!r}")
 
 
-def _check_session_attrs(query: str) -> None:
+def _check_query(query: str) -> None:
+    """Refuse, naming it, a target_session_attrs or a connect_timeout (libpq's, per host:
+    :func:`_connect_host_by_host`) that no connection could use."""
     for key, _, value in (item.partition("=") for item in query.split("&") if item):
         if key == "target_session_attrs" and value not in SESSION_ATTRS:
             raise ConfigError(f"database URL: target_session_attrs must be one of "
                               f"{', '.join(SESSION_ATTRS)}, not {value!r}")
+        if key == "connect_timeout" and not _positive_seconds(value):
+            raise ConfigError(f"database URL: connect_timeout must be a positive number of "
+                              f"seconds, not {value!r}")
+
+
+def _positive_seconds(value: str) -> bool:
+    try:
+        return 0 < float(value) < float("inf")
+    except ValueError:
+        return False
+
+
+async def _connect_host_by_host(*args: Any, host: Any = None, port: Any = None,
+                                target_session_attrs: str | None = None,
+                                connect_timeout: str | float | None = None, **kwargs: Any
+                                ) -> Any:
+    """asyncpg's connect, each host of the URL with its own time to answer, as libpq's
+    ``connect_timeout`` is per host: asyncpg's ``timeout`` bounds all its hosts together, so a
+    first host that never answers (an old primary that hangs instead of refusing) spends it
+    all and the next host, the new primary, is never tried. The hosts are tried in order; the
+    first that accepts and is what ``target_session_attrs`` asks for is kept (prefer-standby:
+    the first standby, else the first that accepts). As asyncpg, a host that refuses, times
+    out or is not ready passes to the next; any other error (a wrong password) is raised."""
+    import asyncpg
+
+    timeout = CONNECT_TIMEOUT_S if connect_timeout is None else float(connect_timeout)
+    hosts = host if isinstance(host, list) else [host]
+    ports = port if isinstance(port, list) else [port] * len(hosts)
+    passes = ["standby", "any"] if target_session_attrs == "prefer-standby" \
+        else [target_session_attrs]
+    failed: BaseException | None = None
+    unreachable: set[int] = set()  # not tried again by prefer-standby's second pass
+    for attrs in passes:
+        for i, (one_host, one_port) in enumerate(zip(hosts, ports, strict=True)):
+            if i in unreachable:
+                continue
+            try:
+                return await asyncpg.connect(*args, host=one_host, port=one_port,
+                                             timeout=timeout, target_session_attrs=attrs,
+                                             **kwargs)
+            except (OSError, asyncpg.CannotConnectNowError) as exc:  # TimeoutError too
+                failed = exc
+                unreachable.add(i)
+            except asyncpg.TargetServerAttributeNotMatched as exc:
+                failed = failed or exc
+    assert failed is not None
+    raise failed
 
 
 def _read_only_is_a_disconnect(context: Any) -> None:

@@ -9,6 +9,7 @@ import re
 import sqlite3
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from compactd.storage.errors import (
     BadInput,
@@ -96,7 +97,12 @@ def _missing_database(text: str) -> str | None:
 def _unavailable(exc: BaseException, orig: BaseException, code: str | None,
                  reason: str) -> DatabaseUnavailable | None:
     """The retryable error for a failure of the connection or of the server's role (a lost or
-    refused connection, a server that refuses writes), None for any other."""
+    refused connection, a server that refuses writes), or of the pool (no connection free in
+    its time: they are all held, as by connections being opened to a server that does not
+    answer), None for any other."""
+    if isinstance(exc, PoolTimeout):
+        return DatabaseUnavailable("no database connection was free in time (the pool's are "
+                                   "all in use)")
     if (code and code.startswith(_PG_UNAVAILABLE_PREFIXES)) or isinstance(
             orig, ConnectionError | OSError) or "Connection refused" in str(orig):
         return DatabaseUnavailable(f"the database cannot be reached: {reason}")
@@ -136,7 +142,7 @@ def is_driver_error(exc: BaseException) -> bool:
     the operating system, or by asyncpg and aiosqlite below SQLAlchemy (connection setup,
     protocol errors)."""
     if isinstance(exc, DBAPIError | OperationalError | ProgrammingError | sqlite3.Error
-                  | OSError):
+                  | OSError | PoolTimeout):
         return True
     return (type(exc).__module__ or "").startswith(("asyncpg", "aiosqlite"))
 

@@ -69,6 +69,9 @@ T = TypeVar("T")
 UNAVAILABLE_PAUSE_S = 0.25
 # Between two attempts to end the runs whose end the database could not take.
 UNENDED_RETRY_S = 0.5
+# What one of those attempts may wait on the database (a lock, a statement) before it fails and
+# the next run's is made: none waits on another's.
+UNENDED_ATTEMPT_S = 5.0
 # The part of a run's deadline the remote models never get (at most a tenth of it): the local
 # fallback writes its summary and the checkpoint is committed in it.
 COMMIT_RESERVE_S = 10.0
@@ -509,12 +512,15 @@ class UnendedRuns:
     (``worker.lease_s``, then the reaper): each is ended instead as soon as the database answers
     again, by a retry every ``retry_s``, and before this process claims its session again. The
     end is fenced (:meth:`Store.finish`): a lease that moved on is left to its new holder, and a
-    run whose commit landed after all keeps its end. Past the lease's length the reaper's
-    expiry ends it anyway, and the retries stop."""
+    run whose commit landed after all keeps its end. Each attempt waits on the database (a lock,
+    a statement) at most ``attempt_s``, so a session whose row stays locked holds no other's.
+    Past the lease's length the reaper's expiry ends it anyway, and the retries stop."""
 
-    def __init__(self, deps: Deps, *, retry_s: float = UNENDED_RETRY_S) -> None:
+    def __init__(self, deps: Deps, *, retry_s: float = UNENDED_RETRY_S,
+                 attempt_s: float = UNENDED_ATTEMPT_S) -> None:
         self._deps = deps
         self._retry_s = retry_s
+        self._attempt_s = attempt_s
         # by session: its claim, the end to write, the loop time the lease is expired by
         self._runs: dict[str, tuple[Claim, RunEnd, float]] = {}
         # by session: the last error its end's write failed with, logged once until it changes
@@ -553,7 +559,8 @@ class UnendedRuns:
                     self._drop(claim.session.id)
                     continue
                 try:
-                    await self._end(claim, end)
+                    with deadline(loop.time() + self._attempt_s):
+                        await self._end(claim, end)
                 except DatabaseUnavailable:
                     break  # still unreachable: every run waits for the next attempt
                 except SessionNotFound:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
+import asyncpg
 import pytest
 
 from compactd.storage.errors import LockNotAvailable, SchemaMissing
@@ -52,3 +54,44 @@ async def test_a_failure_to_end_a_run_is_logged_once_and_again_when_it_changes(
               if getattr(r, "action", None) == "compaction.unended_failed"]
     assert len(logged) == 2, logged
     assert "compactd schema" in logged[0] and "locked" in logged[1]
+
+
+@pytest.mark.timed
+async def test_a_session_whose_row_stays_locked_holds_no_other_sessions_end(
+        clean_pg: str) -> None:
+    """Each attempt to end a run waits on the database within its own bound: a session whose
+    row another transaction keeps locked (no lock timeout would end that wait) fails its
+    attempt at the bound and is tried again, and the runs after it are ended meanwhile."""
+    store = Store.from_url(clean_pg)
+    config = build_config({}, settings=Settings(database_url=clean_pg, broker_url="memory://"))
+    deps = Deps(config=config, store=store, limiter=LocalLimiter(), owner="w1")
+    end = RunEnd(outcome=RunStatus.FAILED, failure_class=FailureClass.PERSISTENCE, error="lost")
+    locker = await asyncpg.connect(clean_pg)
+    unended = UnendedRuns(deps, retry_s=0.05, attempt_s=1.0)
+    try:
+        claims = []
+        for session_id in ("locked", "free"):
+            await store.create_session(session_id)
+            claim = await store.claim(session_id, owner="w1", trigger=RunCause.PRESSURE,
+                                      lease_s=600)
+            assert isinstance(claim, Claim)
+            claims.append(claim)
+        lock = locker.transaction()
+        await lock.start()
+        await locker.execute("SELECT 1 FROM sessions WHERE id = 'locked' FOR UPDATE")
+        started = time.monotonic()
+        for claim in claims:  # the locked session's run first
+            unended.add(claim, end)
+        while (await store.get_session("free")).lease_run_id is not None:
+            assert time.monotonic() - started < 1.0 + 4.0, (
+                "the free session's run was not ended while the other's row was locked")
+            await asyncio.sleep(0.05)
+        assert (await store.get_session("locked")).lease_run_id is not None
+        await lock.rollback()
+        while (await store.get_session("locked")).lease_run_id is not None:
+            assert time.monotonic() - started < 30.0, "the locked session's run was never ended"
+            await asyncio.sleep(0.05)
+    finally:
+        await unended.aclose()
+        await locker.close()
+        await store.close()

@@ -86,6 +86,12 @@ def test_a_sqlite_file_exists_only_once_created_and_a_server_database_always(
     ("postgresql://u:pw@db-a,db-b/db?target_session_attrs=primary-please",
      "target_session_attrs must be one of any, primary, standby, prefer-standby, read-write, "
      "read-only, not 'primary-please'"),
+    ("postgresql://u@db-a,db-b/db?connect_timeout=0",
+     "connect_timeout must be a positive number of seconds, not '0'"),
+    ("postgresql://u@db-a/db?connect_timeout=-2",
+     "connect_timeout must be a positive number of seconds, not '-2'"),
+    ("postgresql://u@db-a/db?connect_timeout=soon",
+     "connect_timeout must be a positive number of seconds, not 'soon'"),
 ])
 def test_a_host_list_the_driver_cannot_use_is_refused_as_bad_input_naming_it(
         url: str, problem: str) -> None:
