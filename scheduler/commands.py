@@ -21,7 +21,15 @@ from compactd.scheduler.args import (
 )
 from compactd.scheduler.client import CompactdClient
 from compactd.scheduler.intake import parse_signal
-from compactd.scheduler.output import EXIT_FAILED, emit, open_store, say
+from compactd.scheduler.output import (
+    EXIT_CODES_HELP,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PARTIAL,
+    emit,
+    open_store,
+    say,
+)
 from compactd.scheduler.status import render_status, session_status, status
 from compactd.storage.errors import InvalidMessage, RecallArgumentError
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS, check_instructions
@@ -139,7 +147,12 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
             + f"{result['task_id']} (compactd status {args.session} shows its run)")
     else:
         _say_outcome(result)
-    return EXIT_FAILED if result.get("outcome") == RunStatus.FAILED else 0
+    return _COMPACT_EXITS.get(result.get("outcome"), EXIT_OK)
+
+
+# A partial run is a failure (status counts it so) whose commits stay: its own status.
+_COMPACT_EXITS: dict[str | None, int] = {RunStatus.FAILED: EXIT_FAILED,
+                                        RunStatus.PARTIAL: EXIT_PARTIAL}
 
 
 def _say_outcome(result: dict[str, Any]) -> None:
@@ -347,7 +360,7 @@ def register(sub: Any) -> None:
     p.add_argument("--keep", help=KEEP_HELP)
     p.set_defaults(handler=cmd_plan)
 
-    p = sub.add_parser("compact", help="compact a session now")
+    p = sub.add_parser("compact", help="compact a session now", epilog=EXIT_CODES_HELP)
     p.add_argument("session", help="the session id")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.add_argument("--force", action="store_true", help="ignore the trigger and keep policy")
