@@ -51,6 +51,7 @@ from compactd.worker.pressure import growth_tokens, session_policy
 from compactd.worker.settings import Config
 
 KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
+COMPACT_WAIT_S = 120.0
 
 
 # ------------------------------------------------------------------------------------------
@@ -124,6 +125,9 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
     keep_text = None if keep is None else keep.to_text()
     # Checked before anything is opened: over the bound is bad input, exit 2.
     focus = None if args.instructions is None else check_instructions(args.instructions)
+    if args.timeout is not None and not args.wait:
+        raise InvalidMessage("only --wait waits for the run; without it nothing would use "
+                             "the timeout", field="--timeout")
     if args.inline:
         # Imported here for start-up time: only --inline runs the worker's pipeline.
         from compactd.worker.orchestration import compact
@@ -138,7 +142,8 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
         async with CompactdClient(config) as client:
             handle = await client.get_session(args.session)
             result = await handle.compact(force=args.force, keep=keep_text, wait=args.wait,
-                                          timeout_s=args.timeout, instructions=focus)
+                                          timeout_s=args.timeout or COMPACT_WAIT_S,
+                                          instructions=focus)
     if args.json:
         emit(result)
     elif result.get("outcome") == "queued":
@@ -373,7 +378,8 @@ def register(sub: Any) -> None:
                      help="run the pipeline in this process (same lease protocol)")
     how.add_argument("--wait", action="store_true",
                      help="enqueue on compaction.urgent and wait for the run's result")
-    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds --wait waits")
+    p.add_argument("--timeout", type=seconds,
+                   help=f"seconds --wait waits (default {COMPACT_WAIT_S:g})")
     p.set_defaults(handler=cmd_compact)
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")
