@@ -1,7 +1,8 @@
 """``compactd``: the operator's and the tests' way in.
 
 Exit codes (``scheduler.output``): 0 success (including nothing_to_do), 1 a failed compaction or
-an operational error (a database or a broker that cannot be reached), 2 bad input or usage.
+an operational error (a database or a broker that cannot be reached), 2 bad input or usage, 3 a
+partial compaction (some of its steps committed, then it failed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from compactd.scheduler import check, commands, deletion, leases
 from compactd.scheduler.args import positive_int
 from compactd.scheduler.output import (
     EXIT_BAD_INPUT,
+    EXIT_CODES_HELP,
     EXIT_FAILED,
     EXIT_OK,
     emit,
@@ -190,7 +192,8 @@ async def cmd_eval(args: argparse.Namespace, config: Config) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="compactd", description="Out-of-band context compaction for LLM agent runtimes.")
+        prog="compactd", description="Out-of-band context compaction for LLM agent runtimes.",
+        epilog=EXIT_CODES_HELP)
     parser.add_argument("--config", help="YAML config file (default: $COMPACTD_CONFIG)")
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {importlib.metadata.version('compactd')}",

@@ -551,9 +551,10 @@ class SessionHandle:
                                   "fit": None if fit is None else fit.to_json(),
                                   "compacting": False, "task_id": None}
         if fit is not None and not fit.fits:
-            # Not coalesced with a queued manual run: this one keeps what fits the window.
+            # Not coalesced with a queued manual run: this one keeps what fits the window. Nor
+            # a manual run: the loop guard's count of the agent's own requests leaves it out.
             result["task_id"] = await self.client.enqueuer.asend(RunRequest(
-                self.id, RunCause.MANUAL, keep=f"tokens:{fit.keep_tokens}"))
+                self.id, RunCause.WINDOW, keep=f"tokens:{fit.keep_tokens}"))
             result["compacting"] = True
         return result
 

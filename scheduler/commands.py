@@ -21,7 +21,15 @@ from compactd.scheduler.args import (
 )
 from compactd.scheduler.client import CompactdClient
 from compactd.scheduler.intake import parse_signal
-from compactd.scheduler.output import EXIT_FAILED, emit, open_store, say
+from compactd.scheduler.output import (
+    EXIT_CODES_HELP,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PARTIAL,
+    emit,
+    open_store,
+    say,
+)
 from compactd.scheduler.status import render_status, session_status, status
 from compactd.storage.errors import InvalidMessage, RecallArgumentError
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS, check_instructions
@@ -43,6 +51,7 @@ from compactd.worker.pressure import growth_tokens, session_policy
 from compactd.worker.settings import Config
 
 KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
+COMPACT_WAIT_S = 120.0
 
 
 # ------------------------------------------------------------------------------------------
@@ -116,6 +125,9 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
     keep_text = None if keep is None else keep.to_text()
     # Checked before anything is opened: over the bound is bad input, exit 2.
     focus = None if args.instructions is None else check_instructions(args.instructions)
+    if args.timeout is not None and not args.wait:
+        raise InvalidMessage("only --wait waits for the run; without it nothing would use "
+                             "the timeout", field="--timeout")
     if args.inline:
         # Imported here for start-up time: only --inline runs the worker's pipeline.
         from compactd.worker.orchestration import compact
@@ -130,7 +142,8 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
         async with CompactdClient(config) as client:
             handle = await client.get_session(args.session)
             result = await handle.compact(force=args.force, keep=keep_text, wait=args.wait,
-                                          timeout_s=args.timeout, instructions=focus)
+                                          timeout_s=args.timeout or COMPACT_WAIT_S,
+                                          instructions=focus)
     if args.json:
         emit(result)
     elif result.get("outcome") == "queued":
@@ -139,7 +152,12 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
             + f"{result['task_id']} (compactd status {args.session} shows its run)")
     else:
         _say_outcome(result)
-    return EXIT_FAILED if result.get("outcome") == RunStatus.FAILED else 0
+    return _COMPACT_EXITS.get(result.get("outcome"), EXIT_OK)
+
+
+# A partial run is a failure (status counts it so) whose commits stay: its own status.
+_COMPACT_EXITS: dict[str | None, int] = {RunStatus.FAILED: EXIT_FAILED,
+                                        RunStatus.PARTIAL: EXIT_PARTIAL}
 
 
 def _say_outcome(result: dict[str, Any]) -> None:
@@ -347,7 +365,7 @@ def register(sub: Any) -> None:
     p.add_argument("--keep", help=KEEP_HELP)
     p.set_defaults(handler=cmd_plan)
 
-    p = sub.add_parser("compact", help="compact a session now")
+    p = sub.add_parser("compact", help="compact a session now", epilog=EXIT_CODES_HELP)
     p.add_argument("session", help="the session id")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.add_argument("--force", action="store_true", help="ignore the trigger and keep policy")
@@ -360,7 +378,8 @@ def register(sub: Any) -> None:
                      help="run the pipeline in this process (same lease protocol)")
     how.add_argument("--wait", action="store_true",
                      help="enqueue on compaction.urgent and wait for the run's result")
-    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds --wait waits")
+    p.add_argument("--timeout", type=seconds,
+                   help=f"seconds --wait waits (default {COMPACT_WAIT_S:g})")
     p.set_defaults(handler=cmd_compact)
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")

@@ -2,7 +2,8 @@
 store it opens and the URLs it names without their passwords.
 
 Exit codes: 0 success (including nothing_to_do), 1 a failed compaction or an operational error
-(a database or a broker that cannot be reached), 2 bad input or usage.
+(a database or a broker that cannot be reached), 2 bad input or usage, 3 a partial compaction
+(it committed some of its steps, then failed: the session shrank, but not as asked).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from compactd.worker.settings import Config
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+# Not 1: a script that retries a failed compaction should know this one's commits are kept.
+EXIT_PARTIAL = 3
+EXIT_CODES_HELP = ("exit status: 0 success (nothing to do included), 1 a failed compaction, a "
+                   "failed check or an unreachable database or broker, 2 bad input or usage, "
+                   "3 a partial compaction (some of its steps committed, then it failed)")
 
 
 @contextlib.asynccontextmanager

@@ -253,6 +253,14 @@ class Connector:
     async def search_held(self, conn: AsyncConnection, **params: Any) -> list[Row]:
         return await self.fetch(self._variant("history_search_held"), conn=conn, **params)
 
+    async def recent_summary_runs(self, statuses: Sequence[str], *, since: dt.datetime,
+                                  limit: int) -> list[Row]:
+        """The newest ``limit`` ended runs of ``statuses`` that wrote a summary, newest first,
+        in one statement (each backend's form takes the list as it can)."""
+        return await self.fetch(self._variant("recent_summary_runs"),
+                                status_list=list(statuses), statuses=dumps(list(statuses)),
+                                since=since, limit=limit)
+
 
 class PostgresConnector(Connector):
     """Named queries on asyncpg connections: aiosql loaded their text and parameter order once,

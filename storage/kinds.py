@@ -97,6 +97,7 @@ class RunCause(StrEnum):
     REAP = "reap"  # the reaper closed an expired lease on a session still over it
     MANUAL = "manual"  # an operator or the API asked for a run
     OVERFLOW = "overflow"  # the runtime's context overflowed: it waits for the run
+    WINDOW = "window"  # the runtime moved to a run model whose window the session overflows
     BULK = "bulk"  # an item of a bulk recompaction job
 
 

@@ -81,12 +81,11 @@ class RunsMixin:
         recorded none: to its end) of the newest committed runs since ``since`` that wrote a
         summary with ``model``, and of the partial ones that committed a checkpoint before they
         failed, newest first; of every model's when none did (a provider may report its model
-        under another name than the one configured). One indexed read of each status."""
-        rows = [r for status in (RunStatus.COMMITTED, RunStatus.PARTIAL)
-                for r in await self.db.fetch("recent_summary_runs", status=status,
-                                             since=since, limit=limit)]
-        rows.sort(key=lambda r: r["started_at"], reverse=True)
-        spans = [(r["model"], span) for r in rows[:limit]
+        under another name than the one configured). One statement, reading each status on
+        its index."""
+        rows = await self.db.recent_summary_runs((RunStatus.COMMITTED, RunStatus.PARTIAL),
+                                                 since=since, limit=limit)
+        spans = [(r["model"], span) for r in rows
                  if (span := _claim_to_commit(r)) is not None]
         mine = [s for m, s in spans if m == model]
         return mine or [s for _, s in spans]

@@ -278,9 +278,11 @@ manual_requests = sa.Table(
     sa.Column("task_id", sa.String(64), nullable=False),
     sa.Column("queued_at", UTCDateTime, nullable=False),
     # The distinct instructions of the requests the queued task stands for, in their order
-    # (migration 0020): a request coalesced into the task adds its own; the run reads them as
-    # it starts, when it deletes the row. A row whose task_id is empty (store.KEPT_TASK_ID)
-    # holds the instructions of a run that ended busy, for the next request to take over.
+    # (migration 0020): a request coalesced into the task adds its own; the run, once it holds
+    # the lease, moves them onto its run row as it deletes this one (store.take_manual), so
+    # a delivery that dies before that leaves them here. A row whose task_id is empty
+    # (store.KEPT_TASK_ID) holds the instructions of a run that ended busy, or before it took
+    # them, for the next request to take over.
     sa.Column("instructions", JSONText, nullable=True),
 )
 

@@ -52,6 +52,7 @@ from compactd.storage.ids import (
     check_tenant,
 )
 from compactd.storage.instructions import (
+    MAX_INSTRUCTIONS,
     carry_instructions,
     check_instructions,
     merge_instructions,
@@ -513,14 +514,25 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
                                    .values(instructions=list(merged)))
         return str(held.task_id)
 
-    async def keep_manual(self, session_id: str, instructions: Sequence[str]) -> bool:
-        """A manual run that found the session leased (``busy``) hands its instructions back:
-        to the task queued for the session since it started, else to the next manual request
-        that queues one. False when they would take the mark over ``MAX_INSTRUCTIONS``
-        distinct texts (nothing is changed)."""
+    async def keep_manual(self, session_id: str, instructions: Sequence[str], *,
+                          task_id: str | None = None) -> bool:
+        """A manual run that found the session leased (``busy``), or ended before its run row
+        took its instructions (:meth:`take_manual`), hands them back: to the task queued for
+        the session since it started, else to the next manual request that queues one. With
+        ``task_id``, the run's own mark, when it is still there, is handed back too (the
+        requests coalesced into it), in the same transaction. False when ``instructions`` would
+        take the mark over ``MAX_INSTRUCTIONS`` distinct texts (they are not added)."""
         m = t.manual_requests
         async with transaction(self.engine) as conn:
             await self._session(conn, session_id)
+            mine = 0
+            if task_id is not None:
+                # Its task ended: the next request queues a task of its own, which takes these.
+                mine = (await conn.execute(
+                    m.update().where(m.c.session_id == session_id, m.c.task_id == task_id)
+                    .values(task_id=KEPT_TASK_ID, queued_at=KEPT_QUEUED_AT))).rowcount
+            if not instructions and not mine:
+                return True
             await conn.execute(self.db.insert(m).values(
                 session_id=session_id, task_id=KEPT_TASK_ID, queued_at=KEPT_QUEUED_AT,
                 instructions=None).on_conflict_do_nothing(index_elements=[m.c.session_id]))
@@ -536,14 +548,43 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
         return True
 
     async def clear_manual(self, session_id: str, task_id: str) -> tuple[str, ...]:
-        """The manual run of ``task_id`` started (or was never sent): the next request queues.
-        The instructions its requests left on the mark, which the run takes."""
+        """The manual run of ``task_id`` was never sent: the next request queues. The
+        instructions its requests left on the mark."""
         m = t.manual_requests
         async with transaction(self.engine) as conn:
             held = (await conn.execute(
                 m.delete().where(m.c.session_id == session_id, m.c.task_id == task_id)
                 .returning(m.c.instructions))).first()
         return tuple(held.instructions or ()) if held is not None else ()
+
+    async def take_manual(self, session_id: str, task_id: str, *, run_id: str,
+                          instructions: Sequence[str] = ()) -> tuple[str, ...]:
+        """The manual run ``run_id`` of ``task_id`` holds the session's lease: the mark of its
+        task is cleared (the next request queues a task of its own), and its run row takes
+        ``instructions``, the mark's (the requests coalesced into the task) and those an
+        earlier delivery of the task recorded on its row, in one transaction: a delivery that
+        dies before this leaves them on the mark, one that dies after on its row, and the
+        task's next delivery finds them either way. The run's instructions, distinct, in
+        order, at most ``MAX_INSTRUCTIONS``."""
+        m, r = t.manual_requests, t.compaction_runs
+        async with transaction(self.engine) as conn:
+            held = (await conn.execute(
+                m.delete().where(m.c.session_id == session_id, m.c.task_id == task_id)
+                .returning(m.c.instructions))).scalar()
+            earlier = (await conn.execute(
+                sa.select(r.c.instructions)
+                .where(r.c.task_id == task_id, r.c.id != run_id)
+                .order_by(r.c.started_at))).scalars().all()
+            # The mark never holds more than the bound, nor do the rows an earlier delivery
+            # wrote from it; a mark taken over after its TTL could add to them: the first are
+            # kept, as a coalesced request over the bound is refused.
+            taken = tuple(dict.fromkeys([*instructions, *(held or ()),
+                                         *(text for texts in earlier for text in texts or ())])
+                          )[:MAX_INSTRUCTIONS]
+            if taken:
+                await conn.execute(r.update().where(r.c.id == run_id)
+                                   .values(instructions=list(taken)))
+        return taken
 
     async def note_instructions(self, run_id: str, instructions: Sequence[str]) -> None:
         """Record on the run row what a run was asked to focus on (at its start)."""

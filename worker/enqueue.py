@@ -27,6 +27,7 @@ from compactd.worker.settings import Config
 
 TRIGGER_QUEUES: dict[str, str] = {
     RunCause.OVERFLOW: QUEUE_URGENT, RunCause.MANUAL: QUEUE_URGENT,
+    RunCause.WINDOW: QUEUE_URGENT,
     RunCause.PRESSURE: QUEUE_PRESSURE, RunCause.SWEEP: QUEUE_PRESSURE,
     RunCause.REAP: QUEUE_PRESSURE,
     RunCause.BULK: QUEUE_BULK,

@@ -82,8 +82,10 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = RunCause.PRESSU
     """Run one compaction of ``session_id`` to its end; never raises for a failed run. Then
     index what it replaced for recall: before returning, or with ``index_in_background`` (a
     worker's task, whose slot the next run wants) by the process's indexer. ``instructions``:
-    the focus its summary is asked to give (a manual run's), recorded on the run row."""
+    the focus its summary is asked to give (a manual run's), recorded on the run row; a
+    manual task's run adds those its mark and its earlier deliveries hold (``take_manual``)."""
     keep_clause = parse_keep_text(keep) if isinstance(keep, str) else keep
+    take_from = task_id if trigger == RunCause.MANUAL else None
     scope = await RunScope.open(deps, session_id, trigger=trigger, task_id=task_id,
                                 bulk_job_id=bulk_job_id, rate_per_s=rate_per_s)
     if isinstance(scope, Outcome):
@@ -91,7 +93,8 @@ async def compact(deps: Deps, session_id: str, *, trigger: str = RunCause.PRESSU
     scope.out.instructions = tuple(instructions)
     deps.runs_in_flight += 1
     try:
-        outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause))
+        outcome = await scope.run(lambda: _rounds(scope, force=force, keep=keep_clause,
+                                                  take_from=take_from))
     finally:
         deps.runs_in_flight -= 1
     if outcome.checkpoint_committed and outcome.signalled_at is not None:
@@ -168,7 +171,8 @@ class BackgroundIndexer:
             await asyncio.wait(tasks)
 
 
-async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
+async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
+                  take_from: str | None = None) -> None:
     deps, out = scope.deps, scope.out
     store = deps.store
     info = scope.claim.session
@@ -178,7 +182,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         # ignores the trigger as a manual run does and keeps the policy's tail, where a forced
         # run keeps only the newest turn (one session's operator may want that, a fleet never).
         manual, force = True, False
-    policy = await _asked(scope, info, session_policy(info, deps.config))
+    policy = await _asked(scope, info, session_policy(info, deps.config), take_from=take_from)
     if policy is None:
         return
     out.tokens_before = session_pressure(info, policy).tokens
@@ -236,15 +240,23 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None) -> None:
         await _loop_guard(deps, out, final, policy)
 
 
-async def _asked(scope: RunScope, info: SessionInfo, policy: Policy) -> Policy | None:
-    """The policy with the run's focus: its instructions and the pre-compaction hook's; None
-    when the hook vetoed the run (ended here)."""
-    out = scope.out
+async def _asked(scope: RunScope, info: SessionInfo, policy: Policy, *,
+                 take_from: str | None = None) -> Policy | None:
+    """The policy with the run's focus: its instructions (with ``take_from``, those its manual
+    task's mark and earlier deliveries hold too) and the pre-compaction hook's; None when the
+    hook vetoed the run (ended here)."""
+    out, store = scope.out, scope.deps.store
+    taken = out.instructions
+    if take_from is not None:
+        # First, before the hook is waited for: until the run row holds them, the mark does.
+        taken = out.instructions = await store.take_manual(
+            info.id, take_from, run_id=scope.claim.run_id, instructions=out.instructions)
     if await _vetoed(scope, info, policy):
         return None
     if out.instructions:
-        # On the row from the start: an operator sees what a running run was asked for.
-        await scope.deps.store.note_instructions(scope.claim.run_id, out.instructions)
+        if take_from is None or out.instructions != taken:
+            # On the row from the start: an operator sees what a running run was asked for.
+            await store.note_instructions(scope.claim.run_id, out.instructions)
         policy = dataclasses.replace(policy, focus=out.instructions)
     return policy
 

@@ -57,7 +57,9 @@ logger = logging.getLogger(__name__)
 
 # Triggers whose run answers a pressure signal: its end clears the session's signal mark.
 AUTOMATIC_TRIGGERS = (RunCause.PRESSURE, RunCause.SWEEP, RunCause.REAP)
-MANUAL_TRIGGERS = (RunCause.MANUAL,)
+# Triggers whose run compacts under the session's trigger: someone asked for it, or the new
+# run model's window needs it (set_run_model, which is not the agent's request: its own cause).
+MANUAL_TRIGGERS = (RunCause.MANUAL, RunCause.WINDOW)
 # How long after its deadline the loop cancels a run still waiting on something the deadline
 # does not reach by itself (the statements it does end on the server, cleanly, first).
 DEADLINE_OVERRUN_S = 1.0

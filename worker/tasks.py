@@ -11,6 +11,7 @@ PostgreSQL is the record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import random
@@ -28,6 +29,7 @@ from celery.signals import (
 )
 
 from compactd.storage.errors import (
+    CompactdError,
     ConfigError,
     DatabaseUnavailable,
     SessionNotFound,
@@ -100,12 +102,20 @@ async def _earlier_instructions(deps: Deps, task_id: str) -> list[str]:
             for text in earlier.instructions or ()]
 
 
-async def _keep_instructions(deps: Deps, session_id: str, focus: tuple[str, ...]) -> None:
-    """A manual run that found the session leased never used its instructions: they go back on
-    the session's manual mark for the next manual run (the busy outcome is the answer to this
-    request, whatever becomes of them)."""
+async def _keep_instructions(deps: Deps, session_id: str, task_id: str,
+                             focus: tuple[str, ...], outcome: Outcome | None) -> None:
+    """A manual task's run that ended without its run row taking its instructions (it found
+    the session leased, or failed before): they go back on the session's manual mark for the
+    next manual run (the outcome is the answer to this request, whatever becomes of them).
+    Its own mark is handed back whatever the outcome, when the run did not take it."""
+    if outcome is not None and outcome.failure_class == FailureClass.BUSY:
+        # What an earlier delivery's run row holds is handed back too: that run may be the
+        # one holding the session, its worker killed, and never commit.
+        focus = merge_instructions(focus, await _earlier_instructions(deps, task_id))
+    else:
+        focus = ()
     try:
-        kept = await deps.store.keep_manual(session_id, focus)
+        kept = await deps.store.keep_manual(session_id, focus, task_id=task_id)
     except SessionNotFound:
         return  # deleted meanwhile: no run will want them
     if not kept:
@@ -138,23 +148,15 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         queue = (self.request.delivery_info or {}).get("routing_key") or "unknown"
         metrics().queue_wait.labels(queue).observe(max(0.0, time.time() - sent_at))
 
-    # The run's instructions once it took those the mark held: a retry is sent with them, as
-    # the mark no longer has them for it.
-    taken: list[str] = list(instructions or ())
+    # A manual task's mark keeps the instructions of the requests it stands for until its run,
+    # holding the lease, moves them onto its run row (orchestration: take_manual): a delivery
+    # killed before that leaves them there for the next, one killed after on its run row.
+    marked = trigger == RunCause.MANUAL and bool(task_id)
 
     async def go(deps: Deps) -> Outcome:
         started_at = utcnow()
         outcome: Outcome | None = None
         focus = tuple(instructions or ())
-        if trigger == RunCause.MANUAL and task_id:
-            # Started: a manual request from now on queues a run of its own. The requests
-            # coalesced into this one left their instructions on the mark; a redelivery (its
-            # worker killed mid-run) finds the mark cleared by the first delivery, whose run
-            # row holds them.
-            focus = merge_instructions(
-                focus, await deps.store.clear_manual(session_id, task_id))
-            focus = merge_instructions(focus, await _earlier_instructions(deps, task_id))
-            taken[:] = focus
         try:
             # The loop thread has its own context: bind here too (compact adds the run id).
             with logs.bind(session_id=session_id, task_id=task_id):
@@ -162,11 +164,18 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
                                         keep=keep, task_id=task_id, bulk_job_id=bulk_job_id,
                                         rate_per_s=rate_per_s, index_in_background=True,
                                         instructions=focus)
-            if focus and trigger == RunCause.MANUAL \
-                    and outcome.failure_class == FailureClass.BUSY:
-                await _keep_instructions(deps, session_id, focus)
+            if marked:
+                await _keep_instructions(deps, session_id, task_id, focus, outcome)
             await send_run_event(self.app, config, deps.store, session_id, outcome)
             return outcome
+        except DatabaseUnavailable:
+            raise  # retried: its next delivery takes the mark
+        except Exception:
+            if marked and outcome is None:
+                # Ended before it held the lease: the mark goes to the next manual run.
+                with contextlib.suppress(CompactdError):
+                    await _keep_instructions(deps, session_id, task_id, focus, None)
+            raise
         finally:
             if trigger in AUTOMATIC_TRIGGERS:
                 # The signal's run is over: the next signal may enqueue again.
@@ -196,8 +205,7 @@ def run(self: Task, session_id: str, trigger: str = RunCause.PRESSURE, force: bo
         logger.warning("the database is unavailable; the run is retried in %.1f s: %s",
                        countdown, exc, extra={"action": "compaction.retry_unavailable",
                                               "session_id": session_id})
-        raise self.retry(kwargs={**(self.request.kwargs or {}), "instructions": taken or None},
-                         countdown=countdown, max_retries=DATABASE_RETRIES) from exc
+        raise self.retry(countdown=countdown, max_retries=DATABASE_RETRIES) from exc
     if outcome.run_id and getattr(_task_logs, "token", None) is not None:
         # Celery's own "succeeded" / "raised" line for this task follows in this thread.
         logs.bind_more(run_id=outcome.run_id)

@@ -49,13 +49,31 @@ SELECT * FROM compaction_runs
  ORDER BY started_at DESC, id DESC
  LIMIT :limit;
 
--- name: recent_summary_runs(status, since, limit)
--- The newest runs that wrote a summary (a model is recorded), with their claim, end and stages
--- (the first checkpoint's commit): what a run expects its own claim-to-commit to take
--- (keep_at: pickup), on the (status, started_at) index.
+-- name: recent_summary_runs_pg(status_list, since, limit)
+-- postgres-only: arrays, unnest and LATERAL are PostgreSQL's (SQLite: recent_summary_runs_sqlite).
+-- The newest runs of the statuses in :status_list that wrote a summary (a model is recorded),
+-- with their claim, end and stages (the first checkpoint's commit): what a run expects its own
+-- claim-to-commit to take (keep_at: pickup). Each status is read in the order of the
+-- (status, started_at) index, at most :limit rows, and only those are merged: a fleet's hour of
+-- runs is never sorted whole.
+SELECT r.status, r.model, r.started_at, r.finished_at, r.stages
+  FROM unnest(CAST(:status_list AS text[])) AS s(status)
+ CROSS JOIN LATERAL (
+       SELECT c.status, c.model, c.started_at, c.finished_at, c.stages FROM compaction_runs c
+        WHERE c.status = s.status AND c.started_at >= :since AND c.model IS NOT NULL
+          AND c.finished_at IS NOT NULL
+        ORDER BY c.started_at DESC
+        LIMIT :limit) r
+ ORDER BY r.started_at DESC
+ LIMIT :limit;
+
+-- name: recent_summary_runs_sqlite(statuses, since, limit)
+-- sqlite-only: json_each is SQLite's (PostgreSQL: recent_summary_runs_pg); the statuses come
+-- as a JSON array. The newest runs of those statuses that wrote a summary, as the PostgreSQL
+-- form returns them.
 SELECT status, model, started_at, finished_at, stages FROM compaction_runs
- WHERE status = :status AND started_at >= :since AND model IS NOT NULL
-   AND finished_at IS NOT NULL
+ WHERE status IN (SELECT value FROM json_each(:statuses)) AND started_at >= :since
+   AND model IS NOT NULL AND finished_at IS NOT NULL
  ORDER BY started_at DESC
  LIMIT :limit;
 

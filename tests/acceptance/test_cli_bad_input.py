@@ -202,6 +202,24 @@ def test_a_number_a_flag_cannot_use_exits_2_naming_the_flag_and_writes_nothing(
     assert cli.session_ids() == []
 
 
+@pytest.mark.parametrize("how", [[], ["--inline"]])
+def test_a_timeout_without_wait_exits_2_naming_it_and_queues_nothing(
+        cli: Run, transcript: Path, how: list[str]) -> None:
+    # Only --wait waits: the timeout was dropped without a word, the run queued or run.
+    code, _, err = cli("ingest", str(transcript), "--session", "s1")
+    assert code == 0, err
+    assert_refused(cli("compact", "s1", *how, "--timeout", "5"), "--timeout", "--wait")
+
+    async def queued() -> str:
+        store = Store.from_url(cli.url)
+        try:
+            return await store.mark_manual("s1", "probe", ttl_s=120)
+        finally:
+            await store.close()
+
+    assert asyncio.run(queued()) == "probe", "no manual run was queued"
+
+
 def test_the_largest_context_window_the_column_holds_is_accepted(cli: Run,
                                                                  transcript: Path) -> None:
     code, _, err = cli("ingest", str(transcript), "--session", "s1", "--context-window",

@@ -6,9 +6,11 @@ the summarizer and the agent's model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
 
+import asyncpg
 import httpx
 import pytest
 from langchain.agents import create_agent
@@ -18,17 +20,16 @@ from langgraph.checkpoint.memory import InMemorySaver
 from compactd.scheduler.langchain import CompactdMiddleware
 from compactd.scheduler.samples import coding_session
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
-from compactd.storage.kinds import JournalKind, RunCause, RunStatus
+from compactd.storage.kinds import JournalKind, RunStatus
 from compactd.storage.records import Claim, RunEnd
 from compactd.worker.compaction.render import LANGCHAIN_PREFIX
-from compactd.worker.enqueue import RunRequest
 from compactd.worker.settings import load_config
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.chat_models import fake_chat_openai
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import wait_until
-from tests.support.worker_stack import db, enqueuer
+from tests.support.worker_stack import db, redeliver_manual
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
@@ -126,16 +127,67 @@ def test_a_redelivered_manual_run_keeps_the_instructions_of_the_requests_it_stoo
     [cut] = db.runs("s1")
     assert cut.instructions == [FOCUS, SECOND] and cut.task_id == first["task_id"]
     stack.kill("w1")
-    with enqueuer(stack) as enq:
-        enq.send(RunRequest("s1", RunCause.MANUAL, task_id=first["task_id"],
-                            instructions=(FOCUS,)))
-    stack.start_worker("w2", concurrency=2)  # the same host: w1's lease is released at once
-    again = wait_until(lambda: next((r for r in db.runs("s1")[1:] if r.finished), None),
-                       timeout=60, what="the redelivered run to end")
+    again = redeliver_manual(stack, db, "s1", first["task_id"], (FOCUS,))
     assert (again.status, again.task_id) == (RunStatus.COMMITTED, first["task_id"]), again
     assert again.instructions == [FOCUS, SECOND]
     request = summary_texts(fake)[-1]
     assert json.dumps(f"<user_focus>\n{SECOND}\n</user_focus>")[1:-1] in request
+
+
+# Backends of this database waiting on a row lock (the claim waits for the session's row).
+LOCK_WAITERS = ("SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'")
+
+
+def test_a_manual_run_whose_delivery_died_before_its_claim_keeps_every_instruction(
+        make_stack, fake: FakeProvider, db: Db, clean_pg: str) -> None:  # type: ignore[no-untyped-def]
+    # The first delivery is killed while its claim waits for the session's row (held here): it
+    # received the task and never held the lease. The mark keeps the coalesced request's
+    # instructions for the task's next delivery, which Celery makes with the original
+    # arguments (the first request's instructions only): sent again here with the same task
+    # id, as the broker would after its visibility timeout.
+    stack = make_stack(summarization=POLICY)
+    stack.ingest("s1", coding_session(steps=20, big_output_lines=30).messages)
+    first = stack.cli_json("compact", "s1", "--instructions", FOCUS)
+    assert stack.cli_json("compact", "s1", "--instructions", SECOND)["coalesced"]
+
+    async def die_in_the_claim() -> None:
+        conn = await asyncpg.connect(clean_pg)
+        # Its own connection, out of the lock's transaction: a transaction reads the server's
+        # activity as it was at its first read.
+        watch = await asyncpg.connect(clean_pg)
+        try:
+            held = conn.transaction()
+            await held.start()
+            await conn.execute("SELECT 1 FROM sessions WHERE id = 's1' FOR UPDATE")
+            # Watched from the start: the claim waits 5 s, and a loaded machine may see the
+            # worker's "ready" later than that.
+            starting = asyncio.create_task(asyncio.to_thread(stack.start_worker, "w1",
+                                                             concurrency=2))
+            async with asyncio.timeout(60):
+                while not await watch.fetchval(LOCK_WAITERS):
+                    await asyncio.sleep(0.02)
+            await asyncio.to_thread(stack.kill, "w1")
+            with contextlib.suppress(AssertionError):  # killed before it saw "ready"
+                await starting
+            # Its server process waits on until its lock timeout, then rolls the claim back.
+            async with asyncio.timeout(30):
+                while await watch.fetchval(LOCK_WAITERS):
+                    await asyncio.sleep(0.05)
+            await held.rollback()
+        finally:
+            await watch.close()
+            await conn.close()
+
+    asyncio.run(die_in_the_claim())
+    assert not db.runs("s1"), "the first delivery claimed nothing"
+    run = redeliver_manual(stack, db, "s1", first["task_id"], (FOCUS,))
+    assert (run.status, run.task_id) == (RunStatus.COMMITTED, first["task_id"]), run
+    assert run.instructions == [FOCUS, SECOND]
+    [request] = summary_texts(fake)
+    assert json.dumps(f"<user_focus>\n{SECOND}\n</user_focus>")[1:-1] in request
+    # Taken: the next request queues a task of its own.
+    assert not stack.cli_json("compact", "s1")["coalesced"]
 
 
 @tool

@@ -14,7 +14,8 @@ from compactd.storage.kinds import JournalKind, RunStatus
 from compactd.worker.settings import load_config
 from tests.support.db import Db
 from tests.support.fake_provider import FakeProvider
-from tests.support.worker_stack import db
+from tests.support.stack import wait_until
+from tests.support.worker_stack import db, redeliver_manual
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
@@ -24,6 +25,7 @@ POLICY = {"trigger": [{"type": "tokens", "value": 10**9}],
           "trim_tokens_to_summarize": 100_000}
 FOCUS = "Keep every table name the migration touched"
 HOOK_MODULE = f'''
+import pathlib
 import time
 
 def before(run):
@@ -36,6 +38,12 @@ def before(run):
         raise RuntimeError("the hook broke")
     if kind == "hang":
         time.sleep(60)
+    if kind == "once":
+        # Hangs on its first call only: its worker is killed while it waits.
+        marker = pathlib.Path("hook-called")
+        if not marker.exists():
+            marker.write_text(run.run_id)
+            time.sleep(60)
     return None
 '''
 
@@ -90,3 +98,27 @@ def test_a_hook_that_is_not_an_entry_point_is_refused_at_load(make_stack) -> Non
         assert "events.pre_compaction: " in out.stderr and repr(value) in out.stderr
         with pytest.raises(ConfigError, match=r"events\.pre_compaction"):
             load_config(env=stack.env)
+
+
+def test_a_manual_run_killed_while_its_hook_is_waited_for_keeps_every_instruction(
+        make_stack, fake: FakeProvider, db: Db) -> None:  # type: ignore[no-untyped-def]
+    # The first delivery holds the lease and waits for the hook when its worker is killed:
+    # its run row already holds the instructions of both requests the task stands for, and
+    # the task's next delivery reads them there.
+    asked, coalesced = "keep the open ticket's number", "and the failing test's name"
+    stack = make_stack(summarization=POLICY, extra_config={
+        "events": {"pre_compaction": "compactd_test_hooks:before", "hook_timeout_s": 60}})
+    (stack.home / "compactd_test_hooks.py").write_text(HOOK_MODULE)
+    stack.ingest("once-1", [{"role": "user", "content": f"message {i} " * 40}
+                            for i in range(12)])
+    first = stack.cli_json("compact", "once-1", "--instructions", asked)
+    assert stack.cli_json("compact", "once-1", "--instructions", coalesced)["coalesced"]
+    stack.start_worker("w1", concurrency=2)
+    wait_until(lambda: (stack.home / "hook-called").exists(), timeout=60,
+               what="the hook's first call")
+    stack.kill("w1")
+    run = redeliver_manual(stack, db, "once-1", first["task_id"], (asked,))
+    assert (run.status, run.task_id) == (RunStatus.COMMITTED, first["task_id"]), run
+    assert run.instructions == [asked, coalesced]
+    request = json.dumps([r.body for r in fake.requests_for(model="fake-gpt") if r.body])
+    assert coalesced in request

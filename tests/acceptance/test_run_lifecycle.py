@@ -418,9 +418,13 @@ def test_a_run_that_fails_after_committing_a_round_ends_partial_everywhere(
     db.ingest("p1", coding_session(steps=40, big_output_lines=30, seed=800).messages)
     before = db.session("p1")
     stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
-    result = stack.cli_json("compact", "p1", "--wait")
+    out = stack.cli("compact", "p1", "--wait", "--json", check=False)
+    result = json.loads(out.stdout)
     cause = "committed 1 summary round, then failed: "
     assert (result["outcome"], result["failure_class"]) == ("partial", "summary"), result
+    # Its own exit status: not success, and not a failure that left the session as it was.
+    assert out.returncode == 3, out.stderr
+    assert "3 a partial compaction" in " ".join(stack.cli("compact", "--help").stdout.split())
     assert result["error"].startswith(cause), result
     after = db.session("p1")
     assert after.surface_tokens < before.surface_tokens

@@ -31,7 +31,8 @@ POLICY = {"trigger": [{"type": "tokens", "value": 10**9}],
 
 def test_a_smaller_window_compacts_the_session_at_once_to_fit(make_stack, fake: FakeProvider,
                                                               db: Db) -> None:  # type: ignore[no-untyped-def]
-    stack = make_stack(summarization=POLICY)
+    # One compaction the agent asks for per window: the move's own run is not one of them.
+    stack = make_stack(summarization=POLICY, worker={"loop_guard": {"max_compactions": 1}})
     stack.ingest("s1", coding_session(steps=20, big_output_lines=30).messages)
     stack.start_worker("w1", concurrency=2)
     config = load_config(env=stack.env)
@@ -56,7 +57,7 @@ def test_a_smaller_window_compacts_the_session_at_once_to_fit(make_stack, fake: 
     assert larger["fit"]["fits"] and not larger["compacting"] and larger["task_id"] is None
     # The smaller one: compacted at once, on compaction.urgent, to fit.
     assert not smaller["fit"]["fits"] and smaller["compacting"]
-    assert run.status == RunStatus.COMMITTED and run.trigger == RunCause.MANUAL
+    assert run.status == RunStatus.COMMITTED and run.trigger == RunCause.WINDOW
     assert TRIGGER_QUEUES[run.trigger] == QUEUE_URGENT
     after = db.session("s1")
     assert after.run_model == "fake-mini" and after.context_window == small
@@ -67,3 +68,11 @@ def test_a_smaller_window_compacts_the_session_at_once_to_fit(make_stack, fake: 
     assert back["fit"]["fits"] and not back["compacting"]
     assert len(db.runs("s1")) == 1
     assert fake.requests_for(model="fake-gpt"), "the summary came from the summarizer"
+
+    # The agent's own compact_context is still its to use: the move's run was not its request.
+    async def ask() -> dict:
+        async with CompactdClient(config) as client:
+            session = await client.get_session("s1")
+            return await session.compact_context("keep the plan for table users")
+
+    assert asyncio.run(ask())["outcome"] == "queued"

@@ -163,3 +163,23 @@ async def test_a_partial_run_s_checkpoint_is_a_lead_sample_timed_to_its_commit(
     # The claim-to-commit time keep_at: pickup expects: the partial run's first checkpoint too.
     assert sorted(await store.claim_to_commit_durations(
         "gpt-4o", since=utcnow() - dt.timedelta(hours=1))) == [3.0, 4.0]
+
+
+async def test_the_claim_to_commit_times_of_both_statuses_are_one_statement(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read on every run's first read (keep_at: pickup): one round trip, not one per status.
+    await _signalled_run(store, "committed", RunStatus.COMMITTED,
+                         {"stages": ["summary"], "claim_to_commit_s": 4.0}, ended_after_s=8)
+    await _signalled_run(store, "partial", RunStatus.PARTIAL,
+                         {"stages": ["summary"], "claim_to_commit_s": 3.0}, ended_after_s=43)
+    statements: list[str] = []
+    fetch = store.db.fetch
+
+    async def counted(name: str, **params: Any) -> Any:
+        statements.append(name)
+        return await fetch(name, **params)
+
+    monkeypatch.setattr(store.db, "fetch", counted)
+    assert await store.claim_to_commit_durations(
+        "gpt-4o", since=utcnow() - dt.timedelta(hours=1)) == [3.0, 4.0]
+    assert len(statements) == 1, statements

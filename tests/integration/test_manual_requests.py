@@ -146,3 +146,51 @@ async def test_instructions_a_busy_run_cannot_hand_back_change_nothing(store: St
     assert await store.clear_manual("s1", "t1") == tuple(full)
     with pytest.raises(SessionNotFound):
         await store.keep_manual("gone", ["keep the schema plan"])
+
+
+async def test_a_run_takes_its_task_s_instructions_onto_its_row_in_one_step(store: Store
+                                                                            ) -> None:
+    """Until the run holding the lease takes them, the mark keeps the instructions of every
+    request its task stands for: a delivery that dies before (after receiving the task, before
+    or during its claim) leaves them for the next delivery of the task."""
+    await store.create_session("s1")
+    assert await store.mark_manual("s1", "t1", ttl_s=120, now=NOW,
+                                   instructions=["keep the schema plan"]) == "t1"
+    assert await store.mark_manual("s1", "t2", ttl_s=120, now=NOW,
+                                   instructions=["and the test names"]) == "t1"
+    # The first delivery claimed, and died before it took them: they are on the mark still.
+    died = await store.claim("s1", owner="w1", trigger="manual", lease_s=30, task_id="t1")
+    assert isinstance(died, Claim)
+    assert await store.mark_manual("s1", "t3", ttl_s=120, now=NOW) == "t1"
+    await store.release_lease("s1", by="test")
+    # The next delivery takes them (its own argument first), and the mark is cleared.
+    again = await store.claim("s1", owner="w2", trigger="manual", lease_s=30, task_id="t1")
+    assert isinstance(again, Claim)
+    taken = await store.take_manual("s1", "t1", run_id=again.run_id,
+                                    instructions=["keep the schema plan"])
+    assert taken == ("keep the schema plan", "and the test names")
+    assert (await store.get_run(again.run_id)).instructions == list(taken)
+    assert await store.mark_manual("s1", "t4", ttl_s=120, now=NOW) == "t4"
+    # A delivery after that one (it died mid-run) finds them on the earlier run row.
+    await store.release_lease("s1", by="test")
+    third = await store.claim("s1", owner="w3", trigger="manual", lease_s=30, task_id="t1")
+    assert isinstance(third, Claim)
+    assert await store.take_manual("s1", "t1", run_id=third.run_id) == taken
+    assert (await store.get_run(third.run_id)).instructions == list(taken)
+
+
+async def test_a_run_that_did_not_take_its_mark_hands_it_to_the_next_manual_run(
+        store: Store) -> None:
+    await store.create_session("s1")
+    assert await store.mark_manual("s1", "t1", ttl_s=120, now=NOW,
+                                   instructions=["keep the schema plan"]) == "t1"
+    # Its task ended (busy, or failed before it held the lease): the mark is the next
+    # request's, with what the run was given besides.
+    assert await store.keep_manual("s1", ["and the test names"], task_id="t1")
+    assert await store.mark_manual("s1", "t2", ttl_s=120, now=NOW) == "t2"
+    assert await store.clear_manual("s1", "t2") == ("keep the schema plan",
+                                                    "and the test names")
+    # A run that took its mark hands nothing back, and leaves another task's mark as it is.
+    assert await store.mark_manual("s1", "t3", ttl_s=120, now=NOW) == "t3"
+    assert await store.keep_manual("s1", (), task_id="t1")
+    assert await store.mark_manual("s1", "t4", ttl_s=120, now=NOW) == "t3"

@@ -118,7 +118,6 @@ async def _ended_run(store: Store, session_id: str, start: dt.datetime, seconds:
                               now=start + dt.timedelta(seconds=seconds))
 
 
-@case("recent_summary_runs")
 async def _recent_summary_runs(store: Store) -> None:
     now = utcnow()
     await _ended_run(store, "s1", now - 3 * HOUR, 9.0, "m")  # too old
@@ -129,18 +128,30 @@ async def _recent_summary_runs(store: Store) -> None:
     # Two rounds: its first checkpoint was committed 1.5 s after the claim.
     await _ended_run(store, "s1", now - dt.timedelta(seconds=20), 3.0, "m",
                      stages={"rounds": 2, "claim_to_commit_s": 1.5})
-    rows = await store.db.fetch("recent_summary_runs", status="committed", since=now - HOUR,
-                                limit=10)
+    # Committed its first round's checkpoint 0.5 s after the claim, then failed.
+    await _ended_run(store, "s1", now - dt.timedelta(seconds=10), 6.0, "m", "partial",
+                     stages={"stages": ["summary"], "claim_to_commit_s": 0.5})
+    rows = await store.db.recent_summary_runs(["committed"], since=now - HOUR, limit=10)
     assert [(r["model"], (r["finished_at"] - r["started_at"]).total_seconds())
             for r in rows] == [("m", 3.0), ("other", 4.0), ("m", 2.5)]
     assert rows[0]["stages"]["claim_to_commit_s"] == 1.5
-    assert len(await store.db.fetch("recent_summary_runs", status="committed",
-                                    since=now - HOUR, limit=1)) == 1
+    # Several statuses in one statement, newest first across them, at most :limit in all.
+    both = await store.db.recent_summary_runs(["committed", "partial"], since=now - HOUR,
+                                              limit=10)
+    assert [(r["status"], r["model"]) for r in both] == [
+        ("partial", "m"), ("committed", "m"), ("committed", "other"), ("committed", "m")]
+    assert [r["status"] for r in await store.db.recent_summary_runs(
+        ["committed", "partial"], since=now - HOUR, limit=2)] == ["partial", "committed"]
+    assert await store.db.recent_summary_runs([], since=now - HOUR, limit=10) == []
     # The store's reading: the model's own, else every model's; the first commit where known.
-    assert await store.claim_to_commit_durations("m", since=now - HOUR) == [1.5, 2.5]
+    assert await store.claim_to_commit_durations("m", since=now - HOUR) == [0.5, 1.5, 2.5]
     assert await store.claim_to_commit_durations("renamed", since=now - HOUR) == [
-        1.5, 4.0, 2.5]
+        0.5, 1.5, 4.0, 2.5]
     assert await store.claim_to_commit_durations("m", since=now) == []
+
+
+for _suffix in ("pg", "sqlite"):
+    case(f"recent_summary_runs_{_suffix}")(_recent_summary_runs)
 
 
 @case("append")

@@ -12,11 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from compactd.storage.kinds import RunCause
+from compactd.storage.records import RunRecord
 from compactd.worker.app import make_app
-from compactd.worker.enqueue import Enqueuer
+from compactd.worker.enqueue import Enqueuer, RunRequest
 from compactd.worker.settings import load_config
 from tests.support.db import Db
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 
 
 @pytest.fixture
@@ -33,3 +35,19 @@ def enqueuer(stack: Stack) -> Iterator[Enqueuer]:
         yield Enqueuer(app)
     finally:
         app.close()
+
+
+def redeliver_manual(stack: Stack, db: Db, session_id: str, task_id: str,
+                     instructions: tuple[str, ...], *, worker: str = "w2") -> RunRecord:
+    """The manual task ``task_id``, whose worker was killed, delivered again with its original
+    arguments (as the broker would after its visibility timeout) to a new worker on the same
+    host (which releases the dead worker's lease at once); its run once it ended."""
+    earlier = len(db.runs(session_id))
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest(session_id, RunCause.MANUAL, task_id=task_id,
+                            instructions=instructions))
+    stack.start_worker(worker, concurrency=2)
+    run: RunRecord = wait_until(
+        lambda: next((r for r in db.runs(session_id)[earlier:] if r.finished), None),
+        timeout=60, what="the redelivered run to end")
+    return run
