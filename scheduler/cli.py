@@ -1,8 +1,8 @@
 """``compactd``: the operator's and the tests' way in.
 
-Exit codes (``scheduler.output``): 0 success (including nothing_to_do), 1 a failed compaction or
-an operational error (a database or a broker that cannot be reached), 2 bad input or usage, 3 a
-partial compaction (some of its steps committed, then it failed).
+Exit codes (``scheduler.output``): 0 success (including nothing_to_do), 1 a failed compaction (a
+partial one too) or an operational error (a database or a broker that cannot be reached), 2 bad
+input or usage.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from compactd.scheduler.output import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
     EXIT_OK,
-    EXIT_PARTIAL,
     emit,
     open_store,
     say,
@@ -155,9 +154,10 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
     return _COMPACT_EXITS.get(result.get("outcome"), EXIT_OK)
 
 
-# A partial run is a failure (status counts it so) whose commits stay: its own status.
+# DESIGN.md's contract has one status for a failed compaction: a partial run is one (status
+# counts it so); the outcome it prints, "partial", says its commits stay.
 _COMPACT_EXITS: dict[str | None, int] = {RunStatus.FAILED: EXIT_FAILED,
-                                        RunStatus.PARTIAL: EXIT_PARTIAL}
+                                        RunStatus.PARTIAL: EXIT_FAILED}
 
 
 def _say_outcome(result: dict[str, Any]) -> None:

@@ -23,11 +23,10 @@ from compactd.worker.settings import Config
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-# Not 1: a script that retries a failed compaction should know this one's commits are kept.
-EXIT_PARTIAL = 3
-EXIT_CODES_HELP = ("exit status: 0 success (nothing to do included), 1 a failed compaction, a "
-                   "failed check or an unreachable database or broker, 2 bad input or usage, "
-                   "3 a partial compaction (some of its steps committed, then it failed)")
+EXIT_CODES_HELP = ("exit status: 0 success (nothing to do included), 1 a failed compaction "
+                   "(a partial one too: some of its steps committed, then it failed; its "
+                   "outcome says which), a failed check or an unreachable database or broker, "
+                   "2 bad input or usage")
 
 
 @contextlib.asynccontextmanager
