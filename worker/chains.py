@@ -16,15 +16,21 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from compactd.storage.kinds import FailureClass
+from compactd.storage.kinds import FailureClass, ModelFailure
 from compactd.storage.records import SessionInfo
 from compactd.worker.compaction.policy import Policy
 from compactd.worker.compaction.prompt import SummaryCall, build_prompt, request_tools
 from compactd.worker.compaction.render import Skill
-from compactd.worker.compaction.validation import validate_summary
+from compactd.worker.compaction.validation import NOT_SMALLER, validate_summary
 from compactd.worker.llm.breaker import Breaker
 from compactd.worker.llm.candidates import Candidate, candidate_order
-from compactd.worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
+from compactd.worker.llm.fallback import (
+    Attempt,
+    RetryPolicy,
+    SummaryFailed,
+    SummaryRequest,
+    summarize,
+)
 from compactd.worker.metrics import metrics
 from compactd.worker.run import RunFailed, RunScope
 
@@ -66,6 +72,22 @@ class ChainFailed(RunFailed):
     def __init__(self, index: int, total: int) -> None:
         super().__init__(FailureClass.SUMMARY,
                          f"every candidate failed on call {index + 1} of {total}")
+
+
+class CannotShrink(ChainFailed):
+    """Every candidate's summary was refused as not smaller than the range it would replace:
+    the range is too small to shrink. The merge run ends with nothing to do, not failed; a
+    caller that only knows :class:`ChainFailed` still sees a failed call."""
+
+    def __init__(self, index: int, total: int, reason: str) -> None:
+        super().__init__(index, total)
+        self.reason = reason
+
+
+def cannot_shrink(attempts: Sequence[Attempt]) -> bool:
+    """Whether every attempt was refused because its checkpoint would not shrink the surface."""
+    return bool(attempts) and all(a.kind == ModelFailure.REFUSED and NOT_SMALLER in a.reason
+                                  for a in attempts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +132,8 @@ async def run_chain(scope: RunScope, chain: Chain, running: str | None,
                 on_context_length=functools.partial(_shrink, chain, index))
         except SummaryFailed as exc:
             scope.record_call(exc.attempts)
+            if cannot_shrink(exc.attempts):
+                raise CannotShrink(index, len(chain.calls), exc.attempts[-1].reason) from exc
             raise ChainFailed(index, len(chain.calls)) from exc
         usage = scope.record_call(outcome.attempts, usage)
         metrics().fallback_depth.observe(max(0, len(outcome.attempts) - 1))

@@ -33,7 +33,7 @@ from compactd.storage.records import Replacement, SessionInfo
 from compactd.storage.store import Store
 from compactd.storage.surface import NewNode, Surface, surface_after_commit
 from compactd.storage.tokens import counter_for
-from compactd.worker.chains import Summarizers, run_chain, summary_request
+from compactd.worker.chains import CannotShrink, Summarizers, run_chain, summary_request
 from compactd.worker.compaction.arrivals import Arrivals
 from compactd.worker.compaction.boundary import resolve_keep
 from compactd.worker.compaction.planner import (
@@ -210,8 +210,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
                                          keep=keep, manual=manual and first,
                                          outlook=Outlook(arrivals=arrivals)))
         if not current.compacts:
-            if round_no == 0 and not out.pruned:
-                out.error = current.prune_held or current.nothing_to_do or current.why_no_summary
+            _nothing_done(out, round_no,
+                          current.prune_held or current.nothing_to_do or current.why_no_summary)
             break
         last_round = round_no + 1 >= policy.max_rounds
         if current.recall_pass is not None:
@@ -220,7 +220,10 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
             if relieved:
                 await _loop_guard(deps, out, info, policy)
         else:
-            summary, current, usage = await _summarize(scope, current, surface, policy, info)
+            written = await _summarize(scope, current, surface, policy, info, round_no)
+            if written is None:
+                break
+            summary, current, usage = written
             info, relieved = await _commit_checkpoint(scope, current, surface, summary, usage,
                                                       policy, info,
                                                       final_if_relieved=not last_round)
@@ -432,11 +435,30 @@ class _Calls:
         return self.request(0, request.existing_summary)
 
 
+def _nothing_done(out: Outcome, round_no: int, reason: str | None) -> None:
+    """Why a run's first round found nothing to commit (a later round's reason is not the
+    run's: an earlier round committed)."""
+    if round_no == 0 and not out.pruned:
+        out.error = reason
+
+
 async def _summarize(scope: RunScope, current: Plan, surface: Surface, policy: Policy,
-                     info: SessionInfo) -> tuple[str, Plan, dict[str, Any] | None]:
+                     info: SessionInfo, round_no: int
+                     ) -> tuple[str, Plan, dict[str, Any] | None] | None:
+    """The summary, the plan as made and its usage; None when the range cannot shrink."""
     summarizers = Summarizers.of(scope, info.run_model, policy.model_name)
     calls = _Calls(current, policy, info, _shared(current, surface, policy, info, summarizers))
-    written = await run_chain(scope, calls, calls.step.existing_summary or None, summarizers)
+    try:
+        written = await run_chain(scope, calls, calls.step.existing_summary or None,
+                                  summarizers)
+    except CannotShrink as exc:
+        # Nothing of this round is committed and the run ends as if the plan had found
+        # nothing (what earlier rounds committed stands); the range grows with the session
+        # and a later run replaces it.
+        logger.info("the summary would not shrink the range: nothing to commit",
+                    extra={"action": "compaction.cannot_shrink", "reason": exc.reason})
+        _nothing_done(scope.out, round_no, f"the range is too small to shrink: {exc.reason}")
+        return None
     scope.out.model = written.model
     made = calls.plan
     if calls.shared is not None:

@@ -379,6 +379,9 @@ class Agent:
         # read and what arrived while it ran (run_tail).
         self.appended: list[Appended] = []
         self.runs: list[dict[str, int]] = []
+        # Per request, the conversation's tokens as the provider counted them (negative for a
+        # request that did not extend the previous one): where each side's context went.
+        self.trace: list[int] = []
 
     async def call(self, messages: list[dict[str, Any]], new: int) -> None:
         """Send ``messages``, of which the last ``new`` are the step's own."""
@@ -408,6 +411,7 @@ class Agent:
         t.final_context = prompt
         t.overflows += prompt > self.window
         t.over_trigger += sum(sizes[self.system:]) > self.trigger
+        self.trace.append(sum(sizes[self.system:]) * (1 if extends else -1))
         if not extends and self.previous is not None:
             self.breaks.append(prefix_break(self.previous, messages, sizes, new, self.system))
             kept = {json.dumps(m, sort_keys=True) for m in messages}
@@ -576,7 +580,8 @@ def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
         "seconds": round(seconds, 1),
         "resent": resent_summary([b for a in agents.values() for b in a.breaks]),
         "run_tails": tail_summary(agents.values()),
-        "sessions": {name: {**a.tally.report(), "breaks": a.breaks, "runs": a.runs}
+        "sessions": {name: {**a.tally.report(), "breaks": a.breaks, "runs": a.runs,
+                            "trace": a.trace}
                      for name, a in agents.items()},
     })
     return out

@@ -35,6 +35,10 @@ from compactd.worker.compaction.prompt import SECTIONS
 from compactd.worker.compaction.render import Skill, checkpoint_message, checkpoint_tokens
 
 NO_HISTORY_SUMMARY = "No previous conversation history."
+# What the refusal of a summary whose checkpoint would not shrink the surface says: a run whose
+# every candidate was refused for it ends with nothing to do (the range is too small to shrink,
+# and a later run replaces it once it has grown), not as a failed run.
+NOT_SMALLER = "not fewer than the"
 
 # A section heading as models write the one asked for ("## Current Work"): any Markdown level,
 # optionally numbered or bold, optionally ending in a colon, alone on its line.
@@ -123,6 +127,6 @@ def validate_summary(text: object, *, replaced_tokens: int | None, policy: Polic
         return None
     framed = framed_tokens(text, skills, policy, run_model, recall)
     if framed >= replaced_tokens:
-        return (f"framed summary is {framed} tokens, not fewer than the {replaced_tokens} "
+        return (f"framed summary is {framed} tokens, {NOT_SMALLER} {replaced_tokens} "
                 "tokens it replaces")
     return None
