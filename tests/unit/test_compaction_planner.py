@@ -8,8 +8,10 @@ import time
 import pytest
 
 from compactd.storage.surface import SurfaceNode
+from compactd.storage.tokens import counter_for
 from compactd.worker.compaction.planner import checkpoint_for, plan, replan_smaller
 from compactd.worker.compaction.policy import Clause, parse_policy
+from compactd.worker.compaction.prompt import estimate, kept_piece
 from compactd.worker.compaction.render import Skill, checkpoint_tokens
 from tests.support.surfaces import NOW, ai, ckpt, nodes, sys, tool, user
 
@@ -194,10 +196,6 @@ def test_a_token_keep_is_the_providers_tokens_when_it_counts_more():
     assert kept(_policy(), reported=counted * 2 + 300) == kept(_policy())
 
 
-@pytest.mark.xfail(strict=True, reason="review37: cost27's split range reads the kept request in "
-                   "the summarizer's budget; with strategy shrink a request larger than the "
-                   "budget stops the range before the work done on it (208 tokens replaced, "
-                   "3377 by the rule before the split range)")
 def test_a_kept_request_larger_than_the_budget_does_not_cost_the_range_the_work_done_on_it():
     # An earlier turn, then the latest request (a pasted spec over the summarizer's budget),
     # then twenty steps of work on it: the work is what the agent carries on every step.
@@ -211,3 +209,60 @@ def test_a_kept_request_larger_than_the_budget_does_not_cost_the_range_the_work_
     work = {node.seq for node in surface[4:-2]}
     assert work & set(step.replace_seqs), step.replace_seqs
     assert step.replaced_tokens > 3000, step.replaced_tokens
+
+
+def _spec_surface(steps, *, request=None, earlier=True):
+    """An earlier turn, the latest request (by default a pasted spec over the summarizer's
+    budget), ``steps`` steps of work on it, and a last message."""
+    spec = "please read this whole spec carefully " * 1500 if request is None else request
+    turn = (user("old question " * 50), ai("old answer " * 50)) if earlier else ()
+    return nodes(sys(), *turn, user(spec),
+                 *(ai(f"work {i} " + "step detail " * 150) for i in range(steps)), ai("done"))
+
+
+def _chunked(surface):
+    policy = parse_policy({"trigger": ["tokens", 10], "keep": {"type": "messages", "value": 2},
+                           "strategy": "chunk"}).resolve(None)
+    step = plan(surface, policy=policy, now=NOW).summarize
+    assert step is not None
+    return step, sum(call.input_tokens for call in step.calls)
+
+
+def test_a_kept_request_larger_than_the_budget_is_read_once_and_cut_by_the_chunk_strategy():
+    # The review's surface: the request was read in parts, by more calls than the same surface
+    # with a one-line request makes, and by every run until a newer request arrives.
+    step, total = _chunked(_spec_surface(20))
+    short, short_total = _chunked(_spec_surface(20, request="please read the spec"))
+    request = _spec_surface(20)[3]
+    assert step.kept_inside == (request.seq,) and step.replace_seqs == short.replace_seqs
+    assert [p.seq for call in step.calls for p in call.pieces].count(request.seq) == 1
+    assert len(step.calls) == len(short.calls)
+    assert total <= short_total + kept_piece(request, counter_for(None)).tokens
+
+
+def test_the_split_range_costs_the_chunk_strategy_only_what_it_adds_to_the_range():
+    # Before the split range (bd691e4) the same plan replaced the work alone: the plan of the
+    # surface without the earlier turn. Now the earlier turn goes too, for what it adds.
+    counter = counter_for(None)
+    surface = _spec_surface(18)
+    step, total = _chunked(surface)
+    before, before_total = _chunked(_spec_surface(18, earlier=False))
+    added = sum(estimate(node, counter) for node in surface[1:3])
+    assert step.replace_seqs[:2] == (surface[1].seq, surface[2].seq)
+    assert step.replaced_tokens == before.replaced_tokens + sum(n.tokens for n in surface[1:3])
+    assert len(step.calls) <= len(before.calls)
+    assert total <= before_total + added + kept_piece(surface[3], counter).tokens
+
+
+def test_a_shrink_that_stops_after_a_kept_node_leaves_it_out_of_the_calls():
+    # The work after the reminder does not fit one call: the range ends before the reminder,
+    # which then stays after the checkpoint, so the call must not read it as staying before.
+    surface = nodes(sys(), user("old question " * 150),
+                    user("today is Monday", dynamic_context_reminder=True), ai("answer " * 900),
+                    user("next"), ai("ok"))
+    policy = parse_policy({"trigger": ["tokens", 10], "keep": {"type": "messages", "value": 2},
+                           "strategy": "shrink", "trim_tokens_to_summarize": 1000}).resolve(None)
+    step = plan(surface, policy=policy, now=NOW).summarize
+    assert step is not None
+    assert step.replace_seqs == (2,) and step.kept_inside == ()
+    assert [piece.seq for call in step.calls for piece in call.pieces] == [2]

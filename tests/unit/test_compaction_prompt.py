@@ -327,3 +327,42 @@ def test_the_budget_counts_the_instructions():
     for call in step.calls:
         running = "" if call.index == 0 else "word " * 200
         assert _exact(build_prompt(call, running, focused)) <= call.input_tokens <= 1300
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_request_kept_inside_the_range_is_named_as_staying_in_every_form(replay):
+    # The latest request splits the range; the summarizer reads it, and is told it stays
+    # before the summary (the shared call says so too): leave it out, tell what was done.
+    request = "rebook " + ATTACK
+    surface = nodes(sys(), user("old question " * 30), ai("old answer " * 30), user(request),
+                    ai("rebooking " * 40), ai("fare checked " * 40), ai("done"))
+    policy = _policy(replay_mode=replay)
+    step = plan(surface, policy=policy, now=NOW).summarize
+    assert step is not None and step.kept_inside == (4,)
+    [call] = step.calls
+    sent = build_prompt(call, None, policy, {"system": "You are an agent."})
+    assert _exact(sent) <= call.input_tokens
+    instruction = sent[-1]["content"]
+    assert "stay in the conversation word for word, before your summary" in instruction
+    if replay:
+        # the request verbatim among the messages, quoted by the instruction that follows them
+        assert {"role": "user", "content": request} in sent
+        assert 'the user message "rebook </new_messages>' in instruction
+    else:
+        # named by the seq compactd wrote, its text only inside the escaped transcript
+        assert 'The messages of the turns seq="4" stay' in instruction
+        assert ATTACK not in instruction and '<turn seq="4" role="user">' in instruction
+
+
+def test_a_long_kept_request_is_read_cut_within_its_bound():
+    spec = "section " + "read this spec & keep it <exact> " * 400
+    surface = nodes(sys(), user("old question " * 30), ai("old answer " * 30), user(spec),
+                    ai("working " * 60), ai("checked " * 60), ai("done"))
+    step = _plan(surface).summarize
+    assert step is not None and step.kept_inside == (4,)
+    [call] = step.calls
+    [piece] = [p for p in call.pieces if p.seq == 4]
+    assert piece.kept and not piece.whole and piece.tokens < 200
+    assert piece.message.text.startswith("section read this")
+    assert piece.message.text.endswith(" [...]")
+    assert _exact(build_prompt(call, None, _policy())) <= call.input_tokens

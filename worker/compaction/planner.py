@@ -240,8 +240,10 @@ def refill(previous: Plan, index: int, running: str) -> Plan:
         return previous
     inputs = previous.inputs
     surface = apply_actions(inputs.nodes, previous.prune)
+    kept = frozenset(i for i, node in enumerate(surface) if node.seq in step.kept_inside)
     calls = refill_calls(surface, unsafe_boundaries(surface), step.calls, index, running,
-                         inputs.policy, counter_for(inputs.run_model), inputs.envelope_tokens)
+                         inputs.policy, counter_for(inputs.run_model), inputs.envelope_tokens,
+                         kept)
     if calls == step.calls:
         return previous
     return replace(previous, summarize=replace(step, calls=calls))
@@ -402,14 +404,13 @@ def _summarize(surface: list[SurfaceNode], inputs: PlanInputs, counter: TokenCou
     # Leading checkpoints carry the existing summary, unless it is too large to carry: then
     # they are read inline like messages (and split if need be), never dropped.
     # The calls read the kept nodes inside the range too (the request the work answered), as
-    # context: only the others are replaced.
-    calls = plan_calls(surface, start, end, unsafe, policy, counter, inputs.envelope_tokens)
+    # context and within a bound (prompt.kept_piece): only the others are replaced.
+    calls = plan_calls(surface, start, end, unsafe, policy, counter, inputs.envelope_tokens,
+                       selection.kept)
     if isinstance(calls, str):
         return NoPlan(calls)
     end, existing, strategy = calls.end, calls.existing, calls.strategy
     kept = set(selection.kept)
-    while end > start and end - 1 in kept:  # ``shrink`` may stop just after a kept node
-        end -= 1
     replaced = [surface[i] for i in range(start, end) if i not in kept]
     kept_inside = tuple(surface[i].seq for i in range(start, end) if i in kept)
     replaced_tokens = sum(node.tokens for node in replaced)

@@ -40,6 +40,15 @@ An earlier checkpoint at the head of the range provides the existing summary. A 
 inside the range (left by an earlier round beside a rescued message) is read inline, in its place,
 as an "earlier summary" piece, and so is a head checkpoint too large to carry as a summary.
 
+A node the range keeps where it is (the latest user request, a reminder: boundary rule 3) is read
+in its place as context, not replaced: whole when short, else only its beginning
+(:data:`KEPT_CONTEXT_TOKENS`) and a mark. It stays the latest request until a newer one arrives,
+so every run reads it again; read whole, a pasted request larger than the budget took from the
+work done on it the room of every call. The instruction says such a node stays before the
+summary, so the summary tells what was done after it without repeating it: by its turn's seq in
+a transcript (its text only inside the escaped block), by a quote after chat messages (replay
+mode, as the shared call's instruction does).
+
 **Counting.** The plan must be cheap, so a piece's size is estimated from the node's stored token
 count (counted once at append) plus a label allowance and two tokens per escaped character; only
 pieces that must be split, and the existing summary, are tokenized. The estimate is meant to be an
@@ -154,6 +163,7 @@ class Piece:
     parts: int = 1
     whole: bool = True  # the whole message, inside a tool-pair-safe group kept whole in its call
     summary: bool = False  # an earlier checkpoint's summary, read inline
+    kept: bool = False  # a node kept inside the range, read as context (:func:`kept_piece`)
 
     def to_json(self) -> dict[str, int]:
         return {"seq": self.seq, "part": self.part, "parts": self.parts}
@@ -313,8 +323,10 @@ def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
     # Appended after the placeholders are filled: an instruction's text is never read as a
     # template.
     focus = focus_block(policy)
+    kept = list({p.seq: p for p in call.pieces if p.kept}.values())
     if not policy.replay_mode:
-        text = fill_instruction(template, summary, render_transcript(call.pieces)) + focus
+        text = (fill_instruction(template, summary, render_transcript(call.pieces))
+                + kept_turns_note([p.seq for p in kept]) + focus)
         return [{"role": "system", "content": SUMMARIZER_SYSTEM},
                 {"role": "user", "content": text}]
     out: list[dict[str, Any]] = []
@@ -336,8 +348,38 @@ def build_prompt(call: SummaryCall, running_summary: str | None, policy: Policy,
             out.append(wire)
         else:
             out.append({"role": "user", "content": render_piece(piece)})
-    out.append({"role": "user", "content": fill_instruction(template, summary, None) + focus})
+    out.append({"role": "user", "content": fill_instruction(template, summary, None)
+                + kept_inside_note([p.message for p in kept]) + focus})
     return out
+
+
+# How much of a message the instruction quotes to name a message that stays inside the range.
+KEPT_QUOTE_CHARS = 120
+KEPT_RULE = ("stay in the conversation word for word, before your summary: leave them out of "
+             "it, and say what was done after them.")
+
+
+def kept_inside_note(messages: Sequence[Message]) -> str:
+    """What an instruction that follows the messages as chat says of those inside the range
+    that stay (the latest user request, a reminder): they stay before the summary, so it tells
+    what was done after them without repeating them."""
+    if not messages:
+        return ""
+    quoted = []
+    for message in messages:
+        text = " ".join(message_body(message).split())
+        cut = text[:KEPT_QUOTE_CHARS] + ("..." if len(text) > KEPT_QUOTE_CHARS else "")
+        quoted.append(f'- the {message.role} message "{cut}"')
+    return f"\n\nThese messages above {KEPT_RULE}\n" + "\n".join(quoted)
+
+
+def kept_turns_note(seqs: Sequence[int]) -> str:
+    """:func:`kept_inside_note` for a transcript: the turns are named by the seq compactd
+    wrote on them, never by a quote of their text, which sits outside every block here."""
+    if not seqs:
+        return ""
+    named = ", ".join(f'seq="{seq}"' for seq in seqs)
+    return f"\n\nThe messages of the turns {named} {KEPT_RULE}"
 
 
 def request_tools(policy: Policy, envelope: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -408,6 +450,53 @@ def estimate(node: SurfaceNode, counter: TokenCounter) -> int:
             + CALL_LINE_TOKENS * len(message.tool_calls) + ESCAPE_TOKENS * escapes)
 
 
+# A node kept inside the range (the latest request, a reminder) is read as context, never
+# replaced, and is read again by every run until a newer request arrives: at most this many
+# tokens of its text (about what the shared call's instruction quotes), so a long pasted request
+# does not take from the work done on it the budget of each call, nor, with ``shrink``, stop
+# the range before that work.
+KEPT_CONTEXT_TOKENS = 32
+KEPT_CUT_MARK = " [...]"  # the instruction's note says the whole message stays
+
+
+def kept_piece(node: SurfaceNode, counter: TokenCounter, *, replay: bool = False) -> Piece:
+    """How a node kept inside the range is read: whole up to :data:`KEPT_CONTEXT_TOKENS` of
+    text, else its beginning and a mark; its size counts the instruction's note naming it
+    (``replay``: the note of replay mode, which quotes it)."""
+    message = node.message
+    note = _kept_note_tokens(message, node.seq, counter, replay)
+    names = _name_tokens(message, counter)
+    room = LABEL_TOKENS + names + KEPT_CONTEXT_TOKENS
+    tokens = estimate(node, counter)
+    if tokens <= room:
+        # A piece of a tool-call group goes as text in replay mode: its other half may be cut.
+        alone = not message.tool_calls and message.role != "tool"
+        return Piece(node.seq, message, tokens + note, whole=alone, summary=is_checkpoint(node),
+                     kept=True)
+    mark = _part_tokens(KEPT_CUT_MARK, counter) - LABEL_TOKENS
+    prefix, _ = take_prefix(message_body(message), room - mark, counter, names)
+    text = prefix + KEPT_CUT_MARK
+    meta = {k: v for k, v in message.meta.items() if k not in _CHECKPOINT_KEYS}
+    cut = message.model_copy(update={"content": text, "tool_calls": (), "meta": meta})
+    return Piece(node.seq, cut, _part_tokens(text, counter, names) + note, whole=False,
+                 summary=is_checkpoint(node), kept=True)
+
+
+def _kept_note_tokens(message: Message, seq: int, counter: TokenCounter, replay: bool) -> int:
+    """What naming one kept node adds to the instruction (an upper bound of a note naming
+    several: they share its sentence)."""
+    note = kept_inside_note([message]) if replay else kept_turns_note([seq])
+    return counter.count_text(note)
+
+
+def _pieces(nodes: Sequence[SurfaceNode], lo: int, hi: int, counter: TokenCounter,
+            kept: frozenset[int], replay: bool) -> list[Piece]:
+    """The pieces of ``nodes[lo:hi]`` as a call reads them (``kept``: indexes read as context)."""
+    return [kept_piece(nodes[i], counter, replay=replay) if i in kept
+            else Piece(nodes[i].seq, nodes[i].message, estimate(nodes[i], counter),
+                       summary=is_checkpoint(nodes[i])) for i in range(lo, hi)]
+
+
 # Token counts of tool names by (counter, name): a session names a handful of tools over and
 # over, and every plan estimates each of their results.
 _NAME_TOKENS: dict[tuple[str, str], int] = {}
@@ -462,6 +551,9 @@ class Budget:
     overhead: int
     existing: int  # call 0's reserve: the existing summary's size
     running: int  # later calls' reserve: the most a valid summary can be
+    # The instruction quotes the nodes kept inside the range (replay mode), rather than naming
+    # their turns: what a kept piece adds to it (:func:`kept_piece`).
+    replay: bool = False
 
     def room(self, index: int) -> int:
         if self.limit is None:
@@ -531,8 +623,11 @@ class _Packer:
     def split(self, piece: Piece) -> None:
         rest = message_body(piece.message)
         part = 0
+        # A kept node's part brings the instruction's note naming it to its call.
+        note = (_kept_note_tokens(piece.message, piece.seq, self.counter, self.budget.replay)
+                if piece.kept else 0)
         while rest:
-            if self.room() < MIN_PART_TOKENS:
+            if self.room() - note < MIN_PART_TOKENS:
                 if not self.current:
                     raise BudgetTooSmall(
                         f"a call after the first has {self.room()} tokens for messages: "
@@ -540,7 +635,7 @@ class _Packer:
                         f"max_summary_tokens")
                 self.close()
                 continue
-            prefix, tokens = take_prefix(rest, self.room(), self.counter,
+            prefix, tokens = take_prefix(rest, self.room() - note, self.counter,
                                          _name_tokens(piece.message, self.counter))
             rest = rest[len(prefix):]
             part += 1
@@ -549,8 +644,8 @@ class _Packer:
             meta = {k: v for k, v in piece.message.meta.items() if k not in _CHECKPOINT_KEYS}
             message = piece.message.model_copy(update={"content": prefix, "tool_calls": (),
                                                        "meta": meta})
-            self.add(Piece(piece.seq, message, tokens, part=part, parts=0, whole=False,
-                           summary=piece.summary))
+            self.add(Piece(piece.seq, message, tokens + note, part=part, parts=0, whole=False,
+                           summary=piece.summary, kept=piece.kept))
 
     def finish(self) -> list[SummaryCall]:
         if self.current or not self.calls:
@@ -565,25 +660,25 @@ class _Packer:
         out = []
         for call in self.calls:
             pieces = tuple(
-                piece if piece.parts else Piece(
-                    piece.seq,
-                    piece.message.model_copy(update={"meta": {
+                piece if piece.parts else replace(
+                    piece,
+                    message=piece.message.model_copy(update={"meta": {
                         **piece.message.meta, "part": piece.part, "parts": counts[piece.seq]}}),
-                    piece.tokens, part=piece.part, parts=counts[piece.seq], whole=False,
-                    summary=piece.summary)
+                    parts=counts[piece.seq], whole=False)
                 for piece in call.pieces)
             out.append(SummaryCall(call.index, pieces, call.input_tokens, call.summary_seqs))
         return out
 
 
 def pack(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]], budget: Budget,
-         counter: TokenCounter, *, first_summary_seqs: tuple[int, ...] = ()
-         ) -> list[SummaryCall]:
+         counter: TokenCounter, *, first_summary_seqs: tuple[int, ...] = (),
+         kept: frozenset[int] = frozenset()) -> list[SummaryCall]:
     """Pack tool-pair-safe units of ``nodes`` into calls, in order (the ``chunk`` strategy).
 
     A unit that fits the current call joins it; one that fits a fresh call starts one; a unit
     larger than a whole call is split between its messages, and a message larger than a call
-    into parts. Raises :class:`BudgetTooSmall` when there is no room for messages at all.
+    into parts. ``kept``: indexes of nodes kept inside the range (:func:`kept_piece`). Raises
+    :class:`BudgetTooSmall` when there is no room for messages at all.
     """
     if budget.room(0) < MIN_PART_TOKENS:
         raise BudgetTooSmall(
@@ -592,8 +687,7 @@ def pack(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]], budget:
             f"({budget.existing})")
     packer = _Packer(budget, counter, first_summary_seqs)
     for lo, hi in units:
-        pieces = [Piece(nodes[i].seq, nodes[i].message, estimate(nodes[i], counter),
-                        summary=is_checkpoint(nodes[i])) for i in range(lo, hi)]
+        pieces = _pieces(nodes, lo, hi, counter, kept, budget.replay)
         size = sum(p.tokens for p in pieces)
         if size <= packer.room():
             for piece in pieces:
@@ -605,8 +699,7 @@ def pack(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]], budget:
         else:
             single = len(pieces) == 1
             for piece in pieces:
-                packer.place(piece if single else Piece(piece.seq, piece.message, piece.tokens,
-                                                        whole=False, summary=piece.summary))
+                packer.place(piece if single else replace(piece, whole=False))
     return packer.finish()
 
 
@@ -623,10 +716,12 @@ class CallPlan:
 
 
 def plan_calls(nodes: Sequence[SurfaceNode], start: int, end: int, unsafe: Sequence[bool],
-               policy: Policy, counter: TokenCounter, envelope_tokens: int = 0
-               ) -> CallPlan | str:
+               policy: Policy, counter: TokenCounter, envelope_tokens: int = 0,
+               kept: Sequence[int] = ()) -> CallPlan | str:
     """The calls that read ``nodes[start:end]`` under ``policy``'s budget and strategy, or why
-    there are none (the budget is too small)."""
+    there are none (the budget is too small). ``kept``: indexes inside the range that stay,
+    read as context (:func:`kept_piece`)."""
+    inside = frozenset(kept)
     head = start
     while head < end and is_checkpoint(nodes[head]):
         head += 1
@@ -635,7 +730,8 @@ def plan_calls(nodes: Sequence[SurfaceNode], start: int, end: int, unsafe: Seque
     overhead = prompt_overhead(policy, counter, envelope_tokens)
     reserve = running_reserve(policy)
     existing_tokens = summary_tokens(existing, counter)
-    budget = Budget(policy.trim_tokens_to_summarize, overhead, existing_tokens, reserve)
+    budget = Budget(policy.trim_tokens_to_summarize, overhead, existing_tokens, reserve,
+                    policy.replay_mode)
     if existing and (existing_tokens > reserve or budget.room(0) < MIN_PART_TOKENS):
         head, existing, budget = start, "", replace(budget, existing=0)
     summary_seqs = tuple(node.seq for node in nodes[start:head])
@@ -644,31 +740,44 @@ def plan_calls(nodes: Sequence[SurfaceNode], start: int, end: int, unsafe: Seque
     strategy = policy.strategy
     try:
         if strategy == "shrink" and budget.limit is not None:
-            units = units[:fit_one_call(nodes, units, budget, counter)]
-        calls = pack(nodes, units, budget, counter, first_summary_seqs=summary_seqs)
+            units = _fit(nodes, units, budget, counter, inside)
+        calls = pack(nodes, units, budget, counter, first_summary_seqs=summary_seqs,
+                     kept=inside)
     except BudgetTooSmall as exc:
         if strategy == "shrink" or not units:
             return f"the summarizer budget is too small: {exc}"
         # Later calls have no room beside the running summary: fall back to one call.
         strategy = "shrink"
-        units = units[:fit_one_call(nodes, units, budget, counter)]
+        units = _fit(nodes, units, budget, counter, inside)
         try:
-            calls = pack(nodes, units, budget, counter, first_summary_seqs=summary_seqs)
+            calls = pack(nodes, units, budget, counter, first_summary_seqs=summary_seqs,
+                         kept=inside)
         except BudgetTooSmall as again:
             return f"the summarizer budget is too small: {again}"
     return CallPlan(tuple(calls), existing, units[-1][1] if units else head, strategy)
 
 
+def _fit(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]], budget: Budget,
+         counter: TokenCounter, kept: frozenset[int]) -> list[tuple[int, int]]:
+    """The leading units one call reads (``shrink``), less the kept nodes it would end on:
+    those would stay after the checkpoint, not inside its range, and are not its to read."""
+    out = list(units[:fit_one_call(nodes, units, budget, counter, kept)])
+    while out and all(i in kept for i in range(*out[-1])):
+        out.pop()
+    return out
+
+
 def refill_calls(nodes: Sequence[SurfaceNode], unsafe: Sequence[bool],
                  calls: Sequence[SummaryCall], index: int, running: str, policy: Policy,
-                 counter: TokenCounter, envelope_tokens: int = 0) -> tuple[SummaryCall, ...]:
+                 counter: TokenCounter, envelope_tokens: int = 0,
+                 kept: frozenset[int] = frozenset()) -> tuple[SummaryCall, ...]:
     """``calls`` with calls ``index`` onward packed again, now that the summary they follow
     (``running``) is known: call ``index`` reserves its actual size instead of the most a summary
     can be. The re-packed calls read exactly the nodes the planned ones did (the units from
     call ``index``'s first node to the range's end), so every message still reaches exactly one
     call. Unchanged when call ``index`` does not start a tool-pair-safe unit (it continues a
     message or a group split across calls), when there is no budget, or when packing again
-    would make more calls."""
+    would make more calls. ``kept``: as :func:`pack`."""
     if not 0 < index < len(calls) or policy.trim_tokens_to_summarize is None:
         return tuple(calls)
     first = calls[index].pieces[0] if calls[index].pieces else None
@@ -686,9 +795,10 @@ def refill_calls(nodes: Sequence[SurfaceNode], unsafe: Sequence[bool],
         return tuple(calls)
     budget = Budget(policy.trim_tokens_to_summarize, prompt_overhead(policy, counter,
                                                                      envelope_tokens),
-                    summary_tokens(running, counter), running_reserve(policy))
+                    summary_tokens(running, counter), running_reserve(policy),
+                    policy.replay_mode)
     try:
-        packed = pack(nodes, atoms(lo, hi + 1, unsafe), budget, counter)
+        packed = pack(nodes, atoms(lo, hi + 1, unsafe), budget, counter, kept=kept)
     except BudgetTooSmall:
         return tuple(calls)
     if len(packed) > len(calls) - index:
@@ -697,12 +807,13 @@ def refill_calls(nodes: Sequence[SurfaceNode], unsafe: Sequence[bool],
 
 
 def fit_one_call(nodes: Sequence[SurfaceNode], units: Sequence[tuple[int, int]],
-                 budget: Budget, counter: TokenCounter) -> int:
+                 budget: Budget, counter: TokenCounter, kept: frozenset[int] = frozenset()
+                 ) -> int:
     """How many leading units one call can read (the ``shrink`` strategy); at least one."""
     room = budget.room(0)
     used = 0
     for count, (lo, hi) in enumerate(units):
-        used += sum(estimate(nodes[i], counter) for i in range(lo, hi))
+        used += sum(p.tokens for p in _pieces(nodes, lo, hi, counter, kept, budget.replay))
         if used > room:
             return max(1, count)
     return len(units)

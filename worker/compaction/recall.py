@@ -5,12 +5,16 @@ originals, and how newly stale history is cut for the ``recallable`` layout.
 ``c12-340``; the ``recallable`` layout's state checkpoint by the span it absorbed, ``s12-340``
 (its own letter: the state's span ends where an index checkpoint's may, and the two must not
 share a name). The name is known before the commit (a node's own seq is not: the commit assigns
-it), it never changes, and no two checkpoints of a session can share it: every live node covers
-a disjoint interval of originals, and a new checkpoint replaces either two or more nodes (a
-strictly larger union) or one non-checkpoint node. A pruned tool result is named by the seq of
-its original: ``r57`` (a result pruned twice keeps its name). Every name ever written stays
-readable, because the log keeps every replace: ``history_read("c12-340")`` still works after an
-index roll-up replaced ``c12-340``.
+it) and it never changes. Two checkpoints share a name only when they span the same originals:
+a checkpoint that keeps nodes inside its range (the latest request, boundary rule 3) spans them
+without replacing them, so live nodes' spans may nest, and a later checkpoint replacing exactly
+it and what it kept is named like it (``[the request 4, c2-12]`` gives a second ``c2-12``).
+That is no ambiguity, because a name is read by its span, not by its node (``storage.recall``:
+the originals replaced between its ends), so both read the same messages: the first's, and
+the kept ones once replaced. A pruned tool result is named by the seq of its original: ``r57``
+(a result pruned twice keeps its name). Every name ever written stays readable, because the log
+keeps every replace: ``history_read("c12-340")`` still works after an index roll-up replaced
+``c12-340``.
 
 **Footers.** A checkpoint carries one short line naming itself and the tool that reads it back,
 only where the runtime offers the recall tools (:func:`offers_recall`; the ``recallable``

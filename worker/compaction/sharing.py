@@ -38,7 +38,7 @@ from compactd.worker.compaction.prompt import (
     SUMMARY_RULES,
     fill_instruction,
     focus_block,
-    message_body,
+    kept_inside_note,
 )
 from compactd.worker.compaction.render import render_surface
 
@@ -52,26 +52,6 @@ SHARED_INSTRUCTION = (
     f"\n\n{SUMMARY_RULES}"
 )
 SHARED_EXISTING = "(the conversation summary above, if there is one)"
-
-
-# How much of a message the instruction quotes to name a message that stays inside the range.
-KEPT_QUOTE_CHARS = 120
-
-
-def kept_inside_note(nodes: Sequence[SurfaceNode]) -> str:
-    """What the instruction says of the messages inside the range that stay (the latest user
-    request, a reminder): they stay before the summary, so it tells what was done after them
-    without repeating them."""
-    if not nodes:
-        return ""
-    quoted = []
-    for node in nodes:
-        text = " ".join(message_body(node.message).split())
-        cut = text[:KEPT_QUOTE_CHARS] + ("..." if len(text) > KEPT_QUOTE_CHARS else "")
-        quoted.append(f'- the {node.message.role} message "{cut}"')
-    return ("\n\nThese messages above stay in the conversation word for word, before your "
-            "summary: leave them out of it, and say what was done after them.\n"
-            + "\n".join(quoted))
 
 
 def kept_note(kept: int) -> str:
@@ -159,7 +139,7 @@ def shared_call(nodes: Sequence[SurfaceNode], replace_seqs: Sequence[int], polic
     template = policy.summary_prompt or SHARED_INSTRUCTION
     instruction = (fill_instruction(template, SHARED_EXISTING, None)
                    if policy.summary_prompt else template) + kept_note(kept) + kept_inside_note(
-        [node for node in nodes if node.seq in set(kept_inside)]) + focus_block(policy)
+        [node.message for node in nodes if node.seq in set(kept_inside)]) + focus_block(policy)
     env = envelope or {}
     chat: list[dict[str, Any]] = []
     system = env.get("system")
