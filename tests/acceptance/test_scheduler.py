@@ -31,7 +31,7 @@ from compactd.storage.messages import parse_openai
 from compactd.storage.records import Claim
 from compactd.storage.store import Store
 from compactd.worker.keys import QUEUES
-from tests.support.stack import Stack, wait_until
+from tests.support.stack import Stack, openai_models, wait_until
 from tests.support.stack_sessions import POLICY, TRIGGER, config_of, many_sessions
 from tests.support.tables import row_counts
 
@@ -283,6 +283,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture
+def make_stack(make_stack, fake):  # type: ignore[no-untyped-def]
+    """conftest's, with only the openai fake models: these tests call fake-gpt and fake-mini,
+    and each worker start imports the SDK of every configured model."""
+    return lambda **kwargs: make_stack(**{"models": openai_models(fake.url), **kwargs})
+
+
+@pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[str]:
     """A Redis of this test's own, so it can be flushed without touching anyone else's."""
     port = _free_port()
@@ -312,8 +319,8 @@ def _pings(client: redis.Redis) -> bool:
 async def test_a_flushed_redis_loses_no_compaction(clean_pg, private_redis, tmp_path, fake) -> None:  # type: ignore[no-untyped-def]
     sweep_s = 3.0
     stack = Stack(clean_pg, private_redis, tmp_path / "stack", fake_url=fake.url,
-                  summarization=POLICY, worker={"sweep_interval_s": sweep_s,
-                                                "reap_interval_s": sweep_s})
+                  models=openai_models(fake.url), summarization=POLICY,
+                  worker={"sweep_interval_s": sweep_s, "reap_interval_s": sweep_s})
     try:
         stack.ingest("lost", coding_session(steps=20, big_output_lines=40).messages)
         async with CompactdClient(config_of(stack)) as client:

@@ -30,7 +30,7 @@ from compactd.worker.enqueue import RunRequest
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.private_redis import PrivateRedis
-from tests.support.stack import Stack, wait_until
+from tests.support.stack import Stack, openai_models, wait_until
 from tests.support.worker_stack import db, enqueuer
 
 pytestmark = pytest.mark.slow
@@ -279,7 +279,9 @@ def test_kill_9_during_model_call_is_reaped_and_recompacted(
         # clear_at_least 0: the prunes commit before the call however little they free.
         summarization={**ONE_CALL, "trigger": [{"type": "tokens", "value": 5000}],
                        "clear_at_least": 0},
-        worker={"lease_s": lease_s, "reap_interval_s": 0.25, "sweep_interval_s": 3600})
+        worker={"lease_s": lease_s, "reap_interval_s": 0.25, "sweep_interval_s": 3600},
+        # The loop is bound by its worker starts, each importing every configured model's SDK.
+        models=openai_models(fake.url))
     sessions = [f"k{i:02d}" for i in range(KILL_LOOPS)]
     for i, sid in enumerate(sessions):
         db.ingest(sid, coding_session(steps=10, big_output_lines=200, seed=100 + i,

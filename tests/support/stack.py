@@ -66,6 +66,13 @@ def fake_models(fake_url: str, *, timeout_s: float = 30.0) -> list[dict[str, Any
     ]
 
 
+def openai_models(fake_url: str) -> list[dict[str, Any]]:
+    """:func:`fake_models` without the anthropic one, for a test that starts many workers and
+    calls only these: a worker imports the SDK of every configured model before it is ready,
+    and anthropic's is the slowest (docs/benchmarks.md)."""
+    return [m for m in fake_models(fake_url) if m["provider"] != "anthropic"]
+
+
 class Stack:
     def __init__(self, database_url: str, redis_url: str, home: Path, *,
                  fake_url: str | None = None, summarization: Mapping[str, Any] | None = None,
