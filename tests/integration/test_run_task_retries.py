@@ -1,7 +1,8 @@
 """The ``compaction.run`` task sent again after the database was unavailable (a primary failing
-over): the retry is the same request, with what the first attempt took off the session's
-manual mark. The task runs as a worker runs it (``Task.apply``, its own loop thread, the real
-database); only the outage is made, by the run raising as a lost connection does."""
+over): the retry is the same request, and the session's manual mark still holds the
+instructions of the requests coalesced into it (a run takes them only once it holds the lease:
+``Store.take_manual``). The task runs as a worker runs it (``Task.apply``, its own loop thread,
+the real database); only the outage is made, by the run raising as a lost connection does."""
 
 from __future__ import annotations
 
@@ -57,14 +58,18 @@ def test_a_run_retried_after_the_database_was_unavailable_keeps_its_coalesced_in
 
     async def compact(deps: Any, session_id: str, *, instructions: Sequence[str] = (),
                       **_: Any) -> Outcome:
-        given.append(tuple(instructions))
-        if len(given) == 1:
+        if not given:
+            given.append(tuple(instructions))
+            # Lost before the claim: nothing was taken off the mark.
             raise DatabaseUnavailable("the database cannot be reached: Connection refused")
+        # The retry holds the lease: its run takes what the mark kept (no run row here).
+        given.append(await deps.store.take_manual(session_id, "T1", run_id="no-row",
+                                                  instructions=instructions))
         return Outcome(session_id, None, RunStatus.NOTHING_TO_DO, trigger=RunCause.MANUAL)
 
     monkeypatch.setattr(tasks, "compact", compact)
     worker_loop.tasks[TASK_RUN].apply(
         kwargs={"session_id": "s1", "trigger": RunCause.MANUAL,
                 "instructions": ["focus on the migration"]}, task_id="T1")
-    both = ("focus on the migration", "keep the error names")
-    assert given == [both, both]
+    own = ("focus on the migration",)
+    assert given == [own, (*own, "keep the error names")]
