@@ -1,9 +1,9 @@
 """What every ``compactd`` command shares: its exit codes, how it prints (JSON or lines), the
 store it opens and the URLs it names without their passwords.
 
-Exit codes: 0 success (including nothing_to_do), 1 a failed compaction or an operational error
-(a database or a broker that cannot be reached), 2 bad input or usage, 3 a partial compaction
-(it committed some of its steps, then failed: the session shrank, but not as asked).
+Exit codes (DESIGN.md's): 0 success (including nothing_to_do), 1 a failed compaction (a partial
+one too: it committed some of its steps, then failed; its outcome says so) or an operational
+error (a database or a broker that cannot be reached), 2 bad input or usage.
 """
 
 from __future__ import annotations
