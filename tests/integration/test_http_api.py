@@ -489,6 +489,30 @@ async def test_a_body_that_is_not_json_is_422_or_400_as_fastapi_answers_it(api: 
     assert too_deep.status_code == 422 and too_deep.json()["field"] == "body", too_deep.text
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          None])
+async def test_json_sent_without_a_json_content_type_is_told_which_header_to_send(
+        api: Served, content_type: str | None) -> None:
+    # curl -d sends a form type unless told: the answer names the header, not pydantic's
+    # "valid dictionary" (the same text as a JSON array, which is another mistake).
+    await api.create("s1", A)
+    headers = {**A, **({"content-type": content_type} if content_type else {})}
+    for method, path, body in (
+            ("POST", "/v1/sessions/s1/messages", {"messages": [{"role": "user", "content": "x"}]}),
+            ("PUT", "/v1/sessions/s2", {"run_model": "gpt-4o"}),
+            ("POST", "/v1/sessions/s1/usage", {"input_tokens": 10})):
+        response = await api.http.request(method, path, content=json.dumps(body).encode(),
+                                          headers=headers)
+        assert response.status_code == 422, (path, response.text)
+        error = response.json()
+        assert error["field"] == "body", error
+        assert "Content-Type: application/json" in error["message"], error
+        assert (content_type or "none") in error["message"], error
+    array = await api.http.post("/v1/sessions/s1/messages", json=[], headers=A)
+    assert array.status_code == 422 and "Content-Type" not in array.json()["message"]
+    assert (await api.http.get("/v1/sessions/s2", headers=A)).status_code == 404
+
+
 async def test_the_interactive_docs_are_off_by_default_and_the_openapi_document_is_served(
         api: Served, tmp_path: Path) -> None:
     # Swagger UI and ReDoc pull their JavaScript from a CDN.
