@@ -513,6 +513,32 @@ async def test_json_sent_without_a_json_content_type_is_told_which_header_to_sen
     assert (await api.http.get("/v1/sessions/s2", headers=A)).status_code == 404
 
 
+async def test_a_session_id_with_a_slash_is_reached_percent_encoded_on_every_route(
+        api: Served) -> None:
+    # The CLI and the client take "/" in an id (run/42, a LangGraph namespace); a runtime on
+    # HTTP encodes it as %2F, which must name that session, not route to another.
+    await api.create("x", A)
+    assert (await api.append("x", A, {"role": "user", "content": "x's own"})).status_code == 200
+    created = await api.http.put("/v1/sessions/x%2Fsurface", headers=A, json={})
+    assert created.status_code == 201 and created.json()["session"] == "x/surface", created.text
+    appended = await api.http.post("/v1/sessions/x%2Fsurface/messages", headers=A,
+                                   json={"messages": [{"role": "user", "content": "slashed"}]})
+    assert appended.status_code == 200, appended.text
+    info = await api.http.get("/v1/sessions/x%2Fsurface", headers=A)
+    assert info.status_code == 200 and info.json()["session"] == "x/surface", info.text
+    surface = await api.http.get("/v1/sessions/x%2Fsurface/surface", headers=A)
+    assert [m["content"] for m in surface.json()["messages"]] == ["slashed"], surface.text
+    for path in ("/v1/sessions/run%2F42%2Fa%25b", "/v1/sessions/run%2f42%2fa%25b"):
+        response = await api.http.put(path, headers=A, json={})
+        assert response.json()["session"] == "run/42/a%b", response.text
+    missing = await api.http.get("/v1/sessions/no%2Fsuch/surface", headers=A)
+    assert missing.status_code == 404 and "'no/such'" in missing.json()["message"]
+    # What the id rule refuses is still refused, a slash beside it or not.
+    for path in ("/v1/sessions/a%00%2Fb", "/v1/sessions/a%2F%00"):
+        refused = await api.http.get(path, headers=A)
+        assert refused.status_code == 422 and "control characters" in refused.text, refused.text
+
+
 async def test_the_interactive_docs_are_off_by_default_and_the_openapi_document_is_served(
         api: Served, tmp_path: Path) -> None:
     # Swagger UI and ReDoc pull their JavaScript from a CDN.
