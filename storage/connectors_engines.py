@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from compactd.storage import sql
 from compactd.storage.connectors_errors import PG_READ_ONLY_TRANSACTION
-from compactd.storage.errors import CompactdError, ConfigError
+from compactd.storage.errors import ConfigError
 from compactd.storage.recall_text import fold, snippet
 from compactd.storage.schema import dumps
 
@@ -177,11 +177,14 @@ _BY_DIALECT: dict[str, Backend] = {"postgresql": _BACKENDS[0], "sqlite": _BACKEN
 
 
 def backend_for_url(url: str) -> Backend:
-    """The backend a database URL names; CompactdError for a scheme none takes."""
+    """The backend a database URL names; ConfigError (bad input) for a scheme none takes."""
     for backend in _BACKENDS:
         if backend.takes(url):
             return backend
-    raise CompactdError(
+    if "://" not in url:
+        # Never the text itself: a URL without its scheme still holds its password.
+        raise ConfigError("database URL: no scheme (use postgresql://... or sqlite:///...)")
+    raise ConfigError(
         f"unsupported database URL {url.split('://')[0]}:// (use postgresql:// or sqlite:///)")
 
 
@@ -220,6 +223,15 @@ def _hosts_as_query(url: str) -> str:
 # What asyncpg takes as target_session_attrs (it refuses any other at every connection, as a
 # connection error that reads like an unreachable server).
 SESSION_ATTRS = ("any", "primary", "standby", "prefer-standby", "read-write", "read-only")
+# libpq's sslmode values, which asyncpg's ssl takes as they are.
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+# The URL options that reach a connection: SQLAlchemy hands every other one to asyncpg's
+# connect as a keyword it does not take, a TypeError at every connection. libpq's sslmode,
+# connect_timeout and application_name are read by _connect_host_by_host; host and port are
+# the multi-host form's (_hosts_as_query); prepared_statement_cache_size is SQLAlchemy's.
+URL_OPTIONS = ("host", "port", "user", "password", "passfile", "database", "service",
+               "servicefile", "ssl", "sslmode", "target_session_attrs", "connect_timeout",
+               "application_name", "krbsrvname", "gsslib", "prepared_statement_cache_size")
 
 
 def _check_hosts(hosts: str) -> None:
@@ -236,9 +248,16 @@ def _check_hosts(hosts: str) -> None:
 
 
 def _check_query(query: str) -> None:
-    """Refuse, naming it, a target_session_attrs or a connect_timeout (libpq's, per host:
-    :func:`_connect_host_by_host`) that no connection could use."""
+    """Refuse, naming it, an option no connection could use: one the driver does not take, or
+    a target_session_attrs, an sslmode or a connect_timeout (libpq's, per host:
+    :func:`_connect_host_by_host`) of a value it cannot use."""
     for key, _, value in (item.partition("=") for item in query.split("&") if item):
+        if key not in URL_OPTIONS:
+            raise ConfigError(f"database URL: {key!r} is not an option compactd can pass to "
+                              f"the driver (it takes {', '.join(URL_OPTIONS)})")
+        if key in ("ssl", "sslmode") and value not in SSL_MODES:
+            raise ConfigError(f"database URL: {key} must be one of {', '.join(SSL_MODES)}, "
+                              f"not {value!r}")
         if key == "target_session_attrs" and value not in SESSION_ATTRS:
             raise ConfigError(f"database URL: target_session_attrs must be one of "
                               f"{', '.join(SESSION_ATTRS)}, not {value!r}")
@@ -256,17 +275,25 @@ def _positive_seconds(value: str) -> bool:
 
 async def _connect_host_by_host(*args: Any, host: Any = None, port: Any = None,
                                 target_session_attrs: str | None = None,
-                                connect_timeout: str | float | None = None, **kwargs: Any
-                                ) -> Any:
+                                connect_timeout: str | float | None = None,
+                                sslmode: str | None = None, application_name: str | None = None,
+                                **kwargs: Any) -> Any:
     """asyncpg's connect, each host of the URL with its own time to answer, as libpq's
     ``connect_timeout`` is per host: asyncpg's ``timeout`` bounds all its hosts together, so a
     first host that never answers (an old primary that hangs instead of refusing) spends it
     all and the next host, the new primary, is never tried. The hosts are tried in order; the
     first that accepts and is what ``target_session_attrs`` asks for is kept (prefer-standby:
     the first standby, else the first that accepts). As asyncpg, a host that refuses, times
-    out or is not ready passes to the next; any other error (a wrong password) is raised."""
+    out or is not ready passes to the next; any other error (a wrong password) is raised.
+    libpq's ``sslmode`` is asyncpg's ``ssl``; its ``application_name`` replaces compactd's own
+    in the server settings."""
     import asyncpg
 
+    if sslmode is not None:
+        kwargs.setdefault("ssl", sslmode)
+    if application_name is not None:
+        kwargs["server_settings"] = {**kwargs.get("server_settings", {}),
+                                     "application_name": application_name}
     timeout = CONNECT_TIMEOUT_S if connect_timeout is None else float(connect_timeout)
     hosts = host if isinstance(host, list) else [host]
     ports = port if isinstance(port, list) else [port] * len(hosts)

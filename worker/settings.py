@@ -291,6 +291,11 @@ class FileConfig(_Strict):
     events: EventsConfig = EventsConfig()
 
 
+# The levels logging knows by name, and its aliases of two of them.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LOG_LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
+
+
 class Settings(BaseSettings):
     """What the environment says; ``load_settings`` adds the YAML file."""
 
@@ -306,6 +311,17 @@ class Settings(BaseSettings):
     # Overrides worker.metrics_port: several workers on one host (systemd's worker@) share the
     # YAML file but each needs its own port.
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        # Checked here: logging would refuse it only when each process sets its logging up,
+        # with a traceback.
+        level = value.strip().upper()
+        level = _LOG_LEVEL_ALIASES.get(level, level)
+        if level not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+        return level
 
 
 @dataclass(frozen=True)
@@ -522,7 +538,8 @@ def _format_pydantic(exc: ValidationError, root: str | None) -> str:
         path += f"[{p}]" if p.isdigit() else (f".{p}" if path else p)
     if root:
         path = f"{root}.{path}" if path else root
-    msg = first["msg"]
+    # A validator's own ValueError reads "Value error, <its message>".
+    msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     return f"{path}: {msg}"

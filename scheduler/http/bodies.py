@@ -37,11 +37,7 @@ def decode_append(raw: bytes, content_type: str | None, run_model: str | None, *
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",),
                                        "msg": "Field required", "input": None}])
-    header = email.message.Message()
-    header["content-type"] = content_type or ""
-    subtype = header.get_content_subtype()
-    if content_type and header.get_content_maintype() == "application" and \
-            (subtype == "json" or subtype.endswith("+json")):
+    if is_json_type(content_type):
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -63,6 +59,17 @@ def decode_append(raw: bytes, content_type: str | None, run_model: str | None, *
         return prepare(parse_messages(valid.messages, valid.format), run_model)
     except InvalidMessage as exc:
         raise in_body(exc, "messages") from None
+
+
+def is_json_type(content_type: str | None) -> bool:
+    """Whether a body of this content type is read as JSON, as FastAPI reads its bodies."""
+    if not content_type:
+        return False
+    header = email.message.Message()
+    header["content-type"] = content_type
+    subtype = header.get_content_subtype()
+    return header.get_content_maintype() == "application" and \
+        (subtype == "json" or subtype.endswith("+json"))
 
 
 def decode_plain(raw: bytes, content_type: str | None, run_model: str | None,

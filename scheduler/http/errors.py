@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from compactd.scheduler.http.auth import Unauthorized
-from compactd.scheduler.http.bodies import BODY_TOO_DEEP
+from compactd.scheduler.http.bodies import BODY_TOO_DEEP, is_json_type
 from compactd.scheduler.http.schemas import ErrorOut
 from compactd.scheduler.output import redact_url
 from compactd.storage.errors import (
@@ -50,6 +50,10 @@ def _unavailable(message: str) -> JSONResponse:
     return error_response(503, "unavailable", message,
                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
+
+# What pydantic says of a body that is not an object: under a content type that is not JSON,
+# the bytes themselves (FastAPI reads only JSON as JSON).
+_NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
 
 _HTTP_ERRORS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
                 405: "method_not_allowed", 408: "timeout", 413: "too_large", 429: "refused",
@@ -116,6 +120,13 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
             return error_response(422, "invalid", f"the body is not valid JSON: {error}",
                                    field="body")
         field = _location(first.get("loc", ()))
+        content_type = request.headers.get("content-type")
+        if field == "body" and first.get("type") in _NOT_AN_OBJECT and \
+                not is_json_type(content_type):
+            return error_response(
+                422, "invalid", f"the body must be JSON sent with Content-Type: application/json "
+                                f"(this request's is {(content_type or 'none')[:100]})",
+                field="body")
         # A validator's own ValueError reads "Value error, <its message>".
         message = str(first.get("msg")).removeprefix("Value error, ")
         return error_response(422, "invalid", f"{field}: {message}",

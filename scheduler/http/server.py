@@ -52,6 +52,7 @@ from compactd.scheduler.http.auth import Tokens
 from compactd.scheduler.http.errors import add_error_handlers
 from compactd.scheduler.http.middleware import MAX_REQUEST_HEAD_BYTES, BodyLimit, BoundedH11Protocol
 from compactd.scheduler.http.routes import add_routes
+from compactd.scheduler.http.routes.common import PathSegments
 from compactd.scheduler.http.state import Api
 from compactd.storage.errors import CompactdError
 from compactd.storage.store import Store
@@ -91,6 +92,7 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
     add_error_handlers(app, config)
     app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes,
                        timeout_s=config.api.body_timeout_s)
+    app.add_middleware(PathSegments)
     return app
 
 

@@ -339,3 +339,44 @@ def test_a_database_that_does_not_exist_exits_2_naming_it_at_once(
         assert out.returncode == 2, out.stderr
         assert "'compactd_no_such_database' does not exist" in out.stderr
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("option", ["sslmode=disable", "sslmode=prefer", "ssl=prefer",
+                                    "application_name=compactd-ops"])
+def test_libpq_options_an_operator_puts_in_the_url_reach_the_database(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], clean_pg: str,
+        option: str) -> None:
+    # sslmode is what a managed PostgreSQL's connection string carries; asyncpg calls it ssl.
+    monkeypatch.setenv("COMPACTD_DATABASE_URL", f"{clean_pg}?{option}")
+    result = Run(clean_pg, capsys)("status", "--json")
+    assert result[0] == 0, result
+    assert json.loads(result[1])["runs"]["committed"] == 0
+
+
+@pytest.mark.parametrize(("option", "problem"), [
+    ("sslmode=sometimes", "sslmode must be one of disable, allow, prefer, require"),
+    ("ssl=yes", "ssl must be one of disable, allow, prefer, require"),
+    ("pool_size=5", "'pool_size' is not an option compactd can pass to the driver"),
+])
+def test_a_url_option_the_driver_cannot_use_exits_2_naming_it_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], pg_url: str,
+        option: str, problem: str) -> None:
+    monkeypatch.setenv("COMPACTD_DATABASE_URL", f"{pg_url}?{option}")
+    for command in (["status"], ["surface", "s1"], ["migrate"]):
+        assert_refused(Run(pg_url, capsys)(*command), "database URL: ", problem)
+
+
+@pytest.mark.parametrize(("database", "problem"), [
+    ("mysql://compactd:hunter2@127.0.0.1/db", "unsupported database URL mysql://"),
+    ("compactd:hunter2@127.0.0.1/db", "database URL: no scheme"),
+])
+def test_a_database_url_no_backend_takes_exits_2_naming_it_without_its_password(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        database: str, problem: str) -> None:
+    # A typo in the operator's configuration (exit 2), not an outage (exit 1).
+    monkeypatch.setenv("COMPACTD_HOME", str(tmp_path))
+    monkeypatch.setenv("COMPACTD_DATABASE_URL", database)
+    for command in (["status"], ["surface", "s1"], ["migrate"]):
+        result = Run(database, capsys)(*command)
+        assert_refused(result, problem)
+        assert "hunter2" not in result[2]

@@ -489,6 +489,56 @@ async def test_a_body_that_is_not_json_is_422_or_400_as_fastapi_answers_it(api: 
     assert too_deep.status_code == 422 and too_deep.json()["field"] == "body", too_deep.text
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          None])
+async def test_json_sent_without_a_json_content_type_is_told_which_header_to_send(
+        api: Served, content_type: str | None) -> None:
+    # curl -d sends a form type unless told: the answer names the header, not pydantic's
+    # "valid dictionary" (the same text as a JSON array, which is another mistake).
+    await api.create("s1", A)
+    headers = {**A, **({"content-type": content_type} if content_type else {})}
+    for method, path, body in (
+            ("POST", "/v1/sessions/s1/messages", {"messages": [{"role": "user", "content": "x"}]}),
+            ("PUT", "/v1/sessions/s2", {"run_model": "gpt-4o"}),
+            ("POST", "/v1/sessions/s1/usage", {"input_tokens": 10})):
+        response = await api.http.request(method, path, content=json.dumps(body).encode(),
+                                          headers=headers)
+        assert response.status_code == 422, (path, response.text)
+        error = response.json()
+        assert error["field"] == "body", error
+        assert "Content-Type: application/json" in error["message"], error
+        assert (content_type or "none") in error["message"], error
+    array = await api.http.post("/v1/sessions/s1/messages", json=[], headers=A)
+    assert array.status_code == 422 and "Content-Type" not in array.json()["message"]
+    assert (await api.http.get("/v1/sessions/s2", headers=A)).status_code == 404
+
+
+async def test_a_session_id_with_a_slash_is_reached_percent_encoded_on_every_route(
+        api: Served) -> None:
+    # The CLI and the client take "/" in an id (run/42, a LangGraph namespace); a runtime on
+    # HTTP encodes it as %2F, which must name that session, not route to another.
+    await api.create("x", A)
+    assert (await api.append("x", A, {"role": "user", "content": "x's own"})).status_code == 200
+    created = await api.http.put("/v1/sessions/x%2Fsurface", headers=A, json={})
+    assert created.status_code == 201 and created.json()["session"] == "x/surface", created.text
+    appended = await api.http.post("/v1/sessions/x%2Fsurface/messages", headers=A,
+                                   json={"messages": [{"role": "user", "content": "slashed"}]})
+    assert appended.status_code == 200, appended.text
+    info = await api.http.get("/v1/sessions/x%2Fsurface", headers=A)
+    assert info.status_code == 200 and info.json()["session"] == "x/surface", info.text
+    surface = await api.http.get("/v1/sessions/x%2Fsurface/surface", headers=A)
+    assert [m["content"] for m in surface.json()["messages"]] == ["slashed"], surface.text
+    for path in ("/v1/sessions/run%2F42%2Fa%25b", "/v1/sessions/run%2f42%2fa%25b"):
+        response = await api.http.put(path, headers=A, json={})
+        assert response.json()["session"] == "run/42/a%b", response.text
+    missing = await api.http.get("/v1/sessions/no%2Fsuch/surface", headers=A)
+    assert missing.status_code == 404 and "'no/such'" in missing.json()["message"]
+    # What the id rule refuses is still refused, a slash beside it or not.
+    for path in ("/v1/sessions/a%00%2Fb", "/v1/sessions/a%2F%00"):
+        refused = await api.http.get(path, headers=A)
+        assert refused.status_code == 422 and "control characters" in refused.text, refused.text
+
+
 async def test_the_interactive_docs_are_off_by_default_and_the_openapi_document_is_served(
         api: Served, tmp_path: Path) -> None:
     # Swagger UI and ReDoc pull their JavaScript from a CDN.

@@ -71,7 +71,7 @@ def cfg(text: str):  # type: ignore[no-untyped-def]
      "models[0].context_window: Input should be greater than 0"),
     ("default_model: b\nmodels: [{name: a, provider: openai}]", "default_model: 'b' is not in"),
     ("worker: {deadline_s: 400, task_time_limit_s: 300}",
-     "worker: Value error, deadline_s must be below task_time_limit_s"),
+     "worker: deadline_s must be below task_time_limit_s"),
     ("worker: {loop_guard: {margin: 1.5}}", "worker.loop_guard.margin: Input should be less"),
     ("worker: {gc_threshold: -1}", "worker.gc_threshold: Input should be greater than or equal"),
     ("worker: {breaker: {failures: 0}}", "worker.breaker.failures: Input should be greater than 0"),
@@ -214,3 +214,21 @@ def test_the_breaker_settings_reach_its_limits() -> None:
     # A probe holds a circuit as long as one candidate's call may take.
     assert BreakerLimits.from_config(c.worker) == BreakerLimits(5, 7.0, 40.0)
     assert BreakerLimits.from_config(cfg("").worker) == BreakerLimits(3, 120.0, 90.0)
+
+
+@pytest.mark.parametrize(("level", "error"), [
+    ("bogus", "environment.log_level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "
+              "got 'bogus'"),
+    ("", "environment.log_level: must be one of"),
+])
+def test_a_log_level_logging_does_not_know_is_a_load_time_error_naming_it(
+        tmp_path: Path, level: str, error: str) -> None:
+    # Found at load, not as a traceback from the logging set-up of every command.
+    with pytest.raises(ConfigError) as err:
+        load_config({"COMPACTD_HOME": str(tmp_path), "COMPACTD_LOG_LEVEL": level})
+    assert str(err.value).startswith(error), str(err.value)
+
+
+def test_a_log_level_in_lower_case_is_the_level(tmp_path: Path) -> None:
+    c = load_config({"COMPACTD_HOME": str(tmp_path), "COMPACTD_LOG_LEVEL": "debug"})
+    assert c.log_level == "DEBUG"

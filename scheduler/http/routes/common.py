@@ -3,11 +3,14 @@ dependencies that check its tenant), and the OpenAPI description of the statuses
 
 from __future__ import annotations
 
+import re
+import urllib.parse
 from typing import Annotated, Any
 
 from fastapi import Depends, Path
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compactd.scheduler.http.auth import Tenant
 from compactd.scheduler.http.schemas import ErrorOut, QueuedOut
@@ -23,7 +26,40 @@ API_PREFIX = "/v1"
 # the session a request names
 
 
+SESSIONS_PATH = f"{API_PREFIX}/sessions/"
+# How PathSegments escapes a session id in the routed path, and how _session_id reads it back.
+_ESCAPES = {"%": "%25", "/": "%2F"}
+_ESCAPED = re.compile("%25|%2F")
+_UNESCAPED = {escaped: char for char, escaped in _ESCAPES.items()}
+
+
+class PathSegments:
+    """Routes the session id of a request as one path segment, a "/" in it (sent as %2F, as
+    the CLI and the client take it) included. The server decodes the path before routing, so
+    ``x%2Fsurface`` would reach session x's surface route; the id is read again from the raw
+    path and escaped (``%`` and ``/``) in the routed one, and ``SessionId`` unescapes it. Every
+    session path is escaped, so what the route reads is never ambiguous."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith(SESSIONS_PATH):
+            raw = (scope.get("raw_path") or b"").decode("latin-1")
+            if raw.startswith(SESSIONS_PATH):
+                segment, slash, rest = raw.removeprefix(SESSIONS_PATH).partition("/")
+                # Decoded as the server decodes the whole path (bytes not UTF-8 are U+FFFD).
+                segment, rest = urllib.parse.unquote(segment), urllib.parse.unquote(rest)
+            else:  # no raw path: an id's "/" cannot be told from the path's
+                segment, slash, rest = path.removeprefix(SESSIONS_PATH).partition("/")
+            escaped = "".join(_ESCAPES.get(char, char) for char in segment)
+            scope = {**scope, "path": f"{SESSIONS_PATH}{escaped}{slash}{rest}"}
+        await self.app(scope, receive, send)
+
+
 def _session_id(value: str) -> str:
+    value = _ESCAPED.sub(lambda m: _UNESCAPED[m.group()], value)
     # The rule every door applies (storage.ids); its own messages say what is wrong.
     problem = id_problem(value)
     if problem is not None:
@@ -31,8 +67,10 @@ def _session_id(value: str) -> str:
     return value
 
 
-SessionId = Annotated[str, Path(min_length=1, max_length=MAX_ID_LENGTH,
-                                json_schema_extra={"pattern": ID_PATTERN},
+# Its length is checked unescaped, by the id rule (an id's "/" is three characters routed).
+SessionId = Annotated[str, Path(min_length=1,
+                                json_schema_extra={"pattern": ID_PATTERN,
+                                                   "maxLength": MAX_ID_LENGTH},
                                 description="the session id (global across tenants): printable "
                                             "text, valid UTF-8"),
                       AfterValidator(_session_id)]
