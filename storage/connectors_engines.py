@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import random
 import re
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -220,6 +221,9 @@ def _hosts_as_query(url: str) -> str:
 # What asyncpg takes as target_session_attrs (it refuses any other at every connection, as a
 # connection error that reads like an unreachable server).
 SESSION_ATTRS = ("any", "primary", "standby", "prefer-standby", "read-write", "read-only")
+# libpq's load_balance_hosts: ``disable`` (its default) tries the hosts in the URL's order,
+# ``random`` in an order drawn afresh for each connection.
+LOAD_BALANCE = ("disable", "random")
 
 
 def _check_hosts(hosts: str) -> None:
@@ -236,12 +240,16 @@ def _check_hosts(hosts: str) -> None:
 
 
 def _check_query(query: str) -> None:
-    """Refuse, naming it, a target_session_attrs or a connect_timeout (libpq's, per host:
+    """Refuse, naming it, a target_session_attrs, a load_balance_hosts or a connect_timeout
+    (libpq's, per host:
     :func:`_connect_host_by_host`) that no connection could use."""
     for key, _, value in (item.partition("=") for item in query.split("&") if item):
         if key == "target_session_attrs" and value not in SESSION_ATTRS:
             raise ConfigError(f"database URL: target_session_attrs must be one of "
                               f"{', '.join(SESSION_ATTRS)}, not {value!r}")
+        if key == "load_balance_hosts" and value not in LOAD_BALANCE:
+            raise ConfigError(f"database URL: load_balance_hosts must be one of "
+                              f"{', '.join(LOAD_BALANCE)}, not {value!r}")
         if key == "connect_timeout" and not _positive_seconds(value):
             raise ConfigError(f"database URL: connect_timeout must be a positive number of "
                               f"seconds, not {value!r}")
@@ -256,26 +264,33 @@ def _positive_seconds(value: str) -> bool:
 
 async def _connect_host_by_host(*args: Any, host: Any = None, port: Any = None,
                                 target_session_attrs: str | None = None,
-                                connect_timeout: str | float | None = None, **kwargs: Any
-                                ) -> Any:
+                                connect_timeout: str | float | None = None,
+                                load_balance_hosts: str | None = None, **kwargs: Any) -> Any:
     """asyncpg's connect, each host of the URL with its own time to answer, as libpq's
     ``connect_timeout`` is per host: asyncpg's ``timeout`` bounds all its hosts together, so a
     first host that never answers (an old primary that hangs instead of refusing) spends it
-    all and the next host, the new primary, is never tried. The hosts are tried in order; the
-    first that accepts and is what ``target_session_attrs`` asks for is kept (prefer-standby:
-    the first standby, else the first that accepts). As asyncpg, a host that refuses, times
-    out or is not ready passes to the next; any other error (a wrong password) is raised."""
+    all and the next host, the new primary, is never tried. The hosts are tried as libpq tries
+    them: in the URL's order, or in a random one with ``load_balance_hosts=random``; the first
+    that accepts and is what ``target_session_attrs`` asks for is kept (prefer-standby: the
+    first standby, else the first that accepts, as libpq's second pass "in any mode"; asyncpg's
+    own prefer-standby takes a random one of those, which no URL asked for). As asyncpg, a
+    host that refuses, times out or is not ready passes to the next; any other error (a wrong
+    password) is raised."""
     import asyncpg
 
     timeout = CONNECT_TIMEOUT_S if connect_timeout is None else float(connect_timeout)
     hosts = host if isinstance(host, list) else [host]
     ports = port if isinstance(port, list) else [port] * len(hosts)
+    order = list(zip(hosts, ports, strict=True))
+    if load_balance_hosts == "random":
+        # Each connection its own order: a fleet's connections spread over the hosts.
+        random.shuffle(order)
     passes = ["standby", "any"] if target_session_attrs == "prefer-standby" \
         else [target_session_attrs]
     failed: BaseException | None = None
     unreachable: set[int] = set()  # not tried again by prefer-standby's second pass
     for attrs in passes:
-        for i, (one_host, one_port) in enumerate(zip(hosts, ports, strict=True)):
+        for i, (one_host, one_port) in enumerate(order):
             if i in unreachable:
                 continue
             try:
