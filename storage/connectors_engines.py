@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import random
 import re
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -231,7 +232,11 @@ SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"
 # the multi-host form's (_hosts_as_query); prepared_statement_cache_size is SQLAlchemy's.
 URL_OPTIONS = ("host", "port", "user", "password", "passfile", "database", "service",
                "servicefile", "ssl", "sslmode", "target_session_attrs", "connect_timeout",
-               "application_name", "krbsrvname", "gsslib", "prepared_statement_cache_size")
+               "application_name", "krbsrvname", "gsslib", "prepared_statement_cache_size",
+               "load_balance_hosts")
+# libpq's load_balance_hosts: ``disable`` (its default) tries the hosts in the URL's order,
+# ``random`` in an order drawn afresh for each connection.
+LOAD_BALANCE = ("disable", "random")
 
 
 def _check_hosts(hosts: str) -> None:
@@ -249,8 +254,8 @@ def _check_hosts(hosts: str) -> None:
 
 def _check_query(query: str) -> None:
     """Refuse, naming it, an option no connection could use: one the driver does not take, or
-    a target_session_attrs, an sslmode or a connect_timeout (libpq's, per host:
-    :func:`_connect_host_by_host`) of a value it cannot use."""
+    a target_session_attrs, an sslmode, a load_balance_hosts or a connect_timeout (libpq's, per
+    host: :func:`_connect_host_by_host`) of a value it cannot use."""
     for key, _, value in (item.partition("=") for item in query.split("&") if item):
         if key not in URL_OPTIONS:
             raise ConfigError(f"database URL: {key!r} is not an option compactd can pass to "
@@ -261,6 +266,9 @@ def _check_query(query: str) -> None:
         if key == "target_session_attrs" and value not in SESSION_ATTRS:
             raise ConfigError(f"database URL: target_session_attrs must be one of "
                               f"{', '.join(SESSION_ATTRS)}, not {value!r}")
+        if key == "load_balance_hosts" and value not in LOAD_BALANCE:
+            raise ConfigError(f"database URL: load_balance_hosts must be one of "
+                              f"{', '.join(LOAD_BALANCE)}, not {value!r}")
         if key == "connect_timeout" and not _positive_seconds(value):
             raise ConfigError(f"database URL: connect_timeout must be a positive number of "
                               f"seconds, not {value!r}")
@@ -277,16 +285,18 @@ async def _connect_host_by_host(*args: Any, host: Any = None, port: Any = None,
                                 target_session_attrs: str | None = None,
                                 connect_timeout: str | float | None = None,
                                 sslmode: str | None = None, application_name: str | None = None,
-                                **kwargs: Any) -> Any:
+                                load_balance_hosts: str | None = None, **kwargs: Any) -> Any:
     """asyncpg's connect, each host of the URL with its own time to answer, as libpq's
     ``connect_timeout`` is per host: asyncpg's ``timeout`` bounds all its hosts together, so a
     first host that never answers (an old primary that hangs instead of refusing) spends it
-    all and the next host, the new primary, is never tried. The hosts are tried in order; the
-    first that accepts and is what ``target_session_attrs`` asks for is kept (prefer-standby:
-    the first standby, else the first that accepts). As asyncpg, a host that refuses, times
-    out or is not ready passes to the next; any other error (a wrong password) is raised.
-    libpq's ``sslmode`` is asyncpg's ``ssl``; its ``application_name`` replaces compactd's own
-    in the server settings."""
+    all and the next host, the new primary, is never tried. The hosts are tried as libpq tries
+    them: in the URL's order, or in a random one with ``load_balance_hosts=random``; the first
+    that accepts and is what ``target_session_attrs`` asks for is kept (prefer-standby: the
+    first standby, else the first that accepts, as libpq's second pass "in any mode"; asyncpg's
+    own prefer-standby takes a random one of those, which no URL asked for). As asyncpg, a
+    host that refuses, times out or is not ready passes to the next; any other error (a wrong
+    password) is raised. libpq's ``sslmode`` is asyncpg's ``ssl``; its ``application_name``
+    replaces compactd's own in the server settings."""
     import asyncpg
 
     if sslmode is not None:
@@ -297,12 +307,16 @@ async def _connect_host_by_host(*args: Any, host: Any = None, port: Any = None,
     timeout = CONNECT_TIMEOUT_S if connect_timeout is None else float(connect_timeout)
     hosts = host if isinstance(host, list) else [host]
     ports = port if isinstance(port, list) else [port] * len(hosts)
+    order = list(zip(hosts, ports, strict=True))
+    if load_balance_hosts == "random":
+        # Each connection its own order: a fleet's connections spread over the hosts.
+        random.shuffle(order)
     passes = ["standby", "any"] if target_session_attrs == "prefer-standby" \
         else [target_session_attrs]
     failed: BaseException | None = None
     unreachable: set[int] = set()  # not tried again by prefer-standby's second pass
     for attrs in passes:
-        for i, (one_host, one_port) in enumerate(zip(hosts, ports, strict=True)):
+        for i, (one_host, one_port) in enumerate(order):
             if i in unreachable:
                 continue
             try:

@@ -51,6 +51,15 @@ def merge_instructions(held: Iterable[str], added: Iterable[str]) -> tuple[str, 
     return tuple(merged)
 
 
+def first_instructions(*groups: Iterable[str]) -> tuple[str, ...]:
+    """The distinct texts of ``groups``, in order, the first :data:`MAX_INSTRUCTIONS` of them:
+    what a run takes from several holders at once, where refusing is no longer possible (the
+    request that brought them was answered). No holder is over the bound, but a mark taken
+    over after its TTL can add to what an earlier delivery recorded: the first are kept, as a
+    coalesced request over the bound is refused."""
+    return tuple(dict.fromkeys(text for group in groups for text in group))[:MAX_INSTRUCTIONS]
+
+
 def carry_instructions(carried: Iterable[str], added: Iterable[str]
                        ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A request that takes a manual mark over (a stale one, whose task was lost, or one a busy

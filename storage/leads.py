@@ -57,8 +57,10 @@ class LeadsMixin:
     async def lead_samples(self, *, since: dt.datetime, limit: int) -> list[LeadSample]:
         """The newest ``limit`` committed or partial automatic runs finished since ``since``
         that were asked for by a signal, newest first; only those that committed a summary
-        count (a prune alone is not what the lead waits for). A committed run is timed to its
-        end; a partial one to its first checkpoint's commit (its end is its failure's)."""
+        count (a prune alone is not what the lead waits for). Each is timed to its first
+        checkpoint's commit, the first new surface the runtime can pick up: a later round's
+        commit is not, nor a partial run's end (its failure's). A committed row without that
+        time (written before runs recorded it) is timed to its end."""
         r, s = t.compaction_runs.c, t.sessions.c
         stmt = (sa.select(s.run_model, r.status, r.signalled_at, r.started_at, r.finished_at,
                           r.stages)
@@ -72,13 +74,13 @@ class LeadsMixin:
         for row in rows:
             if row.finished_at is None or Stage.SUMMARY not in _stages(row.stages):
                 continue
-            if row.status == RunStatus.COMMITTED:
+            first = checkpoint_commit_s(row.stages)
+            if first is not None:
+                checkpoint_at = row.started_at + dt.timedelta(seconds=first)
+            elif row.status == RunStatus.COMMITTED:
                 checkpoint_at = row.finished_at
             else:
-                first = checkpoint_commit_s(row.stages)
-                if first is None:
-                    continue
-                checkpoint_at = row.started_at + dt.timedelta(seconds=first)
+                continue
             samples.append(LeadSample(pool_of(row.run_model), max(
                 0.0, (checkpoint_at - row.signalled_at).total_seconds())))
         return samples

@@ -11,7 +11,7 @@ import functools
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from compactd.storage import schema as t
 from compactd.storage.connectors import Connector
@@ -43,6 +43,12 @@ class RunsMixin:
         async with connection(self.engine) as conn:
             return [run_from_row(row) for row in await conn.execute(
                 sa.select(*RUN_COLUMNS).where(r.task_id == task_id).order_by(r.started_at))]
+
+    async def task_instructions(self, task_id: str) -> tuple[str, ...]:
+        """The instructions the deliveries of the manual task ``task_id`` recorded on their
+        run rows (:func:`recorded_instructions`)."""
+        async with connection(self.engine) as conn:
+            return await recorded_instructions(conn, task_id)
 
     async def session_runs(self, session_id: str, *, limit: int = 50) -> list[RunRecord]:
         r = t.compaction_runs.c
@@ -134,6 +140,20 @@ class RunsMixin:
             return [session_from_row(row) for row in await conn.execute(
                 sa.select(*SESSION_COLUMNS).where(c.lease_run_id.is_not(None))
                 .order_by(c.lease_expires_at))]
+
+
+async def recorded_instructions(conn: AsyncConnection, task_id: str, *,
+                                besides_run: str | None = None) -> tuple[str, ...]:
+    """What the run rows of ``task_id`` (but ``besides_run``'s) were asked to focus on: each
+    distinct text once, in the order the runs started. A manual task's delivery moves its
+    instructions onto its row once it holds the lease (``Store.take_manual``): the task's next
+    delivery finds them there, whether it takes them or hands them back."""
+    r = t.compaction_runs.c
+    stmt = sa.select(r.instructions).where(r.task_id == task_id).order_by(r.started_at)
+    if besides_run is not None:
+        stmt = stmt.where(r.id != besides_run)
+    rows = (await conn.execute(stmt)).scalars().all()
+    return tuple(dict.fromkeys(text for texts in rows for text in texts or ()))
 
 
 def _claim_to_commit(row: Any) -> float | None:

@@ -52,9 +52,9 @@ from compactd.storage.ids import (
     check_tenant,
 )
 from compactd.storage.instructions import (
-    MAX_INSTRUCTIONS,
     carry_instructions,
     check_instructions,
+    first_instructions,
     merge_instructions,
 )
 from compactd.storage.kinds import REPLACE_KINDS, NodeKind
@@ -79,7 +79,7 @@ from compactd.storage.records import (
     VerifyResult,
     utcnow,
 )
-from compactd.storage.runs import RunsMixin
+from compactd.storage.runs import RunsMixin, recorded_instructions
 from compactd.storage.schema import SESSION_COLUMNS, dumps, session_from_record, session_from_row
 from compactd.storage.surface import (
     LoggedEvent,
@@ -571,16 +571,9 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
             held = (await conn.execute(
                 m.delete().where(m.c.session_id == session_id, m.c.task_id == task_id)
                 .returning(m.c.instructions))).scalar()
-            earlier = (await conn.execute(
-                sa.select(r.c.instructions)
-                .where(r.c.task_id == task_id, r.c.id != run_id)
-                .order_by(r.c.started_at))).scalars().all()
-            # The mark never holds more than the bound, nor do the rows an earlier delivery
-            # wrote from it; a mark taken over after its TTL could add to them: the first are
-            # kept, as a coalesced request over the bound is refused.
-            taken = tuple(dict.fromkeys([*instructions, *(held or ()),
-                                         *(text for texts in earlier for text in texts or ())])
-                          )[:MAX_INSTRUCTIONS]
+            taken = first_instructions(instructions, held or (),
+                                       await recorded_instructions(conn, task_id,
+                                                                   besides_run=run_id))
             if taken:
                 await conn.execute(r.update().where(r.c.id == run_id)
                                    .values(instructions=list(taken)))

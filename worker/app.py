@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from functools import cache
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 from celery import Celery
@@ -35,6 +36,16 @@ from compactd.worker.settings import Config, broker_dirs, load_config
 VISIBILITY_MARGIN_S = 300
 
 
+def _kombu_broker_url(config: Config) -> str:
+    """The broker URL as kombu reads it. The filesystem transport never uses a host, but kombu
+    falls back to ``localhost`` for a URL without one and warns about it on every connection
+    (each ``compactd compact`` without a server): the embedded URL names that host itself."""
+    url = urlsplit(config.broker_url)
+    if not config.embedded_broker or url.hostname:
+        return config.broker_url
+    return urlunsplit(url._replace(netloc="localhost", path=url.path or "/"))
+
+
 def celery_settings(config: Config) -> dict[str, Any]:
     w = config.worker
     transport: dict[str, Any] = {}
@@ -49,7 +60,7 @@ def celery_settings(config: Config) -> dict[str, Any]:
         transport["queue_order_strategy"] = broker.QUEUE_ORDER
     exchange = Exchange("compactd", type="direct")
     return {
-        "broker_url": config.broker_url,
+        "broker_url": _kombu_broker_url(config),
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         # Keep retrying a lost broker forever: a Redis restart must not kill the worker.

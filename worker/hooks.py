@@ -9,7 +9,8 @@ once the run holds the session's lease, and answers None (go on) or a mapping:
   its journal.
 
 The function may be a coroutine function (awaited on the worker's loop) or a plain one (run in a
-daemon thread of its own). It gets ``events.hook_timeout_s``, and never more than
+daemon thread of its own; while :data:`HUNG_HOOKS_MAX` of those still run past their time, the
+process calls it no more until one returns). It gets ``events.hook_timeout_s``, and never more than
 :data:`HOOK_SHARE_OF_LEFT` of what is left of the run's deadline (:func:`hook_time_s`), so a hook
 that hangs leaves the run the rest. A hook that raises, hangs past its time or answers something
 else is the hook's failure, not the run's: the run goes on without it, and the error is in the
@@ -24,6 +25,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +37,15 @@ from compactd.storage.instructions import check_instructions
 # The share of what is left of the run's deadline a hook may take: given all of it, a hook that
 # hangs would end the run as cancelled instead of letting it go on without the hook.
 HOOK_SHARE_OF_LEFT = 0.25
+# Threads of a plain hook still running after their run gave up on them, per process: past
+# this, runs go on without calling it, so a hook that always hangs holds this many threads,
+# not one per run. The hook's calls within their time are bounded by the runs themselves.
+HUNG_HOOKS_MAX = 4
+THREAD_NAME = "compactd-pre-compaction-hook"
+
+logger = logging.getLogger(__name__)
+_hung_lock = threading.Lock()
+_hung = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +109,24 @@ async def call_hook(entry_point: str, context: PreCompaction, timeout_s: float) 
     return HookAnswer(answer.instructions, answer.veto, None, journal)
 
 
+class HooksHung(Exception):
+    """A plain hook's earlier calls still run past their time."""
+
+
 async def _in_daemon_thread(hook: Callable[[PreCompaction], Any], context: PreCompaction) -> Any:
     """``hook(context)`` in a daemon thread of its own: one that hangs past its time is left to
     itself, and neither the loop's executor (shared with the run's other blocking calls) nor the
-    process's exit waits for it (a worker's warm shutdown would hang until the hook returned)."""
+    process's exit waits for it (a worker's warm shutdown would hang until the hook returned).
+    Refused (:class:`HooksHung`) while :data:`HUNG_HOOKS_MAX` such threads still run."""
+    global _hung
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[Any] = loop.create_future()
     copied = contextvars.copy_context()
+    given_up = returned = False
+    with _hung_lock:
+        if _hung >= HUNG_HOOKS_MAX:
+            raise HooksHung(f"{_hung} earlier calls of the hook have not returned past their "
+                            "time; it is not called until one does")
 
     def settle(result: Any, error: BaseException | None) -> None:
         if answer.done():  # given up on: the hook's time was up
@@ -115,17 +137,34 @@ async def _in_daemon_thread(hook: Callable[[PreCompaction], Any], context: PreCo
             answer.set_exception(error)
 
     def run() -> None:
+        global _hung
+        nonlocal returned
         try:
             result, error = copied.run(hook, context), None
         except Exception as exc:
             result, error = None, exc
         except BaseException as exc:  # SystemExit, KeyboardInterrupt: the hook's, not the run's
             result, error = None, RuntimeError(f"the hook raised {type(exc).__name__}")
+        with _hung_lock:
+            returned = True
+            if given_up:
+                _hung -= 1
         with contextlib.suppress(RuntimeError):  # the loop closed while the hook ran
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=run, name="compactd-pre-compaction-hook", daemon=True).start()
-    return await answer
+    threading.Thread(target=run, name=THREAD_NAME, daemon=True).start()
+    try:
+        return await answer
+    except asyncio.CancelledError:  # its time was up (or the run's)
+        with _hung_lock:
+            if not returned:
+                given_up = True
+                _hung += 1
+                if _hung == HUNG_HOOKS_MAX:
+                    logger.warning("the pre-compaction hook hung %d times: runs go on without "
+                                   "it until one of those calls returns", _hung,
+                                   extra={"action": "hook.hung"})
+        raise
 
 
 def _answer(raw: Any) -> HookAnswer:

@@ -91,8 +91,8 @@ class Metrics:
             registry=registry)
         self.pressure_to_checkpoint = Histogram(
             "compactd_pressure_to_checkpoint_seconds",
-            "From a session's pending-signal mark to the end of the automatic run that "
-            "committed its checkpoint.",
+            "From a session's pending-signal mark to the commit of the first checkpoint of "
+            "the automatic run that answered it.",
             ["trigger"], buckets=LATENCY_BUCKETS, registry=registry)
         self.retention_purged = Counter(
             "compactd_retention_purged",

@@ -346,15 +346,16 @@ class RunScope:
     # ---------------------------------------------------------------------------- writing
 
     def _checkpoint_at(self) -> Any:
-        """When the agent had its checkpoint: a committed run's end; a partial run's first
-        checkpoint commit (its end is its failure's); None for any other run."""
+        """When the agent could first pick a checkpoint of the run up: its first checkpoint's
+        commit, whatever the run did after it (later rounds, a failure: a partial run's end is
+        its failure's); None for a run that committed none. As ``store.lead_samples`` times
+        it, so the metric and the lead measure one wait."""
         out = self.out
-        if out.outcome == RunStatus.COMMITTED:
-            return self.deps.clock()
-        if out.checkpoint_committed and out.claim_to_commit_s is not None \
-                and self.claimed_at is not None:
+        if not out.checkpoint_committed:
+            return None
+        if out.claim_to_commit_s is not None and self.claimed_at is not None:
             return self.claimed_at + dt.timedelta(seconds=out.claim_to_commit_s)
-        return None
+        return self.deps.clock() if out.outcome == RunStatus.COMMITTED else None
 
     async def commit(self, replacements: Sequence[Replacement], *, what: str,
                      expected: Sequence[tuple[int, int]] | None = None,

@@ -96,12 +96,6 @@ def bulk_busy_countdown(retries_done: int, lease_s: float,
                            rng=rng)
 
 
-async def _earlier_instructions(deps: Deps, task_id: str) -> list[str]:
-    """The instructions the earlier deliveries of ``task_id`` recorded on their run rows."""
-    return [text for earlier in await deps.store.runs_for_task(task_id)
-            for text in earlier.instructions or ()]
-
-
 async def _keep_instructions(deps: Deps, session_id: str, task_id: str,
                              focus: tuple[str, ...], outcome: Outcome | None) -> None:
     """A manual task's run that ended without its run row taking its instructions (it found
@@ -111,7 +105,7 @@ async def _keep_instructions(deps: Deps, session_id: str, task_id: str,
     if outcome is not None and outcome.failure_class == FailureClass.BUSY:
         # What an earlier delivery's run row holds is handed back too: that run may be the
         # one holding the session, its worker killed, and never commit.
-        focus = merge_instructions(focus, await _earlier_instructions(deps, task_id))
+        focus = merge_instructions(focus, await deps.store.task_instructions(task_id))
     else:
         focus = ()
     try:

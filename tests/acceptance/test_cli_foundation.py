@@ -146,3 +146,14 @@ def test_a_password_with_a_slash_written_as_is_in_the_url_reaches_postgres(
         assert len(surface["messages"]) == len(SAMPLE.messages)
     finally:
         asyncio.run(admin_execute(clean_pg, f"DROP ROLE IF EXISTS {role}"))
+
+
+def test_queueing_on_the_embedded_broker_says_only_what_was_queued(cli_env: dict[str, str],
+                                                                   transcript: Path) -> None:
+    """No server: ``compactd compact`` queues on the ``filesystem://`` broker, and kombu's
+    warning about the URL's missing host ("Reverting to default 'localhost'") is noise the user
+    cannot act on."""
+    run(cli_env, "ingest", str(transcript), "--session", "s1")
+    out = run(cli_env, "compact", "s1", "--force")
+    assert "queued on compaction.urgent" in out.stdout
+    assert "hostname" not in out.stderr.lower(), out.stderr

@@ -15,13 +15,14 @@ too, and with a first lead of 0 it lands after it, as before the first lead exis
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 
 from compactd.scheduler.client import CompactdClient
-from compactd.storage.leads import ALL_POOLS
+from compactd.storage.leads import ALL_POOLS, checkpoint_commit_s
 from compactd.worker.settings import load_config
 from tests.support.db import Db
 from tests.support.stack import Stack, wait_until
@@ -97,8 +98,12 @@ def test_a_growing_session_fires_early_by_the_measured_lead_and_lands_before_its
         assert run.signalled_at is not None and run.finished_at is not None
         measured = db.run(lambda s: s.read_leads([ALL_POOLS]))[ALL_POOLS]
         assert measured.source == "auto" and measured.runs == 1
+        # From the signal to the checkpoint's commit (the run's only one, its end with it).
+        first = checkpoint_commit_s(run.stages)
+        assert first is not None
         assert measured.lead_s == pytest.approx(
-            (run.finished_at - run.signalled_at).total_seconds())
+            (run.started_at - run.signalled_at).total_seconds() + first)
+        assert run.started_at + dt.timedelta(seconds=first) <= run.finished_at
         assert measured.lead_s >= 4.0
 
         fake.latency_s = 0.1

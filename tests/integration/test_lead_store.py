@@ -144,12 +144,17 @@ async def _signalled_run(store: Store, session_id: str, outcome: str,
         now=start + dt.timedelta(seconds=ended_after_s))
 
 
-async def test_a_partial_run_s_checkpoint_is_a_lead_sample_timed_to_its_commit(
+async def test_a_run_s_first_checkpoint_is_a_lead_sample_timed_to_its_commit(
         store: Store) -> None:
     # A partial run committed a checkpoint 3 s after its claim, then failed 40 s later: the
     # agent waited 2 + 3 s for it, and that is what the lead learns, not the failure's time.
+    # A committed run's first checkpoint, 4 s after its claim, is picked up before the later
+    # rounds that end it at 8 s: 2 + 4 s.
     await _signalled_run(store, "committed", RunStatus.COMMITTED,
                          {"stages": ["summary"], "claim_to_commit_s": 4.0}, ended_after_s=8)
+    # Written before runs recorded their first commit: timed to its end.
+    await _signalled_run(store, "unstamped", RunStatus.COMMITTED,
+                         {"stages": ["summary"]}, ended_after_s=9)
     await _signalled_run(store, "partial", RunStatus.PARTIAL,
                          {"stages": ["summary"], "claim_to_commit_s": 3.0}, ended_after_s=43)
     # Committed only prunes, or nothing: no checkpoint to time.
@@ -159,10 +164,10 @@ async def test_a_partial_run_s_checkpoint_is_a_lead_sample_timed_to_its_commit(
                          {"stages": [], "claim_to_commit_s": 1.0}, ended_after_s=30)
     samples = await store.lead_samples(since=utcnow() - dt.timedelta(hours=1), limit=10)
     assert sorted((s.pool, round(s.seconds, 3)) for s in samples) == [
-        ("gpt-4o", 5.0), ("gpt-4o", 10.0)]
+        ("gpt-4o", 5.0), ("gpt-4o", 6.0), ("gpt-4o", 11.0)]
     # The claim-to-commit time keep_at: pickup expects: the partial run's first checkpoint too.
     assert sorted(await store.claim_to_commit_durations(
-        "gpt-4o", since=utcnow() - dt.timedelta(hours=1))) == [3.0, 4.0]
+        "gpt-4o", since=utcnow() - dt.timedelta(hours=1))) == [3.0, 4.0, 9.0]
 
 
 async def test_the_claim_to_commit_times_of_both_statuses_are_one_statement(

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from compactd.worker.hooks import PreCompaction, call_hook
+from compactd.worker.hooks import (
+    HUNG_HOOKS_MAX,
+    THREAD_NAME,
+    PreCompaction,
+    call_hook,
+    load_hook,
+)
 
 CONTEXT = PreCompaction(session_id="s1", tenant="acme", run_id="r1", trigger="manual",
                         tokens=1234, instructions=("keep the plan",))
@@ -45,6 +51,7 @@ def hooks() -> Iterator[Any]:
     module.asks, module.hangs, module.blocks = asks, hangs, blocks
     module.release = threading.Event()
     sys.modules[module.__name__] = module
+    load_hook.cache_clear()  # an earlier test's module, its functions bound to its release
     yield module
     module.release.set()
     del sys.modules[module.__name__]
@@ -80,3 +87,28 @@ async def test_a_plain_hook_that_hangs_never_holds_the_process_at_its_exit(hooks
     # wait for at exit (a worker's warm shutdown would wait on the pool's thread until the
     # hook returned).
     assert hooks.thread.is_alive() and hooks.thread.daemon
+
+
+def hook_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+async def test_a_plain_hook_that_always_hangs_holds_a_bounded_number_of_threads(
+        hooks: Any) -> None:
+    for thread in hook_threads():  # another test's, released by its teardown
+        thread.join(5)
+    answers = [await call_hook("compactd_unit_hooks:blocks", CONTEXT, 0.01)
+               for _ in range(HUNG_HOOKS_MAX + 3)]
+    assert len(hook_threads()) == HUNG_HOOKS_MAX
+    assert {a.error for a in answers[:HUNG_HOOKS_MAX]} == {
+        "the hook did not answer within 0.01 s"}
+    for refused in answers[HUNG_HOOKS_MAX:]:
+        assert refused.error == (f"HooksHung: {HUNG_HOOKS_MAX} earlier calls of the hook have "
+                                 "not returned past their time; it is not called until one does")
+    hooks.release.set()
+    for thread in hook_threads():
+        thread.join(5)
+    # Once they returned, the hook is called again.
+    again = await call_hook("compactd_unit_hooks:blocks", CONTEXT, 1.0)
+    assert again.error is None
+

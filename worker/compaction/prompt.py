@@ -188,8 +188,14 @@ class SummaryCall:
 
     @property
     def messages(self) -> tuple[Message, ...]:
-        """The messages themselves, for a model-free summarizer (parts are partial copies)."""
-        return tuple(piece.message for piece in self.pieces)
+        """The messages themselves, for a model-free summarizer (parts are partial copies).
+
+        Without the nodes kept inside the range (:func:`kept_piece`): they stay word for word
+        before the summary, which a model is told (:func:`kept_turns_note`) and an extractor
+        cannot be, so their cut text would stand in it as if it were the message. A call that
+        reads nothing else reads them (there is no other text to summarize)."""
+        read = tuple(piece.message for piece in self.pieces if not piece.kept)
+        return read or tuple(piece.message for piece in self.pieces)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"seqs": list(self.seqs), "input_tokens": self.input_tokens}
