@@ -137,6 +137,8 @@ def pg_schema(pg_url: str) -> str:
 
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An embedded database migrated to head once per test process, copied for each test that
+    needs one: the same file the first ``compactd`` command in an empty home makes."""
     path = tmp_path_factory.mktemp("sqlite-template") / "template.sqlite3"
     _migrate(f"sqlite:///{path}")
     return path
@@ -186,8 +188,21 @@ def isolated_cli_env(home: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """Environment for running ``compactd`` as a subprocess, isolated from the developer's."""
+def cli_env(tmp_path: Path, sqlite_template: Path) -> Iterator[dict[str, str]]:
+    """Environment for running ``compactd`` as a subprocess, isolated from the developer's: a
+    home of its own holding a copy of the migrated embedded database, so that the test's first
+    command does not run the migration chain again (each test still has its own file). A test
+    of what the first command in an empty home does takes ``bare_cli_env``."""
+    from compactd.storage.database import SQLITE_FILENAME
+
+    shutil.copy(sqlite_template, tmp_path / SQLITE_FILENAME)
+    yield isolated_cli_env(tmp_path)
+
+
+@pytest.fixture
+def bare_cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """``cli_env`` with an empty home: the embedded database is created and migrated by the
+    test's first command, as on a user's machine."""
     yield isolated_cli_env(tmp_path)
 
 

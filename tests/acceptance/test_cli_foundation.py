@@ -29,6 +29,14 @@ def env(request: pytest.FixtureRequest, cli_env: dict[str, str]) -> dict[str, st
     return cli_env
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def bare_env(request: pytest.FixtureRequest, bare_cli_env: dict[str, str]) -> dict[str, str]:
+    """``env`` with an empty home: ``migrate`` creates the embedded database."""
+    if request.param == "postgres":
+        bare_cli_env["COMPACTD_DATABASE_URL"] = request.getfixturevalue("clean_pg")
+    return bare_cli_env
+
+
 @pytest.fixture
 def transcript(tmp_path: Path) -> Path:
     path = tmp_path / "session.jsonl"
@@ -36,7 +44,8 @@ def transcript(tmp_path: Path) -> Path:
     return path
 
 
-def test_migrate_ingest_verify_surface(env: dict[str, str], transcript: Path) -> None:
+def test_migrate_ingest_verify_surface(bare_env: dict[str, str], transcript: Path) -> None:
+    env = bare_env
     run(env, "migrate")
     out = run(env, "ingest", str(transcript), "--session", "s1", "--run-model", "gpt-4o",
               "--json")

@@ -112,12 +112,12 @@ def test_export_and_delete_refuse_bad_input(backend_env: dict[str, str], tmp_pat
     (0, "greater than 0"), (-3, "greater than 0"), ("thirty", "valid number"),
     (True, "valid number"), (".inf", "finite number")])
 def test_a_retention_that_is_not_a_positive_number_is_refused_at_load(
-        cli_env: dict[str, str], tmp_path: Path, value: Any, said: str) -> None:
+        bare_cli_env: dict[str, str], tmp_path: Path, value: Any, said: str) -> None:
     for key in ("originals_days", "sessions_idle_days"):
         config = tmp_path / "compactd.yaml"
         text = f"retention:\n  {key}: {value if value != '.inf' else '.inf'}\n"
         config.write_text(text.replace("True", "true"))
-        out = run_cli({**cli_env, "COMPACTD_CONFIG": str(config)}, "status", check=False)
+        out = run_cli({**bare_cli_env, "COMPACTD_CONFIG": str(config)}, "status", check=False)
         assert out.returncode == 2, out
         assert out.stderr.startswith(f"compactd: retention.{key}: "), out.stderr
         assert said in out.stderr, out.stderr

@@ -192,15 +192,32 @@ def test_an_inline_run_on_sqlite_held_past_its_deadline_ends_cancelled(
     path.write_text("".join(json.dumps(m) + "\n" for m in coding_session(
         steps=20, big_output_lines=30, seed=501).messages))
     run_cli(env, "ingest", str(path), "--session", "d2", "--run-model", "fake-gpt")
-    before = json.loads(run_cli(env, "surface", "d2", "--json").stdout)
+    # The test's own reads go to the file directly: the run is the CLI's, what it left is not.
+    database = tmp_path / "compactd.sqlite3"
+
+    async def read() -> tuple[Any, list[Any], list[Any], str | None]:
+        store = Store.from_url(f"sqlite:///{database}")
+        try:
+            runs = await store.session_runs("d2")
+            ends = await store.read_events("d2", kinds=["compaction/end"])
+            session = await store.get_session("d2")
+            return await store.read_surface("d2"), runs, ends, session.lease_run_id
+        finally:
+            await store.close()
+
+    before, *_ = asyncio.run(read())
     fake.latency_s = 1.0
     proc = subprocess.Popen([*compactd_cmd(), "compact", "d2", "--inline", "--json"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: fake.requests, timeout=30, what="the run's model call")
-        lock = sqlite3.connect(tmp_path / "compactd.sqlite3", isolation_level=None)
+        _, [running], _, _ = asyncio.run(read())
+        lock = sqlite3.connect(database, isolation_level=None)
         lock.execute("BEGIN IMMEDIATE")  # the write lock, as another writer holds it
-        time.sleep(deadline_s + 1.5)
+        # Held until the run's deadline, counted from its start, is a second behind: the
+        # summary (back a second after the call) waits on it to commit, past the deadline.
+        past_deadline = running.started_at.timestamp() + deadline_s + 1.0
+        time.sleep(max(0.0, past_deadline - time.time()))
         lock.execute("ROLLBACK")
         lock.close()
         stdout, stderr = proc.communicate(timeout=60)
@@ -209,18 +226,9 @@ def test_an_inline_run_on_sqlite_held_past_its_deadline_ends_cancelled(
     result = json.loads(stdout)
     assert proc.returncode == 1, stdout + stderr
     assert (result["outcome"], result["failure_class"]) == ("failed", "cancelled"), result
-    assert json.loads(run_cli(env, "surface", "d2", "--json").stdout) == before
-
-    async def inspect() -> tuple[Any, list[Any], str | None]:
-        store = Store.from_url(f"sqlite:///{tmp_path / 'compactd.sqlite3'}")
-        try:
-            [run] = await store.session_runs("d2")
-            ends = await store.read_events("d2", kinds=["compaction/end"])
-            return run, ends, (await store.get_session("d2")).lease_run_id
-        finally:
-            await store.close()
-
-    run, ends, lease = asyncio.run(inspect())
+    after, [run], ends, lease = asyncio.run(read())
+    assert after == before, "the session is as it was"
+    assert run.id == running.id
     assert_cancelled_cleanly(run, ends, lease=lease, deadline_s=deadline_s, limit_s=limit_s)
 
 

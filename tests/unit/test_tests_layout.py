@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,3 +203,59 @@ def test_the_timing_check_sees_ceilings_not_floors_and_respects_the_mark(tmp_pat
         "    assert time.monotonic() - t0 < 1\n")
     assert unmarked_timing_assertions(tests) == [
         "tests/test_a.py:6 test_ceiling", "tests/test_a.py:9 test_reversed"]
+
+
+# ------------------------------------------------------------------------------------------
+# the timed phase collects only the files that match ops/test's pattern
+
+TIMED_FILE = re.compile(r"mark\.timed")
+
+
+def timed_files_the_phase_misses(root: Path) -> list[str]:
+    """Test modules with a test marked ``timed`` (by its decorators or the module's
+    ``pytestmark``) whose text does not match the pattern ops/test lists the timed phase's files
+    by: a mark applied through a name of another module, whose tests that phase would never
+    collect."""
+    def names_timed(exprs: list[ast.expr]) -> bool:
+        return any((isinstance(n, ast.Attribute) and n.attr == "timed")
+                   or (isinstance(n, ast.Name) and n.id == "timed")
+                   for e in exprs for n in ast.walk(e))
+
+    missed = []
+    for path in sorted(root.rglob("test_*.py")):
+        tree = _parse(path)
+        marked = any(
+            (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+             and names_timed(node.decorator_list))
+            or (isinstance(node, ast.Assign) and names_timed([node.value])
+                and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets))
+            for node in ast.walk(tree))
+        if marked and not TIMED_FILE.search(path.read_text()):
+            missed.append(str(path.relative_to(root.parent)))
+    return missed
+
+
+def test_every_module_with_a_timed_test_is_one_the_timed_phase_collects() -> None:
+    assert f"grep -rlE '{TIMED_FILE.pattern}' tests --include='test_*.py'" in (
+        TESTS.parent / "ops" / "test").read_text(), "ops/test lists the timed files otherwise"
+    missed = timed_files_the_phase_misses(TESTS)
+    assert not missed, ("ops/test's timed phase would not collect these: mark their tests "
+                        "with pytest.mark.timed written out:\n" + "\n".join(missed))
+
+
+def test_the_timed_files_check_finds_a_mark_under_another_name(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_direct.py").write_text(
+        "import pytest\n@pytest.mark.timed\ndef test_a():\n    pass\n")
+    (tests / "test_module.py").write_text(
+        "import pytest\npytestmark = [pytest.mark.slow, pytest.mark.timed]\n"
+        "def test_a():\n    pass\n")
+    (tests / "test_aliased.py").write_text(
+        "from tests.support.marks import timed\n@timed\ndef test_a():\n    pass\n")
+    (tests / "test_aliased_module.py").write_text(
+        "from tests.support.marks import timed\npytestmark = timed\n"
+        "def test_a():\n    pass\n")
+    (tests / "test_untimed.py").write_text("def test_a():\n    pass\n")
+    assert timed_files_the_phase_misses(tests) == [
+        "tests/test_aliased.py", "tests/test_aliased_module.py"]
