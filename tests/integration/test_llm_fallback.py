@@ -20,6 +20,7 @@ from compactd.scheduler.samples import coding_session
 from compactd.storage.messages import Message, parse_openai
 from compactd.storage.tokens import counter_for
 from compactd.worker.compaction.policy import Policy
+from compactd.worker.compaction.sharing import CacheHints
 from compactd.worker.compaction.validation import missing_sections, validate_summary
 from compactd.worker.llm import (
     Availability,
@@ -40,6 +41,8 @@ PROMPT_MARKER = "PROMPT-TEXT-MARKER-7731"
 FAST = RetryPolicy(max_attempts=4, candidate_budget_s=10, retry_after_cap_s=0.3,
                    backoff_initial_s=0.01, backoff_max_s=0.05, jitter=False)
 COUNTER = counter_for(None)
+# A long agent request's messages: a coding session's turns and tool results.
+LONG_REQUEST_MESSAGES = 5_000
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +153,45 @@ async def test_an_auth_error_moves_on_without_a_retry(fake: FakeProvider,
     again = await run(req, candidates(spec(fake, "a"), spec(fake, "b", "anthropic")), pool)
     assert [(a.candidate, a.kind) for a in again.attempts] == [("a", "unavailable"), ("b", None)]
     assert fake.requests_for(model="a-model") == []
+
+
+@pytest.mark.timed
+async def test_a_call_carrying_a_long_request_is_sent_as_it_is_without_delay(
+        fake: FakeProvider, pool: ProviderPool) -> None:
+    """A summary call sharing the agent's cache carries the runtime's whole request, often
+    thousands of messages: they reach the provider byte for byte (with the key and the cache
+    key), and building the request takes a small part of a model call's time."""
+    fake.script(Behaviour(model="long-model", keep_body=True, times=-1))
+    chat = [{"role": "system", "content": f"Summarize. {PROMPT_MARKER}"},
+            *({"role": "user" if i % 2 else "assistant", "content": f"step {i}: edited parser.py"}
+              for i in range(LONG_REQUEST_MESSAGES)),
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "read_file", "arguments": '{"path": "parser.py"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "def parse(): ..."}]
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    req = SummaryRequest.of(chat, max_tokens=300, tools=tools,
+                            cache=CacheHints(prompt_cache_key="agent-7"))
+    cands = candidates(spec(fake, "long"))
+
+    async def call(chat_req: SummaryRequest) -> Any:
+        return await summarize(chat_req, candidates=cands, validate=lambda _text: None,
+                               deadline_s=20, providers=pool, retry=FAST)
+
+    # A first short call builds the client (the SDK's import) and opens its connection.
+    await call(SummaryRequest.of(chat[:2], max_tokens=300))
+    started = time.monotonic()
+    outcome = await call(req)
+    elapsed = time.monotonic() - started
+    assert outcome.candidate.name == "long" and outcome.attempts[0].http_attempts == 1
+    _, record = fake.requests
+    assert record.body is not None
+    assert record.body["messages"] == chat and record.body["tools"] == tools
+    assert record.body["prompt_cache_key"] == "agent-7"
+    assert record.headers["authorization"] == f"Bearer {API_KEY}"
+    # The SDK's own request transform took seconds for this many messages.
+    assert elapsed < 1.0, elapsed
 
 
 @pytest.mark.timed

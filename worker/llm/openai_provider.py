@@ -80,15 +80,20 @@ class OpenAIChatProvider:
         import openai  # imported by build already: a dictionary lookup
         limit = cap(max_tokens, self._max_output)
         kwargs: dict[str, Any] = {self._token_param: limit}
+        # The messages and tools go in extra_body, whose keys replace the body's: create() would
+        # walk every message, content part and schema through the SDK's type-driven transform,
+        # which for a call carrying the runtime's whole request (share_cache) took longer than
+        # the model's answer, and grows faster than the request (docs/benchmarks.md, "Prefix
+        # cache cost"). They are plain JSON already, which that transform leaves as it is.
+        body: dict[str, Any] = {"messages": [dict(m) for m in chat]}
         if tools:
-            kwargs["tools"] = [openai_tool(t) for t in tools]
+            body["tools"] = [openai_tool(t) for t in tools]
         if cache is not None and cache.prompt_cache_key:
             # The runtime's key routes the call to the cache its requests filled.
             kwargs["prompt_cache_key"] = cache.prompt_cache_key
         with openai_errors():
             raw = await self._client.chat.completions.with_raw_response.create(
-                model=self.candidate.model_id, messages=[dict(m) for m in chat],  # type: ignore[misc]
-                **kwargs)
+                model=self.candidate.model_id, messages=[], extra_body=body, **kwargs)
         request_id = raw.request_id
         try:
             parsed: Any = raw.parse()
