@@ -379,6 +379,9 @@ class Agent:
         # read and what arrived while it ran (run_tail).
         self.appended: list[Appended] = []
         self.runs: list[dict[str, int]] = []
+        # A compactd session's runs by how they ended (committed, nothing_to_do, ...): what a
+        # trigger the keep cannot get under costs in runs that change nothing.
+        self.outcomes: dict[str, int] = {}
         # Per request, the conversation's tokens as the provider counted them (negative for a
         # request that did not extend the previous one): where each side's context went.
         self.trace: list[int] = []
@@ -500,6 +503,15 @@ def tail_summary(agents: Iterable[Agent]) -> dict[str, Any] | None:
                 sum(m.tokens for m in appended) / len(appended))}
 
 
+def run_outcomes(agents: Iterable[Agent]) -> dict[str, int]:
+    """A compactd side's runs by how they ended, over its sessions (empty in band)."""
+    out: dict[str, int] = {}
+    for agent in agents:
+        for status, n in agent.outcomes.items():
+            out[status] = out.get(status, 0) + n
+    return dict(sorted(out.items()))
+
+
 def agent_sdk(fake_url: str) -> AsyncOpenAI:
     return AsyncOpenAI(api_key=FAKE_KEY, base_url=f"{fake_url}/v1", max_retries=0,
                        timeout=120, default_headers={AGENT_HEADER: "agent"})
@@ -580,7 +592,9 @@ def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
         "seconds": round(seconds, 1),
         "resent": resent_summary([b for a in agents.values() for b in a.breaks]),
         "run_tails": tail_summary(agents.values()),
+        "run_outcomes": run_outcomes(agents.values()),
         "sessions": {name: {**a.tally.report(), "breaks": a.breaks, "runs": a.runs,
+                            "run_outcomes": a.outcomes,
                             "trace": a.trace}
                      for name, a in agents.items()},
     })
@@ -735,6 +749,9 @@ async def drive_compactd(stack: Stack, sessions: Sequence[Session], args: argpar
         await drain(stack)
         runs = await client.store.recent_runs(limit=1_000_000)
     for run in sorted(runs, key=lambda r: r.started_at):
+        if run.session_id in agents:
+            outcomes = agents[run.session_id].outcomes
+            outcomes[run.status] = outcomes.get(run.status, 0) + 1
         if run.status == RunStatus.COMMITTED and run.session_id in agents:
             agent = agents[run.session_id]
             agent.tally.compactions += 1
@@ -1030,6 +1047,10 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{r['messages_per_request']} messages each at {r['tokens_per_message']} "
                       f"tokens a message; their own steps {r['step_tokens_per_message']} tokens "
                       f"a message")
+            if rep.get("run_outcomes"):
+                print(f"{side}: runs " + ", ".join(
+                    f"{status} {n}" for status, n in rep["run_outcomes"].items())
+                      + f"; {rep['summarizer_calls']} summarizer calls")
             tails = rep.get("run_tails")
             if tails:
                 kept, arrived = tails["kept_at_read"], tails["arrived_during_run"]
