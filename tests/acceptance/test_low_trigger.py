@@ -8,7 +8,9 @@ compaction can bring the session under it until the observation leaves the keep.
 steps on at its own pace meanwhile, every append over the trigger. No summary is asked for
 that could only replace the last checkpoint and a step or two, leaving the session over its
 trigger (a summary call and a break of the agent's cache for a few dozen tokens each): the
-checkpoints written are those that bring the session under its trigger.
+checkpoints written are those that bring the session under its trigger. Nor does every append
+fire a run that changes nothing: the run that found nothing worth doing named the growth after
+which one could (the observation out of the keep), and the appends until then fired none.
 """
 
 from __future__ import annotations
@@ -94,3 +96,7 @@ def test_a_session_the_keep_holds_over_its_trigger_is_not_compacted_on_every_app
                                                    for r in runs]
     # One summary call per checkpoint: no call was made whose summary was thrown away.
     assert len(fake.requests) == len(committed), [r.model for r in fake.requests]
+    # And not a run on every append meanwhile: the run that found nothing worth doing named
+    # the growth after which one could, and the appends until then fired none.
+    assert len([r for r in runs if r.status == "nothing_to_do"]) <= 1, [
+        (r.status, r.tokens_before, r.tokens_after, r.error) for r in runs]
