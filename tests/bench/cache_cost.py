@@ -54,7 +54,8 @@ Profiles (``--profiles``; ``--think`` and ``--latency`` together give one of you
 (today's: agent call and summary call 0.1 s each, so the worker's own overheads, queueing, claims,
 commits, the agent's poll, weigh as much as a step) and ``realistic`` (both 0.5 s: an agent step
 takes about as long as a summary call, as with real models, and the overheads weigh less).
-``--triggers`` runs every side at each trigger: the frontier of cost against stall.
+``--triggers`` runs every side at each trigger: the frontier of cost against stall (the
+README's: ``--triggers 4000,6000,8000,16000,32000``).
 
 Cache rules, applied to the same requests:
 
@@ -94,6 +95,9 @@ rule under ``rules``:
   per session, ``breaks`` lists each such request (:func:`prefix_break`). In band the
   compaction comes on the step that crossed the trigger, which its request sends as its own;
   out of band the pickup comes steps later, and that step is among the re-sent.
+* ``run_outcomes`` (compactd sides): the runs by how they ended (``committed``,
+  ``nothing_to_do``, ...), summed over the sessions and per session: a trigger below the kept
+  tail shows here as runs that changed nothing.
 * ``run_tails`` (compactd sides): per committed run, on average, the messages it kept at its
   read and those that arrived while it ran (messages a run, tokens a message), beside the
   tokens a message of everything appended; per session, ``runs`` lists each (:func:`run_tail`).
