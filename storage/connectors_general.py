@@ -465,6 +465,9 @@ async def write_end(conn: AsyncConnection, session_id: str, run_id: str, seq: in
     """A run ended without a commit: its journal end, the lease cleared, the run's result."""
     await conn.execute(_INSERT_EVENTS, end_event(session_id, run_id, seq, end, now))
     await conn.execute(_END_LEASE, {"b_id": session_id, "b_last_seq": seq})
+    if end.refire is not None:
+        await conn.execute(_REFIRE, {"b_id": session_id, "b_tokens": end.refire[0],
+                                     "b_version": end.refire[1]})
     await end_run(conn, session_id, run_id, end, now)
 
 
@@ -588,6 +591,9 @@ _INSERT_RUN = t.compaction_runs.insert()
 _END_LEASE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
               .values(last_seq=sa.bindparam("b_last_seq"), lease_owner=None, lease_run_id=None,
                       lease_expires_at=None))
+_REFIRE = (t.sessions.update().where(_c.id == sa.bindparam("b_id"))
+           .values(refire_tokens=sa.bindparam("b_tokens"),
+                   refire_version=sa.bindparam("b_version")))
 _INSERT_NODES = t.surface.insert()
 _PREFIX = (sa.select(_s.position, _s.seq, _s.tokens)
            .where(_s.session_id == sa.bindparam("b_session"),

@@ -96,6 +96,10 @@ class SessionInfo:
     compacted_version: int | None = None
     lead_s: float = 0.0
     compacted_tokens: int | None = None
+    # The pressure below which the session does not fire again, valid while
+    # ``compacted_version`` is ``refire_version`` (``worker.pressure.held_back``).
+    refire_tokens: int | None = None
+    refire_version: int | None = None
     # The counters kept by name (``storage.counters``): the sums, the sweep's floors, and
     # whether some sum reaches its floor.
     counts: dict[str, int] | None = None
@@ -261,6 +265,10 @@ class RunEnd:
     instructions: tuple[str, ...] = ()
     # What the pre-compaction hook answered or how it failed (worker.hooks), journaled.
     hook: dict[str, Any] | None = None
+    # A run that left its session over its trigger with nothing a run could do yet: the
+    # pressure below which the session does not fire again, and the ``compacted_version`` the
+    # run saw (written on the session row with the run's end).
+    refire: tuple[int, int | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,6 +135,11 @@ sessions = sa.Table(
     # The surface and envelope tokens the last commit that replaced part of the surface left
     # (NULL: none yet): the lead fires a session early by at most what it grew since.
     sa.Column("compacted_tokens", sa.BigInteger, nullable=True),
+    # A run that could not bring the session under its trigger: the pressure below which it
+    # does not fire again (``worker.compaction.refire``), while ``compacted_version`` is still
+    # the one that run saw (``refire_version``; a replacing commit since makes the mark stale).
+    sa.Column("refire_tokens", sa.BigInteger, nullable=True),
+    sa.Column("refire_version", sa.BigInteger, nullable=True),
     # The counters kept by name (``storage.counters``; NULL: none counted), their floors for
     # the sweep (NULL: none), and whether some count reaches its floor: kept by every write of
     # either (the append, the commit, the sweep's resolve) since a generated column cannot

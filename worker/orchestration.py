@@ -212,6 +212,11 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
         if not current.compacts:
             _nothing_done(out, round_no,
                           current.prune_held or current.nothing_to_do or current.why_no_summary)
+            if current.refire_growth is not None and out.trigger in AUTOMATIC_TRIGGERS:
+                # Over its trigger with nothing worth a run until it grows: the appends until
+                # then do not fire one each (worker.compaction.refire).
+                out.refire = (current.tokens_after_prune + current.refire_growth,
+                              info.compacted_version)
             break
         last_round = round_no + 1 >= policy.max_rounds
         if current.recall_pass is not None:

@@ -224,11 +224,21 @@ def sorted_runways(infos: Iterable[SessionInfo], config: Config, now: dt.datetim
     return sorted((r for r in found if r is not None), key=lambda r: (r.seconds, r.session))
 
 
+def held_back(info: SessionInfo, pressure: Pressure) -> bool:
+    """Whether the session waits for growth before it fires again: a run could not bring it
+    under its trigger and found nothing worth doing until it grows past ``refire_tokens``
+    (``worker.compaction.refire``). A commit that replaced part of the surface since (its
+    ``compacted_version`` moved) ends the wait."""
+    return (info.refire_tokens is not None and info.refire_version == info.compacted_version
+            and pressure.tokens < info.refire_tokens)
+
+
 def over_trigger(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:
-    """Over the summary trigger when a checkpoint would land: what sweeps and the reaper look
-    for."""
+    """Over the summary trigger when a checkpoint would land, and not waiting for growth after
+    a run that could not relieve it: what sweeps and the reaper look for."""
     policy = session_policy(info, config)
-    return should_compact(lead_pressure(info, policy, config, now), policy)[0]
+    return (should_compact(lead_pressure(info, policy, config, now), policy)[0]
+            and not held_back(info, session_pressure(info, policy)))
 
 
 def wants_run(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:
@@ -244,6 +254,9 @@ def explain(info: SessionInfo, config: Config, now: dt.datetime | None = None
     pressure = session_pressure(info, policy)
     fired, reason = should_run(pressure, policy,
                                lead_tokens=growth_tokens(info, policy, config, now))
+    if fired and held_back(info, pressure):
+        return False, (f"{reason}; waits until {info.refire_tokens} tokens: the last run "
+                       "could not bring it under its trigger"), pressure
     return fired, reason, pressure
 
 

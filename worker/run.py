@@ -114,6 +114,9 @@ class Outcome:
     instructions: tuple[str, ...] = ()
     # The pre-compaction hook's answer or failure (worker.hooks), for the journal.
     hook: dict[str, Any] | None = None
+    # An automatic run that left its session over its trigger with nothing worth a run yet:
+    # the pressure below which it does not fire again and the compacted_version it saw.
+    refire: tuple[int, int | None] | None = None
 
     @property
     def failed(self) -> bool:
@@ -178,7 +181,7 @@ class Outcome:
                               **({"claim_to_commit_s": round(self.claim_to_commit_s, 3)}
                                  if self.claim_to_commit_s is not None else {})},
                       range_seqs=self.replaced_seqs or None, signalled_at=self.signalled_at,
-                      instructions=self.instructions, hook=self.hook)
+                      instructions=self.instructions, hook=self.hook, refire=self.refire)
 
 
 def committed_steps(checkpoints: int, prunes: int) -> str:

@@ -54,7 +54,8 @@ Profiles (``--profiles``; ``--think`` and ``--latency`` together give one of you
 (today's: agent call and summary call 0.1 s each, so the worker's own overheads, queueing, claims,
 commits, the agent's poll, weigh as much as a step) and ``realistic`` (both 0.5 s: an agent step
 takes about as long as a summary call, as with real models, and the overheads weigh less).
-``--triggers`` runs every side at each trigger: the frontier of cost against stall.
+``--triggers`` runs every side at each trigger: the frontier of cost against stall (the
+README's: ``--triggers 4000,6000,8000,16000,32000``).
 
 Cache rules, applied to the same requests:
 
@@ -94,6 +95,9 @@ rule under ``rules``:
   per session, ``breaks`` lists each such request (:func:`prefix_break`). In band the
   compaction comes on the step that crossed the trigger, which its request sends as its own;
   out of band the pickup comes steps later, and that step is among the re-sent.
+* ``run_outcomes`` (compactd sides): the runs by how they ended (``committed``,
+  ``nothing_to_do``, ...), summed over the sessions and per session: a trigger below the kept
+  tail shows here as runs that changed nothing.
 * ``run_tails`` (compactd sides): per committed run, on average, the messages it kept at its
   read and those that arrived while it ran (messages a run, tokens a message), beside the
   tokens a message of everything appended; per session, ``runs`` lists each (:func:`run_tail`).
@@ -379,6 +383,9 @@ class Agent:
         # read and what arrived while it ran (run_tail).
         self.appended: list[Appended] = []
         self.runs: list[dict[str, int]] = []
+        # A compactd session's runs by how they ended (committed, nothing_to_do, ...): what a
+        # trigger the keep cannot get under costs in runs that change nothing.
+        self.outcomes: dict[str, int] = {}
         # Per request, the conversation's tokens as the provider counted them (negative for a
         # request that did not extend the previous one): where each side's context went.
         self.trace: list[int] = []
@@ -500,6 +507,15 @@ def tail_summary(agents: Iterable[Agent]) -> dict[str, Any] | None:
                 sum(m.tokens for m in appended) / len(appended))}
 
 
+def run_outcomes(agents: Iterable[Agent]) -> dict[str, int]:
+    """A compactd side's runs by how they ended, over its sessions (empty in band)."""
+    out: dict[str, int] = {}
+    for agent in agents:
+        for status, n in agent.outcomes.items():
+            out[status] = out.get(status, 0) + n
+    return dict(sorted(out.items()))
+
+
 def agent_sdk(fake_url: str) -> AsyncOpenAI:
     return AsyncOpenAI(api_key=FAKE_KEY, base_url=f"{fake_url}/v1", max_retries=0,
                        timeout=120, default_headers={AGENT_HEADER: "agent"})
@@ -580,7 +596,9 @@ def side_report(agents: dict[str, Agent], summary: Usage, seconds: float,
         "seconds": round(seconds, 1),
         "resent": resent_summary([b for a in agents.values() for b in a.breaks]),
         "run_tails": tail_summary(agents.values()),
+        "run_outcomes": run_outcomes(agents.values()),
         "sessions": {name: {**a.tally.report(), "breaks": a.breaks, "runs": a.runs,
+                            "run_outcomes": a.outcomes,
                             "trace": a.trace}
                      for name, a in agents.items()},
     })
@@ -735,6 +753,9 @@ async def drive_compactd(stack: Stack, sessions: Sequence[Session], args: argpar
         await drain(stack)
         runs = await client.store.recent_runs(limit=1_000_000)
     for run in sorted(runs, key=lambda r: r.started_at):
+        if run.session_id in agents:
+            outcomes = agents[run.session_id].outcomes
+            outcomes[run.status] = outcomes.get(run.status, 0) + 1
         if run.status == RunStatus.COMMITTED and run.session_id in agents:
             agent = agents[run.session_id]
             agent.tally.compactions += 1
@@ -1030,6 +1051,10 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{r['messages_per_request']} messages each at {r['tokens_per_message']} "
                       f"tokens a message; their own steps {r['step_tokens_per_message']} tokens "
                       f"a message")
+            if rep.get("run_outcomes"):
+                print(f"{side}: runs " + ", ".join(
+                    f"{status} {n}" for status, n in rep["run_outcomes"].items())
+                      + f"; {rep['summarizer_calls']} summarizer calls")
             tails = rep.get("run_tails")
             if tails:
                 kept, arrived = tails["kept_at_read"], tails["arrived_during_run"]

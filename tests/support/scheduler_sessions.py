@@ -19,9 +19,11 @@ TRIGGER = 400
 
 
 def make_config(db_url: str, *, broker: str = "memory://", trigger: int = TRIGGER,
-                keep: int = 2, worker: dict[str, Any] | None = None) -> Config:
+                keep: int = 2, worker: dict[str, Any] | None = None,
+                summarization: dict[str, Any] | None = None) -> Config:
     raw = {"summarization": {"trigger": {"type": "tokens", "value": trigger},
-                             "keep": {"type": "messages", "value": keep}},
+                             "keep": {"type": "messages", "value": keep},
+                             **(summarization or {})},
            "worker": {"metrics_port": 0, **(worker or {})}}
     return build_config(raw, settings=Settings(database_url=db_url, broker_url=broker))
 

@@ -14,6 +14,7 @@ from compactd.worker.compaction.policy import (
     PolicyError,
     parse_policy,
 )
+from compactd.worker.compaction.refire import refire_growth, usual_step
 from tests.support.surfaces import NOW, ai, nodes, sys, tool, user
 
 WARM = NOW - timedelta(seconds=10)
@@ -134,3 +135,55 @@ def test_the_keys_parse_and_round_trip():
     default = parse_policy({})
     assert (default.clear_at_least, default.cache_ttl_s) == (DEFAULT_CLEAR_AT_LEAST,
                                                                DEFAULT_CACHE_TTL_S)
+
+
+# A trigger below the kept tail: a long observation among the kept messages.
+def _stuck_surface():
+    return nodes(sys(), user("fix the bug"), ai("looking " * 60), user("obs " * 100),
+                 ai("next " * 60), user("a long observation " * 1500), ai("reading it"),
+                 user("short obs"))
+
+
+def _stuck_policy(**raw):
+    return parse_policy({"trigger": ["tokens", 3000], "keep": {"type": "messages", "value": 3},
+                         **raw}).resolve(100_000)
+
+
+def test_a_summary_that_cannot_relieve_and_frees_little_is_not_asked_for_while_warm():
+    surface, policy = _stuck_surface(), _stuck_policy()
+    warm = plan(surface, policy=policy, now=NOW, outlook=WARM_WAITING)
+    assert warm.summarize is None and warm.fired
+    assert "clear_at_least" in (warm.nothing_to_do or "") and warm.refire_growth
+    # The growth after which the observation has left the keep of 3 for usual steps.
+    assert warm.refire_growth < 200
+    # A cold cache, a run that never waits, clear_at_least 0: summarized, as before.
+    for other in (plan(surface, policy=policy, now=NOW, outlook=COLD_WAITING),
+                  plan(surface, policy=policy, now=NOW, outlook=Outlook(last_append_at=WARM)),
+                  plan(surface, policy=_stuck_policy(clear_at_least=0), now=NOW,
+                       outlook=WARM_WAITING)):
+        assert other.summarize is not None and other.refire_growth is None
+    # A keep that lets the observation go: the summary relieves, and is asked for.
+    relieving = plan(surface, policy=_stuck_policy(keep={"type": "messages", "value": 1}),
+                     now=NOW, outlook=WARM_WAITING)
+    assert relieving.summarize is not None
+
+
+@pytest.mark.parametrize(
+    ("tail", "rest", "step", "growth"),
+    [
+        # the long message leaves the keep with the first arrival
+        ([5000, 50, 50], 500, 50, 50),
+        # ... with the third
+        ([50, 50, 5000], 500, 50, 150),
+        # no turnover of the tail gets under: the growth a summary needs to pay for a break
+        ([50, 50, 50], 2950, 50, 6400),
+        ([5000, 50, 50], 500, 10_000, 10_000),
+    ],
+)
+def test_refire_growth(tail, rest, step, growth):
+    assert refire_growth(tail, rest_tokens=rest, threshold=3000, step=step,
+                         clear_at_least=6400) == growth
+
+
+def test_usual_step_is_the_median():
+    assert usual_step([40, 60, 6000]) == 60 and usual_step([]) == 1

@@ -41,3 +41,25 @@ def hold_edits(freed_tokens: int, *, policy: Policy, pressure_tokens: int,
             f"({policy.clear_at_least}), and the agent's cache is warm (last append "
             f"{max(0.0, idle_s):.0f} s ago, cache_ttl_s {policy.cache_ttl_s:g}): they ride "
             "with the next summary's commit")
+
+
+
+def summary_wasted(freed_at_most: int, *, policy: Policy, pressure_tokens: int, relieves: bool,
+                   last_append_at: datetime | None, now: datetime, forced: bool) -> str | None:
+    """Why a summary freeing at most ``freed_at_most`` tokens (its range less an empty
+    checkpoint) is not asked for, or None when it is. A summary that can bring the session
+    under its trigger always is. One that cannot (the kept tail, or the envelope beside it,
+    holds the rest: a trigger below what any compaction reaches) commits a checkpoint that
+    breaks the agent's cache for what it frees, as an edit committed alone does, and is asked
+    for on the same terms (:func:`hold_edits`: at least ``clear_at_least``, or a cold cache,
+    or safety). Without this, a trigger set below the kept tail rewrites the checkpoint with
+    every step the keep lets go of, each time for a few dozen tokens."""
+    if relieves:
+        return None
+    if hold_edits(freed_at_most, policy=policy, pressure_tokens=pressure_tokens,
+                  last_append_at=last_append_at, now=now, forced=forced) is None:
+        return None
+    return (f"a summary would free at most {freed_at_most} tokens and leave the session over "
+            f"its trigger (the kept tail holds the rest): under clear_at_least "
+            f"({policy.clear_at_least}), with the agent's cache warm, its checkpoint would "
+            "cost the agent more than it frees")

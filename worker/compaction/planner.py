@@ -36,12 +36,13 @@ from compactd.storage.tokens import TokenCounter, counter_for
 from compactd.worker.compaction.arrivals import Arrivals, keep_at_pickup
 from compactd.worker.compaction.boundary import (
     Selection,
+    is_checkpoint,
     protected,
     resolve_keep,
     select_range,
     unsafe_boundaries,
 )
-from compactd.worker.compaction.cache_breaks import hold_edits
+from compactd.worker.compaction.cache_breaks import hold_edits, summary_wasted
 from compactd.worker.compaction.policy import Clause, Policy
 from compactd.worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
 from compactd.worker.compaction.pruning import (
@@ -59,6 +60,7 @@ from compactd.worker.compaction.recall import (
     span_of,
 )
 from compactd.worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
+from compactd.worker.compaction.refire import refire_growth, usual_step
 from compactd.worker.compaction.render import Skill, checkpoint_message
 from compactd.worker.compaction.skills import capture_skills
 from compactd.worker.compaction.triggers import Pressure, measure, should_clear, should_compact
@@ -161,6 +163,10 @@ class Plan:
     # Why ``prune`` does not commit on its own (cache_breaks.hold_edits): it rides with
     # ``summarize``'s commit, or, with no summary, waits for a later run's.
     prune_held: str | None = None
+    # Set when no summary is asked for because none could bring the session under its
+    # trigger (cache_breaks.summary_wasted): the growth after which a run could
+    # (:mod:`worker.compaction.refire`).
+    refire_growth: int | None = None
 
     @property
     def compacts(self) -> bool:
@@ -323,7 +329,38 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         # No summary to ride with while the session is over its trigger: the edits are the
         # relief there is, and commit alone.
         return done(actions, after.tokens, None, step.reason)
+    if isinstance(step, SummarizeStep) and not inputs.force:
+        wasted = _wasted(step, surface, inputs, after)
+        if wasted is not None:
+            # As above: the edits, if any, are the relief there is.
+            return replace(done(actions, after.tokens, None, wasted[0]),
+                           refire_growth=wasted[1])
     return done(actions, after.tokens, step, None, held=held)
+
+
+def _wasted(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs: PlanInputs,
+            pressure: Pressure) -> tuple[str, int] | None:
+    """Why ``step``'s summary is not asked for (cache_breaks.summary_wasted) and the growth
+    after which a run could relieve the session (refire_growth), or None."""
+    policy = inputs.policy
+    window = policy.context_window
+    empty = _empty_checkpoint_tokens(policy.render, inputs.run_model)
+    freed = max(0, step.replaced_tokens - empty)
+    relieves = not should_compact(pressure.reduced_by(freed, window), policy)[0]
+    why = summary_wasted(freed, policy=policy, pressure_tokens=pressure.tokens,
+                         relieves=relieves, last_append_at=inputs.outlook.last_append_at,
+                         now=inputs.now,
+                         forced=inputs.force or not inputs.outlook.edits_may_wait)
+    threshold = policy.threshold_tokens()
+    if why is None or threshold is None:
+        return None
+    gone = set(step.replace_seqs)
+    last = max(i for i, node in enumerate(surface) if node.seq in gone)
+    tail = [node.tokens for node in surface[last + 1:]]
+    rest = pressure.tokens - sum(tail) - freed
+    messages = [node.tokens for node in surface if not is_checkpoint(node)]
+    return why, refire_growth(tail, rest_tokens=rest, threshold=int(threshold),
+                              step=usual_step(messages), clear_at_least=policy.clear_at_least)
 
 
 def _edits(nodes: Sequence[SurfaceNode], policy: Policy, counter: TokenCounter,
