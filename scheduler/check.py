@@ -18,10 +18,6 @@ from typing import Any
 
 from compactd.scheduler.output import EXIT_FAILED, EXIT_OK, emit, redact_url, say
 from compactd.storage.kinds import ModelFailure
-from compactd.worker.llm.candidates import Candidate
-from compactd.worker.llm.errors import ProviderError
-from compactd.worker.llm.provider import Attribution, BuildError
-from compactd.worker.llm.providers import build_provider
 from compactd.worker.settings import Config, ModelSpec
 
 # The longest one model's check waits for its answer (less when the model's timeout_s is less).
@@ -52,6 +48,11 @@ class ModelCheck:
 
 async def check_model(spec: ModelSpec, config: Config) -> ModelCheck:
     """One minimal call to ``spec``'s model, bounded by :data:`CHECK_TIMEOUT_S`."""
+    # Imported here for start-up time: every command registers check, only check builds clients.
+    from compactd.worker.llm.candidates import Candidate
+    from compactd.worker.llm.errors import ProviderError
+    from compactd.worker.llm.provider import Attribution, BuildError
+    from compactd.worker.llm.providers import build_provider
 
     def result(reachable: bool, error: str | None = None) -> ModelCheck:
         return ModelCheck(spec.name, spec.provider, spec.model_id,

@@ -1,5 +1,9 @@
 """CLI commands beyond the foundation's: plan, compact, signal, status, recompact, serve, and
-recall (history search, history read, tools)."""
+recall (history search, history read, tools).
+
+What only some commands need (the planner, the client and its enqueuing, the status report) is
+imported in their handlers: every ``compactd`` process imports this module to build its parser,
+and most run one of the foundation's commands (tests/unit/test_cli_startup.py holds the line)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,6 @@ from compactd.scheduler.args import (
     seconds,
     whole,
 )
-from compactd.scheduler.client import CompactdClient
 from compactd.scheduler.intake import parse_signal
 from compactd.scheduler.output import (
     EXIT_CODES_HELP,
@@ -29,7 +32,6 @@ from compactd.scheduler.output import (
     open_store,
     say,
 )
-from compactd.scheduler.status import render_status, session_status, status
 from compactd.storage.errors import InvalidMessage, RecallArgumentError
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS, check_instructions
 from compactd.storage.kinds import RunCause, RunStatus, SignalReason
@@ -41,11 +43,9 @@ from compactd.storage.recall_bounds import (
     MIN_READ_TOKENS,
 )
 from compactd.storage.records import utcnow
-from compactd.worker.compaction.planner import Outlook, plan
 from compactd.worker.compaction.recall_tools import check_read, check_search, tools_document
 from compactd.worker.cost import usage_cost
 from compactd.worker.limits import parse_rate
-from compactd.worker.pickup import predict_arrivals
 from compactd.worker.pressure import growth_tokens, session_policy
 from compactd.worker.settings import Config
 
@@ -58,6 +58,9 @@ COMPACT_WAIT_S = 120.0
 
 
 async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
+    from compactd.worker.compaction.planner import Outlook, plan
+    from compactd.worker.pickup import predict_arrivals
+
     keep = parse_keep(args.keep)
     async with open_store(config, reads=args.session) as store:
         info = await store.get_session(args.session)
@@ -138,6 +141,8 @@ async def cmd_compact(args: argparse.Namespace, config: Config) -> int:
                                     keep=keep, instructions=() if focus is None else (focus,))
         result = {**outcome.to_json(), "cost": usage_cost(outcome.usage, config.prices)}
     else:
+        from compactd.scheduler.client import CompactdClient
+
         async with CompactdClient(config) as client:
             handle = await client.get_session(args.session)
             result = await handle.compact(force=args.force, keep=keep_text, wait=args.wait,
@@ -186,6 +191,8 @@ def _say_outcome(result: dict[str, Any]) -> None:
 async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
     # Validated before anything is opened: a bad field is bad input whatever the database says.
     payload = parse_signal({"session": args.session, "reason": args.reason})
+    from compactd.scheduler.client import CompactdClient
+
     async with CompactdClient(config) as client:
         handle = await client.get_session(payload.session)
         result = await handle.signal(payload.reason)
@@ -201,6 +208,8 @@ async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:
+    from compactd.scheduler.status import render_status, session_status, status
+
     async with open_store(config, reads=args.session) as store:
         if args.session:
             body = await session_status(store, args.session, limit=args.limit, config=config)

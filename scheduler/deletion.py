@@ -7,7 +7,6 @@ import argparse
 import sys
 from typing import Any
 
-from compactd.scheduler.client import CompactdClient
 from compactd.scheduler.output import EXIT_OK, emit, open_store, say
 from compactd.storage.schema import dumps
 from compactd.worker.settings import Config
@@ -37,6 +36,9 @@ async def cmd_export(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_delete(args: argparse.Namespace, config: Config) -> int:
+    # Imported here for start-up time: the client (and the planner it loads) only for delete.
+    from compactd.scheduler.client import CompactdClient
+
     async with CompactdClient(config) as client:
         result = await client.delete(args.session, tenant=args.tenant)
     if args.json:

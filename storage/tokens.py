@@ -20,7 +20,7 @@ An image block costs ``IMAGE_TOKENS`` (a 1024x1024 high-detail image on OpenAI's
 
 from __future__ import annotations
 
-import base64
+import binascii
 import hashlib
 import math
 import threading
@@ -56,12 +56,10 @@ def _load_ranks(name: str) -> dict[bytes, int]:
     data = resources.files("compactd.storage").joinpath(f"data/{name}.tiktoken").read_bytes()
     if hashlib.sha256(data).hexdigest() != ENCODING_SHA256[name]:
         raise RuntimeError(f"the shipped {name} encoding file is corrupt (sha256 mismatch)")
-    ranks: dict[bytes, int] = {}
-    for line in data.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
+    # Every process that counts (each `compactd ingest`, each worker start) parses the file:
+    # decoded in bulk rather than line by line through base64's wrapper.
+    fields = data.split()
+    return dict(zip(map(binascii.a2b_base64, fields[0::2]), map(int, fields[1::2]), strict=True))
 
 
 @cache

@@ -63,7 +63,7 @@ def stack(request: pytest.FixtureRequest, clean_redis: str, tmp_path: Any, fake:
     url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "clean_pg")
 
     def make(**policy: Any) -> Stack:
-        made = Stack(url, clean_redis, tmp_path / "stack", fake_url=fake.url,
+        made = Stack(url, clean_redis, tmp_path / "stack", fake_url=fake.url, claude=True,
                      summarization={**POLICY, **policy})
         stacks.append(made)
         path = made.home / "s1.jsonl"

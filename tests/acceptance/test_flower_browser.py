@@ -59,7 +59,7 @@ def test_flower_shows_the_failed_compaction_and_its_class(make_stack, fake, caps
     from playwright.sync_api import expect, sync_playwright
 
     chromium = _chromium()
-    stack = make_stack(summarization=POLICY, default_model="fake-claude",
+    stack = make_stack(claude=True, summarization=POLICY, default_model="fake-claude",
                        worker={"local_fallback": False})
     stack.ingest("s-flower", coding_session(steps=12, big_output_lines=30, seed=3).messages)
     port = free_port()

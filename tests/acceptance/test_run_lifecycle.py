@@ -274,7 +274,7 @@ def test_provider_usage_is_stored_shown_and_exported_for_both_sdks(
     # u-refused: fake-claude's whitespace answer is refused (and billed), fake-gpt writes it.
     fake.script(Behaviour(model="fake-claude", output="whitespace", cached_tokens=32),
                 *(Behaviour(model=m, cached_tokens=n, times=-1) for m, n in cached.items()))
-    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    stack = make_stack(claude=True, summarization=POLICY, worker={"local_fallback": False})
     port = free_port()
     # session: (run model, summary model); fake-gpt speaks OpenAI, fake-claude Anthropic.
     sessions = {"u-refused": ("fake-gpt", "fake-claude"), "u-gpt": ("fake-gpt", "fake-gpt"),
@@ -335,7 +335,7 @@ def test_billed_answers_refused_while_read_or_cut_at_the_cap_keep_their_usage(
     # The Messages API has no content filter of its own: the fake answers it as a refusal.
     cases = [(first, output) for first in other for output in BILLED_REFUSALS
              if (first, output) != ("fake-claude", "content_filter")]
-    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    stack = make_stack(claude=True, summarization=POLICY, worker={"local_fallback": False})
     for i, (first, output) in enumerate(cases):
         db.ingest(f"{first}-{output}",
                   coding_session(steps=20, big_output_lines=30, seed=800 + i).messages,
@@ -380,7 +380,7 @@ def test_a_hanging_candidate_is_skipped_by_the_next_run_on_another_worker(
     # fake-gpt (the summary model) hangs; fake-claude (the run model) answers. One failure
     # opens the circuit, and the cool-down outlasts the test.
     fake.script(Behaviour(model="fake-gpt", hang=True, times=-1))
-    stack = make_stack(summarization=POLICY,
+    stack = make_stack(claude=True, summarization=POLICY,
                        worker={"local_fallback": False, "candidate_budget_s": 3,
                                "breaker": {"failures": 1, "cooldown_s": 600}})
     for i, sid in enumerate(("h1", "h2")):

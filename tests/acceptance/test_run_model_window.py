@@ -32,7 +32,8 @@ POLICY = {"trigger": [{"type": "tokens", "value": 10**9}],
 def test_a_smaller_window_compacts_the_session_at_once_to_fit(make_stack, fake: FakeProvider,
                                                               db: Db) -> None:  # type: ignore[no-untyped-def]
     # One compaction the agent asks for per window: the move's own run is not one of them.
-    stack = make_stack(summarization=POLICY, worker={"loop_guard": {"max_compactions": 1}})
+    stack = make_stack(claude=True, summarization=POLICY,
+                       worker={"loop_guard": {"max_compactions": 1}})
     stack.ingest("s1", coding_session(steps=20, big_output_lines=30).messages)
     stack.start_worker("w1", concurrency=2)
     config = load_config(env=stack.env)

@@ -130,7 +130,8 @@ def _run_usage(stack: Stack, sid: str) -> dict[str, Any]:
 def test_the_summary_call_begins_with_the_runtimes_last_request_and_reads_its_cache(
         make_stack: Callable[..., Stack], fake: FakeProvider, db: Db, api: str) -> None:
     fake.prefix_cache = True
-    stack = make_stack(summarization={"keep": {"type": "messages", "value": KEEP}},
+    stack = make_stack(claude=api == "anthropic",
+                       summarization={"keep": {"type": "messages", "value": KEEP}},
                        worker={"local_fallback": False})
     sid, run_model = f"shared-{api}", {"openai": "fake-gpt", "anthropic": "fake-claude"}[api]
     hints = ({"prompt_cache_key": "agent-7"} if api == "openai"

@@ -361,7 +361,7 @@ def test_every_candidate_returns_whitespace_fails_summary(
         make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
     """No prune applies to this session (no tool result over the threshold, no clearing), so
     the surface after the failed run must be byte-for-byte what it was."""
-    stack = make_stack(summarization=POLICY, worker={"local_fallback": False})
+    stack = make_stack(claude=True, summarization=POLICY, worker={"local_fallback": False})
     fake.script(Behaviour(output="whitespace", times=-1))
     db.ingest("ws", coding_session(steps=20, big_output_lines=30).messages,
               run_model="fake-claude", context_window=200_000)

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from compactd.worker.llm import Candidate, ProviderPool  # noqa: E402
+from compactd.worker.llm.candidates import Candidate  # noqa: E402
+from compactd.worker.llm.pool import ProviderPool  # noqa: E402
 from compactd.worker.settings import ModelSpec  # noqa: E402
 from tests.support.fake_provider import RemoteFake, fake_provider_process  # noqa: E402
 

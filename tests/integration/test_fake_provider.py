@@ -13,7 +13,9 @@ import pytest
 
 from compactd.storage.tokens import counter_for
 from compactd.worker.compaction.prompt import INDEX_MARK
-from compactd.worker.llm import Candidate, ProviderPool, RetryPolicy, SummaryRequest, summarize
+from compactd.worker.llm.candidates import Candidate
+from compactd.worker.llm.fallback import RetryPolicy, SummaryRequest, summarize
+from compactd.worker.llm.pool import ProviderPool
 from compactd.worker.settings import ModelSpec
 from tests.support.fake_provider import (
     Behaviour,

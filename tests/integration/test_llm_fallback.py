@@ -22,16 +22,9 @@ from compactd.storage.tokens import counter_for
 from compactd.worker.compaction.policy import Policy
 from compactd.worker.compaction.sharing import CacheHints
 from compactd.worker.compaction.validation import missing_sections, validate_summary
-from compactd.worker.llm import (
-    Availability,
-    Candidate,
-    ProviderPool,
-    RetryPolicy,
-    SummaryFailed,
-    SummaryRequest,
-    candidate_order,
-    summarize,
-)
+from compactd.worker.llm.candidates import Availability, Candidate, candidate_order
+from compactd.worker.llm.fallback import RetryPolicy, SummaryFailed, SummaryRequest, summarize
+from compactd.worker.llm.pool import ProviderPool
 from compactd.worker.settings import ModelSpec
 from tests.support.fake_provider import Behaviour, FakeProvider
 
@@ -361,7 +354,7 @@ async def test_context_length_without_a_smaller_request_moves_on(
 
 async def test_every_call_carries_the_attribution_header_and_an_unchanged_body(
         fake: FakeProvider) -> None:
-    from compactd.worker.llm import Attribution
+    from compactd.worker.llm.provider import Attribution
 
     pool = ProviderPool(env={KEY_ENV: API_KEY},
                         attribution=Attribution("x-team-purpose", "nightly-compaction"))

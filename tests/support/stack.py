@@ -6,9 +6,10 @@ subprocesses, against real PostgreSQL and Redis, with the fake provider over HTT
         stack.cli("ingest", path, "--session", "s1", "--run-model", "fake-gpt")
         stack.cli("compact", "s1", "--wait", "--json")
 
-The stack writes a config file whose models point at the fake provider (``fake-gpt`` through the
-openai SDK, ``fake-claude`` through the anthropic SDK), gives every process the same environment,
-and kills whatever it started when it closes.
+The stack writes a config file whose models point at the fake provider (``fake-gpt`` and
+``fake-mini`` through the openai SDK; ``fake-claude`` through the anthropic SDK only for a stack
+made with ``claude=True``), gives every process the same environment, and kills whatever it
+started when it closes.
 """
 
 from __future__ import annotations
@@ -67,15 +68,17 @@ def fake_models(fake_url: str, *, timeout_s: float = 30.0) -> list[dict[str, Any
 
 
 def openai_models(fake_url: str) -> list[dict[str, Any]]:
-    """:func:`fake_models` without the anthropic one, for a test that starts many workers and
-    calls only these: a worker imports the SDK of every configured model before it is ready,
-    and anthropic's is the slowest (docs/benchmarks.md)."""
+    """:func:`fake_models` without the anthropic one: a stack's models unless it asks for
+    ``fake-claude``. A worker imports the SDK of every configured model before it is ready, and
+    anthropic's is the slowest (docs/benchmarks.md), paid by every worker start of a test that
+    never calls it."""
     return [m for m in fake_models(fake_url) if m["provider"] != "anthropic"]
 
 
 class Stack:
     def __init__(self, database_url: str, redis_url: str, home: Path, *,
-                 fake_url: str | None = None, summarization: Mapping[str, Any] | None = None,
+                 fake_url: str | None = None, claude: bool = False,
+                 summarization: Mapping[str, Any] | None = None,
                  worker: Mapping[str, Any] | None = None, default_model: str | None = None,
                  models: Sequence[Mapping[str, Any]] | None = None,
                  extra_env: Mapping[str, str] | None = None,
@@ -92,7 +95,9 @@ class Stack:
         if models is not None:
             config["models"] = list(models)
         elif fake_url:
-            config["models"] = fake_models(fake_url)
+            # fake-claude only where a test reaches it (a run model, a candidate, a policy's
+            # model_name): the others' workers start without the anthropic SDK.
+            config["models"] = fake_models(fake_url) if claude else openai_models(fake_url)
         if default_model:
             config["default_model"] = default_model
         if summarization:

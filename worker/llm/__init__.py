@@ -1,52 +1,11 @@
 """Summarizer models: candidates in order, provider clients, the local summarizer, the fallback.
 
-The orchestration uses :func:`candidate_order` to list who may summarize a session,
-:class:`ProviderPool` (one per event loop: the worker process's) for clients, and :func:`summarize`
-to get the first summary the policy accepts.
+The orchestration uses :func:`~compactd.worker.llm.candidates.candidate_order` to list who may
+summarize a session, :class:`~compactd.worker.llm.pool.ProviderPool` (one per event loop: the
+worker process's) for clients, and :func:`~compactd.worker.llm.fallback.summarize` to get the first
+summary the policy accepts.
+
+Each is imported from its own module: this package imports none of them, so a process that needs
+one small part (``compactd check`` builds one provider; every ``compactd`` command registers it)
+does not load the fallback and its retry library with it.
 """
-
-from compactd.storage.kinds import ModelFailure
-from compactd.worker.llm.candidates import Availability, Candidate, candidate_order
-from compactd.worker.llm.errors import (
-    LLMError,
-    LocalSummaryError,
-    ProviderError,
-    Unavailable,
-)
-from compactd.worker.llm.fallback import (
-    Attempt,
-    RetryPolicy,
-    SummaryFailed,
-    SummaryOutcome,
-    SummaryRequest,
-    compute_backoff,
-    summarize,
-)
-from compactd.worker.llm.local import SECTIONS, summarize_local
-from compactd.worker.llm.pool import ProviderPool
-from compactd.worker.llm.provider import Attribution, Completion
-from compactd.worker.llm.usage import Usage
-
-__all__ = [
-    "SECTIONS",
-    "Attempt",
-    "Attribution",
-    "Availability",
-    "Candidate",
-    "Completion",
-    "LLMError",
-    "LocalSummaryError",
-    "ModelFailure",
-    "ProviderError",
-    "ProviderPool",
-    "RetryPolicy",
-    "SummaryFailed",
-    "SummaryOutcome",
-    "SummaryRequest",
-    "Unavailable",
-    "Usage",
-    "candidate_order",
-    "compute_backoff",
-    "summarize",
-    "summarize_local",
-]
