@@ -228,9 +228,12 @@ def held_back(info: SessionInfo, pressure: Pressure) -> bool:
     """Whether the session waits for growth before it fires again: a run could not bring it
     under its trigger and found nothing worth doing until it grows past ``refire_tokens``
     (``worker.compaction.refire``). A commit that replaced part of the surface since (its
-    ``compacted_version`` moved) ends the wait."""
+    ``compacted_version`` moved) ends the wait, and so does the run model's window: there a run
+    summarizes whatever it frees (``cache_breaks.hold_edits``), so the wait never lets a session
+    reach it."""
+    at_window = pressure.fraction is not None and pressure.fraction >= 1
     return (info.refire_tokens is not None and info.refire_version == info.compacted_version
-            and pressure.tokens < info.refire_tokens)
+            and pressure.tokens < info.refire_tokens and not at_window)
 
 
 def over_trigger(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:

@@ -46,3 +46,24 @@ async def test_a_run_that_could_not_relieve_holds_the_session_back_until_it_grow
     # A commit that replaced part of the surface since (another compacted_version): stale.
     stale = dataclasses.replace(small, compacted_version=(small.compacted_version or 0) + 1)
     assert wants_run(stale, CONFIG) and over_trigger(stale, CONFIG)
+
+
+async def test_a_session_waiting_for_growth_fires_at_its_window_whatever_it_waits_for(
+        store: Store) -> None:
+    """The wait is a saving on runs that change nothing, never a reason to let a session reach
+    its context window: there a run summarizes whatever it frees."""
+    await store.create_session("s2", run_model="gpt-4o", context_window=5_000)
+    info = (await store.append("s2", [words(500)])).session
+    claim = await store.claim("s2", owner="w", trigger="pressure", lease_s=30)
+    assert isinstance(claim, Claim)
+    # A growth to wait for that ends past the window (a rest over the trigger by itself).
+    refire = 10_000
+    assert await store.finish("s2", run_id=claim.run_id, fence=claim.fence,
+                              end=RunEnd(outcome=RunStatus.NOTHING_TO_DO,
+                                         refire=(refire, info.compacted_version)))
+    held = (await store.append("s2", [words(20, 1)])).session
+    assert held.surface_tokens < 5_000
+    assert not wants_run(held, CONFIG) and not over_trigger(held, CONFIG)
+    full = (await store.append("s2", [words(800, 2)])).session
+    assert 5_000 <= full.surface_tokens < refire
+    assert wants_run(full, CONFIG) and over_trigger(full, CONFIG)
