@@ -186,7 +186,10 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
     if policy is None:
         return
     out.tokens_before = session_pressure(info, policy).tokens
-    # Safety before cost: an overflow or forced run commits its edits at once.
+    # Safety before cost: an overflow or forced run commits its edits at once. After a round
+    # committed, the agent re-sends from that commit at its pickup whatever later rounds add,
+    # so their edits and summaries are judged on relief alone, not on a cache break of their
+    # own (cache_breaks.hold_edits, summary_wasted).
     edits_may_wait = not force and out.trigger != RunCause.OVERFLOW
     surface: Surface | None = None
     arrivals: Arrivals | None = None
@@ -198,7 +201,8 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
             arrivals = await _first_read(scope, info, surface, policy, force=force, keep=keep)
         current = _plan(deps, surface, info, policy, force=force and first, keep=keep,
                         manual=manual and first, defer_summary=True,
-                        outlook=Outlook(arrivals=arrivals, edits_may_wait=edits_may_wait))
+                        outlook=Outlook(arrivals=arrivals,
+                                        edits_may_wait=edits_may_wait and first))
         if current.prune_held is not None:
             # Not committed here: the checkpoint's commit carries them, or a later run's.
             logger.info("model-free edits wait for a summary",
@@ -210,13 +214,7 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
                                          keep=keep, manual=manual and first,
                                          outlook=Outlook(arrivals=arrivals)))
         if not current.compacts:
-            _nothing_done(out, round_no,
-                          current.prune_held or current.nothing_to_do or current.why_no_summary)
-            if current.refire_growth is not None and out.trigger in AUTOMATIC_TRIGGERS:
-                # Over its trigger with nothing worth a run until it grows: the appends until
-                # then do not fire one each (worker.compaction.refire).
-                out.refire = (current.tokens_after_prune + current.refire_growth,
-                              info.compacted_version)
+            _no_summary(out, round_no, current, info)
             break
         last_round = round_no + 1 >= policy.max_rounds
         if current.recall_pass is not None:
@@ -246,6 +244,16 @@ async def _rounds(scope: RunScope, *, force: bool, keep: Clause | None,
         # A summary committed in an earlier round, and a later round found nothing left to
         # do: exactly the session that is never relieved, which the guard is for.
         await _loop_guard(deps, out, final, policy)
+
+
+def _no_summary(out: Outcome, round_no: int, current: Plan, info: SessionInfo) -> None:
+    """Record why round ``round_no`` asked for no summary, and the growth to wait for."""
+    _nothing_done(out, round_no,
+                  current.prune_held or current.nothing_to_do or current.why_no_summary)
+    if current.refire_growth is not None and out.trigger in AUTOMATIC_TRIGGERS:
+        # Over its trigger with nothing worth a run until it grows: the appends until then do
+        # not fire one each (worker.compaction.refire).
+        out.refire = (current.tokens_after_prune + current.refire_growth, info.compacted_version)
 
 
 async def _asked(scope: RunScope, info: SessionInfo, policy: Policy, *,

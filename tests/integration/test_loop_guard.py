@@ -33,8 +33,10 @@ def _sample(name: str, **labels: str) -> float:
 
 
 async def test_a_session_never_relieved_is_flagged_and_counted(tmp_path: Path) -> None:
+    # clear_at_least 0: by default a summary that cannot relieve the session and frees little
+    # is not asked for (test_low_trigger.py); the loop guard is the net when one is committed.
     raw = {"summarization": {"trigger": [{"type": "tokens", "value": 1000}],
-                             "keep": {"type": "messages", "value": 2}},
+                             "keep": {"type": "messages", "value": 2}, "clear_at_least": 0},
            "worker": {"loop_guard": {"max_compactions": 1, "margin": 0.0}}}
     config = build_config(raw, settings=Settings(home=str(tmp_path)), home=tmp_path)
     flags_before = _sample("compactd_loop_guard_flags_total")

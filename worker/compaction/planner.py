@@ -329,7 +329,9 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         # No summary to ride with while the session is over its trigger: the edits are the
         # relief there is, and commit alone.
         return done(actions, after.tokens, None, step.reason)
-    if isinstance(step, SummarizeStep) and not inputs.force:
+    # An operator's keep (plan, compact or recompact --keep) asks for that summary: it is not
+    # weighed against the agent's cache.
+    if isinstance(step, SummarizeStep) and not inputs.force and inputs.keep_override is None:
         wasted = _wasted(step, surface, inputs, after)
         if wasted is not None:
             # As above: the edits, if any, are the relief there is.
