@@ -74,13 +74,11 @@ class LeadsMixin:
         for row in rows:
             if row.finished_at is None or Stage.SUMMARY not in _stages(row.stages):
                 continue
-            first = checkpoint_commit_s(row.stages)
-            if first is not None:
-                checkpoint_at = row.started_at + dt.timedelta(seconds=first)
-            elif row.status == RunStatus.COMMITTED:
-                checkpoint_at = row.finished_at
-            else:
+            span = claim_to_checkpoint_s(row.status, row.stages, row.started_at,
+                                         row.finished_at)
+            if span is None:
                 continue
+            checkpoint_at = row.started_at + dt.timedelta(seconds=span)
             samples.append(LeadSample(pool_of(row.run_model), max(
                 0.0, (checkpoint_at - row.signalled_at).total_seconds())))
         return samples
@@ -115,6 +113,19 @@ def pool_lead() -> sa.ColumnElement[float]:
            .scalar_subquery())
     every = sa.select(lead.lead_s).where(lead.pool == ALL_POOLS).scalar_subquery()
     return sa.type_coerce(sa.func.coalesce(own, every, 0.0), sa.Float)
+
+
+def claim_to_checkpoint_s(status: str, stages: object, started_at: dt.datetime,
+                          finished_at: dt.datetime) -> float | None:
+    """Seconds from a run's claim to its first checkpoint's commit, the first new surface the
+    runtime can pick up: the time the run recorded, else (a committed row written before runs
+    recorded it) its whole length; None for a partial run that recorded none."""
+    if status == RunStatus.PARTIAL:
+        return checkpoint_commit_s(stages)
+    recorded = stages.get("claim_to_commit_s") if isinstance(stages, dict) else None
+    if isinstance(recorded, int | float):
+        return float(recorded)
+    return float((finished_at - started_at).total_seconds())
 
 
 def checkpoint_commit_s(stages: object) -> float | None:

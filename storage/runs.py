@@ -17,7 +17,7 @@ from compactd.storage import schema as t
 from compactd.storage.connectors import Connector
 from compactd.storage.database import connection
 from compactd.storage.kinds import RunStatus
-from compactd.storage.leads import checkpoint_commit_s
+from compactd.storage.leads import claim_to_checkpoint_s
 from compactd.storage.records import RunRecord, SessionInfo
 from compactd.storage.schema import (
     RUN_COLUMNS,
@@ -92,7 +92,8 @@ class RunsMixin:
         rows = await self.db.recent_summary_runs((RunStatus.COMMITTED, RunStatus.PARTIAL),
                                                  since=since, limit=limit)
         spans = [(r["model"], span) for r in rows
-                 if (span := _claim_to_commit(r)) is not None]
+                 if (span := claim_to_checkpoint_s(r["status"], r["stages"], r["started_at"],
+                                                   r["finished_at"])) is not None]
         mine = [s for m, s in spans if m == model]
         return mine or [s for _, s in spans]
 
@@ -154,15 +155,6 @@ async def recorded_instructions(conn: AsyncConnection, task_id: str, *,
         stmt = stmt.where(r.id != besides_run)
     rows = (await conn.execute(stmt)).scalars().all()
     return tuple(dict.fromkeys(text for texts in rows for text in texts or ()))
-
-
-def _claim_to_commit(row: Any) -> float | None:
-    if row["status"] == RunStatus.PARTIAL:
-        return checkpoint_commit_s(row["stages"])
-    recorded = (row["stages"] or {}).get("claim_to_commit_s")
-    if isinstance(recorded, int | float):
-        return float(recorded)
-    return float((row["finished_at"] - row["started_at"]).total_seconds())
 
 
 @functools.lru_cache(maxsize=64)
