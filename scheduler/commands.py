@@ -43,7 +43,6 @@ from compactd.storage.recall_bounds import (
     MIN_READ_TOKENS,
 )
 from compactd.storage.records import utcnow
-from compactd.worker.compaction.recall_tools import check_read, check_search, tools_document
 from compactd.worker.cost import usage_cost
 from compactd.worker.limits import parse_rate
 from compactd.worker.pressure import growth_tokens, session_policy
@@ -278,6 +277,9 @@ def _recall_refused(exc: RecallArgumentError, names: dict[str, str]) -> RecallUs
 
 
 async def cmd_history_search(args: argparse.Namespace, config: Config) -> int:
+    # Imported here for start-up time: only the recall commands check its arguments.
+    from compactd.worker.compaction.recall_tools import check_search
+
     try:
         # Checked before anything is opened: bad input writes nothing, not even a new file.
         checked = check_search(args.query, args.checkpoint, args.limit)
@@ -299,6 +301,8 @@ async def cmd_history_search(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_history_read(args: argparse.Namespace, config: Config) -> int:
+    from compactd.worker.compaction.recall_tools import check_read
+
     try:
         checked = check_read(args.checkpoint, args.offset, args.cursor, args.budget_tokens)
         ref = str(checked.checkpoint)
@@ -322,6 +326,8 @@ async def cmd_history_read(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_tools(args: argparse.Namespace, config: Config) -> int:
+    from compactd.worker.compaction.recall_tools import tools_document
+
     document = tools_document()
     if args.json:
         emit(document)

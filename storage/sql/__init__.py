@@ -2,9 +2,9 @@
 
 Every ``*.sql`` file here holds named statements (aiosql's ``-- name:`` format): ``queries.sql``
 the store's, ``recall.sql`` recall's (one file per part keeps each readable; a name is unique
-across them). They are loaded once per parameter style: ``POSTGRES`` runs on an asyncpg
-connection (``$1`` placeholders), and ``NAMED_TEXT`` holds the same text with ``:name``
-placeholders for SQLAlchemy's ``text()``. A query whose docstring has a ``postgres-only:`` or
+across them). ``NAMED_TEXT`` holds each with ``:name`` placeholders for
+SQLAlchemy's ``text()``, and :func:`positional` the same text with ``$1`` placeholders for an
+asyncpg connection. A query whose docstring has a ``postgres-only:`` or
 ``sqlite-only:`` line runs on that backend alone, for the reason given there; where the two
 spell one statement differently, ``<name>_pg`` and ``<name>_sqlite`` are its two forms, and the
 connector picks its own (:meth:`storage.connectors.Connector.variant`).
@@ -29,6 +29,7 @@ from importlib import resources
 from typing import Any
 
 import aiosql
+from aiosql.adapters.asyncpg import AsyncPGAdapter
 from aiosql.types import SQLOperationType
 
 # The versions this code calls (queries.sql, recall.sql).
@@ -47,11 +48,12 @@ _QUERIES_TEXT = "\n\n".join(
     f.read_text(encoding="utf-8") for f in sorted(_HERE.iterdir(), key=lambda f: f.name)
     if f.name.endswith(".sql"))
 
-POSTGRES: Any = aiosql.from_str(_QUERIES_TEXT, "asyncpg")
 NAMES: tuple[str, ...] = tuple(sorted(re.findall(r"^-- name: (\w+)", _QUERIES_TEXT, re.M)))
 if len(set(NAMES)) != len(NAMES):
     raise RuntimeError(f"a query name is defined twice in storage/sql: {NAMES}")
-# aiosqlite's adapter keeps the :name placeholders SQLAlchemy's text() takes.
+# Parsed once, by aiosqlite's adapter, which keeps the :name placeholders SQLAlchemy's text()
+# takes; asyncpg's $n form is made from it per query, when a connector first asks (parsing the
+# text costs every process that imports the store, the CLI's hundreds in a test run included).
 _NAMED: Any = aiosql.from_str(_QUERIES_TEXT, "aiosqlite")
 NAMED_TEXT: dict[str, str] = {name: str(getattr(_NAMED, name).sql) for name in NAMES}
 
@@ -60,7 +62,7 @@ _WRITES = re.compile(r"\s*(INSERT|UPDATE|DELETE)\b", re.I)
 
 def _only(backend: str, name: str) -> str | None:
     pattern = rf"^{backend}-only:\s*(.+?)(?=\n\S+:|\Z)"
-    match = re.search(pattern, getattr(POSTGRES, name).__doc__ or "", re.M | re.S)
+    match = re.search(pattern, getattr(_NAMED, name).__doc__ or "", re.M | re.S)
     return None if match is None else " ".join(match.group(1).split())
 
 
@@ -87,13 +89,15 @@ def positional(name: str) -> tuple[str, tuple[str, ...]]:
     costs about as much CPU as the statement's round trip)."""
     if sqlite_only(name) is not None:
         raise KeyError(f"query {name!r} runs on SQLite only")
-    query = getattr(POSTGRES, name)
-    return str(query.sql), tuple(POSTGRES.driver_adapter.var_sorted[name])
+    query = getattr(_NAMED, name)
+    adapter = AsyncPGAdapter()
+    text = adapter.process_sql(name, query.operation, NAMED_TEXT[name])
+    return text, tuple(adapter.var_sorted[name])
 
 
 def returns_rows(name: str) -> bool:
     """Whether query ``name`` returns rows (a select, or a write with RETURNING)."""
-    return getattr(POSTGRES, name).operation not in (
+    return getattr(_NAMED, name).operation not in (
         SQLOperationType.INSERT_UPDATE_DELETE, SQLOperationType.INSERT_UPDATE_DELETE_MANY,
         SQLOperationType.SCRIPT)
 

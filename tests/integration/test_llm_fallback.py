@@ -282,6 +282,10 @@ async def test_a_hanging_candidate_does_not_pass_the_overall_deadline(
     fake.script(Behaviour(model="h-model", hang=True, times=-1))
     hanging = spec(fake, "h", timeout_s=600)  # its own timeout would never save us
     patient = RetryPolicy(candidate_budget_s=600, backoff_initial_s=0.01, jitter=False)
+    # The clients are built first: the SDK's import takes seconds at load, and the bound below
+    # is on the deadline.
+    for candidate in candidates(hanging, spec(fake, "never")):
+        pool.get(candidate)
     started = time.monotonic()
     outcome = await run(request(), candidates(hanging, spec(fake, "never"), local=True), pool,
                         deadline_s=1.0, retry=patient)
@@ -473,11 +477,15 @@ async def test_many_summaries_in_flight_against_one_fake(fake: FakeProvider) -> 
     fake.latency_s = 0.5
     pool = ProviderPool(env={KEY_ENV: API_KEY})
     req = request(steps=4)
+    specs = [spec(fake, f"p{i}", "openai" if i % 2 else "anthropic") for i in range(2)]
     try:
+        # Both clients are built first: the SDKs' imports take seconds at load, and the bound
+        # below is on the requests in flight.
+        for candidate in candidates(*specs):
+            pool.get(candidate)
         started = time.monotonic()
         outcomes = await asyncio.gather(*(
-            run(req, candidates(spec(fake, f"p{i % 2}", "openai" if i % 2 else "anthropic")),
-                pool) for i in range(200)))
+            run(req, candidates(specs[i % 2]), pool) for i in range(200)))
         elapsed = time.monotonic() - started
     finally:
         await pool.aclose()

@@ -14,11 +14,15 @@ WORKER_ONLY_MODULES = ("compactd.worker.webhooks", "compactd.worker.run",
                        "compactd.worker.metrics", "prometheus_client")
 # What a few commands need and the most frequent (ingest, surface, verify, status) do not: the
 # planner (plan, and the client of compact, signal and delete), the status report, the
-# providers check builds, and the summary fallback with its retry library (tenacity), which
-# the llm package's re-exports loaded with any of its modules.
+# providers check builds, the summary fallback with its retry library (tenacity), which
+# the llm package's re-exports loaded with any of its modules, and the recall tools with the
+# summary prompt they bring (history search and read, tools, and the client).
 SOME_COMMANDS_MODULES = ("compactd.worker.compaction.planner", "compactd.scheduler.client",
                          "compactd.scheduler.status", "compactd.worker.llm.providers",
-                         "compactd.worker.llm.fallback", "tenacity")
+                         "compactd.worker.llm.fallback", "tenacity",
+                         "compactd.worker.compaction.recall_tools",
+                         "compactd.worker.compaction.recall",
+                         "compactd.worker.compaction.prompt")
 
 
 def test_importing_the_cli_leaves_each_one_command_module_to_its_command() -> None:
