@@ -210,7 +210,7 @@ async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     from compactd.scheduler.status import render_status, session_status, status
 
-    async with open_store(config, reads=args.session) as store:
+    async with open_store(config, reads=args.session, reads_all=not args.session) as store:
         if args.session:
             body = await session_status(store, args.session, limit=args.limit, config=config)
         else:
