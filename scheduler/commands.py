@@ -393,7 +393,8 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")
     p.add_argument("session", help="the session id")
-    p.add_argument("--reason", default=SignalReason.PRESSURE, help=" | ".join(SignalReason))
+    p.add_argument("--reason", default=SignalReason.PRESSURE,
+                   choices=[r.value for r in SignalReason], help=" | ".join(SignalReason))
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_signal)
 

@@ -206,7 +206,8 @@ class SurfaceOut(BaseModel):
 
 
 class SignalIn(_Body):
-    reason: SignalReason = SignalReason.PRESSURE
+    # Not strict: the body's string is the enum's value (strict would take only an instance).
+    reason: SignalReason = Field(default=SignalReason.PRESSURE, strict=False)
 
 
 class SignalOut(BaseModel):

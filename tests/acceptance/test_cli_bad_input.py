@@ -401,3 +401,11 @@ def test_a_read_of_a_mistyped_sqlite_path_exits_2_naming_it_and_creates_no_file(
     assert str(typo) in out.stderr and "does not exist" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert not typo.exists() and not typo.parent.exists()
+
+
+def test_a_signal_reason_not_in_the_list_names_the_flag_and_the_choices(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = Run("", capsys)("signal", "s1", "--reason", "")
+    assert code == 2, err
+    assert "--reason" in err and "'pressure', 'step', 'append'" in err, err
+    assert "SignalReason" not in err and "Input should" not in err, err
