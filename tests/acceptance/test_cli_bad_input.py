@@ -409,3 +409,16 @@ def test_a_signal_reason_not_in_the_list_names_the_flag_and_the_choices(
     assert code == 2, err
     assert "--reason" in err and "'pressure', 'step', 'append'" in err, err
     assert "SignalReason" not in err and "Input should" not in err, err
+
+
+@pytest.mark.postgres
+def test_a_connection_the_server_refuses_says_the_driver_s_reason(
+        bare_cli_env: dict[str, str], pg_url: str) -> None:
+    """The local PostgreSQL has no SSL: a URL asking for it gets the driver's reason (the
+    server refused SSL), not only the class of its error, and still no password."""
+    env = dict(bare_cli_env)
+    env["COMPACTD_DATABASE_URL"] = pg_url + ("&" if "?" in pg_url else "?") + "sslmode=require"
+    out = run_cli(env, "status", check=False)
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.startswith("compactd: the database cannot be reached: "), out.stderr
+    assert "SSL" in out.stderr and "Traceback" not in out.stderr, out.stderr
