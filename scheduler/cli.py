@@ -152,7 +152,8 @@ async def cmd_surface(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_verify(args: argparse.Namespace, config: Config) -> int:
-    async with open_store(config, reads=None if args.all else args.session) as store:
+    async with open_store(config, reads=None if args.all else args.session,
+                          reads_all=args.all) as store:
         ids = await store.all_session_ids() if args.all else [args.session]
         results = [await store.verify(sid) for sid in ids]
     bad = [r for r in results if not r.ok]

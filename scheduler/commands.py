@@ -209,7 +209,7 @@ async def cmd_signal(args: argparse.Namespace, config: Config) -> int:
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     from compactd.scheduler.status import render_status, session_status, status
 
-    async with open_store(config, reads=args.session) as store:
+    async with open_store(config, reads=args.session, reads_all=not args.session) as store:
         if args.session:
             body = await session_status(store, args.session, limit=args.limit, config=config)
         else:
@@ -399,7 +399,8 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("signal", help="send a pressure signal for a session")
     p.add_argument("session", help="the session id")
-    p.add_argument("--reason", default=SignalReason.PRESSURE, help=" | ".join(SignalReason))
+    p.add_argument("--reason", default=SignalReason.PRESSURE,
+                   choices=[r.value for r in SignalReason], help=" | ".join(SignalReason))
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(handler=cmd_signal)
 

@@ -19,7 +19,7 @@ from compactd.storage.records import utcnow
 from compactd.storage.store import Store
 from compactd.worker.enqueue import Enqueuer, RunRequest, enqueue_marked
 from compactd.worker.pressure import explain
-from compactd.worker.settings import Config
+from compactd.worker.settings import Config, plain_problem
 
 QUEUED = "a compaction is already queued or running"
 
@@ -49,7 +49,7 @@ def parse_signal(raw: object) -> SignalPayload:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
-        raise InvalidMessage(first["msg"], field=field) from None
+        raise InvalidMessage(plain_problem(first), field=field) from None
 
 
 async def accept_signal(store: Store, config: Config, enqueuer: Enqueuer,

@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from compactd.storage.database import database_exists
+from compactd.storage.database import database_exists, require_database
 from compactd.storage.errors import SessionNotFound
 from compactd.storage.migrate import open_schema
 from compactd.storage.store import Store
@@ -30,15 +30,20 @@ EXIT_CODES_HELP = ("exit status: 0 success (nothing to do included), 1 a failed 
 
 
 @contextlib.asynccontextmanager
-async def open_store(config: Config, *, reads: str | None = None) -> AsyncIterator[Store]:
+async def open_store(config: Config, *, reads: str | None = None, reads_all: bool = False
+                     ) -> AsyncIterator[Store]:
     """A store on the configured database; the embedded SQLite file is migrated on first use
     (it has no operator to run ``compactd migrate``).
 
     ``reads``: the session a command that only reads asks for. On an embedded database that was
     never created no session is there, and creating and migrating the file to say so would be a
-    write: :class:`SessionNotFound` instead, and no file."""
+    write: :class:`SessionNotFound` instead, and no file. ``reads_all``: a command that only
+    reads the whole database (``status``, ``verify --all``) is refused naming the missing file
+    (:class:`DatabaseFileMissing`, exit 2): an empty answer would hide a mistyped path."""
     if reads is not None and not database_exists(config.database_url):
         raise SessionNotFound(reads)
+    if reads_all:
+        require_database(config.database_url)
     store = Store.from_url(config.database_url, pool_size=5,
                            statement_cache=config.database.statement_cache)
     await open_schema(store.engine, config.database_url)

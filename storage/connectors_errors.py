@@ -134,6 +134,10 @@ def _reason(orig: BaseException, code: str | None) -> str:
     error's class and SQLSTATE."""
     if isinstance(orig, OSError) and orig.strerror:
         return orig.strerror
+    if type(orig) is ConnectionError and str(orig):
+        # The driver's own words on a connection it could not set up (asyncpg: the server
+        # rejected the SSL upgrade sslmode=require asks for): its address, never a row's data.
+        return f"{type(orig).__name__}: {str(orig)[:300]}"
     return type(orig).__name__ + (f" (SQLSTATE {code})" if code else "")
 
 

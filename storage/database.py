@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from compactd.storage import sql
 from compactd.storage.connectors_engines import backend_for_url, backend_of
 from compactd.storage.connectors_errors import is_driver_error, storage_error
-from compactd.storage.errors import CompactdError, DeadlinePassed
+from compactd.storage.errors import CompactdError, DatabaseFileMissing, DeadlinePassed
 
 SQLITE_FILENAME = "compactd.sqlite3"
 
@@ -88,6 +88,13 @@ def database_exists(url: str) -> bool:
     """Whether the database ``url`` names is there to open without creating it: a SQLite file
     that exists (or an in-memory one); any server database, which only ``migrate`` creates."""
     return backend_for_url(url).exists(url)
+
+
+def require_database(url: str) -> None:
+    """Raise :class:`DatabaseFileMissing` naming the file when ``url`` is a SQLite file that is
+    not there, for a command that only reads (opening it would create it)."""
+    if not database_exists(url):
+        raise DatabaseFileMissing(str(sa.engine.make_url(normalize_url(url)).database))
 
 
 def normalize_url(url: str) -> str:

@@ -88,6 +88,18 @@ class DatabaseMissing(StorageError):
                          "`compactd migrate`")
 
 
+class DatabaseFileMissing(DatabaseMissing):
+    """The SQLite file a command that only reads was given is not there: a mistyped path, which
+    creating an empty database would answer with nothing to read."""
+
+    def __init__(self, path: str) -> None:
+        self.database = path
+        StorageError.__init__(
+            self, f"the SQLite database {path} does not exist: check the database URL (a "
+                  "command that only reads creates no database; one that writes, or "
+                  "`compactd migrate`, does)")
+
+
 class SessionNotFound(BadInput):
     """No such session."""
 

@@ -538,8 +538,35 @@ def _format_pydantic(exc: ValidationError, root: str | None) -> str:
         path += f"[{p}]" if p.isdigit() else (f".{p}" if path else p)
     if root:
         path = f"{root}.{path}" if path else root
+    return f"{path}: {plain_problem(first)}"
+
+
+_MAPPING_TYPES = frozenset({"model_type", "dict_type", "model_attributes_type"})
+
+
+def plain_problem(error: Mapping[str, Any]) -> str:
+    """The problem of one of pydantic's errors in the words of compactd's other refusals
+    ("must be ..."), without pydantic's ("Input should be", "Field required", its class names):
+    a config key, a CLI argument and an HTTP body field read the same."""
+    kind, ctx = error.get("type"), error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "is required"
+    if kind in _MAPPING_TYPES:
+        return f"must be a mapping of keys, got {_shown(error.get('input'))}"
+    if kind in ("enum", "literal_error") and "expected" in ctx:
+        return f"must be one of {ctx['expected']}, got {_shown(error.get('input'))}"
     # A validator's own ValueError reads "Value error, <its message>".
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    return f"{path}: {msg}"
+    msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    msg = msg.split(", unable to parse", 1)[0]
+    if msg.startswith("Input should be "):
+        msg = "must be " + msg.removeprefix("Input should be ")
+    return msg
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, dict | list):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -35,7 +35,7 @@ from compactd.storage.errors import (
     SessionNotFound,
     StorageError,
 )
-from compactd.storage.instructions import merge_instructions
+from compactd.storage.instructions import first_instructions
 from compactd.storage.kinds import FailureClass, ItemState, RunCause, RunStatus
 from compactd.storage.records import utcnow
 from compactd.storage.store import Store
@@ -105,7 +105,18 @@ async def _keep_instructions(deps: Deps, session_id: str, task_id: str,
     if outcome is not None and outcome.failure_class == FailureClass.BUSY:
         # What an earlier delivery's run row holds is handed back too: that run may be the
         # one holding the session, its worker killed, and never commit.
-        focus = merge_instructions(focus, await deps.store.task_instructions(task_id))
+        # Its deliveries' rows may hold more distinct texts between them than one run takes
+        # (each took at most MAX_INSTRUCTIONS, not the same ones): the first are handed back,
+        # the rest stay on those rows and are said to be dropped, not raised at the task.
+        every = tuple(dict.fromkeys(
+            (*focus, *await deps.store.task_instructions(task_id))))
+        focus = first_instructions(every)
+        if len(every) > len(focus):
+            logger.warning("a busy manual run's deliveries held %d distinct instructions; the "
+                           "first %d go back on the session's mark, the rest are dropped",
+                           len(every), len(focus),
+                           extra={"action": "compaction.instructions_dropped",
+                                  "session_id": session_id})
     else:
         focus = ()
     try:

@@ -32,7 +32,7 @@ from compactd.storage.errors import (
     StorageError,
 )
 from compactd.worker.enqueue import broker_errors
-from compactd.worker.settings import Config
+from compactd.worker.settings import Config, plain_problem
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,18 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def _without_slash(request: Request) -> str | None:
+    """The path of a request that ends with a slash, without it, when a route serves that."""
+    path = request.url.path
+    if len(path) < 2 or not path.endswith("/"):
+        return None
+    scope = {**request.scope, "path": path.rstrip("/")}
+    if any(route.matches(scope)[0] != Match.NONE for route in request.app.routes
+           if isinstance(route, APIRoute | Route)):
+        return str(scope["path"])
+    return None
+
+
 def add_error_handlers(app: FastAPI, config: Config) -> None:
     async def unauthorized(request: Request, exc: Exception) -> JSONResponse:
         return error_response(401, "unauthorized", str(exc),
@@ -93,7 +105,11 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
 
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, InvalidMessage)
-        return error_response(422, "invalid", exc.reason, field=exc.field, index=exc.index)
+        # Named as a body that fails its schema is (``body.instructions: is empty``); a message
+        # of an append is named by its index instead.
+        message = exc.reason if exc.field is None or exc.index is not None \
+            else f"{exc.field}: {exc.reason}"
+        return error_response(422, "invalid", message, field=exc.field, index=exc.index)
 
     async def refused(request: Request, exc: Exception) -> JSONResponse:
         return error_response(429, "refused", str(exc))
@@ -127,9 +143,7 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
                 422, "invalid", f"the body must be JSON sent with Content-Type: application/json "
                                 f"(this request's is {(content_type or 'none')[:100]})",
                 field="body")
-        # A validator's own ValueError reads "Value error, <its message>".
-        message = str(first.get("msg")).removeprefix("Value error, ")
-        return error_response(422, "invalid", f"{field}: {message}",
+        return error_response(422, "invalid", f"{field}: {plain_problem(first)}",
                                field=field or None)
 
     async def storage_failed(request: Request, exc: Exception) -> JSONResponse:
@@ -156,8 +170,11 @@ def add_error_handlers(app: FastAPI, config: Config) -> None:
         headers = dict(exc.headers) if exc.headers else {}
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(_allowed_methods(request))
+        detail = str(exc.detail)
+        if exc.status_code == 404 and (route := _without_slash(request)) is not None:
+            detail = f"no route {request.url.path}: the route is {route}, without the slash"
         return error_response(exc.status_code, _HTTP_ERRORS.get(exc.status_code, "error"),
-                               str(exc.detail), headers=headers or None)
+                               detail, headers=headers or None)
 
     app.add_exception_handler(Unauthorized, unauthorized)
     app.add_exception_handler(SessionNotFound, not_found)

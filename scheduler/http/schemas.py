@@ -206,7 +206,8 @@ class SurfaceOut(BaseModel):
 
 
 class SignalIn(_Body):
-    reason: SignalReason = SignalReason.PRESSURE
+    # Not strict: the body's string is the enum's value (strict would take only an instance).
+    reason: SignalReason = Field(default=SignalReason.PRESSURE, strict=False)
 
 
 class SignalOut(BaseModel):
@@ -331,6 +332,10 @@ class StatusOut(BaseModel):
     lead: dict[str, Any] | None = Field(
         default=None, description="the lead the session fires early by and why: seconds, "
                                   "source (auto, configured, off, no_growth), why, runs, p90_s")
+    waiting_for_growth: dict[str, Any] | None = Field(
+        default=None, description="set when a run left the session over its trigger with "
+                                  "nothing worth a run yet: no run fires until it grows to "
+                                  "until_tokens (tokens: its pressure now; why)")
 
 
 class HealthOut(BaseModel):

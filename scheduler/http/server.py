@@ -86,7 +86,11 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
         summary="Out-of-band context compaction for LLM agent runtimes",
         description=__doc__, lifespan=lifespan,
         docs_url="/docs" if config.api.docs else None,
-        redoc_url="/redoc" if config.api.docs else None)
+        redoc_url="/redoc" if config.api.docs else None,
+        # A path with a trailing slash is not the route: a 404 naming the route (http_error)
+        # rather than a 307 to it, which a client that drops the body on a redirect, or does
+        # not follow one, would read as an answer.
+        redirect_slashes=False)
     app.state.tokens = tokens
     add_routes(app)
     add_error_handlers(app, config)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from compactd.scheduler.cli import main
-from compactd.storage.database import embedded_url
+from compactd.storage.database import SQLITE_FILENAME, embedded_url
 from compactd.storage.instructions import MAX_INSTRUCTION_CHARS
 from compactd.storage.store import Store
 from tests.conftest import run_cli
@@ -380,3 +380,45 @@ def test_a_database_url_no_backend_takes_exits_2_naming_it_without_its_password(
         result = Run(database, capsys)(*command)
         assert_refused(result, problem)
         assert "hunter2" not in result[2]
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["verify", "--all"]])
+@pytest.mark.parametrize("how", ["url", "home"])
+def test_a_read_of_a_mistyped_sqlite_path_exits_2_naming_it_and_creates_no_file(
+        args: list[str], how: str, bare_cli_env: dict[str, str], tmp_path: Path) -> None:
+    """A command that reads the whole database (no one session) given a SQLite file that is not
+    there (a URL, or a home holding no database) says which path it looked at: creating and
+    migrating an empty database there would hide the typo behind an empty answer."""
+    env = dict(bare_cli_env)
+    if how == "url":
+        typo = tmp_path / "typo" / "compactd.sqlit3"
+        env["COMPACTD_DATABASE_URL"] = f"sqlite:///{typo}"
+    else:
+        typo = tmp_path / "typo" / SQLITE_FILENAME
+        env["COMPACTD_HOME"] = str(typo.parent)
+    out = run_cli(env, *args, check=False)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert str(typo) in out.stderr and "does not exist" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert not typo.exists() and not typo.parent.exists()
+
+
+def test_a_signal_reason_not_in_the_list_names_the_flag_and_the_choices(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = Run("", capsys)("signal", "s1", "--reason", "")
+    assert code == 2, err
+    assert "--reason" in err and "'pressure', 'step', 'append'" in err, err
+    assert "SignalReason" not in err and "Input should" not in err, err
+
+
+@pytest.mark.postgres
+def test_a_connection_the_server_refuses_says_the_driver_s_reason(
+        bare_cli_env: dict[str, str], pg_url: str) -> None:
+    """The local PostgreSQL has no SSL: a URL asking for it gets the driver's reason (the
+    server refused SSL), not only the class of its error, and still no password."""
+    env = dict(bare_cli_env)
+    env["COMPACTD_DATABASE_URL"] = pg_url + ("&" if "?" in pg_url else "?") + "sslmode=require"
+    out = run_cli(env, "status", check=False)
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.startswith("compactd: the database cannot be reached: "), out.stderr
+    assert "SSL" in out.stderr and "Traceback" not in out.stderr, out.stderr

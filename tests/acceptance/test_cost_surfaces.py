@@ -121,9 +121,9 @@ def test_prices_turn_recorded_usage_into_dollars_on_every_surface(
 def test_a_bad_price_is_refused_at_load_naming_the_key(make_stack: Any) -> None:
     for prices, says in (
             ({"fake-gpt": {"input": -1, "output": 2}},
-             "prices.fake-gpt.input: Input should be greater than or equal to 0"),
+             "prices.fake-gpt.input: must be greater than or equal to 0"),
             ({"fake-gpt": {"input": "cheap", "output": 2}},
-             "prices.fake-gpt.input: Input should be a valid number"),
+             "prices.fake-gpt.input: must be a valid number"),
             ({"gpt-9": {"input": 1, "output": 2}},
              "prices.gpt-9: no model of that name in models, so no candidate uses it")):
         stack = make_stack(summarization=POLICY, extra_config={"prices": prices})

@@ -68,3 +68,35 @@ def test_the_served_api_refuses_bad_messages_and_serves_what_is_stored(
         assert response.status_code == 200, response.text
         assert response.json()["messages"][0]["content"] == [
             {"type": "data", "value": nested(300)}]
+
+
+def test_a_trailing_slash_and_a_bad_field_are_named_in_the_project_words(
+        make_stack: Callable[..., Stack], clean_pg: str) -> None:
+    """A route asked with a trailing slash is a 404 naming the route without it, not a 307 a
+    client may not follow (or follow without its body); a body field the schema or a check
+    refuses is named at the start of the message, in compactd's words, not pydantic's."""
+    url = start_api(make_stack())
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=30,
+                      follow_redirects=False) as http:
+        assert http.put("/v1/sessions/s1", json={}).status_code == 201
+        for method, path in (("GET", "/v1/sessions/s1/"), ("POST", "/v1/sessions/s1/compact/"),
+                             ("GET", "/healthz/")):
+            response = http.request(method, path, json={} if method == "POST" else None)
+            assert response.status_code == 404, (path, response.status_code, response.text)
+            assert response.json()["message"] == (
+                f"no route {path}: the route is {path[:-1]}, without the slash")
+        assert http.get("/v1/nothing/").json()["message"] == "Not Found"
+        cases = [("/v1/sessions/s1/compact", {"instructions": ""}, "body.instructions",
+                  "body.instructions: is empty"),
+                 ("/v1/sessions/s1/compact_context", {"focus": " "}, "body.focus",
+                  "body.focus: is empty"),
+                 ("/v1/sessions/s1/compact", {"instructions": 5}, "body.instructions",
+                  "body.instructions: must be a valid string"),
+                 ("/v1/sessions/s1/signal", {"reason": ""}, "body.reason",
+                  "body.reason: must be one of 'pressure', 'step' or 'append', got ''")]
+        for path, body, field, message in cases:
+            response = http.post(path, json=body)
+            assert response.status_code == 422, (path, response.text)
+            assert response.json()["field"] == field
+            assert response.json()["message"] == message
+        assert http.post("/v1/sessions/s1/signal", json={"reason": "step"}).status_code == 200

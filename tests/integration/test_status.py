@@ -196,3 +196,61 @@ async def test_cli_status_lists_only_sessions_growing_now_and_says_what_its_numb
     assert re.search(r"^  busy: runway [\d.]+ s, \d+/128000 tokens, growing [\d.]+ tokens/s$",
                      text, re.M), text
     assert "idle" not in text, text
+
+
+async def _held_back(store: Store, sid: str) -> int:
+    """A run that left ``sid`` over its trigger with nothing worth a run yet, as a pressure
+    run's end records it (``RunEnd.refire``): the session waits for growth. The tokens it waits
+    for."""
+    await _session(store, sid)
+    info = await store.get_session(sid)
+    until = info.surface_tokens + info.envelope_tokens + 5_000
+    claim = await _claim(store, sid, ago_s=0)
+    assert await store.finish(sid, run_id=claim.run_id, fence=claim.fence,
+                              end=RunEnd(outcome="nothing_to_do",
+                                         refire=(until, info.compacted_version)))
+    return until
+
+
+async def test_cli_status_of_a_session_says_it_waits_for_growth(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    from compactd.storage.database import embedded_url
+
+    store = Store.from_url(embedded_url(tmp_path))
+    try:
+        until = await _held_back(store, "s1")
+        await _session(store, "s2")
+    finally:
+        await store.close()
+    body = json.loads(_cli(cli_env, "status", "s1", "--json").stdout)
+    waiting = body["waiting_for_growth"]
+    assert waiting is not None and waiting["until_tokens"] == until, body
+    assert waiting["tokens"] < until
+    text = _cli(cli_env, "status", "s1").stdout
+    assert f"waiting for growth: {waiting['tokens']} tokens, fires again at {until}" in text
+    other = json.loads(_cli(cli_env, "status", "s2", "--json").stdout)
+    assert other["waiting_for_growth"] is None
+    assert "waiting for growth" not in _cli(cli_env, "status", "s2").stdout
+
+
+async def test_the_http_status_route_says_a_session_waits_for_growth(
+        db_url: str, tmp_path: Path) -> None:
+    from tests.support.asgi import A, api_config, serve_app
+
+    async for api in serve_app(api_config(db_url, tmp_path)):
+        await api.create("s1", A)
+        await api.create("s2", A)
+        store = Store.from_url(db_url)
+        try:
+            info = await store.get_session("s1")
+            until = info.surface_tokens + 5_000
+            claim = await _claim(store, "s1", ago_s=0)
+            assert await store.finish("s1", run_id=claim.run_id, fence=claim.fence,
+                                      end=RunEnd(outcome="nothing_to_do",
+                                                 refire=(until, info.compacted_version)))
+        finally:
+            await store.close()
+        body = (await api.http.get("/v1/sessions/s1", headers=A)).json()
+        assert body["waiting_for_growth"]["until_tokens"] == until, body
+        other = (await api.http.get("/v1/sessions/s2", headers=A)).json()
+        assert other["waiting_for_growth"] is None

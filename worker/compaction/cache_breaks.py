@@ -43,7 +43,6 @@ def hold_edits(freed_tokens: int, *, policy: Policy, pressure_tokens: int,
             "with the next summary's commit")
 
 
-
 def summary_wasted(freed_at_most: int, *, policy: Policy, pressure_tokens: int, relieves: bool,
                    last_append_at: datetime | None, now: datetime, forced: bool) -> str | None:
     """Why a summary freeing at most ``freed_at_most`` tokens (its range less an empty

@@ -1,0 +1,29 @@
+"""A config key refused at load reads in compactd's words: the key's path and what it must be,
+never pydantic's ("Input should be", "Field required", a class name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from compactd.storage.errors import ConfigError
+from compactd.worker.settings import Settings, build_config
+
+SETTINGS = Settings(database_url="sqlite:///x.sqlite3", broker_url="memory://")
+
+
+@pytest.mark.parametrize(("raw", "said"), [
+    ({"prices": {"gpt-x": 3}}, "prices.gpt-x: must be a mapping of keys, got 3"),
+    ({"prices": {"gpt-x": {"input": "cheap", "output": 1}}},
+     "prices.gpt-x.input: must be a valid number"),
+    ({"prices": {"gpt-x": {"output": 1}}}, "prices.gpt-x.input: is required"),
+    ({"prices": {"gpt-x": {"input": -1, "output": 1}}},
+     "prices.gpt-x.input: must be greater than or equal to 0"),
+    ({"events": 3}, "events: must be a mapping of keys, got 3"),
+    ({"worker": {"deadline_s": "soon"}}, "worker.deadline_s: must be a valid number"),
+])
+def test_a_bad_key_is_named_with_what_it_must_be(raw: dict[str, Any], said: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build_config(raw, settings=SETTINGS)
+    assert str(caught.value) == said
