@@ -362,28 +362,16 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
             # Their sum is what pressure counts, in the same 32-bit arithmetic.
             raise InvalidMessage(f"input_tokens + output_tokens must be at most {MAX_INT32}",
                                  field="output_tokens")
-        c = t.sessions.c
-        base = c.surface_tokens + c.envelope_tokens
-        update = t.sessions.update().where(c.id == session_id)
-        if surface_version is not None:
-            update = update.where(c.surface_version >= surface_version,
-                                  sa.or_(c.compacted_version.is_(None),
-                                         c.compacted_version <= surface_version))
-        async with transaction(self.engine) as conn:
-            result = await conn.execute(
-                update.values(reported_input_tokens=input_tokens,
-                              reported_output_tokens=output_tokens,
-                              reported_base_tokens=(base if response_appended
-                                                    else base + output_tokens),
-                              reported_version=c.surface_version)
-                .returning(*SESSION_COLUMNS))
-            row = result.first()
-            if row is None and surface_version is not None:
-                row = (await conn.execute(sa.select(*SESSION_COLUMNS)
-                                          .where(c.id == session_id))).first()
-            if row is None:
-                raise SessionNotFound(session_id)
-            info = session_from_row(row)
+        record = await self.db.fetchrow(
+            "report_usage", session_id=session_id, input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            unappended_tokens=0 if response_appended else output_tokens,
+            surface_version=surface_version)
+        if record is not None:
+            info = session_from_record(record)
+        else:
+            # Not recorded: no such session (SessionNotFound), or a stale report.
+            info = await self.get_session(session_id)
         if surface_version is not None and surface_version > info.surface_version:
             raise InvalidMessage(f"surface_version {surface_version} is newer than the "
                                  f"session's surface (version {info.surface_version})",

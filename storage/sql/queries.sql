@@ -31,6 +31,21 @@ SELECT s.surface_version, f.position, f.seq, f.tokens, e.kind, e.payload
 -- The runtime's read after every step: one primary-key read.
 SELECT surface_version FROM sessions WHERE id = :session_id;
 
+-- name: report_usage(session_id, input_tokens, output_tokens, unappended_tokens, surface_version)^
+-- A runtime's report of its provider's usage, before most of its steps: one statement, so a
+-- step pays one round trip for it (a transaction around it was three). The report is kept
+-- unless it was built on a surface a compaction has since moved past (:surface_version NULL:
+-- kept as it is); the row comes back when the report was kept, no row otherwise.
+UPDATE sessions
+   SET reported_input_tokens = :input_tokens, reported_output_tokens = :output_tokens,
+       reported_base_tokens = surface_tokens + envelope_tokens + :unappended_tokens,
+       reported_version = surface_version
+ WHERE id = :session_id
+   AND (CAST(:surface_version AS bigint) IS NULL
+        OR (surface_version >= :surface_version
+            AND (compacted_version IS NULL OR compacted_version <= :surface_version)))
+RETURNING *;
+
 -- name: mark_signal(session_id, now, stale_before)!
 -- The pending-signal mark, unless a mark newer than :stale_before is live; of appends racing
 -- over the trigger, one sets it.

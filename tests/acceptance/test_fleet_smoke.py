@@ -15,6 +15,7 @@ import yaml
 
 from compactd.scheduler.samples import coding_session
 from tests.bench import fleet as bench
+from tests.support.fake_provider import input_tokens_of, openai_request_body
 from tests.support.scripts import refusal
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,3 +269,24 @@ def test_without_the_shared_corpus_the_fleet_replays_generated_coding_sessions(
     other = transcripts(tmp_path / "other")
     found, source = bench.fleet_transcripts(bench.parse_args(["--transcripts", str(other)]))
     assert source == str(other) and [t.name for t in found] == ["coding-3", "coding-4"]
+
+
+def test_the_agents_running_count_is_the_providers_count_of_their_whole_context() -> None:
+    """The agents keep the provider's count step by step rather than encoding their whole
+    context after each step: it must stay what the fake provider counts for that request."""
+    [found] = bench.generated_transcripts()[:1]
+    system = [{"role": "system", "content": found.system}]
+    held: list[dict[str, object]] = [{"role": "user", "content": "caf\u00e9 \u2713", "name": None}]
+    sent = bench.ProviderCount(bench.RUN_MODEL, system + held)
+    steps = bench.replay(found)
+    for n in range(len(found.steps) + 5):  # past the end: the replay's fresh tool-call ids
+        step = next(steps)
+        held.extend(step)
+        sent.extend(step)
+        assert sent.tokens == input_tokens_of(openai_request_body(bench.RUN_MODEL,
+                                                                  system + held)), n
+        if n == 10:  # a pickup: the agent holds the surface it read
+            held = held[-3:]
+            sent = bench.ProviderCount(bench.RUN_MODEL, system + held)
+    assert bench.ProviderCount(bench.RUN_MODEL).tokens == input_tokens_of(
+        openai_request_body(bench.RUN_MODEL, []))

@@ -132,7 +132,7 @@ from tests.bench.common import (  # noqa: E402
 )
 from tests.support.fake_provider import (  # noqa: E402
     fake_provider_process,
-    input_tokens_of,
+    input_tokens_of_size,
     openai_request_body,
 )
 from tests.support.services import flush_redis, reset_database  # noqa: E402
@@ -327,6 +327,31 @@ class Sample:
     rss_mb: float
 
 
+class ProviderCount:
+    """The provider's count of a request's messages (``input_tokens_of`` of their
+    ``openai_request_body``), kept as each message's share of the body's bytes: an agent counts
+    its context after every step, and encoding the whole context each time costs the agents'
+    process more with every step its context grows, which is the benchmark's own cost."""
+
+    def __init__(self, model: str, messages: Sequence[dict[str, Any]] = ()) -> None:
+        self.model = model
+        self._empty = len(openai_request_body(model, []))
+        self._bytes = 0
+        self._messages = 0
+        self.extend(messages)
+
+    def extend(self, messages: Sequence[dict[str, Any]]) -> None:
+        for message in messages:
+            # A body of one message is the empty body with the message inside its list.
+            self._bytes += len(openai_request_body(self.model, [message])) - self._empty
+            self._messages += 1
+
+    @property
+    def tokens(self) -> int:
+        separators = len(", ") * max(self._messages - 1, 0)
+        return input_tokens_of_size(self._empty + self._bytes + separators)
+
+
 async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *, window: int,
                 think_scale: float, stop_at: float, rng: random.Random,
                 report: str = "provider") -> None:
@@ -337,13 +362,10 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
     log.envelope_tokens = envelope
     log.began = time.time()
     system = [{"role": "system", "content": transcript.system}] if transcript.system else []
-    # What the agent sends its model: its system prompt and the conversation as it holds it.
-    held: list[dict[str, Any]] = []
-
-    def provider_count() -> int:
-        return input_tokens_of(openai_request_body(RUN_MODEL, system + held))
-
-    context = provider_count()
+    # What the agent sends its model: its system prompt and the conversation as it holds it
+    # (the surface it last read and the steps it appended since).
+    sent = ProviderCount(RUN_MODEL, system)
+    context = sent.tokens
     counted = envelope
     for step, step_tokens in zip(replay(transcript), itertools.cycle(transcript.step_tokens),
                                  strict=False):
@@ -360,11 +382,13 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
         await session.report_usage(context if report == "provider" else counted)
         result = await session.append(step)
         moved = await session.poll() is not None
-        held.extend(step)
-        if moved:
-            held = await session.surface()
+        surface = await session.surface() if moved else None
         elapsed_ms = (time.perf_counter() - t0) * 1000
         ended = time.time()
+        if surface is None:
+            sent.extend(step)
+        else:
+            sent = ProviderCount(RUN_MODEL, system + surface)
         log.steps.append((started, ended, elapsed_ms))
         log.appends.append((started, result.fired))
         # compactd's count of the same context, for the report: an upper bound (a checkpoint
@@ -373,7 +397,7 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
         if moved:
             log.pickups.append(ended)
             counted = (await client.store.get_session(session.id)).surface_tokens + envelope
-        context = provider_count()
+        context = sent.tokens
         log.context.append((ended, context))
         log.counts.append((context, counted))
         if context > window:
@@ -387,8 +411,8 @@ async def agent(client: CompactdClient, log: AgentLog, transcript: Transcript, *
             if outcome.compacted:
                 log.overflow_waits.append(time.perf_counter() - t1)
                 log.pickups.append(time.time())
-                held = list(outcome.messages or [])
-                context = provider_count()
+                sent = ProviderCount(RUN_MODEL, system + list(outcome.messages or []))
+                context = sent.tokens
                 counted = (await client.store.get_session(session.id)).surface_tokens + envelope
                 log.context.append((time.time(), context))
             else:

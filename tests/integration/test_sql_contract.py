@@ -96,6 +96,30 @@ async def _clear_signal(store: Store) -> None:
     assert await store.db.fetchrow("clear_signal", session_id="ghost") is None
 
 
+@case("report_usage")
+async def _report_usage(store: Store) -> None:
+    def report(surface_version: int | None) -> Awaitable[Any]:
+        return store.db.fetchrow("report_usage", session_id="s1", input_tokens=900,
+                                 output_tokens=40, unappended_tokens=40,
+                                 surface_version=surface_version)
+
+    row = await report(None)
+    info = await store.get_session("s1")
+    assert row is not None and row["id"] == "s1" and row["reported_version"] == 1
+    assert (info.reported_input_tokens, info.reported_output_tokens) == (900, 40)
+    assert info.reported_base_tokens == info.surface_tokens + info.envelope_tokens + 40
+    assert await report(1) is not None  # built on the surface as it is
+    assert await report(2) is None  # a version the session has not reached
+    async with transaction(store.engine) as conn:
+        await conn.execute(sa.update(t.sessions).where(t.sessions.c.id == "s1")
+                           .values(compacted_version=1, surface_version=2))
+    assert await report(0) is None  # built before a compaction
+    assert await report(1) is not None  # on the compaction's own surface
+    assert await store.db.fetchrow("report_usage", session_id="ghost", input_tokens=1,
+                                   output_tokens=0, unappended_tokens=0,
+                                   surface_version=None) is None
+
+
 @case("session_runs")
 async def _session_runs(store: Store) -> None:
     now = utcnow()

@@ -259,7 +259,12 @@ def input_tokens_of(raw: bytes) -> int:
     """The input tokens the fake reports for a request body when its prefix cache is off: a
     quarter of its bytes. Not compactd's tokenizer, on purpose: a runtime that reports this
     usage gives compactd a count of its own, as a real provider's is."""
-    return math.ceil(len(raw) / 4)
+    return input_tokens_of_size(len(raw))
+
+
+def input_tokens_of_size(size: int) -> int:
+    """What :func:`input_tokens_of` reports for a body of ``size`` bytes."""
+    return math.ceil(size / 4)
 
 
 def openai_request_body(model: str, messages: Sequence[Mapping[str, Any]]) -> bytes:
