@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from tests.support.schedule import LongestFileFirst
 
     return LongestFileFirst(config, log)
+
+
+# The build of compactd as a user installs it, when the run has tests that need it
+# (tests/support/install.py): started on collection, so it overlaps the tests run before them.
+_INSTALL_BUILD: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from tests.support.install import NEEDED_BY, start_in_background
+
+    if session.config.option.collectonly or not any(
+            item.path.name in NEEDED_BY for item in session.items):
+        return
+    factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
+    build = start_in_background(factory)
+    if build is not None:
+        _INSTALL_BUILD.append(build)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for build in _INSTALL_BUILD:
+        # Another xdist worker may still be waiting for it; a run stopped early (-x, ^C)
+        # leaves none behind.
+        if session.shouldstop or session.shouldfail or exitstatus == pytest.ExitCode.INTERRUPTED:
+            os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
 
 
 PG_URL = worker_database_url(BASE_PG_URL, XDIST_WORKER)

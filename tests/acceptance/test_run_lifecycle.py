@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -336,39 +337,57 @@ def test_billed_answers_refused_while_read_or_cut_at_the_cap_keep_their_usage(
     cases = [(first, output) for first in other for output in BILLED_REFUSALS
              if (first, output) != ("fake-claude", "content_filter")]
     stack = make_stack(claude=True, summarization=POLICY, worker={"local_fallback": False})
+    # The cases run at once: each session's summarized span carries its own marker, which its
+    # scripted answers match (and keep the bodies of, so each case finds its own two requests).
     for i, (first, output) in enumerate(cases):
-        db.ingest(f"{first}-{output}",
-                  coding_session(steps=20, big_output_lines=30, seed=800 + i).messages,
-                  run_model=other[first], policy={"model_name": first})
-    port = free_port()
-    stack.start_worker("w1", concurrency=2, env={"COMPACTD_METRICS_PORT": str(port)})
-    totals: dict[tuple[str, str], int] = {}
-    for first, output in cases:
         sid = f"{first}-{output}"
-        fake.script(Behaviour(model=first, output=output))
-        seen = len(fake.requests)
-        result = stack.cli_json("compact", sid, "--wait")
+        messages = coding_session(steps=20, big_output_lines=30, seed=800 + i).messages
+        ticket = next(m for m in messages if m["role"] == "user" and "Ticket" in m["content"])
+        ticket["content"] = f"{_case_marker(sid)} {ticket['content']}"
+        db.ingest(sid, messages, run_model=other[first], policy={"model_name": first})
+        fake.script(Behaviour(model=first, output=output, contains=_case_marker(sid),
+                              keep_body=True),
+                    Behaviour(model=other[first], contains=_case_marker(sid), keep_body=True))
+    port = free_port()
+    stack.start_worker("w1", concurrency=len(cases), env={"COMPACTD_METRICS_PORT": str(port)})
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = dict(zip(cases, pool.map(lambda sid: stack.cli_json("compact", sid, "--wait"),
+                                           [f"{f}-{o}" for f, o in cases]), strict=True))
+    totals: dict[tuple[str, str], int] = {}
+    for (first, output), result in results.items():
+        sid = f"{first}-{output}"
         assert (result["outcome"], result["model"]) == ("committed", other[first]), result
-        [run] = stack.cli_json("status", sid)["runs"]
-        assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
-            (first, BILLED_REFUSALS[output])], run["candidates"]
-        refused, written = fake.requests[seen:]
-        assert refused.model == first and written.model == other[first]
-        by = run["usage"]["by_candidate"]
-        assert set(by) == {first, other[first]}, run["usage"]
+        # The run as stored, which `status` shows (the usage test above checks that it does).
+        [stored] = db.runs(sid)
+        assert result["usage"] == stored.usage, (result, stored)
+        assert [(c["candidate"], c["kind"]) for c in stored.candidates or () if c.get("kind")
+                ] == [(first, BILLED_REFUSALS[output])], stored.candidates
+        refused, written = [r for r in fake.requests
+                            if r.body is not None and _case_marker(sid) in json.dumps(r.body)]
+        assert (refused.model, refused.behaviour) == (first, output), refused
+        assert written.model == other[first], written
+        usage = result["usage"]
+        by = usage["by_candidate"]
+        assert set(by) == {first, other[first]}, usage
         assert by[first]["calls"] == 1, by
         assert by[first]["input_tokens"] == refused.input_tokens > 0, by
         assert by[first]["output_tokens"] == refused.output_tokens > 0, by
-        assert run["usage"]["calls"] == 2 and run["usage"]["input_tokens"] == (
-            refused.input_tokens + written.input_tokens), run["usage"]
+        assert usage["calls"] == 2 and usage["input_tokens"] == (
+            refused.input_tokens + written.input_tokens), usage
         for model, counts in by.items():
             for kind in ("input_tokens", "output_tokens"):
                 totals[model, kind] = totals.get((model, kind), 0) + counts[kind]
+    assert not fake.pending_script(), "every case's answers were asked for"
     scraped = scrape(port)
     for model in other:
         for kind in ("input", "output"):
             assert value(scraped, "compactd_model_tokens_total", candidate=model,
                          kind=kind) == totals[model, f"{kind}_tokens"], (model, kind)
+
+
+def _case_marker(sid: str) -> str:
+    return f"[case {sid}]"
 
 
 # ------------------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ Under pytest-xdist the two tests may run on different workers at once: the build
 a file lock in the run's own temporary directory (the parent of the workers' own ones), and the
 worker that comes second waits for it and uses it. A failed build leaves nothing behind: the
 next test to ask builds again and reports its own failure.
+
+Most of the build's minute is pip waiting on the package index, not the CPU: when a run collects
+a test that needs it, the build starts at once in a process of its own (`start_in_background`,
+from tests/conftest.py), under the same lock, so it overlaps the tests scheduled before these
+and the first of them to ask finds it made, or waits for the rest of it.
 """
 
 from __future__ import annotations
@@ -73,8 +78,29 @@ def _build(root: Path) -> Installed:
 
 
 def installed_compactd(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    """The run's one wheel and venv, built by the first test to ask."""
+    """The run's one wheel and venv, built by the first test to ask (or in the background)."""
+    return _installed(_run_dir(tmp_path_factory))
+
+
+# The test files whose tests need the build.
+NEEDED_BY = ("test_plain_install.py", "test_wheel_install.py")
+
+
+def start_in_background(tmp_path_factory: pytest.TempPathFactory
+                        ) -> subprocess.Popen[bytes] | None:
+    """Start the run's build in a process of its own, unless another xdist worker did."""
     run = _run_dir(tmp_path_factory)
+    try:
+        (run / "compactd-installed.started").touch(exist_ok=False)
+    except FileExistsError:
+        return None
+    with (run / "compactd-installed.log").open("wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "tests.support.install", str(run)],
+                                cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _installed(run: Path) -> Installed:
     root = run / "compactd-installed"
     ready = root / "ready"
     with _locked(run / "compactd-installed.lock"):
@@ -85,3 +111,7 @@ def installed_compactd(tmp_path_factory: pytest.TempPathFactory) -> Installed:
             ready.touch()
     (wheel,) = (root / "dist").glob("compactd-*.whl")
     return Installed(wheel, root / "venv" / "bin" / "python")
+
+
+if __name__ == "__main__":
+    _installed(Path(sys.argv[1]))  # the background build: `python -m tests.support.install RUN`
