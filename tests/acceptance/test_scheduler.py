@@ -611,7 +611,7 @@ def test_signal_and_recompact_errors_are_bad_input(make_stack) -> None:  # type:
     stack.ingest("s1", coding_session(steps=20, big_output_lines=40).messages)
     for args, message in [
         (["signal", "ghost"], "session 'ghost' does not exist"),
-        (["signal", "s1", "--reason", "panic"], "field 'reason'"),
+        (["signal", "s1", "--reason", "panic"], "--reason: invalid choice: 'panic'"),
         (["signal", "x" * 300], "field 'session'"),
         (["recompact", "--rate", "fast/s"], "field 'rate': not a rate"),
         (["recompact", "--idle-for", "soon", "--dry-run"], "not a duration"),

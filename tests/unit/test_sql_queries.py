@@ -13,7 +13,7 @@ from compactd.storage import sql
 ROOT = Path(__file__).resolve().parents[2]
 STORAGE = ROOT / "storage"
 # Statement text as it would appear in a string literal (upper case, as the project writes it).
-STATEMENT = re.compile(r"\b(SELECT|INSERT INTO|UPDATE \w+ SET|DELETE FROM|"
+STATEMENT = re.compile(r"\b(SELECT|INSERT INTO|UPDATE \w+\s+SET|DELETE FROM|"
                        r"CREATE (OR REPLACE )?FUNCTION)\b")
 # Revisions written before storage/sql existed keep the text they ran; 0004 and 0009 load it.
 HISTORICAL = {"20261130_0002_append_function.py", "20261130_0003_claim_function.py",
