@@ -45,6 +45,38 @@ async def test_input_plus_output_fires_the_trigger(db_url: str, store: Store) ->
         assert [r.session_id for r in enqueuer.sent] == ["s1"]
 
 
+async def test_a_report_over_the_trigger_with_a_live_mark_sends_nothing_more(
+        db_url: str, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a run is asked for (the mark the report's row shows is live), reports over the
+    trigger neither enqueue again nor ask the store to mark: one round trip a step, not three.
+    Once the mark is gone, the next report over the trigger marks and enqueues."""
+    enqueuer = RecordingEnqueuer()
+    marks: list[str] = []
+    mark_signal = store.mark_signal
+
+    async def counted(session_id: str, **kw: Any) -> bool:
+        marks.append(session_id)
+        return await mark_signal(session_id, **kw)
+
+    monkeypatch.setattr(store, "mark_signal", counted)
+    async with CompactdClient(make_config(db_url, trigger=TRIGGER), store=store,
+                              enqueuer=enqueuer) as client:
+        handle = await client.create_session("s1", run_model="gpt-4o")
+        await handle.append([user(50)])
+        await handle.report_usage(7500, 2501)
+        await client.drain()
+        assert marks == ["s1"] and len(enqueuer.sent) == 1
+        for i in range(5):
+            info = await handle.report_usage(7500 + i, 2501)
+            assert info.signal_at is not None
+        await client.drain()
+        assert marks == ["s1"] and len(enqueuer.sent) == 1
+        await store.clear_signal("s1")
+        await handle.report_usage(7600, 2501)
+        await client.drain()
+        assert marks == ["s1", "s1"] and len(enqueuer.sent) == 2
+
+
 async def test_what_is_appended_after_the_response_counts_on_top(db_url: str,
                                                                  store: Store) -> None:
     enqueuer = RecordingEnqueuer()
