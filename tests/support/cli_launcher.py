@@ -14,7 +14,8 @@ environment, fail to import) happens in the command as it would in a fresh inter
 ``run`` returns what ``subprocess.run(..., capture_output=True, text=True)`` returns, and
 raises its ``TimeoutExpired``. A command whose interpreter would start differently (another
 Python, another ``PYTHON*`` or locale variable) gets a launcher of its own; one the launcher
-cannot serve runs as a plain subprocess.
+cannot serve runs as a plain subprocess, and so does every command when the test process has
+``COMPACTD_TEST_CLI_LAUNCHER=0`` (to tell a difference the launcher makes from a bug).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ CLI_MODULE = "compactd.scheduler.cli"
 STARTUP_VARS_PREFIXES = ("PYTHON", "LC_", "LANG")
 APPLIED_IN_COMMAND = ("PYTHONUNBUFFERED",)
 READY_TIMEOUT_S = 60.0
+SWITCH_ENV = "COMPACTD_TEST_CLI_LAUNCHER"
 _HEADER = struct.Struct("!I")
 
 
@@ -292,7 +294,8 @@ def run(env: Mapping[str, str], args: Sequence[str], *, cwd: str | Path | None =
         timeout: float | None = None) -> subprocess.CompletedProcess[str]:
     """``python -m compactd.scheduler.cli ARGS`` with ``env`` in ``cwd``, its output captured
     as text."""
-    launcher = _launcher(sys.executable, env)
+    launcher = (None if os.environ.get(SWITCH_ENV, "1") == "0"
+                else _launcher(sys.executable, env))
     if launcher is None:
         return subprocess.run([sys.executable, "-m", CLI_MODULE, *args], env=dict(env),
                               cwd=cwd, capture_output=True, text=True, timeout=timeout)

@@ -77,3 +77,11 @@ def test_a_command_past_its_timeout_is_killed(tmp_path: Path) -> None:
     env = isolated_cli_env(tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
         cli_launcher.run(env, ["migrate"], cwd=tmp_path, timeout=0.01)
+
+
+def test_the_switch_runs_commands_in_fresh_interpreters(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    monkeypatch.setenv(cli_launcher.SWITCH_ENV, "0")
+    monkeypatch.setattr(cli_launcher, "_launcher", None)  # a launcher would fail the test
+    out = cli_launcher.run(isolated_cli_env(tmp_path), ["--version"], timeout=60)
+    assert out.returncode == 0 and out.stdout.strip(), out
