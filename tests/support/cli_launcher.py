@@ -200,9 +200,15 @@ class Launcher:
         return _collect(conn, pid, argv, out_r, err_r, timeout)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        # Its stdin closing ends the launcher; commands still running go on to their end.
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.proc.stdout.close()
         for name in os.listdir(self.dir):
             os.unlink(os.path.join(self.dir, name))
         os.rmdir(self.dir)
