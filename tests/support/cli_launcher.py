@@ -155,6 +155,10 @@ runpy._run_module_as_main("compactd.scheduler.cli", alter_argv=True)
 '''
 
 
+class LauncherGone(Exception):
+    """The launcher did not take the command (it has ended): the command did not start."""
+
+
 class Launcher:
     """One launcher process serving the commands whose interpreter starts with ``env``'s
     startup variables."""
@@ -189,9 +193,12 @@ class Launcher:
             conn.connect(self.sock_path)
             socket.send_fds(conn, [_HEADER.pack(len(body))], [0, out_w, err_w])
             conn.sendall(body)
-        except BaseException:
+        except BaseException as exc:
+            conn.close()
             for fd in (out_r, err_r):
                 os.close(fd)
+            if isinstance(exc, OSError):
+                raise LauncherGone from exc  # the command has not started
             raise
         finally:
             os.close(out_w)
@@ -302,7 +309,13 @@ def run(env: Mapping[str, str], args: Sequence[str], *, cwd: str | Path | None =
     as text."""
     launcher = (None if os.environ.get(SWITCH_ENV, "1") == "0"
                 else _launcher(sys.executable, env))
-    if launcher is None:
-        return subprocess.run([sys.executable, "-m", CLI_MODULE, *args], env=dict(env),
-                              cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    return launcher.run(args, env, os.fspath(cwd) if cwd is not None else os.getcwd(), timeout)
+    if launcher is not None:
+        try:
+            return launcher.run(args, env, os.fspath(cwd) if cwd is not None else os.getcwd(),
+                                timeout)
+        except LauncherGone:
+            with _lock:
+                _launchers[(sys.executable, _startup_env(env))] = None
+            launcher.close()
+    return subprocess.run([sys.executable, "-m", CLI_MODULE, *args], env=dict(env), cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)

@@ -85,3 +85,15 @@ def test_the_switch_runs_commands_in_fresh_interpreters(monkeypatch: pytest.Monk
     monkeypatch.setattr(cli_launcher, "_launcher", None)  # a launcher would fail the test
     out = cli_launcher.run(isolated_cli_env(tmp_path), ["--version"], timeout=60)
     assert out.returncode == 0 and out.stdout.strip(), out
+
+
+def test_a_command_runs_in_a_fresh_interpreter_once_its_launcher_has_ended(
+        tmp_path: Path) -> None:
+    env = {**isolated_cli_env(tmp_path), "PYTHONHASHSEED": "7"}  # a launcher of its own
+    assert cli_launcher.run(env, ["--version"], timeout=60).returncode == 0
+    launcher = cli_launcher._launcher(sys.executable, env)
+    assert launcher is not None
+    launcher.proc.kill()
+    launcher.proc.wait()
+    out = cli_launcher.run(env, ["--version"], timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("compactd"), out
