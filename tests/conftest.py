@@ -267,8 +267,9 @@ def compactd_cmd() -> list[str]:
 def run_cli(env: dict[str, str], *args: str, check: bool = True,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``compactd ARGS`` as a subprocess; with ``check``, a non-zero exit fails the test."""
-    out = subprocess.run([*compactd_cmd(), *args], env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    from tests.support import cli_launcher
+
+    out = cli_launcher.run(env, args, timeout=timeout)
     if check and out.returncode != 0:
         raise AssertionError(f"compactd {' '.join(args)} -> {out.returncode}\n{out.stderr}")
     return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from compactd.storage.recall import render_original
 from compactd.worker.compaction.prompt import INDEX_MARK, SECTIONS
 from compactd.worker.compaction.recall import layout_role
 from tests.conftest import REPO
+from tests.support import cli_launcher
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack, wait_until
@@ -245,8 +245,7 @@ def test_inline_on_sqlite_plan_surface_and_verify(cli_env: dict[str, str],
     env = {**cli_env, "COMPACTD_CONFIG": str(config)}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([sys.executable, "-m", "compactd.scheduler.cli", *args], env=env,
-                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        out = cli_launcher.run(env, args, cwd=REPO, timeout=120)
         assert out.returncode == 0, out.stderr
         return out
 

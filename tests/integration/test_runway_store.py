@@ -13,7 +13,7 @@ import pytest
 from compactd.storage.messages import Message, parse_openai
 from compactd.storage.records import decayed_growth_rate, next_growth_rate, utcnow
 from compactd.storage.store import Store
-from tests.conftest import compactd_cmd
+from tests.conftest import run_cli
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -101,8 +101,7 @@ def test_cli_status_lists_the_least_runway_first(db_url: str, cli_env: dict[str,
     cli_env["COMPACTD_DATABASE_URL"] = db_url
 
     def status(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*compactd_cmd(), "status", *args], env=cli_env,
-                              capture_output=True, text=True, timeout=120)
+        return run_cli(cli_env, "status", *args, check=False, timeout=120)
 
     before = utcnow()
     out = status("--json")

@@ -16,7 +16,7 @@ from compactd.storage.kinds import JournalKind
 from compactd.storage.messages import parse_openai
 from compactd.storage.records import Claim, RunEnd, utcnow
 from compactd.storage.store import Store
-from tests.conftest import compactd_cmd
+from tests.conftest import run_cli
 
 
 async def _session(store: Store, sid: str) -> None:
@@ -135,8 +135,7 @@ async def test_release_ends_a_live_lease_as_abandoned_and_fences_its_holder(stor
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*compactd_cmd(), *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return run_cli(env, *args, check=False, timeout=120)
 
 
 async def test_cli_status_and_lease_release_on_the_embedded_database(

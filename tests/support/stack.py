@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tests.support import cli_launcher
 from tests.support.releases import CURRENT_PREFIX, MODULE_PREFIX_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,9 +211,12 @@ class Stack:
     def cli(self, *args: str, check: bool = True, timeout: float = 180.0,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         cli = _module("scheduler.cli", env)  # namespace: keep
-        out = subprocess.run([self.python, "-m", cli, *args],
-                             env={**self.env, **(env or {})}, cwd=self.home,
-                             capture_output=True, text=True, timeout=timeout)
+        full_env = {**self.env, **(env or {})}
+        if self.python == sys.executable and cli == cli_launcher.CLI_MODULE:
+            out = cli_launcher.run(full_env, args, cwd=self.home, timeout=timeout)
+        else:
+            out = subprocess.run([self.python, "-m", cli, *args], env=full_env, cwd=self.home,
+                                 capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise AssertionError(f"compactd {' '.join(args)} exited {out.returncode}:\n"
                                  f"{out.stdout}\n{out.stderr}")
