@@ -85,10 +85,12 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     say(f"trigger: {'fired' if result.fired else 'not fired'} - {result.reason}"
         + (" (forced)" if args.force else ""))
     if arrivals is not None:
+        pace = (f"an append every {arrivals.cadence.interval_s:.2f} s"
+                if arrivals.cadence is not None
+                else f"{arrivals.rate_tokens_per_s:.1f} tokens/s")
         say(f"keep_at pickup: {arrivals.messages} messages ({arrivals.tokens} tokens) expected "
-            f"before the pickup ({arrivals.rate_tokens_per_s:.1f} tokens/s for "
-            f"{arrivals.seconds:.1f} s, then a step of {arrivals.pickup_step.messages:.1f} "
-            f"messages); the kept tail is smaller by them")
+            f"before the pickup ({pace} for {arrivals.seconds:.1f} s, then a step of "
+            f"{arrivals.pickup_step.messages:.1f} messages); the kept tail is smaller by them")
     if result.prune:
         saved = sum(a.tokens_before - a.tokens_after for a in result.prune)
         say(f"prune: {len(result.prune)} tool results, saving {saved} tokens "

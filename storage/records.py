@@ -182,6 +182,16 @@ class EventRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class AppendedMessage:
+    """A message as the runtime appended it: its seq, the append's time (every message of one
+    append has it) and its tokens then."""
+
+    seq: int
+    at: dt.datetime
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class VerifyResult:
     session_id: str
     ok: bool

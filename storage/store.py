@@ -72,6 +72,7 @@ from compactd.storage.recall_index import RecallIndexMixin
 from compactd.storage.records import (
     APPEND_KEY_WINDOW_S,
     GROWTH_WINDOW_S,
+    AppendedMessage,
     AppendKey,
     AppendResult,
     EventRecord,
@@ -630,6 +631,13 @@ class Store(LeasesMixin, RunsMixin, BulkJobsMixin, SweepsMixin, LoopGuardMixin, 
             raise SessionNotFound(session_id)
         version = int(value)
         return None if since_version is not None and version == since_version else version
+
+    async def recent_messages(self, session_id: str, *, limit: int) -> list[AppendedMessage]:
+        """The newest ``limit`` messages the runtime appended to ``session_id``, oldest first,
+        each with its append's time (replaced ones too: they were appended all the same)."""
+        rows = await self.db.fetch("recent_messages", session_id=session_id, limit=limit)
+        return [AppendedMessage(seq=r["seq"], at=r["created_at"], tokens=r["tokens"] or 0)
+                for r in reversed(rows)]
 
     async def _current_version(self, session_id: str) -> int:
         version = await self.poll(session_id, None)

@@ -1,7 +1,8 @@
 """What a run expects the agent to append before it picks the checkpoint up (``keep_at:
-pickup``): the session's growth rate, kept by every append, times the claim-to-commit time of
-recent runs of the same summary model, read once per run, and the step the agent appends before
-the read that picks the checkpoint up (``worker.compaction.arrivals``).
+pickup``): the session's appends at the cadence of its newest ones (their times as appended,
+read once per run), or its growth rate when they are too few or the session has paused, over
+the claim-to-commit time of recent runs of the same summary model, and the step the agent
+appends before the read that picks the checkpoint up (``worker.compaction.arrivals``).
 
 The claim-to-commit time is this module's own statistic: the lead time of a pressure signal
 (signal to checkpoint) is measured elsewhere and includes the wait in the queue, which comes
@@ -18,7 +19,15 @@ from compactd.storage.errors import StorageError
 from compactd.storage.records import SessionInfo
 from compactd.storage.store import Store
 from compactd.storage.surface import SurfaceNode
-from compactd.worker.compaction.arrivals import Arrivals, claim_to_commit_s, expected_arrivals
+from compactd.worker.compaction.arrivals import (
+    RECENT_MESSAGES,
+    Arrivals,
+    Cadence,
+    append_cadence,
+    arrivals_at_cadence,
+    claim_to_commit_s,
+    expected_arrivals,
+)
 from compactd.worker.compaction.policy import Policy
 from compactd.worker.llm.candidates import candidate_order
 from compactd.worker.settings import Config
@@ -50,12 +59,26 @@ async def claim_to_commit_seconds(store: Store, config: Config, info: SessionInf
     return claim_to_commit_s(durations)
 
 
+async def session_cadence(store: Store, info: SessionInfo) -> Cadence | None:
+    """How ``info`` has been appending, from its newest messages' append times (None: too few
+    appends, or the read failed; the run then counts the growth rate)."""
+    try:
+        appended = await store.recent_messages(info.id, limit=RECENT_MESSAGES)
+    except StorageError as exc:
+        logger.warning("keep_at: recent appends unreadable; counting the growth rate",
+                       extra={"action": "keep_at.appends_unread", "session_id": info.id,
+                              "error": str(exc)})
+        return None
+    return append_cadence(appended)
+
+
 async def predict_arrivals(store: Store, config: Config, info: SessionInfo, policy: Policy,
                            nodes: Sequence[SurfaceNode], now: dt.datetime) -> Arrivals | None:
     """What the agent is expected to append before the pickup, or None when the run keeps at
     the claim: ``keep_at: claim``, a session not growing (no agent stepping: an idle chat's
     next message may be hours away), or no run to learn the claim-to-commit time from (a
-    fresh worker's first runs, an ingested history's)."""
+    fresh worker's first runs, an ingested history's). Counted at the session's append cadence
+    while it steps at it, else at its growth rate."""
     if policy.keep_at != "pickup":
         return None
     # The rate the lead counts: a young session's stored rate is still climbing from 0 (a
@@ -66,4 +89,7 @@ async def predict_arrivals(store: Store, config: Config, info: SessionInfo, poli
     seconds = await claim_to_commit_seconds(store, config, info, policy, now)
     if seconds is None:
         return None
+    cadence = await session_cadence(store, info)
+    if cadence is not None and cadence.stepping_at(now):
+        return arrivals_at_cadence(cadence, seconds)
     return expected_arrivals(rate, seconds, nodes)

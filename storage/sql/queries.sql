@@ -27,6 +27,15 @@ SELECT s.surface_version, f.position, f.seq, f.tokens, e.kind, e.payload
  WHERE s.id = :session_id
  ORDER BY f.position;
 
+-- name: recent_messages(session_id, limit)
+-- The newest :limit messages the runtime appended, newest first, with their append's time and
+-- tokens: what keep_at: pickup measures the session's appends on (once a run), read backwards
+-- on the events' primary key (a compaction's few journal and checkpoint events are skipped).
+SELECT seq, created_at, tokens FROM events
+ WHERE session_id = :session_id AND kind = 'message'
+ ORDER BY seq DESC
+ LIMIT :limit;
+
 -- name: poll(session_id)$
 -- The runtime's read after every step: one primary-key read.
 SELECT surface_version FROM sessions WHERE id = :session_id;

@@ -75,6 +75,23 @@ async def _poll(store: Store) -> None:
     assert await store.db.fetchval("poll", session_id="ghost") is None
 
 
+@case("recent_messages")
+async def _recent_messages(store: Store) -> None:
+    # A run's journal event between the appends (the claim writes one): not a message.
+    assert isinstance(await store.claim("s1", owner="w", trigger="pressure", lease_s=60), Claim)
+    first, second = utcnow() + dt.timedelta(seconds=1), utcnow() + dt.timedelta(seconds=2)
+    await store.append("s1", [user("c"), user("d")], now=first)
+    await store.append("s1", [user("e")], now=second)
+    rows = await store.db.fetch("recent_messages", session_id="s1", limit=3)
+    # Newest first; the messages of one append carry its time.
+    assert [(r["seq"], r["created_at"]) for r in rows] == [(6, second), (5, first), (4, first)]
+    assert all(isinstance(r["tokens"], int) and r["tokens"] > 0 for r in rows)
+    appended = await store.recent_messages("s1", limit=10)
+    assert [m.seq for m in appended] == [1, 2, 4, 5, 6]
+    assert appended[0].at == appended[1].at < first
+    assert await store.db.fetch("recent_messages", session_id="ghost", limit=3) == []
+
+
 @case("mark_signal")
 async def _mark_signal(store: Store) -> None:
     now = utcnow()

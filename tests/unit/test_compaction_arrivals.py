@@ -3,13 +3,22 @@ it picks the checkpoint up, and what no expectation may ever make it summarize."
 
 from __future__ import annotations
 
+import datetime as dt
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compactd.storage.records import AppendedMessage
 from compactd.worker.compaction.arrivals import (
+    IDLE_INTERVALS,
+    MEASURE_APPENDS,
     Arrivals,
+    Cadence,
     Step,
+    append_cadence,
+    arrivals_at_cadence,
     claim_to_commit_s,
     expected_arrivals,
     keep_at_pickup,
@@ -230,3 +239,98 @@ def test_keep_at_is_pickup_or_claim_and_anything_else_is_refused_by_name() -> No
     for bad in ("land", "", None, 1, ["pickup"]):
         with pytest.raises(PolicyError, match=r"^summarization\.keep_at: must be one of"):
             parse_policy({"keep_at": bad})
+
+
+def _appended(*appends: tuple[float, Sequence[int]]) -> list[AppendedMessage]:
+    """Messages as a runtime appended them: (seconds after NOW, each message's tokens) an
+    append, oldest first."""
+    out: list[AppendedMessage] = []
+    for at, sizes in appends:
+        for size in sizes:
+            out.append(AppendedMessage(seq=len(out) + 1, at=NOW + dt.timedelta(seconds=at),
+                                       tokens=size))
+    return out
+
+
+def _stepping(count: int, every_s: float = 0.1, sizes: Sequence[int] = (60, 75),
+              start_s: float = 0.0) -> list[tuple[float, Sequence[int]]]:
+    """``count`` appends of one step each (an assistant call and its result), ``every_s``
+    apart."""
+    return [(start_s + i * every_s, sizes) for i in range(count)]
+
+
+def _cadence(*appends: tuple[float, Sequence[int]]) -> Cadence:
+    cadence = append_cadence(_appended(*appends))
+    assert cadence is not None
+    return cadence
+
+
+def test_the_cadence_is_the_median_interval_and_the_median_append() -> None:
+    cadence = _cadence(*_stepping(16))
+    assert cadence.interval_s == pytest.approx(0.1)
+    assert cadence.append == Step(tokens=135, messages=2)
+    assert (cadence.intervals, cadence.last_at) == (15, NOW + dt.timedelta(seconds=1.5))
+    # The oldest append only starts the first interval (the read's limit may have cut it):
+    # a window that begins inside an append measures the same.
+    assert append_cadence(_appended((-0.1, [40]), *_stepping(16))) == append_cadence(
+        _appended((-0.1, [900, 40]), *_stepping(16)))
+
+
+def test_a_large_observation_in_the_window_does_not_shrink_the_expected_messages() -> None:
+    # A SWE-agent session: steps of about 135 tokens, one of them a 9,000-token observation.
+    steady = _stepping(16)
+    observed = [*steady[:10], (steady[10][0], [60, 9_000]), *steady[11:]]
+    plain = arrivals_at_cadence(_cadence(*steady), 0.3)
+    large = arrivals_at_cadence(_cadence(*observed), 0.3)
+    # Three appends to the commit and the one before the pickup, two messages each.
+    assert plain.messages == large.messages == 8
+    assert large.measure == MEASURE_APPENDS
+    # Converted at the window's mean message size, the same growth gave fewer than half.
+    window = [n.tokens for n in _appended(*observed)][-32:]
+    grown = plain.rate_tokens_per_s * 0.3
+    assert grown / (sum(window) / len(window)) + 2 < plain.messages / 2
+    # A token keep expects the median append, not the observation spread over the window.
+    assert large.tokens == plain.tokens == 4 * 135
+
+
+def test_an_idle_gap_in_the_window_does_not_stretch_the_interval() -> None:
+    # The user read for a minute between two runs of steps.
+    cadence = _cadence(*_stepping(8), *_stepping(8, start_s=60.0))
+    assert cadence.interval_s == pytest.approx(0.1)
+    assert arrivals_at_cadence(cadence, 0.3).messages == 8
+
+
+@pytest.mark.parametrize(("appends", "why"), [
+    (_stepping(4), "three intervals"),
+    ([(0.0, [50] * 20)], "one append"),
+    ([(0.0, [50])] * 10, "an ingest: every append in one instant"),
+    ([], "nothing appended"),
+])
+def test_too_few_appends_have_no_cadence(appends, why) -> None:
+    assert append_cadence(_appended(*appends)) is None, why
+
+
+def test_a_session_that_paused_for_several_intervals_is_not_stepping_at_its_cadence() -> None:
+    cadence = _cadence(*_stepping(16))
+    last = cadence.last_at
+    assert cadence.stepping_at(last + dt.timedelta(seconds=0.05))
+    assert cadence.stepping_at(last + dt.timedelta(seconds=IDLE_INTERVALS * 0.1 - 0.01))
+    assert not cadence.stepping_at(last + dt.timedelta(seconds=IDLE_INTERVALS * 0.1 + 0.01))
+
+
+def test_arrivals_at_the_cadence_are_the_appends_to_the_commit_and_one_before_the_pickup(
+        ) -> None:
+    cadence = Cadence(interval_s=0.5, append=Step(tokens=300, messages=3), intervals=9,
+                      last_at=NOW)
+    got = arrivals_at_cadence(cadence, 1.0)
+    assert (got.tokens, got.messages, got.pickup_step) == (900, 9, Step(300, 3))
+    assert got.rate_tokens_per_s == 600
+    assert got.to_json() == {
+        "tokens": 900, "messages": 9, "claim_to_commit_s": 1.0, "rate_tokens_per_s": 600.0,
+        "pickup_step": {"tokens": 300, "messages": 3}, "measure": "appends",
+        "append_interval_s": 0.5, "appends_measured": 9}
+    # No time to the commit, or none a clock could measure: the pickup's append alone.
+    for seconds in (0.0, -1.0, float("nan")):
+        assert arrivals_at_cadence(cadence, seconds).messages == 3
+    # The growth-rate estimate says which measure it is.
+    assert expected_arrivals(40.0, 3.0, nodes(sys())).to_json()["measure"] == "growth_rate"
