@@ -300,6 +300,25 @@ def test_an_idle_gap_in_the_window_does_not_stretch_the_interval() -> None:
     assert arrivals_at_cadence(cadence, 0.3).messages == 8
 
 
+def test_a_runtime_appending_each_message_alone_is_read_at_its_step() -> None:
+    # The model's reply, then its tool's result 0.1 s later, then 0.9 s to the next reply:
+    # a message an append, two a second. An odd count of intervals, so their plain median
+    # is the short one.
+    appends = [(t, [70]) for i in range(7) for t in (i * 1.0, i * 1.0 + 0.1)]
+    cadence = _cadence(*appends)
+    assert cadence.intervals == 13
+    assert cadence.interval_s == pytest.approx(0.5)
+    assert cadence.append == Step(tokens=70, messages=1)
+    # Two messages a second over 1.5 s, and the one before the pickup.
+    assert arrivals_at_cadence(cadence, 1.5).messages == 4
+
+
+def test_an_idle_gap_among_few_intervals_does_not_stretch_the_interval() -> None:
+    # Too few intervals for adjacent means: one pause would move most of them.
+    cadence = _cadence(*_stepping(3), *_stepping(3, start_s=60.0))
+    assert cadence.intervals == 5 and cadence.interval_s == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize(("appends", "why"), [
     (_stepping(4), "three intervals"),
     ([(0.0, [50] * 20)], "one append"),

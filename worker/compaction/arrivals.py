@@ -56,6 +56,9 @@ RECENT_MESSAGES = 32
 # The fewest intervals between appends a session's cadence is measured on: with fewer, one
 # quick or slow step would set it, and the growth rate is the better guess.
 MIN_APPEND_INTERVALS = 4
+# The fewest intervals whose adjacent means are medianed (``typical_interval``): enough that
+# the two means one pause moves stay a minority.
+MIN_PAIRED_INTERVALS = 6
 # How many of its intervals a session may go without an append and still be read as stepping
 # at its cadence: past that it has paused (a user reading, a long tool call), and what it
 # still grows by is what its decayed growth rate says.
@@ -196,7 +199,7 @@ def append_cadence(appended: Sequence[AppendedMessage],
         return None
     intervals = [max(0.0, (later[0] - earlier[0]).total_seconds())
                  for earlier, later in itertools.pairwise(appends)]
-    interval = statistics.median(intervals)
+    interval = typical_interval(intervals)
     if interval <= 0:
         return None
     # The oldest append only starts the first interval: the read's limit may have cut it.
@@ -205,6 +208,17 @@ def append_cadence(appended: Sequence[AppendedMessage],
                    append=Step(tokens=statistics.median(a[2] for a in measured),
                                messages=statistics.median(a[1] for a in measured)),
                    intervals=len(intervals), last_at=appends[-1][0])
+
+
+def typical_interval(intervals: Sequence[float]) -> float:
+    """The median of the means of adjacent ``intervals``: a runtime that appends a step's
+    messages one at a time (the model's reply, then its tool's result) alternates short and
+    long intervals, whose plain median is one or the other while their mean is its step's; one
+    idle pause still moves only two of the means. With too few intervals for that (a pause
+    would move most of the means), their plain median."""
+    if len(intervals) < MIN_PAIRED_INTERVALS:
+        return statistics.median(intervals)
+    return statistics.median((a + b) / 2 for a, b in itertools.pairwise(intervals))
 
 
 def arrivals_at_cadence(cadence: Cadence, seconds: float) -> Arrivals:
