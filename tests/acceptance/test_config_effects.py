@@ -126,3 +126,28 @@ def test_skill_reads_are_found_by_the_configured_tool_names_and_skills_path(
     [checkpoint] = [n for n in db.surface("k").nodes if n.kind == NodeKind.CHECKPOINT]
     _summary, skills = checkpoint_parts(checkpoint.message)
     assert [(s.name, s.path) for s in skills] == [("pdf-tools", "/opt/agent-skills/pdf/SKILL.md")]
+
+
+def test_the_redis_url_shares_the_circuits_when_the_broker_is_not_redis(
+        make_stack: MakeStack, fake: FakeProvider, db: Db, clean_redis: str) -> None:
+    # The embedded broker (a directory) carries the tasks; COMPACTD_REDIS_URL alone is what
+    # lets a circuit opened by one worker process reach the next.
+    fake.script(Behaviour(model="fake-gpt", status=500, times=-1))
+    stack = make_stack(summarization=POLICY,
+                       worker={"max_attempts": 1, "breaker": {"failures": 1, "cooldown_s": 600}},
+                       extra_env={"COMPACTD_BROKER_URL": "filesystem://",
+                                  "COMPACTD_REDIS_URL": clean_redis})
+    for i, sid in enumerate(("b1", "b2")):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=60 + i).messages,
+                  run_model="fake-mini")
+    stack.start_worker("w1", concurrency=2)
+    first = stack.cli_json("compact", "b1", "--wait")
+    assert (first["outcome"], first["model"]) == ("committed", "fake-mini"), first
+    stack.stop("w1")
+    stack.start_worker("w2", concurrency=2)
+    second = stack.cli_json("compact", "b2", "--wait")
+    assert (second["outcome"], second["model"]) == ("committed", "fake-mini"), second
+    assert len(fake.requests_for(model="fake-gpt")) == 1, "asked again by the second worker"
+    [run] = stack.cli_json("status", "b2")["runs"]
+    assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
+        ("fake-gpt", "circuit_open")], run["candidates"]
