@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -151,3 +152,32 @@ def test_the_redis_url_shares_the_circuits_when_the_broker_is_not_redis(
     [run] = stack.cli_json("status", "b2")["runs"]
     assert [(c["candidate"], c["kind"]) for c in run["candidates"]] == [
         ("fake-gpt", "circuit_open")], run["candidates"]
+
+
+def _levels(stack: Stack, name: str) -> set[str]:
+    return {json.loads(line)["level"] for line in stack.log(name).splitlines()
+            if line.startswith("{")}
+
+
+def test_a_worker_logs_at_the_environments_level_unless_its_command_line_gives_one(
+        make_stack: MakeStack) -> None:
+    stack = make_stack(extra_env={"COMPACTD_LOG_LEVEL": "DEBUG"})
+    stack.start("plain", [sys.executable, "-m", "celery", "-A", "compactd.worker.app", "worker",
+                          "-n", "plain@%h", "-Q", "compaction.urgent", "--concurrency", "2",
+                          "--without-gossip", "--without-mingle"])
+    wait_until(lambda: "ready" in stack.log("plain"), timeout=30, what="the worker to be ready")
+    assert "debug" in _levels(stack, "plain")
+    # The stack's workers are started with -l INFO, which wins.
+    stack.start_worker("given", concurrency=2)
+    assert "debug" not in _levels(stack, "given")
+
+
+def test_the_default_model_writes_the_summary_when_the_sessions_own_models_fail(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    fake.script(Behaviour(model="fake-gpt", status=500, times=-1))
+    stack = make_stack(summarization={**POLICY, "model_name": None}, default_model="fake-mini",
+                       worker={"local_fallback": False, "max_attempts": 1})
+    db.ingest("d1", coding_session(steps=20, big_output_lines=30, seed=90).messages)
+    stack.start_worker("w1", concurrency=2)
+    result = stack.cli_json("compact", "d1", "--wait")
+    assert (result["outcome"], result["model"]) == ("committed", "fake-mini"), result
