@@ -19,16 +19,12 @@ from compactd.worker.enqueue import RunRequest
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.stack import Stack, wait_until
-from tests.support.worker_stack import db, enqueuer
+from tests.support.worker_stack import POLICY, db, enqueuer
 
 pytestmark = pytest.mark.slow
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
 
 MakeStack = Callable[..., Stack]
-
-POLICY = {"trigger": [{"type": "tokens", "value": 3000}],
-          "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
-          "trim_tokens_to_summarize": 16000}
 
 
 def test_a_candidates_attempts_and_its_retry_after_wait_are_the_configured_ones(
