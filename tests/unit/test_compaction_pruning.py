@@ -95,6 +95,16 @@ def test_prune_actions_report_tokens_saved():
     assert prune_tool_results(surface, PruneConfig(enabled=False), COUNTER) == []
 
 
+def test_the_prune_keys_of_a_config_reach_the_pruning():
+    # The keys as a config file gives them: the tables above build their configs directly.
+    policy = parse_policy({"prune": {"threshold_chars": 100, "head_chars": 10,
+                                     "tail_chars": 5}})
+    got = prune_message(tool("c1", "h" * 50 + "m" * 30 + "t" * 40), policy.prune)
+    assert got is not None and got.content == "h" * 10 + PRUNE_MARKER + "t" * 5
+    off = parse_policy({"prune": {"enabled": False}})
+    assert prune_tool_results(nodes(tool("c1", "x" * 10_000)), off.prune, COUNTER) == []
+
+
 def _clearing_surface():
     return nodes(
         user("go"),
