@@ -23,8 +23,10 @@ import pytest
 
 from compactd.scheduler.client import CompactdClient
 from compactd.storage.errors import CompactdError
+from compactd.storage.messages import parse_openai
 from compactd.storage.migrate import HEAD_REVISION, upgrade
-from compactd.worker.settings import Settings, build_config
+from compactd.worker.runtime import build_deps
+from compactd.worker.settings import Config, Settings, build_config
 from tests.support.api import TOKEN_A, bearer, start_api
 from tests.support.fake_provider import FakeProvider
 from tests.support.pgbouncer import PgBouncer
@@ -133,6 +135,11 @@ async def _search_until_found(handle: Any, *, timeout_s: float) -> Any:
         await asyncio.sleep(0.2)
 
 
+def _pooled_config(pooler: PgBouncer, home: Path, *, statement_cache: bool) -> Config:
+    settings = Settings(database_url=pooler.url, broker_url="memory://", home=str(home))
+    return build_config({"database": {"statement_cache": statement_cache}}, settings=settings)
+
+
 async def test_without_the_setting_a_statement_prepared_on_one_server_fails_on_another(
         clean_pg: str, tmp_path: Path) -> None:
     """The setting is what makes the path above work. With asyncpg's statement cache on, the
@@ -144,10 +151,7 @@ async def test_without_the_setting_a_statement_prepared_on_one_server_fails_on_a
     messages = needle_messages()[:4]
     with PgBouncer(clean_pg, pool_mode="transaction", pool_size=2) as pooler:
         for statement_cache in (True, False):
-            settings = Settings(database_url=pooler.url, broker_url="memory://",
-                                home=str(tmp_path))
-            config = build_config({"database": {"statement_cache": statement_cache}},
-                                  settings=settings)
+            config = _pooled_config(pooler, tmp_path, statement_cache=statement_cache)
             async with CompactdClient(config) as client:
                 handle = await client.create_session(f"s-{statement_cache}")
                 await handle.append(messages[:2])
@@ -158,6 +162,30 @@ async def test_without_the_setting_a_statement_prepared_on_one_server_fails_on_a
                 else:
                     step = await handle.append(messages[2:])
                     assert step.last_seq == len(messages)
+
+
+async def test_a_workers_statements_follow_the_setting_too(clean_pg: str, tmp_path: Path
+                                                           ) -> None:
+    """The same sequence on a worker process's store (``build_deps`` as its tasks call it): a
+    worker reads the setting where it opens its connections, not only the client."""
+    messages = [parse_openai(m) for m in needle_messages()[:4]]
+    with PgBouncer(clean_pg, pool_mode="transaction", pool_size=2) as pooler:
+        for statement_cache in (False, True):
+            config = _pooled_config(pooler, tmp_path, statement_cache=statement_cache)
+            deps = await build_deps(config, owner="w")
+            try:
+                sid = f"w-{statement_cache}"
+                await deps.store.create_session(sid)
+                await deps.store.append(sid, messages[:2])
+                await pooler.admin(f"RECONNECT {pooler.database}")
+                if statement_cache:
+                    with pytest.raises(CompactdError, match="SQLSTATE 26000"):
+                        await deps.store.append(sid, messages[2:])
+                else:
+                    step = await deps.store.append(sid, messages[2:])
+                    assert step.session.last_seq == len(messages)
+            finally:
+                await deps.aclose()
 
 
 def test_compactd_migrate_runs_through_pgbouncer(pg_url: str) -> None:

@@ -36,16 +36,13 @@ from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.metrics import scrape, value
 from tests.support.probes import free_port
 from tests.support.stack import FAKE_KEY_ENV, Stack, fake_models, wait_until
-from tests.support.worker_stack import db, enqueuer
+from tests.support.worker_stack import POLICY, db, enqueuer
 
 pytestmark = pytest.mark.slow
 __all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
 
 MakeStack = Callable[..., Stack]
 
-POLICY = {"trigger": [{"type": "tokens", "value": 3000}],
-          "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
-          "trim_tokens_to_summarize": 16000}
 # Renewals back to back: one is in flight whenever the run commits, and every await after the
 # commit (the loop guard's read) gives the next one a turn. Nothing else claims these sessions.
 TINY_LEASE_S = 0.003

@@ -314,9 +314,11 @@ async def test_a_slow_candidate_is_cut_by_its_budget_and_the_next_one_runs(
     assert "budget" in outcome.attempts[0].reason
 
 
-async def test_a_request_timeout_is_retried(fake: FakeProvider, pool: ProviderPool) -> None:
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_a_request_timeout_is_retried(fake: FakeProvider, pool: ProviderPool,
+                                            api: str) -> None:
     fake.script(Behaviour(model="rt-model", latency_s=2.0))
-    outcome = await run(request(), candidates(spec(fake, "rt", timeout_s=0.3)), pool)
+    outcome = await run(request(), candidates(spec(fake, "rt", api, timeout_s=0.3)), pool)
     assert [(a.kind, a.http_attempts) for a in outcome.attempts] == [(None, 2)]
 
 
@@ -392,6 +394,14 @@ async def test_openai_compatible_uses_max_tokens_and_the_spec_cap(
     (record,) = fake.requests
     assert record.body is not None and record.body["max_tokens"] == 128
     assert "max_completion_tokens" not in record.body
+
+
+async def test_an_anthropic_model_caps_its_output_at_the_spec_cap(
+        fake: FakeProvider, pool: ProviderPool) -> None:
+    await run(request(max_tokens=600),
+              candidates(spec(fake, "capped", "anthropic", max_output_tokens=128)), pool)
+    (record,) = fake.requests
+    assert record.body is not None and record.body["max_tokens"] == 128
 
 
 async def test_all_candidates_failing_raises_with_every_attempt(

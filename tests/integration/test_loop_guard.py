@@ -56,3 +56,22 @@ async def test_a_session_never_relieved_is_flagged_and_counted(tmp_path: Path) -
     assert _sample("compactd_loop_guard_flags_total") == flags_before + 1
     # Compactions per session: observed at the end of each committed summary run.
     assert _sample("compactd_session_compactions_count") == observed_before + 2
+
+
+async def test_a_session_brought_under_its_trigger_but_not_by_the_margin_is_flagged(
+        tmp_path: Path) -> None:
+    # Every run gets the session under its trigger, and under the default margin's relief too;
+    # with margin 0.99 relief is pressure below a hundredth of the trigger, which none reaches.
+    raw = {"summarization": {"trigger": [{"type": "tokens", "value": 2000}],
+                             "keep": {"type": "messages", "value": 2}, "clear_at_least": 0},
+           "worker": {"loop_guard": {"max_compactions": 1, "margin": 0.99}}}
+    config = build_config(raw, settings=Settings(home=str(tmp_path)), home=tmp_path)
+    async with open_deps(config, owner="test") as deps:
+        await deps.store.create_session("s1", run_model="gpt-4o")
+        for n in range(2):
+            await deps.store.append("s1", step(n)[:10] * 4)
+            out = await compact(deps, "s1", trigger="pressure")
+            assert out.outcome == "committed", out
+            assert out.tokens_after is not None and out.tokens_after < 1800, out.tokens_after
+        info = await deps.store.get_session("s1")
+    assert info.flagged_reason is not None and "without pressure falling" in info.flagged_reason

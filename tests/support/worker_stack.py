@@ -20,6 +20,12 @@ from compactd.worker.settings import load_config
 from tests.support.db import Db
 from tests.support.stack import Stack, wait_until
 
+# A summary by fake-gpt in one call, keeping six messages, for sessions of coding_session(steps=20,
+# big_output_lines=30), which are over the trigger.
+POLICY = {"trigger": [{"type": "tokens", "value": 3000}],
+          "keep": {"type": "messages", "value": 6}, "model_name": "fake-gpt",
+          "trim_tokens_to_summarize": 16000}
+
 
 @pytest.fixture
 def db(clean_pg: str) -> Iterator[Db]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compactd.worker.compaction.policy import ClearToolUsesConfig, PruneConfig
+from compactd.worker.compaction.policy import ClearToolUsesConfig, PruneConfig, parse_policy
 from compactd.worker.compaction.pruning import (
     PRUNE_MARKER,
     apply_actions,
@@ -95,6 +95,16 @@ def test_prune_actions_report_tokens_saved():
     assert prune_tool_results(surface, PruneConfig(enabled=False), COUNTER) == []
 
 
+def test_the_prune_keys_of_a_config_reach_the_pruning():
+    # The keys as a config file gives them: the tables above build their configs directly.
+    policy = parse_policy({"prune": {"threshold_chars": 100, "head_chars": 10,
+                                     "tail_chars": 5}})
+    got = prune_message(tool("c1", "h" * 50 + "m" * 30 + "t" * 40), policy.prune)
+    assert got is not None and got.content == "h" * 10 + PRUNE_MARKER + "t" * 5
+    off = parse_policy({"prune": {"enabled": False}})
+    assert prune_tool_results(nodes(tool("c1", "x" * 10_000)), off.prune, COUNTER) == []
+
+
 def _clearing_surface():
     return nodes(
         user("go"),
@@ -142,6 +152,19 @@ def test_clear_tool_uses(config, pressure, cleared, inputs_cleared):
             assert action.message.meta["recall"]["ref"] == f"r{action.seq}"
         else:
             assert action.message.tool_calls[0].arguments == "{}"
+
+
+def test_the_clearing_keys_of_a_config_reach_the_clearing():
+    # The keys as a config file gives them: the table above builds its configs directly.
+    policy = parse_policy({"clear_tool_uses": {
+        "enabled": True, "trigger": 1000, "keep": 0, "exclude_tools": ["read"],
+        "clear_tool_inputs": True, "clear_at_least": 350, "placeholder": "[gone]"}})
+    actions = clear_tool_uses(_clearing_surface(), policy.clear_tool_uses, COUNTER,
+                              pressure_tokens=5000)
+    assert [a.seq for a in actions if a.message.role == "tool"] == [3, 7]
+    assert [a.seq for a in actions if a.message.role == "assistant"] == [2, 6]
+    assert all(a.message.content.startswith("[gone]\n") for a in actions
+               if a.message.role == "tool")
 
 
 def test_clearing_skips_cleared_results_and_tiny_results():
