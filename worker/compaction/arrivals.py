@@ -14,12 +14,13 @@ adds to the tail is not half a step: it is the whole step appended before the re
 the phase the commit fell in.
 
 The appends to the commit are measured on the session's own recent appends, as they happened
-(:func:`append_cadence`): the median time between them and the median append, so the count
-and the size come from the same window, and neither one idle pause nor one large observation
-sets them. A session with too few appends to measure, or one that has paused for several of
-its intervals, is expected to grow at its growth rate instead (:func:`expected_arrivals`):
-the append's long-window average, which for a session tens of seconds old holds a fraction of
-its true rate, converted to messages at its recent mean message size.
+(:func:`append_cadence`): the typical time between them (:func:`typical_interval`) and the
+median append, so the count and the size come from the same window, and neither one idle pause
+nor one large observation sets them. A session with too few appends to measure, or one that
+has paused for several of its intervals, is expected to grow at its growth rate instead
+(:func:`expected_arrivals`): the append's long-window average, which for a session tens of
+seconds old holds a fraction of its true rate, converted to messages at its recent mean
+message size.
 
 The expectation is an input (:class:`Arrivals`), computed by the orchestration from the
 session's appends (or growth rate) and a recent percentile of claim-to-commit durations (both
@@ -78,7 +79,7 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Cadence:
-    """How a session has been appending: the median seconds between its recent appends and
+    """How a session has been appending: the typical seconds between its recent appends and
     its median append, measured on the same appends."""
 
     interval_s: float
