@@ -337,12 +337,6 @@ class SessionHandle:
         cooling = info.cooldown_until is not None and info.cooldown_until > utcnow()
         return not cooling and wants_run(info, self._config)
 
-    def _mark_live(self, info: SessionInfo) -> bool:
-        """Whether ``info`` holds a pending-signal mark younger than the signal TTL (one that
-        ``mark_signal`` would leave in place)."""
-        ttl = dt.timedelta(seconds=self._config.worker.signal_ttl_s)
-        return info.signal_at is not None and info.signal_at > utcnow() - ttl
-
     async def append(self, messages: Sequence[Mapping[str, Any] | Message] | PreparedAppend, *,
                      format: str = "openai", idempotency_key: str | None = None,
                      retry: bool = False) -> StepResult:
@@ -417,9 +411,9 @@ class SessionHandle:
             surface_version=built_on)
         # The row the report returned shows a live mark as well as mark_signal would find it:
         # a run is already asked for, and the agent's step is spared the round trips.
-        if self._wants_signal(self.info) and not self._mark_live(self.info) \
-                and await self.client.store.mark_signal(
-                    self.id, ttl_s=self._config.worker.signal_ttl_s):
+        ttl_s = self._config.worker.signal_ttl_s
+        if self._wants_signal(self.info) and not self.info.signal_live(utcnow(), ttl_s) \
+                and await self.client.store.mark_signal(self.id, ttl_s=ttl_s):
             self.client.send_in_background(RunRequest(self.id, RunCause.PRESSURE))
         return self.info
 

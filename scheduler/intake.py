@@ -8,7 +8,6 @@ task (a Redis flush) loses nothing: the pressure sweep finds every session over 
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -65,7 +64,7 @@ async def accept_signal(store: Store, config: Config, enqueuer: Enqueuer,
     ttl_s = config.worker.signal_ttl_s
     # A live mark seen in the read answers a burst without a write per signal; a mark that looks
     # free is still taken by the atomic update, which is what decides between racing signals.
-    if (info.signal_at is not None and info.signal_at > now - dt.timedelta(seconds=ttl_s)) or \
+    if info.signal_live(now, ttl_s) or \
             not await store.mark_signal(info.id, ttl_s=ttl_s, now=now):
         return SignalResult(info.id, False, QUEUED)
     task_id = await enqueue_marked(store, enqueuer, RunRequest(info.id, RunCause.PRESSURE))

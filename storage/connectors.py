@@ -361,7 +361,7 @@ class PostgresConnector(Connector):
                       signal_ttl_s: float) -> AppendResult:
         """The pending-signal mark when ``signal_if`` holds on the append's totals."""
         info = result.session
-        if signal_if is None or not signal_if(info) or not _signal_due(info, now, signal_ttl_s):
+        if signal_if is None or not signal_if(info) or info.signal_live(now, signal_ttl_s):
             return result
         signalled = bool(await self.execute(
             "mark_signal", session_id=info.id, now=now,
@@ -705,6 +705,3 @@ def _append_error(exc: Exception) -> Exception:
     return translate(exc)
 
 
-def _signal_due(info: SessionInfo, now: dt.datetime, ttl_s: float) -> bool:
-    """Skip the mark's round trip while a fresh one is already set."""
-    return info.signal_at is None or info.signal_at <= now - dt.timedelta(seconds=ttl_s)

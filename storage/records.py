@@ -126,6 +126,11 @@ class SessionInfo:
     def lease_live(self, now: dt.datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now
 
+    def signal_live(self, now: dt.datetime, ttl_s: float) -> bool:
+        """Whether the pending-signal mark is younger than ``ttl_s``: one ``mark_signal``
+        would leave in place, so a run is already asked for."""
+        return self.signal_at is not None and self.signal_at > now - dt.timedelta(seconds=ttl_s)
+
     @property
     def reported_tokens(self) -> int | None:
         """The provider's measure of the runtime's next request: the reported call's input and
