@@ -189,25 +189,21 @@ def append_cadence(appended: Sequence[AppendedMessage],
     first): the messages of one append share its time. Medians, so that one idle pause does
     not stretch the interval and one large observation does not swell the append; None with
     fewer than ``min_intervals`` intervals, or appends all in one instant (an ingest)."""
-    appends: list[tuple[dt.datetime, int, int]] = []
-    for message in appended:
-        if appends and appends[-1][0] == message.at:
-            at, messages, tokens = appends[-1]
-            appends[-1] = (at, messages + 1, tokens + message.tokens)
-        else:
-            appends.append((message.at, 1, message.tokens))
+    appends = [(at, list(messages))
+               for at, messages in itertools.groupby(appended, key=lambda m: m.at)]
     if len(appends) <= max(1, min_intervals):
         return None
-    intervals = [max(0.0, (later[0] - earlier[0]).total_seconds())
-                 for earlier, later in itertools.pairwise(appends)]
+    intervals = [max(0.0, (later - earlier).total_seconds())
+                 for (earlier, _), (later, _) in itertools.pairwise(appends)]
     interval = typical_interval(intervals)
     if interval <= 0:
         return None
     # The oldest append only starts the first interval: the read's limit may have cut it.
-    measured = appends[1:]
+    measured = [messages for _, messages in appends[1:]]
     return Cadence(interval_s=interval,
-                   append=Step(tokens=statistics.median(a[2] for a in measured),
-                               messages=statistics.median(a[1] for a in measured)),
+                   append=Step(tokens=statistics.median(sum(m.tokens for m in ms)
+                                                        for ms in measured),
+                               messages=statistics.median(len(ms) for ms in measured)),
                    intervals=len(intervals), last_at=appends[-1][0])
 
 
