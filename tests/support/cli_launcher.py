@@ -304,10 +304,13 @@ def _close_all() -> None:
 
 
 def run(env: Mapping[str, str], args: Sequence[str], *, cwd: str | Path | None = None,
-        timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m compactd.scheduler.cli ARGS`` with ``env`` in ``cwd``, its output captured
-    as text."""
-    launcher = (None if os.environ.get(SWITCH_ENV, "1") == "0"
+        timeout: float | None = None, python: str = sys.executable,
+        module: str = CLI_MODULE) -> subprocess.CompletedProcess[str]:
+    """``python -m module ARGS`` with ``env`` in ``cwd``, its output captured as text. Only
+    this interpreter's compactd CLI is launched; another interpreter or module (a release's
+    venv, its module prefix) starts fresh."""
+    served = python == sys.executable and module == CLI_MODULE
+    launcher = (None if not served or os.environ.get(SWITCH_ENV, "1") == "0"
                 else _launcher(sys.executable, env))
     if launcher is not None:
         try:
@@ -317,5 +320,5 @@ def run(env: Mapping[str, str], args: Sequence[str], *, cwd: str | Path | None =
             with _lock:
                 _launchers[(sys.executable, _startup_env(env))] = None
             launcher.close()
-    return subprocess.run([sys.executable, "-m", CLI_MODULE, *args], env=dict(env), cwd=cwd,
+    return subprocess.run([python, "-m", module, *args], env=dict(env), cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)

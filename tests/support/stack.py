@@ -211,12 +211,8 @@ class Stack:
     def cli(self, *args: str, check: bool = True, timeout: float = 180.0,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         cli = _module("scheduler.cli", env)  # namespace: keep
-        full_env = {**self.env, **(env or {})}
-        if self.python == sys.executable and cli == cli_launcher.CLI_MODULE:
-            out = cli_launcher.run(full_env, args, cwd=self.home, timeout=timeout)
-        else:
-            out = subprocess.run([self.python, "-m", cli, *args], env=full_env, cwd=self.home,
-                                 capture_output=True, text=True, timeout=timeout)
+        out = cli_launcher.run({**self.env, **(env or {})}, args, cwd=self.home,
+                               timeout=timeout, python=self.python, module=cli)
         if check and out.returncode != 0:
             raise AssertionError(f"compactd {' '.join(args)} exited {out.returncode}:\n"
                                  f"{out.stdout}\n{out.stderr}")
