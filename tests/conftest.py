@@ -70,6 +70,12 @@ def worker_redis_url(url: str, worker: str) -> str:
     return parsed._replace(path=f"/{db}").geturl()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.support.schedule import register_file_seconds
+
+    register_file_seconds(config, os.environ)
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """``--dist loadfile`` with the longest files first (tests/support/schedule.py)."""

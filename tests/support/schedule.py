@@ -8,20 +8,25 @@ longest first, the files that start last are short ones and both workers end tog
 
 The expected time of a file is its figure in ``file_seconds.json`` (seconds per file from a
 whole run); only the order matters, so a stale figure costs balance, never a result. A file
-missing from it (a new one) is guessed from its directory and number of tests.
+missing from it (a new one) is guessed from its directory and number of tests. A run with
+``COMPACTD_TEST_FILE_SECONDS=PATH`` writes its own figures there (:class:`FileSeconds`):
+``COMPACTD_TEST_FILE_SECONDS=$PWD/tests/support/file_seconds.json ops/test`` renews them.
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import pytest
 from xdist.scheduler import LoadFileScheduling
 from xdist.workermanage import WorkerController
 
 FIGURES = Path(__file__).with_name("file_seconds.json")
+FIGURES_OUT_ENV = "COMPACTD_TEST_FILE_SECONDS"
 # Seconds per test for a file without a figure, by its directory under tests/: the acceptance
 # tests start processes, the unit tests do no I/O. A migration test may run whole releases (a
 # worker per release, a walk down the chain): guessed as long as an acceptance test, since a
@@ -68,3 +73,32 @@ class LongestFileFirst(LoadFileScheduling):
             for file in longest_first(list(self.workqueue), expected):
                 self.workqueue.move_to_end(file)
         super()._assign_work_unit(node)
+
+
+class FileSeconds:
+    """A pytest plugin: each file's seconds in this run (its tests' setup, call and teardown),
+    written to ``path`` at the end over the figures it held, so a run of some files renews
+    theirs and keeps the others'. Registered on the process that sees every test's report:
+    xdist's controller, or the only process without xdist."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        self.seconds[report.nodeid.split("::", 1)[0]] += report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        if not self.seconds:
+            return
+        figures = load_figures(self.path) if self.path.is_file() else {}
+        figures.update({file: round(max(s, 0.1), 1) for file, s in self.seconds.items()})
+        self.path.write_text(json.dumps(dict(sorted(figures.items())), indent=1) + "\n")
+
+
+def register_file_seconds(config: pytest.Config, environ: Mapping[str, str]) -> None:
+    """:class:`FileSeconds` writing to ``$COMPACTD_TEST_FILE_SECONDS``, when it is set, on the
+    process that sees every report (an xdist worker sends its reports to the controller)."""
+    out = environ.get(FIGURES_OUT_ENV)
+    if out and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FileSeconds(Path(out)), "compactd-file-seconds")
