@@ -15,7 +15,9 @@ application imports the app's task modules, and Celery's ``import_modules`` sign
   authentication: it is refused, always;
 * shows the exception and kwargs columns on the tasks page unless ``tasks_columns`` was set, so a
   failed ``compaction.run`` shows its failure class and session without a click;
-* replaces Tornado's log handler with compactd's (``worker.logs``), one style in every process.
+* replaces Tornado's log handler with compactd's (``worker.logs``), one style in every process;
+* makes SIGTERM stop Tornado's loop from inside the loop (:func:`_stop_on_sigterm`), where
+  Flower's own handler raises ``SystemExit`` wherever the main thread happens to be.
 
 Persistent mode (``--persistent=True --db=PATH --state_save_interval=MS``) keeps the task list
 across Flower restarts; see ops/RUNBOOK.md.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from types import FrameType
 from typing import Any
 
 from celery.signals import import_modules
@@ -111,6 +114,33 @@ def _use_compactd_logging() -> None:
     logs.configure(config.log_format, config.log_level)
 
 
+def _stop_on_sigterm() -> None:
+    """Flower's SIGTERM handler (``flower.command.sigterm_handler``, installed once its app is
+    built) raises ``SystemExit`` at whatever line the main thread is running. Early in start-up
+    that is often ``ThreadPoolExecutor.submit`` between starting a worker thread and registering
+    it for the interpreter's exit: nothing then tells that thread to stop, the exit waits for it,
+    and the process outlives the SIGTERM until it is killed. Flower installs whatever that module
+    name holds when it gets there, so compactd's handler goes under the name: it only asks
+    Tornado's loop to stop, start-up finishes its step, the loop stops on its first turn (or its
+    next one when already running), and the exit finds every thread registered."""
+    from flower import command
+    from tornado.ioloop import IOLoop
+    from tornado.platform.asyncio import BaseAsyncIOLoop
+
+    # Flower's loop: its app takes the current one before importing the task modules.
+    loop = IOLoop.current()
+    assert isinstance(loop, BaseAsyncIOLoop)
+
+    def stop() -> None:
+        logger.info("SIGTERM: Flower stops", extra={"action": "flower.stop"})
+        loop.stop()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        loop.asyncio_loop.call_soon_threadsafe(stop)
+
+    command.sigterm_handler = on_sigterm
+
+
 @import_modules.connect
 def _on_import_modules(sender: Any = None, **_: Any) -> None:
     if not running_flower():
@@ -119,3 +149,4 @@ def _on_import_modules(sender: Any = None, **_: Any) -> None:
 
     _use_compactd_logging()
     apply_defaults(options)
+    _stop_on_sigterm()

@@ -15,6 +15,29 @@ from tests.conftest import REPO
 from tests.support.probes import free_port, http_status
 from tests.support.stack import wait_until
 
+# A flowerconfig.py (Flower runs it as Python) that delivers a supervisor's early SIGTERM at the
+# worst moment chance can pick: once Flower has its SIGTERM handler, right after its executor
+# starts its first thread and before the executor has registered that thread for the exit.
+SIGTERM_AS_THE_EXECUTOR_STARTS = """
+import os
+import signal
+import threading
+
+basic_auth = ["ops:pw"]
+_start = threading.Thread.start
+
+
+def _start_then_sigterm(thread):
+    _start(thread)
+    if thread.name.startswith("ThreadPoolExecutor") and (
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        threading.Thread.start = _start
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+threading.Thread.start = _start_then_sigterm
+"""
+
 
 def _env(tmp_path: Path, broker: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPACTD_", "FLOWER_"))}
@@ -82,3 +105,32 @@ def test_flower_takes_credentials_from_where_flower_reads_options(
     # Flower's own lines are compactd's JSON lines too.
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     assert lines and all(line.startswith("{") for line in lines), lines[:5]
+
+
+@pytest.mark.redis
+@pytest.mark.timed
+def test_flower_exits_on_a_sigterm_that_lands_while_it_starts(
+        tmp_path: Path, clean_redis: str) -> None:
+    # systemd or Kubernetes stopping a Flower that is still starting.
+    (tmp_path / "flowerconfig.py").write_text(SIGTERM_AS_THE_EXECUTOR_STARTS)
+    log = tmp_path / "flower.log"
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "compactd.worker.app", "flower",
+                             f"--port={free_port()}", "--address=127.0.0.1"],
+                            env=_env(tmp_path, clean_redis), cwd=tmp_path, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # The banner comes after the handler is installed and before the executor's first
+        # thread: the SIGTERM follows it at once.
+        wait_until(lambda: "Visit me at" in log.read_text() or proc.poll() is not None,
+                   timeout=60, what="Flower's banner")
+        try:
+            returncode = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("Flower did not exit within 30 s of the SIGTERM it got while starting:\n"
+                        + log.read_text()[-3000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert returncode == 0, log.read_text()[-3000:]
+    assert "SIGTERM: Flower stops" in log.read_text()
