@@ -4,6 +4,7 @@ sees what the key changes (with its default, each of these tests fails)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import sys
@@ -18,6 +19,7 @@ from compactd.worker.compaction.render import checkpoint_parts
 from compactd.worker.enqueue import RunRequest
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.locks import session_row_locked
 from tests.support.stack import Stack, wait_until
 from tests.support.worker_stack import POLICY, db, enqueuer
 
@@ -177,3 +179,34 @@ def test_the_default_model_writes_the_summary_when_the_sessions_own_models_fail(
     stack.start_worker("w1", concurrency=2)
     result = stack.cli_json("compact", "d1", "--wait")
     assert (result["outcome"], result["model"]) == ("committed", "fake-mini"), result
+
+
+@pytest.mark.timed
+def test_a_task_stuck_past_its_runs_deadline_frees_its_slot_at_the_task_time_limit(
+        make_stack: MakeStack, fake: FakeProvider, db: Db, clean_pg: str) -> None:
+    # Another transaction holds h1's row: the claim gives up at the run's deadline, and then
+    # the end of the automatic run (clearing its signal) waits on the row with no deadline of
+    # its own. Only the task's limit ends that wait, freeing the worker's one slot for h2's
+    # run while h1's row is still held; with the default limit h2 would wait minutes.
+    stack = make_stack(summarization=POLICY, worker={"deadline_s": 2, "task_time_limit_s": 5})
+    for i, sid in enumerate(("h1", "h2")):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=70 + i).messages)
+    stack.start_worker("w1", concurrency=1)
+
+    async def while_h1_is_held() -> str:
+        async with session_row_locked(clean_pg, "h1"):
+            with enqueuer(stack) as enq:
+                stuck = enq.send(RunRequest("h1", RunCause.PRESSURE))
+                await asyncio.to_thread(
+                    wait_until, lambda: f"compaction.run[{stuck}] received" in stack.log("w1"),
+                    timeout=30, what="h1's task to start")
+                enq.send(RunRequest("h2", RunCause.MANUAL))
+            await asyncio.to_thread(
+                wait_until, lambda: any(r.status == "committed" for r in db.runs("h2")),
+                timeout=20, what="h2's run to commit while h1's row is held")
+            return stuck
+
+    stuck = asyncio.run(while_h1_is_held())
+    ended = stack.task_ended("w1", stuck)
+    assert ended is not None and ended["data"]["exc"] == "TimeoutError()", ended
+    assert db.runs("h1") == [], "h1's claim never got the row"
