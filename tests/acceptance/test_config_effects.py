@@ -210,3 +210,37 @@ def test_a_task_stuck_past_its_runs_deadline_frees_its_slot_at_the_task_time_lim
     ended = stack.task_ended("w1", stuck)
     assert ended is not None and ended["data"]["exc"] == "TimeoutError()", ended
     assert db.runs("h1") == [], "h1's claim never got the row"
+
+
+@pytest.mark.timed
+def test_a_worker_keeps_its_lease_while_it_runs_and_loses_it_lease_s_after_it_stalls(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # w1 takes the manual runs, w2 the reaper's ticks and what they send again. A summary
+    # slower than the lease commits: renewals kept the lease. A worker stopped in the middle
+    # of a call renews nothing: the reaper ends its run once the lease is over, and the other
+    # worker compacts the session. With the default lease it would hold it a minute.
+    stack = make_stack(summarization=POLICY,
+                       worker={"lease_s": 1.5, "reap_interval_s": 0.25,
+                               "sweep_interval_s": 3600})
+    for i, sid in enumerate(("slow", "stalled")):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=110 + i).messages)
+    stack.start_beat()
+    stack.start_worker("w1", concurrency=1, queues=("compaction.urgent",))
+    stack.start_worker("w2", concurrency=2, queues=("compaction.pressure",))
+    wait_until(lambda: "beat: Starting" in stack.log("beat"), timeout=30, what="beat to start")
+    fake.script(Behaviour(model="fake-gpt", latency_s=4.0, times=1))
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("slow", RunCause.MANUAL))
+        [slow] = wait_until(lambda: [r for r in db.runs("slow") if r.finished], timeout=30,
+                            what="the slow run to end")
+        assert (slow.status, slow.error) == ("committed", None), slow
+        fake.script(Behaviour(model="fake-gpt", hang=True, times=1))
+        enq.send(RunRequest("stalled", RunCause.MANUAL))
+        wait_until(lambda: len(fake.requests) == 2, timeout=30, what="the call that hangs")
+    with stack.paused("w1"):
+        again = wait_until(lambda: [r for r in db.runs("stalled") if r.status == "committed"],
+                           timeout=15, what="the stalled worker's session compacted again")
+    assert again[0].trigger == "reap", again
+    [stopped] = [e for e in db.events("stalled", ["compaction/end"])
+                 if e.payload["failure_class"] == "abandoned"]
+    assert stopped.payload["closed_by"] == "reaper", stopped.payload
