@@ -218,7 +218,7 @@ def test_a_worker_keeps_its_lease_while_it_runs_and_loses_it_lease_s_after_it_st
     # w1 takes the manual runs, w2 the reaper's ticks and what they send again. A summary
     # slower than the lease commits: renewals kept the lease. A worker stopped in the middle
     # of a call renews nothing: the reaper ends its run once the lease is over, and the other
-    # worker compacts the session. With the default lease it would hold it a minute.
+    # worker compacts the session. The default lease would hold it past the test's wait.
     stack = make_stack(summarization=POLICY,
                        worker={"lease_s": 1.5, "reap_interval_s": 0.25,
                                "sweep_interval_s": 3600})
@@ -244,3 +244,23 @@ def test_a_worker_keeps_its_lease_while_it_runs_and_loses_it_lease_s_after_it_st
     [stopped] = [e for e in db.events("stalled", ["compaction/end"])
                  if e.payload["failure_class"] == "abandoned"]
     assert stopped.payload["closed_by"] == "reaper", stopped.payload
+
+
+def test_without_a_keep_a_run_keeps_retain_ratio_of_the_run_models_window(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # No keep: the run keeps the newest messages within retain_ratio of the session's window,
+    # a tail well under what the default ratio would keep.
+    window, ratio = 20_000, 0.05
+    policy = {k: v for k, v in POLICY.items() if k != "keep"}
+    # A fraction trigger: a tokens trigger would be under the default ratio of fake-gpt's own
+    # window, which the load refuses.
+    stack = make_stack(summarization={**policy, "trigger": [{"type": "fraction", "value": 0.2}],
+                                      "retain_ratio": ratio})
+    db.ingest("t1", coding_session(steps=20, big_output_lines=30, seed=120).messages,
+              context_window=window)
+    stack.start_worker("w1", concurrency=2)
+    result = stack.cli_json("compact", "t1", "--wait")
+    assert result["outcome"] == "committed", result
+    tail = [n for n in db.surface("t1").nodes if n.kind != NodeKind.CHECKPOINT]
+    assert tail, "nothing was kept"
+    assert sum(n.tokens for n in tail) <= ratio * window, [(n.seq, n.tokens) for n in tail]

@@ -164,7 +164,7 @@ def test_the_cli_and_a_workers_start_follow_the_setting_through_one_use_server_c
         wait_until(lambda: len(fake.requests_for(model="fake-gpt")) == len(sessions),
                    timeout=30, what="both summary calls")
         stack.kill("w1")
-        # Their leases (the default 60 s) would hold the sessions until the reaper came.
+        # Their leases (the default length) would hold the sessions until the reaper came.
         stack.start_worker("w2", concurrency=2)
         wait_until(lambda: all(db.session(sid).lease_run_id is None for sid in sessions),
                    timeout=20, what="the dead worker's leases released at the new worker's start")
