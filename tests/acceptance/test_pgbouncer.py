@@ -146,8 +146,9 @@ def test_the_cli_and_a_workers_start_follow_the_setting_through_one_use_server_c
         clean_pg: str, clean_redis: str, tmp_path: Path, fake: FakeProvider, db: Db) -> None:
     """Behind a pooler that closes each server connection after one transaction, a statement
     prepared by name is gone at its second use: every store compactd opens must read the
-    setting. The CLI's (ingest, status) and the one a worker opens at its start to release
-    the leases of this host's dead workers (one statement per lease), beside the worker's own."""
+    setting. The CLI's (ingest, status, an inline run's) and the one a worker opens at its
+    start to release the leases of this host's dead workers (one statement per lease), beside
+    the worker's own."""
     sessions = ("k1", "k2")
     fake.script(Behaviour(model="fake-gpt", hang=True, times=len(sessions)))
     with PgBouncer(clean_pg, pool_mode="transaction", pool_size=4, server_lifetime=0) as pooler, \
@@ -170,6 +171,8 @@ def test_the_cli_and_a_workers_start_follow_the_setting_through_one_use_server_c
                    timeout=20, what="the dead worker's leases released at the new worker's start")
         status = stack.cli_json("status", "k1")
         assert status["runs"][0]["failure_class"] == "abandoned", status["runs"]
+        inline = stack.cli_json("compact", "k1", "--inline")
+        assert inline["outcome"] == "committed", inline
 
 
 def _pooled_config(pooler: PgBouncer, home: Path, *, statement_cache: bool) -> Config:
