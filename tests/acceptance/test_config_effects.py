@@ -15,6 +15,7 @@ import pytest
 
 from compactd.scheduler.samples import coding_session
 from compactd.storage.kinds import NodeKind, RunCause
+from compactd.storage.records import Claim
 from compactd.worker.compaction.render import checkpoint_parts
 from compactd.worker.enqueue import RunRequest
 from tests.support.db import Db
@@ -264,3 +265,22 @@ def test_without_a_keep_a_run_keeps_retain_ratio_of_the_run_models_window(
     tail = [n for n in db.surface("t1").nodes if n.kind != NodeKind.CHECKPOINT]
     assert tail, "nothing was kept"
     assert sum(n.tokens for n in tail) <= ratio * window, [(n.seq, n.tokens) for n in tail]
+
+
+@pytest.mark.timed
+def test_a_bulk_item_that_finds_its_session_leased_is_sent_again_within_the_workers_lease(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # Another run holds the session for a few seconds: the item is tried again every third to
+    # two thirds of the worker's lease, and compacts once that lease is over. After a default
+    # lease, its first retry would come after the job's wait has given up.
+    stack = make_stack(summarization=POLICY, worker={"lease_s": 1.5})
+    db.ingest("b1", coding_session(steps=20, big_output_lines=30, seed=130).messages)
+    stack.start_worker("w1", concurrency=2)
+    held = db.run(lambda s: s.claim("b1", owner="another", trigger="pressure", lease_s=4))
+    assert isinstance(held, Claim), held
+    out = stack.cli("recompact", "--force", "--timeout", "15", "--json", check=False,
+                    timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)["job"]
+    assert (job["done"], job["failed"], job["pending"]) == (1, 0, 0), job
+    assert "retry: Retry in" in stack.log("w1"), "the item never found the session leased"
