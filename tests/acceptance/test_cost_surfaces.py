@@ -84,6 +84,8 @@ def test_prices_turn_recorded_usage_into_dollars_on_every_surface(
     costliest = stack.cli_json("status")["costliest"]
     assert [c["session"] for c in costliest] == sorted(
         ["c1", "c2"], key=lambda s: -{"c1": usd, "c2": second["cost"]["usd"]}[s])
+    assert {c["session"]: c["usd"] for c in costliest} == {
+        "c1": pytest.approx(usd, abs=1e-6), "c2": pytest.approx(second["cost"]["usd"], abs=1e-6)}
     assert "costliest sessions" in stack.cli("status").stdout
 
     # The worker's counter, by candidate and kind, at the prices it started with.
