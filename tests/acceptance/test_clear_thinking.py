@@ -161,3 +161,16 @@ def test_a_small_clearing_rides_in_the_summarys_commit_while_the_cache_is_warm(
     third, fourth, fifth = _assistants(stack)
     assert _blocks(third) == [] and third["meta"]["cleared_thinking"] is True
     _assert_loop_kept(fourth, fifth)
+
+
+def test_keep_spares_the_reasoning_of_that_many_newest_turns_holding_some(
+        stack: Any, fake: Any) -> None:
+    # The loop's two turns and the third turn's reply are the three newest holding reasoning:
+    # keep 3 leaves the reply's, which keep 1 (a mapping without keep) would clear.
+    stack = stack(clear_at_least=0, clear_thinking={"keep": 3})
+    assert stack.cli_json("signal", "s1")["enqueued"]
+    [run] = _runs(stack)
+    assert run.status == "committed", run
+    *older, third, fourth, fifth = _assistants(stack)
+    assert all(_blocks(message) == [] for message in older), older
+    _assert_loop_kept(third, fourth, fifth)

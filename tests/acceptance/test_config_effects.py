@@ -4,6 +4,7 @@ sees what the key changes (with its default, each of these tests fails)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import sys
@@ -14,10 +15,12 @@ import pytest
 
 from compactd.scheduler.samples import coding_session
 from compactd.storage.kinds import NodeKind, RunCause
+from compactd.storage.records import Claim
 from compactd.worker.compaction.render import checkpoint_parts
 from compactd.worker.enqueue import RunRequest
 from tests.support.db import Db
 from tests.support.fake_provider import Behaviour, FakeProvider
+from tests.support.locks import session_row_locked
 from tests.support.stack import Stack, wait_until
 from tests.support.worker_stack import POLICY, db, enqueuer
 
@@ -177,3 +180,107 @@ def test_the_default_model_writes_the_summary_when_the_sessions_own_models_fail(
     stack.start_worker("w1", concurrency=2)
     result = stack.cli_json("compact", "d1", "--wait")
     assert (result["outcome"], result["model"]) == ("committed", "fake-mini"), result
+
+
+@pytest.mark.timed
+def test_a_task_stuck_past_its_runs_deadline_frees_its_slot_at_the_task_time_limit(
+        make_stack: MakeStack, fake: FakeProvider, db: Db, clean_pg: str) -> None:
+    # Another transaction holds h1's row: the claim gives up at the run's deadline, and then
+    # the end of the automatic run (clearing its signal) waits on the row with no deadline of
+    # its own. Only the task's limit ends that wait, freeing the worker's one slot for h2's
+    # run while h1's row is still held; with the default limit h2 would wait minutes.
+    stack = make_stack(summarization=POLICY, worker={"deadline_s": 2, "task_time_limit_s": 5})
+    for i, sid in enumerate(("h1", "h2")):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=70 + i).messages)
+    stack.start_worker("w1", concurrency=1)
+
+    async def while_h1_is_held() -> str:
+        async with session_row_locked(clean_pg, "h1"):
+            with enqueuer(stack) as enq:
+                stuck = enq.send(RunRequest("h1", RunCause.PRESSURE))
+                await asyncio.to_thread(
+                    wait_until, lambda: f"compaction.run[{stuck}] received" in stack.log("w1"),
+                    timeout=30, what="h1's task to start")
+                enq.send(RunRequest("h2", RunCause.MANUAL))
+            await asyncio.to_thread(
+                wait_until, lambda: any(r.status == "committed" for r in db.runs("h2")),
+                timeout=20, what="h2's run to commit while h1's row is held")
+            return stuck
+
+    stuck = asyncio.run(while_h1_is_held())
+    ended = stack.task_ended("w1", stuck)
+    assert ended is not None and ended["data"]["exc"] == "TimeoutError()", ended
+    assert db.runs("h1") == [], "h1's claim never got the row"
+
+
+@pytest.mark.timed
+def test_a_worker_keeps_its_lease_while_it_runs_and_loses_it_lease_s_after_it_stalls(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # w1 takes the manual runs, w2 the reaper's ticks and what they send again. A summary
+    # slower than the lease commits: renewals kept the lease. A worker stopped in the middle
+    # of a call renews nothing: the reaper ends its run once the lease is over, and the other
+    # worker compacts the session. The default lease would hold it past the test's wait.
+    stack = make_stack(summarization=POLICY,
+                       worker={"lease_s": 1.5, "reap_interval_s": 0.25,
+                               "sweep_interval_s": 3600})
+    for i, sid in enumerate(("slow", "stalled")):
+        db.ingest(sid, coding_session(steps=20, big_output_lines=30, seed=110 + i).messages)
+    stack.start_beat()
+    stack.start_worker("w1", concurrency=1, queues=("compaction.urgent",))
+    stack.start_worker("w2", concurrency=2, queues=("compaction.pressure",))
+    wait_until(lambda: "beat: Starting" in stack.log("beat"), timeout=30, what="beat to start")
+    fake.script(Behaviour(model="fake-gpt", latency_s=4.0, times=1))
+    with enqueuer(stack) as enq:
+        enq.send(RunRequest("slow", RunCause.MANUAL))
+        [slow] = wait_until(lambda: [r for r in db.runs("slow") if r.finished], timeout=30,
+                            what="the slow run to end")
+        assert (slow.status, slow.error) == ("committed", None), slow
+        fake.script(Behaviour(model="fake-gpt", hang=True, times=1))
+        enq.send(RunRequest("stalled", RunCause.MANUAL))
+        wait_until(lambda: len(fake.requests) == 2, timeout=30, what="the call that hangs")
+    with stack.paused("w1"):
+        again = wait_until(lambda: [r for r in db.runs("stalled") if r.status == "committed"],
+                           timeout=15, what="the stalled worker's session compacted again")
+    assert again[0].trigger == "reap", again
+    [stopped] = [e for e in db.events("stalled", ["compaction/end"])
+                 if e.payload["failure_class"] == "abandoned"]
+    assert stopped.payload["closed_by"] == "reaper", stopped.payload
+
+
+def test_without_a_keep_a_run_keeps_retain_ratio_of_the_run_models_window(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # No keep: the run keeps the newest messages within retain_ratio of the session's window,
+    # a tail well under what the default ratio would keep.
+    window, ratio = 20_000, 0.05
+    policy = {k: v for k, v in POLICY.items() if k != "keep"}
+    # A fraction trigger: a tokens trigger would be under the default ratio of fake-gpt's own
+    # window, which the load refuses.
+    stack = make_stack(summarization={**policy, "trigger": [{"type": "fraction", "value": 0.2}],
+                                      "retain_ratio": ratio})
+    db.ingest("t1", coding_session(steps=20, big_output_lines=30, seed=120).messages,
+              context_window=window)
+    stack.start_worker("w1", concurrency=2)
+    result = stack.cli_json("compact", "t1", "--wait")
+    assert result["outcome"] == "committed", result
+    tail = [n for n in db.surface("t1").nodes if n.kind != NodeKind.CHECKPOINT]
+    assert tail, "nothing was kept"
+    assert sum(n.tokens for n in tail) <= ratio * window, [(n.seq, n.tokens) for n in tail]
+
+
+@pytest.mark.timed
+def test_a_bulk_item_that_finds_its_session_leased_is_sent_again_within_the_workers_lease(
+        make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
+    # Another run holds the session for a few seconds: the item is tried again every third to
+    # two thirds of the worker's lease, and compacts once that lease is over. After a default
+    # lease, its first retry would come after the job's wait has given up.
+    stack = make_stack(summarization=POLICY, worker={"lease_s": 1.5})
+    db.ingest("b1", coding_session(steps=20, big_output_lines=30, seed=130).messages)
+    stack.start_worker("w1", concurrency=2)
+    held = db.run(lambda s: s.claim("b1", owner="another", trigger="pressure", lease_s=4))
+    assert isinstance(held, Claim), held
+    out = stack.cli("recompact", "--force", "--timeout", "15", "--json", check=False,
+                    timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)["job"]
+    assert (job["done"], job["failed"], job["pending"]) == (1, 0, 0), job
+    assert "retry: Retry in" in stack.log("w1"), "the item never found the session leased"

@@ -84,6 +84,8 @@ def test_prices_turn_recorded_usage_into_dollars_on_every_surface(
     costliest = stack.cli_json("status")["costliest"]
     assert [c["session"] for c in costliest] == sorted(
         ["c1", "c2"], key=lambda s: -{"c1": usd, "c2": second["cost"]["usd"]}[s])
+    assert {c["session"]: c["usd"] for c in costliest} == {
+        "c1": pytest.approx(usd, abs=1e-6), "c2": pytest.approx(second["cost"]["usd"], abs=1e-6)}
     assert "costliest sessions" in stack.cli("status").stdout
 
     # The worker's counter, by candidate and kind, at the prices it started with.
@@ -108,14 +110,35 @@ def test_prices_turn_recorded_usage_into_dollars_on_every_surface(
     assert unpriced["cost"]["usd"] is None
     assert unpriced["cost"]["basis"] == "no price for fake-gpt in prices:"
 
-    # compact --inline --json: a run the local summarizer writes (every remote call refused)
-    # billed nothing, costs 0 and says so.
+    # compact --inline --json: the CLI's own run, at the price it read.
     config["prices"] = {"fake-gpt": PRICE}
     stack.config_path.write_text(yaml.safe_dump(config))
+    inline = stack.cli_json("compact", "c1", "--inline", "--force")
+    assert (inline["outcome"], inline["model"]) == ("committed", "fake-gpt"), inline
+    billed = inline["usage"]["by_candidate"]["fake-gpt"]
+    assert inline["cost"]["usd"] == pytest.approx(sum(expected_usd(billed, PRICE).values()),
+                                                  abs=1e-6), inline["cost"]
+    assert inline["cost"]["usd"] > 0
+
+    # A run the local summarizer writes (every remote call refused) billed nothing, costs 0
+    # and says so.
     fake.script(Behaviour(model="fake-gpt", status=400, times=-1))
     local = stack.cli_json("compact", "c2", "--inline", "--force")
     assert local["outcome"] == "committed" and local["model"] == "local", local
     assert local["cost"] == {"usd": 0.0, "basis": NO_USAGE, "by_candidate": {}}
+
+    # The HTTP overflow route answers with the run it forced, at the server's price.
+    fake.reset()
+    with httpx.Client(base_url=url, headers=bearer(TOKEN_A), timeout=120) as http:
+        assert http.put("/v1/sessions/c3", json={"run_model": "fake-gpt"}).status_code == 201
+        assert http.post("/v1/sessions/c3/messages",
+                         json={"messages": session_messages(3)}).status_code == 200
+        overflow = http.post("/v1/sessions/c3/overflow",
+                             json={"wait": True, "timeout_s": 90}).json()
+    assert overflow["compacted"], overflow
+    forced = overflow["run"]["usage"]["by_candidate"]["fake-gpt"]
+    assert overflow["run"]["cost"]["usd"] == pytest.approx(
+        sum(expected_usd(forced, PRICE).values()), abs=1e-6), overflow["run"]
 
 
 def test_a_bad_price_is_refused_at_load_naming_the_key(make_stack: Any) -> None:

@@ -22,20 +22,25 @@ import httpx
 import pytest
 
 from compactd.scheduler.client import CompactdClient
+from compactd.scheduler.samples import coding_session
 from compactd.storage.errors import CompactdError
 from compactd.storage.messages import parse_openai
 from compactd.storage.migrate import HEAD_REVISION, upgrade
+from compactd.worker.enqueue import RunRequest
 from compactd.worker.runtime import build_deps
 from compactd.worker.settings import Config, Settings, build_config
 from tests.support.api import TOKEN_A, bearer, start_api
-from tests.support.fake_provider import FakeProvider
+from tests.support.db import Db
+from tests.support.fake_provider import Behaviour, FakeProvider
 from tests.support.pgbouncer import PgBouncer
 from tests.support.recall_sample import NEEDLE, needle_messages
 from tests.support.services import create_database_sync, drop_database_sync, with_database
 from tests.support.stack import Stack, wait_until
 from tests.support.stack_sessions import config_of
+from tests.support.worker_stack import db, enqueuer
 
 pytestmark = pytest.mark.slow
+__all__ = ["db"]  # the fixture (tests/support/worker_stack.py)
 
 POLICY = {"trigger": [{"type": "tokens", "value": 20_000}],
           "keep": {"type": "messages", "value": 12}, "model_name": "fake-gpt"}
@@ -133,6 +138,41 @@ async def _search_until_found(handle: Any, *, timeout_s: float) -> Any:
         if found.hits or loop.time() >= deadline:
             return found
         await asyncio.sleep(0.2)
+
+
+@pytest.mark.timed
+@pytest.mark.timeout(180)
+def test_the_cli_and_a_workers_start_follow_the_setting_through_one_use_server_connections(
+        clean_pg: str, clean_redis: str, tmp_path: Path, fake: FakeProvider, db: Db) -> None:
+    """Behind a pooler that closes each server connection after one transaction, a statement
+    prepared by name is gone at its second use: every store compactd opens must read the
+    setting. The CLI's (ingest, status, an inline run's) and the one a worker opens at its
+    start to release the leases of this host's dead workers (one statement per lease), beside
+    the worker's own."""
+    sessions = ("k1", "k2")
+    fake.script(Behaviour(model="fake-gpt", hang=True, times=len(sessions)))
+    with PgBouncer(clean_pg, pool_mode="transaction", pool_size=4, server_lifetime=0) as pooler, \
+            Stack(pooler.url, clean_redis, tmp_path / "stack", fake_url=fake.url,
+                  summarization=POLICY, extra_config=BEHIND_POOLER) as stack:
+        # One through the CLI, the other straight into the database (the CLI's is the slow path
+        # here: a server connection for each of its transactions).
+        stack.ingest("k1", coding_session(steps=20, big_output_lines=30, seed=900).messages)
+        db.ingest("k2", coding_session(steps=20, big_output_lines=30, seed=901).messages)
+        stack.start_worker("w1", concurrency=2)
+        with enqueuer(stack) as enq:
+            for sid in sessions:
+                enq.send(RunRequest(sid, "manual"))
+        wait_until(lambda: len(fake.requests_for(model="fake-gpt")) == len(sessions),
+                   timeout=30, what="both summary calls")
+        stack.kill("w1")
+        # Their leases (the default length) would hold the sessions until the reaper came.
+        stack.start_worker("w2", concurrency=2)
+        wait_until(lambda: all(db.session(sid).lease_run_id is None for sid in sessions),
+                   timeout=20, what="the dead worker's leases released at the new worker's start")
+        status = stack.cli_json("status", "k1")
+        assert status["runs"][0]["failure_class"] == "abandoned", status["runs"]
+        inline = stack.cli_json("compact", "k1", "--inline")
+        assert inline["outcome"] == "committed", inline
 
 
 def _pooled_config(pooler: PgBouncer, home: Path, *, statement_cache: bool) -> Config:

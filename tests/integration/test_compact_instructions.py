@@ -184,6 +184,24 @@ async def test_an_agent_s_request_that_found_the_session_busy_is_not_counted_as_
     assert again.status_code == 202, again.text
 
 
+async def test_a_request_coalesces_into_a_queued_task_until_its_mark_is_older_than_the_ttl(
+        db_url: str, tmp_path: Path) -> None:
+    """A lost task (its message never reached a worker) holds the session's manual mark for
+    ``worker.signal_ttl_s``: requests meanwhile are that task; the next one gets its own."""
+    config = api_config(db_url, tmp_path, worker={"signal_ttl_s": 0.5})
+    async for api in serve_app(config):
+        await _session(api)
+        asked = [await api.http.post("/v1/sessions/s1/compact", headers=A, json={})
+                 for _ in range(2)]
+        assert [r.status_code for r in asked] == [202, 202], asked[-1].text
+        lost = asked[0].json()["task_id"]
+        assert asked[1].json()["task_id"] == lost
+        await asyncio.sleep(0.6)
+        again = await api.http.post("/v1/sessions/s1/compact", headers=A, json={})
+        assert again.status_code == 202, again.text
+        assert again.json()["task_id"] != lost
+
+
 async def test_a_request_after_a_lost_task_s_mark_went_stale_is_queued_whatever_it_carried(
         db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A queued manual task whose message never reached a worker (a broker outage) leaves its

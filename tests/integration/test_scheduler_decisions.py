@@ -132,6 +132,25 @@ async def test_a_lost_signal_mark_expires_after_its_ttl(db_url: str, store: Stor
         assert (await handle.signal()).enqueued
 
 
+async def test_appends_and_usage_reports_take_over_a_lost_mark_after_its_ttl(
+        db_url: str, store: Store) -> None:
+    """A runtime that only appends and reports usage (it never signals): the task its append
+    queued is lost, and its next appends fire no run while the mark lives; once the mark is
+    older than ``worker.signal_ttl_s`` the next append, or usage report, queues one again."""
+    config = make_config(db_url, worker={"signal_ttl_s": 0.2})
+    enqueuer = RecordingEnqueuer()
+    async with CompactdClient(config, store=store, enqueuer=enqueuer) as client:
+        handle = await over(client)
+        assert (await handle.append([user(5)])).signalled
+        assert not (await handle.append([user(5)])).signalled
+        await asyncio.sleep(0.3)
+        assert (await handle.append([user(5)])).signalled
+        await asyncio.sleep(0.3)
+        await handle.report_usage(TRIGGER + 100)
+        await client.drain()
+    assert [r.trigger for r in enqueuer.sent] == ["pressure"] * 3, enqueuer.sent
+
+
 async def test_a_cooling_session_is_not_signalled(client: CompactdClient, store: Store,
                                                   enqueuer: RecordingEnqueuer,
                                                   config: Config) -> None:

@@ -95,3 +95,40 @@ async def test_a_session_whose_row_stays_locked_holds_no_other_sessions_end(
         await unended.aclose()
         await locker.close()
         await store.close()
+
+
+@pytest.mark.timed
+async def test_the_retries_stop_once_the_workers_lease_is_over(
+        store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``worker.lease_s`` the run's lease is the reaper's to end: the retries stop, and a
+    database that takes the end again afterwards gets none from this process."""
+    config = build_config({"worker": {"lease_s": 0.3}},
+                          settings=Settings(database_url=db_url, broker_url="memory://"))
+    deps = Deps(config=config, store=store, limiter=LocalLimiter(), owner="w1")
+    await store.create_session("s1")
+    claim = await store.claim("s1", owner="w1", trigger=RunCause.PRESSURE,
+                              lease_s=config.worker.lease_s)
+    assert isinstance(claim, Claim)
+    taking = False
+    attempts = 0
+    finish = store.finish
+
+    async def finish_once_taking(*args: Any, **kwargs: Any) -> bool:
+        nonlocal attempts
+        attempts += 1
+        if not taking:
+            raise LockNotAvailable()
+        return await finish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "finish", finish_once_taking)
+    unended = UnendedRuns(deps, retry_s=0.01)
+    try:
+        unended.add(claim, RunEnd(outcome=RunStatus.FAILED,
+                                  failure_class=FailureClass.PERSISTENCE, error="lost"))
+        await asyncio.sleep(0.6)
+        taking, tried = True, attempts
+        await asyncio.sleep(0.3)
+    finally:
+        await unended.aclose()
+    assert tried > 1 and attempts == tried, (tried, attempts)
+    assert (await store.get_session("s1")).lease_run_id == claim.run_id

@@ -33,10 +33,13 @@ def free_port() -> int:
 
 class PgBouncer:
     def __init__(self, database_url: str, *, pool_mode: str = "transaction",
-                 pool_size: int = 10) -> None:
+                 pool_size: int = 10, server_lifetime: float = 3600) -> None:
         self.target = urlparse(database_url)
         self.pool_mode = pool_mode
         self.pool_size = pool_size
+        # PgBouncer's setting: 0 closes a server connection after its one use, so every
+        # transaction of a client runs on a server connection of its own.
+        self.server_lifetime = server_lifetime
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="compactd-pgbouncer-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -90,6 +93,7 @@ auth_file = {self.dir / "userlist.txt"}
 admin_users = {user}
 pool_mode = {self.pool_mode}
 default_pool_size = {self.pool_size}
+server_lifetime = {self.server_lifetime:g}
 max_client_conn = 500
 logfile = {self.dir / "pgbouncer.log"}
 pidfile = {self.dir / "pgbouncer.pid"}
