@@ -97,8 +97,12 @@ class FileSeconds:
 
 
 def register_file_seconds(config: pytest.Config, environ: Mapping[str, str]) -> None:
-    """:class:`FileSeconds` writing to ``$COMPACTD_TEST_FILE_SECONDS``, when it is set, on the
-    process that sees every report (an xdist worker sends its reports to the controller)."""
+    """:class:`FileSeconds` writing to ``$COMPACTD_TEST_FILE_SECONDS``, when it is set and the
+    run is distributed, on the process that sees every report (an xdist worker sends its
+    reports to the controller)."""
     out = environ.get(FIGURES_OUT_ENV)
-    if out and not hasattr(config, "workerinput"):
+    # The figures order xdist's queue: a run that does not distribute (ops/test's timed phase,
+    # run alone) would write the times of a file's timed tests over its whole.
+    distributed = config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") != "no"
+    if out and distributed and not hasattr(config, "workerinput"):
         config.pluginmanager.register(FileSeconds(Path(out)), "compactd-file-seconds")

@@ -9,15 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.support.schedule import (
     FIGURES,
     FIGURES_OUT_ENV,
     expected_seconds,
     load_figures,
     longest_first,
-    register_file_seconds,
 )
 from tests.support.stack import REPO
 
@@ -52,29 +49,28 @@ def test_every_figure_names_a_test_file_that_exists() -> None:
     assert all(seconds > 0 for seconds in figures.values())
 
 
-def test_a_run_with_the_figures_path_set_writes_each_files_seconds_over_what_it_held(
+def test_a_distributed_run_with_the_figures_path_set_writes_each_files_seconds_over_what_it_held(
         tmp_path: Path) -> None:
     # The real path: the repository's conftest under xdist, whose workers send their reports
-    # to the controller, which alone writes. A figure of a file the run did not touch stays.
+    # to the controller, which alone writes. A figure of a file the run did not touch stays; a
+    # run that does not distribute (ops/test's timed phase) writes nothing.
     out = tmp_path / "file_seconds.json"
-    out.write_text(json.dumps({"tests/unit/test_other.py": 7.5,
-                               "tests/unit/test_xdist_schedule.py": 999.0}))
+    held = {"tests/unit/test_other.py": 7.5, "tests/unit/test_xdist_schedule.py": 999.0}
+    out.write_text(json.dumps(held))
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider",
-         "tests/unit/test_xdist_schedule.py::"
-         "test_files_are_queued_by_their_figure_longest_first_not_by_their_number_of_tests"],
-        cwd=REPO, env={**env, FIGURES_OUT_ENV: str(out)}, capture_output=True, text=True,
-        timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+
+    def run(*options: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", *options, "-p", "no:cacheprovider",
+             "tests/unit/test_xdist_schedule.py::"
+             "test_files_are_queued_by_their_figure_longest_first_not_by_their_number_of_tests"],
+            cwd=REPO, env={**env, FIGURES_OUT_ENV: str(out)}, capture_output=True, text=True,
+            timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    run("-p", "no:xdist")
+    assert load_figures(out) == held
+    run("-n", "1")
     figures = load_figures(out)
     assert figures["tests/unit/test_other.py"] == 7.5
     assert 0 < figures["tests/unit/test_xdist_schedule.py"] < 60
-
-
-def test_without_the_figures_path_nothing_is_registered(tmp_path: Path) -> None:
-    config = pytest.Config.fromdictargs({}, [])
-    register_file_seconds(config, {})
-    assert config.pluginmanager.get_plugin("compactd-file-seconds") is None
-    register_file_seconds(config, {FIGURES_OUT_ENV: str(tmp_path / "out.json")})
-    assert config.pluginmanager.get_plugin("compactd-file-seconds") is not None
