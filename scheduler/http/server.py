@@ -73,7 +73,7 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
         try:
             async with CompactdClient(config, store=store) as client:
                 app.state.api = Api(config, client)
-                app.state.api.start()
+                await app.state.api.start()
                 try:
                     yield
                 finally:

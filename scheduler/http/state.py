@@ -31,6 +31,8 @@ _SESSION_CACHE_MAX = 100_000
 # Api.offload); under it the hop costs more than the work it moves.
 OFFLOAD_BYTES = 32 * 1024
 _WARM_BODY = b'{"messages": [{"role": "user", "content": "warm"}]}'
+# How long a starting server waits for its CPU processes to start before it listens anyway.
+CPU_WARM_S = 60.0
 # How long a stopping server waits for its CPU processes to finish the bodies they are decoding
 # before it kills them.
 CPU_STOP_S = 5.0
@@ -61,9 +63,23 @@ class Api:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
         self._warming: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        """Start the CPU processes now, so that the first large append does not wait for
-        them to start and import compactd (seconds)."""
+    async def start(self, *, within_s: float = CPU_WARM_S) -> None:
+        """Start the CPU processes and wait, up to ``within_s``, until each has imported
+        compactd and decoded a body: the lifespan awaits this before the server listens, so
+        the first large append does not wait seconds for them. Past the bound the server
+        listens anyway and they go on starting (the log says so)."""
+        self.start_in_background()
+        if self._warming is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._warming), within_s)
+        except TimeoutError:
+            logger.warning("the API's CPU processes were not ready within %g s; serving, and "
+                           "the first large appends wait for them", within_s,
+                           extra={"action": "api_cpu_slow_start"})
+
+    def start_in_background(self) -> None:
+        """Start the CPU processes without waiting for them (a pool that replaced a dead one)."""
         if self._processes is not None:
             self._warming = asyncio.get_running_loop().create_task(self._warm(self._processes))
 
@@ -107,7 +123,7 @@ class Api:
                 logger.warning("an API CPU process died; starting new ones",
                                extra={"action": "api_cpu_restart"})
                 self._processes = _process_pool(self._cpu_processes)
-                self.start()
+                self.start_in_background()
             raise StarletteHTTPException(
                 503, "the body could not be processed; retry",
                 headers={"Retry-After": str(RETRY_AFTER_S)}) from None
