@@ -91,6 +91,16 @@ def assert_journal_closed(db: Db, session_id: str) -> None:
 # 1. two workers, one session
 
 
+# `compactd compact s1 --wait --json`, run once a line arrives on stdin, after the imports.
+_COMPACT_WHEN_TOLD = """
+import sys
+import compactd.scheduler.client, compactd.worker.enqueue
+from compactd.scheduler.cli import main
+sys.stdin.readline()
+raise SystemExit(main(["compact", "s1", "--wait", "--json"]))
+"""
+
+
 def test_two_workers_one_session_exactly_one_commits(
         make_stack: MakeStack, fake: FakeProvider, db: Db) -> None:
     stack = make_stack(summarization=POLICY)
@@ -106,15 +116,22 @@ def test_two_workers_one_session_exactly_one_commits(
     # Started without -P: the configured threads pool is what runs.
     assert "concurrency: 1 (thread)" in stack.log("w1")
     def compact() -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "compactd.scheduler.cli", "compact", "s1",
-                                 "--wait", "--json"], env=stack.env, cwd=stack.home,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The command's process imports the CLI and what its `compact` loads, then waits for a
+        # line on stdin: told to, it sends its request within milliseconds however loaded the
+        # machine (a CLI's start alone took longer than the summary call on a busy CI run).
+        return subprocess.Popen([sys.executable, "-c", _COMPACT_WHEN_TOLD], env=stack.env,
+                                cwd=stack.home, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
+    procs = [compact(), compact()]
     # The second request comes once the first run has started: while it is queued, a second
     # manual request would be the same task (coalesced), not a second run.
-    procs = [compact()]
-    wait_until(lambda: db.runs("s1"), timeout=60, what="the first run to start")
-    procs.append(compact())
+    for i, proc in enumerate(procs):
+        if i:
+            wait_until(lambda: db.runs("s1"), timeout=60, what="the first run to start")
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     outcomes = sorted((r["outcome"], r["failure_class"]) for r in results)
     assert outcomes.count(("committed", None)) == 1, outcomes
