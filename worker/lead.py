@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compactd.storage.errors import StorageError
+from compactd.storage.kinds import LeadBy
 from compactd.storage.leads import ALL_POOLS, LeadRow, pool_of
 from compactd.storage.records import SessionInfo, utcnow
 from compactd.storage.store import Store
@@ -100,10 +101,10 @@ class LeadUsed:
     step_tokens: int = 0
 
     @property
-    def by(self) -> str | None:
+    def by(self) -> LeadBy | None:
         if not self.growth_tokens and not self.step_tokens:
             return None
-        return "step" if self.step_tokens > self.growth_tokens else "growth"
+        return LeadBy.STEP if self.step_tokens > self.growth_tokens else LeadBy.GROWTH
 
     def to_json(self) -> dict[str, Any]:
         return {"seconds": round(self.seconds, 3), "source": self.source, "why": self.why,
@@ -120,7 +121,7 @@ async def lead_used(store: Store, info: SessionInfo, config: Config,
     used = await _lead_seconds_used(store, info, config, now)
     parts = lead_parts(info, session_policy(info, config), config, now)
     used = dataclasses.replace(used, growth_tokens=parts.growth, step_tokens=parts.step)
-    if used.by == "step":
+    if used.by is LeadBy.STEP:
         used = dataclasses.replace(used, why=(
             f"{used.why}; its largest recent step leads: {parts.step} tokens ahead, more than "
             f"its growth over the lead ({parts.growth}; summarization.lead_steps)"))
