@@ -137,7 +137,7 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
 
 def configuration_reference() -> str:
     from compactd.worker.compaction import policy as policy_module
-    from compactd.worker.compaction.lead import FIRST_LEAD_S
+    from compactd.worker.compaction.lead import FIRST_LEAD_S, FLEET_LEAD_KEYS
     from compactd.worker.settings import _FILE_KEYS, FileConfig, Settings
 
     comments = example_comments(EXAMPLE.read_text(encoding="utf-8"))
@@ -172,21 +172,24 @@ def configuration_reference() -> str:
     out += ["### `summarization`\n",
             "Parsed by `compactd.worker.compaction.policy.parse_policy`; a session's own "
             "policy takes the same keys. `trigger` and `keep` take DeerFlow's and LangChain's "
-            "forms (see the guide); `lead` and `first_lead_s` are fleet-wide (`lead`: `auto`, "
-            "seconds, or `0`; default `auto`).\n", *table]
+            "forms (see the guide); `lead`, `first_lead_s` and `lead_steps` are fleet-wide "
+            "(`lead`: `auto`, seconds, or `0`; default `auto`).\n", *table]
     nested_keys = {"prune": (policy_module._PRUNE_KEYS, defaults.prune),
                    "clear_tool_uses": (policy_module._CLEAR_KEYS, defaults.clear_tool_uses),
                    # Off by default (None); its keys' defaults are those of a block given empty.
                    "clear_thinking": (policy_module._CLEAR_THINKING_KEYS,
                                       policy_module.ClearThinkingConfig())}
     fields = {f.name: f for f in dataclasses.fields(policy_module.Policy)}
-    for key in sorted(policy_module._TOP_KEYS | {"lead", "first_lead_s"}):
+    for key in sorted(policy_module._TOP_KEYS | set(FLEET_LEAD_KEYS)):
         path = f"summarization.{key}"
         if key == "lead":
             out.append(_row(path, "`auto` \\| float", "`auto`", ">= `0`", comments))
             continue
         if key == "first_lead_s":
             out.append(_row(path, "float", f"`{FIRST_LEAD_S}`", ">= `0`", comments))
+            continue
+        if key == "lead_steps":
+            out.append(_row(path, "bool", "`true`", "", comments))
             continue
         value = getattr(defaults, key)
         if key == "trigger":

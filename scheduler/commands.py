@@ -45,7 +45,7 @@ from compactd.storage.recall_bounds import (
 from compactd.storage.records import utcnow
 from compactd.worker.cost import usage_cost
 from compactd.worker.limits import parse_rate
-from compactd.worker.pressure import growth_tokens, session_policy
+from compactd.worker.pressure import ahead_tokens, session_policy
 from compactd.worker.settings import Config
 
 KEEP_HELP = "messages:N | tokens:N | fraction:F (overrides the policy's keep for this run)"
@@ -72,7 +72,7 @@ async def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     result = plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                   reported_input_tokens=info.reported_tokens, run_model=info.run_model,
                   now=now, force=args.force, keep_override=keep, envelope=info.envelope,
-                  outlook=Outlook(lead_tokens=growth_tokens(info, policy, config),
+                  outlook=Outlook(lead_tokens=ahead_tokens(info, policy, config),
                                   arrivals=arrivals, edits_may_wait=not args.force,
                                   last_append_at=info.last_append_at))
     body = {"session": info.id, "surface_version": surface.version, **result.to_json()}

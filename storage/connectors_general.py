@@ -41,6 +41,7 @@ from compactd.storage.kinds import (
 from compactd.storage.leads import pool_lead
 from compactd.storage.messages import BatchLinks, Message, ToolLinks, referenced_call_ids
 from compactd.storage.records import (
+    STEP_DECAY,
     AppendKey,
     AppendResult,
     Busy,
@@ -107,7 +108,8 @@ async def append_in(conn: AsyncConnection, session_id: str, batch: PreparedAppen
                 surface_version=c.surface_version + 1,
                 surface_tokens=c.surface_tokens + total,
                 surface_messages=c.surface_messages + n, last_append_at=now,
-                growth_rate=_next_growth_rate(total, now), lead_s=pool_lead())
+                growth_rate=_next_growth_rate(total, now),
+                step_tokens=_next_step_tokens(total), lead_s=pool_lead())
         .returning(*SESSION_COLUMNS))).first()
     if row is None:
         raise SessionNotFound(session_id)
@@ -178,7 +180,7 @@ async def first_with_key(attempt: Callable[[], Awaitable[AppendResult | None]]
 
 async def _add_counts(conn: AsyncConnection, info: SessionInfo, added: Any) -> SessionInfo:
     """The session's counts kept by name with ``added`` on top, and whether they reach their
-    floors (``compactd_append_v4`` does the same in its one statement)."""
+    floors (``compactd_append_v5`` does the same in its one statement)."""
     counts = summed([info.counts, added])
     over = reaches(counts, info.sweep_counts)
     await conn.execute(t.sessions.update().where(t.sessions.c.id == info.id)
@@ -220,6 +222,15 @@ def _next_growth_rate(added: int, now: dt.datetime) -> sa.ColumnElement[float]:
              - sa.func.julianday(sa.func.coalesce(c.last_append_at, c.created_at))) * 86400.0
     return sa.type_coerce(growth_rate_after(c.growth_rate, added, sa.func.max(0.0, since)),
                           sa.Float)
+
+
+def _next_step_tokens(added: int) -> sa.ColumnElement[float]:
+    """``records.step_tokens_after`` on the row being updated (SQLite's append; PostgreSQL's
+    is in ``compactd_append_v5``): the session's first append has no earlier one."""
+    c = t.sessions.c
+    return sa.type_coerce(
+        sa.case((c.last_append_at.is_(None), 0.0),
+                else_=sa.func.max(c.step_tokens * STEP_DECAY, float(added))), sa.Float)
 
 
 # ---------------------------------------------------------------------------------------------

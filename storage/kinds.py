@@ -110,6 +110,14 @@ class SignalReason(StrEnum):
 
 
 @unique
+class LeadBy(StrEnum):
+    """Which part of a session's lead is the larger (``worker.pressure.lead_parts``)."""
+
+    GROWTH = "growth"  # its growth rate over the lead's seconds
+    STEP = "step"  # its largest recent step (summarization.lead_steps)
+
+
+@unique
 class Stage(StrEnum):
     PRUNE = "prune"
     SUMMARY = "summary"

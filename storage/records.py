@@ -60,6 +60,21 @@ def growth_rate_after(rate: Any, added: Any, elapsed_s: Any) -> Any:
     return (rate * GROWTH_WINDOW_S + added) / (GROWTH_WINDOW_S + elapsed_s)
 
 
+# Each append keeps the session's largest recent step (``sessions.step_tokens``): the larger of
+# what it added and the previous value times this, so a step some twenty appends old counts for
+# about a third of its size and one big result does not lead a session for the rest of its life.
+STEP_DECAY = 0.95
+
+
+def step_tokens_after(step: float, added: int, first: bool) -> float:
+    """The largest recent step after an append of ``added`` tokens (``first``: the session's
+    first append, which leaves it at 0: it holds whatever history a runtime or an ingest
+    brought at once, not a step). ``storage/sql/functions/compactd_append_v5.sql`` and SQLite's
+    append statement (``storage.connectors_general``) are its SQL forms, which
+    ``tests/integration/test_pressure_contract.py`` holds equal to this."""
+    return 0.0 if first else max(step * STEP_DECAY, float(added))
+
+
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
     id: str
@@ -95,6 +110,9 @@ class SessionInfo:
     growth_rate: float = 0.0
     compacted_version: int | None = None
     lead_s: float = 0.0
+    # The largest recent append's tokens (:data:`STEP_DECAY`): the lead counts it
+    # (``worker.pressure.ahead_tokens``), so a session one step from its trigger fires now.
+    step_tokens: float = 0.0
     compacted_tokens: int | None = None
     # The pressure below which the session does not fire again, valid while
     # ``compacted_version`` is ``refire_version`` (``worker.pressure.held_back``).

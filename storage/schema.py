@@ -132,6 +132,9 @@ sessions = sa.Table(
     # The lead of the session's pool (``checkpoint_leads``) as its last append read it: the
     # seconds from a signal to the checkpoint it asks for, which its growth is counted over.
     sa.Column("lead_s", sa.Float, nullable=False, server_default=sa.text("0")),
+    # The largest recent append's tokens, decayed by each append (``records.STEP_DECAY``; 0
+    # until the second append): the lead counts one such step (``worker.pressure``).
+    sa.Column("step_tokens", sa.Float, nullable=False, server_default=sa.text("0")),
     # The surface and envelope tokens the last commit that replaced part of the surface left
     # (NULL: none yet): the lead fires a session early by at most what it grew since.
     sa.Column("compacted_tokens", sa.BigInteger, nullable=True),

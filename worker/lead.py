@@ -9,6 +9,7 @@ so the sweep's flag (``storage.schema.OVER_SWEEP_SQL``) counts the same lead as 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compactd.storage.errors import StorageError
+from compactd.storage.kinds import LeadBy
 from compactd.storage.leads import ALL_POOLS, LeadRow, pool_of
 from compactd.storage.records import SessionInfo, utcnow
 from compactd.storage.store import Store
@@ -27,7 +29,7 @@ from compactd.worker.compaction.lead import (
     LEAD_SAMPLE_S,
     percentile,
 )
-from compactd.worker.pressure import FIRST, session_lead_s
+from compactd.worker.pressure import FIRST, lead_parts, session_lead_s, session_policy
 from compactd.worker.settings import Config
 
 logger = logging.getLogger(__name__)
@@ -93,16 +95,41 @@ class LeadUsed:
     why: str
     runs: int | None = None
     p90_s: float | None = None
+    # The tokens counted ahead (``worker.pressure.lead_parts``): its growth over the lead and
+    # its next step; ``by`` names the larger ("growth" or "step"; None: neither counts).
+    growth_tokens: int = 0
+    step_tokens: int = 0
+
+    @property
+    def by(self) -> LeadBy | None:
+        if not self.growth_tokens and not self.step_tokens:
+            return None
+        return LeadBy.STEP if self.step_tokens > self.growth_tokens else LeadBy.GROWTH
 
     def to_json(self) -> dict[str, Any]:
         return {"seconds": round(self.seconds, 3), "source": self.source, "why": self.why,
                 "runs": self.runs,
-                "p90_s": None if self.p90_s is None else round(self.p90_s, 3)}
+                "p90_s": None if self.p90_s is None else round(self.p90_s, 3),
+                "tokens": max(self.growth_tokens, self.step_tokens),
+                "growth_tokens": self.growth_tokens, "step_tokens": self.step_tokens,
+                "by": self.by}
 
 
 async def lead_used(store: Store, info: SessionInfo, config: Config,
                     now: dt.datetime | None = None) -> LeadUsed:
     now = now or utcnow()
+    used = await _lead_seconds_used(store, info, config, now)
+    parts = lead_parts(info, session_policy(info, config), config, now)
+    used = dataclasses.replace(used, growth_tokens=parts.growth, step_tokens=parts.step)
+    if used.by is LeadBy.STEP:
+        used = dataclasses.replace(used, why=(
+            f"{used.why}; its largest recent step leads: {parts.step} tokens ahead, more than "
+            f"its growth over the lead ({parts.growth}; summarization.lead_steps)"))
+    return used
+
+
+async def _lead_seconds_used(store: Store, info: SessionInfo, config: Config,
+                             now: dt.datetime) -> LeadUsed:
     seconds = session_lead_s(info, config)
     if config.lead == 0:
         return LeadUsed(0.0, "off", "off (summarization.lead: 0): fires at its trigger")

@@ -57,7 +57,7 @@ from compactd.worker.llm.fallback import SummaryRequest
 from compactd.worker.metrics import metrics
 from compactd.worker.passes import run_pass
 from compactd.worker.pickup import predict_arrivals
-from compactd.worker.pressure import growth_tokens, read_pressure, session_policy, session_pressure
+from compactd.worker.pressure import ahead_tokens, read_pressure, session_policy, session_pressure
 from compactd.worker.run import AUTOMATIC_TRIGGERS, MANUAL_TRIGGERS, Outcome, RunScope
 from compactd.worker.runtime import Deps
 
@@ -321,7 +321,7 @@ def _plan(deps: Deps, surface: Surface, info: SessionInfo, policy: Policy, *, fo
         force, keep = True, keep or resolve_keep(policy)
     now = deps.clock()
     outlook = dataclasses.replace(
-        outlook, lead_tokens=0 if force else growth_tokens(info, policy, deps.config, now),
+        outlook, lead_tokens=0 if force else ahead_tokens(info, policy, deps.config, now),
         last_append_at=info.last_append_at)
     return plan(surface.nodes, policy=policy, envelope_tokens=info.envelope_tokens,
                 reported_input_tokens=info.reported_tokens, run_model=info.run_model,

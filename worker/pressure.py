@@ -19,7 +19,7 @@ from typing import Any
 from compactd.storage.errors import ConfigError
 from compactd.storage.records import SessionInfo, utcnow
 from compactd.storage.surface import Surface
-from compactd.worker.compaction.lead import lead_tokens
+from compactd.worker.compaction.lead import lead_tokens, step_lead_tokens
 from compactd.worker.compaction.policy import (
     Policy,
     PolicyError,
@@ -158,23 +158,46 @@ def session_lead_s(info: SessionInfo, config: Config) -> float:
     return info.lead_s or config.first_lead_s
 
 
-def growth_tokens(info: SessionInfo, policy: Policy, config: Config,
-                  now: dt.datetime | None = None) -> int:
-    """The tokens the session grows by over its lead at its current rate, capped
-    (``worker.compaction.lead``): what its pressure counts when it decides whether to fire."""
+@dataclass(frozen=True, slots=True)
+class LeadParts:
+    """What the session's pressure counts ahead of its tokens, and its two sources."""
+
+    growth: int  # its growth over the lead at its current rate, capped
+    step: int  # its largest recent step, capped (0: lead_steps off, or lead 0)
+
+    @property
+    def tokens(self) -> int:
+        return max(self.growth, self.step)
+
+
+def lead_parts(info: SessionInfo, policy: Policy, config: Config,
+               now: dt.datetime | None = None) -> LeadParts:
+    """The session's growth over its lead and its next step (``worker.compaction.lead``).
+    ``summarization.lead: 0`` turns both off: the session fires at its trigger."""
     grown = (None if info.compacted_tokens is None
              else session_pressure(info, policy).tokens - info.compacted_tokens)
-    return lead_tokens(info.growth_at(now or utcnow()), session_lead_s(info, config),
-                       policy.threshold_tokens(), grown)
+    threshold = policy.threshold_tokens()
+    growth = lead_tokens(info.growth_at(now or utcnow()), session_lead_s(info, config),
+                         threshold, grown)
+    steps = config.lead_steps and config.lead != 0
+    return LeadParts(growth, step_lead_tokens(info.step_tokens, threshold) if steps else 0)
+
+
+def ahead_tokens(info: SessionInfo, policy: Policy, config: Config,
+                  now: dt.datetime | None = None) -> int:
+    """The tokens the session may add before a checkpoint asked for now lands: the larger of
+    its growth over the lead and its next step (:func:`lead_parts`). What its pressure counts
+    when it decides whether to fire."""
+    return lead_parts(info, policy, config, now).tokens
 
 
 def lead_pressure(info: SessionInfo, policy: Policy, config: Config,
                   now: dt.datetime | None = None) -> Pressure:
     """The session's pressure when a checkpoint asked for now would land: what every automatic
     decision (the append's signal, the sweep, the reaper, the follow-up) fires on. The sweep's
-    stored flag counts the uncapped growth over the same lead, so it holds every session this
-    fires."""
-    return session_pressure(info, policy).ahead_by(growth_tokens(info, policy, config, now),
+    stored flag counts the uncapped growth over the same lead, not the step: a session only
+    its step fires early, whose signal was lost, the sweep finds at its trigger."""
+    return session_pressure(info, policy).ahead_by(ahead_tokens(info, policy, config, now),
                                                    policy.context_window)
 
 
@@ -256,7 +279,7 @@ def explain(info: SessionInfo, config: Config, now: dt.datetime | None = None
     policy = session_policy(info, config)
     pressure = session_pressure(info, policy)
     fired, reason = should_run(pressure, policy,
-                               lead_tokens=growth_tokens(info, policy, config, now))
+                               lead_tokens=ahead_tokens(info, policy, config, now))
     if fired and held_back(info, pressure):
         return False, (f"{reason}; waits until {info.refire_tokens} tokens: the last run "
                        "could not bring it under its trigger"), pressure

@@ -38,7 +38,13 @@ from compactd.storage.errors import ConfigError
 from compactd.storage.events import EventKind
 from compactd.storage.ids import ID_PATTERN, MAX_INT32
 from compactd.storage.records import APPEND_KEY_WINDOW_S
-from compactd.worker.compaction.lead import FIRST_LEAD_S, parse_first_lead, parse_lead
+from compactd.worker.compaction.lead import (
+    FIRST_LEAD_S,
+    FLEET_LEAD_KEYS,
+    parse_first_lead,
+    parse_lead,
+    parse_lead_steps,
+)
 from compactd.worker.compaction.policy import (
     Policy,
     PolicyError,
@@ -340,6 +346,8 @@ class Config:
     lead: float | None = None
     # ``summarization.first_lead_s``: the lead of ``auto`` before any run is measured.
     first_lead_s: float = FIRST_LEAD_S
+    # ``summarization.lead_steps``: the lead also counts the session's largest recent step.
+    lead_steps: bool = True
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     # USD per million tokens, by configured model name (see worker.cost). Out of the hash (a
@@ -416,7 +424,8 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
     settings = settings or Settings()
     home = home or Path(settings.home or os.getcwd()).expanduser().resolve()
     file_config = _file_config(raw)
-    policy, lead, first_lead_s = _summarization(raw.get("summarization"), file_config)
+    policy, lead, first_lead_s, lead_steps = _summarization(raw.get("summarization"),
+                                                            file_config)
     prices = _check_prices(file_config)
     worker = file_config.worker
     if settings.metrics_port is not None:
@@ -427,7 +436,8 @@ def build_config(raw: Mapping[str, Any], *, settings: Settings | None = None,
         else "filesystem://",
         redis_url=settings.redis_url or _redis_from_broker(settings.broker_url),
         home=home, models=file_config.models, default_model=file_config.default_model,
-        policy=policy, lead=lead, first_lead_s=first_lead_s, worker=worker, api=file_config.api,
+        policy=policy, lead=lead, first_lead_s=first_lead_s, lead_steps=lead_steps,
+        worker=worker, api=file_config.api,
         prices=prices,
         retention=file_config.retention, database=file_config.database,
         events=file_config.events, log_format=settings.log_format,
@@ -455,19 +465,23 @@ def _file_config(raw: Mapping[str, Any]) -> FileConfig:
 
 
 def _summarization(summarization: Any, file_config: FileConfig
-                   ) -> tuple[Policy, float | None, float]:
-    """The ``summarization`` section: the policy, and the lead and first lead (which the policy
-    does not hold: they are the fleet's), checked against the configured models."""
+                   ) -> tuple[Policy, float | None, float, bool]:
+    """The ``summarization`` section: the policy, and the lead, first lead and whether the lead
+    counts steps (which the policy does not hold: they are the fleet's), checked against the
+    configured models."""
     lead: float | None = None
     first_lead_s = FIRST_LEAD_S
+    lead_steps = True
     try:
         if isinstance(summarization, Mapping):
             if "lead" in summarization:
                 lead = parse_lead(summarization["lead"])
             if "first_lead_s" in summarization:
                 first_lead_s = parse_first_lead(summarization["first_lead_s"])
+            if "lead_steps" in summarization:
+                lead_steps = parse_lead_steps(summarization["lead_steps"])
             summarization = {k: v for k, v in summarization.items()
-                             if k not in ("lead", "first_lead_s")}
+                             if k not in FLEET_LEAD_KEYS}
         policy = parse_policy(summarization)
         # Sessions of a configured run model take its window: their keep is judged against
         # it now, not found re-firing the trigger in production.
@@ -479,7 +493,7 @@ def _summarization(summarization: Any, file_config: FileConfig
     names = [m.name for m in file_config.models]
     if policy.model_name and policy.model_name not in [*names, LOCAL_MODEL]:
         raise ConfigError(f"summarization.model_name: {policy.model_name!r} is not in models")
-    return policy, lead, first_lead_s
+    return policy, lead, first_lead_s, lead_steps
 
 
 def _check_prices(file_config: FileConfig) -> dict[str, Price]:

@@ -33,15 +33,16 @@ from aiosql.adapters.asyncpg import AsyncPGAdapter
 from aiosql.types import SQLOperationType
 
 # The versions this code calls (queries.sql, recall.sql).
-FUNCTIONS = ("compactd_append_v4", "compactd_claim_v2", "compactd_commit_v4",
+FUNCTIONS = ("compactd_append_v5", "compactd_claim_v2", "compactd_commit_v4",
              "compactd_recall_index_v2", "compactd_counts_sum_v1", "compactd_counts_reach_v1")
 # The versions the previous releases call, kept by the migrations until a later release's
 # contract revision drops them: a worker or client still on such a release runs on the new
 # schema (the first generation up to revision 0018, the second's append and commit up to 0021,
-# the third's append and commit up to 0022).
+# the third's append and commit up to 0022, the fourth's append up to 0025).
 PREVIOUS_RELEASE_FUNCTIONS = ("compactd_append", "compactd_claim", "compactd_commit",
                               "compactd_recall_index", "compactd_append_v2",
-                              "compactd_commit_v2", "compactd_append_v3", "compactd_commit_v3")
+                              "compactd_commit_v2", "compactd_append_v3", "compactd_commit_v3",
+                              "compactd_append_v4")
 
 _HERE = resources.files(__name__)
 _QUERIES_TEXT = "\n\n".join(

@@ -102,7 +102,7 @@ SELECT status, model, started_at, finished_at, stages FROM compaction_runs
  LIMIT :limit;
 
 -- name: append(session_id, payloads, tokens, now, call_ids, call_idx, call_result_idx, ext_ids, ext_idx, counts, counts_sum, key, request_sha256, key_live_after)^
--- postgres-only: calls compactd_append_v4 (functions/compactd_append_v4.sql); the SQLite connector
+-- postgres-only: calls compactd_append_v5 (functions/compactd_append_v5.sql); the SQLite connector
 -- appends with separate statements in its transaction. The session's row, and with :key the
 -- key's row when one answers the append (the key_ columns, as append_key_find names them; NULL
 -- when the batch was appended).
@@ -110,14 +110,14 @@ SELECT (a.s).*, (a.k).request_sha256 AS key_request_sha256, (a.k).first_seq AS k
        (a.k).last_seq AS key_last_seq, (a.k).surface_version AS key_surface_version,
        (a.k).surface_tokens AS key_surface_tokens,
        (a.k).surface_messages AS key_surface_messages
-  FROM compactd_append_v4(:session_id, :payloads, :tokens, :now, :call_ids, :call_idx,
+  FROM compactd_append_v5(:session_id, :payloads, :tokens, :now, :call_ids, :call_idx,
                           :call_result_idx, :ext_ids, :ext_idx, :counts, :counts_sum, :key,
                           :request_sha256, :key_live_after) AS a;
 
 -- name: append_key_find(session_id, key, live_after)^
 -- An append made with a key: what the first append with it returned (a row younger than
 -- :live_after), beside the session's row; none when the key is new or expired. SQLite's keyed
--- append (PostgreSQL's reads the row inside compactd_append_v4, and the releases at 0021 and
+-- append (PostgreSQL's reads the row inside compactd_append_v5, and the releases at 0021 and
 -- 0022 with this statement).
 SELECT k.request_sha256 AS key_request_sha256, k.first_seq AS key_first_seq,
        k.last_seq AS key_last_seq, k.surface_version AS key_surface_version,

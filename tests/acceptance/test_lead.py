@@ -10,6 +10,10 @@ shows the mechanism (fire early by growth x measured lead, land before the trigg
 close the percentile comes. Until a run is measured, ``auto`` fires by the first lead
 (``summarization.first_lead_s``): a fresh worker's first checkpoint lands before the trigger
 too, and with a first lead of 0 it lands after it, as before the first lead existed.
+
+A session whose steps are large next to its trigger fires one step before it by its largest
+recent step (``summarization.lead_steps``), with no growth lead at all. The growth tests here
+turn it off: their steps are small, and it would fire them a step early.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ MakeStack = Callable[..., Stack]
 TRIGGER = 4_000
 POLICY = {"trigger": {"type": "tokens", "value": TRIGGER},
           "keep": {"type": "messages", "value": 4}, "model_name": "fake-gpt",
-          "trim_tokens_to_summarize": 16_000}
+          "trim_tokens_to_summarize": 16_000, "lead_steps": False}
 STEP_WORDS = 12  # about 60 tokens a step
 STEP_S = 0.2
 MAX_STEPS = 400
@@ -46,10 +50,10 @@ class Trace:
     landed_at_tokens: int | None = None  # the context the agent held when the checkpoint landed
 
 
-def turn(i: int) -> dict[str, str]:
+def turn(i: int, words: int = STEP_WORDS) -> dict[str, str]:
     role = "user" if i % 2 == 0 else "assistant"
     return {"role": role, "content": f"step {i}: " + " ".join(f"word{i}x{j}"
-                                                             for j in range(STEP_WORDS))}
+                                                             for j in range(words))}
 
 
 async def grow(stack: Stack, session_id: str) -> Trace:
@@ -133,7 +137,8 @@ def test_with_lead_0_a_session_fires_at_its_trigger_as_before(
     assert grown.landed_at_tokens is not None and grown.landed_at_tokens >= TRIGGER
     status = stack.cli_json("status", "grown", "--json")
     assert status["lead"] == {"seconds": 0.0, "source": "off", "runs": None, "p90_s": None,
-                              "why": "off (summarization.lead: 0): fires at its trigger"}
+                              "why": "off (summarization.lead: 0): fires at its trigger",
+                              "tokens": 0, "growth_tokens": 0, "step_tokens": 0, "by": None}
 
 
 def test_a_fresh_workers_first_checkpoint_lands_before_the_trigger_by_the_first_lead(
@@ -154,3 +159,50 @@ def test_a_fresh_workers_first_checkpoint_lands_before_the_trigger_by_the_first_
         wait_until(lambda: (lead := db.run(lambda s: s.read_leads([ALL_POOLS])).get(ALL_POOLS))
                    is not None and lead.source == "auto", timeout=30, interval=0.2,
                    what="the measured lead stored after the first commit")
+
+
+BIG_STEP_WORDS = 120  # about 600 tokens a step: seven reach the trigger
+
+
+async def step_until_fired(stack: Stack, session_id: str) -> tuple[int, int]:
+    """Append large steps until one signals, then wait for its checkpoint as an agent whose
+    next model call is slow would: the context the signal came at, and the one the agent held
+    when the checkpoint landed."""
+    async with CompactdClient(load_config(env=stack.env)) as client:
+        handle = await client.create_session(session_id, run_model="fake-gpt",
+                                             context_window=128_000)
+        for i in range(2 * TRIGGER // 100):
+            step = await handle.append([turn(i, BIG_STEP_WORDS)])
+            if step.signalled:
+                for _ in range(600):
+                    if await handle.poll() is not None:
+                        return step.tokens, step.tokens
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"{session_id}: signalled at {step.tokens}, no checkpoint")
+    raise AssertionError(f"{session_id}: never signalled")
+
+
+@pytest.mark.parametrize("lead_steps", [True, False])
+def test_a_session_of_large_steps_fires_one_step_before_its_trigger(
+        make_stack: MakeStack, clean_pg: str, fake,  # type: ignore[no-untyped-def]
+        lead_steps: bool) -> None:
+    # No run measured and no first lead: the growth leads by nothing, the step alone can.
+    stack = make_stack(summarization={**POLICY, "first_lead_s": 0, "lead_steps": lead_steps})
+    stack.start_worker("w1", concurrency=2)
+    fake.latency_s = 0.2
+    signalled_at, _ = asyncio.run(step_until_fired(stack, "steps"))
+    with Db(clean_pg) as db:
+        [run] = db.runs("steps")
+    assert run.status == "committed" and run.trigger == "pressure"
+    status = stack.cli_json("status", "steps", "--json")
+    if not lead_steps:
+        assert signalled_at >= TRIGGER
+        assert status["lead"]["step_tokens"] == 0, status["lead"]
+        return
+    # One step short of the trigger: the checkpoint lands before the agent's next step.
+    assert TRIGGER - 700 <= signalled_at < TRIGGER
+    assert run.tokens_before is not None and run.tokens_before < TRIGGER
+    lead = status["lead"]
+    assert lead["by"] == "step" and lead["growth_tokens"] == 0, lead
+    assert 400 <= lead["step_tokens"] <= 700, lead
+    assert "its largest recent step leads" in lead["why"], lead

@@ -188,7 +188,8 @@ DEFAULT_SIDES = ("langchain", "before", "after")
 # issue 27's mechanisms off, "after" leaves compactd's defaults; a mechanism adds its switch to
 # "before" (off) when it lands, and the two sides then differ by it.
 COMPACTD_SIDES: dict[str, dict[str, Any]] = {
-    "before": {"lead": 0, "keep_at": "claim", "clear_at_least": 0, "share_cache": False},
+    "before": {"lead": 0, "lead_steps": False, "keep_at": "claim", "clear_at_least": 0,
+               "share_cache": False},
     "after": {},
     # Its index calls have an instruction of their own: on the summary fake, as before.
     "recallable": {"layout": "recallable", "model_name": SUMMARY_MODEL},

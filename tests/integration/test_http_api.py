@@ -219,7 +219,8 @@ async def test_usage_signal_and_status(api: Served) -> None:
     # the first lead (0 by default).
     assert status["lead"] == {
         "seconds": 0.0, "source": "first", "runs": None, "p90_s": None,
-        "why": "auto, no run measured yet: the first lead, summarization.first_lead_s 0 s"}
+        "why": "auto, no run measured yet: the first lead, summarization.first_lead_s 0 s",
+        "tokens": 0, "growth_tokens": 0, "step_tokens": 0, "by": None}
 
 
 async def test_compact_and_overflow_without_a_worker_answer_202_within_the_wait_cap(

@@ -1,6 +1,7 @@
-"""The growth rate and the pressure each exist once per language: in Python
-(``storage.records.growth_rate_after``, ``worker.compaction.triggers.pressure_tokens``) and in
-SQL (``compactd_append``'s UPDATE; the sweep's stored flag ``storage.schema.OVER_SWEEP_SQL``).
+"""The growth rate, the largest recent step and the pressure each exist once per language: in
+Python (``storage.records.growth_rate_after``, ``storage.records.step_tokens_after``,
+``worker.compaction.triggers.pressure_tokens``) and in SQL (``compactd_append``'s UPDATE; the
+sweep's stored flag ``storage.schema.OVER_SWEEP_SQL``).
 The same inputs give the same results on PostgreSQL and on SQLite as in Python."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import datetime as dt
 import pytest
 
 from compactd.storage.messages import Message, parse_openai
-from compactd.storage.records import next_growth_rate
+from compactd.storage.records import next_growth_rate, step_tokens_after
 from compactd.storage.store import Store
 from compactd.worker.compaction.triggers import pressure_tokens
 
@@ -41,6 +42,23 @@ async def test_the_append_s_growth_rate_is_the_python_one(store: Store, first_s:
     rel = 1e-6 if store.engine.dialect.name == "sqlite" else 1e-9
     assert first.session.growth_rate == pytest.approx(once, rel=rel)
     assert second.session.growth_rate == pytest.approx(twice, rel=rel)
+
+
+# Appends, each a batch of messages of these word counts: a first append that brings a history,
+# steps that rise, a small one that decays the largest, a batch of two, and a larger one again.
+STEPS = [[900, 900], [40], [300], [10], [10], [120, 200], [700]]
+
+
+async def test_the_append_s_largest_step_is_the_python_one(store: Store) -> None:
+    await store.create_session("s", run_model="gpt-4o", now=T0)
+    expected = 0.0
+    for i, batch in enumerate(STEPS):
+        result = await store.append("s", [words(n, 10 * i + j) for j, n in enumerate(batch)],
+                                    now=T0 + dt.timedelta(seconds=i))
+        expected = step_tokens_after(expected, sum(result.tokens), first=i == 0)
+        assert result.session.step_tokens == pytest.approx(expected, rel=1e-9), (i, batch)
+    assert expected > 0
+    assert (await store.get_session("s")).step_tokens == pytest.approx(expected, rel=1e-9)
 
 
 # (words appended, the provider's reported input and output tokens or None)

@@ -40,7 +40,7 @@ POLICY = {"trigger": [{"type": "tokens", "value": 1_000_000}],
 
 
 # The functions this release calls.
-CURRENT = {"append": "compactd_append_v4", "claim": "compactd_claim_v2",
+CURRENT = {"append": "compactd_append_v5", "claim": "compactd_claim_v2",
            "commit": "compactd_commit_v4"}
 
 

@@ -21,9 +21,12 @@ TRIGGER = 400
 def make_config(db_url: str, *, broker: str = "memory://", trigger: int = TRIGGER,
                 keep: int = 2, worker: dict[str, Any] | None = None,
                 summarization: dict[str, Any] | None = None) -> Config:
+    # The step lead off: these sessions' single appends are large next to their trigger, and
+    # their tests place the firing append at the trigger (tests/unit/test_compaction_lead.py
+    # and tests/acceptance/test_lead.py test the step lead).
     raw = {"summarization": {"trigger": {"type": "tokens", "value": trigger},
                              "keep": {"type": "messages", "value": keep},
-                             **(summarization or {})},
+                             "lead_steps": False, **(summarization or {})},
            "worker": {"metrics_port": 0, **(worker or {})}}
     return build_config(raw, settings=Settings(database_url=db_url, broker_url=broker))
 

@@ -12,7 +12,7 @@ import yaml
 
 from compactd.storage.errors import ConfigError
 from compactd.storage.leads import ALL_POOLS, LeadRow
-from compactd.storage.records import SessionInfo
+from compactd.storage.records import STEP_DECAY, SessionInfo, step_tokens_after
 from compactd.storage.surface import SurfaceNode
 from compactd.worker.compaction.lead import (
     FIRST_LEAD_S,
@@ -20,11 +20,19 @@ from compactd.worker.compaction.lead import (
     lead_tokens,
     parse_lead,
     percentile,
+    step_lead_tokens,
 )
 from compactd.worker.compaction.planner import Outlook, plan
 from compactd.worker.compaction.policy import PolicyError, parse_policy
 from compactd.worker.lead import measure_leads
-from compactd.worker.pressure import explain, growth_tokens, over_trigger, session_policy, wants_run
+from compactd.worker.pressure import (
+    ahead_tokens,
+    explain,
+    lead_parts,
+    over_trigger,
+    session_policy,
+    wants_run,
+)
 from compactd.worker.settings import Config, build_config
 from tests.support.surfaces import user
 
@@ -187,7 +195,7 @@ def test_every_automatic_decision_counts_the_lead(tokens: int, rate: float, stor
     nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=tokens // 10)
              for i in range(10)]
     result = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
-                  outlook=Outlook(lead_tokens=growth_tokens(info, policy, c, T0)))
+                  outlook=Outlook(lead_tokens=ahead_tokens(info, policy, c, T0)))
     assert result.fired is fires
     assert (result.summarize is not None) is fires
 
@@ -201,7 +209,7 @@ def test_a_run_fired_early_is_refused_by_a_plan_that_ignores_the_lead() -> None:
     assert not plan(nodes, policy=policy, now=T0, run_model="gpt-4o").fired
     fired = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
                  outlook=Outlook(lead_tokens=1_000))
-    assert fired.fired and "1000 tokens of growth over its lead" in fired.reason
+    assert fired.fired and "1000 tokens ahead of the checkpoint" in fired.reason
 
 
 def test_an_idle_session_stops_counting_its_old_growth() -> None:
@@ -215,7 +223,7 @@ def test_explain_says_the_lead_was_counted() -> None:
     fired, why, pressure = explain(session(9_100, 100.0, 10.0, last_append_at=None,
                                            created_at=dt.datetime.now(dt.UTC)), config())
     assert fired and pressure.tokens == 9_100
-    assert "tokens of growth over its lead" in why
+    assert "tokens ahead of the checkpoint" in why
 
 
 def test_the_reported_usage_counts_the_lead_too() -> None:
@@ -275,3 +283,80 @@ def test_after_a_checkpoint_the_lead_counts_only_what_the_session_grew_since() -
     assert not wants_run(session(8_999, 100.0, 30.0, compacted_tokens=8_000), c, T0)
     assert wants_run(session(9_000, 100.0, 30.0, compacted_tokens=8_000), c, T0)
     assert wants_run(session(8_100, 100.0, 30.0), c, T0)  # never compacted: the lead's cap
+
+
+# ------------------------------------------------------------------------------------ steps
+
+def test_the_largest_recent_step_decays_with_each_append_and_skips_the_first() -> None:
+    # The first append brings a history at once: not a step.
+    assert step_tokens_after(0.0, 50_000, first=True) == 0.0
+    assert step_tokens_after(0.0, 300, first=False) == 300.0
+    assert step_tokens_after(3_000.0, 300, first=False) == 3_000 * STEP_DECAY
+    assert step_tokens_after(3_000.0, 4_000, first=False) == 4_000.0
+
+
+@pytest.mark.parametrize(("step", "threshold", "expected"), [
+    (2_000.0, 10_000, 2_000),
+    (0.0, 10_000, 0),
+    (2_000.0, None, 0),                                   # a messages-only trigger
+    (9_000.0, 10_000, int(LEAD_MAX_SHARE * 10_000)),      # capped as the growth is
+])
+def test_step_lead_tokens(step: float, threshold: float | None, expected: int) -> None:
+    assert step_lead_tokens(step, threshold) == expected
+
+
+# (tokens, its largest recent step, summarization keys, fires): no growth lead (the pool has
+# measured none), so only the step can fire it early.
+STEP_CASES = [
+    (8_000, 2_000.0, {}, True),                          # 8,000 + a 2,000 step reaches 10,000
+    (7_999, 2_000.0, {}, False),
+    (8_000, 2_000.0, {"lead_steps": False}, False),      # growth only
+    (8_000, 2_000.0, {"lead": 0}, False),                # lead 0: at the trigger, steps too
+    (4_999, 8_000.0, {}, False),                         # the cap: never below half the trigger
+    (5_000, 8_000.0, {}, True),
+    (8_000, 2_000.0, {"lead": 10}, True),                # a configured lead counts it too
+]
+
+
+@pytest.mark.parametrize(("tokens", "step", "keys", "fires"), STEP_CASES)
+def test_a_session_one_large_step_from_its_trigger_fires_now(
+        tokens: int, step: float, keys: dict[str, Any], fires: bool) -> None:
+    c = config(**keys)
+    info = session(tokens, 0.01, 0.0, step_tokens=step)
+    assert wants_run(info, c, T0) is fires
+    assert over_trigger(info, c, T0) is fires
+    policy = session_policy(info, c)
+    nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=tokens // 10)
+             for i in range(10)]
+    result = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
+                  outlook=Outlook(lead_tokens=ahead_tokens(info, policy, c, T0)))
+    assert result.fired is fires
+
+
+def test_the_lead_is_the_larger_of_the_growth_and_the_step() -> None:
+    c = config()
+    policy = session_policy(session(1_000, 0.0, 0.0), c)
+    growing = session(8_000, 100.0, 10.0, step_tokens=500.0)
+    assert lead_parts(growing, policy, c, T0).tokens == 1_000  # the growth over 10 s
+    stepping = session(8_000, 100.0, 10.0, step_tokens=1_500.0)
+    parts = lead_parts(stepping, policy, c, T0)
+    assert (parts.growth, parts.step, parts.tokens) == (1_000, 1_500, 1_500)
+    # The step is not held to what the session grew since its checkpoint: a step that large
+    # comes whatever the session did since.
+    fresh = session(8_600, 100.0, 10.0, step_tokens=1_500.0, compacted_tokens=8_500)
+    parts = lead_parts(fresh, policy, c, T0)
+    assert (parts.growth, parts.step) == (100, 1_500)
+    assert wants_run(fresh, c, T0)
+
+
+@pytest.mark.parametrize("value", [0, 1, "true", "yes", None])
+def test_a_bad_lead_steps_is_a_load_time_error_naming_the_key(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^summarization\.lead_steps: must be true or false"):
+        config(lead_steps=value)
+    with pytest.raises(PolicyError, match=r"^policy\.lead_steps: unknown key"):
+        parse_policy({"lead_steps": True}, path="policy")
+
+
+def test_lead_steps_is_on_by_default() -> None:
+    assert build_config({}).lead_steps is True
+    assert config(lead_steps=False).lead_steps is False

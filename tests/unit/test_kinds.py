@@ -19,6 +19,7 @@ from compactd.storage.kinds import (
     JobState,
     JournalKind,
     LayoutRole,
+    LeadBy,
     ModelFailure,
     NodeKind,
     RunCause,
@@ -54,7 +55,7 @@ def test_a_member_is_the_plain_string_it_names() -> None:
 
 def test_the_module_holds_every_set_the_issue_names() -> None:
     assert set(SETS) == {NodeKind, JournalKind, RunStatus, FailureClass, ModelFailure, RunCause,
-                         SignalReason, Stage, JobState, ItemState, LayoutRole}
+                         SignalReason, Stage, JobState, ItemState, LayoutRole, LeadBy}
 
 
 # ------------------------------------------------------------------------------------------

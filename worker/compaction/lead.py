@@ -32,6 +32,9 @@ LEAD_SAMPLE_S = 3600.0
 # which the loop guard and the next run still handle.
 LEAD_MAX_SHARE = 0.5
 
+# The ``summarization`` keys that are the fleet's, not a policy's (a session cannot set them).
+FLEET_LEAD_KEYS = ("lead", "first_lead_s", "lead_steps")
+
 # ``summarization.lead``'s value for a measured lead.
 AUTO = "auto"
 # The lead an ``auto`` fleet fires by until its first checkpoint is measured
@@ -49,6 +52,13 @@ def parse_lead(value: Any, path: str = "summarization.lead") -> float | None:
     if value == AUTO and isinstance(value, str):
         return None
     return _seconds(value, path, "auto or a")
+
+
+def parse_lead_steps(value: Any, path: str = "summarization.lead_steps") -> bool:
+    """Whether the lead counts a session's largest recent step (:func:`step_lead_tokens`)."""
+    if not isinstance(value, bool):
+        raise PolicyError(path, f"must be true or false, got {value!r}")
+    return value
 
 
 def parse_first_lead(value: Any, path: str = "summarization.first_lead_s") -> float:
@@ -90,3 +100,16 @@ def lead_tokens(rate_per_s: float, lead_s: float, threshold_tokens: float | None
     if grown_tokens is not None:
         ahead = min(ahead, max(0, grown_tokens))
     return int(ahead)
+
+
+def step_lead_tokens(step_tokens: float, threshold_tokens: float | None) -> int:
+    """The tokens a session's next step may add, which its pressure counts beside its growth
+    over the lead: its largest recent step (``sessions.step_tokens``), at most
+    ``LEAD_MAX_SHARE`` of ``threshold_tokens``. The growth rate averages a session's steps over
+    time; one whose steps are large next to its trigger (a long file read, a test log) crosses
+    it in a single step the rate does not see coming, and its checkpoint then lands that step
+    late. Unlike the growth, it is not held to what the session grew since its last checkpoint:
+    a step that large arrives whatever the session did since. 0 with no token threshold."""
+    if step_tokens <= 0 or not threshold_tokens:
+        return 0
+    return int(min(step_tokens, LEAD_MAX_SHARE * threshold_tokens))

@@ -72,7 +72,8 @@ class Outlook:
     """What a plan knows of the session beyond its surface: each mechanism that times a run
     against the agent adds its field here, not a keyword to :func:`plan`."""
 
-    # The session's growth over its lead (``worker.compaction.lead``): the trigger is judged on
+    # What the session may add before a checkpoint asked for now lands, its growth over its
+    # lead or its next step (``worker.pressure.lead_parts``): the trigger is judged on
     # the pressure when a checkpoint asked for now would land, as the signal that fired it was.
     lead_tokens: int = 0
     # What the agent is expected to append before it picks the checkpoint up (keep_at: pickup);
@@ -281,7 +282,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     lead = inputs.outlook.lead_tokens
     fired, reason = should_compact(pressure.ahead_by(lead, window), policy)
     if lead:
-        reason += f"; counting {lead} tokens of growth over its lead"
+        reason += f"; counting {lead} tokens ahead of the checkpoint (its lead)"
 
     def done(prune: tuple[PruneAction, ...], after: int,
              step: SummarizeStep | RecallablePass | None, why: str | None,

@@ -129,12 +129,13 @@ def should_clear(pressure: Pressure, policy: Policy) -> bool:
 def should_run(pressure: Pressure, policy: Policy, *, lead_tokens: int = 0
                ) -> tuple[bool, str]:
     """Whether an automatic run is worth waking for: the summary trigger, or clearing's own.
-    ``lead_tokens`` (the growth over the session's lead, ``worker.compaction.lead``) counts
+    ``lead_tokens`` (what the session may add before the checkpoint lands: its growth over its
+    lead or its next step, ``worker.pressure.lead_parts``) counts
     toward the summary trigger only: the plan judges clearing on the pressure as it is."""
     fired, reason = should_compact(pressure.ahead_by(lead_tokens, policy.context_window),
                                    policy)
     if lead_tokens:
-        reason += f"; counting {lead_tokens} tokens of growth over its lead"
+        reason += f"; counting {lead_tokens} tokens ahead of the checkpoint (its lead)"
     if fired or not should_clear(pressure, policy):
         return fired, reason
     return True, (f"clear_tool_uses tokens>{policy.clear_tool_uses.trigger} "
