@@ -1,6 +1,6 @@
-"""A stack's worker is a fork of a launcher that imported the worker's third-party modules
-(tests/support/cli_launcher.py): still a celery worker process of its own, in a session of its
-own, reading its own environment, and read as a ``subprocess.Popen`` is."""
+"""A stack's worker (and its `compactd serve`) is a fork of a launcher that imported its
+third-party modules (tests/support/cli_launcher.py): still a process of its own, in a session of
+its own, reading its own environment, and read as a ``subprocess.Popen`` is."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from tests.support import cli_launcher
+from tests.support.api import start_api
 from tests.support.stack import WORKER_IMPORTS, Stack
 
 pytestmark = pytest.mark.slow
@@ -56,3 +57,13 @@ def test_launched_workers_read_their_own_environment_and_end_warm(
     as_json.stop("w1")
     as_text.stop("w2")
     assert [worker.returncode for worker in workers] == [0, 0]
+
+
+def test_a_launched_server_leads_its_session_and_ends_on_sigterm(make_stack: MakeStack) -> None:
+    stack = make_stack()
+    start_api(stack)
+    server = stack.procs["api"]
+    assert isinstance(server, cli_launcher.Launched)
+    assert os.getsid(server.pid) == server.pid
+    stack.stop("api")  # SIGTERM: the server ends by it, as a fresh interpreter's does
+    assert server.returncode == -signal.SIGTERM, stack.log("api")[-3000:]

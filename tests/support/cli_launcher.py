@@ -17,8 +17,8 @@ Python, another ``PYTHON*`` or locale variable) gets a launcher of its own; one 
 cannot serve runs as a plain subprocess, and so does every command when the test process has
 ``COMPACTD_TEST_CLI_LAUNCHER=0`` (to tell a difference the launcher makes from a bug).
 
-Celery workers are started the same way, from a launcher of their own preloaded with what a
-worker imports (``tests.support.stack.WORKER_IMPORTS``):
+Celery workers (and ``compactd serve``) are started the same way, from a launcher of their own
+preloaded with what they import (``tests.support.stack.WORKER_IMPORTS``, ``SERVE_IMPORTS``):
 
     proc = start(env, "celery", ["-A", "compactd.worker.app", "worker", ...], cwd=home,
                  output=log_fd, imports=WORKER_IMPORTS)
@@ -238,6 +238,7 @@ class Launcher:
     def __init__(self, python: str, env: Mapping[str, str], *, module: str = CLI_MODULE,
                  imports: Sequence[str] = (CLI_MODULE,)) -> None:
         self.module = module
+        self.imports = tuple(imports)
         self.dir = tempfile.mkdtemp(prefix="compactd-launcher-")
         self.sock_path = os.path.join(self.dir, "sock")
         modules = os.path.join(self.dir, "modules")
@@ -382,7 +383,7 @@ _lock = threading.Lock()
 def _launcher(python: str, env: Mapping[str, str], *, module: str = CLI_MODULE,
               imports: Sequence[str] = (CLI_MODULE,)) -> Launcher | None:
     with _lock:
-        key = _key(python, env, module)
+        key = _key(python, env, module, imports)
         if key not in _launchers:
             try:
                 _launchers[key] = Launcher(python, env, module=module, imports=imports)
@@ -391,14 +392,15 @@ def _launcher(python: str, env: Mapping[str, str], *, module: str = CLI_MODULE,
         return _launchers[key]
 
 
-def _key(python: str, env: Mapping[str, str], module: str) -> tuple[object, ...]:
-    if module == CLI_MODULE:
+def _key(python: str, env: Mapping[str, str], module: str,
+         imports: Sequence[str]) -> tuple[object, ...]:
+    if module == CLI_MODULE and tuple(imports) == (CLI_MODULE,):
         return (python, _startup_env(env))
     # A long-running process (a worker) is forked only from a launcher started with the same
     # environment but compactd's own variables, which only compactd's modules read, and the
     # name of the test pytest is running: a third-party module imported in the launcher may
     # have read any other at its import.
-    return (python, module, tuple(sorted(
+    return (python, module, tuple(imports), tuple(sorted(
         (k, v) for k, v in env.items()
         if not k.startswith("COMPACTD_") and k != "PYTEST_CURRENT_TEST")))
 
@@ -406,7 +408,7 @@ def _key(python: str, env: Mapping[str, str], module: str) -> tuple[object, ...]
 def _forget(launcher: Launcher, python: str, env: Mapping[str, str]) -> None:
     """A launcher that ended: its commands run as plain subprocesses from now on."""
     with _lock:
-        _launchers[_key(python, env, launcher.module)] = None
+        _launchers[_key(python, env, launcher.module, launcher.imports)] = None
     launcher.close()
 
 

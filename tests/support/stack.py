@@ -40,6 +40,8 @@ T = TypeVar("T")
 WORKER_IMPORTS = ("compactd.worker.app", "compactd.worker.tasks", "compactd.worker.flower",
                   "celery.bin.celery", "celery.apps.worker", "celery.worker.consumer",
                   "celery.concurrency.thread", "kombu.transport.redis", "openai")
+# What `compactd serve` imports before it listens: the CLI and the HTTP server.
+SERVE_IMPORTS = (cli_launcher.CLI_MODULE, "compactd.scheduler.http.server")
 Process = subprocess.Popen[bytes] | cli_launcher.Launched
 
 
@@ -174,11 +176,20 @@ class Stack:
         return proc
 
     def start(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
+              ) -> Process:
         log = self.home / f"{name}.log"
-        proc = subprocess.Popen(list(argv), env={**self.env, **(env or {})}, cwd=self.home,
-                                stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc_env = {**self.env, **(env or {})}
+        proc: Process | None = None
+        with log.open("ab") as output:
+            # This interpreter's compactd command (serve): forked as a worker is.
+            if list(argv[:3]) == [sys.executable, "-m", cli_launcher.CLI_MODULE]:
+                proc = cli_launcher.start(proc_env, cli_launcher.CLI_MODULE, argv[3:],
+                                          cwd=self.home, output=output.fileno(),
+                                          imports=SERVE_IMPORTS)
+            if proc is None:
+                proc = subprocess.Popen(list(argv), env=proc_env, cwd=self.home,
+                                        stdout=output, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         self.procs[name] = proc
         return proc
 
