@@ -16,6 +16,16 @@ raises its ``TimeoutExpired``. A command whose interpreter would start different
 Python, another ``PYTHON*`` or locale variable) gets a launcher of its own; one the launcher
 cannot serve runs as a plain subprocess, and so does every command when the test process has
 ``COMPACTD_TEST_CLI_LAUNCHER=0`` (to tell a difference the launcher makes from a bug).
+
+Celery workers (and ``compactd serve``) are started the same way, from a launcher of their own
+preloaded with what they import (``tests.support.stack.WORKER_IMPORTS``, ``SERVE_IMPORTS``):
+
+    proc = start(env, "celery", ["-A", "compactd.worker.app", "worker", ...], cwd=home,
+                 output=log_fd, imports=WORKER_IMPORTS)
+
+``start`` returns a :class:`Launched` (pid, ``poll``, ``wait``, ``returncode`` as a ``Popen``
+has them) for a process in a session of its own, or None where the caller is to start a fresh
+interpreter (``COMPACTD_TEST_WORKER_LAUNCHER=0``, or no launcher).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import atexit
 import io
 import os
 import pickle
+import select
 import selectors
 import signal
 import socket
@@ -44,6 +55,7 @@ STARTUP_VARS_PREFIXES = ("PYTHON", "LC_", "LANG")
 APPLIED_IN_COMMAND = ("PYTHONUNBUFFERED",)
 READY_TIMEOUT_S = 60.0
 SWITCH_ENV = "COMPACTD_TEST_CLI_LAUNCHER"
+WORKER_SWITCH_ENV = "COMPACTD_TEST_WORKER_LAUNCHER"
 _HEADER = struct.Struct("!I")
 
 
@@ -60,7 +72,7 @@ def _startup_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 LAUNCHER = r'''
 import os, pickle, selectors, signal, socket, struct, sys
 HEADER = struct.Struct("!I")
-sock_path, modules_path = sys.argv[1], sys.argv[2]
+sock_path, modules_path, module = sys.argv[1], sys.argv[2], sys.argv[3]
 for name in open(modules_path).read().split():
     try:
         __import__(name)
@@ -98,8 +110,16 @@ def serve():
                     if not chunk:
                         break
                     body += chunk
+                request = pickle.loads(body)
+                # A command in a session of its own (start_new_session) is its group's leader
+                # before its pid is sent: a signal to its group cannot precede the group.
+                led_r, led_w = os.pipe() if request[3] else (None, None)
                 pid = os.fork()
                 if pid == 0:
+                    if led_w is not None:
+                        os.setsid()
+                        os.close(led_w)
+                        os.close(led_r)
                     sel.close()
                     listener.close()
                     signal.set_wakeup_fd(-1)
@@ -109,7 +129,11 @@ def serve():
                     for other in waiting.values():
                         other.close()
                     conn.close()
-                    return pickle.loads(body), fds
+                    return request, fds
+                if led_w is not None:
+                    os.close(led_w)
+                    os.read(led_r, 1)
+                    os.close(led_r)
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(HEADER.pack(pid))
@@ -136,7 +160,7 @@ def recv_request(conn):
 request = serve()
 if request is None:
     sys.exit(0)
-(argv, environ, cwd), fds = request
+(argv, environ, cwd, _), fds = request
 for target, fd in enumerate(fds):
     os.dup2(fd, target)
     os.close(fd)
@@ -151,7 +175,7 @@ sys.orig_argv = [sys.executable, "-m", *sys.argv]
 sys.path[0] = os.getcwd()
 del request, argv, environ, cwd, fds, serve, recv_request
 import runpy
-runpy._run_module_as_main("compactd.scheduler.cli", alter_argv=True)
+runpy._run_module_as_main(module, alter_argv=True)
 '''
 
 
@@ -159,52 +183,120 @@ class LauncherGone(Exception):
     """The launcher did not take the command (it has ended): the command did not start."""
 
 
-class Launcher:
-    """One launcher process serving the commands whose interpreter starts with ``env``'s
-    startup variables."""
+class Launched:
+    """A command :meth:`Launcher.start` started, read as a ``subprocess.Popen``: its pid, and
+    its exit code (negative for a signal) once the launcher, its parent, reaped it."""
 
-    def __init__(self, python: str, env: Mapping[str, str]) -> None:
+    def __init__(self, args: list[str], pid: int, conn: socket.socket) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn = conn
+        self._status = b""
+
+    def _receive(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                return False
+            got = self._conn.recv(_HEADER.size - len(self._status))
+            if not got:
+                raise RuntimeError("the compactd launcher ended before the command")
+            self._status += got
+            if len(self._status) == _HEADER.size:
+                self._conn.close()
+                self.returncode = _exit_code(self._status)
+        return True
+
+    def poll(self) -> int | None:
+        self._receive(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._receive(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Launcher:
+    """One launcher process serving the commands ``python -m module`` whose interpreter starts
+    with ``env``'s startup variables, preloaded with the third-party modules that importing
+    ``imports`` loads."""
+
+    def __init__(self, python: str, env: Mapping[str, str], *, module: str = CLI_MODULE,
+                 imports: Sequence[str] = (CLI_MODULE,)) -> None:
+        self.module = module
+        self.imports = tuple(imports)
         self.dir = tempfile.mkdtemp(prefix="compactd-launcher-")
         self.sock_path = os.path.join(self.dir, "sock")
         modules = os.path.join(self.dir, "modules")
-        # The third-party modules importing the CLI loads, as a fresh interpreter lists them.
+        # The third-party modules importing them loads, as a fresh interpreter lists them.
         listed = subprocess.run(
-            [python, "-c", f"import {CLI_MODULE}, sys\n"
+            [python, "-c", f"import {', '.join(imports)}, sys\n"
              "print('\\n'.join(m for m in sys.modules if m.split('.')[0] != 'compactd'))"],
             env=dict(env), capture_output=True, text=True, timeout=READY_TIMEOUT_S, check=True)
         Path(modules).write_text(listed.stdout)
         self.proc = subprocess.Popen(
-            [python, "-c", LAUNCHER, self.sock_path, modules], env=dict(env),
+            [python, "-c", LAUNCHER, self.sock_path, modules, module], env=dict(env),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline() != b"ready\n":
             raise RuntimeError("the compactd launcher did not start")
 
-    def run(self, args: Sequence[str], env: Mapping[str, str], cwd: str,
-            timeout: float | None) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", CLI_MODULE, *args]
-        body = pickle.dumps(([os.fsencode(a) for a in argv[2:]],
+    def _fork(self, args: Sequence[str], env: Mapping[str, str], cwd: str, fds: list[int],
+              new_session: bool) -> tuple[socket.socket, int]:
+        """The command forked with ``fds`` as its stdin, stdout and stderr: the connection that
+        will bring its wait status, and its pid."""
+        body = pickle.dumps(([os.fsencode(a) for a in (self.module, *args)],
                              {os.fsencode(k): os.fsencode(v) for k, v in env.items()},
-                             os.fsencode(cwd)))
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+                             os.fsencode(cwd), new_session))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.sock_path)
-            socket.send_fds(conn, [_HEADER.pack(len(body))], [0, out_w, err_w])
+            socket.send_fds(conn, [_HEADER.pack(len(body))], fds)
             conn.sendall(body)
-        except BaseException as exc:
+        except OSError as exc:
             conn.close()
+            raise LauncherGone from exc  # the command has not started
+        except BaseException:
+            conn.close()
+            raise
+        return conn, _HEADER.unpack(_recv_exactly(conn, _HEADER.size))[0]
+
+    def run(self, args: Sequence[str], env: Mapping[str, str], cwd: str,
+            timeout: float | None) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", self.module, *args]
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            conn, pid = self._fork(args, env, cwd, [0, out_w, err_w], new_session=False)
+        except BaseException:
             for fd in (out_r, err_r):
                 os.close(fd)
-            if isinstance(exc, OSError):
-                raise LauncherGone from exc  # the command has not started
             raise
         finally:
             os.close(out_w)
             os.close(err_w)
-        pid = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))[0]
         return _collect(conn, pid, argv, out_r, err_r, timeout)
+
+    def start(self, args: Sequence[str], env: Mapping[str, str], cwd: str,
+              output: int) -> Launched:
+        """The command started in a session of its own, its stdout and stderr on ``output``,
+        as ``subprocess.Popen(..., stdout=output, stderr=output, start_new_session=True)``."""
+        conn, pid = self._fork(args, env, cwd, [0, output, output], new_session=True)
+        return Launched([sys.executable, "-m", self.module, *args], pid, conn)
 
     def close(self) -> None:
         # Its stdin closing ends the launcher; commands still running go on to their end.
@@ -270,10 +362,13 @@ def _collect(conn: socket.socket, pid: int, argv: list[str], out_r: int, err_r: 
         conn.close()
     if len(status) != _HEADER.size:
         raise RuntimeError("the compactd launcher ended before the command")
-    code = _HEADER.unpack(status)[0]
-    returncode = code - (1 << 32) if code >= 1 << 31 else code
-    return subprocess.CompletedProcess(argv, returncode, _text(b"".join(chunks[out_r])),
+    return subprocess.CompletedProcess(argv, _exit_code(status), _text(b"".join(chunks[out_r])),
                                        _text(b"".join(chunks[err_r])))
+
+
+def _exit_code(status: bytes) -> int:
+    code: int = _HEADER.unpack(status)[0]
+    return code - (1 << 32) if code >= 1 << 31 else code
 
 
 def _text(data: bytes) -> str:
@@ -285,15 +380,36 @@ _launchers: dict[tuple[object, ...], Launcher | None] = {}
 _lock = threading.Lock()
 
 
-def _launcher(python: str, env: Mapping[str, str]) -> Launcher | None:
-    key = (python, _startup_env(env))
+def _launcher(python: str, env: Mapping[str, str], *, module: str = CLI_MODULE,
+              imports: Sequence[str] = (CLI_MODULE,)) -> Launcher | None:
     with _lock:
+        key = _key(python, env, module, imports)
         if key not in _launchers:
             try:
-                _launchers[key] = Launcher(python, env)
+                _launchers[key] = Launcher(python, env, module=module, imports=imports)
             except (OSError, RuntimeError, subprocess.SubprocessError):
                 _launchers[key] = None  # its commands run as plain subprocesses
         return _launchers[key]
+
+
+def _key(python: str, env: Mapping[str, str], module: str,
+         imports: Sequence[str]) -> tuple[object, ...]:
+    if module == CLI_MODULE and tuple(imports) == (CLI_MODULE,):
+        return (python, _startup_env(env))
+    # A long-running process (a worker) is forked only from a launcher started with the same
+    # environment but compactd's own variables, which only compactd's modules read, and the
+    # name of the test pytest is running: a third-party module imported in the launcher may
+    # have read any other at its import.
+    return (python, module, tuple(imports), tuple(sorted(
+        (k, v) for k, v in env.items()
+        if not k.startswith("COMPACTD_") and k != "PYTEST_CURRENT_TEST")))
+
+
+def _forget(launcher: Launcher, python: str, env: Mapping[str, str]) -> None:
+    """A launcher that ended: its commands run as plain subprocesses from now on."""
+    with _lock:
+        _launchers[_key(python, env, launcher.module, launcher.imports)] = None
+    launcher.close()
 
 
 @atexit.register
@@ -317,8 +433,24 @@ def run(env: Mapping[str, str], args: Sequence[str], *, cwd: str | Path | None =
             return launcher.run(args, env, os.fspath(cwd) if cwd is not None else os.getcwd(),
                                 timeout)
         except LauncherGone:
-            with _lock:
-                _launchers[(sys.executable, _startup_env(env))] = None
-            launcher.close()
+            _forget(launcher, sys.executable, env)
     return subprocess.run([python, "-m", module, *args], env=dict(env), cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def start(env: Mapping[str, str], module: str, args: Sequence[str], *, cwd: str | Path,
+          output: int, imports: Sequence[str]) -> Launched | None:
+    """``python -m module ARGS`` started in a session of its own from a launcher preloaded
+    with the third-party modules importing ``imports`` loads, stdout and stderr on the file
+    descriptor ``output``; None where it is not served (``WORKER_SWITCH_ENV=0``, or no launcher
+    could start): the caller starts a fresh interpreter."""
+    if os.environ.get(WORKER_SWITCH_ENV, "1") == "0":
+        return None
+    launcher = _launcher(sys.executable, env, module=module, imports=imports)
+    if launcher is None:
+        return None
+    try:
+        return launcher.start(args, env, os.fspath(cwd), output)
+    except LauncherGone:
+        _forget(launcher, sys.executable, env)
+        return None

@@ -9,7 +9,8 @@ subprocesses, against real PostgreSQL and Redis, with the fake provider over HTT
 The stack writes a config file whose models point at the fake provider (``fake-gpt`` and
 ``fake-mini`` through the openai SDK; ``fake-claude`` through the anthropic SDK only for a stack
 made with ``claude=True``), gives every process the same environment, and kills whatever it
-started when it closes.
+started when it closes. A worker of this interpreter's compactd is a fork of a launcher that
+imported its third-party modules (tests/support/cli_launcher.py), as the CLI's commands are.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ from tests.support.releases import CURRENT_PREFIX, MODULE_PREFIX_ENV
 REPO = Path(__file__).resolve().parents[2]
 FAKE_KEY_ENV = "COMPACTD_FAKE_API_KEY"
 T = TypeVar("T")
+# What a worker process imports before it is ready, the third-party part of which its launcher
+# preloads: the app, its tasks and Flower's hooks, Celery's worker and its threads pool and
+# Redis transport, and the SDK of the models every stack has but a claude one.
+WORKER_IMPORTS = ("compactd.worker.app", "compactd.worker.tasks", "compactd.worker.flower",
+                  "celery.bin.celery", "celery.apps.worker", "celery.worker.consumer",
+                  "celery.concurrency.thread", "kombu.transport.redis", "openai")
+# What `compactd serve` imports before it listens: the CLI and the HTTP server.
+SERVE_IMPORTS = (cli_launcher.CLI_MODULE, "compactd.scheduler.http.server")
+Process = subprocess.Popen[bytes] | cli_launcher.Launched
 
 
 def _module(name: str, env: Mapping[str, str] | None) -> str:
@@ -121,7 +131,7 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
             **(extra_env or {}),
         })
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Process] = {}
 
     # -------------------------------------------------------------------------- processes
 
@@ -129,15 +139,25 @@ class Stack:
                      queues: Sequence[str] = ("compaction.urgent", "compaction.pressure",
                                               "compaction.bulk"),
                      env: Mapping[str, str] | None = None, ready_timeout: float = 30.0
-                     ) -> subprocess.Popen[bytes]:
+                     ) -> Process:
         log = self.home / f"{name}.log"
         app = _module("worker.app", env)  # namespace: keep
-        proc = subprocess.Popen(
-            [self.python, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h",
-             "-Q", ",".join(queues), "--concurrency", str(concurrency), "-l", "INFO",
-             "--without-gossip", "--without-mingle"],
-            env={**self.env, **(env or {})}, cwd=self.home, stdout=log.open("ab"),
-            stderr=subprocess.STDOUT, start_new_session=True)
+        args = ["-A", app, "worker", "-n", f"{name}@%h", "-Q", ",".join(queues),
+                "--concurrency", str(concurrency), "-l", "INFO", "--without-gossip",
+                "--without-mingle"]
+        worker_env = {**self.env, **(env or {})}
+        proc: Process | None = None
+        with log.open("ab") as output:
+            # This interpreter's compactd: a fork of a launcher that imported the worker's
+            # third-party modules (tests/support/cli_launcher.py), still a celery worker
+            # process of its own, in its own session, that imports compactd itself.
+            if self.python == sys.executable and app == CURRENT_PREFIX + "worker.app":
+                proc = cli_launcher.start(worker_env, "celery", args, cwd=self.home,
+                                          output=output.fileno(), imports=WORKER_IMPORTS)
+            if proc is None:
+                proc = subprocess.Popen([self.python, "-m", "celery", *args], env=worker_env,
+                                        cwd=self.home, stdout=output,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         wait_until(lambda: proc.poll() is not None or "ready" in self.log(name),
                    timeout=ready_timeout, what=f"worker {name} to be ready")
@@ -156,11 +176,20 @@ class Stack:
         return proc
 
     def start(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
+              ) -> Process:
         log = self.home / f"{name}.log"
-        proc = subprocess.Popen(list(argv), env={**self.env, **(env or {})}, cwd=self.home,
-                                stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc_env = {**self.env, **(env or {})}
+        proc: Process | None = None
+        with log.open("ab") as output:
+            # This interpreter's compactd command (serve): forked as a worker is.
+            if list(argv[:3]) == [sys.executable, "-m", cli_launcher.CLI_MODULE]:
+                proc = cli_launcher.start(proc_env, cli_launcher.CLI_MODULE, argv[3:],
+                                          cwd=self.home, output=output.fileno(),
+                                          imports=SERVE_IMPORTS)
+            if proc is None:
+                proc = subprocess.Popen(list(argv), env=proc_env, cwd=self.home,
+                                        stdout=output, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         self.procs[name] = proc
         return proc
 
