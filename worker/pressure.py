@@ -180,7 +180,8 @@ def lead_parts(info: SessionInfo, policy: Policy, config: Config,
     growth = lead_tokens(info.growth_at(now or utcnow()), session_lead_s(info, config),
                          threshold, grown)
     steps = config.lead_steps and config.lead != 0
-    return LeadParts(growth, step_lead_tokens(info.step_tokens, threshold) if steps else 0)
+    return LeadParts(growth,
+                     step_lead_tokens(info.step_tokens, threshold, grown) if steps else 0)
 
 
 def ahead_tokens(info: SessionInfo, policy: Policy, config: Config,

@@ -303,6 +303,8 @@ def test_the_largest_recent_step_decays_with_each_append_and_skips_the_first() -
 ])
 def test_step_lead_tokens(step: float, threshold: float | None, expected: int) -> None:
     assert step_lead_tokens(step, threshold) == expected
+    assert step_lead_tokens(step, threshold, grown_tokens=0) == 0
+    assert step_lead_tokens(step, threshold, grown_tokens=10**6) == expected
 
 
 # (tokens, its largest recent step, summarization keys, fires): no growth lead (the pool has
@@ -341,12 +343,16 @@ def test_the_lead_is_the_larger_of_the_growth_and_the_step() -> None:
     stepping = session(8_000, 100.0, 10.0, step_tokens=1_500.0)
     parts = lead_parts(stepping, policy, c, T0)
     assert (parts.growth, parts.step, parts.tokens) == (1_000, 1_500, 1_500)
-    # The step is not held to what the session grew since its checkpoint: a step that large
-    # comes whatever the session did since.
+    # Held to what the session grew since its last checkpoint, as the growth is: a checkpoint
+    # that left it within a step of its trigger does not fire it again at once.
     fresh = session(8_600, 100.0, 10.0, step_tokens=1_500.0, compacted_tokens=8_500)
     parts = lead_parts(fresh, policy, c, T0)
-    assert (parts.growth, parts.step) == (100, 1_500)
-    assert wants_run(fresh, c, T0)
+    assert (parts.growth, parts.step) == (100, 100)
+    assert not wants_run(fresh, c, T0)
+    # One step of its size later, it fires: the next one would cross.
+    stepped = session(9_000, 100.0, 10.0, step_tokens=1_500.0, compacted_tokens=7_500)
+    assert lead_parts(stepped, policy, c, T0).step == 1_500
+    assert wants_run(stepped, c, T0)
 
 
 @pytest.mark.parametrize("value", [0, 1, "true", "yes", None])

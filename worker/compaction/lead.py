@@ -102,14 +102,20 @@ def lead_tokens(rate_per_s: float, lead_s: float, threshold_tokens: float | None
     return int(ahead)
 
 
-def step_lead_tokens(step_tokens: float, threshold_tokens: float | None) -> int:
+def step_lead_tokens(step_tokens: float, threshold_tokens: float | None,
+                     grown_tokens: int | None = None) -> int:
     """The tokens a session's next step may add, which its pressure counts beside its growth
-    over the lead: its largest recent step (``sessions.step_tokens``), at most
-    ``LEAD_MAX_SHARE`` of ``threshold_tokens``. The growth rate averages a session's steps over
-    time; one whose steps are large next to its trigger (a long file read, a test log) crosses
-    it in a single step the rate does not see coming, and its checkpoint then lands that step
-    late. Unlike the growth, it is not held to what the session grew since its last checkpoint:
-    a step that large arrives whatever the session did since. 0 with no token threshold."""
+    over the lead: its largest recent step (``sessions.step_tokens``), capped as the growth is
+    (:func:`lead_tokens`: ``LEAD_MAX_SHARE`` of ``threshold_tokens``, and ``grown_tokens``,
+    what it grew since its last checkpoint, None: never compacted). The growth rate averages a
+    session's steps over time; one whose steps are large next to its trigger (a long file
+    read, a test log) crosses it in a single step the rate does not see coming, and its
+    checkpoint then lands that step late. Held to what it grew since, a checkpoint that leaves
+    the session within one step of its trigger does not fire it again at once, with nothing
+    new to summarize. 0 with no token threshold."""
     if step_tokens <= 0 or not threshold_tokens:
         return 0
-    return int(min(step_tokens, LEAD_MAX_SHARE * threshold_tokens))
+    ahead = min(step_tokens, LEAD_MAX_SHARE * threshold_tokens)
+    if grown_tokens is not None:
+        ahead = min(ahead, max(0, grown_tokens))
+    return int(ahead)
