@@ -186,18 +186,23 @@ CASES = [
 @pytest.mark.parametrize(("tokens", "rate", "stored", "lead", "fires"), CASES)
 def test_every_automatic_decision_counts_the_lead(tokens: int, rate: float, stored: float,
                                                   lead: Any, fires: bool) -> None:
-    c = config(lead=lead)
-    info = session(tokens, rate, stored)
+    result = assert_every_decision(session(tokens, rate, stored), config(lead=lead), fires)
+    assert (result.summarize is not None) is fires
+
+
+def assert_every_decision(info: SessionInfo, c: Config, fires: bool) -> Any:
+    """The append's and the sweep's decisions fire as ``fires`` says, and the run's plan on a
+    surface of the session's tokens accepts what fired (predicted tokens at pickup reach the
+    trigger); the plan."""
     assert wants_run(info, c, T0) is fires
     assert over_trigger(info, c, T0) is fires
-    # The run's plan accepts what fired: predicted tokens at pickup reach the trigger.
     policy = session_policy(info, c)
-    nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=tokens // 10)
-             for i in range(10)]
+    nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"),
+                         tokens=info.surface_tokens // 10) for i in range(10)]
     result = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
                   outlook=Outlook(lead_tokens=ahead_tokens(info, policy, c, T0)))
     assert result.fired is fires
-    assert (result.summarize is not None) is fires
+    return result
 
 
 def test_a_run_fired_early_is_refused_by_a_plan_that_ignores_the_lead() -> None:
@@ -323,16 +328,7 @@ STEP_CASES = [
 @pytest.mark.parametrize(("tokens", "step", "keys", "fires"), STEP_CASES)
 def test_a_session_one_large_step_from_its_trigger_fires_now(
         tokens: int, step: float, keys: dict[str, Any], fires: bool) -> None:
-    c = config(**keys)
-    info = session(tokens, 0.01, 0.0, step_tokens=step)
-    assert wants_run(info, c, T0) is fires
-    assert over_trigger(info, c, T0) is fires
-    policy = session_policy(info, c)
-    nodes = [SurfaceNode(seq=i + 1, kind="message", message=user(f"m{i}"), tokens=tokens // 10)
-             for i in range(10)]
-    result = plan(nodes, policy=policy, now=T0, run_model="gpt-4o",
-                  outlook=Outlook(lead_tokens=ahead_tokens(info, policy, c, T0)))
-    assert result.fired is fires
+    assert_every_decision(session(tokens, 0.01, 0.0, step_tokens=step), config(**keys), fires)
 
 
 def test_the_lead_is_the_larger_of_the_growth_and_the_step() -> None:
