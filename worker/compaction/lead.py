@@ -96,7 +96,13 @@ def lead_tokens(rate_per_s: float, lead_s: float, threshold_tokens: float | None
     with no growth, no lead or no token threshold (a messages-only trigger)."""
     if rate_per_s <= 0 or lead_s <= 0 or not threshold_tokens:
         return 0
-    ahead = min(rate_per_s * lead_s, LEAD_MAX_SHARE * threshold_tokens)
+    return _capped(rate_per_s * lead_s, threshold_tokens, grown_tokens)
+
+
+def _capped(ahead: float, threshold_tokens: float, grown_tokens: int | None) -> int:
+    """``ahead`` held to ``LEAD_MAX_SHARE`` of the trigger's tokens and to what the session
+    grew since its last checkpoint (None: never compacted): both parts of the lead's caps."""
+    ahead = min(ahead, LEAD_MAX_SHARE * threshold_tokens)
     if grown_tokens is not None:
         ahead = min(ahead, max(0, grown_tokens))
     return int(ahead)
@@ -115,7 +121,4 @@ def step_lead_tokens(step_tokens: float, threshold_tokens: float | None,
     new to summarize. 0 with no token threshold."""
     if step_tokens <= 0 or not threshold_tokens:
         return 0
-    ahead = min(step_tokens, LEAD_MAX_SHARE * threshold_tokens)
-    if grown_tokens is not None:
-        ahead = min(ahead, max(0, grown_tokens))
-    return int(ahead)
+    return _capped(step_tokens, threshold_tokens, grown_tokens)
