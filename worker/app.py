@@ -15,13 +15,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 from celery import Celery
-from celery.signals import setup_logging
+from celery.signals import celeryd_after_setup, setup_logging
 from click.core import ParameterSource
 from kombu import Exchange, Queue
 
 from compactd.worker import broker, logs
 from compactd.worker.keys import (
     QUEUE_BULK,
+    QUEUE_HOUSEKEEPING,
     QUEUE_PRESSURE,
     QUEUE_URGENT,
     TASK_REAP,
@@ -56,7 +57,7 @@ def celery_settings(config: Config) -> dict[str, Any]:
         # longest a task can run, or a slow compaction is handed to a second worker mid-run
         # (harmless thanks to the lease, but wasted model calls).
         transport["visibility_timeout"] = int(w.task_time_limit_s + VISIBILITY_MARGIN_S)
-        # Urgent first, then pressure, then bulk, at every free slot (see worker.broker).
+        # Beat's ticks, then urgent, pressure, bulk, at every free slot (see worker.broker).
         transport["queue_order_strategy"] = broker.QUEUE_ORDER
     exchange = Exchange("compactd", type="direct")
     return {
@@ -116,11 +117,13 @@ def celery_settings(config: Config) -> dict[str, Any]:
         "task_default_routing_key": QUEUE_PRESSURE,
         "task_create_missing_queues": False,
         "task_queues": [Queue(q, exchange, routing_key=q) for q in
-                        (QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)],
+                        (QUEUE_HOUSEKEEPING, QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)],
+        # Beat's ticks have a queue of their own: on compaction.pressure a backlog of runs held
+        # a reap until it expired, and the sessions of dead workers waited with it.
         "task_routes": {TASK_RUN: {"queue": QUEUE_PRESSURE},
-                        TASK_SWEEP: {"queue": QUEUE_PRESSURE},
-                        TASK_REAP: {"queue": QUEUE_PRESSURE},
-                        TASK_RETENTION: {"queue": QUEUE_PRESSURE},
+                        TASK_SWEEP: {"queue": QUEUE_HOUSEKEEPING},
+                        TASK_REAP: {"queue": QUEUE_HOUSEKEEPING},
+                        TASK_RETENTION: {"queue": QUEUE_HOUSEKEEPING},
                         TASK_WEBHOOK: {"queue": QUEUE_PRESSURE}},
         "beat_schedule": {
             "sweep": {"task": TASK_SWEEP, "schedule": w.sweep_interval_s,
@@ -182,11 +185,19 @@ def _given_on_command_line(option: str) -> bool:
     return False
 
 
+def _consume_housekeeping(instance: Any = None, **_: Any) -> None:
+    # After -Q is applied: a worker started for some queues only (-Q compaction.urgent) takes
+    # beat's ticks too, so no deployment is left without a reaper.
+    queues = instance.app.amqp.queues
+    queues.select_add(queues[QUEUE_HOUSEKEEPING])
+
+
 @cache
 def _worker_app() -> Celery:
     from compactd.worker import flower  # noqa: F401  (connects Flower's defaults)
 
     setup_logging.connect(_logging)
+    celeryd_after_setup.connect(_consume_housekeeping)
     return make_app(load_config(), with_tasks=True)
 
 

@@ -29,7 +29,7 @@ from kombu.utils.collections import HashedSeq
 from kombu.utils.scheduling import priority_cycle
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from compactd.worker.keys import QUEUES
+from compactd.worker.keys import QUEUE_HOUSEKEEPING, QUEUES
 
 SCHEMES = ("redis", "rediss")
 # The Redis channel's ``queue_order_strategy`` (a broker transport option): see UrgentFirst.
@@ -37,17 +37,20 @@ QUEUE_ORDER = "compactd.worker.broker:UrgentFirst"
 
 
 class UrgentFirst(priority_cycle):
-    """The order a worker takes its queues in: compaction.urgent, then compaction.pressure, then
-    compaction.bulk, every time a slot frees, whatever order ``-Q`` names them in.
+    """The order a worker takes its queues in: compaction.housekeeping (beat's ticks), then
+    compaction.urgent, then compaction.pressure, then compaction.bulk, every time a slot frees,
+    whatever order ``-Q`` names them in.
 
     kombu's default (round robin) moves the queue it just took from to the back, so under load
     an overflow the runtime is blocked on waited behind a pressure run at every other slot.
     The Redis channel's one BRPOP lists the keys in this cycle's order and Redis pops the first
-    non-empty one, so urgent is always served first and bulk only when nothing else waits
-    (queues of other names, none of compactd's, come after, in their own order)."""
+    non-empty one, so urgent is always served before other runs and bulk only when nothing
+    else waits (queues of other names, none of compactd's, come after, in their own order).
+    Beat's ticks go before urgent: a reap frees the sessions of dead workers, urgent runs'
+    among them, and a tick is short."""
 
     def update(self, it: Iterable[str]) -> None:
-        rank = {queue: i for i, queue in enumerate(QUEUES)}
+        rank = {queue: i for i, queue in enumerate((QUEUE_HOUSEKEEPING, *QUEUES))}
         self.items[:] = sorted(it, key=lambda queue: rank.get(queue, len(rank)))
 
 

@@ -16,8 +16,9 @@ application imports the app's task modules, and Celery's ``import_modules`` sign
 * shows the exception and kwargs columns on the tasks page unless ``tasks_columns`` was set, so a
   failed ``compaction.run`` shows its failure class and session without a click;
 * replaces Tornado's log handler with compactd's (``worker.logs``), one style in every process;
-* makes SIGTERM stop Tornado's loop from inside the loop (:func:`_stop_on_sigterm`), where
-  Flower's own handler raises ``SystemExit`` wherever the main thread happens to be.
+* makes SIGTERM and SIGINT stop Tornado's loop from inside the loop (:func:`_stop_on_signals`),
+  where Flower's own SIGTERM handler raises ``SystemExit``, and Python's SIGINT handler
+  ``KeyboardInterrupt``, wherever the main thread happens to be.
 
 Persistent mode (``--persistent=True --db=PATH --state_save_interval=MS``) keeps the task list
 across Flower restarts; see ops/RUNBOOK.md.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from types import FrameType
 from typing import Any
@@ -114,15 +116,17 @@ def _use_compactd_logging() -> None:
     logs.configure(config.log_format, config.log_level)
 
 
-def _stop_on_sigterm() -> None:
+def _stop_on_signals() -> None:
     """Flower's SIGTERM handler (``flower.command.sigterm_handler``, installed once its app is
-    built) raises ``SystemExit`` at whatever line the main thread is running. Early in start-up
-    that is often ``ThreadPoolExecutor.submit`` between starting a worker thread and registering
-    it for the interpreter's exit: nothing then tells that thread to stop, the exit waits for it,
-    and the process outlives the SIGTERM until it is killed. Flower installs whatever that module
-    name holds when it gets there, so compactd's handler goes under the name: it only asks
-    Tornado's loop to stop, start-up finishes its step, the loop stops on its first turn (or its
-    next one when already running), and the exit finds every thread registered."""
+    built) raises ``SystemExit`` at whatever line the main thread is running, and Python's
+    SIGINT handler raises ``KeyboardInterrupt`` the same way. Early in start-up that is often
+    ``ThreadPoolExecutor.submit`` between starting a worker thread and registering it for the
+    interpreter's exit: nothing then tells that thread to stop, the exit waits for it, and the
+    process outlives the signal until it is killed. Flower installs whatever that module name
+    holds when it gets there, so compactd's handler goes under the name, and takes SIGINT too
+    (unless the process was started with SIGINT ignored): it only asks Tornado's loop to stop,
+    start-up finishes its step, the loop stops on its first turn (or its next one when already
+    running), and the exit finds every thread registered."""
     from flower import command
     from tornado.ioloop import IOLoop
     from tornado.platform.asyncio import BaseAsyncIOLoop
@@ -131,14 +135,16 @@ def _stop_on_sigterm() -> None:
     loop = IOLoop.current()
     assert isinstance(loop, BaseAsyncIOLoop)
 
-    def stop() -> None:
-        logger.info("SIGTERM: Flower stops", extra={"action": "flower.stop"})
+    def stop(name: str) -> None:
+        logger.info("%s: Flower stops", name, extra={"action": "flower.stop"})
         loop.stop()
 
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        loop.asyncio_loop.call_soon_threadsafe(stop)
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        loop.asyncio_loop.call_soon_threadsafe(stop, signal.Signals(signum).name)
 
-    command.sigterm_handler = on_sigterm
+    command.sigterm_handler = on_signal
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_signal)
 
 
 @import_modules.connect
@@ -149,4 +155,4 @@ def _on_import_modules(sender: Any = None, **_: Any) -> None:
 
     _use_compactd_logging()
     apply_defaults(options)
-    _stop_on_sigterm()
+    _stop_on_signals()

@@ -5,7 +5,10 @@ from __future__ import annotations
 QUEUE_URGENT = "compaction.urgent"  # overflow reported by a runtime, manual runs someone awaits
 QUEUE_PRESSURE = "compaction.pressure"  # signals and sweeps
 QUEUE_BULK = "compaction.bulk"  # recompaction jobs; never starves the other two
-QUEUES = (QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)
+QUEUES = (QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK)  # the queues runs are sent to
+# Beat's ticks (sweep, reap, retention): every worker consumes it whatever its -Q, ahead of the
+# run queues, so a backlog of runs never holds up the reap that frees their sessions.
+QUEUE_HOUSEKEEPING = "compaction.housekeeping"
 
 TASK_RUN = "compaction.run"
 TASK_SWEEP = "compaction.sweep"

@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Mapping
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -61,9 +62,11 @@ from compactd.worker.settings import Config
 POOL_SIZE = 10  # per server process; SQLAlchemy may open as many again under a burst
 
 
-def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> FastAPI:
+def create_app(config: Config, *, environ: Mapping[str, str] | None = None,
+               stopping: asyncio.Event | None = None) -> FastAPI:
     """The API for ``config``; tokens named by environment variables are read now, so a
-    missing one stops the server before it listens."""
+    missing one stops the server before it listens. ``stopping``, set when the server is told
+    to stop, cuts its start-up short."""
     tokens = Tokens.from_config(config.api, environ)
 
     @contextlib.asynccontextmanager
@@ -73,7 +76,7 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
         try:
             async with CompactdClient(config, store=store) as client:
                 app.state.api = Api(config, client)
-                await app.state.api.start()
+                await app.state.api.start(stopping=stopping)
                 try:
                     yield
                 finally:
@@ -101,29 +104,40 @@ def create_app(config: Config, *, environ: Mapping[str, str] | None = None) -> F
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, saying when it listens."""
+    """uvicorn's server, saying when it listens, and when it is told to stop (``stopping``):
+    uvicorn looks at its signals only once the lifespan has started, which can take the
+    warm-up's whole bound."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, stopping: asyncio.Event) -> None:
         super().__init__(config)
         self.listening = asyncio.Event()
+        self.stopping = stopping
+        self._loop = asyncio.get_running_loop()
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
             self.listening.set()
 
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # A signal handler interrupts the loop's own thread anywhere: the event is set by the
+        # loop, on its next turn.
+        self._loop.call_soon_threadsafe(self.stopping.set)
+
 
 async def serve(config: Config, *, host: str, port: int) -> None:
     """Run the API until SIGINT/SIGTERM; prints the address it listens on (port 0: any free)."""
-    app = create_app(config)
+    stopping = asyncio.Event()
+    app = create_app(config, stopping=stopping)
     server = _Server(uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_config=None, server_header=False,
         proxy_headers=False, http=BoundedH11Protocol,
-        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES))
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES), stopping)
     serving = asyncio.create_task(server.serve())
     listening = asyncio.create_task(server.listening.wait())
     await asyncio.wait({serving, listening}, return_when=asyncio.FIRST_COMPLETED)
-    if server.listening.is_set():
+    if server.listening.is_set() and not stopping.is_set():
         bound = server.servers[0].sockets[0].getsockname()
         # Tests and supervisors read the port from this line when they asked for port 0.
         sys.stdout.write(f"compactd API listening on http://{bound[0]}:{bound[1]}\n")

@@ -63,17 +63,30 @@ class Api:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compactd-api-cpu")
         self._warming: asyncio.Task[None] | None = None
 
-    async def start(self, *, within_s: float = CPU_WARM_S) -> None:
+    async def start(self, *, within_s: float = CPU_WARM_S,
+                    stopping: asyncio.Event | None = None) -> None:
         """Start the CPU processes and wait, up to ``within_s``, until each has imported
         compactd and decoded a body: the lifespan awaits this before the server listens, so
         the first large append does not wait seconds for them. Past the bound the server
-        listens anyway and they go on starting (the log says so)."""
+        listens anyway and they go on starting (the log says so). ``stopping`` set (the
+        server got SIGTERM or SIGINT) ends the wait at once: the server is told to stop, not
+        to serve, and a supervisor waits only so long."""
         self.start_in_background()
         if self._warming is None:
             return
+        waits: set[asyncio.Future[object]] = {asyncio.shield(self._warming)}
+        if stopping is not None:
+            waits.add(asyncio.ensure_future(stopping.wait()))
         try:
-            await asyncio.wait_for(asyncio.shield(self._warming), within_s)
-        except TimeoutError:
+            done, _ = await asyncio.wait(waits, timeout=within_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if stopping is not None and stopping.is_set():
+            logger.info("stopping before the API's CPU processes were ready",
+                        extra={"action": "api_cpu_start_stopped"})
+        elif not done:
             logger.warning("the API's CPU processes were not ready within %g s; serving, and "
                            "the first large appends wait for them", within_s,
                            extra={"action": "api_cpu_slow_start"})
@@ -93,10 +106,12 @@ class Api:
                                    for _ in range(self._cpu_processes)))
 
     def close(self) -> None:
+        # Processes still warming up are not waited for: they are importing, not decoding a body.
+        starting = self._warming is not None and not self._warming.done()
         if self._warming is not None:
             self._warming.cancel()
         if self._processes is not None:
-            _stop_pool(self._processes)
+            _stop_pool(self._processes, finish_s=0.0 if starting else CPU_STOP_S)
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     def decode(self, raw: bytes, content_type: str | None,
@@ -163,8 +178,9 @@ def _process_pool(processes: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
 
 
-def _stop_pool(pool: ProcessPoolExecutor) -> None:
-    """End the CPU processes before the server's process ends.
+def _stop_pool(pool: ProcessPoolExecutor, *, finish_s: float = CPU_STOP_S) -> None:
+    """End the CPU processes before the server's process ends, giving the bodies they are
+    decoding ``finish_s`` to finish.
 
     uvicorn ends a server stopped by SIGTERM by raising the signal again once the lifespan has
     shut down, so the process dies at once: a pool shut down without waiting never delivers its
@@ -174,7 +190,7 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
     stopping = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True},
                                 name="compactd-api-cpu-stop", daemon=True)
     stopping.start()
-    stopping.join(CPU_STOP_S)
+    stopping.join(finish_s)
     if stopping.is_alive():
         # A process stuck in a body (or stopped): the pool notices it die and finishes.
         for child in multiprocessing.active_children():

@@ -5,6 +5,7 @@ without."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,11 @@ from tests.conftest import REPO
 from tests.support.probes import free_port, http_status
 from tests.support.stack import wait_until
 
-# A flowerconfig.py (Flower runs it as Python) that delivers a supervisor's early SIGTERM at the
-# worst moment chance can pick: once Flower has its SIGTERM handler, right after its executor
-# starts its first thread and before the executor has registered that thread for the exit.
-SIGTERM_AS_THE_EXECUTOR_STARTS = """
+# A flowerconfig.py (Flower runs it as Python) that delivers an early signal (SIGNAL: a
+# supervisor's SIGTERM, an operator's Ctrl-C) at the worst moment chance can pick: once Flower has
+# its SIGTERM handler, right after its executor starts its first thread and before the executor
+# has registered that thread for the exit.
+SIGNAL_AS_THE_EXECUTOR_STARTS = """
 import os
 import signal
 import threading
@@ -32,7 +34,7 @@ def _start_then_sigterm(thread):
     if thread.name.startswith("ThreadPoolExecutor") and (
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         threading.Thread.start = _start
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGNAL)
 
 
 threading.Thread.start = _start_then_sigterm
@@ -109,28 +111,33 @@ def test_flower_takes_credentials_from_where_flower_reads_options(
 
 @pytest.mark.redis
 @pytest.mark.timed
-def test_flower_exits_on_a_sigterm_that_lands_while_it_starts(
-        tmp_path: Path, clean_redis: str) -> None:
-    # systemd or Kubernetes stopping a Flower that is still starting.
-    (tmp_path / "flowerconfig.py").write_text(SIGTERM_AS_THE_EXECUTOR_STARTS)
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_flower_exits_on_a_signal_that_lands_while_it_starts(
+        signame: str, tmp_path: Path, clean_redis: str) -> None:
+    # systemd or Kubernetes stopping a Flower that is still starting, or Ctrl-C.
+    (tmp_path / "flowerconfig.py").write_text(
+        SIGNAL_AS_THE_EXECUTOR_STARTS.replace("SIGNAL", signame))
     log = tmp_path / "flower.log"
     proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "compactd.worker.app", "flower",
                              f"--port={free_port()}", "--address=127.0.0.1"],
                             env=_env(tmp_path, clean_redis), cwd=tmp_path, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            # A shell's background job inherits SIGINT ignored; a terminal's
+                            # Flower does not.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # The banner comes after the handler is installed and before the executor's first
-        # thread: the SIGTERM follows it at once.
+        # thread: the signal follows it at once.
         wait_until(lambda: "Visit me at" in log.read_text() or proc.poll() is not None,
                    timeout=60, what="Flower's banner")
         try:
             returncode = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail("Flower did not exit within 30 s of the SIGTERM it got while starting:\n"
-                        + log.read_text()[-3000:])
+            pytest.fail(f"Flower did not exit within 30 s of the {signame} it got while "
+                        "starting:\n" + log.read_text()[-3000:])
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert returncode == 0, log.read_text()[-3000:]
-    assert "SIGTERM: Flower stops" in log.read_text()
+    assert f"{signame}: Flower stops" in log.read_text()

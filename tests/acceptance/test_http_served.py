@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,7 @@ import psutil
 import pytest
 
 from compactd.scheduler.samples import coding_session
-from tests.support.api import TOKEN_A, TOKEN_B, bearer, start_api
+from tests.support.api import TOKEN_A, TOKEN_B, bearer, launch_api, start_api
 from tests.support.stack import REPO, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -168,6 +169,56 @@ def test_serve_ends_its_cpu_processes_and_resource_tracker_on_a_stop_signal(
         for process in descendants:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+
+
+# A sitecustomize.py on the CPU processes' path that holds each of them before it imports
+# anything: a warm-up that outlasts what a supervisor waits for a stop.
+SLOW_CPU_PROCESS = """
+import sys
+import time
+
+if "--multiprocessing-fork" in sys.argv:
+    time.sleep(300)
+"""
+# A stop during the warm-up ends the server within this (the warm-up itself waits up to 60 s).
+STOP_DURING_WARM_UP_S = 4.0
+
+
+@pytest.mark.timed
+def test_serve_stops_promptly_on_a_sigterm_during_its_warm_up(
+        make_stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack()
+    slow = tmp_path / "slow-cpu"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_CPU_PROCESS)
+    proc = launch_api(stack, api={"cpu_processes": 1}, env={
+        "PYTHONPATH": f"{slow}{os.pathsep}{stack.env['PYTHONPATH']}"})
+    server = psutil.Process(proc.pid)
+
+    def warming() -> list[psutil.Process]:
+        return [p for p in server.children(recursive=True)
+                if "--multiprocessing-fork" in p.cmdline()]
+
+    cpu = wait_until(warming, timeout=60, what="the server's CPU process to start")
+    assert "listening on" not in stack.log("api")
+    try:
+        os.kill(server.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            returncode = proc.wait(timeout=STOP_DURING_WARM_UP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve did not stop within {STOP_DURING_WARM_UP_S} s of a SIGTERM "
+                        "during its warm-up:\n" + stack.log("api")[-3000:])
+        took = time.monotonic() - sent
+        assert returncode == -signal.SIGTERM, stack.log("api")[-3000:]
+        wait_until(lambda: not any(_alive(p) for p in cpu), timeout=10,
+                   what="the CPU process to end")
+    finally:
+        for process in cpu:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+    assert "listening on" not in stack.log("api"), stack.log("api")[-3000:]
+    print(f"stopped {took:.2f} s after the SIGTERM")
 
 
 def _alive(process: psutil.Process) -> bool:

@@ -447,6 +447,24 @@ async def test_follow_up_signals_only_for_appends_made_during_the_run(
     assert len(enqueuer.sent) == 1
 
 
+async def test_a_follow_up_takes_over_a_mark_older_than_signal_ttl_s(
+        client: CompactdClient, store: Store, db_url: str,
+        enqueuer: RecordingEnqueuer) -> None:
+    """The mark another signal left (its task lost) holds a follow-up back while it is younger
+    than ``worker.signal_ttl_s``, and no longer."""
+    await over(client)
+    info = await store.clear_signal("s1")
+    assert info is not None and info.last_append_at is not None
+    started = info.last_append_at - dt.timedelta(seconds=1)
+    assert await store.mark_signal("s1", ttl_s=1.0, now=utcnow() - dt.timedelta(seconds=100))
+    assert await follow_up(store, make_config(db_url, worker={"signal_ttl_s": 1000}), enqueuer,
+                           info, run_started_at=started) is None
+    assert enqueuer.sent == []
+    assert await follow_up(store, make_config(db_url, worker={"signal_ttl_s": 50}), enqueuer,
+                           info, run_started_at=started) is not None
+    assert [r.trigger for r in enqueuer.sent] == ["pressure"]
+
+
 # ------------------------------------------------------------------------------------------
 # loop guard
 

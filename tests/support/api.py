@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support.stack import Stack, wait_until
+from tests.support.stack import Process, Stack, wait_until
 
 TOKEN_A = "tok-tenant-a-2f9c1e7d"
 TOKEN_B = "tok-tenant-b-81b0a4c3"
@@ -32,16 +32,23 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+def launch_api(stack: Stack, name: str = "api", *, api: Mapping[str, Any] | None = None,
+               env: Mapping[str, str] | None = None) -> Process:
+    """Add an ``api:`` section to the stack's config and start the server (not waiting)."""
+    config = yaml.safe_load(stack.config_path.read_text()) or {}
+    config["api"] = {"tokens": [{"tenant": tenant, "token_env": token_env}
+                                for tenant, (token_env, _) in TENANTS.items()], **(api or {})}
+    stack.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return stack.start(name, [sys.executable, "-m", "compactd.scheduler.cli", "serve", "--port",
+                              "0"],
+                       env={**{token_env: token for token_env, token in TENANTS.values()},
+                            **(env or {})})
+
+
 def start_api(stack: Stack, name: str = "api", *, api: Mapping[str, Any] | None = None,
               timeout: float = 60.0) -> str:
     """Add an ``api:`` section to the stack's config, start the server, return its URL."""
-    config = yaml.safe_load(stack.config_path.read_text()) or {}
-    config["api"] = {"tokens": [{"tenant": tenant, "token_env": env}
-                                for tenant, (env, _) in TENANTS.items()], **(api or {})}
-    stack.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = stack.start(name, [sys.executable, "-m", "compactd.scheduler.cli", "serve", "--port",
-                              "0"],
-                       env={env: token for env, token in TENANTS.values()})
+    proc = launch_api(stack, name, api=api)
     found = wait_until(
         lambda: proc.poll() is not None
         or re.search(r"listening on (http://\S+)", stack.log(name)),

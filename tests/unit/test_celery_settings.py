@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from compactd.worker import keys
 from compactd.worker.app import VISIBILITY_MARGIN_S, celery_settings
 from compactd.worker.keys import QUEUE_BULK, QUEUE_PRESSURE, QUEUE_URGENT, TASK_RUN
 from compactd.worker.settings import Settings, build_config
@@ -50,6 +51,10 @@ def test_connection_loss_shutdown_and_events() -> None:
 def test_threads_pool_and_queues() -> None:
     s = redis_settings({"concurrency": 48})
     assert s["worker_pool"] == "threads" and s["worker_concurrency"] == 48
-    assert [q.name for q in s["task_queues"]] == [QUEUE_URGENT, QUEUE_PRESSURE, QUEUE_BULK]
+    assert [q.name for q in s["task_queues"]] == [keys.QUEUE_HOUSEKEEPING, QUEUE_URGENT,
+                                                  QUEUE_PRESSURE, QUEUE_BULK]
     assert s["task_routes"][TASK_RUN] == {"queue": QUEUE_PRESSURE}
+    # Beat's ticks are not held up by a backlog of runs (acceptance/test_housekeeping_queue.py).
+    for tick in (keys.TASK_SWEEP, keys.TASK_REAP, keys.TASK_RETENTION):
+        assert s["task_routes"][tick] == {"queue": keys.QUEUE_HOUSEKEEPING}
     assert s["task_create_missing_queues"] is False

@@ -50,7 +50,7 @@ def test_the_beat_runs_the_purge_as_often_as_interval_s_says(
     entry = celery_settings(config)["beat_schedule"]["retention"]
     assert entry["task"] == TASK_RETENTION and entry["schedule"] == scheduled
     assert celery_settings(config)["task_routes"][TASK_RETENTION] == {
-        "queue": "compaction.pressure"}
+        "queue": "compaction.housekeeping"}
 
 
 def test_the_example_config_shows_every_retention_key() -> None:
