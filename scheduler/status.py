@@ -13,7 +13,7 @@ from compactd.storage.records import RunRecord, SessionInfo, utcnow
 from compactd.storage.store import Store
 from compactd.worker.cost import Price, total_usage, usage_cost
 from compactd.worker.lead import lead_used
-from compactd.worker.pressure import held_back, session_policy, session_pressure
+from compactd.worker.pressure import held_back, session_policy, session_pressure, waiting_why
 from compactd.worker.retention import RETENTION_RUN
 from compactd.worker.settings import Config
 from compactd.worker.sweeps import least_runways
@@ -102,12 +102,12 @@ def _waiting_for_growth(info: SessionInfo, config: Config) -> dict[str, Any] | N
     """Whether a run left the session over its trigger with nothing worth a run yet, so that
     no append, signal or sweep fires until it grows to ``until_tokens``; None when it is not
     waiting (``worker.pressure.held_back``)."""
-    pressure = session_pressure(info, session_policy(info, config))
+    policy = session_policy(info, config)
+    pressure = session_pressure(info, policy)
     if not held_back(info, pressure):
         return None
     return {"until_tokens": info.refire_tokens, "tokens": pressure.tokens,
-            "why": "the last run could not bring it under its trigger; no run fires until "
-                   "it grows to until_tokens"}
+            "why": waiting_why(pressure, policy)}
 
 
 async def session_cost(store: Store, session_id: str, prices: Mapping[str, Price]
@@ -232,8 +232,7 @@ def _session_lines(body: dict[str, Any]) -> list[str]:
         lines.append(f"  lead: {body['lead']['seconds']:g} s ({body['lead']['why']})")
     if waiting := body.get("waiting_for_growth"):
         lines.append(f"  waiting for growth: {waiting['tokens']} tokens, fires again at "
-                     f"{waiting['until_tokens']} (the last run could not bring it under its "
-                     "trigger)")
+                     f"{waiting['until_tokens']} ({waiting['why']})")
     for warning in (body.get("policy") or {}).get("warnings", ()):
         lines.append(f"  WARNING: {warning}")
     if body.get("cost"):

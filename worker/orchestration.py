@@ -251,9 +251,9 @@ def _no_summary(out: Outcome, round_no: int, current: Plan, info: SessionInfo) -
     _nothing_done(out, round_no,
                   current.prune_held or current.nothing_to_do or current.why_no_summary)
     if current.refire_growth is not None and out.trigger in AUTOMATIC_TRIGGERS:
-        # Over its trigger with nothing worth a run until it grows: the appends until then do
-        # not fire one each (worker.compaction.refire).
-        out.refire = (current.tokens_after_prune + current.refire_growth, info.compacted_version)
+        # Nothing worth a run until it grows: the appends until then do not fire one each
+        # (worker.compaction.refire).
+        out.refire = (current.standing_tokens + current.refire_growth, info.compacted_version)
 
 
 async def _asked(scope: RunScope, info: SessionInfo, policy: Policy, *,

@@ -19,7 +19,11 @@ from typing import Any
 from compactd.storage.errors import ConfigError
 from compactd.storage.records import SessionInfo, utcnow
 from compactd.storage.surface import Surface
-from compactd.worker.compaction.lead import lead_tokens, step_lead_tokens
+from compactd.worker.compaction.lead import (
+    EARLY_MIN_FREED_SHARE,
+    lead_tokens,
+    step_lead_tokens,
+)
 from compactd.worker.compaction.policy import (
     Policy,
     PolicyError,
@@ -260,6 +264,15 @@ def held_back(info: SessionInfo, pressure: Pressure) -> bool:
             and pressure.tokens < info.refire_tokens and not at_window)
 
 
+def waiting_why(pressure: Pressure, policy: Policy) -> str:
+    """Why a session held back (:func:`held_back`) waits: which of the two runs that name a
+    growth to wait for left it so."""
+    if should_compact(pressure, policy)[0]:
+        return "the last run could not bring it under its trigger"
+    return ("the last run, fired early by its lead, would have freed under "
+            f"{EARLY_MIN_FREED_SHARE:.0%} of its trigger (a long message in the kept tail)")
+
+
 def over_trigger(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:
     """Over the summary trigger when a checkpoint would land, and not waiting for growth after
     a run that could not relieve it: what sweeps and the reaper look for."""
@@ -282,8 +295,8 @@ def explain(info: SessionInfo, config: Config, now: dt.datetime | None = None
     fired, reason = should_run(pressure, policy,
                                lead_tokens=ahead_tokens(info, policy, config, now))
     if fired and held_back(info, pressure):
-        return False, (f"{reason}; waits until {info.refire_tokens} tokens: the last run "
-                       "could not bring it under its trigger"), pressure
+        return False, (f"{reason}; waits until {info.refire_tokens} tokens: "
+                       f"{waiting_why(pressure, policy)}"), pressure
     return fired, reason, pressure
 
 

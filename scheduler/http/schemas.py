@@ -333,9 +333,9 @@ class StatusOut(BaseModel):
         default=None, description="the lead the session fires early by and why: seconds, "
                                   "source (auto, configured, off, no_growth), why, runs, p90_s")
     waiting_for_growth: dict[str, Any] | None = Field(
-        default=None, description="set when a run left the session over its trigger with "
-                                  "nothing worth a run yet: no run fires until it grows to "
-                                  "until_tokens (tokens: its pressure now; why)")
+        default=None, description="set when a run found nothing worth a run yet (over its "
+                                  "trigger, or fired early by its lead): no run fires until it "
+                                  "grows to until_tokens (tokens: its pressure now; why)")
 
 
 class HealthOut(BaseModel):

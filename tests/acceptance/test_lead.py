@@ -14,6 +14,10 @@ too, and with a first lead of 0 it lands after it, as before the first lead exis
 A session whose steps are large next to its trigger fires one step before it by its largest
 recent step (``summarization.lead_steps``), with no growth lead at all. The growth tests here
 turn it off: their steps are small, and it would fire them a step early.
+
+A run fired early whose kept tail holds a long observation (so that its summary would free under
+half the trigger) asks for no summary: the session waits for the few steps that let the
+observation leave the keep, and the run then fired summarizes it.
 """
 
 from __future__ import annotations
@@ -193,8 +197,11 @@ async def one_more_step(stack: Stack, session_id: str) -> None:
 def test_a_session_of_large_steps_fires_one_step_before_its_trigger(
         make_stack: MakeStack, clean_pg: str, fake,  # type: ignore[no-untyped-def]
         lead_steps: bool) -> None:
-    # No run measured and no first lead: the growth leads by nothing, the step alone can.
-    stack = make_stack(summarization={**POLICY, "first_lead_s": 0, "lead_steps": lead_steps})
+    # No run measured and no first lead: the growth leads by nothing, the step alone can. A
+    # keep of one step: the tail is small next to the trigger, and a run fired a step early
+    # frees over half of it (a keep of four large steps holds too much for that).
+    stack = make_stack(summarization={**POLICY, "first_lead_s": 0, "lead_steps": lead_steps,
+                                      "keep": {"type": "messages", "value": 1}})
     stack.start_worker("w1", concurrency=2)
     fake.latency_s = 0.2
     signalled_at, _ = asyncio.run(step_until_fired(stack, "steps"))
@@ -217,3 +224,62 @@ def test_a_session_of_large_steps_fires_one_step_before_its_trigger(
     assert lead["by"] == "step" and lead["growth_tokens"] < lead["step_tokens"], lead
     assert 400 <= lead["step_tokens"] <= 700, lead
     assert "its largest recent step leads" in lead["why"], lead
+
+
+LONG_WORDS = 360  # about 1,800 tokens: a long observation among steps of about 60
+
+
+async def observe_then_step(stack: Stack, session_id: str) -> tuple[int, list[int]]:
+    """Usual steps to about 1,500 tokens, one long observation (which fires early by the step
+    lead), then usual steps, one at a time once the run the observation fired has ended,
+    until a checkpoint lands: the observation's seq, and the contexts the later signals came
+    at."""
+    signals: list[int] = []
+    async with CompactdClient(load_config(env=stack.env)) as client:
+        handle = await client.create_session(session_id, run_model="fake-gpt",
+                                             context_window=128_000)
+        i = 0
+        while (await handle.append([turn(i)])).tokens < 1_500:
+            i += 1
+        observed = await handle.append([turn(i + 1, LONG_WORDS)])
+        assert observed.signalled and observed.tokens < TRIGGER, observed
+        # The run it fired ends with nothing to do, and the session waits for growth (the
+        # client publishes its signal on this loop: the wait must not block it).
+        for _ in range(150):
+            status = await asyncio.to_thread(stack.cli_json, "status", session_id, "--json")
+            if status["waiting_for_growth"] is not None:
+                break
+            await asyncio.sleep(0.2)
+        waiting = status["waiting_for_growth"]
+        assert waiting is not None and "fired early by its lead" in waiting["why"], status
+        for j in range(i + 2, i + 12):
+            step = await handle.append([turn(j)])
+            if step.signalled:
+                signals.append(step.tokens)
+                for _ in range(300):
+                    if await handle.poll() is not None:
+                        return observed.first_seq, signals
+                    await asyncio.sleep(0.1)
+        raise AssertionError(f"{session_id}: no checkpoint after the observation ({signals})")
+
+
+def test_a_run_fired_early_waits_for_a_long_observation_to_leave_the_keep(
+        make_stack: MakeStack, clean_pg: str, fake) -> None:  # type: ignore[no-untyped-def]
+    stack = make_stack(summarization={**POLICY, "first_lead_s": 0, "lead_steps": True})
+    stack.start_worker("w1", concurrency=2)
+    seq, signals = asyncio.run(observe_then_step(stack, "observed"))
+    with Db(clean_pg) as db:
+        runs = db.runs("observed")
+    # The first run asked for no summary and said why; it named the growth to wait for, so
+    # no append fired another before the tail could let go of the observation (a keep of
+    # four: four usual steps, or fewer where the run expected arrivals).
+    assert runs[0].status == "nothing_to_do" and runs[0].trigger == "pressure"
+    assert "fired early by its lead" in (runs[0].error or ""), runs[0].error
+    assert 1 <= len(signals) <= 2, signals
+    # The run that committed summarized the observation, before the session reached its
+    # trigger.
+    last = runs[-1]
+    assert last.status == "committed" and [r.status for r in runs[1:-1]] in ([],
+                                                                             ["nothing_to_do"])
+    assert last.range_seqs is not None and seq in last.range_seqs, last.range_seqs
+    assert last.tokens_before is not None and last.tokens_before < TRIGGER

@@ -24,6 +24,7 @@ from compactd.worker.compaction.lead import (
 )
 from compactd.worker.compaction.planner import Outlook, plan
 from compactd.worker.compaction.policy import PolicyError, parse_policy
+from compactd.worker.compaction.refire import early_refire_growth
 from compactd.worker.lead import measure_leads
 from compactd.worker.pressure import (
     ahead_tokens,
@@ -34,7 +35,7 @@ from compactd.worker.pressure import (
     wants_run,
 )
 from compactd.worker.settings import Config, build_config
-from tests.support.surfaces import user
+from tests.support.surfaces import ai, nodes, sys, tool, user
 
 T0 = dt.datetime(2026, 12, 6, 4, 0, tzinfo=dt.UTC)
 TRIGGER = {"trigger": {"type": "tokens", "value": 10_000},
@@ -168,26 +169,31 @@ def test_lead_tokens(rate: float, lead_s: float, threshold: float | None,
     assert lead_tokens(rate, lead_s, threshold) == expected
 
 
-# (tokens, rate per s, the pool's lead as the append stored it, summarization.lead, fires)
+# (tokens, rate per s, the pool's lead as the append stored it, summarization.lead, fires,
+#  the run summarizes)
 CASES = [
-    (9_000, 100.0, 10.0, "auto", True),    # 9,000 + 100 x 10 reaches 10,000
-    (8_999, 100.0, 10.0, "auto", False),
-    (9_000, 100.0, 10.0, 0, False),        # lead 0: today's behaviour
-    (10_000, 100.0, 10.0, 0, True),
-    (9_000, 0.0, 10.0, "auto", False),     # no growth history: as today
-    (10_000, 0.0, 10.0, "auto", True),
-    (9_000, 100.0, 0.0, 10, True),         # configured, whatever the pool measured
-    (9_000, 100.0, 60.0, 5, False),
-    (4_000, 10_000.0, 60.0, "auto", False),  # the cap: never below half the trigger
-    (5_000, 10_000.0, 60.0, "auto", True),
+    (9_000, 100.0, 10.0, "auto", True, True),    # 9,000 + 100 x 10 reaches 10,000
+    (8_999, 100.0, 10.0, "auto", False, False),
+    (9_000, 100.0, 10.0, 0, False, False),       # lead 0: today's behaviour
+    (10_000, 100.0, 10.0, 0, True, True),
+    (9_000, 0.0, 10.0, "auto", False, False),    # no growth history: as today
+    (10_000, 0.0, 10.0, "auto", True, True),
+    (9_000, 100.0, 0.0, 10, True, True),         # configured, whatever the pool measured
+    (9_000, 100.0, 60.0, 5, False, False),
+    (4_000, 10_000.0, 60.0, "auto", False, False),  # the cap: never below half the trigger
+    # At the cap a session holds half its trigger, which its kept tail is part of: a summary
+    # frees under half the trigger, and a run fired early waits (EARLY_MIN_FREED_SHARE).
+    (5_000, 10_000.0, 60.0, "auto", True, False),
+    (7_000, 10_000.0, 60.0, "auto", True, True),
 ]
 
 
-@pytest.mark.parametrize(("tokens", "rate", "stored", "lead", "fires"), CASES)
+@pytest.mark.parametrize(("tokens", "rate", "stored", "lead", "fires", "summarizes"), CASES)
 def test_every_automatic_decision_counts_the_lead(tokens: int, rate: float, stored: float,
-                                                  lead: Any, fires: bool) -> None:
+                                                  lead: Any, fires: bool,
+                                                  summarizes: bool) -> None:
     result = assert_every_decision(session(tokens, rate, stored), config(lead=lead), fires)
-    assert (result.summarize is not None) is fires
+    assert (result.summarize is not None) is summarizes
 
 
 def assert_every_decision(info: SessionInfo, c: Config, fires: bool) -> Any:
@@ -362,3 +368,103 @@ def test_a_bad_lead_steps_is_a_load_time_error_naming_the_key(value: Any) -> Non
 def test_lead_steps_is_on_by_default() -> None:
     assert build_config({}).lead_steps is True
     assert config(lead_steps=False).lead_steps is False
+
+
+# ------------------------------------------------------------- an early run that frees little
+
+EARLY_POLICY = {"trigger": {"type": "tokens", "value": 10_000},
+                "keep": {"type": "messages", "value": 3}}
+# Twenty usual messages, then a long observation the keep of 3 holds with the two before it.
+USUAL, LONG = 200, 3_000
+
+
+def _early_surface(after_long: int = 0) -> list[SurfaceNode]:
+    count = 21 + after_long
+    sizes = [USUAL] * 20 + [LONG] + [USUAL] * after_long
+    return nodes(*(user(f"m{i}") for i in range(count)), tokens=sizes)
+
+
+def _early_plan(surface: list[SurfaceNode], lead: int = 4_000, **raw: Any) -> Any:
+    policy = parse_policy({**EARLY_POLICY, **raw}).resolve(128_000)
+    return plan(surface, policy=policy, now=T0, run_model="gpt-4o",
+                outlook=Outlook(lead_tokens=lead))
+
+
+def test_a_run_fired_early_that_would_free_under_half_the_trigger_waits_for_the_tail() -> None:
+    # 7,000 tokens, fired by a lead of 4,000: the keep holds 3,400 of them, a summary frees
+    # under 5,000.
+    waiting = _early_plan(_early_surface())
+    assert waiting.fired and waiting.summarize is None
+    assert "fired early by its lead" in (waiting.nothing_to_do or ""), waiting.nothing_to_do
+    # Three usual messages later the long one has left the keep: that growth is the wait.
+    assert waiting.refire_growth == 3 * USUAL
+    assert waiting.standing_tokens == waiting.pressure.tokens == 7_000
+    # ... and then the run fired early summarizes it.
+    later = _early_plan(_early_surface(after_long=3))
+    assert later.summarize is not None and 21 in later.summarize.replace_seqs
+
+
+def test_a_run_at_its_trigger_summarizes_whatever_it_frees() -> None:
+    # The same surface over a trigger of 7,000: not early, summarized as before.
+    over = _early_plan(_early_surface(), trigger={"type": "tokens", "value": 7_000})
+    assert over.summarize is not None and over.refire_growth is None
+    # Nor does an operator's run wait: forced, or with its own keep.
+    policy = parse_policy(EARLY_POLICY).resolve(128_000)
+    assert plan(_early_surface(), policy=policy, now=T0, force=True,
+                outlook=Outlook(lead_tokens=4_000)).summarize is not None
+
+
+def test_the_wait_ends_at_the_trigger_when_the_tail_lets_go_of_too_little() -> None:
+    # 1,000 tokens below the trigger, a lead of 4,000: the tail's turnover frees enough only
+    # after the session has reached its trigger, where the run is not early.
+    surface = nodes(*(user(f"m{i}") for i in range(41)), tokens=[USUAL] * 40 + [1_000])
+    result = _early_plan(surface, keep={"type": "messages", "value": 30})
+    assert result.summarize is None and result.refire_growth == 1_000
+
+
+@pytest.mark.parametrize(("tail", "freed", "step", "to_trigger", "growth"), [
+    ([200, 200, 3_000], 3_600, 200, 3_000, 600),   # the long message leaves with the third
+    ([3_000, 200, 200], 3_600, 200, 3_000, 200),   # ... with the first
+    ([3_000, 200, 200], 3_600, 200, 100, 100),     # the trigger comes first
+    ([10, 10], 100, 50, 700, 700),                 # no turnover frees enough: at the trigger
+    ([10, 10], 100, 50, 0, 1),                     # at least one token
+])
+def test_early_refire_growth(tail: list[int], freed: int, step: int, to_trigger: int,
+                             growth: int) -> None:
+    assert early_refire_growth(tail, freed=freed, need=5_000, step=step,
+                               to_trigger=to_trigger) == growth
+
+
+def test_the_status_of_a_session_waiting_after_an_early_run_says_so() -> None:
+    # Under its trigger, waiting for growth: the early run's wait, not a low trigger's.
+    info = session(7_000, 0.0, 0.0, refire_tokens=7_600, refire_version=None,
+                   compacted_version=None)
+    c = config()
+    fired, why, _ = explain(dataclasses.replace(info, growth_rate=1_000.0, lead_s=10.0), c, T0)
+    assert not fired and "fired early by its lead" in why, why
+    over = dataclasses.replace(info, surface_tokens=10_500, refire_tokens=11_000)
+    assert "could not bring it under its trigger" in explain(over, c, T0)[1]
+
+
+def test_edits_held_for_the_summary_count_toward_what_its_commit_frees() -> None:
+    # A large old tool result, pruned but held for the summary's commit (clear_at_least, a
+    # warm cache), and a long observation in the kept tail: the summary's range alone frees
+    # little, with the held prune it frees over half the trigger.
+    surface = nodes(sys(), user("read it"), ai("", ("c1", "cat")), tool("c1", "data " * 6000),
+                    ai("done"), *(user("word " * 100) for _ in range(6)),
+                    user("a long observation " * 1000), ai("reading"))
+    policy = parse_policy({"trigger": ["tokens", 11_000], "clear_at_least": 10**6,
+                           "keep": {"type": "messages", "value": 3}}).resolve(128_000)
+    warm = Outlook(edits_may_wait=True, last_append_at=T0 - dt.timedelta(seconds=10),
+                   lead_tokens=6_000)
+    result = plan(surface, policy=policy, now=T0, outlook=warm)
+    assert result.prune_held is not None and result.summarize is not None
+    # Held edits free nothing without it: a run that asks for no summary leaves the session
+    # at its pressure.
+    small = plan(surface, policy=parse_policy({"trigger": ["tokens", 14_000],
+                                               "clear_at_least": 10**6,
+                                               "keep": {"type": "messages", "value": 3}}
+                                              ).resolve(128_000), now=T0, outlook=warm)
+    assert small.summarize is None and small.prune_held is not None
+    assert small.standing_tokens == small.pressure.tokens > small.tokens_after_prune
+    assert small.refire_growth is not None

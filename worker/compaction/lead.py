@@ -32,6 +32,15 @@ LEAD_SAMPLE_S = 3600.0
 # which the loop guard and the next run still handle.
 LEAD_MAX_SHARE = 0.5
 
+# A run its lead fired early (the session not yet at its trigger) asks for a summary only when it
+# frees at least this share of the trigger's tokens. Right after a long observation arrives the
+# keep holds it, a checkpoint then frees little, breaks the agent's cache and leaves the session
+# near its trigger, summarized again a few steps later; waiting those steps lets the observation
+# leave the keep (or brings the session to its trigger, where a run is never refused for what it
+# frees). Half: what a session fired where the lead's cap allows (``LEAD_MAX_SHARE``) holds, so
+# an early run there waits until the session also holds its kept tail.
+EARLY_MIN_FREED_SHARE = 0.5
+
 # The ``summarization`` keys that are the fleet's, not a policy's (a session cannot set them).
 FLEET_LEAD_KEYS = ("lead", "first_lead_s", "lead_steps")
 
@@ -122,3 +131,9 @@ def step_lead_tokens(step_tokens: float, threshold_tokens: float | None,
     if step_tokens <= 0 or not threshold_tokens:
         return 0
     return _capped(step_tokens, threshold_tokens, grown_tokens)
+
+
+def early_min_freed(threshold_tokens: float) -> int:
+    """The tokens a run fired early by its lead must free to ask for a summary
+    (``EARLY_MIN_FREED_SHARE`` of the trigger's)."""
+    return math.ceil(EARLY_MIN_FREED_SHARE * threshold_tokens)

@@ -43,6 +43,7 @@ from compactd.worker.compaction.boundary import (
     unsafe_boundaries,
 )
 from compactd.worker.compaction.cache_breaks import hold_edits, summary_wasted
+from compactd.worker.compaction.lead import EARLY_MIN_FREED_SHARE, early_min_freed
 from compactd.worker.compaction.policy import Clause, Policy
 from compactd.worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
 from compactd.worker.compaction.pruning import (
@@ -60,7 +61,7 @@ from compactd.worker.compaction.recall import (
     span_of,
 )
 from compactd.worker.compaction.recallable import NoPlan, RecallablePass, plan_pass
-from compactd.worker.compaction.refire import refire_growth, usual_step
+from compactd.worker.compaction.refire import early_refire_growth, refire_growth, usual_step
 from compactd.worker.compaction.render import Skill, checkpoint_message
 from compactd.worker.compaction.skills import capture_skills
 from compactd.worker.compaction.triggers import Pressure, measure, should_clear, should_compact
@@ -168,6 +169,12 @@ class Plan:
     # trigger (cache_breaks.summary_wasted): the growth after which a run could
     # (:mod:`worker.compaction.refire`).
     refire_growth: int | None = None
+
+    @property
+    def standing_tokens(self) -> int:
+        """The session's pressure once the run commits this plan's edits and no summary: held
+        edits are not committed, and free nothing."""
+        return self.pressure.tokens if self.prune_held else self.tokens_after_prune
 
     @property
     def compacts(self) -> bool:
@@ -333,6 +340,14 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     # An operator's keep (plan, compact or recompact --keep) asks for that summary: it is not
     # weighed against the agent's cache.
     if isinstance(step, SummarizeStep) and not inputs.force and inputs.keep_override is None:
+        # Held edits commit with the summary or not at all: what the session holds after a
+        # run that asks for none, and what the summary's commit frees beside its range.
+        standing = after if held is None else pressure
+        early = _early_and_small(step, surface, inputs, standing,
+                                 riding=saved if held is not None else 0)
+        if early is not None:
+            return replace(done(actions, after.tokens, None, early[0], held=held),
+                           refire_growth=early[1])
         wasted = _wasted(step, surface, inputs, after)
         if wasted is not None:
             # As above: the edits, if any, are the relief there is.
@@ -341,14 +356,54 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     return done(actions, after.tokens, step, None, held=held)
 
 
+def _early_and_small(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs: PlanInputs,
+                     standing: Pressure, *, riding: int) -> tuple[str, int] | None:
+    """Why a run its lead fired early asks for no summary, and the growth after which it would
+    (:data:`worker.compaction.lead.EARLY_MIN_FREED_SHARE`), or None: the session is at its
+    trigger without the lead (``standing``: what it holds after a run with no summary), or the
+    summary's commit frees enough (its range, and ``riding``: the held edits it carries)."""
+    policy = inputs.policy
+    threshold = policy.threshold_tokens()
+    if (not inputs.outlook.lead_tokens or threshold is None
+            or should_compact(standing, policy)[0]):
+        return None
+    freed = _freed(step, inputs) + riding
+    need = early_min_freed(threshold)
+    if freed >= need:
+        return None
+    growth = early_refire_growth(_tail_after(step, surface), freed=freed, need=need,
+                                 step=_usual_step(surface),
+                                 to_trigger=int(threshold) - standing.tokens)
+    return (f"fired early by its lead, a summary would free {freed} tokens, under "
+            f"{need} ({EARLY_MIN_FREED_SHARE:.0%} of the trigger): the kept tail holds the "
+            f"rest; waits {growth} tokens of growth, for the tail to let go of it or the "
+            "session to reach its trigger"), growth
+
+
+def _freed(step: SummarizeStep, inputs: PlanInputs) -> int:
+    """What ``step``'s summary frees at most: its range less an empty checkpoint."""
+    return max(0, step.replaced_tokens
+               - _empty_checkpoint_tokens(inputs.policy.render, inputs.run_model))
+
+
+def _tail_after(step: SummarizeStep, surface: Sequence[SurfaceNode]) -> list[int]:
+    """The tokens of the nodes after ``step``'s range, oldest first: its kept tail."""
+    gone = set(step.replace_seqs)
+    last = max(i for i, node in enumerate(surface) if node.seq in gone)
+    return [node.tokens for node in surface[last + 1:]]
+
+
+def _usual_step(surface: Sequence[SurfaceNode]) -> int:
+    return usual_step([node.tokens for node in surface if not is_checkpoint(node)])
+
+
 def _wasted(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs: PlanInputs,
             pressure: Pressure) -> tuple[str, int] | None:
     """Why ``step``'s summary is not asked for (cache_breaks.summary_wasted) and the growth
     after which a run could relieve the session (refire_growth), or None."""
     policy = inputs.policy
     window = policy.context_window
-    empty = _empty_checkpoint_tokens(policy.render, inputs.run_model)
-    freed = max(0, step.replaced_tokens - empty)
+    freed = _freed(step, inputs)
     relieves = not should_compact(pressure.reduced_by(freed, window), policy)[0]
     why = summary_wasted(freed, policy=policy, pressure_tokens=pressure.tokens,
                          relieves=relieves, last_append_at=inputs.outlook.last_append_at,
@@ -357,13 +412,10 @@ def _wasted(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs: PlanInp
     threshold = policy.threshold_tokens()
     if why is None or threshold is None:
         return None
-    gone = set(step.replace_seqs)
-    last = max(i for i, node in enumerate(surface) if node.seq in gone)
-    tail = [node.tokens for node in surface[last + 1:]]
+    tail = _tail_after(step, surface)
     rest = pressure.tokens - sum(tail) - freed
-    messages = [node.tokens for node in surface if not is_checkpoint(node)]
     return why, refire_growth(tail, rest_tokens=rest, threshold=int(threshold),
-                              step=usual_step(messages), clear_at_least=policy.clear_at_least)
+                              step=_usual_step(surface), clear_at_least=policy.clear_at_least)
 
 
 def _edits(nodes: Sequence[SurfaceNode], policy: Policy, counter: TokenCounter,
