@@ -99,9 +99,9 @@ async def session_status(store: Store, session_id: str, *, limit: int = 20,
 
 
 def _waiting_for_growth(info: SessionInfo, config: Config) -> dict[str, Any] | None:
-    """Whether a run left the session over its trigger with nothing worth a run yet, so that
-    no append, signal or sweep fires until it grows to ``until_tokens``; None when it is not
-    waiting (``worker.pressure.held_back``)."""
+    """Whether a run found nothing worth a run yet (the session over its trigger, or fired
+    early by its lead), so that no append, signal or sweep fires until it grows to
+    ``until_tokens``; None when it is not waiting (``worker.pressure.held_back``)."""
     policy = session_policy(info, config)
     pressure = session_pressure(info, policy)
     if not held_back(info, pressure):

@@ -253,9 +253,10 @@ def sorted_runways(infos: Iterable[SessionInfo], config: Config, now: dt.datetim
 
 
 def held_back(info: SessionInfo, pressure: Pressure) -> bool:
-    """Whether the session waits for growth before it fires again: a run could not bring it
-    under its trigger and found nothing worth doing until it grows past ``refire_tokens``
-    (``worker.compaction.refire``). A commit that replaced part of the surface since (its
+    """Whether the session waits for growth before it fires again: a run found nothing worth
+    doing until it grows past ``refire_tokens`` (``worker.compaction.refire``): it could not
+    bring the session under its trigger, or its lead fired it early and it would have freed
+    little (:func:`waiting_why`). A commit that replaced part of the surface since (its
     ``compacted_version`` moved) ends the wait, and so does the run model's window: there a run
     summarizes whatever it frees (``cache_breaks.hold_edits``), so the wait never lets a session
     reach it."""
