@@ -42,14 +42,18 @@ def needle_messages(needle_at: int = 10) -> list[dict[str, Any]]:
     return sample
 
 
-async def compact_sample(database_url: str) -> None:
-    """Sessions s1 (acme) and s2 (globex) of :func:`needle_messages`, each compacted by a real
-    run on ``database_url``."""
+SESSIONS = (("s1", "acme"), ("s2", "globex"))
+
+
+async def compact_sample(database_url: str,
+                         sessions: tuple[tuple[str, str], ...] = SESSIONS) -> None:
+    """Sessions of :func:`needle_messages` (by id and tenant), each compacted by a real run on
+    ``database_url``."""
     config = build_config({}, settings=Settings(database_url=database_url,
                                                 broker_url="memory://"))
     sample = needle_messages()
     async with open_deps(config, owner="recall-test") as deps:
-        for session_id, tenant in (("s1", "acme"), ("s2", "globex")):
+        for session_id, tenant in sessions:
             await deps.store.create_session(session_id, tenant=tenant, context_window=128_000,
                                             policy=POLICY)
             await deps.store.append(session_id, [parse_openai(m) for m in sample])
@@ -125,24 +129,31 @@ class PostgresRows:
             await conn.close()
 
 
-# What compact_sample left, by the kind of database, once per test process: each test of the
-# fixture gets it put back into its own emptied database instead of two runs of its own.
-_COMPACTED: dict[str, SqliteRows | PostgresRows] = {}
+# What compact_sample left, by the kind of database and the sessions, once per test process:
+# each later test gets it put back into its own empty database instead of runs of its own.
+_COMPACTED: dict[tuple[str, tuple[tuple[str, str], ...]], SqliteRows | PostgresRows] = {}
 
 
 def rows_kind(database_url: str) -> type[SqliteRows] | type[PostgresRows]:
     return PostgresRows if database_url.startswith("postgresql") else SqliteRows
 
 
+async def compacted_sample(database_url: str,
+                           sessions: tuple[tuple[str, str], ...] = SESSIONS) -> None:
+    """What :func:`compact_sample` leaves, in ``database_url`` (empty, migrated): the runs' own
+    rows the first time in this process, put back after."""
+    kind = rows_kind(database_url)
+    rows = _COMPACTED.get((kind.__name__, sessions))
+    if rows is None:
+        await compact_sample(database_url, sessions)
+        _COMPACTED[kind.__name__, sessions] = await kind.take(database_url)
+    else:
+        await rows.restore(database_url)
+
+
 @pytest.fixture
 async def compacted(db_url: str) -> AsyncIterator[tuple[Store, list[dict[str, Any]]]]:
-    kind = rows_kind(db_url)
-    rows = _COMPACTED.get(kind.__name__)
-    if rows is None:
-        await compact_sample(db_url)
-        _COMPACTED[kind.__name__] = await kind.take(db_url)
-    else:
-        await rows.restore(db_url)
+    await compacted_sample(db_url)
     store = Store.from_url(db_url)
     try:
         yield store, needle_messages()
