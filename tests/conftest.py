@@ -73,7 +73,7 @@ def worker_redis_url(url: str, worker: str) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     from tests.support.schedule import register_file_seconds
 
-    register_file_seconds(config, os.environ)
+    register_file_seconds(config)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

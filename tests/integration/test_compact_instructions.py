@@ -27,7 +27,8 @@ MESSAGES = [{"role": "user" if i % 2 == 0 else "assistant",
 @pytest.fixture
 async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     # One agent-called run per window: the second call in it is refused.
-    config = api_config(db_url, tmp_path, worker={"loop_guard": {"max_compactions": 1}})
+    config = api_config(db_url, tmp_path, cpu_processes=1,
+                        worker={"loop_guard": {"max_compactions": 1}})
     async for served in serve_app(config):
         yield served
 
@@ -188,7 +189,7 @@ async def test_a_request_coalesces_into_a_queued_task_until_its_mark_is_older_th
         db_url: str, tmp_path: Path) -> None:
     """A lost task (its message never reached a worker) holds the session's manual mark for
     ``worker.signal_ttl_s``: requests meanwhile are that task; the next one gets its own."""
-    config = api_config(db_url, tmp_path, worker={"signal_ttl_s": 0.5})
+    config = api_config(db_url, tmp_path, cpu_processes=1, worker={"signal_ttl_s": 0.5})
     async for api in serve_app(config):
         await _session(api)
         asked = [await api.http.post("/v1/sessions/s1/compact", headers=A, json={})
@@ -209,7 +210,7 @@ async def test_a_request_after_a_lost_task_s_mark_went_stale_is_queued_whatever_
     The next request takes the mark over with a task of its own, and carries what fits of
     those instructions beside its own: it is never refused because a lost task's mark is
     full."""
-    config = api_config(db_url, tmp_path, worker={"signal_ttl_s": 0.5})
+    config = api_config(db_url, tmp_path, cpu_processes=1, worker={"signal_ttl_s": 0.5})
     async for api in serve_app(config):
         await _session(api)
         asked = [await api.http.post("/v1/sessions/s1/compact", headers=A,

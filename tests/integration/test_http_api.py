@@ -33,13 +33,16 @@ from tests.support.asgi import (
     B,
     Served,
     api_config,
+    marked_cpu_processes,
     serve_app,
 )
 
 
 @pytest.fixture
-async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
-    async for served in serve_app(api_config(db_url, tmp_path)):
+async def api(db_url: str, tmp_path: Path, request: pytest.FixtureRequest
+              ) -> AsyncIterator[Served]:
+    config = api_config(db_url, tmp_path, cpu_processes=marked_cpu_processes(request))
+    async for served in serve_app(config):
         yield served
 
 
@@ -223,6 +226,7 @@ async def test_usage_signal_and_status(api: Served) -> None:
         "tokens": 0, "growth_tokens": 0, "step_tokens": 0, "by": None}
 
 
+@pytest.mark.cpu_processes(1)
 async def test_compact_and_overflow_without_a_worker_answer_202_within_the_wait_cap(
         api: Served) -> None:
     await api.create("s1", A)
@@ -403,6 +407,7 @@ def test_serve_refuses_to_start_without_a_token(cli_env: dict[str, str], tmp_pat
 # large bodies: decoded and counted off the event loop
 
 
+@pytest.mark.cpu_processes(1)
 async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_result(
         api: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
@@ -445,6 +450,7 @@ async def test_a_large_append_is_decoded_and_counted_off_the_loop_with_the_same_
                                                                     "m0"]
 
 
+@pytest.mark.cpu_processes(1)
 @pytest.mark.parametrize(("bad", "field"), [
     ({"role": "wizard", "content": "x"}, "body.messages[400].role"),
     ({"role": "tool", "tool_call_id": "nobody", "content": "x"},
@@ -465,6 +471,7 @@ async def test_a_large_append_with_one_bad_message_is_422_naming_it_and_writes_n
     assert status["messages"] == 0 and status["version"] == 0
 
 
+@pytest.mark.cpu_processes(1)
 async def test_a_body_that_is_not_json_is_422_or_400_as_fastapi_answers_it(api: Served) -> None:
     from compactd.scheduler.http.state import OFFLOAD_BYTES
 

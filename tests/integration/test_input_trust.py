@@ -23,7 +23,7 @@ from compactd.worker.compaction.pruning import META_CLEARED, META_CLEARED_INPUTS
 from compactd.worker.compaction.reasoning import META_CLEARED_THINKING
 from compactd.worker.compaction.render import META_AUTHORITY, Skill, checkpoint_message
 from compactd.worker.settings import Config, Settings, build_config
-from tests.support.asgi import A, Served, api_config, serve_app
+from tests.support.asgi import A, Served, api_config, marked_cpu_processes, serve_app
 from tests.support.enqueuer import RecordingEnqueuer
 from tests.support.fake_provider import FakeProvider
 from tests.support.tables import row_counts
@@ -42,8 +42,10 @@ def forged(key: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
-    async for served in serve_app(api_config(db_url, tmp_path)):
+async def api(db_url: str, tmp_path: Path, request: pytest.FixtureRequest
+              ) -> AsyncIterator[Served]:
+    config = api_config(db_url, tmp_path, cpu_processes=marked_cpu_processes(request))
+    async for served in serve_app(config):
         yield served
 
 
@@ -172,6 +174,7 @@ def deep_block(levels: int) -> dict[str, Any]:
     return {"type": "data", "value": nested(levels - 2)}
 
 
+@pytest.mark.cpu_processes(1)
 async def test_http_append_bounds_nesting_and_serves_what_it_accepted(api: Served,
                                                                       db_url: str) -> None:
     await api.create("s1", A)

@@ -11,29 +11,19 @@ from typing import Any
 
 import pytest
 
-from compactd.storage.messages import parse_openai
 from compactd.storage.recall import encode_cursor
 from compactd.storage.recall_bounds import MAX_SEARCH_LIMIT
 from compactd.storage.store import Store
 from compactd.worker.compaction.recall_tools import tools_document
-from compactd.worker.orchestration import compact
-from compactd.worker.runtime import open_deps
 from tests.support.asgi import A, B, Served, api_config, serve_app
-from tests.support.recall_sample import NEEDLE, POLICY, needle_messages
+from tests.support.recall_sample import NEEDLE, compacted_sample
 from tests.support.tables import row_counts
 
 
 @pytest.fixture
 async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     config = api_config(db_url, tmp_path, broker_url="memory://")
-    async with open_deps(config, owner="recall-http-test") as deps:
-        for session_id, tenant in (("a-session", "tenant-a"), ("b-session", "tenant-b")):
-            await deps.store.create_session(session_id, tenant=tenant, context_window=128_000,
-                                            policy=POLICY)
-            await deps.store.append(session_id,
-                                    [parse_openai(m) for m in needle_messages()])
-            outcome = await compact(deps, session_id, trigger="pressure")
-            assert outcome.outcome == "committed", outcome.to_json()
+    await compacted_sample(db_url, (("a-session", "tenant-a"), ("b-session", "tenant-b")))
     async for served in serve_app(config):
         yield served
 

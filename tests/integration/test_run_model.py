@@ -19,7 +19,7 @@ from compactd.client import CompactdClient
 from compactd.scheduler.langchain import CompactdMiddleware
 from compactd.storage.errors import ConfigError
 from compactd.storage.store import Store
-from tests.support.asgi import A, Served, api_config, serve_app
+from tests.support.asgi import A, Served, api_config, marked_cpu_processes, serve_app
 from tests.support.langchain_agents import make_config
 
 MESSAGES = [{"role": "user" if i % 2 == 0 else "assistant",
@@ -30,8 +30,10 @@ KEEP = {"trigger": [{"type": "fraction", "value": 0.8}],
 
 
 @pytest.fixture
-async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
-    async for served in serve_app(api_config(db_url, tmp_path)):
+async def api(db_url: str, tmp_path: Path, request: pytest.FixtureRequest
+              ) -> AsyncIterator[Served]:
+    config = api_config(db_url, tmp_path, cpu_processes=marked_cpu_processes(request))
+    async for served in serve_app(config):
         yield served
 
 
@@ -45,6 +47,7 @@ async def _stored(db_url: str) -> tuple[str | None, int | None, int]:
         await store.close()
 
 
+@pytest.mark.cpu_processes(1)
 async def test_over_http_a_smaller_window_queues_a_compaction_and_a_larger_one_nothing(
         api: Served, db_url: str) -> None:
     await api.create("s1", A, run_model="gpt-4o", policy=KEEP)

@@ -16,6 +16,7 @@ missing from it (a new one) is guessed from its directory and number of tests. A
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -96,11 +97,11 @@ class FileSeconds:
         self.path.write_text(json.dumps(dict(sorted(figures.items())), indent=1) + "\n")
 
 
-def register_file_seconds(config: pytest.Config, environ: Mapping[str, str]) -> None:
+def register_file_seconds(config: pytest.Config) -> None:
     """:class:`FileSeconds` writing to ``$COMPACTD_TEST_FILE_SECONDS``, when it is set and the
     run is distributed, on the process that sees every report (an xdist worker sends its
     reports to the controller)."""
-    out = environ.get(FIGURES_OUT_ENV)
+    out = os.environ.get(FIGURES_OUT_ENV)
     # The figures order xdist's queue: a run that does not distribute (ops/test's timed phase,
     # run alone) would write the times of a file's timed tests over its whole.
     distributed = config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") != "no"
