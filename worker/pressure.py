@@ -19,11 +19,7 @@ from typing import Any
 from compactd.storage.errors import ConfigError
 from compactd.storage.records import SessionInfo, utcnow
 from compactd.storage.surface import Surface
-from compactd.worker.compaction.lead import (
-    EARLY_MIN_FREED_SHARE,
-    lead_tokens,
-    step_lead_tokens,
-)
+from compactd.worker.compaction.lead import lead_tokens, step_lead_tokens
 from compactd.worker.compaction.policy import (
     Policy,
     PolicyError,
@@ -270,8 +266,8 @@ def waiting_why(pressure: Pressure, policy: Policy) -> str:
     growth to wait for left it so."""
     if should_compact(pressure, policy)[0]:
         return "the last run could not bring it under its trigger"
-    return ("the last run, fired early by its lead, would have freed under "
-            f"{EARLY_MIN_FREED_SHARE:.0%} of its trigger (a long message in the kept tail)")
+    return ("the last run, fired early by its lead, waits for a long message to leave its "
+            "kept tail")
 
 
 def over_trigger(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:

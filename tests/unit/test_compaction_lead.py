@@ -17,6 +17,7 @@ from compactd.storage.surface import SurfaceNode
 from compactd.worker.compaction.lead import (
     FIRST_LEAD_S,
     LEAD_MAX_SHARE,
+    early_wait_shrink,
     lead_tokens,
     parse_lead,
     percentile,
@@ -181,10 +182,7 @@ CASES = [
     (9_000, 100.0, 0.0, 10, True, True),         # configured, whatever the pool measured
     (9_000, 100.0, 60.0, 5, False, False),
     (4_000, 10_000.0, 60.0, "auto", False, False),  # the cap: never below half the trigger
-    # At the cap a session holds half its trigger, which its kept tail is part of: a summary
-    # frees under half the trigger, and a run fired early waits (EARLY_MIN_FREED_SHARE).
-    (5_000, 10_000.0, 60.0, "auto", True, False),
-    (7_000, 10_000.0, 60.0, "auto", True, True),
+    (5_000, 10_000.0, 60.0, "auto", True, True),
 ]
 
 
@@ -390,9 +388,9 @@ def _early_plan(surface: list[SurfaceNode], lead: int = 4_000, **raw: Any) -> An
                 outlook=Outlook(lead_tokens=lead))
 
 
-def test_a_run_fired_early_that_would_free_under_half_the_trigger_waits_for_the_tail() -> None:
+def test_a_run_fired_early_waits_for_a_long_message_to_leave_its_keep() -> None:
     # 7,000 tokens, fired by a lead of 4,000: the keep holds 3,400 of them, a summary frees
-    # under 5,000.
+    # 3,600, and three usual steps let the 3,000-token message go from the tail.
     waiting = _early_plan(_early_surface())
     assert waiting.fired and waiting.summarize is None
     assert "fired early by its lead" in (waiting.nothing_to_do or ""), waiting.nothing_to_do
@@ -414,25 +412,27 @@ def test_a_run_at_its_trigger_summarizes_whatever_it_frees() -> None:
                 outlook=Outlook(lead_tokens=4_000)).summarize is not None
 
 
-def test_the_wait_ends_at_the_trigger_when_the_tail_lets_go_of_too_little() -> None:
-    # 1,000 tokens below the trigger, a lead of 4,000: the tail's turnover frees enough only
-    # after the session has reached its trigger, where the run is not early.
-    surface = nodes(*(user(f"m{i}") for i in range(41)), tokens=[USUAL] * 40 + [1_000])
-    result = _early_plan(surface, keep={"type": "messages", "value": 30})
-    assert result.summarize is None and result.refire_growth == 1_000
+def test_a_run_fired_early_does_not_wait_for_a_tail_that_lets_go_of_no_long_message() -> None:
+    # A keep of 30 usual messages: until the trigger, its turnover adds a usual message to the
+    # range for each that arrives, never half again what the run frees now: a later run frees
+    # no more, and the run summarizes now.
+    surface = nodes(*(user(f"m{i}") for i in range(41)), tokens=[USUAL] * 41)
+    uniform = _early_plan(surface, keep={"type": "messages", "value": 30})
+    assert uniform.summarize is not None and uniform.refire_growth is None
 
 
-@pytest.mark.parametrize(("tail", "freed", "step", "to_trigger", "growth"), [
-    ([200, 200, 3_000], 3_600, 200, 3_000, 600),   # the long message leaves with the third
-    ([3_000, 200, 200], 3_600, 200, 3_000, 200),   # ... with the first
-    ([3_000, 200, 200], 3_600, 200, 100, 100),     # the trigger comes first
-    ([10, 10], 100, 50, 700, 700),                 # no turnover frees enough: at the trigger
-    ([10, 10], 100, 50, 0, 1),                     # at least one token
+@pytest.mark.parametrize(("tail", "step", "to_trigger", "growth"), [
+    ([200, 200, 3_000], 200, 3_000, 600),   # the long message leaves with the third
+    ([3_000, 200, 200], 200, 3_000, 200),   # ... with the first
+    ([200, 200, 3_000], 200, 600, None),    # the trigger comes first
+    ([200] * 20, 200, 3_000, None),         # no long message: the tail keeps its size
 ])
-def test_early_refire_growth(tail: list[int], freed: int, step: int, to_trigger: int,
-                             growth: int) -> None:
-    assert early_refire_growth(tail, freed=freed, need=5_000, step=step,
-                               to_trigger=to_trigger) == growth
+def test_early_refire_growth(tail: list[int], step: int, to_trigger: int,
+                             growth: int | None) -> None:
+    # A run freeing 3,600 waits for its tail to shrink by 1,800.
+    shrink = early_wait_shrink(3_600)
+    assert shrink == 1_800
+    assert early_refire_growth(tail, shrink=shrink, step=step, to_trigger=to_trigger) == growth
 
 
 def test_the_status_of_a_session_waiting_after_an_early_run_says_so() -> None:
@@ -446,25 +446,31 @@ def test_the_status_of_a_session_waiting_after_an_early_run_says_so() -> None:
     assert "could not bring it under its trigger" in explain(over, c, T0)[1]
 
 
-def test_edits_held_for_the_summary_count_toward_what_its_commit_frees() -> None:
-    # A large old tool result, pruned but held for the summary's commit (clear_at_least, a
-    # warm cache), and a long observation in the kept tail: the summary's range alone frees
-    # little, with the held prune it frees over half the trigger.
-    surface = nodes(sys(), user("read it"), ai("", ("c1", "cat")), tool("c1", "data " * 6000),
-                    ai("done"), *(user("word " * 100) for _ in range(6)),
-                    user("a long observation " * 1000), ai("reading"))
-    policy = parse_policy({"trigger": ["tokens", 11_000], "clear_at_least": 10**6,
+def _held_surface(observation_words: int) -> list[SurfaceNode]:
+    # A large old tool result, pruned but held for the summary's commit (clear_at_least, a warm
+    # cache), usual messages, and an observation in the kept tail.
+    return nodes(sys(), user("read it"), ai("", ("c1", "cat")), tool("c1", "data " * 6000),
+                 ai("done"), *(user("word " * 100) for _ in range(6)),
+                 user("a long observation " * observation_words), ai("reading"))
+
+
+def _held_plan(surface: list[SurfaceNode], trigger: int) -> Any:
+    policy = parse_policy({"trigger": ["tokens", trigger], "clear_at_least": 10**6,
                            "keep": {"type": "messages", "value": 3}}).resolve(128_000)
     warm = Outlook(edits_may_wait=True, last_append_at=T0 - dt.timedelta(seconds=10),
                    lead_tokens=6_000)
-    result = plan(surface, policy=policy, now=T0, outlook=warm)
+    return plan(surface, policy=policy, now=T0, outlook=warm)
+
+
+def test_edits_held_for_the_summary_count_toward_what_its_commit_frees() -> None:
+    # With the held prune the commit frees 6.5k; the observation's 1.5k leaving the keep would
+    # not shrink the tail by half that, and the run summarizes. Counted without it (1.6k), it
+    # would.
+    result = _held_plan(_held_surface(500), 12_000)
     assert result.prune_held is not None and result.summarize is not None
-    # Held edits free nothing without it: a run that asks for no summary leaves the session
-    # at its pressure.
-    small = plan(surface, policy=parse_policy({"trigger": ["tokens", 14_000],
-                                               "clear_at_least": 10**6,
-                                               "keep": {"type": "messages", "value": 3}}
-                                              ).resolve(128_000), now=T0, outlook=warm)
+    # A longer observation (4.5k) is worth the wait, with the prune still held: a run that
+    # asks for no summary leaves the session at its pressure.
+    small = _held_plan(_held_surface(1500), 14_000)
     assert small.summarize is None and small.prune_held is not None
     assert small.standing_tokens == small.pressure.tokens > small.tokens_after_prune
     assert small.refire_growth is not None

@@ -32,14 +32,14 @@ LEAD_SAMPLE_S = 3600.0
 # which the loop guard and the next run still handle.
 LEAD_MAX_SHARE = 0.5
 
-# A run its lead fired early (the session not yet at its trigger) asks for a summary only when it
-# frees at least this share of the trigger's tokens. Right after a long observation arrives the
-# keep holds it, a checkpoint then frees little, breaks the agent's cache and leaves the session
-# near its trigger, summarized again a few steps later; waiting those steps lets the observation
-# leave the keep (or brings the session to its trigger, where a run is never refused for what it
-# frees). Half: what a session fired where the lead's cap allows (``LEAD_MAX_SHARE``) holds, so
-# an early run there waits until the session also holds its kept tail.
-EARLY_MIN_FREED_SHARE = 0.5
+# A run its lead fired early (the session not yet at its trigger) waits when the steps before its
+# trigger let its kept tail shrink by at least this share of what the run frees now: a long
+# message in the keep, replaced by usual ones. Right after a long observation arrives the keep
+# holds it, and a checkpoint then frees little, breaks the agent's cache, re-sends the
+# observation and leaves the session near its trigger, summarized again a few steps later. A
+# tail of messages of the usual size turns over into as much again, and waiting for it would
+# only land the checkpoint later.
+EARLY_WAIT_SHARE = 0.5
 
 # The ``summarization`` keys that are the fleet's, not a policy's (a session cannot set them).
 FLEET_LEAD_KEYS = ("lead", "first_lead_s", "lead_steps")
@@ -133,7 +133,7 @@ def step_lead_tokens(step_tokens: float, threshold_tokens: float | None,
     return _capped(step_tokens, threshold_tokens, grown_tokens)
 
 
-def early_min_freed(threshold_tokens: float) -> int:
-    """The tokens a run fired early by its lead must free to ask for a summary
-    (``EARLY_MIN_FREED_SHARE`` of the trigger's)."""
-    return math.ceil(EARLY_MIN_FREED_SHARE * threshold_tokens)
+def early_wait_shrink(freed: int) -> int:
+    """How much a run fired early, freeing ``freed`` now, waits for its kept tail to shrink
+    by: ``EARLY_WAIT_SHARE`` of it, at least 1 token."""
+    return max(1, math.ceil(EARLY_WAIT_SHARE * freed))

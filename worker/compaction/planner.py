@@ -43,7 +43,7 @@ from compactd.worker.compaction.boundary import (
     unsafe_boundaries,
 )
 from compactd.worker.compaction.cache_breaks import hold_edits, summary_wasted
-from compactd.worker.compaction.lead import EARLY_MIN_FREED_SHARE, early_min_freed
+from compactd.worker.compaction.lead import EARLY_WAIT_SHARE, early_wait_shrink
 from compactd.worker.compaction.policy import Clause, Policy
 from compactd.worker.compaction.prompt import SummaryCall, message_body, plan_calls, refill_calls
 from compactd.worker.compaction.pruning import (
@@ -359,25 +359,25 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
 def _early_and_small(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs: PlanInputs,
                      standing: Pressure, *, riding: int) -> tuple[str, int] | None:
     """Why a run its lead fired early asks for no summary, and the growth after which it would
-    (:data:`worker.compaction.lead.EARLY_MIN_FREED_SHARE`), or None: the session is at its
-    trigger without the lead (``standing``: what it holds after a run with no summary), or the
-    summary's commit frees enough (its range, and ``riding``: the held edits it carries)."""
+    (:data:`worker.compaction.lead.EARLY_WAIT_SHARE`), or None: the session is at its trigger
+    without the lead (``standing``: what it holds after a run with no summary), or its kept
+    tail does not shrink, before the trigger, by that share of what the summary's commit frees
+    (its range, and ``riding``: the held edits it carries)."""
     policy = inputs.policy
     threshold = policy.threshold_tokens()
     if (not inputs.outlook.lead_tokens or threshold is None
             or should_compact(standing, policy)[0]):
         return None
     freed = _freed(step, inputs) + riding
-    need = early_min_freed(threshold)
-    if freed >= need:
-        return None
-    growth = early_refire_growth(_tail_after(step, surface), freed=freed, need=need,
+    growth = early_refire_growth(_tail_after(step, surface), shrink=early_wait_shrink(freed),
                                  step=_usual_step(surface),
                                  to_trigger=int(threshold) - standing.tokens)
-    return (f"fired early by its lead, a summary would free {freed} tokens, under "
-            f"{need} ({EARLY_MIN_FREED_SHARE:.0%} of the trigger): the kept tail holds the "
-            f"rest; waits {growth} tokens of growth, for the tail to let go of it or the "
-            "session to reach its trigger"), growth
+    if growth is None:
+        # No long message leaves the tail before the trigger: a later run keeps as much.
+        return None
+    return (f"fired early by its lead, a summary would free {freed} tokens and keep a tail "
+            f"that {growth} tokens of growth shrink by over {EARLY_WAIT_SHARE:.0%} of that (a "
+            "long message leaves it): waits for them"), growth
 
 
 def _freed(step: SummarizeStep, inputs: PlanInputs) -> int:

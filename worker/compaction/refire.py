@@ -10,10 +10,9 @@ for a run to bring the session under its trigger; or, when no turnover of the ta
 keep of usual steps and the rest are over the trigger by themselves), the growth after which
 a summary frees what a break of the agent's cache costs (``clear_at_least``).
 
-A run the lead fired early that would free little
-(:data:`worker.compaction.lead.EARLY_MIN_FREED_SHARE`) names the growth after which it would
-not: the kept tail has let go of enough for the range, or the session has reached its trigger
-(:func:`early_refire_growth`).
+A run the lead fired early whose kept tail holds a long message
+(:data:`worker.compaction.lead.EARLY_WAIT_SHARE`) names the growth after which the tail has let
+it go, before the session reaches its trigger (:func:`early_refire_growth`).
 """
 
 from __future__ import annotations
@@ -45,20 +44,22 @@ def refire_growth(tail: Sequence[int], *, rest_tokens: int, threshold: int, step
     return max(step, clear_at_least)
 
 
-def early_refire_growth(tail: Sequence[int], *, freed: int, need: int, step: int,
-                        to_trigger: int) -> int:
-    """The growth in tokens after which a run fired early frees ``need`` tokens, at most
-    ``to_trigger`` (where the session fires at its trigger, not early), at least 1.
+def early_refire_growth(tail: Sequence[int], *, shrink: int, step: int,
+                        to_trigger: int) -> int | None:
+    """The growth in tokens after which a run fired early leaves a kept tail at least
+    ``shrink`` tokens smaller, or None when it would not before the session reaches its
+    trigger (``to_trigger`` tokens away).
 
-    ``tail``: the kept tail's message tokens, oldest first; ``freed``: what a summary frees
-    now. After ``j`` messages of ``step`` tokens arrive, the ``j`` oldest of the tail leave it
-    for the range and are freed too: the first ``j`` that brings what is freed to ``need``
-    gives ``j * step``."""
+    ``tail``: the kept tail's message tokens, oldest first. After ``j`` messages of ``step``
+    tokens arrive, the ``j`` oldest of the tail leave it for the range and the arrivals take
+    their place: the first ``j`` for which they held ``shrink`` more than the arrivals gives
+    ``j * step``."""
     step = max(1, step)
-    to_trigger = max(1, to_trigger)
-    gained = freed
+    left = 0
     for j, tokens in enumerate(tail, start=1):
-        gained += tokens
-        if gained >= need:
-            return min(to_trigger, j * step)
-    return to_trigger
+        if j * step >= to_trigger:
+            return None
+        left += tokens
+        if left - j * step >= shrink:
+            return j * step
+    return None
