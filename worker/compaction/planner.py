@@ -343,7 +343,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
         # Held edits commit with the summary or not at all: what the session holds after a
         # run that asks for none, and what the summary's commit frees beside its range.
         standing = after if held is None else pressure
-        early = _early_and_small(step, surface, inputs, standing,
+        early = _early_wait(step, surface, inputs, standing,
                                  riding=saved if held is not None else 0)
         if early is not None:
             return replace(done(actions, after.tokens, None, early[0], held=held),
@@ -356,7 +356,7 @@ def _plan(inputs: PlanInputs, *, defer_summary: bool = False) -> Plan:
     return done(actions, after.tokens, step, None, held=held)
 
 
-def _early_and_small(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs: PlanInputs,
+def _early_wait(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs: PlanInputs,
                      standing: Pressure, *, riding: int) -> tuple[str, int] | None:
     """Why a run its lead fired early asks for no summary, and the growth after which it would
     (:data:`worker.compaction.lead.EARLY_WAIT_SHARE`), or None: the session is at its trigger
@@ -376,7 +376,7 @@ def _early_and_small(step: SummarizeStep, surface: Sequence[SurfaceNode], inputs
         # No long message leaves the tail before the trigger: a later run keeps as much.
         return None
     return (f"fired early by its lead, a summary would free {freed} tokens and keep a tail "
-            f"that {growth} tokens of growth shrink by over {EARLY_WAIT_SHARE:.0%} of that (a "
+            f"that {growth} tokens of growth shrink by at least {EARLY_WAIT_SHARE:.0%} of that (a "
             "long message leaves it): waits for them"), growth
 
 
