@@ -251,8 +251,8 @@ def sorted_runways(infos: Iterable[SessionInfo], config: Config, now: dt.datetim
 def held_back(info: SessionInfo, pressure: Pressure) -> bool:
     """Whether the session waits for growth before it fires again: a run found nothing worth
     doing until it grows past ``refire_tokens`` (``worker.compaction.refire``): it could not
-    bring the session under its trigger, or its lead fired it early and it would have freed
-    little (:func:`waiting_why`). A commit that replaced part of the surface since (its
+    bring the session under its trigger, or its lead fired it early while a long message held
+    its kept tail (:func:`waiting_why`). A commit that replaced part of the surface since (its
     ``compacted_version`` moved) ends the wait, and so does the run model's window: there a run
     summarizes whatever it frees (``cache_breaks.hold_edits``), so the wait never lets a session
     reach it."""
@@ -271,8 +271,8 @@ def waiting_why(pressure: Pressure, policy: Policy) -> str:
 
 
 def over_trigger(info: SessionInfo, config: Config, now: dt.datetime | None = None) -> bool:
-    """Over the summary trigger when a checkpoint would land, and not waiting for growth after
-    a run that could not relieve it: what sweeps and the reaper look for."""
+    """Over the summary trigger when a checkpoint would land, and not waiting for the growth
+    a run named (:func:`held_back`): what sweeps and the reaper look for."""
     policy = session_policy(info, config)
     return (should_compact(lead_pressure(info, policy, config, now), policy)[0]
             and not held_back(info, session_pressure(info, policy)))

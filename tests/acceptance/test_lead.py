@@ -15,9 +15,9 @@ A session whose steps are large next to its trigger fires one step before it by 
 recent step (``summarization.lead_steps``), with no growth lead at all. The growth tests here
 turn it off: their steps are small, and it would fire them a step early.
 
-A run fired early whose kept tail holds a long observation (so that its summary would free under
-half the trigger) asks for no summary: the session waits for the few steps that let the
-observation leave the keep, and the run then fired summarizes it.
+A run fired early whose kept tail holds a long observation (the few steps that let it leave the
+keep shrink the tail by over half of what the run would free) asks for no summary: the session
+waits for those steps, and the run then fired summarizes it.
 """
 
 from __future__ import annotations
